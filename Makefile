@@ -1,0 +1,43 @@
+# The one entry point: every install step lives here or in pyproject.toml.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# Keep the suite inside its time budget on 2 cores; CI=true gets the same run.
+PYTEST_ARGS ?=
+
+.PHONY: install lint format test demo bench bench-quick clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The pinned CPU build first, so nothing pulls a multi-GB CUDA build.
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	@if [ -f aiodist/_tools/gen_sync.py ]; then $(PY) -m aiodist._tools.gen_sync --check; fi
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: install lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/aiodist run -n 4 examples/demo.py
+
+bench: install
+	$(PY) -m benchmarks
+
+bench-quick: install
+	$(PY) -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,4 @@
+from __future__ import annotations
+
+def main(argv: object = None) -> int:
+    return 0

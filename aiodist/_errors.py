@@ -1,0 +1,157 @@
+"""The whole exception tree of aiodist, and its mapping to and from wire codes."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from aiodist._wire.messages import ErrorCode
+
+__all__ = [
+    "AuthenticationError",
+    "ClosedError",
+    "CollectiveMismatchError",
+    "DistError",
+    "DistTimeoutError",
+    "GroupBrokenError",
+    "ProtocolError",
+    "RankFailedError",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "from_wire",
+]
+
+
+class DistError(Exception):
+    """Root of every error aiodist raises on purpose."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
+
+    def wire_details(self) -> dict[str, Any]:
+        """Structured attributes that travel with the error code."""
+        return {}
+
+
+class RendezvousError(DistError):
+    """This process could not join the job (conflicting rank, world size, full job)."""
+
+    code = ErrorCode.RENDEZVOUS
+
+
+class AuthenticationError(RendezvousError):
+    """The job's token was refused; never retried."""
+
+    code = ErrorCode.AUTHENTICATION
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """An operation did not finish within its timeout."""
+
+    code = ErrorCode.TIMEOUT
+
+
+class RendezvousTimeout(RendezvousError, DistTimeoutError):
+    """The job did not form within the rendezvous timeout."""
+
+    code = ErrorCode.RENDEZVOUS_TIMEOUT
+
+
+class GroupBrokenError(DistError):
+    """The group is unusable, for every member; restart the job."""
+
+    code = ErrorCode.GROUP_BROKEN
+
+
+class RankFailedError(GroupBrokenError):
+    """A member of the group died or stopped heartbeating."""
+
+    code = ErrorCode.RANK_FAILED
+
+    def __init__(
+        self, message: str, *, rank: int, host: str = "", pid: int = 0, reason: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.reason = reason
+
+    def wire_details(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "reason": self.reason}
+
+
+class CollectiveMismatchError(DistError):
+    """Ranks called a collective with inputs that disagree."""
+
+    code = ErrorCode.MISMATCH
+
+    def __init__(self, message: str, *, field: str, values_by_rank: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.field = field
+        self.values_by_rank = values_by_rank
+
+    def wire_details(self) -> dict[str, Any]:
+        return {"field": self.field, "values_by_rank": self.values_by_rank}
+
+
+class ProtocolError(DistError):
+    """A malformed or oversized frame; only that connection is closed."""
+
+    code = ErrorCode.PROTOCOL
+
+
+class ClosedError(DistError):
+    """You closed it, then used it."""
+
+    code = ErrorCode.CLOSED
+
+
+_BY_CODE: dict[ErrorCode, type[DistError]] = {
+    cls.code: cls
+    for cls in (
+        DistError,
+        RendezvousError,
+        AuthenticationError,
+        DistTimeoutError,
+        RendezvousTimeout,
+        GroupBrokenError,
+        RankFailedError,
+        CollectiveMismatchError,
+        ProtocolError,
+        ClosedError,
+    )
+}
+# Codes that are finer-grained than the class they raise.
+_BY_CODE.update(
+    {
+        ErrorCode.DUPLICATE_RANK: RendezvousError,
+        ErrorCode.WORLD_SIZE_MISMATCH: RendezvousError,
+        ErrorCode.JOB_FULL: RendezvousError,
+        ErrorCode.BAD_REQUEST: DistError,
+        ErrorCode.NOT_JOINED: DistError,
+        ErrorCode.SERVER_CLOSING: GroupBrokenError,
+    }
+)
+
+
+def from_wire(code: int, message: str, details: dict[str, Any] | None = None) -> DistError:
+    """Rebuild the exception a peer or the server sent as (code, message, details)."""
+    details = details or {}
+    try:
+        cls = _BY_CODE[ErrorCode(code)]
+    except ValueError:
+        cls = DistError
+    if cls is RankFailedError:
+        return RankFailedError(
+            message,
+            rank=int(details.get("rank", -1)),
+            host=str(details.get("host", "")),
+            pid=int(details.get("pid", 0)),
+            reason=str(details.get("reason", "")),
+        )
+    if cls is CollectiveMismatchError:
+        raw = details.get("values_by_rank", {})
+        values = {int(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
+        return CollectiveMismatchError(
+            message, field=str(details.get("field", "")), values_by_rank=values
+        )
+    return cls(message)

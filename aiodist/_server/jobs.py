@@ -1,0 +1,139 @@
+"""Plain records of the job table: jobs, members, waiters, and rank assignment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["BarrierState", "Job", "Member", "Waiter", "assign_ranks"]
+
+MemberStatus = Literal["joining", "active", "failed", "left"]
+
+
+@dataclass(eq=False, slots=True)
+class Member:
+    conn: int
+    job: Job
+    join_req_id: int
+    requested_rank: int
+    host: str
+    pid: int
+    addresses: list[str]
+    peer: str
+    heartbeat_timeout: float
+    joined_at: float
+    last_seen: float
+    rank: int = -1
+    local_rank: int = -1
+    status: MemberStatus = "joining"
+    done: bool = False  # its join deadline no longer applies
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    conn: int
+    req_id: int
+    keys: list[str]
+    kind: Literal["get", "wait", "barrier"]
+    job: Job
+    seq: int = 0
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class BarrierState:
+    seq: int
+    arrived: dict[int, Waiter] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    name: str
+    world_size: int
+    created_at: float
+    members: list[Member] = field(default_factory=list)
+    requested: dict[int, Member] = field(default_factory=dict)
+    by_rank: list[Member] = field(default_factory=list)
+    complete: bool = False
+    failures: list[tuple[int, str, int, str]] = field(default_factory=list)
+    kv: dict[str, bytes] = field(default_factory=dict)
+    key_waiters: dict[str, list[Waiter]] = field(default_factory=dict)
+    barriers: dict[int, BarrierState] = field(default_factory=dict)
+    failed_barriers: dict[int, tuple[Any, str, dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, member: Member) -> None:
+        self.members.append(member)
+        if member.requested_rank >= 0:
+            self.requested[member.requested_rank] = member
+
+    def discard(self, member: Member) -> None:
+        if member in self.members:
+            self.members.remove(member)
+        if self.requested.get(member.requested_rank) is member:
+            del self.requested[member.requested_rank]
+
+    def barrier(self, seq: int) -> BarrierState:
+        state = self.barriers.get(seq)
+        if state is None:
+            state = self.barriers[seq] = BarrierState(seq)
+        return state
+
+    def all_waiters(self) -> list[Waiter]:
+        out = [w for ws in self.key_waiters.values() for w in ws]
+        out.extend(w for b in self.barriers.values() for w in b.arrived.values())
+        return out
+
+    def local_size(self, host: str) -> int:
+        return sum(1 for m in self.by_rank if m.host == host)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        members = self.by_rank if self.complete else self.members
+        return {
+            "name": self.name,
+            "world_size": self.world_size,
+            "joined": len(self.members),
+            "state": "failed" if self.failures else "running" if self.complete else "forming",
+            "age": now - self.created_at,
+            "members": [
+                {
+                    "rank": m.rank if self.complete else m.requested_rank,
+                    "local_rank": m.local_rank,
+                    "host": m.host,
+                    "pid": m.pid,
+                    "peer": m.peer,
+                    "status": m.status,
+                    "heartbeat_age": now - m.last_seen,
+                }
+                for m in members
+                if m in self.members
+            ],
+            "failures": [
+                {"rank": r, "host": h, "pid": p, "reason": why} for r, h, p, why in self.failures
+            ],
+            "keys": len(self.kv),
+        }
+
+
+def assign_ranks(job: Job) -> None:
+    """Give every member its rank and local rank once the job is complete.
+
+    Explicit ranks are kept. Automatic members fill the remaining ranks grouped
+    by host, hosts in the order they first joined, members of one host in join
+    order; so with automatic ranks, the ranks of one host are contiguous.
+    """
+    free = sorted(set(range(job.world_size)) - job.requested.keys())
+    auto = [m for m in job.members if m.requested_rank < 0]
+    host_order: dict[str, int] = {}
+    for m in job.members:
+        host_order.setdefault(m.host, len(host_order))
+    auto.sort(key=lambda m: host_order[m.host])  # stable: join order within a host
+    for rank, m in zip(free, auto, strict=True):
+        m.rank = rank
+    for m in job.members:
+        if m.requested_rank >= 0:
+            m.rank = m.requested_rank
+    job.by_rank = sorted(job.members, key=lambda m: m.rank)
+    seen: dict[str, int] = {}
+    for m in job.by_rank:
+        m.local_rank = seen.get(m.host, 0)
+        seen[m.host] = m.local_rank + 1

@@ -1,0 +1,233 @@
+"""The rendezvous server's asyncio shell: accept, decode, feed ``ServerState``, write.
+
+All decisions live in ``state.py``; this module moves bytes. One
+``asyncio.Protocol`` per connection feeds a ``FrameDecoder``; a protocol error
+closes that one connection with a log line. Deadlines (store waits, barriers,
+joins, the heartbeat sweep) are one ``loop.call_at`` timer, re-armed after
+every batch of actions. Peer addresses are logged as the numeric addresses the
+socket reports: the server never resolves a host name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+from aiodist._errors import ProtocolError
+from aiodist._server.state import Close, ServerState
+from aiodist._wire.frame import (
+    CLOSED,
+    NEED_DATA,
+    Frame,
+    FrameDecoder,
+    Limits,
+    MiB,
+    encode_message,
+    frame_message,
+)
+from aiodist._wire.messages import ErrorCode, ErrorReply
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskStatus
+
+__all__ = ["DEFAULT_PORT", "RendezvousServer", "serve_rendezvous"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT: Final = 29500
+# The server never relays bulk data: any payload is a protocol error.
+SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
+# A client that stops reading its replies is cut off rather than buffered forever.
+MAX_WRITE_BUFFER_BYTES: Final = 64 * MiB
+
+
+class _ServerConnection(asyncio.Protocol):
+    def __init__(self, server: RendezvousServer, conn_id: int) -> None:
+        self._server = server
+        self._id = conn_id
+        self._decoder = FrameDecoder(SERVER_LIMITS)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "local")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._server._connection_made(self)
+
+    def data_received(self, data: bytes) -> None:
+        dec = self._decoder
+        try:
+            dec.receive_data(data)
+            while (event := dec.next_event()) is not NEED_DATA:
+                if event is CLOSED:
+                    break
+                assert isinstance(event, Frame)  # payloads are refused by SERVER_LIMITS
+                self._server._receive(self._id, frame_message(event))
+        except ProtocolError as exc:
+            logger.warning("closing connection from %s: %s", self.peer, exc)
+            self.write(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
+            assert self.transport is not None
+            self.transport.close()
+        self._server._flush()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._connection_lost(self, "connection lost" if exc is None else str(exc))
+
+    def write(self, msg: Any) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.writelines(encode_message(msg))
+        if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
+            logger.warning("closing connection from %s: it stopped reading replies", self.peer)
+            transport.abort()
+
+
+class RendezvousServer:
+    """A running rendezvous server. Start one with ``serve_rendezvous``.
+
+    Attributes:
+        address: ``(host, port)`` it listens on, with the port the OS picked.
+        state: The job table (read it; never change it from outside).
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.state = ServerState(self._loop.time())
+        self.address: tuple[str, int] = ("", 0)
+        self._conns: dict[int, _ServerConnection] = {}
+        self._next_id = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0
+        self._server: asyncio.Server | None = None
+        self._changed = asyncio.Event()
+
+    async def _start(self, host: str, port: int) -> None:
+        self._server = await self._loop.create_server(
+            lambda: _ServerConnection(self, self._new_id()), host, port, reuse_address=True
+        )
+        sockname = self._server.sockets[0].getsockname()
+        self.address = (str(sockname[0]), int(sockname[1]))
+        logger.info("rendezvous server listening on %s:%d", *self.address)
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    async def wait_until(self, predicate: Any) -> None:
+        """Wait until ``predicate(server)`` holds; re-checked after every state change."""
+        while not predicate(self):
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def wait_for_members(self, group_name: str, n: int) -> None:
+        """Wait until job ``group_name`` has ``n`` members joined."""
+        await self.wait_until(
+            lambda s: (job := s.state.jobs.get(group_name)) is not None and len(job.members) >= n
+        )
+
+    async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
+        """Stop accepting, tell every client the server is going away, close connections."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        server.close()
+        self.state.close(reason)
+        self._flush()
+        for conn in list(self._conns.values()):
+            if conn.transport is not None:
+                conn.transport.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        with anyio.move_on_after(5):
+            await server.wait_closed()
+
+    # --- called by connections -------------------------------------------------------
+
+    def _connection_made(self, conn: _ServerConnection) -> None:
+        self._conns[conn._id] = conn
+        self.state.connection_made(conn._id, conn.peer, self._loop.time())
+
+    def _connection_lost(self, conn: _ServerConnection, reason: str) -> None:
+        if self._conns.pop(conn._id, None) is not None:
+            self.state.connection_lost(conn._id, self._loop.time(), reason)
+            self._flush()
+
+    def _receive(self, conn_id: int, msg: Any) -> None:
+        self.state.receive(conn_id, msg, self._loop.time())
+
+    def _flush(self) -> None:
+        for action in self.state.take_actions():
+            conn = self._conns.get(action.conn)
+            if conn is None:
+                continue
+            if isinstance(action, Close):
+                if conn.transport is not None:
+                    conn.transport.close()
+            else:
+                conn.write(action.msg)
+        self._arm_timer()
+        self._changed.set()
+
+    def _arm_timer(self) -> None:
+        when = self.state.next_deadline()
+        if when is None:
+            return
+        if self._timer is not None and not self._timer.cancelled() and self._timer_when <= when:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_when = when
+        self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.state.handle_timeouts(self._loop.time())
+        self._flush()
+
+
+async def serve_rendezvous(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a rendezvous server until cancelled.
+
+    Args:
+        host: Numeric address to bind; the default accepts local clients only.
+        port: 0 lets the OS pick one; read it from ``server.address``.
+        task_status: Receives the ``RendezvousServer`` once it is listening.
+
+    Cancellation:
+        Cancelling the task closes the listener and every connection, telling
+        clients first that the server is going away.
+
+    Example:
+        >>> async with anyio.create_task_group() as tg:
+        ...     server = await tg.start(serve_rendezvous, "127.0.0.1", 0)
+    """
+    server = RendezvousServer()
+    await server._start(host, port)
+    try:
+        task_status.started(server)
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await server.aclose()

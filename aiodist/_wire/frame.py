@@ -1,0 +1,280 @@
+"""Framing: the binary prefix, ``encode_frame`` and the incremental ``FrameDecoder``.
+
+Every frame on every aiodist connection, control plane and data plane alike:
+
+    offset  size  field
+    0       2     magic          b"AD"
+    2       1     version        PROTOCOL_VERSION; a peer speaking another one is refused
+    3       1     kind           MessageKind
+    4       4     header_nbytes  length of the msgpack header (unsigned, big-endian)
+    8       8     payload_nbytes length of the raw payload that follows the header
+
+    16      header_nbytes   msgpack header: an array of the message's fields
+    ...     payload_nbytes  raw bytes (tensor memory, an encoded object), never re-encoded
+
+Rules the decoder keeps:
+
+- Limits are checked on the prefix, *before* any header or payload byte is
+  buffered: a peer announcing a 1 TiB payload is refused at byte 16.
+- Any violation (bad magic, version, limits, undecodable header, EOF inside a
+  frame) raises ``ProtocolError`` naming the value and the limit. The decoder
+  is then poisoned; the I/O layer closes that one connection.
+- The payload is handed out as ``PayloadChunk`` events from whatever was
+  buffered; the I/O layer may instead write the rest of the payload straight
+  into the destination's memory and report it with ``consume_payload(n)``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import msgpack
+
+from aiodist._errors import ProtocolError
+from aiodist._wire.messages import MessageKind, decode_message, message_header
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "CLOSED",
+    "GiB",
+    "KiB",
+    "MiB",
+    "NEED_DATA",
+    "PREFIX",
+    "PROTOCOL_VERSION",
+    "Buffer",
+    "Frame",
+    "FrameDecoder",
+    "Limits",
+    "PayloadChunk",
+    "encode_frame",
+    "encode_message",
+    "frame_message",
+]
+
+KiB: Final = 1024
+MiB: Final = 1024 * KiB
+GiB: Final = 1024 * MiB
+
+MAGIC: Final = b"AD"
+PROTOCOL_VERSION: Final = 1
+PREFIX: Final = struct.Struct("!2sBBIQ")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Largest header and payload a decoder accepts."""
+
+    max_header_bytes: int = 1 * MiB
+    max_payload_bytes: int = 16 * GiB
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A frame's prefix and decoded header; ``payload_nbytes`` raw bytes follow it."""
+
+    kind: int
+    header: Any
+    payload_nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadChunk:
+    """The next bytes of the current frame's payload."""
+
+    data: bytes
+
+
+class _Sentinel:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+NEED_DATA: Final = _Sentinel("NEED_DATA")
+CLOSED: Final = _Sentinel("CLOSED")
+Event = Frame | PayloadChunk | _Sentinel
+
+_COMPACT_AT = 256 * KiB
+
+
+def encode_frame(kind: int, header: Any, payload: Buffer | None = None) -> list[Buffer]:
+    """Encode one frame as the buffers to hand to ``transport.writelines``.
+
+    The payload is never copied: it is returned as given (a memoryview of a tensor
+    stays one).
+    """
+    body = msgpack.packb(header, use_bin_type=True)
+    nbytes = 0 if payload is None else memoryview(payload).nbytes
+    head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(body), nbytes) + body
+    return [head] if not nbytes else [head, payload]  # type: ignore[list-item]
+
+
+def encode_message(msg: Any, payload: Buffer | None = None) -> list[Buffer]:
+    """Encode a message dataclass (see ``messages``) as a frame."""
+    return encode_frame(msg.KIND, message_header(msg), payload)
+
+
+def frame_message(frame: Frame) -> Any:
+    """The message dataclass a frame carries.
+
+    Raises:
+        ProtocolError: Unknown kind, or fields of the wrong number or type.
+    """
+    try:
+        return decode_message(frame.kind, frame.header)
+    except ValueError as exc:
+        raise ProtocolError(f"malformed {_kind_name(frame.kind)} message: {exc}") from exc
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return MessageKind(kind).name
+    except ValueError:
+        return f"kind-{kind}"
+
+
+class FrameDecoder:
+    """Turn a byte stream, fed in chunks of any size, into frames.
+
+    Example:
+        >>> dec = FrameDecoder()
+        >>> dec.receive_data(b"".join(encode_frame(65, [1, 2], b"xyz")))
+        >>> dec.next_event()
+        Frame(kind=65, header=[1, 2], payload_nbytes=3)
+        >>> dec.next_event()
+        PayloadChunk(data=b'xyz')
+    """
+
+    __slots__ = ("_buf", "_eof", "_error", "_limits", "_payload_left", "_pos")
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self._limits = limits or Limits()
+        self._buf = bytearray()
+        self._pos = 0
+        self._payload_left = 0
+        self._eof = False
+        self._error: ProtocolError | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    @property
+    def payload_remaining(self) -> int:
+        """Payload bytes of the current frame not yet handed out or consumed."""
+        return self._payload_left
+
+    @property
+    def buffered_nbytes(self) -> int:
+        """Bytes received but not yet turned into events."""
+        return len(self._buf) - self._pos
+
+    def receive_data(self, data: Buffer) -> None:
+        """Add received bytes; ``b""`` means the peer closed the connection."""
+        if self._eof:
+            raise RuntimeError("receive_data() after EOF")
+        if not data:
+            self._eof = True
+        else:
+            self._buf += data
+
+    def consume_payload(self, nbytes: int) -> None:
+        """Record ``nbytes`` of payload that the I/O layer read straight into place."""
+        if self.buffered_nbytes:
+            raise RuntimeError("drain buffered payload with next_event() first")
+        if not 0 <= nbytes <= self._payload_left:
+            raise ValueError(f"consume_payload({nbytes}) with {self._payload_left} left")
+        self._payload_left -= nbytes
+
+    def next_event(self) -> Event:
+        """The next ``Frame`` or ``PayloadChunk``, else ``NEED_DATA`` or ``CLOSED``.
+
+        Raises:
+            ProtocolError: The stream is malformed; close the connection.
+        """
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next_event()
+        except ProtocolError as exc:
+            self._error = exc
+            raise
+
+    def _next_event(self) -> Event:
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if self._payload_left:
+            if not avail:
+                return self._need_data()
+            n = min(avail, self._payload_left)
+            chunk = bytes(buf[pos : pos + n])
+            self._advance(n)
+            self._payload_left -= n
+            return PayloadChunk(chunk)
+        if avail < PREFIX.size:
+            return self._need_data()
+        magic, version, kind, header_nbytes, payload_nbytes = PREFIX.unpack_from(buf, pos)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not an aiodist peer")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (this side speaks "
+                f"{PROTOCOL_VERSION}); run the same aiodist version everywhere"
+            )
+        limits = self._limits
+        if header_nbytes > limits.max_header_bytes:
+            raise ProtocolError(
+                f"header of {header_nbytes} bytes exceeds the limit of "
+                f"{limits.max_header_bytes} bytes"
+            )
+        if payload_nbytes > limits.max_payload_bytes:
+            raise ProtocolError(
+                f"payload of {payload_nbytes} bytes exceeds the limit of "
+                f"{limits.max_payload_bytes} bytes"
+            )
+        end = pos + PREFIX.size + header_nbytes
+        if len(buf) < end:
+            return self._need_data()
+        try:
+            # A bytearray slice copies the (small) header, so the buffer can compact later.
+            header = msgpack.unpackb(buf[pos + PREFIX.size : end], raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable {_kind_name(kind)} header: {exc}") from exc
+        self._advance(PREFIX.size + header_nbytes)
+        self._payload_left = payload_nbytes
+        return Frame(kind, header, payload_nbytes)
+
+    def _advance(self, n: int) -> None:
+        self._pos += n
+        if self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        elif self._pos >= _COMPACT_AT:
+            del self._buf[: self._pos]
+            self._pos = 0
+
+    def _need_data(self) -> _Sentinel:
+        if not self._eof:
+            return NEED_DATA
+        if self._payload_left or self.buffered_nbytes:
+            raise ProtocolError("connection closed in the middle of a frame")
+        return CLOSED
+
+
+def iter_frames(dec: FrameDecoder) -> Sequence[Event]:
+    """Drain every event the decoder can produce now (a convenience for tests)."""
+    out: list[Event] = []
+    while (event := dec.next_event()) is not NEED_DATA and event is not CLOSED:
+        out.append(event)
+    return out

@@ -1,0 +1,368 @@
+"""Message kinds, error codes, and one frozen dataclass per message.
+
+A message's header travels as a msgpack *array* of its fields in declaration
+order (compact, and cheap to decode on the hot path). ``decode_message``
+validates every field's type before a dataclass is built, so the server's
+state machine only ever sees well-typed messages: a peer that sends a string
+where a rank belongs gets a ``ProtocolError``, not a crash three layers down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "Barrier",
+    "ErrorCode",
+    "ErrorReply",
+    "Heartbeat",
+    "Join",
+    "Leave",
+    "MemberFailed",
+    "MemberInfo",
+    "Message",
+    "MessageKind",
+    "Reply",
+    "ServerClosing",
+    "StatusRequest",
+    "StoreAdd",
+    "StoreCheck",
+    "StoreCompareSet",
+    "StoreDeleteKey",
+    "StoreGet",
+    "StoreNumKeys",
+    "StoreSet",
+    "StoreWait",
+    "Welcome",
+    "decode_message",
+    "message_fields",
+]
+
+
+class MessageKind(enum.IntEnum):
+    # client -> server requests (all carry req_id)
+    JOIN = 1
+    LEAVE = 2
+    HEARTBEAT = 3
+    STORE_SET = 4
+    STORE_GET = 5
+    STORE_ADD = 6
+    STORE_WAIT = 7
+    STORE_COMPARE_SET = 8
+    STORE_DELETE_KEY = 9
+    STORE_NUM_KEYS = 10
+    STORE_CHECK = 11
+    BARRIER = 12
+    STATUS = 13
+    # server -> client
+    REPLY = 32
+    WELCOME = 33
+    ERROR = 34
+    MEMBER_FAILED = 35
+    SERVER_CLOSING = 36
+    # rank <-> rank (data plane)
+    PEER_HELLO = 64
+    DATA = 65
+    PEER_ERROR = 66
+
+
+class ErrorCode(enum.IntEnum):
+    INTERNAL = 1
+    PROTOCOL = 2
+    RENDEZVOUS = 3
+    AUTHENTICATION = 4
+    TIMEOUT = 5
+    RENDEZVOUS_TIMEOUT = 6
+    GROUP_BROKEN = 7
+    RANK_FAILED = 8
+    MISMATCH = 9
+    CLOSED = 10
+    DUPLICATE_RANK = 11
+    WORLD_SIZE_MISMATCH = 12
+    JOB_FULL = 13
+    BAD_REQUEST = 14
+    NOT_JOINED = 15
+    SERVER_CLOSING = 16
+
+
+# --- control plane: client -> server ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    KIND: ClassVar[MessageKind] = MessageKind.JOIN
+    req_id: int
+    group_name: str
+    world_size: int
+    rank: int  # -1: let the server assign one
+    host: str
+    pid: int
+    addresses: list[str]
+    heartbeat_timeout: float
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    KIND: ClassVar[MessageKind] = MessageKind.LEAVE
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    KIND: ClassVar[MessageKind] = MessageKind.HEARTBEAT
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSet:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_SET
+    req_id: int
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreGet:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_GET
+    req_id: int
+    key: str
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAdd:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_ADD
+    req_id: int
+    key: str
+    amount: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreWait:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_WAIT
+    req_id: int
+    keys: list[str]
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCompareSet:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_COMPARE_SET
+    req_id: int
+    key: str
+    expected: bytes
+    desired: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreDeleteKey:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_DELETE_KEY
+    req_id: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoreNumKeys:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_NUM_KEYS
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCheck:
+    KIND: ClassVar[MessageKind] = MessageKind.STORE_CHECK
+    req_id: int
+    keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    KIND: ClassVar[MessageKind] = MessageKind.BARRIER
+    req_id: int
+    seq: int
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    KIND: ClassVar[MessageKind] = MessageKind.STATUS
+    req_id: int
+
+
+# --- control plane: server -> client ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    KIND: ClassVar[MessageKind] = MessageKind.REPLY
+    req_id: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """One row of the job's member table (travels as a plain list inside Welcome)."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    addresses: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    KIND: ClassVar[MessageKind] = MessageKind.WELCOME
+    req_id: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    members: list[list[Any]]  # MemberInfo rows in rank order
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    KIND: ClassVar[MessageKind] = MessageKind.ERROR
+    req_id: int  # 0 when the error answers no request
+    code: int
+    message: str
+    details: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MemberFailed:
+    KIND: ClassVar[MessageKind] = MessageKind.MEMBER_FAILED
+    rank: int
+    host: str
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServerClosing:
+    KIND: ClassVar[MessageKind] = MessageKind.SERVER_CLOSING
+    reason: str
+
+
+Message = Union[
+    Join,
+    Leave,
+    Heartbeat,
+    StoreSet,
+    StoreGet,
+    StoreAdd,
+    StoreWait,
+    StoreCompareSet,
+    StoreDeleteKey,
+    StoreNumKeys,
+    StoreCheck,
+    Barrier,
+    StatusRequest,
+    Reply,
+    Welcome,
+    ErrorReply,
+    MemberFailed,
+    ServerClosing,
+]
+
+MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
+    cls.KIND: cls
+    for cls in (
+        Join,
+        Leave,
+        Heartbeat,
+        StoreSet,
+        StoreGet,
+        StoreAdd,
+        StoreWait,
+        StoreCompareSet,
+        StoreDeleteKey,
+        StoreNumKeys,
+        StoreCheck,
+        Barrier,
+        StatusRequest,
+        Reply,
+        Welcome,
+        ErrorReply,
+        MemberFailed,
+        ServerClosing,
+    )
+}
+
+
+# --- validation -----------------------------------------------------------------------
+
+_Check = tuple[tuple[type, ...], tuple[type, ...] | None]  # (allowed types, list item types)
+
+
+def _checks_for(tp: Any) -> _Check:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return ((object,), None)
+    if tp is float:
+        return ((int, float), None)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return ((list,), None if item is Any else _checks_for(item)[0])
+    if origin is dict:
+        return ((dict,), None)
+    if origin in (Union, types.UnionType):
+        allowed: tuple[type, ...] = ()
+        for arg in typing.get_args(tp):
+            allowed += _checks_for(arg)[0]
+        return (allowed, None)
+    if tp is type(None):
+        return ((type(None),), None)
+    assert isinstance(tp, type), tp
+    return ((tp,), None)
+
+
+_FIELDS: dict[type[Any], tuple[tuple[str, _Check], ...]] = {}
+
+
+def message_fields(cls: type[Any]) -> tuple[tuple[str, _Check], ...]:
+    """(name, check) per field of a message class, computed once."""
+    try:
+        return _FIELDS[cls]
+    except KeyError:
+        hints = typing.get_type_hints(cls)
+        fields = tuple((f.name, _checks_for(hints[f.name])) for f in dataclasses.fields(cls))
+        _FIELDS[cls] = fields
+        return fields
+
+
+def decode_message(kind: int, header: object) -> Any:
+    """Build the message of ``kind`` from its decoded msgpack header.
+
+    Raises:
+        ValueError: Unknown kind, wrong field count or a field of the wrong type.
+    """
+    try:
+        cls = MESSAGE_TYPES[MessageKind(kind)]
+    except ValueError:
+        raise ValueError(f"unknown message kind {kind}") from None
+    if not isinstance(header, list):
+        raise ValueError(f"{cls.__name__} header must be an array, got {type(header).__name__}")
+    fields = message_fields(cls)
+    if len(header) != len(fields):
+        raise ValueError(f"{cls.__name__} has {len(fields)} fields, frame carries {len(header)}")
+    for value, (name, (allowed, items)) in zip(header, fields, strict=True):
+        if not isinstance(value, allowed):
+            raise ValueError(
+                f"{cls.__name__}.{name} must be {'/'.join(t.__name__ for t in allowed)}, "
+                f"got {type(value).__name__}"
+            )
+        if items is not None and not all(isinstance(v, items) for v in value):
+            raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
+    return cls(*header)
+
+
+def message_header(msg: Any) -> list[Any]:
+    """The header array of ``msg`` (its fields in declaration order)."""
+    return [getattr(msg, name) for name, _ in message_fields(type(msg))]
