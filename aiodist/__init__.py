@@ -1,4 +1,10 @@
-"""aiodist: asyncio-first communication for distributed PyTorch."""
+"""aiodist: asyncio-first communication for distributed PyTorch.
+
+Example:
+    >>> await aiodist.init_process_group(init_method="tcp://127.0.0.1:29500",
+    ...                                  world_size=4, rank=rank)
+    >>> aiodist.get_rank(), aiodist.get_world_size()
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,27 @@ from aiodist._errors import (
     RendezvousError,
     RendezvousTimeout,
 )
+from aiodist._group import MemberInfo, ProcessGroup, open_process_group
+from aiodist._server.serve import RendezvousServer, serve_rendezvous
+from aiodist._store import Store
+from aiodist._world import (
+    destroy_process_group,
+    get_backend,
+    get_default_group,
+    get_dist_info,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_store,
+    get_world_size,
+    infer_launcher,
+    init_dist,
+    init_process_group,
+    is_distributed,
+    is_initialized,
+    is_main_process,
+    master_only,
+)
 
 __version__ = "0.1.0"
 
@@ -24,9 +51,31 @@ __all__ = [
     "DistError",
     "DistTimeoutError",
     "GroupBrokenError",
+    "MemberInfo",
+    "ProcessGroup",
     "ProtocolError",
     "RankFailedError",
     "RendezvousError",
+    "RendezvousServer",
     "RendezvousTimeout",
+    "Store",
     "__version__",
+    "destroy_process_group",
+    "get_backend",
+    "get_default_group",
+    "get_dist_info",
+    "get_local_rank",
+    "get_local_size",
+    "get_rank",
+    "get_store",
+    "get_world_size",
+    "infer_launcher",
+    "init_dist",
+    "init_process_group",
+    "is_distributed",
+    "is_initialized",
+    "is_main_process",
+    "master_only",
+    "open_process_group",
+    "serve_rendezvous",
 ]

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+import anyio
 import pytest
 import uvloop
+
+from aiodist import RendezvousServer, serve_rendezvous
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 @pytest.fixture(
@@ -16,3 +22,10 @@ import uvloop
 )
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     return cast("tuple[str, dict[str, Any]]", request.param)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RendezvousServer]:
+    async with anyio.create_task_group() as tg:
+        yield await tg.start(serve_rendezvous, "127.0.0.1", 0)  # port 0: the OS picks
+        tg.cancel_scope.cancel()

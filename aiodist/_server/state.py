@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from aiodist._server.jobs import Job, Member, Waiter, assign_ranks
 from aiodist._wire.messages import (
@@ -262,7 +262,9 @@ class ServerState:
         job.add(member)
         state.member = member
         self._sweep_interval = min(self._sweep_interval, member.heartbeat_timeout / 4)
-        if self._next_sweep is None:
+        # A shorter heartbeat timeout than any before must not wait for a sweep planned
+        # with the old, longer interval.
+        if self._next_sweep is None or now + self._sweep_interval < self._next_sweep:
             self._next_sweep = now + self._sweep_interval
         if len(job.members) < job.world_size:
             self._push_timer(now + msg.timeout, member)
@@ -274,6 +276,7 @@ class ServerState:
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
+            m.last_seen = now  # waiting for the others to join is not missing heartbeats
             self._send(
                 m.conn,
                 Welcome(
@@ -342,7 +345,9 @@ class ServerState:
         for waiter in job.all_waiters():
             if not waiter.done:
                 waiter.done = True
-                self._send(waiter.conn, ErrorReply(waiter.req_id, ErrorCode.RANK_FAILED, message, details))
+                self._send(
+                    waiter.conn, ErrorReply(waiter.req_id, ErrorCode.RANK_FAILED, message, details)
+                )
         job.barriers.clear()
 
     def _sweep(self, now: float) -> None:
@@ -352,7 +357,12 @@ class ServerState:
                 if member.status == "active" and silent > member.heartbeat_timeout:
                     self._fail(member, f"missed heartbeats for {silent:.1f} s")
                     self._remove(member)
-                    self._send(member.conn, ErrorReply(0, ErrorCode.RANK_FAILED, "declared failed: missed heartbeats", {}))
+                    self._send(
+                        member.conn,
+                        ErrorReply(
+                            0, ErrorCode.RANK_FAILED, "declared failed: missed heartbeats", {}
+                        ),
+                    )
                     self._actions.append(Close(member.conn, "missed heartbeats"))
                     self._conns[member.conn].member = None
         self._next_sweep = now + self._sweep_interval if self.jobs else None
@@ -384,7 +394,14 @@ class ServerState:
         else:
             self._push_timer(now + msg.timeout, waiter)
 
-    def _fail_barrier(self, job: Job, seq: int, code: ErrorCode, message: str, details: dict[str, Any] | None = None) -> None:
+    def _fail_barrier(
+        self,
+        job: Job,
+        seq: int,
+        code: ErrorCode,
+        message: str,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         barrier = job.barriers.pop(seq, None)
         job.failed_barriers[seq] = (code, message, details or {})
         if barrier is None:
@@ -423,7 +440,7 @@ class ServerState:
             keys = [msg.key] if isinstance(msg, StoreGet) else list(msg.keys)
             if msg.timeout <= 0:
                 raise _BadRequest(ErrorCode.BAD_REQUEST, f"timeout must be > 0, got {msg.timeout}")
-            kind = "get" if isinstance(msg, StoreGet) else "wait"
+            kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
             missing = [k for k in keys if k not in kv]
             if not missing:
                 self._send(conn, Reply(msg.req_id, kv[keys[0]] if kind == "get" else None))

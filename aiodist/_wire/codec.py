@@ -43,8 +43,8 @@ def _default(obj: Any) -> msgpack.ExtType:
     if module == "torch" and type(obj).__name__ in ("Tensor", "Parameter"):
         return _tensor_ext(obj)
     if module == "numpy" and type(obj).__name__ == "ndarray":
-        if obj.dtype.hasobject:
-            raise _NotPlain
+        if obj.dtype.hasobject or obj.dtype.names is not None:
+            raise _NotPlain  # dtype.str of a structured dtype drops its field names
         arr = obj if obj.flags.c_contiguous else obj.copy(order="C")
         return msgpack.ExtType(
             _EXT_NDARRAY, _pack([arr.dtype.str, list(arr.shape), arr.data.cast("B")])
@@ -59,9 +59,10 @@ def _tensor_ext(t: Any) -> msgpack.ExtType:
         raise _NotPlain  # parameters, autograd state, sparse: pickle keeps them exact
     if t.device.type != "cpu":
         raise _NotPlain
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy() if flat.numel() else b""
-    return msgpack.ExtType(_EXT_TENSOR, _pack([str(t.dtype), list(t.shape), memoryview(raw)]))
+    # Conjugate and negative views refuse view(dtype): materialise them first.
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy().data if flat.numel() else b""
+    return msgpack.ExtType(_EXT_TENSOR, _pack([str(t.dtype), list(t.shape), raw]))
 
 
 def _pack(obj: Any) -> bytes:

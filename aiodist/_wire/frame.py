@@ -40,16 +40,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLOSED",
-    "GiB",
-    "KiB",
-    "MiB",
     "NEED_DATA",
     "PREFIX",
     "PROTOCOL_VERSION",
     "Buffer",
     "Frame",
     "FrameDecoder",
+    "GiB",
+    "KiB",
     "Limits",
+    "MiB",
     "PayloadChunk",
     "encode_frame",
     "encode_message",
@@ -226,7 +226,9 @@ class FrameDecoder:
             return self._need_data()
         magic, version, kind, header_nbytes, payload_nbytes = PREFIX.unpack_from(buf, pos)
         if magic != MAGIC:
-            raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not an aiodist peer")
+            raise ProtocolError(
+                f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not an aiodist peer"
+            )
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 f"protocol version {version} is not supported (this side speaks "

@@ -14,7 +14,7 @@ import enum
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Union, cast
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -250,26 +250,26 @@ class ServerClosing:
     reason: str
 
 
-Message = Union[
-    Join,
-    Leave,
-    Heartbeat,
-    StoreSet,
-    StoreGet,
-    StoreAdd,
-    StoreWait,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreNumKeys,
-    StoreCheck,
-    Barrier,
-    StatusRequest,
-    Reply,
-    Welcome,
-    ErrorReply,
-    MemberFailed,
-    ServerClosing,
-]
+Message = (
+    Join
+    | Leave
+    | Heartbeat
+    | StoreSet
+    | StoreGet
+    | StoreAdd
+    | StoreWait
+    | StoreCompareSet
+    | StoreDeleteKey
+    | StoreNumKeys
+    | StoreCheck
+    | Barrier
+    | StatusRequest
+    | Reply
+    | Welcome
+    | ErrorReply
+    | MemberFailed
+    | ServerClosing
+)
 
 MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
     cls.KIND: cls
@@ -345,7 +345,7 @@ def decode_message(kind: int, header: object) -> Any:
     """
     try:
         cls = MESSAGE_TYPES[MessageKind(kind)]
-    except ValueError:
+    except (KeyError, ValueError):  # KeyError: a data-plane kind, which has no message class
         raise ValueError(f"unknown message kind {kind}") from None
     if not isinstance(header, list):
         raise ValueError(f"{cls.__name__} header must be an array, got {type(header).__name__}")
@@ -358,7 +358,7 @@ def decode_message(kind: int, header: object) -> Any:
                 f"{cls.__name__}.{name} must be {'/'.join(t.__name__ for t in allowed)}, "
                 f"got {type(value).__name__}"
             )
-        if items is not None and not all(isinstance(v, items) for v in value):
+        if items is not None and not all(isinstance(v, items) for v in cast("list[Any]", value)):
             raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
     return cls(*header)
 

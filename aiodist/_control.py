@@ -1,0 +1,235 @@
+"""The client end of a control connection: requests with replies, and notices.
+
+One ``asyncio.Protocol`` per job member. Requests carry a ``req_id``; the
+reply resolves the matching future. Notices from the server (a member failed,
+the server is closing) go to a callback. When the connection drops, every
+pending request fails with the same error and later requests fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import anyio
+
+from aiodist._errors import (
+    ClosedError,
+    DistError,
+    DistTimeoutError,
+    GroupBrokenError,
+    ProtocolError,
+    from_wire,
+)
+from aiodist._wire.frame import (
+    CLOSED,
+    NEED_DATA,
+    Frame,
+    FrameDecoder,
+    Limits,
+    MiB,
+    encode_message,
+    frame_message,
+)
+from aiodist._wire.messages import (
+    ErrorCode,
+    ErrorReply,
+    MemberFailed,
+    Reply,
+    ServerClosing,
+    Welcome,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["ControlConnection", "connect_control"]
+
+logger = logging.getLogger(__name__)
+
+CLIENT_LIMITS: Final = Limits(max_header_bytes=64 * MiB, max_payload_bytes=0)
+CONNECT_RETRY_INTERVAL: Final = 0.05
+Notice = MemberFailed | ServerClosing
+
+
+class ControlConnection(asyncio.Protocol):
+    """Requests to the rendezvous server and the notices it sends back."""
+
+    def __init__(self, on_notice: Callable[[Notice], None] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._decoder = FrameDecoder(CLIENT_LIMITS)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._transport: asyncio.Transport | None = None
+        self._error: DistError | None = None
+        self.on_notice = on_notice
+        self.server = "?"
+
+    # --- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast("asyncio.Transport", transport)
+        peer = transport.get_extra_info("peername")
+        self.server = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        dec = self._decoder
+        try:
+            dec.receive_data(data)
+            while (event := dec.next_event()) is not NEED_DATA and event is not CLOSED:
+                assert isinstance(event, Frame)
+                self._dispatch(frame_message(event))
+        except ProtocolError as exc:
+            self._fail(exc)
+            assert self._transport is not None
+            self._transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if self._error is None:
+            self._fail(
+                GroupBrokenError(
+                    f"lost the connection to the rendezvous server at {self.server}; "
+                    "check that it is still running"
+                )
+            )
+
+    # --- requests --------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._transport is None or self._error is not None
+
+    @property
+    def error(self) -> DistError | None:
+        """Why the connection is unusable, or None while it works."""
+        return self._error
+
+    async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
+        """Send the message ``build(req_id)`` and return the reply's value.
+
+        Raises:
+            DistError: The server's error, rebuilt with its class and attributes.
+            GroupBrokenError: The connection was lost.
+            DistTimeoutError: No reply within ``timeout`` (a safety net; the server
+                enforces the operation's own timeout).
+
+        Cancellation:
+            The request stays sent; its reply is dropped.
+        """
+        if self._error is not None:
+            raise self._error
+        req_id = next(self._ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[req_id] = future
+        try:
+            self.send(build(req_id))
+            if timeout is None:
+                return await future
+            with anyio.move_on_after(timeout) as scope:
+                return await future
+            assert scope.cancelled_caught
+            raise DistTimeoutError(
+                f"the rendezvous server at {self.server} did not answer within {timeout:.1f} s"
+            )
+        finally:
+            self._pending.pop(req_id, None)
+
+    def send(self, msg: Any) -> None:
+        """Send a message that expects no reply."""
+        if self._error is not None:
+            raise self._error
+        assert self._transport is not None
+        self._transport.writelines(encode_message(msg))
+
+    def close(self) -> None:
+        if self._error is None:
+            self._fail(ClosedError("the control connection was closed"))
+        if self._transport is not None:
+            self._transport.close()
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Reply | Welcome):
+            self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
+        elif isinstance(msg, ErrorReply):
+            exc = from_wire(msg.code, msg.message, msg.details)
+            if msg.req_id in self._pending:
+                self._resolve(msg.req_id, exc)
+            elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.RANK_FAILED):
+                self._fail(exc)
+            else:
+                logger.warning("rendezvous server %s: %s", self.server, msg.message)
+        elif isinstance(msg, MemberFailed | ServerClosing):
+            if isinstance(msg, ServerClosing):
+                self._fail(
+                    GroupBrokenError(
+                        f"the rendezvous server at {self.server} is going away ({msg.reason}); "
+                        "operations that need it will fail. Restart the job."
+                    )
+                )
+            if self.on_notice is not None:
+                self.on_notice(msg)
+        else:
+            self._fail(ProtocolError(f"the server sent an unexpected {type(msg).__name__}"))
+
+    def _resolve(self, req_id: int, value: Any) -> None:
+        future = self._pending.get(req_id)
+        if future is None or future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def _fail(self, exc: DistError) -> None:
+        if self._error is None:
+            self._error = exc
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
+
+
+async def connect_control(
+    host: str,
+    port: int,
+    *,
+    timeout: float,
+    on_notice: Callable[[Notice], None] | None = None,
+    retry_refused: bool = True,
+) -> ControlConnection:
+    """Connect to the rendezvous server, retrying while nothing listens yet.
+
+    Raises:
+        ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
+        RendezvousTimeout: Nothing answered within ``timeout``.
+    """
+    from aiodist._errors import RendezvousTimeout
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            _, protocol = await loop.create_connection(
+                lambda: ControlConnection(on_notice), host, port
+            )
+            return protocol
+        except OSError as exc:
+            if not retry_refused and isinstance(exc, ConnectionRefusedError):
+                raise
+            if loop.time() >= deadline:
+                raise RendezvousTimeout(
+                    f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s "
+                    f"({exc.strerror or exc}); start one with `aiodist serve --port {port}` or "
+                    "let rank 0 embed it"
+                ) from exc
+            # Not a sleep-wait for an event: the server is another process; poll for it.
+            await anyio.sleep(CONNECT_RETRY_INTERVAL)

@@ -1,0 +1,346 @@
+"""Process groups: joining a job, heartbeats, and the group's shared state.
+
+A *session* is this process's membership in one job: its control connection,
+the job's store, heartbeats, the member table, and (once the data plane joins
+in) the channels to its peers. Its *world* group spans every rank; groups made
+with ``new_group`` are subsets that share the session.
+
+Background tasks (heartbeats, the embedded server) live in one anyio task group
+owned by ``open_process_group``; nothing outlives the ``async with``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+from aiodist._errors import ClosedError, DistError, RankFailedError
+from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
+from aiodist._store import REPLY_GRACE, Store
+from aiodist._wire.messages import Barrier, Heartbeat, Join, Leave, MemberFailed, Welcome
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+
+    from anyio.abc import TaskGroup
+
+    from aiodist._control import ControlConnection, Notice
+    from aiodist._server.serve import RendezvousServer
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "MemberInfo",
+    "ProcessGroup",
+    "Session",
+    "open_process_group",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
+DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
+# How long a process that embeds the server keeps it up for the other members.
+EMBEDDED_SERVER_LINGER: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """One member of the job, as the rendezvous server reported it."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    addresses: tuple[str, ...]
+
+
+class Session:
+    """This process's membership in a job (shared by all its groups)."""
+
+    def __init__(
+        self,
+        conn: ControlConnection,
+        welcome: Welcome,
+        *,
+        group_name: str,
+        timeout: float,
+        backend: str | None,
+        heartbeat_interval: float,
+        server: RendezvousServer | None,
+    ) -> None:
+        self.conn = conn
+        self.group_name = group_name
+        self.timeout = timeout
+        self.backend = backend
+        self.heartbeat_interval = heartbeat_interval
+        self.server = server
+        self.rank = welcome.rank
+        self.world_size = welcome.world_size
+        self.local_rank = welcome.local_rank
+        self.local_size = welcome.local_size
+        self.members = [
+            MemberInfo(int(r), int(lr), str(h), int(p), tuple(a))
+            for r, lr, h, p, a in welcome.members
+        ]
+        self.store = Store(conn, timeout)
+        self.error: DistError | None = None
+        self.closed = False
+        self._barrier_seq = 0
+        self.world = ProcessGroup(self, list(range(self.world_size)), name=group_name)
+
+    def on_notice(self, notice: Notice) -> None:
+        if isinstance(notice, MemberFailed):
+            self.fail(
+                RankFailedError(
+                    f"rank {notice.rank} (host {notice.host}, pid {notice.pid}) failed: "
+                    f"{notice.reason}; group {self.group_name!r} is broken on all ranks. "
+                    "Restart the job.",
+                    rank=notice.rank,
+                    host=notice.host,
+                    pid=notice.pid,
+                    reason=notice.reason,
+                )
+            )
+
+    def fail(self, exc: DistError) -> None:
+        """Mark every group of this session broken with ``exc`` (the first error wins)."""
+        if self.error is None:
+            self.error = exc
+            logger.error("%s", exc)
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise ClosedError(
+                f"process group {self.group_name!r} was destroyed; call init_process_group again"
+            )
+        if self.error is not None:
+            raise self.error
+
+    async def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every member reached this barrier (server-side)."""
+        self.check_usable()
+        self._barrier_seq += 1
+        seq = self._barrier_seq
+        seconds = self.timeout if timeout is None else timeout
+        await self.conn.request(lambda r: Barrier(r, seq, seconds), timeout=seconds + REPLY_GRACE)
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.conn.closed:
+            with contextlib.suppress(DistError), anyio.move_on_after(5):
+                await self.conn.request(Leave)
+        self.conn.close()
+        if self.server is not None:
+            # Others may still be using the server this process embeds: wait for them.
+            server = self.server
+            with anyio.move_on_after(EMBEDDED_SERVER_LINGER) as scope:
+                await server.wait_until(lambda s: not s.state.jobs)
+            if scope.cancelled_caught:
+                logger.warning(
+                    "stopping the embedded rendezvous server while %d jobs still use it",
+                    len(server.state.jobs),
+                )
+
+
+class ProcessGroup:
+    """A set of ranks that communicate together.
+
+    Attributes:
+        rank: This process's rank within the group.
+        world_size: Number of ranks in the group.
+        ranks: The global rank of each group rank.
+    """
+
+    def __init__(self, session: Session, ranks: list[int], *, name: str) -> None:
+        self._session = session
+        self.ranks = ranks
+        self.name = name
+        self.world_size = len(ranks)
+        self.rank = ranks.index(session.rank) if session.rank in ranks else -1
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"
+
+    @property
+    def session(self) -> Session:
+        return self._session
+
+    @property
+    def backend(self) -> str | None:
+        return self._session.backend
+
+    @property
+    def store(self) -> Store:
+        return self._session.store
+
+
+def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
+    return environ.get("AIODIST_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID") or "default"
+
+
+@contextlib.asynccontextmanager
+async def open_process_group(
+    init_method: str | None = None,
+    *,
+    world_size: int = -1,
+    rank: int = -1,
+    group_name: str = "",
+    timeout: float = DEFAULT_TIMEOUT,
+    backend: str | None = None,
+    heartbeat_interval: float | None = None,
+    heartbeat_timeout: float | None = None,
+    hostname: str | None = None,
+    addresses: list[str] | None = None,
+) -> AsyncIterator[ProcessGroup]:
+    """Join a job and yield its world group; leave the job on exit.
+
+    Args:
+        init_method: ``tcp://HOST:PORT``, ``env://`` (default) or ``file:///path``.
+        world_size: Number of ranks; required unless the environment gives it.
+        rank: This process's rank, or -1 to let the server assign one.
+        group_name: The job's name on the server (default ``$AIODIST_JOB_ID`` or
+            ``"default"``); jobs sharing a server need distinct names.
+        timeout: Seconds to wait for the job to form; also the default timeout of
+            every operation.
+        backend: Recorded for ``get_backend``; the torch bridge brings it up.
+        heartbeat_interval: Seconds between heartbeats (``AIODIST_HEARTBEAT_INTERVAL``).
+        heartbeat_timeout: Silence after which the server declares this rank failed
+            (``AIODIST_HEARTBEAT_TIMEOUT``).
+        hostname: The host this rank counts as for local ranks (default: this
+            machine's name; never resolved).
+        addresses: Data-plane addresses to publish to the other members.
+
+    Raises:
+        RendezvousError: The job refused this process (conflicting rank or world size).
+        RendezvousTimeout: The job did not form within ``timeout``.
+
+    Cancellation:
+        Cancelling while joining abandons the join; the server drops this member.
+    """
+    env = os.environ
+    spec = parse_init_method(init_method, rank=rank, world_size=world_size)
+    if spec.world_size < 1:
+        raise ValueError(
+            f"world_size must be given (>= 1), got {spec.world_size}: pass world_size= or set "
+            "WORLD_SIZE"
+        )
+    if not -1 <= spec.rank < spec.world_size:
+        raise ValueError(f"rank must be in [0, {spec.world_size}) or -1, got {spec.rank}")
+    interval = heartbeat_interval or float(
+        env.get("AIODIST_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL)
+    )
+    hb_timeout = heartbeat_timeout or float(
+        env.get("AIODIST_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
+    )
+    if not 0 < interval < hb_timeout:
+        raise ValueError(
+            f"heartbeat_interval ({interval}) must be > 0 and below heartbeat_timeout "
+            f"({hb_timeout})"
+        )
+    name = group_name or _default_group_name(env)
+    with _unwrap_single_error():
+        async with anyio.create_task_group() as tg:
+            async with _joined(
+                tg, spec, name, timeout, backend, interval, hb_timeout, hostname, addresses
+            ) as group:
+                yield group
+
+
+@contextlib.contextmanager
+def _unwrap_single_error() -> Iterator[None]:
+    # Task groups wrap every error in an ExceptionGroup; a caller that gets one
+    # error (RendezvousError, or its own) should see it plainly.
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        errors = _flatten(group)
+        if len(errors) == 1:
+            raise errors[0] from errors[0].__cause__
+        raise
+
+
+def _flatten(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_flatten(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _joined(
+    tg: TaskGroup,
+    spec: RendezvousSpec,
+    name: str,
+    timeout: float,
+    backend: str | None,
+    interval: float,
+    hb_timeout: float,
+    hostname: str | None,
+    addresses: list[str] | None,
+) -> AsyncIterator[ProcessGroup]:
+    session_box: list[Session] = []
+
+    def on_notice(notice: Notice) -> None:
+        if session_box:
+            session_box[0].on_notice(notice)
+
+    conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=on_notice)
+    try:
+        join = Join(
+            0,
+            name,
+            spec.world_size,
+            spec.rank,
+            hostname or socket.gethostname(),
+            os.getpid(),
+            list(addresses or []),
+            hb_timeout,
+            timeout,
+        )
+        tg.start_soon(_heartbeat_loop, conn, interval)
+        welcome: Any = await conn.request(
+            lambda r: dataclasses.replace(join, req_id=r), timeout=timeout + REPLY_GRACE
+        )
+    except BaseException:
+        conn.close()
+        raise
+    session = Session(
+        conn,
+        welcome,
+        group_name=name,
+        timeout=timeout,
+        backend=backend,
+        heartbeat_interval=interval,
+        server=server,
+    )
+    if spec.local_rank is not None:
+        session.local_rank = spec.local_rank  # the launcher's word wins, as in torch
+    if spec.local_world_size is not None:
+        session.local_size = spec.local_world_size
+    session_box.append(session)
+    try:
+        yield session.world
+    finally:
+        with anyio.CancelScope(shield=True):
+            await session.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def _heartbeat_loop(conn: ControlConnection, interval: float) -> None:
+    # Heartbeats start with the join: a member still waiting for the job to form
+    # is alive too. The loop ends when the connection closes.
+    while not conn.closed:
+        conn.send(Heartbeat())
+        await anyio.sleep(interval)

@@ -1,0 +1,467 @@
+"""Rendezvous with the real in-process server and several real clients on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+import aiodist
+from aiodist import (
+    DistTimeoutError,
+    ProcessGroup,
+    RankFailedError,
+    RendezvousError,
+    RendezvousServer,
+    RendezvousTimeout,
+    open_process_group,
+)
+from aiodist._wire.frame import PREFIX
+from aiodist._wire.messages import StatusRequest
+from aiodist.testing import run_ranks
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+    from pathlib import Path
+
+
+def _url(server: RendezvousServer) -> str:
+    return f"tcp://{server.address[0]}:{server.address[1]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+async def test_explicit_ranks_form_job_with_member_table(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> tuple[int, int, list[int]]:
+        return g.rank, g.world_size, [m.rank for m in g.session.members]
+
+    ranks = list(reversed(range(world_size)))  # join order differs from rank order
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, world_size, body, ranks=ranks)
+    assert outs == [(r, world_size, list(range(world_size))) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [1, 4, 8])
+async def test_automatic_ranks_are_distinct_and_complete(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> int:
+        return g.rank
+
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, world_size, body)
+    assert outs == list(range(world_size))
+
+
+async def test_automatic_ranks_contiguous_per_host_with_local_ranks(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> tuple[str, int, int]:
+        me = g.session.members[g.rank]
+        return me.host, g.session.local_rank, g.session.local_size
+
+    hosts = ["node-b", "node-a", "node-b", "node-a", "node-b", "node-a"]
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, 6, body, hostnames=hosts)
+    # Hosts are ordered by first join; ranks of one host are contiguous.
+    assert [h for h, _, _ in outs] == ["node-b"] * 3 + ["node-a"] * 3
+    assert [lr for _, lr, _ in outs] == [0, 1, 2, 0, 1, 2]
+    assert {ls for _, _, ls in outs} == {3}
+
+
+async def test_member_table_carries_published_addresses(server: RendezvousServer) -> None:
+    async def one(rank: int) -> list[tuple[str, ...]]:
+        async with open_process_group(
+            _url(server),
+            world_size=2,
+            rank=rank,
+            group_name="addr",
+            addresses=[f"tcp://127.0.0.1:{4000 + rank}"],
+        ) as g:
+            return [m.addresses for m in g.session.members]
+
+    results: list[list[tuple[str, ...]]] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for r in range(2):
+                tg.start_soon(_append, results, one(r))
+    expected = [("tcp://127.0.0.1:4000",), ("tcp://127.0.0.1:4001",)]
+    assert results == [expected, expected]
+
+
+async def _append(out: list[Any], coro: Awaitable[Any]) -> None:
+    out.append(await coro)
+
+
+async def test_store_operations_follow_tcpstore(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> None:
+        store = g.store
+        if g.rank == 0:
+            await store.set("a", "1")
+            assert await store.add("counter", 5) == 5
+            assert await store.compare_set("cas", b"", b"first") == b"first"
+            assert await store.compare_set("cas", b"wrong", b"x") == b"first"
+            assert await store.compare_set("cas", b"first", b"second") == b"second"
+            assert await store.compare_set("missing", b"exp", b"x") == b"exp"
+            await store.set("go", b"")
+        else:
+            assert await store.get("go") == b""  # waits for rank 0
+            assert await store.get("a") == b"1"
+            assert await store.add("counter", 2) == 7
+            assert await store.get("counter") == b"7"
+            assert await store.check(["a", "cas"]) is True
+            assert await store.check(["a", "nope"]) is False
+            assert await store.num_keys() == 4
+            assert await store.delete_key("a") is True
+            assert await store.delete_key("a") is False
+            assert await store.num_keys() == 3
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 2, body, ranks=[0, 1])
+
+
+async def test_store_get_and_wait_time_out(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> None:
+        with pytest.raises(DistTimeoutError, match="never"):
+            await g.store.get("never", timeout=0.2)
+        with pytest.raises(DistTimeoutError, match="missing"):
+            await g.store.wait(["present", "missing"], timeout=0.2)
+
+    async def setup(g: ProcessGroup) -> None:
+        await g.store.set("present", b"x")
+        await g.session.barrier()
+        await body(g)
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 2, setup)
+
+
+async def test_store_wait_released_by_last_key(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> int:
+        await g.store.set(f"k{g.rank}", str(g.rank))
+        await g.store.wait([f"k{r}" for r in range(g.world_size)], timeout=5)
+        return int(await g.store.get(f"k{(g.rank + 1) % g.world_size}"))
+
+    with anyio.fail_after(10):
+        assert await run_ranks(server.address, 4, body) == [1, 2, 3, 0]
+
+
+async def test_barrier_waits_for_every_rank(server: RendezvousServer) -> None:
+    arrived: list[int] = []
+    passed: list[int] = []
+
+    async def body(g: ProcessGroup) -> None:
+        if g.rank == 2:  # the last rank arrives only once the others are waiting
+            await g.store.wait([f"waiting/{r}" for r in range(g.world_size) if r != 2])
+            assert passed == []
+        arrived.append(g.rank)
+        await g.store.set(f"waiting/{g.rank}", b"")
+        await g.session.barrier()
+        passed.append(g.rank)
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 3, body)
+    assert sorted(passed) == [0, 1, 2]
+    assert arrived[-1] == 2
+
+
+async def test_duplicate_rank_is_refused_and_job_stays_intact(server: RendezvousServer) -> None:
+    async def join(rank: int) -> int:
+        async with open_process_group(_url(server), world_size=2, rank=rank, group_name="dup") as g:
+            return g.rank
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            results: list[int] = []
+            tg.start_soon(_append, results, join(0))
+            await server.wait_for_members("dup", 1)
+            with pytest.raises(RendezvousError, match="rank 0 of job 'dup' is already taken"):
+                await join(0)
+            tg.start_soon(_append, results, join(1))
+    assert sorted(results) == [0, 1]
+
+
+async def test_world_size_mismatch_and_full_job_are_refused(server: RendezvousServer) -> None:
+    url = _url(server)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            done = anyio.Event()
+
+            async def member(rank: int) -> None:
+                async with open_process_group(url, world_size=2, rank=rank, group_name="j"):
+                    await done.wait()
+
+            tg.start_soon(member, 0)
+            await server.wait_for_members("j", 1)
+            with pytest.raises(RendezvousError, match="world_size 2 but this process asked for 3"):
+                async with open_process_group(url, world_size=3, group_name="j"):
+                    pass
+            tg.start_soon(member, 1)
+            await server.wait_until(lambda s: s.state.jobs["j"].complete)
+            with pytest.raises(RendezvousError, match="already has all 2 members"):
+                async with open_process_group(url, world_size=2, group_name="j"):
+                    pass
+            done.set()
+
+
+async def test_rendezvous_times_out_naming_what_joined(server: RendezvousServer) -> None:
+    with anyio.fail_after(10), pytest.raises(RendezvousTimeout, match="1 of 3 members joined"):
+        async with open_process_group(_url(server), world_size=3, group_name="lonely", timeout=0.3):
+            pass
+    assert "lonely" not in server.state.jobs
+
+
+async def test_two_jobs_share_one_server(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> bytes:
+        await g.store.set("who", g.name)
+        await g.session.barrier()
+        return await g.store.get("who")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            a: list[list[bytes]] = []
+            b: list[list[bytes]] = []
+            tg.start_soon(_append, a, run_ranks(server.address, 3, body, group_name="job-a"))
+            tg.start_soon(_append, b, run_ranks(server.address, 2, body, group_name="job-b"))
+    assert a == [[b"job-a"] * 3]
+    assert b == [[b"job-b"] * 2]
+    assert server.state.jobs == {}  # both jobs' state dropped once their members left
+
+
+async def test_disconnected_member_fails_the_others(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> str:
+        await g.session.barrier()
+        if g.rank == 1:
+            g.session.conn.close()  # as if the process died: no Leave
+            return "gone"
+        with pytest.raises(RankFailedError) as info:
+            await g.store.get("never-set")
+        assert info.value.rank == 1
+        assert isinstance(g.session.error, RankFailedError)
+        assert g.session.error.rank == 1
+        return "saw failure"
+
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == ["saw failure", "gone", "saw failure"]
+
+
+async def test_silent_member_is_declared_failed(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> int:
+        if g.rank == 0:
+            # Stop heartbeats by closing the connection's sending side only:
+            # the member stays connected but silent.
+            g.session.conn.send = lambda msg: None  # type: ignore[method-assign]
+            await anyio.sleep_forever()
+        with pytest.raises(RankFailedError, match="missed heartbeats") as info:
+            await g.store.get("never-set")
+        return info.value.rank
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            outs: list[list[int]] = []
+
+            async def run() -> None:
+                outs.append(
+                    await run_ranks(
+                        server.address,
+                        2,
+                        body,
+                        ranks=[0, 1],
+                        heartbeat_interval=0.05,
+                        heartbeat_timeout=0.5,
+                    )
+                )
+
+            tg.start_soon(run)
+            await server.wait_until(lambda s: s.state.stats.failures == 1)
+            tg.cancel_scope.cancel()
+    assert server.state.stats.failures == 1
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\x00" * 64,
+        PREFIX.pack(b"AD", 1, 1, 2**31, 0),  # announces a 2 GiB header
+        PREFIX.pack(b"AD", 1, 4, 0, 2**40),  # announces a 1 TiB payload
+        PREFIX.pack(b"AD", 1, 1, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
+        PREFIX.pack(b"AD", 1, 1, 2, 0) + b"\x91\x01",  # Join with one field
+        PREFIX.pack(b"AD", 9, 1, 0, 0),  # another protocol version
+    ],
+)
+async def test_garbage_closes_only_that_connection(
+    server: RendezvousServer, garbage: bytes
+) -> None:
+    loop = asyncio.get_running_loop()
+    with anyio.fail_after(10):
+        reader, writer = await asyncio.open_connection(*server.address)
+        writer.write(garbage)
+        await writer.drain()
+        # The server answers with an error frame (or nothing) and closes the connection.
+        await reader.read()
+        writer.close()
+
+        async def body(g: ProcessGroup) -> int:
+            return g.rank
+
+        assert await run_ranks(server.address, 2, body) == [0, 1]
+    assert loop.is_running()
+
+
+async def test_status_request_reports_jobs(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> dict:  # type: ignore[type-arg]
+        await g.session.barrier()
+        snap: dict = await g.session.conn.request(StatusRequest)  # type: ignore[type-arg]
+        await g.session.barrier()
+        return snap
+
+    with anyio.fail_after(10):
+        snaps = await run_ranks(server.address, 2, body, group_name="observed")
+    (job,) = snaps[0]["jobs"]
+    assert job["name"] == "observed"
+    assert job["state"] == "running"
+    assert sorted(m["rank"] for m in job["members"]) == [0, 1]
+
+
+async def test_embedded_server_started_by_rank_zero() -> None:
+    port = _free_port()
+    url = f"tcp://127.0.0.1:{port}"
+
+    async def member(rank: int, out: list[int]) -> None:
+        async with open_process_group(url, world_size=3, rank=rank, group_name="emb") as g:
+            await g.store.set(f"r{rank}", b"")
+            await g.store.wait(["r0", "r1", "r2"])
+            out.append(g.session.server is not None)
+
+    with anyio.fail_after(20):
+        out: list[int] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(member, 1, out)  # non-zero ranks wait for the server to appear
+            tg.start_soon(member, 2, out)
+            tg.start_soon(member, 0, out)
+    assert sorted(out) == [False, False, True]
+
+
+async def test_env_rendezvous(monkeypatch: pytest.MonkeyPatch, server: RendezvousServer) -> None:
+    monkeypatch.setenv("MASTER_ADDR", server.address[0])
+    monkeypatch.setenv("MASTER_PORT", str(server.address[1]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("AIODIST_JOB_ID", "env-job")
+
+    async def member(rank: int, out: list[tuple[int, int, str]]) -> None:
+        async with open_process_group("env://", rank=rank) as g:
+            out.append((g.rank, g.world_size, g.name))
+
+    out: list[tuple[int, int, str]] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(member, 0, out)
+            tg.start_soon(member, 1, out)
+    assert sorted(out) == [(0, 2, "env-job"), (1, 2, "env-job")]
+
+
+async def test_env_rendezvous_without_variables_says_what_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RendezvousError, match="MASTER_ADDR and MASTER_PORT"):
+        async with open_process_group("env://", world_size=1, rank=0):
+            pass
+
+
+async def test_file_rendezvous_with_automatic_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "rdzv"
+
+    async def member(out: list[int]) -> None:
+        async with open_process_group(f"file://{path}", world_size=4, group_name="f") as g:
+            await g.session.barrier()
+            out.append(g.rank)
+
+    out: list[int] = []
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(member, out)
+    assert sorted(out) == [0, 1, 2, 3]
+    # A second job on the same file replaces the stale address.
+    out.clear()
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(lambda: _file_member(path, out))
+    assert sorted(out) == [0, 1]
+
+
+async def _file_member(path: Path, out: list[int]) -> None:
+    async with open_process_group(f"file://{path}", world_size=2, group_name="f2") as g:
+        out.append(g.rank)
+
+
+async def test_default_group_queries_and_teardown(server: RendezvousServer) -> None:
+    assert not aiodist.is_initialized()
+    assert aiodist.get_dist_info() == (0, 1)
+    assert aiodist.get_backend() is None
+    assert aiodist.is_main_process()
+    assert (aiodist.get_local_rank(), aiodist.get_local_size()) == (0, 1)
+
+    released = anyio.Event()
+
+    async def other() -> None:
+        async with open_process_group(_url(server), world_size=2, rank=0, group_name="dflt"):
+            await released.wait()
+
+    @aiodist.master_only
+    def only_main() -> str:
+        return "ran"
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await aiodist.init_process_group(
+                "gloo", _url(server), world_size=2, rank=1, group_name="dflt"
+            )
+            try:
+                assert aiodist.is_initialized()
+                assert aiodist.get_dist_info() == (1, 2)
+                assert aiodist.get_backend() == "gloo"
+                assert not aiodist.is_main_process()
+                assert only_main() is None
+                with pytest.raises(RuntimeError, match="already initialised"):
+                    await aiodist.init_process_group(init_method=_url(server), world_size=2)
+            finally:
+                await aiodist.destroy_process_group()
+                released.set()
+    assert not aiodist.is_initialized()
+    assert only_main() == "ran"
+    assert aiodist.get_rank() == 0
+
+
+async def test_master_only_runs_on_main_process_only() -> None:
+    calls: list[str] = []
+
+    @aiodist.master_only
+    def plain(x: int) -> int:
+        calls.append("plain")
+        return x + 1
+
+    @aiodist.master_only
+    async def coro(x: int) -> int:
+        calls.append("coro")
+        return x * 2
+
+    assert plain(1) == 2
+    assert await coro(3) == 6
+    assert calls == ["plain", "coro"]

@@ -1,0 +1,1106 @@
+"""Sans-IO tests of the rendezvous server's job table: messages and fake time in, actions out."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from aiodist._server.state import Close, ConnId, Send, ServerState
+from aiodist._wire.messages import (
+    Barrier,
+    ErrorCode,
+    ErrorReply,
+    Heartbeat,
+    Join,
+    Leave,
+    MemberFailed,
+    Reply,
+    ServerClosing,
+    StatusRequest,
+    StoreAdd,
+    StoreCheck,
+    StoreCompareSet,
+    StoreDeleteKey,
+    StoreGet,
+    StoreNumKeys,
+    StoreSet,
+    StoreWait,
+    Welcome,
+)
+
+LONG = 1000.0  # a heartbeat or join timeout that no test reaches unless it means to
+
+
+def host_of(rank: int) -> str:
+    return f"node{rank % 2}"
+
+
+def pid_of(rank: int) -> int:
+    return 1000 + rank
+
+
+def addresses_of(rank: int) -> list[str]:
+    return [f"tcp://10.0.0.{rank % 2}:{5000 + rank}", f"uds:///tmp/aiodist-{rank}.sock"]
+
+
+class FakeServer:
+    """A ``ServerState`` with a fake clock that sorts its actions into per-connection inboxes."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self.state = ServerState(now)
+        self.inbox: dict[ConnId, list[Any]] = defaultdict(list)
+        self.closed: dict[ConnId, list[str]] = defaultdict(list)
+        self._conn_ids = itertools.count(1)
+        self._req_ids = itertools.count(1)
+
+    # --- inputs -------------------------------------------------------------------
+
+    def connect(self) -> ConnId:
+        conn = next(self._conn_ids)
+        self.state.connection_made(conn, f"127.0.0.1:{40000 + conn}", self.now)
+        self._collect()
+        return conn
+
+    def send(self, conn: ConnId, msg: Any) -> None:
+        self.state.receive(conn, msg, self.now)
+        self._collect()
+
+    def call(self, conn: ConnId, cls: type[Any], *args: Any) -> int:
+        """Send ``cls(req_id, *args)`` on ``conn``; return the fresh req_id."""
+        req_id = next(self._req_ids)
+        self.send(conn, cls(req_id, *args))
+        return req_id
+
+    def join(
+        self,
+        group: str = "job",
+        world_size: int = 2,
+        rank: int = -1,
+        *,
+        host: str = "node0",
+        pid: int = 1,
+        addresses: list[str] | None = None,
+        heartbeat_timeout: float = LONG,
+        timeout: float = LONG,
+        conn: ConnId | None = None,
+    ) -> ConnId:
+        """Join from a new connection (or ``conn``); return the connection."""
+        if conn is None:
+            conn = self.connect()
+        self.call(
+            conn,
+            Join,
+            group,
+            world_size,
+            rank,
+            host,
+            pid,
+            addresses if addresses is not None else [f"tcp://{host}:{pid}"],
+            heartbeat_timeout,
+            timeout,
+        )
+        return conn
+
+    def form(
+        self, world_size: int, group: str = "job", heartbeat_timeout: float = LONG
+    ) -> list[ConnId]:
+        """Form a job with explicit ranks; return its connections in rank order."""
+        conns = [
+            self.join(
+                group,
+                world_size,
+                rank,
+                host=host_of(rank),
+                pid=pid_of(rank),
+                addresses=addresses_of(rank),
+                heartbeat_timeout=heartbeat_timeout,
+            )
+            for rank in range(world_size)
+        ]
+        for rank, conn in enumerate(conns):
+            assert self.only(conn, Welcome).rank == rank
+        return conns
+
+    def heartbeat(self, *conns: ConnId) -> None:
+        for conn in conns:
+            self.send(conn, Heartbeat())
+
+    def lose(self, conn: ConnId, reason: str = "connection lost") -> None:
+        self.state.connection_lost(conn, self.now, reason)
+        self._collect()
+
+    def advance(self, to: float) -> None:
+        """Move the clock to ``to``, firing every deadline on the way as serve.py would."""
+        assert to >= self.now
+        while (deadline := self.state.next_deadline()) is not None and deadline <= to:
+            self.now = max(self.now, deadline)
+            self.state.handle_timeouts(self.now)
+            self._collect()
+        self.now = to
+        self.state.handle_timeouts(to)
+        self._collect()
+
+    # --- outputs ------------------------------------------------------------------
+
+    def take(self, conn: ConnId) -> list[Any]:
+        msgs, self.inbox[conn] = self.inbox[conn], []
+        return msgs
+
+    def only(self, conn: ConnId, cls: type[Any]) -> Any:
+        """Take the one message waiting on ``conn``, which must be a ``cls``."""
+        msgs = self.take(conn)
+        assert len(msgs) == 1, msgs
+        assert isinstance(msgs[0], cls), msgs[0]
+        return msgs[0]
+
+    def error(self, conn: ConnId, req_id: int, code: ErrorCode) -> ErrorReply:
+        err: ErrorReply = self.only(conn, ErrorReply)
+        assert (err.req_id, ErrorCode(err.code)) == (req_id, code), err
+        return err
+
+    def reply(self, conn: ConnId, req_id: int) -> Any:
+        msg = self.only(conn, Reply)
+        assert msg.req_id == req_id, msg
+        return msg.value
+
+    def quiet(self) -> bool:
+        return not any(self.inbox.values()) and not any(self.closed.values())
+
+    def _collect(self) -> None:
+        for action in self.state.take_actions():
+            if isinstance(action, Send):
+                self.inbox[action.conn].append(action.msg)
+            else:
+                assert isinstance(action, Close)
+                self.closed[action.conn].append(action.reason)
+
+
+@pytest.fixture
+def srv() -> FakeServer:
+    return FakeServer()
+
+
+# --- forming a job --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_join_explicit_ranks_welcome_everyone_once_after_last_join(world_size: int) -> None:
+    srv = FakeServer()
+    order = random.Random(world_size).sample(range(world_size), world_size)
+    conn_of: dict[int, ConnId] = {}
+    join_req: dict[int, int] = {}
+    for i, rank in enumerate(order):
+        assert srv.quiet(), f"a message went out before member {i + 1} of {world_size} joined"
+        conn = conn_of[rank] = srv.connect()
+        join_req[rank] = srv.call(
+            conn,
+            Join,
+            "job",
+            world_size,
+            rank,
+            host_of(rank),
+            pid_of(rank),
+            addresses_of(rank),
+            LONG,
+            LONG,
+        )
+
+    table = [[r, r // 2, host_of(r), pid_of(r), addresses_of(r)] for r in range(world_size)]
+    for rank, conn in conn_of.items():
+        welcome = srv.only(conn, Welcome)
+        assert welcome.req_id == join_req[rank]
+        assert (welcome.rank, welcome.world_size) == (rank, world_size)
+        assert welcome.local_rank == rank // 2
+        assert welcome.local_size == len(range(rank % 2, world_size, 2))
+        assert welcome.members == table
+    assert srv.quiet()
+    assert srv.state.jobs["job"].complete
+
+
+@pytest.mark.parametrize(
+    ("hosts", "expected_ranks"),
+    [
+        # hosts in join order -> rank each member gets, in join order
+        (["hB", "hA", "hB", "hA"], [0, 2, 1, 3]),
+        (["h1", "h2", "h1", "h2", "h1", "h2", "h1", "h2"], [0, 4, 1, 5, 2, 6, 3, 7]),
+        (["h1", "h2", "h1", "h2", "h1"], [0, 3, 1, 4, 2]),
+        (["c", "a", "b", "a", "c", "b"], [0, 2, 4, 3, 1, 5]),
+    ],
+)
+def test_join_automatic_ranks_contiguous_per_host_in_first_join_order(
+    srv: FakeServer, hosts: list[str], expected_ranks: list[int]
+) -> None:
+    world_size = len(hosts)
+    conns = [
+        srv.join(world_size=world_size, host=host, pid=100 + i) for i, host in enumerate(hosts)
+    ]
+    welcomes = [srv.only(conn, Welcome) for conn in conns]
+    assert [w.rank for w in welcomes] == expected_ranks
+    host_of_rank = {rank: hosts[i] for i, rank in enumerate(expected_ranks)}
+    for i, w in enumerate(welcomes):
+        same_host = sorted(r for r, h in host_of_rank.items() if h == hosts[i])
+        assert same_host == list(range(same_host[0], same_host[0] + len(same_host)))
+        assert w.local_rank == same_host.index(w.rank)
+        assert w.local_size == len(same_host)
+        assert w.members == welcomes[0].members
+    assert [row[0] for row in welcomes[0].members] == list(range(world_size))
+    for i, rank in enumerate(expected_ranks):
+        _, local_rank, host, pid, _ = welcomes[0].members[rank]
+        assert (host, pid, local_rank) == (hosts[i], 100 + i, welcomes[i].local_rank)
+
+
+def test_join_mixed_explicit_and_automatic_ranks_fills_free_ranks(srv: FakeServer) -> None:
+    # (rank asked for, host): explicit ranks are kept, automatic ones fill 1, 2, 3 by host.
+    joins = [(-1, "h1"), (0, "h2"), (-1, "h1"), (-1, "h2"), (4, "h1")]
+    conns = [
+        srv.join(world_size=5, rank=rank, host=host, pid=10 + i)
+        for i, (rank, host) in enumerate(joins)
+    ]
+    welcomes = [srv.only(conn, Welcome) for conn in conns]
+    assert [w.rank for w in welcomes] == [1, 0, 2, 3, 4]
+    assert [(w.local_rank, w.local_size) for w in welcomes] == [
+        (0, 3),
+        (0, 2),
+        (1, 3),
+        (1, 2),
+        (2, 3),
+    ]
+    assert [row[:4] for row in welcomes[0].members] == [
+        [0, 0, "h2", 11],
+        [1, 0, "h1", 10],
+        [2, 1, "h1", 12],
+        [3, 1, "h2", 13],
+        [4, 2, "h1", 14],
+    ]
+
+
+# --- conflicts leave the job intact ---------------------------------------------------
+
+
+def test_join_duplicate_explicit_rank_rejected_with_holder_details(srv: FakeServer) -> None:
+    a = srv.join(world_size=3, rank=0, host="alpha", pid=111)
+    b = srv.connect()
+    req = srv.call(b, Join, "job", 3, 0, "beta", 222, [], LONG, LONG)
+    err = srv.error(b, req, ErrorCode.DUPLICATE_RANK)
+    assert err.details == {"rank": 0, "host": "alpha", "pid": 111}
+    assert "rank 0" in err.message
+    assert len(srv.state.jobs["job"].members) == 1
+    assert srv.quiet()
+
+    srv.join(world_size=3, rank=1, host="beta", pid=222, conn=b)  # same connection, right rank
+    c = srv.join(world_size=3, rank=2, host="gamma", pid=333)
+    assert [srv.only(conn, Welcome).rank for conn in (a, b, c)] == [0, 1, 2]
+
+
+def test_join_world_size_mismatch_rejected_and_job_still_forms(srv: FakeServer) -> None:
+    a = srv.join(world_size=2, rank=0)
+    b = srv.connect()
+    req = srv.call(b, Join, "job", 3, 1, "node1", 2, [], LONG, LONG)
+    err = srv.error(b, req, ErrorCode.WORLD_SIZE_MISMATCH)
+    assert "2" in err.message
+    assert "3" in err.message
+    assert srv.state.jobs["job"].world_size == 2
+    assert len(srv.state.jobs["job"].members) == 1
+
+    srv.join(world_size=2, rank=1, conn=b)
+    assert srv.only(a, Welcome).world_size == 2
+    assert srv.only(b, Welcome).rank == 1
+
+
+def test_join_complete_job_rejected_job_full(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    c = srv.connect()
+    req = srv.call(c, Join, "job", 2, -1, "node9", 9, [], LONG, LONG)
+    srv.error(c, req, ErrorCode.JOB_FULL)
+    assert srv.quiet()
+    job = srv.state.jobs["job"]
+    assert [m.rank for m in job.by_rank] == [0, 1]
+    assert len(job.members) == 2
+    # the job works as before
+    srv.call(a, StoreSet, "k", b"v")
+    srv.only(a, Reply)
+    req = srv.call(b, StoreGet, "k", 5.0)
+    assert srv.reply(b, req) == b"v"
+
+
+@pytest.mark.parametrize(
+    ("group", "world_size", "rank", "heartbeat_timeout", "n_addresses"),
+    [
+        pytest.param("job", 0, -1, LONG, 1, id="world_size_0"),
+        pytest.param("job", 2, 2, LONG, 1, id="rank_eq_world_size"),
+        pytest.param("job", 2, 7, LONG, 1, id="rank_gt_world_size"),
+        pytest.param("job", 2, -2, LONG, 1, id="rank_below_minus_one"),
+        pytest.param("", 2, 1, LONG, 1, id="empty_group_name"),
+        pytest.param("job", 2, 1, 0.0, 1, id="heartbeat_timeout_0"),
+        pytest.param("job", 2, 1, LONG, 65, id="too_many_addresses"),
+    ],
+)
+def test_join_invalid_request_bad_request_and_job_still_forms(
+    srv: FakeServer,
+    group: str,
+    world_size: int,
+    rank: int,
+    heartbeat_timeout: float,
+    n_addresses: int,
+) -> None:
+    a = srv.join(world_size=2, rank=0)
+    b = srv.connect()
+    addresses = [f"tcp://h:{i}" for i in range(n_addresses)]
+    req = srv.call(b, Join, group, world_size, rank, "node1", 2, addresses, heartbeat_timeout, LONG)
+    srv.error(b, req, ErrorCode.BAD_REQUEST)
+    assert list(srv.state.jobs) == ["job"]
+    assert len(srv.state.jobs["job"].members) == 1
+    assert srv.quiet()
+
+    srv.join(world_size=2, rank=1, conn=b)
+    assert srv.only(a, Welcome).rank == 0
+    assert srv.only(b, Welcome).rank == 1
+
+
+def test_join_invalid_first_request_creates_no_job(srv: FakeServer) -> None:
+    conn = srv.connect()
+    req = srv.call(conn, Join, "job", 0, -1, "node0", 1, [], LONG, LONG)
+    srv.error(conn, req, ErrorCode.BAD_REQUEST)
+    assert srv.state.jobs == {}
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_join_second_time_on_same_connection_bad_request(srv: FakeServer, complete: bool) -> None:
+    a = srv.join(world_size=2, rank=0)
+    if complete:
+        b = srv.join(world_size=2, rank=1)
+        srv.only(a, Welcome)
+        srv.only(b, Welcome)
+    req = srv.call(a, Join, "job", 2, 1, "node0", 1, [], LONG, LONG)
+    err = srv.error(a, req, ErrorCode.BAD_REQUEST)
+    assert "already joined" in err.message
+    job = srv.state.jobs["job"]
+    assert len(job.members) == (2 if complete else 1)
+    assert job.members[0].conn == a
+    if not complete:
+        b = srv.join(world_size=2, rank=1)
+        assert srv.only(a, Welcome).rank == 0
+        assert srv.only(b, Welcome).rank == 1
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        StoreSet(7, "k", b"v"),
+        StoreGet(7, "k", 1.0),
+        StoreAdd(7, "k", 1),
+        StoreWait(7, ["k"], 1.0),
+        StoreCompareSet(7, "k", b"", b"v"),
+        StoreDeleteKey(7, "k"),
+        StoreNumKeys(7),
+        StoreCheck(7, ["k"]),
+        Barrier(7, 0, 1.0),
+    ],
+    ids=lambda msg: type(msg).__name__,
+)
+def test_store_op_before_join_not_joined(srv: FakeServer, msg: Any) -> None:
+    conn = srv.connect()
+    srv.send(conn, msg)
+    err = srv.error(conn, 7, ErrorCode.NOT_JOINED)
+    assert type(msg).__name__ in err.message
+    assert srv.state.jobs == {}
+
+
+def test_store_op_after_leave_not_joined(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    req = srv.call(a, Leave)
+    assert srv.reply(a, req) is None
+    req = srv.call(a, StoreSet, "k", b"v")
+    srv.error(a, req, ErrorCode.NOT_JOINED)
+
+
+def test_leave_before_join_replies_none(srv: FakeServer) -> None:
+    conn = srv.connect()
+    req = srv.call(conn, Leave)
+    assert srv.reply(conn, req) is None
+
+
+def test_server_to_client_message_from_client_bad_request(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    srv.send(a, Reply(5, None))
+    srv.error(a, 5, ErrorCode.BAD_REQUEST)
+
+
+# --- key-value store ------------------------------------------------------------------
+
+
+def test_store_set_then_get_returns_value(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreSet, "k", b"hello")
+    assert srv.reply(a, req) is None
+    req = srv.call(b, StoreGet, "k", 5.0)
+    assert srv.reply(b, req) == b"hello"
+    req = srv.call(a, StoreSet, "k", b"again")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreGet, "k", 5.0)
+    assert srv.reply(a, req) == b"again"
+
+
+def test_store_works_while_job_is_forming(srv: FakeServer) -> None:
+    a = srv.join(world_size=3)
+    req = srv.call(a, StoreSet, "k", b"v")
+    assert srv.reply(a, req) is None
+    b = srv.join(world_size=3)
+    req = srv.call(b, StoreGet, "k", 5.0)
+    assert srv.reply(b, req) == b"v"
+
+
+def test_store_get_missing_key_replies_only_once_another_member_sets_it(
+    srv: FakeServer,
+) -> None:
+    a, b = srv.form(2)
+    get_req = srv.call(a, StoreGet, "k", 30.0)
+    srv.call(b, StoreSet, "other", b"x")
+    srv.only(b, Reply)
+    srv.advance(10.0)
+    assert srv.take(a) == []
+    set_req = srv.call(b, StoreSet, "k", b"v")
+    assert srv.reply(b, set_req) is None
+    assert srv.reply(a, get_req) == b"v"
+    srv.advance(60.0)  # the get's deadline passes: no second answer
+    assert srv.quiet()
+
+
+def test_store_get_several_waiters_all_released(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    reqs = [srv.call(a, StoreGet, "k", 30.0), srv.call(b, StoreGet, "k", 30.0)]
+    srv.call(c, StoreSet, "k", b"v")
+    srv.only(c, Reply)
+    assert srv.reply(a, reqs[0]) == b"v"
+    assert srv.reply(b, reqs[1]) == b"v"
+
+
+def test_store_get_times_out_at_deadline_not_before(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    srv.advance(1.5)
+    req = srv.call(a, StoreGet, "missing/key", 5.0)
+    assert srv.state.next_deadline() is not None
+    srv.advance(6.4375)
+    assert srv.quiet()
+    srv.advance(6.5)
+    err = srv.error(a, req, ErrorCode.TIMEOUT)
+    assert "missing/key" in err.message
+    assert err.details == {"keys": ["missing/key"]}
+    srv.call(b, StoreSet, "missing/key", b"late")
+    srv.only(b, Reply)
+    assert srv.take(a) == []  # a timed-out get is not answered again
+
+
+def test_store_get_timeout_deadline_reported_by_next_deadline(srv: FakeServer) -> None:
+    conn = srv.join(world_size=1)
+    srv.only(conn, Welcome)
+    srv.call(conn, StoreGet, "k", 0.25)  # sooner than the first heartbeat sweep
+    assert srv.state.next_deadline() == 0.25
+
+
+def test_store_get_nonpositive_timeout_bad_request(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    req = srv.call(a, StoreGet, "k", 0.0)
+    srv.error(a, req, ErrorCode.BAD_REQUEST)
+
+
+def test_store_add_returns_new_value_stored_as_decimal_ascii(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreAdd, "n", 1)
+    assert srv.reply(a, req) == 1
+    req = srv.call(b, StoreAdd, "n", 2)
+    assert srv.reply(b, req) == 3
+    req = srv.call(a, StoreGet, "n", 5.0)
+    assert srv.reply(a, req) == b"3"
+    req = srv.call(a, StoreAdd, "n", -5)
+    assert srv.reply(a, req) == -2
+    req = srv.call(a, StoreGet, "n", 5.0)
+    assert srv.reply(a, req) == b"-2"
+
+
+def test_store_add_on_value_set_as_decimal_ascii(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    srv.call(a, StoreSet, "n", b"40")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreAdd, "n", 2)
+    assert srv.reply(a, req) == 42
+    req = srv.call(a, StoreAdd, "n", 0)
+    assert srv.reply(a, req) == 42
+
+
+def test_store_add_non_integer_value_bad_request_value_unchanged(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    srv.call(a, StoreSet, "k", b"abc")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreAdd, "k", 1)
+    err = srv.error(a, req, ErrorCode.BAD_REQUEST)
+    assert "'k'" in err.message
+    req = srv.call(a, StoreGet, "k", 5.0)
+    assert srv.reply(a, req) == b"abc"
+
+
+def test_store_add_wakes_waiting_get(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreGet, "n", 30.0)
+    srv.call(b, StoreAdd, "n", 5)
+    assert srv.only(b, Reply).value == 5
+    assert srv.reply(a, req) == b"5"
+
+
+def test_store_wait_several_keys_released_only_when_last_is_set(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreWait, ["x", "y", "z"], 30.0)
+    for key in ("y", "x"):
+        srv.call(b, StoreSet, key, b"1")
+        srv.only(b, Reply)
+        assert srv.take(a) == []
+    srv.call(b, StoreSet, "y", b"2")  # setting a key again releases nothing more
+    srv.only(b, Reply)
+    assert srv.take(a) == []
+    srv.call(b, StoreSet, "z", b"1")
+    srv.only(b, Reply)
+    assert srv.reply(a, req) is None
+    srv.advance(60.0)
+    assert srv.quiet()
+
+
+def test_store_wait_present_keys_replies_at_once(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    srv.call(a, StoreSet, "x", b"1")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreWait, ["x"], 5.0)
+    assert srv.reply(a, req) is None
+
+
+def test_store_wait_times_out_naming_missing_keys(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreWait, ["x", "y"], 4.0)
+    srv.call(b, StoreSet, "x", b"1")
+    srv.only(b, Reply)
+    srv.advance(3.9375)
+    assert srv.take(a) == []
+    srv.advance(4.0)
+    err = srv.error(a, req, ErrorCode.TIMEOUT)
+    assert err.details == {"keys": ["y"]}
+    assert "'y'" in err.message
+    srv.call(b, StoreSet, "y", b"1")
+    srv.only(b, Reply)
+    assert srv.take(a) == []
+
+
+@pytest.mark.parametrize(
+    ("initial", "expected", "desired", "returned", "stored"),
+    [
+        pytest.param(None, b"", b"new", b"new", b"new", id="missing_key_empty_expected_sets"),
+        pytest.param(b"old", b"old", b"new", b"new", b"new", id="match_sets_desired"),
+        pytest.param(b"old", b"other", b"new", b"old", b"old", id="mismatch_returns_current"),
+        pytest.param(None, b"exp", b"new", b"exp", None, id="missing_key_returns_expected"),
+        pytest.param(b"", b"", b"new", b"new", b"new", id="empty_value_matches_empty"),
+    ],
+)
+def test_store_compare_set_follows_tcpstore(
+    srv: FakeServer,
+    initial: bytes | None,
+    expected: bytes,
+    desired: bytes,
+    returned: bytes,
+    stored: bytes | None,
+) -> None:
+    a, _ = srv.form(2)
+    if initial is not None:
+        srv.call(a, StoreSet, "k", initial)
+        srv.only(a, Reply)
+    req = srv.call(a, StoreCompareSet, "k", expected, desired)
+    assert srv.reply(a, req) == returned
+    req = srv.call(a, StoreCheck, ["k"])
+    assert srv.reply(a, req) is (stored is not None)
+    if stored is not None:
+        req = srv.call(a, StoreGet, "k", 5.0)
+        assert srv.reply(a, req) == stored
+
+
+def test_store_compare_set_wakes_waiting_get(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreGet, "k", 30.0)
+    srv.call(b, StoreCompareSet, "k", b"", b"v")
+    srv.only(b, Reply)
+    assert srv.reply(a, req) == b"v"
+
+
+def test_store_delete_key_reports_whether_key_existed(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    srv.call(a, StoreSet, "k", b"v")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreDeleteKey, "k")
+    assert srv.reply(a, req) is True
+    req = srv.call(a, StoreDeleteKey, "k")
+    assert srv.reply(a, req) is False
+    req = srv.call(a, StoreCheck, ["k"])
+    assert srv.reply(a, req) is False
+    srv.call(a, StoreGet, "k", 5.0)
+    assert srv.take(a) == []  # a deleted key is missing again: get waits
+
+
+def test_store_num_keys_counts_keys(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreNumKeys)
+    assert srv.reply(a, req) == 0
+    for key in ("x", "y", "x"):
+        srv.call(b, StoreSet, key, b"1")
+        srv.only(b, Reply)
+    srv.call(b, StoreAdd, "n", 1)
+    srv.only(b, Reply)
+    req = srv.call(a, StoreNumKeys)
+    assert srv.reply(a, req) == 3
+    srv.call(a, StoreDeleteKey, "x")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreNumKeys)
+    assert srv.reply(a, req) == 2
+
+
+def test_store_check_true_only_when_every_key_present(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    srv.call(a, StoreSet, "x", b"1")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreCheck, ["x"])
+    assert srv.reply(a, req) is True
+    req = srv.call(a, StoreCheck, ["x", "y"])
+    assert srv.reply(a, req) is False
+    srv.call(a, StoreSet, "y", b"1")
+    srv.only(a, Reply)
+    req = srv.call(a, StoreCheck, ["x", "y"])
+    assert srv.reply(a, req) is True
+
+
+# --- barrier --------------------------------------------------------------------------
+
+
+def test_barrier_replies_to_all_only_when_every_rank_arrived(srv: FakeServer) -> None:
+    conns = srv.form(4)
+    reqs = {}
+    for conn in conns[:3]:
+        reqs[conn] = srv.call(conn, Barrier, 1, 30.0)
+        assert srv.quiet()
+    reqs[conns[3]] = srv.call(conns[3], Barrier, 1, 30.0)
+    for conn in conns:
+        assert srv.reply(conn, reqs[conn]) is None
+    srv.advance(60.0)
+    assert srv.quiet()
+
+
+def test_barrier_timeout_names_missing_ranks_and_late_arrival_gets_same_error(
+    srv: FakeServer,
+) -> None:
+    conns = srv.form(4)
+    reqs = {rank: srv.call(conns[rank], Barrier, 3, 5.0) for rank in (0, 2)}
+    srv.advance(4.9375)
+    assert srv.quiet()
+    srv.advance(5.0)
+    errors = [srv.error(conns[rank], reqs[rank], ErrorCode.TIMEOUT) for rank in (0, 2)]
+    for err in errors:
+        assert err.details == {"missing": [1, 3]}
+        assert err.message == errors[0].message
+    assert "[1, 3]" in errors[0].message
+
+    late = srv.call(conns[1], Barrier, 3, 5.0)
+    err = srv.error(conns[1], late, ErrorCode.TIMEOUT)
+    assert (err.message, err.details) == (errors[0].message, {"missing": [1, 3]})
+    srv.advance(20.0)
+    assert srv.quiet()
+
+
+def test_barrier_different_seqs_independent(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    a1 = srv.call(a, Barrier, 1, 30.0)
+    a2 = srv.call(a, Barrier, 2, 30.0)
+    b2 = srv.call(b, Barrier, 2, 30.0)
+    assert srv.reply(a, a2) is None
+    assert srv.reply(b, b2) is None
+    b1 = srv.call(b, Barrier, 1, 30.0)
+    assert srv.reply(a, a1) is None
+    assert srv.reply(b, b1) is None
+
+
+def test_barrier_timeout_of_one_seq_leaves_next_seq_working(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    a1 = srv.call(a, Barrier, 1, 2.0)
+    srv.advance(2.0)
+    assert srv.error(a, a1, ErrorCode.TIMEOUT).details == {"missing": [1]}
+    a2 = srv.call(a, Barrier, 2, 30.0)
+    b2 = srv.call(b, Barrier, 2, 30.0)
+    assert srv.reply(a, a2) is None
+    assert srv.reply(b, b2) is None
+
+
+def test_barrier_while_forming_not_joined(srv: FakeServer) -> None:
+    a = srv.join(world_size=2)
+    req = srv.call(a, Barrier, 0, 5.0)
+    srv.error(a, req, ErrorCode.NOT_JOINED)
+
+
+# --- liveness -------------------------------------------------------------------------
+
+
+def test_connection_lost_in_complete_job_notifies_every_other_member_once(
+    srv: FakeServer,
+) -> None:
+    conns = srv.form(4)
+    srv.lose(conns[2], "reset by peer")
+    for rank in (0, 1, 3):
+        notice = srv.only(conns[rank], MemberFailed)
+        assert (notice.rank, notice.host, notice.pid) == (2, host_of(2), pid_of(2))
+        assert "reset by peer" in notice.reason
+    assert srv.take(conns[2]) == []
+    srv.advance(30.0)
+    assert srv.quiet()
+    job = srv.state.jobs["job"]
+    assert [f[0] for f in job.failures] == [2]
+    assert srv.state.stats.failures == 1
+
+
+def test_connection_lost_fails_pending_waits_and_barriers_with_rank_failed(
+    srv: FakeServer,
+) -> None:
+    a, b, c = srv.form(3)
+    get_req = srv.call(a, StoreGet, "k", 30.0)
+    wait_req = srv.call(a, StoreWait, ["x", "y"], 30.0)
+    barrier_req = srv.call(b, Barrier, 0, 30.0)
+    srv.lose(c)
+    msgs_a, msgs_b = srv.take(a), srv.take(b)
+    assert [type(m) for m in msgs_a] == [MemberFailed, ErrorReply, ErrorReply]
+    assert [type(m) for m in msgs_b] == [MemberFailed, ErrorReply]
+    errors = {m.req_id: m for m in [*msgs_a[1:], *msgs_b[1:]]}
+    assert set(errors) == {get_req, wait_req, barrier_req}
+    for err in errors.values():
+        assert ErrorCode(err.code) is ErrorCode.RANK_FAILED
+        assert (err.details["rank"], err.details["pid"]) == (2, pid_of(2))
+        assert "rank 2" in err.message
+    # the job stays broken: a new barrier fails at once, and no deadline fires later
+    req = srv.call(b, Barrier, 1, 30.0)
+    assert srv.error(b, req, ErrorCode.RANK_FAILED).details["rank"] == 2
+    srv.advance(60.0)
+    assert srv.quiet()
+
+
+def test_connection_lost_barrier_waiter_gets_rank_failed(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    ra = srv.call(a, Barrier, 0, 30.0)
+    rb = srv.call(b, Barrier, 0, 30.0)
+    srv.lose(c)
+    for conn, req in ((a, ra), (b, rb)):
+        msgs = srv.take(conn)
+        assert [type(m) for m in msgs] == [MemberFailed, ErrorReply]
+        err = msgs[1]
+        assert (err.req_id, ErrorCode(err.code)) == (req, ErrorCode.RANK_FAILED)
+
+
+def test_heartbeat_silence_past_timeout_declared_failed_at_sweep(srv: FakeServer) -> None:
+    a, b = srv.form(2, heartbeat_timeout=2.0)
+    failed_at = None
+    t = 0.0
+    while t < 10.0 and failed_at is None:
+        srv.heartbeat(a)  # a keeps heartbeating, b has gone silent
+        t += 0.25
+        srv.advance(t)
+        if srv.inbox[a]:
+            failed_at = t
+    assert failed_at is not None, "b was never declared failed"
+    # declared after its heartbeat_timeout, at the first sweep past it (every timeout / 4)
+    assert 2.0 < failed_at <= 2.5
+    notice = srv.only(a, MemberFailed)
+    assert (notice.rank, notice.host, notice.pid) == (1, host_of(1), pid_of(1))
+    assert "heartbeat" in notice.reason
+    err = srv.error(b, 0, ErrorCode.RANK_FAILED)
+    assert "heartbeat" in err.message
+    assert srv.closed.pop(b) == ["missed heartbeats"]
+    # the sweep's Close makes the server drop the connection: nothing is reported twice
+    srv.lose(b)
+    for _ in range(40):
+        srv.heartbeat(a)
+        t += 0.25
+        srv.advance(t)
+    assert srv.quiet()
+    assert [m.rank for m in srv.state.jobs["job"].members] == [0]
+
+
+def test_heartbeat_messages_keep_members_alive(srv: FakeServer) -> None:
+    conns = srv.form(3, heartbeat_timeout=1.0)
+    t = 0.0
+    for _ in range(200):
+        srv.heartbeat(*conns)
+        t += 0.5
+        srv.advance(t)
+    assert srv.quiet()
+    assert srv.state.jobs["job"].failures == []
+
+
+def test_any_message_counts_as_heartbeat(srv: FakeServer) -> None:
+    a, b = srv.form(2, heartbeat_timeout=1.0)
+    t = 0.0
+    for _ in range(20):
+        srv.call(a, StoreNumKeys)
+        srv.only(a, Reply)
+        srv.heartbeat(b)
+        t += 0.5
+        srv.advance(t)
+    assert srv.quiet()
+
+
+def test_heartbeat_timeout_detected_promptly_beside_job_with_long_timeout(
+    srv: FakeServer,
+) -> None:
+    srv.form(1, group="slow", heartbeat_timeout=40.0)  # sweeps every 1.0 s
+    a, _ = srv.form(2, group="fast", heartbeat_timeout=0.5)  # needs a sweep every 0.125 s
+    srv.heartbeat(a)
+    srv.advance(0.5)
+    srv.heartbeat(a)
+    assert srv.quiet()
+    srv.advance(0.75)
+    assert srv.only(a, MemberFailed).rank == 1
+
+
+def test_heartbeat_silence_while_forming_not_a_failure(srv: FakeServer) -> None:
+    # a rank that waits long for the others to start has not missed heartbeats
+    a = srv.join(world_size=2, rank=0, heartbeat_timeout=2.0)
+    srv.advance(30.0)
+    b = srv.join(world_size=2, rank=1, heartbeat_timeout=2.0)
+    srv.only(a, Welcome)
+    srv.only(b, Welcome)
+    srv.advance(31.0)
+    assert srv.quiet()
+    assert srv.state.jobs["job"].failures == []
+    # from then on silence counts: b heartbeats, a does not
+    t = 31.0
+    while t < 34.0:
+        srv.heartbeat(b)
+        t += 0.25
+        srv.advance(t)
+    assert srv.only(b, MemberFailed).rank == 0
+
+
+def test_leave_is_not_a_failure(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    req = srv.call(b, Leave)
+    assert srv.reply(b, req) is None
+    srv.lose(b)
+    srv.advance(30.0)
+    assert srv.quiet()
+    job = srv.state.jobs["job"]
+    assert job.failures == []
+    assert [m.conn for m in job.members] == [a, c]
+    assert srv.state.stats.failures == 0
+
+
+def test_leave_while_others_wait_at_barrier_fails_barrier_group_broken(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    ra = srv.call(a, Barrier, 0, 30.0)
+    srv.call(c, Leave)
+    srv.only(c, Reply)
+    err = srv.error(a, ra, ErrorCode.GROUP_BROKEN)
+    assert "rank 2" in err.message
+    rb = srv.call(b, Barrier, 0, 30.0)
+    srv.error(b, rb, ErrorCode.GROUP_BROKEN)
+    assert srv.take(a) == []
+
+
+@pytest.mark.parametrize("rank", [1, -1])
+def test_forming_member_disconnect_drops_out_and_replacement_completes_job(
+    srv: FakeServer, rank: int
+) -> None:
+    a = srv.join(world_size=3, rank=0, host="h0", pid=10)
+    gone = srv.join(world_size=3, rank=rank, host="h1", pid=11)
+    srv.lose(gone)
+    assert srv.quiet()
+    job = srv.state.jobs["job"]
+    assert [m.pid for m in job.members] == [10]
+    assert job.failures == []
+
+    b = srv.join(world_size=3, rank=rank, host="h1", pid=21)
+    c = srv.join(world_size=3, rank=2, host="h2", pid=22)
+    welcomes = [srv.only(conn, Welcome) for conn in (a, b, c)]
+    assert [w.rank for w in welcomes] == [0, 1, 2]
+    assert [row[3] for row in welcomes[0].members] == [10, 21, 22]
+    assert srv.take(gone) == []
+    assert srv.state.stats.failures == 0
+
+
+def test_forming_member_leave_drops_out(srv: FakeServer) -> None:
+    a = srv.join(world_size=2, rank=0)
+    req = srv.call(a, Leave)
+    assert srv.reply(a, req) is None
+    assert srv.state.jobs == {}
+    b = srv.join(world_size=2, rank=0)
+    c = srv.join(world_size=2, rank=1)
+    assert srv.only(b, Welcome).rank == 0
+    assert srv.only(c, Welcome).rank == 1
+
+
+def test_join_timeout_while_forming_rendezvous_timeout(srv: FakeServer) -> None:
+    a = srv.connect()
+    req_a = srv.call(a, Join, "job", 4, 0, "h0", 10, [], LONG, 10.0)
+    srv.advance(5.0)
+    b = srv.connect()
+    req_b = srv.call(b, Join, "job", 4, 1, "h1", 11, [], LONG, 10.0)
+    srv.advance(9.9375)
+    assert srv.quiet()
+    srv.advance(10.0)
+    err = srv.error(a, req_a, ErrorCode.RENDEZVOUS_TIMEOUT)
+    assert "2 of 4" in err.message
+    assert srv.take(b) == []
+    assert [m.pid for m in srv.state.jobs["job"].members] == [11]
+
+    srv.advance(15.0)
+    err = srv.error(b, req_b, ErrorCode.RENDEZVOUS_TIMEOUT)
+    assert "1 of 4" in err.message
+    assert srv.state.jobs == {}
+    # the connection may try again, and the rank it held is free
+    srv.join(world_size=2, rank=0, conn=a)
+    c = srv.join(world_size=2, rank=1)
+    assert srv.only(a, Welcome).rank == 0
+    assert srv.only(c, Welcome).rank == 1
+
+
+def test_join_timeout_does_not_fire_once_job_formed(srv: FakeServer) -> None:
+    a = srv.join(world_size=2, timeout=5.0)
+    srv.advance(4.0)
+    b = srv.join(world_size=2, timeout=5.0)
+    srv.only(a, Welcome)
+    srv.only(b, Welcome)
+    srv.advance(20.0)
+    assert srv.quiet()
+
+
+# --- job lifetime ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["leave", "disconnect"])
+def test_job_dropped_when_all_members_gone(srv: FakeServer, how: str) -> None:
+    conns = srv.form(3)
+    srv.call(conns[0], StoreGet, "never", 30.0)
+    for i, conn in enumerate(conns):
+        assert "job" in srv.state.jobs, f"dropped with {len(conns) - i} members left"
+        if how == "leave":
+            srv.call(conn, Leave)
+        srv.lose(conn)
+    assert "job" not in srv.state.jobs
+    srv.take(conns[0])
+    srv.advance(60.0)  # the dropped job's deadlines are gone with it
+    assert not srv.inbox[conns[0]]
+    assert srv.state.snapshot(srv.now)["jobs"] == []
+
+
+def test_two_jobs_side_by_side_independent(srv: FakeServer) -> None:
+    a0 = srv.join("a", 2, 0)
+    b0 = srv.join("b", 3, 0)  # the same rank in another job is no conflict
+    b1 = srv.join("b", 3, 1)
+    a1 = srv.join("a", 2, 1)
+    assert srv.only(a0, Welcome).world_size == 2
+    assert srv.only(a1, Welcome).rank == 1
+    assert srv.quiet()
+    b2 = srv.join("b", 3, 2)
+    assert [srv.only(c, Welcome).world_size for c in (b0, b1, b2)] == [3, 3, 3]
+
+    srv.call(a0, StoreSet, "k", b"in a")
+    srv.only(a0, Reply)
+    req = srv.call(b0, StoreCheck, ["k"])
+    assert srv.reply(b0, req) is False
+    req = srv.call(b0, StoreNumKeys)
+    assert srv.reply(b0, req) == 0
+
+    srv.lose(a1)
+    assert srv.only(a0, MemberFailed).rank == 1
+    assert srv.quiet()
+    req = srv.call(b0, Barrier, 0, 30.0)
+    srv.call(b1, Barrier, 0, 30.0)
+    srv.call(b2, Barrier, 0, 30.0)
+    assert srv.reply(b0, req) is None
+    assert srv.state.jobs["b"].failures == []
+
+
+def test_job_same_name_forms_again_after_old_job_ended(srv: FakeServer) -> None:
+    old = srv.form(2)
+    srv.call(old[0], StoreSet, "k", b"old")
+    srv.only(old[0], Reply)
+    srv.lose(old[0])
+    srv.lose(old[1])
+    assert srv.state.jobs == {}
+
+    new = [srv.join(world_size=3) for _ in range(3)]
+    assert [srv.only(c, Welcome).world_size for c in new] == [3, 3, 3]
+    req = srv.call(new[0], StoreNumKeys)
+    assert srv.reply(new[0], req) == 0
+    assert srv.state.jobs["job"].failures == []
+
+
+def test_job_full_until_every_member_gone(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    srv.call(a, Leave)
+    srv.only(a, Reply)
+    c = srv.connect()
+    req = srv.call(c, Join, "job", 2, -1, "h", 1, [], LONG, LONG)
+    srv.error(c, req, ErrorCode.JOB_FULL)
+    srv.call(b, Leave)
+    srv.only(b, Reply)
+    srv.join(world_size=1, conn=c)
+    assert srv.only(c, Welcome).world_size == 1
+
+
+# --- close, status --------------------------------------------------------------------
+
+
+def test_close_sends_server_closing_to_every_connection(srv: FakeServer) -> None:
+    members = srv.form(2)
+    forming = srv.join("other", 3)
+    idle = srv.connect()
+    gone = srv.connect()
+    srv.lose(gone)
+    srv.state.close("maintenance")
+    srv._collect()
+    for conn in [*members, forming, idle]:
+        assert srv.only(conn, ServerClosing).reason == "maintenance"
+    assert srv.take(gone) == []
+
+
+def test_snapshot_reports_jobs_members_failures(srv: FakeServer) -> None:
+    conns = srv.form(3)
+    srv.join("forming", 4, 2, host="hx", pid=77)
+    srv.call(conns[0], StoreSet, "k", b"v")
+    srv.advance(2.0)
+    srv.lose(conns[1])
+    snap = srv.state.snapshot(5.0)
+    assert snap["uptime"] == 5.0
+    assert snap["connections"] == 3  # one of the four was lost
+    assert snap["stats"]["jobs_formed"] == 1
+    assert snap["stats"]["joins"] == 4
+    assert snap["stats"]["failures"] == 1
+    jobs = {job["name"]: job for job in snap["jobs"]}
+    assert set(jobs) == {"job", "forming"}
+
+    job = jobs["job"]
+    assert (job["world_size"], job["joined"], job["state"], job["keys"]) == (3, 2, "failed", 1)
+    assert [(m["rank"], m["host"], m["pid"], m["status"]) for m in job["members"]] == [
+        (0, host_of(0), pid_of(0), "active"),
+        (2, host_of(2), pid_of(2), "active"),
+    ]
+    assert all(m["heartbeat_age"] == 5.0 for m in job["members"])
+    [failure] = job["failures"]
+    assert (failure["rank"], failure["host"], failure["pid"]) == (1, host_of(1), pid_of(1))
+
+    forming = jobs["forming"]
+    assert (forming["world_size"], forming["joined"], forming["state"]) == (4, 1, "forming")
+    assert [(m["rank"], m["host"], m["pid"]) for m in forming["members"]] == [(2, "hx", 77)]
+    assert forming["failures"] == []
+
+
+def test_status_request_replies_with_snapshot_without_joining(srv: FakeServer) -> None:
+    srv.form(2)
+    conn = srv.connect()
+    req = srv.call(conn, StatusRequest)
+    snap = srv.reply(conn, req)
+    assert [job["name"] for job in snap["jobs"]] == ["job"]
+    assert snap["connections"] == 3
