@@ -70,6 +70,7 @@ class MessageKind(enum.IntEnum):
     PEER_HELLO = 64
     DATA = 65
     PEER_ERROR = 66
+    PEER_BYE = 67
 
 
 class ErrorCode(enum.IntEnum):

@@ -1,0 +1,101 @@
+"""Sans-IO message matching: posted receives against arriving messages.
+
+Every data-plane message carries a *key* (group, tag or collective sequence
+number, step) and comes from a source rank. A receive names a key and either
+a source or any source (``None``). The rules, as MPI's:
+
+- A message matches the *earliest posted* receive with its key whose source is
+  its source or any source.
+- A receive matches the *earliest arrived* unexpected message with its key
+  (from its source, when it names one).
+- Messages from one source with one key match in the order they arrived
+  (non-overtaking); the transport keeps them in send order.
+
+The matcher stores opaque receive and message objects; it never touches
+buffers, sockets or futures.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["Matcher"]
+
+R = TypeVar("R")  # a posted receive
+M = TypeVar("M")  # an unexpected message
+
+Key = Hashable
+
+
+class Matcher(Generic[R, M]):
+    """Match receives to messages by (source, key)."""
+
+    def __init__(self) -> None:
+        self._order = itertools.count()
+        self._posted: dict[tuple[int, Key], deque[tuple[int, R]]] = {}
+        self._posted_any: dict[Key, deque[tuple[int, R]]] = {}
+        self._unexpected: dict[Key, deque[tuple[int, M]]] = {}
+
+    def __len__(self) -> int:
+        """Posted receives plus buffered messages (zero when idle)."""
+        return (
+            sum(map(len, self._posted.values()))
+            + sum(map(len, self._posted_any.values()))
+            + sum(map(len, self._unexpected.values()))
+        )
+
+    @property
+    def num_unexpected(self) -> int:
+        return sum(map(len, self._unexpected.values()))
+
+    def post(self, src: int | None, key: Key, recv: R) -> tuple[int, M] | None:
+        """Post a receive. Returns ``(source, message)`` if one already arrived, else None."""
+        queue = self._unexpected.get(key)
+        if queue:
+            for i, (msg_src, msg) in enumerate(queue):
+                if src is None or msg_src == src:
+                    del queue[i]
+                    if not queue:
+                        del self._unexpected[key]
+                    return msg_src, msg
+        entry = (next(self._order), recv)
+        if src is None:
+            self._posted_any.setdefault(key, deque()).append(entry)
+        else:
+            self._posted.setdefault((src, key), deque()).append(entry)
+        return None
+
+    def arrive(self, src: int, key: Key) -> R | None:
+        """A message's header arrived: take the receive it matches, or None."""
+        specific = self._posted.get((src, key))
+        anysrc = self._posted_any.get(key)
+        if specific and (not anysrc or specific[0][0] < anysrc[0][0]):
+            _, recv = specific.popleft()
+            if not specific:
+                del self._posted[(src, key)]
+            return recv
+        if anysrc:
+            _, recv = anysrc.popleft()
+            if not anysrc:
+                del self._posted_any[key]
+            return recv
+        return None
+
+    def buffer(self, src: int, key: Key, msg: M) -> None:
+        """Keep a message nobody has asked for yet."""
+        self._unexpected.setdefault(key, deque()).append((src, msg))
+
+    def take_all_posted(self) -> list[R]:
+        """Remove and return every posted receive (to fail them together)."""
+        entries = [e for q in self._posted.values() for e in q]
+        entries += [e for q in self._posted_any.values() for e in q]
+        self._posted.clear()
+        self._posted_any.clear()
+        return [recv for _, recv in sorted(entries, key=lambda e: e[0])]
+
+    def posted_from(self, src: int) -> list[R]:
+        """Posted receives that name ``src`` (they can never complete if ``src`` died)."""
+        return [recv for (s, _), q in self._posted.items() if s == src for _, recv in q]

@@ -1,0 +1,1 @@
+"""The data plane's transports. The rest of the package imports ``base`` only."""

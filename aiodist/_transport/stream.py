@@ -1,0 +1,188 @@
+"""``asyncio.BufferedProtocol`` glue shared by stream transports (TCP, Unix sockets).
+
+Receiving: headers land in a scratch buffer and go through ``FrameDecoder``;
+once a frame's header names its payload, ``get_buffer`` hands the event loop
+the destination's own memory (a tensor's, for a matched receive), so large
+payloads are read straight into place with no intermediate copy.
+
+Sending: the payload is written as memoryview slices of about 1 MiB (one huge
+write is slow on the default loop). The write buffer's high-water mark is 0,
+so the transport pauses us whenever anything is left unsent and resumes us
+once it is all in the kernel: ``send`` returns exactly when the caller may
+reuse the payload's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Final, cast
+
+from aiodist._errors import ProtocolError
+from aiodist._wire.frame import (
+    NEED_DATA,
+    Frame,
+    FrameDecoder,
+    KiB,
+    Limits,
+    MiB,
+    PayloadChunk,
+    encode_frame,
+)
+
+if TYPE_CHECKING:
+    from aiodist._transport.base import FrameSink
+    from aiodist._wire.frame import Buffer
+
+__all__ = ["StreamChannel"]
+
+logger = logging.getLogger(__name__)
+
+SCRATCH_BYTES: Final = 256 * KiB
+WRITE_SLICE_BYTES: Final = 1 * MiB
+COALESCE_BYTES: Final = 64 * KiB  # smaller payloads go out in one write with their header
+DATA_LIMITS: Final = Limits(max_header_bytes=16 * MiB)
+
+
+class StreamChannel(asyncio.BufferedProtocol):
+    """A ``DataChannel`` over a byte stream."""
+
+    def __init__(self, sink: FrameSink, limits: Limits = DATA_LIMITS) -> None:
+        self._sink = sink
+        self._decoder = FrameDecoder(limits)
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._frame: Frame | None = None
+        self._dest: memoryview | None = None
+        self._dest_offset = 0
+        self._transport: asyncio.Transport | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._closed_exc: Exception | None = None
+        self._lost = False
+        self.peer = "?"
+        self.connected = asyncio.get_running_loop().create_future()
+
+    # --- asyncio.BufferedProtocol ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast("asyncio.Transport", transport)
+        self._transport.set_write_buffer_limits(high=0, low=0)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else repr(peer)
+        if not self.connected.done():
+            self.connected.set_result(None)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._dest is not None and not self._decoder.buffered_nbytes:
+            return self._dest[self._dest_offset :]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._dest is not None and not self._decoder.buffered_nbytes:
+                self._decoder.consume_payload(nbytes)
+                self._dest_offset += nbytes
+                if not self._decoder.payload_remaining:
+                    self._payload_done()
+                return
+            self._decoder.receive_data(self._scratch[:nbytes])
+            self._process()
+        except ProtocolError as exc:
+            self._fail(exc)
+        except Exception as exc:  # mid-frame state is unknown: drop the connection
+            logger.exception("data channel from %s failed", self.peer)
+            self._fail(exc)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if (
+            self._closed_exc is None
+            and exc is None
+            and (self._frame is not None or self._decoder.buffered_nbytes)
+        ):
+            exc = ProtocolError(f"peer {self.peer} closed the connection in the middle of a frame")
+        self._closed_exc = self._closed_exc or exc
+        waiter = self._writable
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError(f"connection to {self.peer} was lost"))
+        if not self.connected.done():
+            self.connected.set_exception(ConnectionResetError(f"connection to {self.peer} lost"))
+        self._sink.channel_closed(self, self._closed_exc)
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # --- receiving --------------------------------------------------------------------
+
+    def _process(self) -> None:
+        dec = self._decoder
+        while (event := dec.next_event()) is not NEED_DATA:
+            if isinstance(event, Frame):
+                self._frame = event
+                dest = self._sink.frame_received(self, event)
+                if event.payload_nbytes:
+                    if dest is None or dest.nbytes != event.payload_nbytes:
+                        raise ProtocolError("frame sink gave no buffer of the payload's size")
+                    self._dest, self._dest_offset = dest, 0
+                else:
+                    self._payload_done()
+            elif isinstance(event, PayloadChunk):
+                assert self._dest is not None
+                n = len(event.data)
+                self._dest[self._dest_offset : self._dest_offset + n] = event.data
+                self._dest_offset += n
+                if not dec.payload_remaining:
+                    self._payload_done()
+            else:  # CLOSED: connection_lost follows
+                return
+
+    def _payload_done(self) -> None:
+        frame, self._frame, self._dest = self._frame, None, None
+        assert frame is not None
+        self._sink.payload_received(self, frame)
+
+    def _fail(self, exc: Exception) -> None:
+        self._closed_exc = exc
+        if self._transport is not None:
+            self._transport.abort()
+
+    # --- sending ----------------------------------------------------------------------
+
+    async def send(self, kind: int, header: object, payload: Buffer | None = None) -> None:
+        transport = self._transport
+        if transport is None or self._lost or transport.is_closing():
+            raise ConnectionResetError(f"connection to {self.peer} is closed")
+        parts = encode_frame(kind, header, payload)
+        if len(parts) == 1:
+            transport.write(parts[0])
+        else:
+            view = memoryview(parts[1]).cast("B")
+            if view.nbytes <= COALESCE_BYTES:
+                transport.write(bytes(parts[0]) + view)
+            else:
+                transport.write(parts[0])
+                for start in range(0, view.nbytes, WRITE_SLICE_BYTES):
+                    transport.write(view[start : start + WRITE_SLICE_BYTES])
+        writable = self._writable
+        if writable is not None and not writable.done():
+            try:
+                await asyncio.shield(writable)
+            except asyncio.CancelledError:
+                self.abort()  # a frame may be half-written: the stream is unusable
+                raise
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()

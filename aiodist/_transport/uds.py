@@ -1,0 +1,75 @@
+"""Unix-domain-socket transport for ranks on one host: ``uds:NAME``.
+
+Names live in Linux's abstract namespace: no file to create, clean up or
+leave behind after a crash. The sockets are made here and handed to the loop
+(``sock=``) because uvloop cannot connect to an abstract name by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from aiodist._transport.stream import StreamChannel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from aiodist._transport.base import FrameSink
+
+__all__ = ["UdsListener", "available", "connect", "listen", "scheme"]
+
+scheme: Final = "uds"
+SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
+
+
+def available() -> bool:
+    """Abstract Unix sockets exist on Linux only."""
+    return sys.platform.startswith("linux")
+
+
+@dataclass
+class UdsListener:
+    address: str
+    server: asyncio.Server
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _tune(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
+
+async def listen(host: str, sink_factory: Callable[[], FrameSink]) -> UdsListener:
+    """Listen on a fresh abstract name (``host`` is unused: same-host only)."""
+    loop = asyncio.get_running_loop()
+    name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    _tune(sock)
+    sock.bind("\0" + name)
+    sock.listen(1024)
+    sock.setblocking(False)
+    server = await loop.create_unix_server(lambda: StreamChannel(sink_factory()), sock=sock)
+    return UdsListener(f"uds:{name}", server)
+
+
+async def connect(address: str, sink: FrameSink) -> StreamChannel:
+    """Connect to a ``uds:`` address a rank on this host published."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _tune(sock)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, "\0" + address.removeprefix("uds:"))
+        _, channel = await loop.create_unix_connection(lambda: StreamChannel(sink), sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+    return channel

@@ -1,0 +1,1 @@
+"""Benchmarks: aiodist against torch.distributed, measured in the same run."""

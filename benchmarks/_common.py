@@ -1,0 +1,125 @@
+"""Small helpers shared by the benchmark scripts: clocks, summaries, tables, JSON results.
+
+Benchmarks print their own tables (unlike the library, where only ``_cli.py``
+prints) and write machine-readable results to ``benchmarks/results/``, which git
+ignores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "RESULTS_DIR",
+    "Summary",
+    "environment",
+    "format_table",
+    "now",
+    "raise_fd_limit",
+    "summarize",
+    "write_results",
+]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def now() -> float:
+    """Seconds on a clock that every process of this machine shares.
+
+    ``time.monotonic`` is ``CLOCK_MONOTONIC`` on Linux and macOS: one process
+    can stamp a start and another an end, and the difference is meaningful.
+    """
+    return time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Median and spread of repeated measurements, in the samples' unit."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    def spread(self, scale: float = 1.0, digits: int = 1) -> str:
+        """``"min–max"`` scaled (e.g. by 1000 for seconds to ms)."""
+        return f"{self.min * scale:.{digits}f}–{self.max * scale:.{digits}f}"
+
+
+def summarize(samples: Sequence[float]) -> Summary | None:
+    """Median, min and max of ``samples``; None when there are none."""
+    if not samples:
+        return None
+    return Summary(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def raise_fd_limit(wanted: int) -> int:
+    """Raise this process's open-file limit towards ``wanted`` (capped at the hard limit).
+
+    Child processes inherit the new limit. Returns the soft limit now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    for name in ("torch", "anyio", "uvloop", "msgpack"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            info[name] = None
+    return info
+
+
+def write_results(name: str, data: dict[str, Any]) -> Path:
+    """Write ``data`` (plus ``environment()``) to ``benchmarks/results/{name}.json``."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "environment": environment(), **data}
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(obj: object) -> object:
+    if isinstance(obj, Summary):
+        return asdict(obj)
+    raise TypeError(f"cannot write {type(obj).__name__} as JSON")
