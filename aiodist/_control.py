@@ -67,6 +67,7 @@ class ControlConnection(asyncio.Protocol):
         self._error: DistError | None = None
         self.on_notice = on_notice
         self.server = "?"
+        self.local_host = "127.0.0.1"
 
     # --- asyncio.Protocol ------------------------------------------------------------
 
@@ -75,6 +76,9 @@ class ControlConnection(asyncio.Protocol):
         self._transport = cast("asyncio.Transport", transport)
         peer = transport.get_extra_info("peername")
         self.server = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        local = transport.get_extra_info("sockname")
+        # The numeric address this host reaches the server from: peers can reach it too.
+        self.local_host = str(local[0]) if isinstance(local, tuple) else "127.0.0.1"
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -11,23 +11,27 @@ owned by ``open_process_group``; nothing outlives the ``async with``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 
-from aiodist._errors import ClosedError, DistError, RankFailedError
+from aiodist._errors import ClosedError, DistError, DistTimeoutError, RankFailedError, from_wire
+from aiodist._peers import DataPlane
 from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
 from aiodist._store import REPLY_GRACE, Store
 from aiodist._wire.messages import Barrier, Heartbeat, Join, Leave, MemberFailed, Welcome
+from aiodist._work import Work
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 
     from anyio.abc import TaskGroup
 
@@ -45,6 +49,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
 DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
@@ -77,8 +83,10 @@ class Session:
         backend: str | None,
         heartbeat_interval: float,
         server: RendezvousServer | None,
+        plane: DataPlane,
     ) -> None:
         self.conn = conn
+        self.plane = plane
         self.group_name = group_name
         self.timeout = timeout
         self.backend = backend
@@ -96,7 +104,43 @@ class Session:
         self.error: DistError | None = None
         self.closed = False
         self._barrier_seq = 0
-        self.world = ProcessGroup(self, list(range(self.world_size)), name=group_name)
+        self._group_ids = itertools.count(1)
+        self.inflight: set[asyncio.Task[None]] = set()
+        me = self.members[self.rank]
+        plane.set_members(
+            self.rank,
+            {m.rank: m.addresses for m in self.members},
+            {m.rank for m in self.members if m.host == me.host},
+        )
+        plane.on_peer_lost = self._peer_lost
+        plane.on_peer_error = self._peer_error
+        self.world = ProcessGroup(self, list(range(self.world_size)), name=group_name, group_id=0)
+        self.groups: dict[int, ProcessGroup] = {0: self.world}
+
+    def next_group_id(self) -> int:
+        return next(self._group_ids)
+
+    def _peer_lost(self, rank: int, reason: str) -> None:
+        m = self.members[rank]
+        self.fail(
+            RankFailedError(
+                f"rank {rank} (host {m.host}, pid {m.pid}) failed: {reason}; group "
+                f"{self.group_name!r} is broken on all ranks. Restart the job.",
+                rank=rank,
+                host=m.host,
+                pid=m.pid,
+                reason=reason,
+            )
+        )
+
+    def _peer_error(self, src: int, header: Any) -> None:
+        try:
+            group_id, code, message, details = header
+            group = self.groups[group_id]
+        except (ValueError, TypeError, KeyError):
+            logger.warning("ignoring a malformed error notice from rank %d", src)
+            return
+        group.break_(from_wire(code, message, details), notify=False)
 
     def on_notice(self, notice: Notice) -> None:
         if isinstance(notice, MemberFailed):
@@ -117,6 +161,7 @@ class Session:
         if self.error is None:
             self.error = exc
             logger.error("%s", exc)
+        self.plane.fail(self.error)
 
     def check_usable(self) -> None:
         if self.closed:
@@ -138,6 +183,11 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        if self.inflight:
+            # Operations already started complete for the peers' sake (bounded).
+            with anyio.move_on_after(self.timeout):
+                await asyncio.gather(*self.inflight, return_exceptions=True)
+        await self.plane.aclose()
         if not self.conn.closed:
             with contextlib.suppress(DistError), anyio.move_on_after(5):
                 await self.conn.request(Leave)
@@ -163,12 +213,98 @@ class ProcessGroup:
         ranks: The global rank of each group rank.
     """
 
-    def __init__(self, session: Session, ranks: list[int], *, name: str) -> None:
+    def __init__(self, session: Session, ranks: list[int], *, name: str, group_id: int) -> None:
         self._session = session
         self.ranks = ranks
         self.name = name
+        self.group_id = group_id
         self.world_size = len(ranks)
         self.rank = ranks.index(session.rank) if session.rank in ranks else -1
+        self.timeout = session.timeout
+        self.error: DistError | None = None
+        self._seq = 0
+
+    def check_usable(self) -> None:
+        """Raise the error that broke this group (or its session), if any."""
+        self._session.check_usable()
+        if self.error is not None:
+            raise self.error
+        if self.rank < 0:
+            raise ValueError(f"this process (rank {self._session.rank}) is not in {self!r}")
+
+    def break_(self, exc: DistError, *, notify: bool = True) -> None:
+        """Mark this group unusable with ``exc`` on this rank and (``notify``) on every member."""
+        if self.error is not None:
+            return
+        self.error = exc
+        logger.error("group %r broken: %s", self.name, exc)
+        plane = self._session.plane
+        plane.fail(exc, self.group_id)
+        if notify:
+            header = [self.group_id, exc.code, str(exc), exc.wire_details()]
+            for rank in self.ranks:
+                if rank != self._session.rank:
+                    self._spawn(self._notify(rank, header))
+
+    async def _notify(self, rank: int, header: list[Any]) -> None:
+        with contextlib.suppress(OSError, DistError):
+            await self._session.plane.send_error(rank, header)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._session.inflight.add(task)
+        task.add_done_callback(self._session.inflight.discard)
+
+    def start(
+        self, description: str, op: Callable[[int], Awaitable[T]], *, collective: bool = True
+    ) -> Work[T]:
+        """Run ``op(seq)`` as this group's next operation and return its handle.
+
+        The sequence number is taken now, at call time, so every rank numbers its
+        operations in the same order however tasks are scheduled. A timeout or an
+        error that makes the operation impossible breaks the group for every member.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                f"{description} must be called from the event loop that joined the job; "
+                "from plain code use aiodist.sync"
+            ) from None
+        self.check_usable()
+        if collective:  # point-to-point takes no sequence number: not every rank calls it
+            self._seq += 1
+        seq = self._seq
+        future: asyncio.Future[T] = loop.create_future()
+
+        async def run() -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    result = await op(seq)
+            except TimeoutError:
+                exc: BaseException = DistTimeoutError(
+                    f"{description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
+                    "a rank may not have called it, or may be stuck. The group is broken."
+                )
+                self.break_(exc)  # type: ignore[arg-type]
+                future.set_exception(exc)
+            except DistError as exc:
+                if collective and self.error is None and self._session.error is None:
+                    self.break_(exc)
+                future.set_exception(exc)
+            except BaseException as exc:
+                future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                future.set_result(result)
+            future.exception() if future.done() and not future.cancelled() else None
+
+        self._spawn(run())
+        return Work(future, f"{description}#{seq}")
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"
@@ -297,7 +433,9 @@ async def _joined(
             session_box[0].on_notice(notice)
 
     conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=on_notice)
+    plane = DataPlane(name, on_peer_lost=lambda r, why: None, on_peer_error=lambda r, h: None)
     try:
+        addresses = [*(addresses or []), *await plane.listen(conn.local_host)]
         join = Join(
             0,
             name,
@@ -315,6 +453,8 @@ async def _joined(
         )
     except BaseException:
         conn.close()
+        with anyio.CancelScope(shield=True):
+            await plane.aclose()
         raise
     session = Session(
         conn,
@@ -324,6 +464,7 @@ async def _joined(
         backend=backend,
         heartbeat_interval=interval,
         server=server,
+        plane=plane,
     )
     if spec.local_rank is not None:
         session.local_rank = spec.local_rank  # the launcher's word wins, as in torch

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["Matcher"]
 
 R = TypeVar("R")  # a posted receive
 M = TypeVar("M")  # an unexpected message
 
-Key = Hashable
+Key = tuple[int, ...]
 
 
 class Matcher(Generic[R, M]):
@@ -95,6 +97,15 @@ class Matcher(Generic[R, M]):
         self._posted.clear()
         self._posted_any.clear()
         return [recv for _, recv in sorted(entries, key=lambda e: e[0])]
+
+    def take_posted_where(self, keep: Callable[[Key], bool]) -> list[R]:
+        """Remove and return the posted receives whose key satisfies ``keep``."""
+        out: list[tuple[int, R]] = []
+        for src_key in [k for k in self._posted if keep(k[1])]:
+            out.extend(self._posted.pop(src_key))
+        for key in [k for k in self._posted_any if keep(k)]:
+            out.extend(self._posted_any.pop(key))
+        return [recv for _, recv in sorted(out, key=lambda e: e[0])]
 
     def posted_from(self, src: int) -> list[R]:
         """Posted receives that name ``src`` (they can never complete if ``src`` died)."""

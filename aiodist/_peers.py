@@ -110,6 +110,9 @@ class _Link:
         msg = Received(self.src, self._meta, self._buffer)
         posted, self._posted, self._buffer = self._posted, None, None
         if posted is None:
+            # A receive may have been posted while this payload was in flight.
+            posted = self.plane.matcher.arrive(self.src, self._key)
+        if posted is None:
             self.plane.matcher.buffer(self.src, self._key, msg)
         else:
             self.plane._complete(posted, msg)
@@ -244,9 +247,13 @@ class DataPlane:
         if not posted.future.done():
             posted.future.set_result(msg)
 
-    def fail(self, exc: BaseException) -> None:
-        """Fail every posted receive with ``exc``."""
-        for posted in self.matcher.take_all_posted():
+    def fail(self, exc: BaseException, group_id: int | None = None) -> None:
+        """Fail every posted receive (of ``group_id``, if given) with ``exc``."""
+        if group_id is None:
+            posted_list = self.matcher.take_all_posted()
+        else:
+            posted_list = self.matcher.take_posted_where(lambda k: k[1] == group_id)
+        for posted in posted_list:
             if not posted.future.done():
                 posted.future.set_exception(exc)
 

@@ -95,8 +95,12 @@ async def test_member_table_carries_published_addresses(server: RendezvousServer
         async with anyio.create_task_group() as tg:
             for r in range(2):
                 tg.start_soon(_append, results, one(r))
-    expected = [("tcp://127.0.0.1:4000",), ("tcp://127.0.0.1:4001",)]
-    assert results == [expected, expected]
+    assert results[0] == results[1]
+    for rank, addresses in enumerate(results[0]):
+        # The caller's addresses first, then the data plane's own listeners.
+        assert addresses[0] == f"tcp://127.0.0.1:{4000 + rank}"
+        assert any(a.startswith("uds:aiodist-") for a in addresses[1:])
+        assert any(a.startswith("tcp://127.0.0.1:") for a in addresses[1:])
 
 
 async def _append(out: list[Any], coro: Awaitable[Any]) -> None:

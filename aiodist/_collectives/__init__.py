@@ -1,0 +1,1 @@
+"""Collective operations on tensors and on Python objects, over the data plane."""

@@ -1,0 +1,137 @@
+"""What every collective shares: group resolution, tensor views, messages, signatures.
+
+Messages of a collective carry the key ``(COLLECTIVE, group_id, seq, step)``:
+``seq`` is the operation's sequence number in its group, ``step`` tells apart
+the messages one pair exchanges within it. Their ``meta`` is the sender's
+*signature* (operation, dtype, shape, op, root): a receiver that finds it
+different from its own raises ``CollectiveMismatchError``, which breaks the
+group on every member instead of hanging or reducing garbage.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiodist._errors import CollectiveMismatchError
+from aiodist._peers import COLLECTIVE
+
+if TYPE_CHECKING:
+    import asyncio
+
+    import torch
+
+    from aiodist._group import ProcessGroup
+    from aiodist._peers import Received
+    from aiodist._wire.frame import Buffer
+
+__all__ = [
+    "byte_view",
+    "check_signature",
+    "check_tensor",
+    "recv",
+    "resolve_group",
+    "send",
+    "signature",
+]
+
+SIGNATURE_FIELDS = ("op", "dtype", "shape", "reduce_op", "root")
+
+
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """``group``, else the default group, else None (not initialised: world size 1)."""
+    if group is not None:
+        return group
+    from aiodist._world import get_default_group
+
+    return get_default_group()
+
+
+def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
+    """Return ``tensor`` if it is a CPU tensor, else raise ``TypeError``/``ValueError``."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {tensor.device}; aiodist's data plane carries CPU tensors. "
+            "Initialise with backend='nccl' to bridge CUDA tensors to torch.distributed"
+        )
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
+    return tensor
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no copy)."""
+    import torch
+
+    assert tensor.is_contiguous()
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def signature(
+    op: str,
+    tensor: torch.Tensor | None = None,
+    *,
+    reduce_op: str | None = None,
+    root: int | None = None,
+) -> list[Any]:
+    """The facts every rank of a collective must agree on, as plain data."""
+    if tensor is None:
+        return [op, None, None, reduce_op, root]
+    return [op, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), reduce_op, root]
+
+
+def check_signature(group: ProcessGroup, mine: list[Any], msg: Received) -> None:
+    """Raise ``CollectiveMismatchError`` if ``msg`` came from a rank that disagrees."""
+    theirs = msg.meta
+    if theirs == mine:
+        return
+    src = group.ranks.index(msg.src) if msg.src in group.ranks else msg.src
+    for name, a, b in zip(SIGNATURE_FIELDS, mine, theirs, strict=False):
+        if a != b:
+            values = {group.rank: a, src: b}
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(values.items()))
+            raise CollectiveMismatchError(
+                f"ranks disagree on the {name} of collective {mine[0]!r} in group "
+                f"{group.name!r}: {shown}. Call collectives in the same order with matching "
+                "arguments on every rank.",
+                field=name,
+                values_by_rank=values,
+            )
+    raise CollectiveMismatchError(
+        f"rank {src} sent {theirs!r} for collective {mine!r}",
+        field="op",
+        values_by_rank={group.rank: mine, src: theirs},
+    )
+
+
+async def send(
+    group: ProcessGroup,
+    dst: int,
+    seq: int,
+    step: int,
+    meta: Any,
+    payload: Buffer | None,
+) -> None:
+    """Send a collective's message to group rank ``dst``."""
+    key = (COLLECTIVE, group.group_id, seq, step)
+    await group.session.plane.send(group.ranks[dst], key, meta, payload)
+
+
+def recv(
+    group: ProcessGroup,
+    src: int,
+    seq: int,
+    step: int,
+    dest: memoryview | None = None,
+) -> asyncio.Future[Received]:
+    """Post the receive of a collective's message from group rank ``src``."""
+    key = (COLLECTIVE, group.group_id, seq, step)
+    return group.session.plane.recv(group.ranks[src], key, dest)

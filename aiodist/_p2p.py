@@ -1,0 +1,176 @@
+"""Point-to-point: ``isend``/``irecv`` on tensors, ``isend_object``/``irecv_object`` on objects.
+
+Messages are matched by (group, source, tag) in send order, as MPI matches
+them. A receive is posted when ``irecv`` is called; a payload that arrives
+after that lands straight in the receiving tensor's memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiodist._collectives.common import byte_view, check_tensor, resolve_group
+from aiodist._errors import CollectiveMismatchError
+from aiodist._peers import OBJECT_P2P, P2P
+from aiodist._wire import codec
+
+if TYPE_CHECKING:
+    import torch
+
+    from aiodist._group import ProcessGroup
+    from aiodist._work import Work
+
+__all__ = ["irecv", "irecv_object", "isend", "isend_object", "recv", "send"]
+
+
+def _p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    g = resolve_group(group)
+    if g is None:
+        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
+    return g
+
+
+def _check_peer(g: ProcessGroup, peer: int | None, name: str, tag: int) -> None:
+    if peer is not None and (not isinstance(peer, int) or not 0 <= peer < g.world_size):
+        raise ValueError(f"{name} must be a rank in [0, {g.world_size}), got {peer!r}")
+    if not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"tag must be an int >= 0, got {tag!r}")
+
+
+def _meta(t: torch.Tensor) -> list[Any]:
+    return [str(t.dtype).removeprefix("torch."), list(t.shape)]
+
+
+def isend(
+    tensor: torch.Tensor, dst: int, tag: int = 0, group: ProcessGroup | None = None
+) -> Work[None]:
+    """Start sending ``tensor`` to rank ``dst``.
+
+    Args:
+        tensor: A CPU tensor; do not modify it until the send completes.
+        dst: Destination rank in ``group``.
+        tag: Matches the receive's tag.
+        group: Defaults to the world group.
+
+    Returns:
+        Work that completes once ``tensor``'s memory may be reused.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the send.
+
+    Example:
+        >>> await aiodist.isend(torch.ones(4), dst=1)
+    """
+    g = _p2p_group(group, "isend")
+    t = check_tensor(tensor)
+    _check_peer(g, dst, "dst", tag)
+    src = t if t.is_contiguous() else t.contiguous()
+    key = (P2P, g.group_id, tag, 0)
+    meta = _meta(src)
+
+    async def op(seq: int) -> None:
+        await g.session.plane.send(g.ranks[dst], key, meta, byte_view(src))
+
+    return g.start(f"isend(dst={dst}, tag={tag})", op, collective=False)
+
+
+def irecv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    tag: int = 0,
+    group: ProcessGroup | None = None,
+) -> Work[int]:
+    """Start receiving into ``tensor`` from rank ``src`` (any rank when None).
+
+    Returns:
+        Work resolving to the sender's rank in ``group``.
+
+    Raises:
+        CollectiveMismatchError: The sender's tensor has another dtype or shape.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the receive.
+    """
+    g = _p2p_group(group, "irecv")
+    t = check_tensor(tensor)
+    _check_peer(g, src, "src", tag)
+    g.check_usable()
+    dest = t if t.is_contiguous() else t.contiguous()
+    key = (P2P, g.group_id, tag, 0)
+    future = g.session.plane.recv(None if src is None else g.ranks[src], key, byte_view(dest))
+    mine = _meta(dest)
+
+    async def op(seq: int) -> int:
+        msg = await future
+        sender = g.ranks.index(msg.src)
+        if msg.meta != mine:
+            field = "dtype" if msg.meta[0] != mine[0] else "shape"
+            index = 0 if field == "dtype" else 1
+            raise CollectiveMismatchError(
+                f"irecv(tag={tag}) got {field} {msg.meta[index]!r} from rank {sender} but the "
+                f"receiving tensor has {mine[index]!r}; send and receive matching tensors",
+                field=field,
+                values_by_rank={g.rank: mine[index], sender: msg.meta[index]},
+            )
+        if dest is not t:
+            t.copy_(dest)
+        return sender
+
+    return g.start(f"irecv(src={src}, tag={tag})", op, collective=False)
+
+
+async def send(
+    tensor: torch.Tensor, dst: int, tag: int = 0, group: ProcessGroup | None = None
+) -> None:
+    """Send ``tensor`` to ``dst`` and wait until its memory may be reused (see ``isend``)."""
+    await isend(tensor, dst, tag, group)
+
+
+async def recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    tag: int = 0,
+    group: ProcessGroup | None = None,
+) -> int:
+    """Receive into ``tensor``; return the sender's rank (see ``irecv``)."""
+    return await irecv(tensor, src, tag, group)
+
+
+def isend_object(
+    obj: object, dst: int, tag: int = 0, group: ProcessGroup | None = None
+) -> Work[None]:
+    """Start sending a Python object to rank ``dst`` (msgpack when plain, else pickle).
+
+    Example:
+        >>> await aiodist.isend_object({"step": 3}, dst=1)
+    """
+    g = _p2p_group(group, "isend_object")
+    _check_peer(g, dst, "dst", tag)
+    data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
+    key = (OBJECT_P2P, g.group_id, tag, 0)
+
+    async def op(seq: int) -> None:
+        await g.session.plane.send(g.ranks[dst], key, None, data)
+
+    return g.start(f"isend_object(dst={dst}, tag={tag})", op, collective=False)
+
+
+def irecv_object(
+    src: int | None = None, tag: int = 0, group: ProcessGroup | None = None
+) -> Work[Any]:
+    """Start receiving a Python object from ``src`` (any rank when None).
+
+    Returns:
+        Work resolving to the object.
+    """
+    g = _p2p_group(group, "irecv_object")
+    _check_peer(g, src, "src", tag)
+    g.check_usable()
+    key = (OBJECT_P2P, g.group_id, tag, 0)
+    future = g.session.plane.recv(None if src is None else g.ranks[src], key)
+
+    async def op(seq: int) -> Any:
+        msg = await future
+        return codec.loads(msg.data)
+
+    return g.start(f"irecv_object(src={src}, tag={tag})", op, collective=False)
