@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -12,7 +14,10 @@ from aiodist._group import ProcessGroup, open_process_group
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-__all__ = ["run_ranks"]
+    from aiodist._transport.base import DataChannel, Transport
+    from aiodist._wire.frame import Frame
+
+__all__ = ["check_data_channel", "run_ranks"]
 
 T = TypeVar("T")
 _job_ids = itertools.count()
@@ -63,3 +68,97 @@ async def run_ranks(
         for i in range(world_size):
             tg.start_soon(one, i)
     return [results[r] for r in range(world_size)]
+
+
+class _RecordingSink:
+    """A FrameSink that keeps every frame it receives, payload bytes included."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, Any, bytes]] = []
+        self.arrived = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.close_exc: Exception | None = None
+        self._buf: bytearray | None = None
+
+    def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
+        self._buf = bytearray(frame.payload_nbytes)
+        return memoryview(self._buf) if frame.payload_nbytes else None
+
+    def payload_received(self, channel: DataChannel, frame: Frame) -> None:
+        self.frames.append((frame.kind, frame.header, bytes(self._buf or b"")))
+        self.arrived.set()
+
+    def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
+        self.close_exc = exc
+        self.closed.set()
+
+    async def wait_for(self, n: int) -> None:
+        while len(self.frames) < n:
+            self.arrived.clear()
+            await self.arrived.wait()
+
+
+async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> None:
+    """Check that ``transport`` behaves as the data plane needs; raise AssertionError if not.
+
+    One conformance suite for every transport (as ``trio.testing.check_two_way_stream``
+    is for streams): frames of many sizes both ways and in order, payloads landing
+    in the receiver's memory intact, concurrent senders never interleaving frames,
+    ``send`` returning only once the payload may be reused, clean close seen as
+    clean, and abort seen by the peer.
+    """
+    accepted: list[_RecordingSink] = []
+
+    def factory() -> _RecordingSink:
+        sink = _RecordingSink()
+        accepted.append(sink)
+        return sink
+
+    listener = await transport.listen(host, factory)
+    try:
+        client_sink = _RecordingSink()
+        channel = await transport.connect(listener.address, client_sink)
+        sizes = [0, 1, 7, 4096, 65_535, 65_536, 1_000_003, 8 * 1024 * 1024]
+        payloads = [os.urandom(n) for n in sizes]
+        for i, payload in enumerate(payloads):
+            await channel.send(65, [i, "header"], payload or None)
+        while not accepted:
+            await asyncio.sleep(0)
+        server_sink = accepted[0]
+        await server_sink.wait_for(len(sizes))
+        got = server_sink.frames
+        assert [h for _, h, _ in got] == [[i, "header"] for i in range(len(sizes))], "order"
+        assert [p for _, _, p in got] == payloads, "payload bytes differ"
+
+        # Reusing the payload's memory after send() returns must not change what arrives.
+        buf = bytearray(b"a" * (4 * 1024 * 1024))
+        await channel.send(65, ["reuse"], memoryview(buf))
+        buf[:] = b"b" * len(buf)
+        await server_sink.wait_for(len(sizes) + 1)
+        assert server_sink.frames[-1][2] == b"a" * len(buf), "send returned before the data left"
+
+        # Concurrent senders: each frame arrives whole.
+        blobs = [bytes([i]) * (300_000 + i) for i in range(16)]
+        await asyncio.gather(*(channel.send(65, ["c", i], blob) for i, blob in enumerate(blobs)))
+        await server_sink.wait_for(len(sizes) + 1 + len(blobs))
+        tail = server_sink.frames[-len(blobs) :]
+        assert sorted((h[1], p) for _, h, p in tail) == list(enumerate(blobs)), "interleaved"
+
+        # The other direction works on the accepted side's channel too (replies).
+        assert client_sink.frames == []
+
+        channel.close()
+        await server_sink.closed.wait()
+        assert server_sink.close_exc is None, f"clean close reported {server_sink.close_exc!r}"
+
+        # Abort is visible to the peer.
+        other_sink = _RecordingSink()
+        other = await transport.connect(listener.address, other_sink)
+        await other.send(65, ["hello"], None)
+        while len(accepted) < 2:
+            await asyncio.sleep(0)
+        await accepted[1].wait_for(1)
+        other.abort()
+        await accepted[1].closed.wait()
+    finally:
+        listener.close()
