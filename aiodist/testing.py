@@ -108,11 +108,19 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
     clean, and abort seen by the peer.
     """
     accepted: list[_RecordingSink] = []
+    new_sink = asyncio.Event()
 
     def factory() -> _RecordingSink:
         sink = _RecordingSink()
         accepted.append(sink)
+        new_sink.set()
         return sink
+
+    async def accepted_sink(i: int) -> _RecordingSink:
+        while len(accepted) <= i:
+            new_sink.clear()
+            await new_sink.wait()
+        return accepted[i]
 
     listener = await transport.listen(host, factory)
     try:
@@ -122,9 +130,7 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         payloads = [os.urandom(n) for n in sizes]
         for i, payload in enumerate(payloads):
             await channel.send(65, [i, "header"], payload or None)
-        while not accepted:
-            await asyncio.sleep(0)
-        server_sink = accepted[0]
+        server_sink = await accepted_sink(0)
         await server_sink.wait_for(len(sizes))
         got = server_sink.frames
         assert [h for _, h, _ in got] == [[i, "header"] for i in range(len(sizes))], "order"
@@ -155,10 +161,9 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         other_sink = _RecordingSink()
         other = await transport.connect(listener.address, other_sink)
         await other.send(65, ["hello"], None)
-        while len(accepted) < 2:
-            await asyncio.sleep(0)
-        await accepted[1].wait_for(1)
+        second = await accepted_sink(1)
+        await second.wait_for(1)
         other.abort()
-        await accepted[1].closed.wait()
+        await second.closed.wait()
     finally:
         listener.close()
