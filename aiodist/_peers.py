@@ -270,13 +270,14 @@ class DataPlane:
     async def aclose(self) -> None:
         """Say goodbye to every peer, then close channels and listeners."""
         self._closing = True
-        for listener in self._listeners:
-            listener.close()
+        # Goodbyes first: closing a listener may close its accepted channels too (uvloop).
         for channel in list(self._channels):
             try:
                 await asyncio.wait_for(channel.send(MessageKind.PEER_BYE, []), 1.0)
             except (OSError, TimeoutError):
                 pass
             channel.close()
+        for listener in self._listeners:
+            listener.close()
         self._channels.clear()
         self._out.clear()

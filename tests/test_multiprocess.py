@@ -1,0 +1,236 @@
+"""Real processes: the `aiodist serve` daemon, `aiodist run`, and a rank killed mid-job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import pytest
+
+from aiodist import open_process_group
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import anyio, torch
+    import aiodist
+    from aiodist._p2p import recv, send
+
+    async def main() -> None:
+        url, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+        await aiodist.init_process_group(init_method=url, world_size=world, rank=rank,
+                                         group_name="mp", heartbeat_interval=0.1,
+                                         heartbeat_timeout=2.0)
+        store = aiodist.get_store()
+        out = {"rank": aiodist.get_rank(), "pid": os.getpid()}
+        if mode == "ring":
+            right, left = (rank + 1) % world, (rank - 1) % world
+            t = torch.zeros(3)
+            w = aiodist._p2p.isend(torch.full((3,), float(rank)), dst=right)
+            out["from"] = await recv(t, src=left)
+            await w
+            out["got"] = t.tolist()
+            await store.set(f"done/{rank}", b"")
+            await store.wait([f"done/{r}" for r in range(world)])
+        elif mode == "victim":
+            await store.set(f"ready/{rank}", str(os.getpid()))
+            try:
+                await store.get("never-set", timeout=60)
+            except aiodist.RankFailedError as exc:
+                out["error"] = type(exc).__name__
+                out["failed_rank"] = exc.rank
+        print(json.dumps(out), flush=True)
+        await aiodist.destroy_process_group()
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.fixture
+def daemon() -> Iterator[tuple[str, int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiodist", "serve", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # readiness: the bound address, printed once listening
+        assert "listening on" in line, line
+        host, port = line.rsplit(" ", 1)[1].strip().rsplit(":", 1)
+        yield host, int(port)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=10) == 0
+        finally:
+            _kill(proc)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()  # reaps it and closes its pipes
+
+
+def _spawn(script: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def _reap(procs: list[subprocess.Popen[str]], timeout: float = 60) -> list[dict[str, object]]:
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            assert p.returncode == 0, stderr
+            outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            _kill(p)
+    return outs
+
+
+def test_ranks_in_separate_processes_exchange_tensors_through_the_daemon(
+    daemon: tuple[str, int], tmp_path: Path
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{daemon[0]}:{daemon[1]}"
+    procs = [_spawn(script, url, str(r), "4", "ring") for r in range(4)]
+    outs = sorted(_reap(procs), key=lambda o: int(o["rank"]))  # type: ignore[call-overload]
+    for rank, out in enumerate(outs):
+        left = (rank - 1) % 4
+        assert out["from"] == left
+        assert out["got"] == [float(left)] * 3
+
+
+async def test_killed_rank_is_reported_to_survivors_by_rank(
+    daemon: tuple[str, int], tmp_path: Path
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{daemon[0]}:{daemon[1]}"
+    procs = [_spawn(script, url, str(r), "3", "victim") for r in range(3)]
+    try:
+        # Watch the job as a 4th party through the daemon's status, not a sleep.
+        with anyio.fail_after(60):
+            while True:
+                status = await anyio.run_process(
+                    [sys.executable, "-m", "aiodist", "status", "--port", str(daemon[1]), "--json"]
+                )
+                jobs = json.loads(status.stdout)["jobs"]
+                if jobs and jobs[0]["state"] == "running":
+                    break
+                await anyio.sleep(0.1)  # polling another process's state: no event to await
+        assert jobs[0]["name"] == "mp"
+        assert sorted(m["rank"] for m in jobs[0]["members"]) == [0, 1, 2]
+        _kill(procs[1])
+        survivors = _reap([procs[0], procs[2]])
+    finally:
+        for p in procs:
+            _kill(p)
+    for out in survivors:
+        assert out["error"] == "RankFailedError"
+        assert out["failed_rank"] == 1
+
+
+def test_status_without_server_fails_clearly() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "aiodist", "status", "--port", "1", "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "no rendezvous server answers at 127.0.0.1:1" in result.stderr
+
+
+def test_aiodist_run_demo_passes_with_rank_prefixes() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "aiodist", "run", "-n", "4", str(ROOT / "examples" / "demo.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(4):
+        assert f"[rank {rank}] passed the barrier" in result.stdout
+
+
+def test_aiodist_run_reports_failing_rank_and_stops_the_others(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            if os.environ["RANK"] == "2":
+                sys.exit(3)
+            time.sleep(120)  # the launcher must stop this rank
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "aiodist", "run", "-n", "3", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 3
+    assert "rank 2" in result.stderr
+    assert "exited with code 3" in result.stderr
+
+
+def test_daemon_never_imports_torch() -> None:
+    code = "import sys; import aiodist._server.serve, aiodist._cli; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "False", result.stderr
+
+
+async def test_in_process_member_and_subprocess_members_share_a_job(
+    daemon: tuple[str, int], tmp_path: Path
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{daemon[0]}:{daemon[1]}"
+    procs = [_spawn(script, url, str(r), "3", "ring") for r in (1, 2)]
+    try:
+        with anyio.fail_after(60):
+            async with open_process_group(url, world_size=3, rank=0, group_name="mp") as g:
+                from aiodist._p2p import isend, recv
+
+                import torch
+
+                t = torch.zeros(3)
+                w = isend(torch.zeros(3), dst=1, group=g)
+                assert await recv(t, src=2, group=g) == 2
+                await w
+                assert t.tolist() == [2.0, 2.0, 2.0]
+                await g.store.set("done/0", b"")
+                await g.store.wait([f"done/{r}" for r in range(3)])
+        _reap(procs)
+    finally:
+        for p in procs:
+            _kill(p)
