@@ -219,9 +219,9 @@ async def test_in_process_member_and_subprocess_members_share_a_job(
     try:
         with anyio.fail_after(60):
             async with open_process_group(url, world_size=3, rank=0, group_name="mp") as g:
-                from aiodist._p2p import isend, recv
-
                 import torch
+
+                from aiodist._p2p import isend, recv
 
                 t = torch.zeros(3)
                 w = isend(torch.zeros(3), dst=1, group=g)
