@@ -21,8 +21,10 @@ from aiodist._errors import (
     RendezvousTimeout,
 )
 from aiodist._group import MemberInfo, ProcessGroup, open_process_group
+from aiodist._p2p import irecv, irecv_object, isend, isend_object, recv, send
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
 from aiodist._store import Store
+from aiodist._work import Work
 from aiodist._world import (
     destroy_process_group,
     get_backend,
@@ -59,6 +61,7 @@ __all__ = [
     "RendezvousServer",
     "RendezvousTimeout",
     "Store",
+    "Work",
     "__version__",
     "destroy_process_group",
     "get_backend",
@@ -72,10 +75,16 @@ __all__ = [
     "infer_launcher",
     "init_dist",
     "init_process_group",
+    "irecv",
+    "irecv_object",
     "is_distributed",
     "is_initialized",
     "is_main_process",
+    "isend",
+    "isend_object",
     "master_only",
     "open_process_group",
+    "recv",
+    "send",
     "serve_rendezvous",
 ]

@@ -56,8 +56,8 @@ class Summary:
     n: int
 
     def spread(self, scale: float = 1.0, digits: int = 1) -> str:
-        """``"min–max"`` scaled (e.g. by 1000 for seconds to ms)."""
-        return f"{self.min * scale:.{digits}f}–{self.max * scale:.{digits}f}"
+        """``"min-max"`` scaled (e.g. by 1000 for seconds to ms)."""
+        return f"{self.min * scale:.{digits}f}-{self.max * scale:.{digits}f}"
 
 
 def summarize(samples: Sequence[float]) -> Summary | None:
@@ -74,7 +74,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
     def line(row: Sequence[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
 
     rule = "  ".join("-" * w for w in widths)

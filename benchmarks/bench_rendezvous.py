@@ -68,6 +68,13 @@ GRACE: Final = 15.0
 # Spawned workers import torch and aiodist before they report in; slow on 2 busy cores.
 STARTUP_TIMEOUT: Final = 120.0
 PHASES: Final = ("join", "set", "wait", "barrier")
+# torch's client socket reverse-resolves its addresses on every connect (getnameinfo on
+# ::ffff:127.0.0.1, which /etc/hosts does not list). Where the DNS server drops some UDP
+# queries (sandboxes, air-gapped nodes) that stalls a client for the resolver's 5 s
+# timeout. DNS over TCP (glibc's use-vc) fails at once where nothing answers, and costs a
+# round trip where a server does: what a working resolver costs. Each such lookup also
+# logs a c10d warning, so TCPStore's C++ log is limited to errors.
+DNS_WORKAROUND: Final = {"RES_OPTIONS": "use-vc", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 def default_repeats(world_size: int) -> int:
@@ -108,8 +115,8 @@ class RunResult:
     error: str = ""
 
 
-def _address_value(rank: int) -> bytes:
-    return f"{HOST}:{20000 + rank}".encode()
+def _address_value(rank: int) -> str:
+    return f"{HOST}:{20000 + rank}"
 
 
 def _latest(stamps: Sequence[Sequence[float]]) -> list[float]:
@@ -200,7 +207,7 @@ async def _aiodist_clients(spec: RunSpec, conn: Connection, barrier: Barrier) ->
 
 
 def _run_tcpstore(spec: RunSpec, conn: Connection, barrier: Barrier) -> WorkerReport:
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     prefix = spec.tag
     keys = [f"{prefix}/addr/{r}" for r in range(spec.world_size)]
@@ -229,7 +236,7 @@ def _run_tcpstore(spec: RunSpec, conn: Connection, barrier: Barrier) -> WorkerRe
             stamp[2] = now()
             # torch's store-based barrier: the last one in opens the door.
             if store.add(f"{prefix}/barrier", 1) == spec.world_size:
-                store.set(f"{prefix}/barrier_done", b"1")
+                store.set(f"{prefix}/barrier_done", "1")
             store.wait([f"{prefix}/barrier_done"])
             stamp[3] = now()
         except Exception as exc:
@@ -259,7 +266,7 @@ def _run_tcpstore(spec: RunSpec, conn: Connection, barrier: Barrier) -> WorkerRe
 
 def _tcpstore_master_main(conn: Connection, host: str, parent_pid: int) -> None:
     """Hold a TCPStore master until the parent says stop (or goes away)."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     store = TCPStore(
         host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(hours=1)
@@ -349,9 +356,7 @@ class WorkerPool:
             start = now()
             self._barrier.wait(GRACE)
             deadline = start + timeout + GRACE
-            reports: list[WorkerReport] = [
-                _recv(conn, deadline, "report") for conn in self._conns
-            ]
+            reports: list[WorkerReport] = [_recv(conn, deadline, "report") for conn in self._conns]
         except (OSError, EOFError, TimeoutError, RuntimeError, threading.BrokenBarrierError) as exc:
             self.restart()
             return RunResult(None, [math.nan] * len(PHASES), _describe(exc))
@@ -451,6 +456,7 @@ def bench(
     sizes: Sequence[int],
     repeats: int | None,
     *,
+    systems: Sequence[System] = SYSTEMS,
     workers: int,
     timeout: float,
     profile_server: str | None = None,
@@ -458,20 +464,22 @@ def bench(
     """Run every size for both systems; return the results as plain data."""
     ctx = multiprocessing.get_context("spawn")
     results: list[dict[str, Any]] = []
-    with (
-        aiodist_server(profile_server) as aiodist_port,
-        tcpstore_master(ctx) as tcpstore_port,
-        worker_pool(ctx, workers) as pool,
-    ):
-        ports: dict[System, int] = {"aiodist": aiodist_port, "tcpstore": tcpstore_port}
-        for system in SYSTEMS:  # warm-up: first connections, lazy imports, thread pools
+    systems = [s for s in SYSTEMS if s in systems]
+    with contextlib.ExitStack() as stack:
+        ports: dict[System, int] = {}
+        if "aiodist" in systems:
+            ports["aiodist"] = stack.enter_context(aiodist_server(profile_server))
+        if "tcpstore" in systems:
+            ports["tcpstore"] = stack.enter_context(tcpstore_master(ctx))
+        pool = stack.enter_context(worker_pool(ctx, workers))
+        for system in systems:  # warm-up: first connections, lazy imports, thread pools
             pool.run(system, ports[system], min(sizes), timeout)
         for n in sizes:
-            runs: dict[System, list[RunResult]] = {s: [] for s in SYSTEMS}
+            runs: dict[System, list[RunResult]] = {s: [] for s in systems}
             k = repeats or default_repeats(n)
             for i in range(k):
                 # Alternate which system goes first, so neither always runs on a warmer machine.
-                for system in SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]:
+                for system in systems if i % 2 == 0 else systems[::-1]:
                     if any(r.wall is None for r in runs[system]):
                         continue  # it failed or timed out at this size: skip its remaining repeats
                     result = pool.run(system, ports[system], n, timeout)
@@ -483,9 +491,11 @@ def bench(
         "config": {
             "sizes": list(sizes),
             "repeats": repeats,
+            "systems": systems,
             "workers": workers,
             "timeout_s": timeout,
             "host": HOST,
+            "environment_overrides": {k: os.environ.get(k) for k in DNS_WORKAROUND},
             "aiodist_loop": "uvloop",
             "tcpstore": {"use_libuv": True, "clients": "threads"},
         },
@@ -508,7 +518,8 @@ def _size_result(n: int, runs: dict[System, list[RunResult]]) -> dict[str, Any]:
             },
             "errors": [r.error for r in rs if r.error],
         }
-    aio, tcp = out["aiodist"]["summary_s"], out["tcpstore"]["summary_s"]
+    aio = out.get("aiodist", {}).get("summary_s")
+    tcp = out.get("tcpstore", {}).get("summary_s")
     out["ratio_tcpstore_over_aiodist"] = (
         tcp.median / aio.median if aio is not None and tcp is not None else None
     )
@@ -523,6 +534,9 @@ def render(data: dict[str, Any]) -> str:
         n = res["world_size"]
         cells: list[str] = [str(n)]
         for system in SYSTEMS:
+            if system not in res:
+                cells += ["not run", "-"]
+                continue
             s = res[system]["summary_s"]
             if s is None:
                 errors = res[system]["errors"]
@@ -541,17 +555,16 @@ def render(data: dict[str, Any]) -> str:
         [
             "N",
             "aiodist median (ms)",
-            "aiodist min–max",
+            "aiodist min-max",
             "TCPStore median (ms)",
-            "TCPStore min–max",
+            "TCPStore min-max",
             "TCPStore/aiodist",
         ],
         rows,
     )
     phases = format_table(["N", "system", *(f"{p} (ms)" for p in data["phases"])], phase_rows)
     return (
-        f"{main}\n\nWhen the last client finished each step (median, ms after the start):\n"
-        f"{phases}"
+        f"{main}\n\nWhen the last client finished each step (median, ms after the start):\n{phases}"
     )
 
 
@@ -566,6 +579,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
     parser.add_argument("--timeout", type=float, default=DEFAULT_RUN_TIMEOUT, metavar="SECONDS")
     parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run"
+    )
+    parser.add_argument(
+        "--no-dns-workaround",
+        action="store_true",
+        help=f"do not set {' '.join(f'{k}={v}' for k, v in DNS_WORKAROUND.items())}",
+    )
+    parser.add_argument(
         "--profile-server", metavar="PATH", help="run `aiodist serve` under cProfile, write PATH"
     )
     args = parser.parse_args(argv)
@@ -573,6 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = args.repeats or (QUICK_REPEATS if args.quick else None)
     if min(sizes) < 1 or args.workers < 1 or (repeats is not None and repeats < 1):
         parser.error("sizes, --repeats and --workers must be >= 1")
+    if not args.no_dns_workaround:
+        for key, value in DNS_WORKAROUND.items():
+            os.environ.setdefault(key, value)  # spawned processes inherit it
     # Each server holds one socket per client; children inherit the limit.
     fds = raise_fd_limit(2 * max(sizes) + 1024)
     if fds < max(sizes) + 64:
@@ -582,7 +606,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     data = bench(
-        sizes, repeats, workers=args.workers, timeout=args.timeout, profile_server=args.profile_server
+        sizes,
+        repeats,
+        systems=args.systems,
+        workers=args.workers,
+        timeout=args.timeout,
+        profile_server=args.profile_server,
     )
     path = write_results("rendezvous", data)
     print()
