@@ -8,6 +8,16 @@ Example:
 
 from __future__ import annotations
 
+from aiodist._collectives.objects import (
+    all_gather_object,
+    all_reduce_dict,
+    all_reduce_params,
+    broadcast_object_list,
+    collect_results,
+    gather_object,
+    scatter_object_list,
+    sync_random_seed,
+)
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -63,7 +73,13 @@ __all__ = [
     "Store",
     "Work",
     "__version__",
+    "all_gather_object",
+    "all_reduce_dict",
+    "all_reduce_params",
+    "broadcast_object_list",
+    "collect_results",
     "destroy_process_group",
+    "gather_object",
     "get_backend",
     "get_default_group",
     "get_dist_info",
@@ -85,6 +101,8 @@ __all__ = [
     "master_only",
     "open_process_group",
     "recv",
+    "scatter_object_list",
     "send",
     "serve_rendezvous",
+    "sync_random_seed",
 ]

@@ -133,5 +133,6 @@ def recv(
     dest: memoryview | None = None,
 ) -> asyncio.Future[Received]:
     """Post the receive of a collective's message from group rank ``src``."""
+    group.check_usable()  # a receive posted after break_() would never be failed
     key = (COLLECTIVE, group.group_id, seq, step)
     return group.session.plane.recv(group.ranks[src], key, dest)
