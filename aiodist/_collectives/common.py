@@ -34,6 +34,19 @@ __all__ = [
     "signature",
 ]
 
+
+class LazyModule:
+    """Imports a module on first attribute access (keeps ``import aiodist`` torch-free)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
 SIGNATURE_FIELDS = ("op", "dtype", "shape", "reduce_op", "root")
 
 

@@ -15,10 +15,9 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from aiodist._collectives import schedules
 from aiodist._collectives.common import (
+    LazyModule,
     byte_view,
     check_signature,
     check_tensor,
@@ -29,6 +28,11 @@ from aiodist._collectives.common import (
 from aiodist._collectives.common import recv as _post_recv
 from aiodist._peers import Received
 from aiodist._work import Work
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch")
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -52,6 +56,7 @@ T = TypeVar("T")
 #: Below this many bytes all_reduce uses recursive doubling (latency-bound), above it a ring.
 RING_THRESHOLD_BYTES = 64 * 1024
 _AGREE_STEP = 1 << 20  # steps of the root-agreement check, apart from the data's steps
+_FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
 _OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
 _ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
 
@@ -172,22 +177,24 @@ async def _recursive_doubling(
     plan = schedules.recursive_doubling(g.rank, g.world_size)
     me = g.rank
     scratch = torch.empty_like(buf)
-    last = len(schedules.recursive_doubling(0, g.world_size).partners) + 1
+    # Exchanges use steps 0, 1, ... so the first message of any pair has step 0, as in
+    # every other operation: a rank that called another collective then gets a mismatch.
+    fold, unfold = _FOLD_STEP, _FOLD_STEP + 1
     if plan.is_extra:
         assert plan.fold_partner is not None
-        future = _recv(g, plan.fold_partner, seq, last, scratch)
-        await send(g, plan.fold_partner, seq, 0, mine, byte_view(buf))
+        future = _recv(g, plan.fold_partner, seq, unfold, scratch)
+        await send(g, plan.fold_partner, seq, fold, mine, byte_view(buf))
         msg = await future
         check_signature(g, mine, msg)
         buf.copy_(scratch)
         return
     if plan.fold_partner is not None:
-        msg = await _recv(g, plan.fold_partner, seq, 0, scratch)
+        msg = await _recv(g, plan.fold_partner, seq, fold, scratch)
         check_signature(g, mine, msg)
         _combine(op, buf, buf, scratch)  # the extra rank is higher: it goes second
     for k, partner in enumerate(plan.partners):
-        future = _recv(g, partner, seq, k + 1, scratch)
-        await send(g, partner, seq, k + 1, mine, byte_view(buf))
+        future = _recv(g, partner, seq, k, scratch)
+        await send(g, partner, seq, k, mine, byte_view(buf))
         check_signature(g, mine, await future)
         # Lower rank first on both sides, so both compute bitwise the same value.
         if partner < me:
@@ -195,7 +202,7 @@ async def _recursive_doubling(
         else:
             _combine(op, buf, buf, scratch)
     if plan.fold_partner is not None:
-        await send(g, plan.fold_partner, seq, last, mine, byte_view(buf))
+        await send(g, plan.fold_partner, seq, unfold, mine, byte_view(buf))
 
 
 async def _ring_all_reduce(

@@ -1,0 +1,404 @@
+"""Tensor collectives with the real in-process server and N real clients on 127.0.0.1."""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+import torch
+
+from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist._collectives.tensor import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+from aiodist.testing import run_ranks
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+SMALL, LARGE = 37, 100_003  # LARGE is over the 64 KiB ring threshold for every dtype but bool
+OPS = ["sum", "mean", "product", "min", "max", "band", "bor", "bxor"]
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.bool, torch.bfloat16]
+
+
+def _valid(op: str, dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return op in ("sum", "max")
+    if op == "mean":
+        return dtype.is_floating_point
+    if op in ("band", "bor", "bxor"):
+        return not dtype.is_floating_point
+    return True
+
+
+CASES = [(op, dtype) for op in OPS for dtype in DTYPES if _valid(op, dtype)]
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, op: str, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=gen).bool()
+    low, high = (-1, 3) if op == "product" else (-50, 50)  # integer values: exact in bf16
+    return torch.randint(low, high, (numel,), generator=gen).to(dtype)
+
+
+def _reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
+    dtype = xs[0].dtype
+    stack = torch.stack(xs)
+    if dtype == torch.bool:
+        if op in ("sum", "max", "bor"):
+            return stack.any(0)
+        if op in ("product", "min", "band"):
+            return stack.all(0)
+    if op in ("band", "bor", "bxor"):
+        fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
+        return functools.reduce(fn, xs)
+    result = {
+        "sum": lambda: stack.sum(0),
+        "mean": lambda: stack.mean(0),
+        "product": lambda: stack.prod(0),
+        "min": lambda: stack.amin(0),
+        "max": lambda: stack.amax(0),
+    }[op]()
+    return result.to(dtype)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+async def test_all_reduce_every_op_and_dtype_matches_torch(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for numel in (SMALL, LARGE):
+            for op, dtype in CASES:
+                t = _input(g.rank, numel, dtype, op)
+                assert await all_reduce(t, op=op, group=g) is t
+                outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(server.address, world_size, body)
+    i = 0
+    for numel in (SMALL, LARGE):
+        for op, dtype in CASES:
+            expected = _reference(op, [_input(r, numel, dtype, op) for r in range(world_size)])
+            torch.testing.assert_close(results[0][i], expected, msg=f"{op} {dtype} {numel}")
+            for r in range(1, world_size):
+                assert torch.equal(results[r][i], results[0][i]), f"rank {r}: {op} {dtype}"
+            i += 1
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_all_reduce_float_sums_are_bitwise_identical_on_every_rank(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(g.rank)
+        xs = [torch.randn(n, generator=gen) * 1e3 for n in (SMALL, LARGE)]
+        for x in xs:
+            await all_reduce(x, op="SUM", group=g)
+        return xs
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, world_size, body)
+    for r in range(1, world_size):
+        for a, b in zip(results[0], results[r], strict=True):
+            assert torch.equal(a, b)
+
+
+async def test_all_reduce_64_mib_float32(server: RendezvousServer) -> None:
+    numel = 16 * 1024 * 1024
+
+    async def body(g: ProcessGroup) -> bool:
+        t = torch.full((numel,), float(g.rank + 1))
+        t[g.rank] = 100.0
+        await all_reduce(t, group=g)
+        expected = torch.full((numel,), 3.0)
+        expected[0] = 102.0
+        expected[1] = 101.0
+        return torch.equal(t, expected)
+
+    with anyio.fail_after(60):
+        assert await run_ranks(server.address, 2, body) == [True, True]
+
+
+async def test_all_reduce_non_contiguous_is_copied_back(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> torch.Tensor:
+        base = torch.arange(12, dtype=torch.float64).reshape(3, 4) * (g.rank + 1)
+        t = base.t()
+        assert not t.is_contiguous()
+        assert await all_reduce(t, op="max", group=g) is t
+        return base
+
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, 3, body)
+    for out in outs:
+        torch.testing.assert_close(out, torch.arange(12, dtype=torch.float64).reshape(3, 4) * 3)
+
+
+async def test_many_all_reduces_in_flight_complete_in_any_await_order(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        tensors = [torch.full((i % 7 + 1,), float(i * (g.rank + 1))) for i in range(50)]
+        tensors[10] = torch.full((20_000,), float(g.rank))  # one on the ring path
+        works = [all_reduce(t, group=g) for t in tensors]
+        order = list(range(50))
+        random.Random(g.rank).shuffle(order)
+        for i in order:
+            assert await works[i] is tensors[i]
+        return tensors
+
+    with anyio.fail_after(30):
+        outs = await run_ranks(server.address, 3, body)
+    for out in outs:
+        for i, t in enumerate(out):
+            expected = 3.0 if i == 10 else float(i * 6)
+            assert torch.equal(t, torch.full_like(t, expected)), i
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+async def test_broadcast_from_every_root(server: RendezvousServer, world_size: int) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for root in range(g.world_size):
+            t = torch.full((5, 3), float(g.rank * 10 + root))
+            assert await broadcast(t, src=root, group=g) is t
+            outs.append(t)
+        big = torch.arange(LARGE, dtype=torch.int64) * (g.rank + 1)
+        await broadcast(big, src=g.world_size - 1, group=g)
+        outs.append(big)
+        return outs
+
+    with anyio.fail_after(20):
+        results = await run_ranks(server.address, world_size, body)
+    for out in results:
+        for root in range(world_size):
+            assert torch.equal(out[root], torch.full((5, 3), float(root * 10 + root)))
+        assert torch.equal(out[-1], torch.arange(LARGE, dtype=torch.int64) * world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+async def test_reduce_to_every_root_leaves_others_unchanged(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for root in range(g.world_size):
+            for op in ("sum", "max", "mean"):
+                t = _input(g.rank, SMALL, torch.float64, op, seed=root)
+                await reduce(t, dst=root, op=op, group=g)
+                outs.append(t)
+        return outs
+
+    with anyio.fail_after(20):
+        results = await run_ranks(server.address, world_size, body)
+    for rank, out in enumerate(results):
+        i = 0
+        for root in range(world_size):
+            for op in ("sum", "max", "mean"):
+                xs = [_input(r, SMALL, torch.float64, op, seed=root) for r in range(world_size)]
+                expected = _reference(op, xs) if rank == root else xs[rank]
+                torch.testing.assert_close(out[i], expected)
+                i += 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+async def test_all_gather_and_gather_in_rank_order(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        t = torch.arange(6, dtype=torch.int32).reshape(2, 3) + 100 * g.rank
+        everyone = await all_gather(t, group=g)
+        gathered = [await gather(t, dst=root, group=g) for root in range(g.world_size)]
+        return everyone, gathered
+
+    with anyio.fail_after(20):
+        results = await run_ranks(server.address, world_size, body)
+    expected = [
+        torch.arange(6, dtype=torch.int32).reshape(2, 3) + 100 * r for r in range(world_size)
+    ]
+    for rank, (everyone, gathered) in enumerate(results):
+        assert len(everyone) == world_size
+        assert all(torch.equal(a, b) for a, b in zip(everyone, expected, strict=True))
+        for root in range(world_size):
+            if rank == root:
+                assert len(gathered[root]) == world_size
+                assert all(torch.equal(a, b) for a, b in zip(gathered[root], expected, strict=True))
+            else:
+                assert gathered[root] == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+async def test_scatter_from_every_root(server: RendezvousServer, world_size: int) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for root in range(g.world_size):
+            parts = [torch.full((4,), float(root * 100 + i)) for i in range(g.world_size)]
+            t = torch.zeros(4)
+            await scatter(t, parts if g.rank == root else None, src=root, group=g)
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(20):
+        results = await run_ranks(server.address, world_size, body)
+    for rank, out in enumerate(results):
+        for root in range(world_size):
+            assert torch.equal(out[root], torch.full((4,), float(root * 100 + rank)))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+async def test_reduce_scatter_reduces_each_slot(server: RendezvousServer, world_size: int) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for op in ("sum", "min", "bxor"):
+            inputs = [_input(g.rank, SMALL, torch.int64, op, seed=i) for i in range(g.world_size)]
+            outs.append(await reduce_scatter(inputs, op=op, group=g))
+        return outs
+
+    with anyio.fail_after(20):
+        results = await run_ranks(server.address, world_size, body)
+    for rank, out in enumerate(results):
+        for i, op in enumerate(("sum", "min", "bxor")):
+            xs = [_input(r, SMALL, torch.int64, op, seed=rank) for r in range(world_size)]
+            assert torch.equal(out[i], _reference(op, xs)), op
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+async def test_all_to_all_with_sizes_per_pair(server: RendezvousServer, world_size: int) -> None:
+    def block(src: int, dst: int) -> torch.Tensor:
+        return torch.full((src + dst, 2), float(src * 10 + dst))  # (0, 2) for 0 -> 0
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        return await all_to_all([block(g.rank, d) for d in range(g.world_size)], group=g)
+
+    with anyio.fail_after(20):
+        results = await run_ranks(server.address, world_size, body)
+    for rank, out in enumerate(results):
+        assert len(out) == world_size
+        for src in range(world_size):
+            assert torch.equal(out[src], block(src, rank))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+async def test_barrier_waits_for_the_last_rank(server: RendezvousServer, world_size: int) -> None:
+    arrived: list[int] = []
+    passed: list[int] = []
+
+    async def body(g: ProcessGroup) -> None:
+        if g.rank == g.world_size - 1:
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()  # let the others reach the barrier first
+        arrived.append(g.rank)
+        await barrier(group=g)
+        passed.append(len(arrived))
+        await barrier(group=g)
+
+    with anyio.fail_after(20):
+        await run_ranks(server.address, world_size, body)
+    assert passed == [world_size] * world_size
+
+
+MISMATCHES: list[tuple[str, Callable[[ProcessGroup], Any]]] = [
+    (
+        "dtype",
+        lambda g: all_reduce(
+            torch.ones(4, dtype=torch.float64 if g.rank else torch.float32), group=g
+        ),
+    ),
+    ("shape", lambda g: all_reduce(torch.ones(4 + (g.rank == 1)), group=g)),
+    ("reduce_op", lambda g: all_reduce(torch.ones(4), op="max" if g.rank == 1 else "sum", group=g)),
+    ("shape", lambda g: all_reduce(torch.ones(100_000 + (g.rank == 1)), group=g)),
+    ("root", lambda g: broadcast(torch.ones(4), src=min(g.rank, 1), group=g)),
+    ("root", lambda g: reduce(torch.ones(4), dst=min(g.rank, 1), group=g)),
+    ("root", lambda g: gather(torch.ones(4), dst=min(g.rank, 1), group=g)),
+    (
+        "dtype",
+        lambda g: all_gather(torch.ones(4, dtype=torch.int32 if g.rank else torch.int64), group=g),
+    ),
+    ("op", lambda g: barrier(group=g) if g.rank == 1 else all_reduce(torch.ones(1), group=g)),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(("field", "call"), MISMATCHES)
+async def test_mismatch_raises_on_every_rank_and_breaks_group(
+    server: RendezvousServer, world_size: int, field: str, call: Callable[[ProcessGroup], Any]
+) -> None:
+    async def body(g: ProcessGroup) -> str:
+        with pytest.raises(CollectiveMismatchError) as info:
+            await call(g)
+        with pytest.raises(CollectiveMismatchError):
+            await all_reduce(torch.ones(1), group=g)  # the group stays broken
+        return info.value.field
+
+    with anyio.fail_after(20):
+        fields = await run_ranks(server.address, world_size, body)
+    assert fields == [field] * world_size
+
+
+async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> torch.Tensor:
+        with pytest.raises(TypeError, match=r"torch\.Tensor"):
+            all_reduce([1.0, 2.0], group=g)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unsupported reduce op"):
+            all_reduce(torch.ones(2), op="median", group=g)
+        with pytest.raises(TypeError, match="op must be"):
+            all_reduce(torch.ones(2), op=3, group=g)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="floating-point"):
+            all_reduce(torch.ones(2, dtype=torch.int64), op="mean", group=g)
+        with pytest.raises(TypeError, match="integer or bool"):
+            all_reduce(torch.ones(2), op="bxor", group=g)
+        with pytest.raises(ValueError, match="dst must be a rank"):
+            reduce(torch.ones(2), dst=g.world_size, group=g)
+        with pytest.raises(TypeError, match="src must be an int"):
+            broadcast(torch.ones(2), src="0", group=g)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="scatter_list is required"):
+            scatter(torch.ones(2), None, src=g.rank, group=g)
+        with pytest.raises(ValueError, match="scatter_list\\[1\\]"):
+            scatter(torch.ones(2), [torch.ones(2), torch.ones(3)], src=g.rank, group=g)
+        with pytest.raises(ValueError, match="one tensor per rank"):
+            reduce_scatter([torch.ones(2)] * 3, group=g)
+        with pytest.raises(ValueError, match="one dtype"):
+            all_to_all([torch.ones(1), torch.ones(1, dtype=torch.int32)], group=g)
+        with pytest.raises(TypeError, match="list of tensors"):
+            all_to_all(torch.ones(2), group=g)  # type: ignore[arg-type]
+        # Nothing was sent and no sequence number was used: the group still works.
+        t = torch.ones(2)
+        return await all_reduce(t, group=g)
+
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, 2, body)
+    for out in outs:
+        assert torch.equal(out, torch.full((2,), 2.0))
+
+
+def test_not_initialised_returns_mmengine_non_distributed_results() -> None:
+    t = torch.arange(3.0)
+    assert all_reduce(t, op="mean").result() is t
+    assert torch.equal(t, torch.arange(3.0))
+    assert reduce(t, dst=0).result() is t
+    assert broadcast(t, src=0).result() is t
+    assert all_gather(t).result() == [t]
+    assert gather(t).result() == [t]
+    data = torch.zeros(3)
+    assert scatter(data, [torch.ones(3)]).result() is data
+    assert torch.equal(data, torch.ones(3))
+    assert scatter(data).result() is data
+    inputs = [torch.ones(1), torch.zeros(1)]
+    assert reduce_scatter(inputs).result() is inputs[0]
+    assert all_to_all(inputs).result() == inputs
+    assert barrier().result() is None
+    with pytest.raises(TypeError, match="floating-point"):
+        all_reduce(torch.ones(1, dtype=torch.int32), op="mean")
