@@ -34,10 +34,10 @@ demo: install
 	$(VENV)/bin/aiodist run -n 4 examples/demo.py
 
 bench: install
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks.bench_rendezvous
 
 bench-quick: install
-	$(PY) -m benchmarks --quick
+	$(PY) -m benchmarks.bench_rendezvous --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

@@ -17,6 +17,15 @@ per worker, TCPStore clients (a blocking API) as threads. Each run uses a fresh
 job name / key prefix. The clock starts when the parent releases the workers
 (all prepared, waiting at a barrier) and stops when the last client has passed
 the barrier; each worker stamps its clients on the machine-wide monotonic clock.
+A failed or timed-out run restarts the worker pool and that system's server, so
+a server still busy with a broken job cannot slow the next measurement.
+
+What the two joins do differs: aiodist's join also starts each client's
+data-plane listeners and hands every client the whole member table (one row per
+rank) when the job forms; TCPStore's is a connection and one ``add``.
+
+TCPStore processes get ``RES_OPTIONS=use-vc`` unless ``--no-dns-workaround``
+is given: see ``DNS_WORKAROUND``.
 
 Usage::
 
@@ -51,8 +60,6 @@ if TYPE_CHECKING:
     from multiprocessing.context import SpawnContext, SpawnProcess
     from multiprocessing.synchronize import Barrier
 
-    from aiodist import ProcessGroup
-
 System = Literal["aiodist", "tcpstore"]
 
 SYSTEMS: Final[tuple[System, ...]] = ("aiodist", "tcpstore")
@@ -62,7 +69,7 @@ QUICK_SIZES: Final = (16, 128)
 QUICK_REPEATS: Final = 2
 DEFAULT_WORKERS: Final = 4
 # Seconds one run may take before it counts as a timeout (also the clients' op timeout).
-DEFAULT_RUN_TIMEOUT: Final = 60.0
+DEFAULT_RUN_TIMEOUT: Final = 30.0
 # Extra seconds the parent waits beyond a run's timeout before it gives up on a worker.
 GRACE: Final = 15.0
 # Spawned workers import torch and aiodist before they report in; slow on 2 busy cores.
@@ -149,15 +156,17 @@ def _worker_main(conn: Connection, barrier: Barrier, parent_pid: int) -> None:
                 report = _run_aiodist(spec, conn, barrier)
             else:
                 report = _run_tcpstore(spec, conn, barrier)
-        except BaseException as exc:  # reported to the parent, which restarts the pool
+        except Exception as exc:  # reported to the parent, which restarts the pool
             report = WorkerReport(error=_describe(exc))
         conn.send(report)
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, limit: int = 300) -> str:
     if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(e) for e in exc.exceptions[:3])
-    return "".join(traceback.format_exception_only(exc)).strip()
+        text = "; ".join(_describe(e, limit) for e in exc.exceptions[:3])
+    else:
+        text = "".join(traceback.format_exception_only(exc)).strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _run_aiodist(spec: RunSpec, conn: Connection, barrier: Barrier) -> WorkerReport:
@@ -184,7 +193,6 @@ async def _aiodist_clients(spec: RunSpec, conn: Connection, barrier: Barrier) ->
     stamps = [[math.nan] * len(PHASES) for _ in spec.ranks]
 
     async def client(stamp: list[float], rank: int) -> None:
-        group: ProcessGroup
         async with open_process_group(
             url, world_size=spec.world_size, rank=rank, group_name=spec.tag, timeout=spec.timeout
         ) as group:
@@ -368,22 +376,31 @@ class WorkerPool:
         return RunResult(phases[-1], phases)
 
 
-@contextlib.contextmanager
-def aiodist_server(profile: str | None = None) -> Iterator[int]:
-    """Run ``aiodist serve`` as a subprocess; yield its port."""
-    cmd = [sys.executable, "-m", "aiodist", "serve", "--host", HOST, "--port", "0"]
-    if profile:
-        cmd[1:1] = ["-m", "cProfile", "-o", profile]
-    proc = subprocess.Popen(
-        [*cmd, "--log-level", "warning"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
-    )
-    try:
-        yield _read_banner(proc, STARTUP_TIMEOUT)
-    finally:
+class AiodistServer:
+    """``aiodist serve`` as a subprocess; ``port`` once started."""
+
+    def __init__(self, profile: str | None = None) -> None:
+        self.profile = profile
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "aiodist", "serve", "--host", HOST, "--port", "0"]
+        if self.profile:
+            cmd[1:1] = ["-m", "cProfile", "-o", self.profile]
+        self._proc = subprocess.Popen(
+            [*cmd, "--log-level", "warning"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
+        self.port = _read_banner(self._proc, STARTUP_TIMEOUT)
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
         proc.terminate()  # SIGTERM: a clean shutdown, so a profile gets written
         try:
-            proc.wait(30 if profile else 10)
-        except subprocess.TimeoutExpired:
+            proc.wait(30 if self.profile else 10)
+        except subprocess.TimeoutExpired:  # a server stuck in a busy loop ignores SIGTERM
             proc.kill()
             proc.wait(10)
         if proc.stdout is not None:
@@ -412,27 +429,50 @@ def _read_banner(proc: subprocess.Popen[bytes], timeout: float) -> int:
     return int(match.group(2))
 
 
+class TCPStoreMaster:
+    """A TCPStore master (libuv backend) in its own process; ``port`` once started."""
+
+    def __init__(self, ctx: SpawnContext) -> None:
+        self._ctx = ctx
+        self.port = 0
+        self._proc: SpawnProcess | None = None
+        self._conn: Connection | None = None
+
+    def start(self) -> None:
+        self._conn, child_end = self._ctx.Pipe()
+        self._proc = self._ctx.Process(
+            target=_tcpstore_master_main,
+            args=(child_end, HOST, os.getpid()),
+            name="bench-tcpstore-master",
+            daemon=True,
+        )
+        self._proc.start()
+        child_end.close()
+        self.port = _recv(self._conn, now() + STARTUP_TIMEOUT, "TCPStore port")
+
+    def stop(self) -> None:
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+        if proc is not None:
+            proc.join(5)
+            _stop_process(proc)
+        if conn is not None:
+            conn.close()
+
+
+Server = AiodistServer | TCPStoreMaster
+
+
 @contextlib.contextmanager
-def tcpstore_master(ctx: SpawnContext) -> Iterator[int]:
-    """Run a TCPStore master (libuv) in its own process; yield its port."""
-    parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(
-        target=_tcpstore_master_main,
-        args=(child_end, HOST, os.getpid()),
-        name="bench-tcpstore-master",
-        daemon=True,
-    )
-    proc.start()
-    child_end.close()
+def running(server: Server) -> Iterator[Server]:
+    """Start ``server``; stop it on the way out, whatever happens."""
     try:
-        port: int = _recv(parent_end, now() + STARTUP_TIMEOUT, "TCPStore port")
-        yield port
+        server.start()
+        yield server
     finally:
-        with contextlib.suppress(OSError):
-            parent_end.send("stop")
-        proc.join(5)
-        _stop_process(proc)
-        parent_end.close()
+        server.stop()
 
 
 @contextlib.contextmanager
@@ -446,6 +486,11 @@ def worker_pool(ctx: SpawnContext, size: int) -> Iterator[WorkerPool]:
 
 
 # --- the benchmark ------------------------------------------------------------------------------
+
+
+def _restart(server: Server) -> None:
+    server.stop()
+    server.start()
 
 
 def _ms(seconds: float | None) -> str:
@@ -466,14 +511,15 @@ def bench(
     results: list[dict[str, Any]] = []
     systems = [s for s in SYSTEMS if s in systems]
     with contextlib.ExitStack() as stack:
-        ports: dict[System, int] = {}
+        servers: dict[System, Server] = {}
         if "aiodist" in systems:
-            ports["aiodist"] = stack.enter_context(aiodist_server(profile_server))
+            servers["aiodist"] = stack.enter_context(running(AiodistServer(profile_server)))
         if "tcpstore" in systems:
-            ports["tcpstore"] = stack.enter_context(tcpstore_master(ctx))
+            servers["tcpstore"] = stack.enter_context(running(TCPStoreMaster(ctx)))
         pool = stack.enter_context(worker_pool(ctx, workers))
         for system in systems:  # warm-up: first connections, lazy imports, thread pools
-            pool.run(system, ports[system], min(sizes), timeout)
+            if pool.run(system, servers[system].port, min(sizes), timeout).wall is None:
+                _restart(servers[system])
         for n in sizes:
             runs: dict[System, list[RunResult]] = {s: [] for s in systems}
             k = repeats or default_repeats(n)
@@ -482,9 +528,16 @@ def bench(
                 for system in systems if i % 2 == 0 else systems[::-1]:
                     if any(r.wall is None for r in runs[system]):
                         continue  # it failed or timed out at this size: skip its remaining repeats
-                    result = pool.run(system, ports[system], n, timeout)
+                    result = pool.run(system, servers[system].port, n, timeout)
                     runs[system].append(result)
-                    shown = f"{_ms(result.wall)} ms" if result.wall is not None else result.error
+                    if result.wall is None:
+                        # A failed server may still be busy; it must not slow the other system.
+                        _restart(servers[system])
+                    shown = (
+                        f"{_ms(result.wall)} ms"
+                        if result.wall is not None
+                        else f"FAILED: {result.error[:160]}"
+                    )
                     print(f"  N={n:<5} {system:<8} run {i + 1}/{k}: {shown}", flush=True)
             results.append(_size_result(n, runs))
     return {
@@ -540,7 +593,8 @@ def render(data: dict[str, Any]) -> str:
             s = res[system]["summary_s"]
             if s is None:
                 errors = res[system]["errors"]
-                cells += ["failed" if not errors else errors[0][:40], "-"]
+                kind = errors[0].split(":")[0].rsplit(".", 1)[-1] if errors else "failed"
+                cells += [kind, "-"]
             else:
                 cells += [_ms(s.median), s.spread(1e3)]
             phases = res[system]["phases_s"]
@@ -602,7 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fds < max(sizes) + 64:
         print(f"warning: only {fds} file descriptors allowed; large N may fail", file=sys.stderr)
     print(
-        f"rendezvous of N clients over {args.workers} worker processes, sizes {list(sizes)}",
+        f"rendezvous of N clients over {args.workers} worker processes, sizes {list(sizes)}"
+        + ("" if args.no_dns_workaround else f" ({DNS_WORKAROUND}, see DNS_WORKAROUND)"),
         flush=True,
     )
     data = bench(

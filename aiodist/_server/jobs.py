@@ -38,6 +38,7 @@ class Waiter:
     job: Job
     seq: int = 0
     done: bool = False
+    pos: int = 0  # keys[:pos] are known to be set: each key is checked once in total
 
 
 @dataclass(eq=False, slots=True)

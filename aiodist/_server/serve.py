@@ -43,6 +43,8 @@ DEFAULT_PORT: Final = 29500
 SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
 # A client that stops reading its replies is cut off rather than buffered forever.
 MAX_WRITE_BUFFER_BYTES: Final = 64 * MiB
+# asyncio's default backlog of 100 overflows when a large job connects at once.
+LISTEN_BACKLOG: Final = 4096
 
 
 class _ServerConnection(asyncio.Protocol):
@@ -116,7 +118,11 @@ class RendezvousServer:
 
     async def _start(self, host: str, port: int) -> None:
         self._server = await self._loop.create_server(
-            lambda: _ServerConnection(self, self._new_id()), host, port, reuse_address=True
+            lambda: _ServerConnection(self, self._new_id()),
+            host,
+            port,
+            reuse_address=True,
+            backlog=LISTEN_BACKLOG,
         )
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -273,6 +274,7 @@ class ServerState:
         job.complete = True
         self.stats.jobs_formed += 1
         table = [[m.rank, m.local_rank, m.host, m.pid, m.addresses] for m in job.by_rank]
+        local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
@@ -284,7 +286,7 @@ class ServerState:
                     m.rank,
                     job.world_size,
                     m.local_rank,
-                    job.local_size(m.host),
+                    local_sizes[m.host],
                     table,
                 ),
             )
@@ -446,8 +448,9 @@ class ServerState:
                 self._send(conn, Reply(msg.req_id, kv[keys[0]] if kind == "get" else None))
                 return
             waiter = Waiter(conn, msg.req_id, keys, kind, job)
-            for key in set(missing):
-                job.key_waiters.setdefault(key, []).append(waiter)
+            # Park the waiter under its first missing key only; _wake moves it along.
+            # (Under every key, a wait on N keys cost O(N^2) per set: O(N^3) in all.)
+            self._advance_waiter(job, waiter)
             self._push_timer(now + msg.timeout, waiter)
 
     def _wake(self, job: Job, key: str) -> None:
@@ -456,15 +459,23 @@ class ServerState:
             return
         kv = job.kv
         for waiter in waiters:
-            if waiter.done:
-                continue
-            missing = [k for k in waiter.keys if k not in kv]
-            if missing:
-                job.key_waiters.setdefault(missing[0], []).append(waiter)
+            if waiter.done or self._advance_waiter(job, waiter):
                 continue
             waiter.done = True
             value = kv[waiter.keys[0]] if waiter.kind == "get" else None
             self._send(waiter.conn, Reply(waiter.req_id, value))
+
+    @staticmethod
+    def _advance_waiter(job: Job, waiter: Waiter) -> bool:
+        """Park ``waiter`` under its next missing key; False once all its keys are set."""
+        keys, kv, i = waiter.keys, job.kv, waiter.pos
+        while i < len(keys) and keys[i] in kv:
+            i += 1
+        waiter.pos = i
+        if i == len(keys):
+            return False
+        job.key_waiters.setdefault(keys[i], []).append(waiter)
+        return True
 
     def _waiter_timed_out(self, waiter: Waiter) -> None:
         job = waiter.job
