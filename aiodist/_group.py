@@ -81,7 +81,6 @@ class Session:
         group_name: str,
         timeout: float,
         backend: str | None,
-        heartbeat_interval: float,
         server: RendezvousServer | None,
         plane: DataPlane,
     ) -> None:
@@ -90,7 +89,6 @@ class Session:
         self.group_name = group_name
         self.timeout = timeout
         self.backend = backend
-        self.heartbeat_interval = heartbeat_interval
         self.server = server
         self.rank = welcome.rank
         self.world_size = welcome.world_size
@@ -281,24 +279,24 @@ class ProcessGroup:
             try:
                 with anyio.fail_after(self.timeout):
                     result = await op(seq)
-            except TimeoutError:
-                exc: BaseException = DistTimeoutError(
-                    f"{description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
-                    "a rank may not have called it, or may be stuck. The group is broken."
-                )
-                self.break_(exc)  # type: ignore[arg-type]
-                future.set_exception(exc)
-            except DistError as exc:
+            except DistError as exc:  # before TimeoutError: DistTimeoutError is one too
                 if collective and self.error is None and self._session.error is None:
                     self.break_(exc)
                 future.set_exception(exc)
+            except TimeoutError:  # our own fail_after: the operation ran out of time
+                timed_out = DistTimeoutError(
+                    f"{description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
+                    "a rank may not have called it, or may be stuck. The group is broken."
+                )
+                self.break_(timed_out)
+                future.set_exception(timed_out)
             except BaseException as exc:
                 future.set_exception(exc)
                 if not isinstance(exc, Exception):
                     raise
             else:
                 future.set_result(result)
-            future.exception() if future.done() and not future.cancelled() else None
+            future.exception()  # the caller sees errors through Work: never "unretrieved"
 
         self._spawn(run())
         return Work(future, f"{description}#{seq}")
@@ -462,7 +460,6 @@ async def _joined(
         group_name=name,
         timeout=timeout,
         backend=backend,
-        heartbeat_interval=interval,
         server=server,
         plane=plane,
     )

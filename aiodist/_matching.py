@@ -106,7 +106,3 @@ class Matcher(Generic[R, M]):
         for key in [k for k in self._posted_any if keep(k)]:
             out.extend(self._posted_any.pop(key))
         return [recv for _, recv in sorted(out, key=lambda e: e[0])]
-
-    def posted_from(self, src: int) -> list[R]:
-        """Posted receives that name ``src`` (they can never complete if ``src`` died)."""
-        return [recv for (s, _), q in self._posted.items() if s == src for _, recv in q]

@@ -84,9 +84,6 @@ class Job:
         out.extend(w for b in self.barriers.values() for w in b.arrived.values())
         return out
 
-    def local_size(self, host: str) -> int:
-        return sum(1 for m in self.by_rank if m.host == host)
-
     def snapshot(self, now: float) -> dict[str, Any]:
         members = self.by_rank if self.complete else self.members
         return {

@@ -59,7 +59,6 @@ class StreamChannel(asyncio.BufferedProtocol):
         self._closed_exc: Exception | None = None
         self._lost = False
         self.peer = "?"
-        self.connected = asyncio.get_running_loop().create_future()
 
     # --- asyncio.BufferedProtocol ---------------------------------------------------
 
@@ -69,8 +68,6 @@ class StreamChannel(asyncio.BufferedProtocol):
         self._transport.set_write_buffer_limits(high=0, low=0)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else repr(peer)
-        if not self.connected.done():
-            self.connected.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._dest is not None and not self._decoder.buffered_nbytes:
@@ -108,8 +105,6 @@ class StreamChannel(asyncio.BufferedProtocol):
         waiter = self._writable
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError(f"connection to {self.peer} was lost"))
-        if not self.connected.done():
-            self.connected.set_exception(ConnectionResetError(f"connection to {self.peer} lost"))
         self._sink.channel_closed(self, self._closed_exc)
 
     def pause_writing(self) -> None:

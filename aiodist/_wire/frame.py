@@ -28,15 +28,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import msgpack
 
 from aiodist._errors import ProtocolError
 from aiodist._wire.messages import MessageKind, decode_message, message_header
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 __all__ = [
     "CLOSED",
@@ -272,11 +269,3 @@ class FrameDecoder:
         if self._payload_left or self.buffered_nbytes:
             raise ProtocolError("connection closed in the middle of a frame")
         return CLOSED
-
-
-def iter_frames(dec: FrameDecoder) -> Sequence[Event]:
-    """Drain every event the decoder can produce now (a convenience for tests)."""
-    out: list[Event] = []
-    while (event := dec.next_event()) is not NEED_DATA and event is not CLOSED:
-        out.append(event)
-    return out

@@ -25,7 +25,6 @@ __all__ = [
     "Join",
     "Leave",
     "MemberFailed",
-    "MemberInfo",
     "Message",
     "MessageKind",
     "Reply",
@@ -206,17 +205,6 @@ class Reply:
 
 
 @dataclass(frozen=True, slots=True)
-class MemberInfo:
-    """One row of the job's member table (travels as a plain list inside Welcome)."""
-
-    rank: int
-    local_rank: int
-    host: str
-    pid: int
-    addresses: list[str]
-
-
-@dataclass(frozen=True, slots=True)
 class Welcome:
     KIND: ClassVar[MessageKind] = MessageKind.WELCOME
     req_id: int
@@ -224,7 +212,7 @@ class Welcome:
     world_size: int
     local_rank: int
     local_size: int
-    members: list[list[Any]]  # MemberInfo rows in rank order
+    members: list[list[Any]]  # [rank, local_rank, host, pid, addresses] in rank order
 
 
 @dataclass(frozen=True, slots=True)
