@@ -27,7 +27,15 @@ from aiodist._errors import ClosedError, DistError, DistTimeoutError, RankFailed
 from aiodist._peers import DataPlane
 from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
 from aiodist._store import REPLY_GRACE, Store
-from aiodist._wire.messages import Barrier, Heartbeat, Join, Leave, MemberFailed, Welcome
+from aiodist._wire.messages import (
+    Barrier,
+    Heartbeat,
+    Join,
+    Leave,
+    MemberFailed,
+    MembersRequest,
+    Welcome,
+)
 from aiodist._work import Work
 
 if TYPE_CHECKING:
@@ -94,22 +102,15 @@ class Session:
         self.world_size = welcome.world_size
         self.local_rank = welcome.local_rank
         self.local_size = welcome.local_size
-        self.members = [
-            MemberInfo(int(r), int(lr), str(h), int(p), tuple(a))
-            for r, lr, h, p, a in welcome.members
-        ]
         self.store = Store(conn, timeout)
         self.error: DistError | None = None
         self.closed = False
         self._barrier_seq = 0
         self._group_ids = itertools.count(1)
         self.inflight: set[asyncio.Task[None]] = set()
-        me = self.members[self.rank]
-        plane.set_members(
-            self.rank,
-            {m.rank: m.addresses for m in self.members},
-            {m.rank for m in self.members if m.host == me.host},
-        )
+        self._members: list[MemberInfo] | None = None
+        self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
+        plane.set_members(self.rank, self.world_size, self._peer_table)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
         self.world = ProcessGroup(self, list(range(self.world_size)), name=group_name, group_id=0)
@@ -118,15 +119,52 @@ class Session:
     def next_group_id(self) -> int:
         return next(self._group_ids)
 
+    async def members(self) -> list[MemberInfo]:
+        """Every member of the job in rank order: host, pid and data-plane addresses.
+
+        Fetched from the server on first use and kept: joining does not hand the
+        whole table to every rank, which would cost O(N^2) for N ranks.
+
+        Cancellation:
+            Cancelling the caller leaves the fetch running for other callers.
+        """
+        if self._members is not None:
+            return self._members
+        if self._members_loading is None:
+            self._members_loading = asyncio.ensure_future(self._load_members())
+        return await asyncio.shield(self._members_loading)
+
+    async def _load_members(self) -> list[MemberInfo]:
+        try:
+            table: Any = await self.conn.request(MembersRequest, timeout=self.timeout + REPLY_GRACE)
+            members = [
+                MemberInfo(int(r), int(lr), str(h), int(p), tuple(a)) for r, lr, h, p, a in table
+            ]
+        except BaseException:
+            self._members_loading = None  # the next caller tries again
+            raise
+        self._members = members
+        return members
+
+    async def _peer_table(self) -> tuple[dict[int, tuple[str, ...]], set[int]]:
+        members = await self.members()
+        me = members[self.rank]
+        return (
+            {m.rank: m.addresses for m in members},
+            {m.rank for m in members if m.host == me.host},
+        )
+
     def _peer_lost(self, rank: int, reason: str) -> None:
-        m = self.members[rank]
+        # A peer that connected to us may be lost before we ever fetched the table.
+        m = self._members[rank] if self._members is not None else None
+        where = f" (host {m.host}, pid {m.pid})" if m is not None else ""
         self.fail(
             RankFailedError(
-                f"rank {rank} (host {m.host}, pid {m.pid}) failed: {reason}; group "
+                f"rank {rank}{where} failed: {reason}; group "
                 f"{self.group_name!r} is broken on all ranks. Restart the job.",
                 rank=rank,
-                host=m.host,
-                pid=m.pid,
+                host=m.host if m is not None else "",
+                pid=m.pid if m is not None else 0,
                 reason=reason,
             )
         )

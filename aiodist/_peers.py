@@ -27,7 +27,7 @@ from aiodist._transport import tcp, uds
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Buffer, Frame
@@ -37,6 +37,8 @@ __all__ = ["DataPlane", "Key", "Received"]
 logger = logging.getLogger(__name__)
 
 Key = tuple[int, int, int, int]
+# Each rank's data-plane addresses, and the ranks on this host.
+PeerTable = tuple[dict[int, tuple[str, ...]], set[int]]
 P2P: Final = 0
 COLLECTIVE: Final = 1
 OBJECT_P2P: Final = 2
@@ -138,8 +140,8 @@ class DataPlane:
         self.on_peer_lost = on_peer_lost
         self.on_peer_error = on_peer_error
         self._listeners: list[Listener] = []
-        self._addresses: dict[int, tuple[str, ...]] = {}
-        self._local_ranks: set[int] = set()
+        self._lookup: Callable[[], Awaitable[PeerTable]] | None = None
+        self._table: PeerTable | None = None
         self._out: dict[int, DataChannel] = {}
         self._connecting: dict[int, asyncio.Future[DataChannel]] = {}
         self._channels: set[DataChannel] = set()
@@ -154,12 +156,12 @@ class DataPlane:
         return [lst.address for lst in self._listeners]
 
     def set_members(
-        self, rank: int, addresses: dict[int, tuple[str, ...]], same_host: set[int]
+        self, rank: int, world_size: int, lookup: Callable[[], Awaitable[PeerTable]]
     ) -> None:
+        """Join the job as ``rank``; ``lookup`` fetches the peers' addresses on first connect."""
         self.rank = rank
-        self.world_size = len(addresses)
-        self._addresses = addresses
-        self._local_ranks = same_host
+        self.world_size = world_size
+        self._lookup = lookup
 
     # --- sending ------------------------------------------------------------------------
 
@@ -205,10 +207,14 @@ class DataPlane:
         return self._out[dst]
 
     async def _open(self, dst: int) -> DataChannel:
-        addresses = self._addresses.get(dst, ())
+        if self._table is None:
+            assert self._lookup is not None, "set_members() first"
+            self._table = await self._lookup()
+        all_addresses, local_ranks = self._table
+        addresses = all_addresses.get(dst, ())
         uds_addr = [a for a in addresses if a.startswith("uds:")]
         tcp_addr = [a for a in addresses if a.startswith("tcp://")]
-        if self.use_uds and dst in self._local_ranks and uds_addr:
+        if self.use_uds and dst in local_ranks and uds_addr:
             try:
                 return await uds.connect(uds_addr[0], _Link(self, dst))
             except OSError:

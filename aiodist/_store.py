@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 from typing import TYPE_CHECKING, Final
 
@@ -17,6 +18,8 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from aiodist._control import ControlConnection
 
 __all__ = ["Store", "as_seconds"]
@@ -47,6 +50,14 @@ def _check_key(key: str) -> str:
     if not isinstance(key, str):
         raise TypeError(f"store keys are str, got {type(key).__name__}")
     return key
+
+
+def _check_keys(keys: Iterable[str]) -> list[str]:
+    checked = list(keys)
+    if not all(map(isinstance, checked, itertools.repeat(str))):  # in C: waits on 1000s of keys
+        for key in checked:
+            _check_key(key)
+    return checked
 
 
 class Store:
@@ -101,7 +112,7 @@ class Store:
             DistTimeoutError: Some key was still unset after ``timeout``.
         """
         seconds = as_seconds(timeout, self.timeout)
-        checked = [_check_key(k) for k in keys]
+        checked = _check_keys(keys)
         await self._conn.request(
             lambda r: StoreWait(r, checked, seconds), timeout=seconds + REPLY_GRACE
         )
@@ -130,6 +141,6 @@ class Store:
 
     async def check(self, keys: list[str]) -> bool:
         """True if every key in ``keys`` is set (never waits)."""
-        checked = [_check_key(k) for k in keys]
+        checked = _check_keys(keys)
         found: bool = await self._conn.request(lambda r: StoreCheck(r, checked))
         return found

@@ -43,7 +43,7 @@ async def test_explicit_ranks_form_job_with_member_table(
     server: RendezvousServer, world_size: int
 ) -> None:
     async def body(g: ProcessGroup) -> tuple[int, int, list[int]]:
-        return g.rank, g.world_size, [m.rank for m in g.session.members]
+        return g.rank, g.world_size, [m.rank for m in await g.session.members()]
 
     ranks = list(reversed(range(world_size)))  # join order differs from rank order
     with anyio.fail_after(10):
@@ -67,7 +67,7 @@ async def test_automatic_ranks_contiguous_per_host_with_local_ranks(
     server: RendezvousServer,
 ) -> None:
     async def body(g: ProcessGroup) -> tuple[str, int, int]:
-        me = g.session.members[g.rank]
+        me = (await g.session.members())[g.rank]
         return me.host, g.session.local_rank, g.session.local_size
 
     hosts = ["node-b", "node-a", "node-b", "node-a", "node-b", "node-a"]
@@ -88,7 +88,7 @@ async def test_member_table_carries_published_addresses(server: RendezvousServer
             group_name="addr",
             addresses=[f"tcp://127.0.0.1:{4000 + rank}"],
         ) as g:
-            return [m.addresses for m in g.session.members]
+            return [m.addresses for m in await g.session.members()]
 
     results: list[list[tuple[str, ...]]] = []
     with anyio.fail_after(10):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import random
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
+import msgpack
 import pytest
 
 from aiodist._server.state import Close, ConnId, Send, ServerState
@@ -18,6 +19,8 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersRequest,
+    Packed,
     Reply,
     ServerClosing,
     StatusRequest,
@@ -126,6 +129,14 @@ class FakeServer:
             assert self.only(conn, Welcome).rank == rank
         return conns
 
+    def table(self, conn: ConnId) -> list[list[Any]]:
+        """The member table as ``conn``'s member fetches it (decoded as a client would)."""
+        req_id = self.call(conn, MembersRequest)
+        reply = self.only(conn, Reply)
+        assert reply.req_id == req_id
+        assert isinstance(reply.value, Packed)
+        return cast("list[list[Any]]", msgpack.unpackb(reply.value.data))
+
     def heartbeat(self, *conns: ConnId) -> None:
         for conn in conns:
             self.send(conn, Heartbeat())
@@ -217,7 +228,7 @@ def test_join_explicit_ranks_welcome_everyone_once_after_last_join(world_size: i
         assert (welcome.rank, welcome.world_size) == (rank, world_size)
         assert welcome.local_rank == rank // 2
         assert welcome.local_size == len(range(rank % 2, world_size, 2))
-        assert welcome.members == table
+        assert srv.table(conn) == table
     assert srv.quiet()
     assert srv.state.jobs["job"].complete
 
@@ -240,6 +251,7 @@ def test_join_automatic_ranks_contiguous_per_host_in_first_join_order(
         srv.join(world_size=world_size, host=host, pid=100 + i) for i, host in enumerate(hosts)
     ]
     welcomes = [srv.only(conn, Welcome) for conn in conns]
+    tables = [srv.table(conn) for conn in conns]
     assert [w.rank for w in welcomes] == expected_ranks
     host_of_rank = {rank: hosts[i] for i, rank in enumerate(expected_ranks)}
     for i, w in enumerate(welcomes):
@@ -247,10 +259,10 @@ def test_join_automatic_ranks_contiguous_per_host_in_first_join_order(
         assert same_host == list(range(same_host[0], same_host[0] + len(same_host)))
         assert w.local_rank == same_host.index(w.rank)
         assert w.local_size == len(same_host)
-        assert w.members == welcomes[0].members
-    assert [row[0] for row in welcomes[0].members] == list(range(world_size))
+        assert tables[i] == tables[0]
+    assert [row[0] for row in tables[0]] == list(range(world_size))
     for i, rank in enumerate(expected_ranks):
-        _, local_rank, host, pid, _ = welcomes[0].members[rank]
+        _, local_rank, host, pid, _ = tables[0][rank]
         assert (host, pid, local_rank) == (hosts[i], 100 + i, welcomes[i].local_rank)
 
 
@@ -270,7 +282,7 @@ def test_join_mixed_explicit_and_automatic_ranks_fills_free_ranks(srv: FakeServe
         (1, 2),
         (2, 3),
     ]
-    assert [row[:4] for row in welcomes[0].members] == [
+    assert [row[:4] for row in srv.table(conns[0])] == [
         [0, 0, "h2", 11],
         [1, 0, "h1", 10],
         [2, 1, "h1", 12],
@@ -924,7 +936,7 @@ def test_forming_member_disconnect_drops_out_and_replacement_completes_job(
     c = srv.join(world_size=3, rank=2, host="h2", pid=22)
     welcomes = [srv.only(conn, Welcome) for conn in (a, b, c)]
     assert [w.rank for w in welcomes] == [0, 1, 2]
-    assert [row[3] for row in welcomes[0].members] == [10, 21, 22]
+    assert [row[3] for row in srv.table(a)] == [10, 21, 22]
     assert srv.take(gone) == []
     assert srv.state.stats.failures == 0
 
@@ -1104,3 +1116,27 @@ def test_status_request_replies_with_snapshot_without_joining(srv: FakeServer) -
     snap = srv.reply(conn, req)
     assert [job["name"] for job in snap["jobs"]] == ["job"]
     assert snap["connections"] == 3
+
+
+def test_member_table_is_encoded_once_per_job_and_refused_before_it_forms(
+    srv: FakeServer,
+) -> None:
+    a = srv.join(world_size=2, rank=0)
+    req = srv.call(a, MembersRequest)
+    srv.error(a, req, ErrorCode.BAD_REQUEST)
+    b = srv.join(world_size=2, rank=1)
+    srv.only(a, Welcome)
+    srv.only(b, Welcome)
+    replies = []
+    for conn in (a, b, a):
+        srv.call(conn, MembersRequest)
+        replies.append(srv.only(conn, Reply).value)
+    # The very same encoded bytes go to every member that asks.
+    assert replies[0] is replies[1] is replies[2]
+    assert [row[0] for row in msgpack.unpackb(replies[0].data)] == [0, 1]
+
+
+def test_member_table_request_needs_a_joined_job(srv: FakeServer) -> None:
+    conn = srv.connect()
+    req = srv.call(conn, MembersRequest)
+    srv.error(conn, req, ErrorCode.NOT_JOINED)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgpack
+
+from aiodist._wire.messages import Packed
+
 __all__ = ["BarrierState", "Job", "Member", "Waiter", "assign_ranks"]
 
 MemberStatus = Literal["joining", "active", "failed", "left"]
@@ -61,6 +65,19 @@ class Job:
     key_waiters: dict[str, list[Waiter]] = field(default_factory=dict)
     barriers: dict[int, BarrierState] = field(default_factory=dict)
     failed_barriers: dict[int, tuple[Any, str, dict[str, Any]]] = field(default_factory=dict)
+    _packed_table: Packed | None = None
+
+    def packed_table(self) -> Packed:
+        """``[rank, local_rank, host, pid, addresses]`` per rank, encoded once per job.
+
+        Members fetch it on first need; encoding it once, not once per member,
+        keeps a job's formation O(N) on the server.
+        """
+        assert self.complete
+        if self._packed_table is None:
+            table = [[m.rank, m.local_rank, m.host, m.pid, m.addresses] for m in self.by_rank]
+            self._packed_table = Packed(msgpack.packb(table, use_bin_type=True))
+        return self._packed_table
 
     def add(self, member: Member) -> None:
         self.members.append(member)

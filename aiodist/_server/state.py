@@ -38,6 +38,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersRequest,
     Reply,
     ServerClosing,
     StatusRequest,
@@ -199,6 +200,12 @@ class ServerState:
             state.member = None
         elif isinstance(msg, Barrier):
             self._barrier(member, msg, now)
+        elif isinstance(msg, MembersRequest):
+            if not job.complete:
+                raise _BadRequest(
+                    ErrorCode.BAD_REQUEST, f"job {job.name!r} has not formed; join it first"
+                )
+            self._send(conn, Reply(msg.req_id, job.packed_table()))
         elif isinstance(msg, StoreSet | StoreGet | StoreAdd | StoreWait | StoreCompareSet):
             self.stats.store_ops += 1
             self._store_op(conn, job, msg, now)
@@ -273,7 +280,6 @@ class ServerState:
         assign_ranks(job)
         job.complete = True
         self.stats.jobs_formed += 1
-        table = [[m.rank, m.local_rank, m.host, m.pid, m.addresses] for m in job.by_rank]
         local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
@@ -287,7 +293,6 @@ class ServerState:
                     job.world_size,
                     m.local_rank,
                     local_sizes[m.host],
-                    table,
                 ),
             )
 

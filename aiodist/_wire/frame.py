@@ -33,7 +33,7 @@ from typing import Any, Final
 import msgpack
 
 from aiodist._errors import ProtocolError
-from aiodist._wire.messages import MessageKind, decode_message, message_header
+from aiodist._wire.messages import MessageKind, Packed, decode_message, message_header
 
 __all__ = [
     "CLOSED",
@@ -103,6 +103,7 @@ CLOSED: Final = _Sentinel("CLOSED")
 Event = Frame | PayloadChunk | _Sentinel
 
 _COMPACT_AT = 256 * KiB
+_JOIN_HEADER_BYTES = 16 * KiB
 
 
 def encode_frame(kind: int, header: Any, payload: Buffer | None = None) -> list[Buffer]:
@@ -111,15 +112,37 @@ def encode_frame(kind: int, header: Any, payload: Buffer | None = None) -> list[
     The payload is never copied: it is returned as given (a memoryview of a tensor
     stays one).
     """
-    body = msgpack.packb(header, use_bin_type=True)
+    return _frame(kind, [msgpack.packb(header, use_bin_type=True)], payload)
+
+
+def _frame(kind: int, body: list[bytes], payload: Buffer | None) -> list[Buffer]:
     nbytes = 0 if payload is None else memoryview(payload).nbytes
-    head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(body), nbytes) + body
-    return [head] if not nbytes else [head, payload]  # type: ignore[list-item]
+    body_nbytes = sum(map(len, body))
+    prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, body_nbytes, nbytes)
+    # Small headers are joined (one write); a big one (a member table) is not copied.
+    parts: list[Buffer]
+    if body_nbytes <= _JOIN_HEADER_BYTES:
+        parts = [b"".join([prefix, *body])]
+    else:
+        parts = [prefix, *body]
+    if nbytes:
+        parts.append(payload)  # type: ignore[arg-type]
+    return parts
 
 
 def encode_message(msg: Any, payload: Buffer | None = None) -> list[Buffer]:
-    """Encode a message dataclass (see ``messages``) as a frame."""
-    return encode_frame(msg.KIND, message_header(msg), payload)
+    """Encode a message dataclass (see ``messages``) as a frame.
+
+    ``Packed`` fields are spliced in as they are: msgpack values concatenate, so
+    an array header followed by each field's encoding is the array's encoding.
+    """
+    header = message_header(msg)
+    if not any(type(v) is Packed for v in header):
+        return encode_frame(msg.KIND, header, payload)
+    assert len(header) < 16, "fixarray headers only"
+    body = [bytes((0x90 | len(header),))]
+    body += (v.data if type(v) is Packed else msgpack.packb(v, use_bin_type=True) for v in header)
+    return _frame(msg.KIND, body, payload)
 
 
 def frame_message(frame: Frame) -> Any:

@@ -33,7 +33,9 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersRequest,
     MessageKind,
+    Packed,
     Reply,
     ServerClosing,
     StoreCompareSet,
@@ -576,8 +578,8 @@ MESSAGES: list[Any] = [
         world_size=2,
         local_rank=0,
         local_size=1,
-        members=[[0, 0, "h0", 10, ["tcp://h0:1"]], [1, 0, "h1", 11, []]],
     ),
+    MembersRequest(req_id=8),
     ErrorReply(req_id=0, code=ErrorCode.PROTOCOL, message="bad", details={"rank": 2}),
     MemberFailed(rank=2, host="node-3", pid=4121, reason="missed heartbeats"),
     ServerClosing(reason="shutdown"),
@@ -648,7 +650,7 @@ def _set(index: int, value: Any) -> Any:
     ("msg", "edit", "expected"),
     [
         pytest.param(JOIN, _set(3, "0"), "Join.rank must be int, got str", id="Join-rank-str"),
-        pytest.param(JOIN, _set(7, "10"), "Join.heartbeat_timeout must be int/float", id="Join-hb"),
+        pytest.param(JOIN, _set(7, "10"), "Join.heartbeat_timeout must be float/int", id="Join-hb"),
         pytest.param(JOIN, _set(6, "h:1"), "Join.addresses must be list, got str", id="Join-addr"),
         pytest.param(
             JOIN, _set(6, ["ok", 5]), "Join.addresses has items of the wrong type", id="Join-item"
@@ -664,10 +666,10 @@ def _set(index: int, value: Any) -> Any:
             id="StoreWait-items",
         ),
         pytest.param(
-            Welcome(1, 0, 1, 0, 1, []),
-            _set(5, [[0], "row"]),
-            "Welcome.members has items of the wrong type",
-            id="Welcome-rows",
+            Welcome(1, 0, 1, 0, 1), _set(1, True), "Welcome.rank must be int, got bool", id="bool"
+        ),
+        pytest.param(
+            StoreWait(1, ["a"], 1.0), _set(2, False), "StoreWait.timeout must be float/int", id="f"
         ),
         pytest.param(
             ErrorReply(0, 2, "m", {}), _set(3, [1]), "ErrorReply.details must be dict", id="Error"
@@ -683,6 +685,17 @@ def test_frame_message_wrong_field_type_raises(msg: Any, edit: Any, expected: st
         frame_message(frame)
     assert expected in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_packed_field_is_spliced_and_decodes_as_the_plain_value() -> None:
+    table = [[0, 0, "h0", 10, ["tcp://h0:1"]], [1, 0, "h1", 11, ["x" * 20_000]]]
+    packed = Packed(msgpack.packb(table, use_bin_type=True))
+    parts = encode_message(Reply(req_id=9, value=packed))
+    assert any(part is packed.data for part in parts)  # a big table is not copied
+    msg = frame_message(_decode_one(parts))
+    assert msg == Reply(req_id=9, value=table)
+    small = encode_message(Reply(req_id=9, value=Packed(msgpack.packb([1, "a"]))))
+    assert frame_message(_decode_one(small)) == Reply(req_id=9, value=[1, "a"])
 
 
 def test_frame_message_header_not_an_array_raises() -> None:
