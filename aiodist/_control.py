@@ -133,18 +133,28 @@ class ControlConnection(asyncio.Protocol):
         req_id = next(self._ids)
         future: asyncio.Future[Any] = self._loop.create_future()
         self._pending[req_id] = future
+        # A timer, not a cancel scope: requests are the hot path of a big rendezvous.
+        timer = (
+            None
+            if timeout is None
+            else self._loop.call_later(timeout, self._expire, future, timeout)
+        )
         try:
             self.send(build(req_id))
-            if timeout is None:
-                return await future
-            with anyio.move_on_after(timeout) as scope:
-                return await future
-            assert scope.cancelled_caught
-            raise DistTimeoutError(
-                f"the rendezvous server at {self.server} did not answer within {timeout:.1f} s"
-            )
+            return await future
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(req_id, None)
+
+    def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
+        if not future.done():
+            future.set_exception(
+                DistTimeoutError(
+                    f"the rendezvous server at {self.server} did not answer within "
+                    f"{timeout:.1f} s; check that it is running and not overloaded"
+                )
+            )
 
     def send(self, msg: Any) -> None:
         """Send a message that expects no reply."""
