@@ -63,6 +63,7 @@ from aiodist._world import (
     is_initialized,
     is_main_process,
     master_only,
+    new_group,
 )
 
 __version__ = "0.1.0"
@@ -116,6 +117,7 @@ __all__ = [
     "isend",
     "isend_object",
     "master_only",
+    "new_group",
     "open_process_group",
     "recv",
     "reduce",

@@ -257,16 +257,28 @@ class ProcessGroup:
         self.world_size = len(ranks)
         self.rank = ranks.index(session.rank) if session.rank in ranks else -1
         self.timeout = session.timeout
+        self.group_backend: str | None = None  # new_group(backend=...); else the session's
         self.error: DistError | None = None
+        self.closed = False
         self._seq = 0
 
     def check_usable(self) -> None:
         """Raise the error that broke this group (or its session), if any."""
         self._session.check_usable()
+        if self.closed:
+            raise ClosedError(f"{self!r} was destroyed; create a new group with new_group")
         if self.error is not None:
             raise self.error
         if self.rank < 0:
             raise ValueError(f"this process (rank {self._session.rank}) is not in {self!r}")
+
+    def close(self) -> None:
+        """Destroy this group (not the session): its pending receives fail, later calls raise."""
+        if self.closed:
+            return
+        self.closed = True
+        self._session.groups.pop(self.group_id, None)
+        self._session.plane.fail(ClosedError(f"{self!r} was destroyed"), self.group_id)
 
     def break_(self, exc: DistError, *, notify: bool = True) -> None:
         """Mark this group unusable with ``exc`` on this rank and (``notify``) on every member."""
@@ -351,7 +363,7 @@ class ProcessGroup:
 
     @property
     def backend(self) -> str | None:
-        return self._session.backend
+        return self.group_backend or self._session.backend
 
     @property
     def store(self) -> Store:

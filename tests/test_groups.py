@@ -1,0 +1,144 @@
+"""Subgroups made with ``new_group``: membership, isolation, ordering, bad input."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aiodist
+from aiodist import ClosedError, CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist.testing import run_ranks
+
+
+@pytest.mark.parametrize(("world_size", "members"), [(2, [1]), (3, [0, 2]), (5, [4, 1, 3])])
+async def test_subgroup_all_reduce_sums_members_only(
+    server: RendezvousServer, world_size: int, members: list[int]
+) -> None:
+    async def body(world: ProcessGroup) -> tuple[int, int, float | None]:
+        g = await aiodist.new_group(members, parent=world)
+        if world.rank not in members:
+            with pytest.raises(ValueError, match="not in"):
+                aiodist.all_reduce(torch.ones(1), group=g)
+            return g.rank, g.world_size, None
+        t = torch.full((3,), float(world.rank))
+        await aiodist.all_reduce(t, group=g)
+        return g.rank, g.world_size, float(t[0])
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, world_size, body)
+    ranks = sorted(members)
+    for rank, (group_rank, size, total) in enumerate(outs):
+        assert size == len(members)
+        if rank in members:
+            assert group_rank == ranks.index(rank)
+            assert total == float(sum(members))
+        else:
+            assert (group_rank, total) == (-1, None)
+
+
+async def test_overlapping_subgroups_and_world_run_interleaved(server: RendezvousServer) -> None:
+    # Four ranks, groups {0,1,2} and {1,2,3}; each rank starts its operations on
+    # every group it is in, in a different interleaving, before awaiting any.
+    async def body(world: ProcessGroup) -> list[list[Any]]:
+        low = await aiodist.new_group([0, 1, 2], parent=world)
+        high = await aiodist.new_group([1, 2, 3], parent=world)
+        mine = [g for g in (low, high, world) if g.rank >= 0]
+        random.Random(world.rank).shuffle(mine)
+        works = [
+            (g, aiodist.all_gather_object((g.name, step, world.rank), group=g))
+            for step in range(5)
+            for g in mine
+        ]
+        out = []
+        for g, w in works:
+            got = await w
+            assert [name for name, _, _ in got] == [g.name] * g.world_size
+            out.append([r for _, _, r in got])
+        return out
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 4, body)
+    for rank, results in enumerate(outs):
+        expected = {(0, 1, 2), (1, 2, 3), (0, 1, 2, 3)}
+        seen = {tuple(r) for r in results}
+        assert seen <= expected
+        assert len(results) == 5 * (2 if rank in (0, 3) else 3)
+
+
+async def test_subgroup_object_gather_and_barrier(server: RendezvousServer) -> None:
+    async def body(world: ProcessGroup) -> list[Any] | None:
+        g = await aiodist.new_group([1, 2], parent=world)
+        if g.rank < 0:
+            return None
+        await aiodist.barrier(group=g)
+        return await aiodist.all_gather_object({"rank": world.rank}, group=g)
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [None, [{"rank": 1}, {"rank": 2}], [{"rank": 1}, {"rank": 2}]]
+
+
+async def test_new_group_with_different_ranks_raises_mismatch_on_every_rank(
+    server: RendezvousServer,
+) -> None:
+    async def body(world: ProcessGroup) -> dict[int, Any]:
+        ranks = [0, 1] if world.rank == 0 else [0, 2]
+        with pytest.raises(CollectiveMismatchError, match="different ranks") as info:
+            await aiodist.new_group(ranks, parent=world)
+        assert info.value.field == "ranks"
+        return dict(info.value.values_by_rank)
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [{0: [0, 1], 1: [0, 2], 2: [0, 2]}] * 3
+
+
+@pytest.mark.parametrize(
+    ("ranks", "error", "match"),
+    [
+        ([0, 0], ValueError, "distinct"),
+        ([0, 5], ValueError, "not a member"),
+        ([0, True], TypeError, "must be ints"),
+        ([], ValueError, "at least one"),
+        ("01", TypeError, "sequence of ints"),
+    ],
+)
+async def test_new_group_bad_ranks_raise_before_sending(
+    server: RendezvousServer, ranks: Any, error: type[Exception], match: str
+) -> None:
+    async def body(world: ProcessGroup) -> int:
+        with pytest.raises(error, match=match):
+            await aiodist.new_group(ranks, parent=world)
+        # Nothing was sent and no group id was taken: the next group still agrees.
+        g = await aiodist.new_group([0, 1], parent=world)
+        return g.group_id
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [1, 1]
+
+
+async def test_destroyed_subgroup_raises_closed_and_world_keeps_working(
+    server: RendezvousServer,
+) -> None:
+    async def body(world: ProcessGroup) -> float:
+        g = await aiodist.new_group(parent=world)
+        await aiodist.destroy_process_group(g)  # only the subgroup; the job goes on
+        with pytest.raises(ClosedError, match="destroyed"):
+            aiodist.all_reduce(torch.ones(1), group=g)
+        t = torch.ones(1)
+        await aiodist.all_reduce(t, group=world)
+        return float(t[0])
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [2.0, 2.0]
+
+
+async def test_new_group_needs_init() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        await aiodist.new_group([0])
