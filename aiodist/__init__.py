@@ -8,6 +8,14 @@ Example:
 
 from __future__ import annotations
 
+from aiodist._collectives.movement import (
+    all_gather,
+    all_to_all,
+    barrier,
+    broadcast,
+    gather,
+    scatter,
+)
 from aiodist._collectives.objects import (
     all_gather_object,
     all_reduce_dict,
@@ -18,17 +26,7 @@ from aiodist._collectives.objects import (
     scatter_object_list,
     sync_random_seed,
 )
-from aiodist._collectives.tensor import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    barrier,
-    broadcast,
-    gather,
-    reduce,
-    reduce_scatter,
-    scatter,
-)
+from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,

@@ -11,17 +11,15 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
-from aiodist._collectives.tensor import (
+from aiodist._collectives.movement import (
     all_gather,
-    all_reduce,
     all_to_all,
     barrier,
     broadcast,
     gather,
-    reduce,
-    reduce_scatter,
     scatter,
 )
+from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:

@@ -197,7 +197,7 @@ async def test_collect_results_interleaves_and_truncates(
 
 @pytest.fixture(params=["tensor", "fallback"])
 def reduce_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Reduce with aiodist._collectives.tensor.all_reduce, or (hidden) the gather fallback.
+    """Reduce with aiodist._collectives.reductions.all_reduce, or (hidden) the gather fallback.
 
     Returns the log of fallback uses, for the test to check which path ran.
     """
@@ -213,8 +213,8 @@ def reduce_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(objects, "_start_gather_reduce", spy)
     if request.param == "fallback":
-        monkeypatch.setitem(sys.modules, "aiodist._collectives.tensor", None)
-        monkeypatch.delattr(package, "tensor", raising=False)
+        monkeypatch.setitem(sys.modules, "aiodist._collectives.reductions", None)
+        monkeypatch.delattr(package, "reductions", raising=False)
     else:
         used.append("expect-tensor")
     return used

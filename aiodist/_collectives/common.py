@@ -10,13 +10,16 @@ group on every member instead of hanging or reducing garbage.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from aiodist._collectives import schedules
 from aiodist._errors import CollectiveMismatchError
 from aiodist._peers import COLLECTIVE
 
 if TYPE_CHECKING:
-    import asyncio
+    from collections.abc import Coroutine
 
     import torch
 
@@ -25,14 +28,23 @@ if TYPE_CHECKING:
     from aiodist._wire.frame import Buffer
 
 __all__ = [
+    "agreed",
     "byte_view",
+    "check_rank",
     "check_signature",
     "check_tensor",
+    "check_tensor_list",
+    "contiguous",
     "recv",
+    "recv_tensor",
     "resolve_group",
     "send",
     "signature",
 ]
+
+T = TypeVar("T")
+
+_AGREE_STEP = 1 << 20  # steps of the root-agreement check, apart from the data's steps
 
 
 class LazyModule:
@@ -149,3 +161,72 @@ def recv(
     group.check_usable()  # a receive posted after break_() would never be failed
     key = (COLLECTIVE, group.group_id, seq, step)
     return group.session.plane.recv(group.ranks[src], key, dest)
+
+
+def check_rank(g: ProcessGroup, rank: object, name: str) -> int:
+    """Return ``rank`` if it is a rank of ``g``, else raise ``TypeError``/``ValueError``."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise TypeError(f"{name} must be an int rank, got {type(rank).__name__}")
+    if not 0 <= rank < g.world_size:
+        raise ValueError(f"{name} must be a rank in [0, {g.world_size}), got {rank}")
+    return rank
+
+
+def check_tensor_list(tensors: object, name: str, length: int | None) -> list[torch.Tensor]:
+    """Check ``tensors`` is a list of CPU tensors (of ``length``, unless None)."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    out = [check_tensor(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
+    if length is not None and len(out) != length:
+        raise ValueError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
+    return out
+
+
+def recv_tensor(
+    g: ProcessGroup, src: int, seq: int, step: int, dest: torch.Tensor | None = None
+) -> asyncio.Future[Received]:
+    """Post a receive into ``dest`` (or a new buffer); its failure never goes unretrieved."""
+    # A receive posted after the group broke would never be failed: check first.
+    g.check_usable()
+    future = recv(g, src, seq, step, None if dest is None else byte_view(dest))
+    # A broken group fails every posted receive, including ones an aborted operation no
+    # longer awaits; the operation reports the error, so mark it retrieved here.
+    future.add_done_callback(_retrieve)
+    return future
+
+
+def _retrieve(future: asyncio.Future[Received]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+async def _agree(g: ProcessGroup, seq: int, mine: list[Any]) -> None:
+    """Dissemination exchange of signatures: every rank checks ``log2(size)`` others."""
+    for k, (to, frm) in enumerate(schedules.dissemination_partners(g.rank, g.world_size)):
+        future = recv_tensor(g, frm, seq, _AGREE_STEP + k)
+        await send(g, to, seq, _AGREE_STEP + k, mine, None)
+        check_signature(g, mine, await future)
+
+
+async def agreed(g: ProcessGroup, seq: int, mine: list[Any], body: Coroutine[Any, Any, T]) -> T:
+    """Run ``body`` beside the signature check; the first error wins."""
+    agree = asyncio.ensure_future(_agree(g, seq, mine))
+    main = asyncio.ensure_future(body)
+    try:
+        await asyncio.wait({agree, main}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (agree, main):
+            if task.done() and task.exception() is not None:
+                task.result()
+        await agree
+        return await main
+    finally:
+        for task in (agree, main):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task

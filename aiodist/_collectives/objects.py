@@ -433,15 +433,15 @@ def _start_reduce(
     """Start one all-reduce per flat tensor now; return what waits for them.
 
     They start at call time, in order, so that every rank numbers them alike.
-    Uses ``aiodist._collectives.tensor.all_reduce`` (in place) when it exists;
+    Uses ``aiodist._collectives.reductions.all_reduce`` (in place) when it exists;
     otherwise gathers the flat tensors as objects and reduces them locally in
     rank order, which gives bit-identical results on every rank.
     """
     try:
-        from aiodist._collectives import tensor as tensor_ops
+        from aiodist._collectives import reductions
     except ImportError:
         return _start_gather_reduce(flats, op, g)
-    reduces = [tensor_ops.all_reduce(flat, op=op, group=g) for flat in flats]
+    reduces = [reductions.all_reduce(flat, op=op, group=g) for flat in flats]
 
     async def wait_all() -> None:
         for w in reduces:

@@ -1,0 +1,347 @@
+"""Data movement on aiodist's data plane: broadcast, gather, scatter, all_gather, ...
+
+Each public function validates its arguments, then starts the operation with
+``ProcessGroup.start`` and returns its ``Work``. The plans (ring, binomial
+tree, dissemination) come from ``schedules``; this module only moves bytes.
+Every message carries the sender's signature, so ranks that disagree get
+``CollectiveMismatchError``. Rooted operations also run a dissemination check
+of the signature beside the data, because ranks that disagree on the root may
+never message each other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiodist._collectives import schedules
+from aiodist._collectives.common import (
+    LazyModule,
+    agreed,
+    byte_view,
+    check_rank,
+    check_signature,
+    check_tensor,
+    check_tensor_list,
+    contiguous,
+    recv_tensor,
+    resolve_group,
+    send,
+    signature,
+)
+from aiodist._peers import Received
+from aiodist._work import Work
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch")
+
+if TYPE_CHECKING:
+    from aiodist._group import ProcessGroup
+
+__all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "scatter"]
+
+
+# --- rooted operations ---------------------------------------------------------------------
+
+
+def broadcast(
+    data: torch.Tensor, src: int = 0, group: ProcessGroup | None = None
+) -> Work[torch.Tensor]:
+    """Copy ``data`` from rank ``src`` into ``data`` on every rank (binomial tree).
+
+    Args:
+        data: A CPU tensor: the value on ``src``, overwritten elsewhere.
+        src: The rank whose tensor is sent.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to ``data``; ``data`` unchanged when not initialised.
+
+    Raises:
+        TypeError: ``data`` is not a tensor.
+        ValueError: ``src`` out of range.
+        CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the broadcast.
+
+    Example:
+        >>> await aiodist.broadcast(weights, src=0)
+    """
+    t = check_tensor(data, "data")
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed(t)
+    root = check_rank(g, src, "src")
+    mine = signature("broadcast", t, root=root)
+
+    async def tree(seq: int) -> torch.Tensor:
+        links = schedules.binomial_tree(g.rank, g.world_size, root)
+        buf = contiguous(t)
+        if links.parent is not None:
+            check_signature(g, mine, await recv_tensor(g, links.parent, seq, 0, buf))
+        for child in links.children:
+            await send(g, child, seq, 0, mine, byte_view(buf))
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    async def run(seq: int) -> torch.Tensor:
+        return await agreed(g, seq, mine, tree(seq))
+
+    return g.start(f"broadcast(src={root})", run)
+
+
+def gather(
+    data: torch.Tensor, dst: int = 0, group: ProcessGroup | None = None
+) -> Work[list[torch.Tensor]]:
+    """Collect ``data`` from every rank on rank ``dst``, in rank order.
+
+    Args:
+        data: A CPU tensor; every rank passes the same dtype and shape.
+        dst: The rank that receives the tensors.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to one tensor per rank on ``dst``, ``[]`` elsewhere;
+        ``[data]`` when not initialised.
+
+    Raises:
+        TypeError: ``data`` is not a tensor.
+        ValueError: ``dst`` out of range.
+        CollectiveMismatchError: Ranks passed another dtype, shape or ``dst``.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the gather.
+
+    Example:
+        >>> parts = await aiodist.gather(t, dst=0)
+    """
+    t = check_tensor(data, "data")
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed([t])
+    root = check_rank(g, dst, "dst")
+    mine = signature("gather", t, root=root)
+
+    async def direct(seq: int) -> list[torch.Tensor]:
+        if g.rank != root:
+            await send(g, root, seq, 0, mine, byte_view(contiguous(t)))
+            return []
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
+        futures = {r: recv_tensor(g, r, seq, 0, out[r]) for r in range(g.world_size) if r != root}
+        out[root].copy_(t)
+        for future in futures.values():
+            check_signature(g, mine, await future)
+        return out
+
+    async def run(seq: int) -> list[torch.Tensor]:
+        return await agreed(g, seq, mine, direct(seq))
+
+    return g.start(f"gather(dst={root})", run)
+
+
+def scatter(
+    data: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+) -> Work[torch.Tensor]:
+    """Send ``scatter_list[i]`` from rank ``src`` into ``data`` on rank ``i``.
+
+    Args:
+        data: A CPU tensor that receives this rank's part.
+        scatter_list: On ``src``, one tensor per rank, each shaped like ``data``;
+            ignored elsewhere.
+        src: The rank that scatters.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to ``data``; when not initialised, ``data`` holding
+        ``scatter_list[0]`` (or unchanged without a list).
+
+    Raises:
+        TypeError: ``data`` or an entry of ``scatter_list`` is not a tensor.
+        ValueError: ``src`` out of range, ``scatter_list`` missing on ``src``,
+            or of the wrong length, dtype or shape.
+        CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the scatter.
+
+    Example:
+        >>> await aiodist.scatter(part, [a, b], src=0)
+    """
+    t = check_tensor(data, "data")
+    g = resolve_group(group)
+    if g is None:
+        if scatter_list:
+            t.copy_(check_tensor(scatter_list[0], "scatter_list[0]"))
+        return Work.completed(t)
+    root = check_rank(g, src, "src")
+    parts: list[torch.Tensor] = []
+    if g.rank == root:
+        if scatter_list is None:
+            raise ValueError(f"scatter_list is required on the source rank {root}")
+        parts = check_tensor_list(scatter_list, "scatter_list", g.world_size)
+        for i, part in enumerate(parts):
+            if part.dtype != t.dtype or part.shape != t.shape:
+                raise ValueError(
+                    f"scatter_list[{i}] is {part.dtype} {list(part.shape)}, but data is "
+                    f"{t.dtype} {list(t.shape)}"
+                )
+    mine = signature("scatter", t, root=root)
+
+    async def direct(seq: int) -> torch.Tensor:
+        if g.rank != root:
+            buf = contiguous(t)
+            check_signature(g, mine, await recv_tensor(g, root, seq, 0, buf))
+            if buf is not t:
+                t.copy_(buf)
+            return t
+        for r, part in enumerate(parts):
+            if r != root:
+                await send(g, r, seq, 0, mine, byte_view(contiguous(part)))
+        t.copy_(parts[root])
+        return t
+
+    async def run(seq: int) -> torch.Tensor:
+        return await agreed(g, seq, mine, direct(seq))
+
+    return g.start(f"scatter(src={root})", run)
+
+
+# --- all-to-all patterns -------------------------------------------------------------------
+
+
+def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[list[torch.Tensor]]:
+    """Gather ``data`` from every rank onto every rank, in rank order (ring).
+
+    Args:
+        data: A CPU tensor; every rank passes the same dtype and shape.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to one new tensor per rank; ``[data]`` when not initialised.
+
+    Raises:
+        TypeError: ``data`` is not a tensor.
+        CollectiveMismatchError: Ranks passed another dtype or shape.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the gather.
+
+    Example:
+        >>> parts = await aiodist.all_gather(torch.tensor([rank]))
+    """
+    t = check_tensor(data, "data")
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed([t])
+    mine = signature("all_gather", t)
+
+    async def run(seq: int) -> list[torch.Tensor]:
+        p, me = g.world_size, g.rank
+        left, right = schedules.ring_neighbours(me, p)
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(p)]
+        out[me].copy_(t)
+        for s in range(p - 1):
+            future = recv_tensor(g, left, seq, s, out[(me - s - 1) % p])
+            await send(g, right, seq, s, mine, byte_view(out[(me - s) % p]))
+            check_signature(g, mine, await future)
+        return out
+
+    return g.start("all_gather", run)
+
+
+def all_to_all(
+    inputs: list[torch.Tensor], group: ProcessGroup | None = None
+) -> Work[list[torch.Tensor]]:
+    """Send ``inputs[i]`` to rank ``i``; receive one tensor from every rank.
+
+    Shapes may differ from pair to pair; the dtype must be the same everywhere.
+
+    Args:
+        inputs: One CPU tensor per rank, all of one dtype.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to a list whose entry ``i`` is rank ``i``'s
+        ``inputs[my rank]``; ``inputs`` when not initialised.
+
+    Raises:
+        TypeError: ``inputs`` is not a list of tensors.
+        ValueError: Wrong number of tensors, or mixed dtypes.
+        CollectiveMismatchError: Ranks passed another dtype.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the exchange.
+
+    Example:
+        >>> outs = await aiodist.all_to_all([torch.tensor([rank, i]) for i in range(n)])
+    """
+    tensors = check_tensor_list(inputs, "inputs", None)
+    dtypes = {x.dtype for x in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed(tensors)
+    if len(tensors) != g.world_size:
+        raise ValueError(
+            f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
+        )
+    dtype = tensors[0].dtype
+    mine = ["all_to_all", str(dtype).removeprefix("torch."), None, None, None]
+
+    async def run(seq: int) -> list[torch.Tensor]:
+        p, me = g.world_size, g.rank
+        futures = {r: recv_tensor(g, r, seq, 0) for r in range(p) if r != me}
+        for k in range(1, p):
+            r = (me + k) % p
+            x = contiguous(tensors[r])
+            await send(g, r, seq, 0, [mine, list(x.shape)], byte_view(x))
+        out = [tensors[me].clone() if r == me else tensors[me] for r in range(p)]
+        for r, future in futures.items():
+            msg = await future
+            theirs, shape = msg.meta
+            check_signature(g, mine, Received(msg.src, theirs, msg.data))
+            received = torch.empty(shape, dtype=dtype)
+            byte_view(received)[:] = msg.data
+            out[r] = received
+        return out
+
+    return g.start("all_to_all", run)
+
+
+def barrier(group: ProcessGroup | None = None) -> Work[None]:
+    """Wait until every rank of ``group`` reached this barrier (dissemination, data plane).
+
+    Args:
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to None; already done when not initialised.
+
+    Raises:
+        CollectiveMismatchError: Another rank called a different collective here.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the barrier.
+
+    Example:
+        >>> await aiodist.barrier()
+    """
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed(None)
+    mine = signature("barrier")
+
+    async def run(seq: int) -> None:
+        for k, (to, frm) in enumerate(schedules.dissemination_partners(g.rank, g.world_size)):
+            future = recv_tensor(g, frm, seq, k)
+            await send(g, to, seq, k, mine, None)
+            check_signature(g, mine, await future)
+
+    return g.start("barrier", run)

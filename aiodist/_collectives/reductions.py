@@ -1,0 +1,333 @@
+"""Reductions on aiodist's data plane: all_reduce, reduce, reduce_scatter.
+
+Each public function validates its arguments, then starts the operation with
+``ProcessGroup.start`` and returns its ``Work``. The plans (ring, recursive
+doubling, binomial tree) come from ``schedules``; this module only moves bytes
+and reduces them with torch ops, in place. Every message carries the sender's
+signature, so ranks that disagree get ``CollectiveMismatchError``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiodist._collectives import schedules
+from aiodist._collectives.common import (
+    LazyModule,
+    agreed,
+    byte_view,
+    check_rank,
+    check_signature,
+    check_tensor,
+    check_tensor_list,
+    contiguous,
+    recv_tensor,
+    resolve_group,
+    send,
+    signature,
+)
+from aiodist._work import Work
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch")
+
+if TYPE_CHECKING:
+    from aiodist._group import ProcessGroup
+
+__all__ = ["all_reduce", "reduce", "reduce_scatter"]
+
+#: Below this many bytes all_reduce uses recursive doubling (latency-bound), above it a ring.
+RING_THRESHOLD_BYTES = 64 * 1024
+_FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
+_OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
+_ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
+
+
+def _reduce_op(op: object) -> str:
+    name = op if isinstance(op, str) else getattr(op, "name", None)
+    if name is None and op is not None and type(op).__name__ in ("ReduceOp", "RedOpType"):
+        name = str(op)
+    if not isinstance(name, str):
+        raise TypeError(f"op must be a string such as 'sum', got {type(op).__name__}")
+    key = name.rsplit(".", 1)[-1].lower()
+    key = _ALIASES.get(key, key)
+    if key not in _OPS:
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(_OPS)}")
+    return key
+
+
+def _check_op_dtype(op: str, dtype: torch.dtype) -> None:
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"op 'mean' needs a floating-point tensor, got {dtype}")
+    if op in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
+
+
+def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+    """``out = first <op> second`` with torch kernels; ``out`` may alias either input."""
+    if out.dtype == torch.bool and op in ("sum", "mean", "max"):
+        torch.logical_or(first, second, out=out)
+    elif out.dtype == torch.bool and op in ("product", "min"):
+        torch.logical_and(first, second, out=out)
+    elif op in ("sum", "mean"):
+        torch.add(first, second, out=out)
+    elif op == "product":
+        torch.mul(first, second, out=out)
+    elif op == "min":
+        torch.minimum(first, second, out=out)
+    elif op == "max":
+        torch.maximum(first, second, out=out)
+    elif op == "band":
+        torch.bitwise_and(first, second, out=out)
+    elif op == "bor":
+        torch.bitwise_or(first, second, out=out)
+    else:
+        torch.bitwise_xor(first, second, out=out)
+
+
+# --- all_reduce ----------------------------------------------------------------------------
+
+
+async def _recursive_doubling(
+    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
+) -> None:
+    plan = schedules.recursive_doubling(g.rank, g.world_size)
+    me = g.rank
+    scratch = torch.empty_like(buf)
+    # Exchanges use steps 0, 1, ... so the first message of any pair has step 0, as in
+    # every other operation: a rank that called another collective then gets a mismatch.
+    fold, unfold = _FOLD_STEP, _FOLD_STEP + 1
+    if plan.is_extra:
+        assert plan.fold_partner is not None
+        future = recv_tensor(g, plan.fold_partner, seq, unfold, scratch)
+        await send(g, plan.fold_partner, seq, fold, mine, byte_view(buf))
+        msg = await future
+        check_signature(g, mine, msg)
+        buf.copy_(scratch)
+        return
+    if plan.fold_partner is not None:
+        msg = await recv_tensor(g, plan.fold_partner, seq, fold, scratch)
+        check_signature(g, mine, msg)
+        _combine(op, buf, buf, scratch)  # the extra rank is higher: it goes second
+    for k, partner in enumerate(plan.partners):
+        future = recv_tensor(g, partner, seq, k, scratch)
+        await send(g, partner, seq, k, mine, byte_view(buf))
+        check_signature(g, mine, await future)
+        # Lower rank first on both sides, so both compute bitwise the same value.
+        if partner < me:
+            _combine(op, buf, scratch, buf)
+        else:
+            _combine(op, buf, buf, scratch)
+    if plan.fold_partner is not None:
+        await send(g, plan.fold_partner, seq, unfold, mine, byte_view(buf))
+
+
+async def _ring_all_reduce(
+    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
+) -> None:
+    p, me = g.world_size, g.rank
+    left, right = schedules.ring_neighbours(me, p)
+    flat = buf.view(-1)
+    bounds = schedules.chunk_bounds(flat.numel(), p)
+    chunks = [flat[a:b] for a, b in bounds]
+    scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=buf.dtype)
+    for s, (out_c, in_c) in enumerate(schedules.ring_reduce_scatter_steps(me, p)):
+        part = scratch[: chunks[in_c].numel()]
+        future = recv_tensor(g, left, seq, s, part)
+        await send(g, right, seq, s, mine, byte_view(chunks[out_c]))
+        check_signature(g, mine, await future)
+        _combine(op, chunks[in_c], part, chunks[in_c])
+    for s, (out_c, in_c) in enumerate(schedules.ring_all_gather_steps(me, p)):
+        future = recv_tensor(g, left, seq, p + s, chunks[in_c])
+        await send(g, right, seq, p + s, mine, byte_view(chunks[out_c]))
+        check_signature(g, mine, await future)
+
+
+def all_reduce(
+    data: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None
+) -> Work[torch.Tensor]:
+    """Reduce ``data`` across all ranks, in place: every rank ends with the same result.
+
+    Small tensors (under 64 KiB) use recursive doubling; larger ones a ring
+    reduce-scatter then ring all-gather. The result is bitwise identical on
+    every rank.
+
+    Args:
+        data: A CPU tensor, overwritten with the result.
+        op: ``sum``, ``mean``, ``product``, ``min``, ``max``, ``band``, ``bor`` or
+            ``bxor`` (any case; ``ReduceOp.SUM``-style names work too). ``mean``
+            needs a floating dtype, the bitwise ops integer or bool ones. On bool
+            tensors ``sum``/``max`` are logical or, ``product``/``min`` logical and.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to ``data``; already done with ``data`` unchanged when
+        not initialised.
+
+    Raises:
+        TypeError: ``data`` is not a tensor, or ``op`` does not suit its dtype.
+        ValueError: Unknown ``op``, or ``data`` is not a dense CPU tensor.
+        CollectiveMismatchError: Ranks passed another dtype, shape or op (on every rank).
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the reduction; it completes
+        for every rank. A timeout marks ``group`` broken on all members.
+
+    Example:
+        >>> t = torch.ones(4)
+        >>> await aiodist.all_reduce(t, op="mean")
+    """
+    t = check_tensor(data, "data")
+    reduce_op = _reduce_op(op)
+    _check_op_dtype(reduce_op, t.dtype)
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed(t)
+    mine = signature("all_reduce", t, reduce_op=reduce_op)
+
+    async def run(seq: int) -> torch.Tensor:
+        p = g.world_size
+        buf = contiguous(t)
+        if p > 1:
+            nbytes = buf.numel() * buf.element_size()
+            if nbytes < RING_THRESHOLD_BYTES or buf.numel() < p:
+                await _recursive_doubling(g, seq, buf, reduce_op, mine)
+            else:
+                await _ring_all_reduce(g, seq, buf, reduce_op, mine)
+        if reduce_op == "mean" and p > 1:
+            buf.div_(p)
+        if buf is not t:
+            t.copy_(buf)
+        return t
+
+    return g.start(f"all_reduce(op={reduce_op})", run)
+
+
+# --- rooted operations ---------------------------------------------------------------------
+
+
+def reduce(
+    data: torch.Tensor, dst: int = 0, op: str = "sum", group: ProcessGroup | None = None
+) -> Work[torch.Tensor]:
+    """Reduce ``data`` from all ranks into ``data`` on rank ``dst`` (binomial tree).
+
+    Args:
+        data: A CPU tensor; overwritten with the result on ``dst`` only.
+        dst: The rank that receives the result.
+        op: As for ``all_reduce``.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to ``data`` (the result on ``dst``, unchanged elsewhere).
+
+    Raises:
+        TypeError: ``data`` is not a tensor, or ``op`` does not suit its dtype.
+        ValueError: Unknown ``op`` or ``dst`` out of range.
+        CollectiveMismatchError: Ranks passed another dtype, shape, op or ``dst``.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the reduction.
+
+    Example:
+        >>> await aiodist.reduce(t, dst=0, op="max")
+    """
+    t = check_tensor(data, "data")
+    reduce_op = _reduce_op(op)
+    _check_op_dtype(reduce_op, t.dtype)
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed(t)
+    root = check_rank(g, dst, "dst")
+    mine = signature("reduce", t, reduce_op=reduce_op, root=root)
+
+    async def tree(seq: int) -> torch.Tensor:
+        links = schedules.binomial_tree(g.rank, g.world_size, root)
+        src = contiguous(t)
+        acc = src if g.rank == root or not links.children else src.clone()
+        scratch = torch.empty_like(src) if links.children else src
+        for child in reversed(links.children):  # smallest subtrees arrive first
+            msg = await recv_tensor(g, child, seq, 0, scratch)
+            check_signature(g, mine, msg)
+            _combine(reduce_op, acc, acc, scratch)
+        if links.parent is not None:
+            await send(g, links.parent, seq, 0, mine, byte_view(acc))
+            return t
+        if reduce_op == "mean" and g.world_size > 1:
+            acc.div_(g.world_size)
+        if acc is not t:
+            t.copy_(acc)
+        return t
+
+    async def run(seq: int) -> torch.Tensor:
+        return await agreed(g, seq, mine, tree(seq))
+
+    return g.start(f"reduce(dst={root}, op={reduce_op})", run)
+
+
+def reduce_scatter(
+    inputs: list[torch.Tensor], op: str = "sum", group: ProcessGroup | None = None
+) -> Work[torch.Tensor]:
+    """Reduce ``inputs[i]`` over all ranks and leave the result on rank ``i``.
+
+    Every rank sends ``inputs[i]`` straight to rank ``i``, which reduces what
+    it receives in rank order.
+
+    Args:
+        inputs: One CPU tensor per rank, all of the same dtype and shape.
+        op: As for ``all_reduce``.
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to a new tensor; ``inputs[0]`` when not initialised.
+
+    Raises:
+        TypeError: ``inputs`` is not a list of tensors, or ``op`` does not suit the dtype.
+        ValueError: Wrong number of tensors, tensors that differ, or unknown ``op``.
+        CollectiveMismatchError: Ranks passed another dtype, shape or op.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the operation.
+
+    Example:
+        >>> mine = await aiodist.reduce_scatter([a, b], op="sum")
+    """
+    tensors = check_tensor_list(inputs, "inputs", None)
+    if not tensors:
+        raise ValueError("inputs must hold one tensor per rank, got an empty list")
+    reduce_op = _reduce_op(op)
+    first = tensors[0]
+    for i, x in enumerate(tensors):
+        if x.dtype != first.dtype or x.shape != first.shape:
+            raise ValueError(f"inputs[{i}] differs from inputs[0] in dtype or shape")
+    _check_op_dtype(reduce_op, first.dtype)
+    g = resolve_group(group)
+    if g is None:
+        return Work.completed(first)
+    if len(tensors) != g.world_size:
+        raise ValueError(
+            f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
+        )
+    mine = signature("reduce_scatter", first, reduce_op=reduce_op)
+
+    async def run(seq: int) -> torch.Tensor:
+        p, me = g.world_size, g.rank
+        got = [tensors[me] if r == me else torch.empty_like(first) for r in range(p)]
+        futures = [None if r == me else recv_tensor(g, r, seq, 0, got[r]) for r in range(p)]
+        for k in range(1, p):  # start with the next rank: not everyone sends to rank 0 first
+            r = (me + k) % p
+            await send(g, r, seq, 0, mine, byte_view(contiguous(tensors[r])))
+        out = torch.empty_like(first, memory_format=torch.contiguous_format)
+        for r, future in enumerate(futures):
+            if future is not None:
+                check_signature(g, mine, await future)
+            if r == 0:
+                out.copy_(got[0])
+            else:
+                _combine(reduce_op, out, out, got[r])
+        if reduce_op == "mean":
+            out.div_(p)
+        return out
+
+    return g.start(f"reduce_scatter(op={reduce_op})", run)
