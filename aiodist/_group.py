@@ -261,6 +261,7 @@ class ProcessGroup:
         self.error: DistError | None = None
         self.closed = False
         self._seq = 0
+        self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
 
     def check_usable(self) -> None:
         """Raise the error that broke this group (or its session), if any."""
@@ -354,6 +355,25 @@ class ProcessGroup:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def group_rank_of(self, rank: object, name: str) -> int:
+        """The group rank of global ``rank``: ``src``/``dst`` are global ranks, as in torch.
+
+        Raises:
+            TypeError: ``rank`` is not an int.
+            ValueError: ``rank`` is not a member of this group.
+        """
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise TypeError(f"{name} must be an int rank, got {type(rank).__name__}")
+        if self._index is None:
+            self._index = {r: i for i, r in enumerate(self.ranks)}
+        try:
+            return self._index[rank]
+        except KeyError:
+            raise ValueError(
+                f"{name}={rank} is not a member of {self!r} (its global ranks: "
+                f"{_ranges(self.ranks)}); {name} is a global rank, as in torch.distributed"
+            ) from None
+
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"
 
@@ -368,6 +388,17 @@ class ProcessGroup:
     @property
     def store(self) -> Store:
         return self._session.store
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``: short even for large groups."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:

@@ -31,8 +31,9 @@ def _p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
 
 
 def _check_peer(g: ProcessGroup, peer: int | None, name: str, tag: int) -> None:
-    if peer is not None and (not isinstance(peer, int) or not 0 <= peer < g.world_size):
-        raise ValueError(f"{name} must be a rank in [0, {g.world_size}), got {peer!r}")
+    # Peers are global ranks that must belong to the group, as in torch.distributed.
+    if peer is not None:
+        g.group_rank_of(peer, name)
     if not isinstance(tag, int) or tag < 0:
         raise ValueError(f"tag must be an int >= 0, got {tag!r}")
 
@@ -48,7 +49,7 @@ def isend(
 
     Args:
         tensor: A CPU tensor; do not modify it until the send completes.
-        dst: Destination rank in ``group``.
+        dst: Global rank of the destination, a member of ``group`` (as in torch).
         tag: Matches the receive's tag.
         group: Defaults to the world group.
 
@@ -69,7 +70,7 @@ def isend(
     meta = _meta(src)
 
     async def op(seq: int) -> None:
-        await g.session.plane.send(g.ranks[dst], key, meta, byte_view(src))
+        await g.session.plane.send(dst, key, meta, byte_view(src))
 
     return g.start(f"isend(dst={dst}, tag={tag})", op, collective=False)
 
@@ -83,7 +84,7 @@ def irecv(
     """Start receiving into ``tensor`` from rank ``src`` (any rank when None).
 
     Returns:
-        Work resolving to the sender's rank in ``group``.
+        Work resolving to the sender's global rank (as torch's ``recv`` returns).
 
     Raises:
         CollectiveMismatchError: The sender's tensor has another dtype or shape.
@@ -97,12 +98,12 @@ def irecv(
     g.check_usable()
     dest = t if t.is_contiguous() else t.contiguous()
     key = (P2P, g.group_id, tag, 0)
-    future = g.session.plane.recv(None if src is None else g.ranks[src], key, byte_view(dest))
+    future = g.session.plane.recv(src, key, byte_view(dest))
     mine = _meta(dest)
 
     async def op(seq: int) -> int:
         msg = await future
-        sender = g.ranks.index(msg.src)
+        sender = msg.src  # a global rank, as torch's recv returns
         if msg.meta != mine:
             field = "dtype" if msg.meta[0] != mine[0] else "shape"
             index = 0 if field == "dtype" else 1
@@ -110,7 +111,7 @@ def irecv(
                 f"irecv(tag={tag}) got {field} {msg.meta[index]!r} from rank {sender} but the "
                 f"receiving tensor has {mine[index]!r}; send and receive matching tensors",
                 field=field,
-                values_by_rank={g.rank: mine[index], sender: msg.meta[index]},
+                values_by_rank={g.session.rank: mine[index], sender: msg.meta[index]},
             )
         if dest is not t:
             t.copy_(dest)
@@ -150,7 +151,7 @@ def isend_object(
     key = (OBJECT_P2P, g.group_id, tag, 0)
 
     async def op(seq: int) -> None:
-        await g.session.plane.send(g.ranks[dst], key, None, data)
+        await g.session.plane.send(dst, key, None, data)
 
     return g.start(f"isend_object(dst={dst}, tag={tag})", op, collective=False)
 
@@ -167,7 +168,7 @@ def irecv_object(
     _check_peer(g, src, "src", tag)
     g.check_usable()
     key = (OBJECT_P2P, g.group_id, tag, 0)
-    future = g.session.plane.recv(None if src is None else g.ranks[src], key)
+    future = g.session.plane.recv(src, key)
 
     async def op(seq: int) -> Any:
         msg = await future

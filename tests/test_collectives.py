@@ -358,7 +358,7 @@ async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> N
             all_reduce(torch.ones(2, dtype=torch.int64), op="mean", group=g)
         with pytest.raises(TypeError, match="integer or bool"):
             all_reduce(torch.ones(2), op="bxor", group=g)
-        with pytest.raises(ValueError, match="dst must be a rank"):
+        with pytest.raises(ValueError, match=r"dst=\d+ is not a member"):
             reduce(torch.ones(2), dst=g.world_size, group=g)
         with pytest.raises(TypeError, match="src must be an int"):
             broadcast(torch.ones(2), src="0", group=g)  # type: ignore[arg-type]

@@ -142,3 +142,37 @@ async def test_destroyed_subgroup_raises_closed_and_world_keeps_working(
 async def test_new_group_needs_init() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         await aiodist.new_group([0])
+
+
+async def test_subgroup_roots_and_peers_are_global_ranks_as_in_torch(
+    server: RendezvousServer,
+) -> None:
+    # Group {1, 3} of 4 ranks: src/dst name global ranks; results report global ranks.
+    async def body(world: ProcessGroup) -> tuple[Any, ...] | None:
+        g = await aiodist.new_group([1, 3], parent=world)
+        if g.rank < 0:
+            return None
+        with pytest.raises(ValueError, match="src=2 is not a member"):
+            aiodist.broadcast(torch.zeros(1), src=2, group=g)
+        t = torch.full((2,), float(world.rank))
+        await aiodist.broadcast(t, src=3, group=g)
+        gathered = await aiodist.gather(torch.tensor([world.rank]), dst=1, group=g)
+        objs = [f"from {world.rank}"]
+        await aiodist.broadcast_object_list(objs, src=1, group=g)
+        if world.rank == 1:
+            await aiodist.send(torch.tensor([7.0]), dst=3, group=g)
+            sender = None
+        else:
+            got = torch.zeros(1)
+            sender = await aiodist.recv(got, src=None, group=g)
+            assert float(got[0]) == 7.0
+        return float(t[0]), [int(x) for x in gathered], objs[0], sender
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 4, body)
+    assert outs == [
+        None,
+        (3.0, [1, 3], "from 1", None),
+        None,
+        (3.0, [], "from 1", 1),
+    ]

@@ -145,7 +145,7 @@ async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> N
     async def body(g: ProcessGroup) -> None:
         with pytest.raises(TypeError, match=r"torch\.Tensor"):
             isend([1, 2], dst=1, group=g)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="dst must be a rank"):
+        with pytest.raises(ValueError, match=r"dst=\d+ is not a member"):
             isend(torch.ones(1), dst=5, group=g)
         with pytest.raises(ValueError, match="tag must be"):
             irecv(torch.ones(1), src=0, tag=-1, group=g)

@@ -164,12 +164,8 @@ def recv(
 
 
 def check_rank(g: ProcessGroup, rank: object, name: str) -> int:
-    """Return ``rank`` if it is a rank of ``g``, else raise ``TypeError``/``ValueError``."""
-    if not isinstance(rank, int) or isinstance(rank, bool):
-        raise TypeError(f"{name} must be an int rank, got {type(rank).__name__}")
-    if not 0 <= rank < g.world_size:
-        raise ValueError(f"{name} must be a rank in [0, {g.world_size}), got {rank}")
-    return rank
+    """The group rank of global ``rank`` (torch's convention), else ``TypeError``/``ValueError``."""
+    return g.group_rank_of(rank, name)
 
 
 def check_tensor_list(tensors: object, name: str, length: int | None) -> list[torch.Tensor]:

@@ -51,11 +51,13 @@ _ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
 
 
 def _check_root(g: ProcessGroup | None, root: object, name: str) -> int:
+    """The group rank of global rank ``root`` (torch's convention for src/dst)."""
+    if g is not None:
+        return g.group_rank_of(root, name)
     if isinstance(root, bool) or not isinstance(root, int):
         raise TypeError(f"{name} must be an int rank, got {type(root).__name__}")
-    size = 1 if g is None else g.world_size
-    if not 0 <= root < size:
-        raise ValueError(f"{name} must be a rank in [0, {size}), got {root}")
+    if root != 0:
+        raise ValueError(f"{name} must be 0 when not initialised (world size 1), got {root}")
     return root
 
 
@@ -155,7 +157,7 @@ def gather_object(
 
     Args:
         data: The object this rank contributes (encoded now).
-        dst: The group rank that receives the list.
+        dst: The global rank that receives the list (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -176,7 +178,7 @@ def gather_object(
         >>> objs = await aiodist.gather_object(len(my_shard), dst=0)
     """
     g = resolve_group(group)
-    _check_root(g, dst, "dst")
+    dst = _check_root(g, dst, "dst")  # from here on a group rank
     if g is None:
         return Work.completed([data])
     payload = codec.dumps(data)
@@ -207,7 +209,7 @@ def broadcast_object_list(
 
     Args:
         data: A list; read on ``src`` (encoded now), overwritten in place elsewhere.
-        src: The group rank whose items are broadcast.
+        src: The global rank whose items are broadcast (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -231,7 +233,7 @@ def broadcast_object_list(
     if not isinstance(data, list):
         raise TypeError(f"data must be a list, got {type(data).__name__}")
     g = resolve_group(group)
-    _check_root(g, src, "src")
+    src = _check_root(g, src, "src")  # from here on a group rank
     if g is None:
         return Work.completed(data)
     payload = codec.dumps(data) if g.rank == src else None
@@ -258,7 +260,7 @@ def scatter_object_list(
     Args:
         scatter_list: On ``src``, a list or tuple with one object per rank
             (each encoded now); ignored elsewhere (None is fine).
-        src: The group rank that holds the objects.
+        src: The global rank that holds the objects (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -281,7 +283,7 @@ def scatter_object_list(
         >>> shard = await aiodist.scatter_object_list(shards if rank == 0 else None)
     """
     g = resolve_group(group)
-    _check_root(g, src, "src")
+    src = _check_root(g, src, "src")  # from here on a group rank
     size = 1 if g is None else g.world_size
     is_src = g is None or g.rank == src
     if is_src:
