@@ -175,7 +175,17 @@ def test_aiodist_run_demo_passes_with_rank_prefixes() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(4):
-        assert f"[rank {rank}] passed the barrier" in result.stdout
+        assert f"[rank {rank}] joined: rank {rank} of 4" in result.stdout
+    # Rank 0 prints every result; spot-check values a broken collective would get wrong.
+    for line in (
+        "all_reduce(sum)                    [6.0, 6.0]",
+        "all_gather                         [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]",
+        "reduce_scatter(sum) (rank 0 gets)  [60.0, 60.0]",
+        "all_to_all (rank 0 gets)           [[0.0, 0.0], [10.0, 10.0], [20.0, 20.0], [30.0, 30.0]]",
+        "rank 0 received from rank          3: [3.0, 3.0, 3.0]",
+        "all_reduce on ranks [0, 2]         [2.0, 2.0]",
+    ):
+        assert f"[rank 0]   {line}" in result.stdout, result.stdout
 
 
 def test_aiodist_run_reports_failing_rank_and_stops_the_others(tmp_path: Path) -> None:
