@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 
-from aiodist._errors import ClosedError, DistError, DistTimeoutError, RankFailedError, from_wire
+from aiodist._errors import (
+    ClosedError,
+    DistError,
+    DistTimeoutError,
+    GroupBrokenError,
+    RankFailedError,
+    from_wire,
+)
 from aiodist._peers import DataPlane
 from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
 from aiodist._store import REPLY_GRACE, Store
@@ -154,7 +161,7 @@ class Session:
             {m.rank for m in members if m.host == me.host},
         )
 
-    def _peer_lost(self, rank: int, reason: str) -> None:
+    def _peer_lost(self, rank: int, reason: str) -> DistError | None:
         # A peer that connected to us may be lost before we ever fetched the table.
         m = self._members[rank] if self._members is not None else None
         where = f" (host {m.host}, pid {m.pid})" if m is not None else ""
@@ -168,6 +175,7 @@ class Session:
                 reason=reason,
             )
         )
+        return self.error
 
     def _peer_error(self, src: int, header: Any) -> None:
         try:
@@ -331,8 +339,12 @@ class ProcessGroup:
                 with anyio.fail_after(self.timeout):
                     result = await op(seq)
             except DistError as exc:  # before TimeoutError: DistTimeoutError is one too
-                if collective and self.error is None and self._session.error is None:
+                if collective:
+                    # Tell the group's members why (a rank dying breaks a ring in several
+                    # places; the first cause should reach everyone, not a later symptom).
                     self.break_(exc)
+                    if isinstance(exc, GroupBrokenError) and self.error is not None:
+                        exc = self.error  # the group's first error: the same on every member
                 future.set_exception(exc)
             except TimeoutError:  # our own fail_after: the operation ran out of time
                 timed_out = DistTimeoutError(
@@ -342,6 +354,15 @@ class ProcessGroup:
                 self.break_(timed_out)
                 future.set_exception(timed_out)
             except BaseException as exc:
+                if collective and isinstance(exc, Exception) and self.error is None:
+                    # Peers wait on this rank's part: tell them instead of letting them hang.
+                    self.break_(
+                        GroupBrokenError(
+                            f"{description} on group {self.name!r} failed on rank "
+                            f"{self._session.rank}: {type(exc).__name__}: {exc}; the group is "
+                            "broken. Restart the job."
+                        )
+                    )
                 future.set_exception(exc)
                 if not isinstance(exc, Exception):
                     raise

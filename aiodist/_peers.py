@@ -130,7 +130,7 @@ class DataPlane:
         self,
         job: str,
         *,
-        on_peer_lost: Callable[[int, str], None],
+        on_peer_lost: Callable[[int, str], BaseException | None],
         on_peer_error: Callable[[int, Any], None],
     ) -> None:
         self.job = job
@@ -171,13 +171,23 @@ class DataPlane:
             data = memoryview(bytes(payload) if payload is not None else b"")
             self._deliver_local(key, Received(dst, meta, data))
             return
-        channel = self._out.get(dst) or await self._connect(dst)
-        await channel.send(MessageKind.DATA, [*key, meta], payload)
+        try:
+            channel = self._out.get(dst) or await self._connect(dst)
+            await channel.send(MessageKind.DATA, [*key, meta], payload)
+        except OSError as exc:
+            raise self._send_failed(dst, exc) from exc
 
     async def send_error(self, dst: int, header: Any) -> None:
         if dst != self.rank:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.PEER_ERROR, header)
+
+    def _send_failed(self, dst: int, exc: OSError) -> BaseException:
+        # A peer we cannot reach or whose connection broke mid-send has failed: report
+        # it the way a dropped connection is reported (RankFailedError naming it).
+        if self._closing:
+            return exc
+        return self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
 
     def _deliver_local(self, key: Key, msg: Received) -> None:
         posted = self.matcher.arrive(self.rank, key)

@@ -1,0 +1,105 @@
+"""A rank that dies in the middle of the job, in real processes.
+
+The rendezvous server runs in the test's own loop (the ``server`` fixture); the
+ranks are subprocesses, so one can really die (``os._exit``) while the others
+are inside a collective with it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiodist import RendezvousServer
+
+pytestmark = pytest.mark.slow
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import anyio, torch
+    import aiodist
+
+    async def main() -> None:
+        url, rank, world, victim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+        await aiodist.init_process_group(init_method=url, world_size=world, rank=rank,
+                                         group_name="faults", heartbeat_interval=0.1,
+                                         heartbeat_timeout=2.0)
+        t = torch.ones(1 << 18)
+        await aiodist.all_reduce(t)  # every rank completes one collective
+        out = {"rank": rank, "pid": os.getpid(), "first": float(t[0])}
+        if str(rank) == victim:
+            print(json.dumps(out), flush=True)
+            os._exit(17)  # dies while the others are inside the next collective
+        for name, start in (
+            ("all_reduce", lambda: aiodist.all_reduce(torch.ones(1 << 22))),  # ring, 16 MiB
+            ("all_gather_object", lambda: aiodist.all_gather_object({"rank": rank})),
+        ):
+            try:
+                await start()
+                out[name] = "completed"
+            except aiodist.DistError as exc:
+                out[name] = [type(exc).__name__, getattr(exc, "rank", None),
+                             getattr(exc, "host", None), getattr(exc, "pid", None), str(exc)]
+        print(json.dumps(out), flush=True)
+        await aiodist.destroy_process_group()
+
+    anyio.run(main)
+    """
+)
+
+
+async def _run_rank(script: Path, url: str, rank: int, world: int, victim: int) -> dict[str, Any]:
+    result = await anyio.run_process(
+        [sys.executable, str(script), url, str(rank), str(world), str(victim)], check=False
+    )
+    lines = result.stdout.decode().strip().splitlines()
+    assert lines, result.stderr.decode()
+    out: dict[str, Any] = json.loads(lines[-1])
+    out["returncode"] = result.returncode
+    return out
+
+
+@pytest.mark.parametrize(("world", "victim"), [(3, 1), (4, 0)])
+async def test_rank_dying_mid_collective_fails_survivors_with_its_rank(
+    server: RendezvousServer, tmp_path: Path, world: int, victim: int
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        outs[rank] = await _run_rank(script, url, rank, world, victim)
+
+    # The operation's own timeout is the 30-minute default: only failure detection
+    # (a dropped data-plane connection or missed heartbeats) can end this in time.
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for rank in range(world):
+                tg.start_soon(one, rank)
+
+    dead = outs[victim]
+    assert dead["returncode"] == 17
+    for rank, out in outs.items():
+        assert out["first"] == float(world)
+        if rank == victim:
+            continue
+        assert out["returncode"] == 0
+        for name in ("all_reduce", "all_gather_object"):
+            kind, failed_rank, host, pid, message = out[name]
+            assert kind == "RankFailedError", out
+            assert failed_rank == victim
+            assert f"rank {victim}" in message
+            # The server's notice names the host and pid; a dropped peer connection
+            # that wins the race may know only the rank.
+            assert pid in (dead["pid"], 0)
+            assert isinstance(host, str)
