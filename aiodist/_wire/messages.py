@@ -22,6 +22,7 @@ __all__ = [
     "ErrorCode",
     "ErrorReply",
     "Heartbeat",
+    "Hello",
     "Join",
     "Leave",
     "MemberFailed",
@@ -59,6 +60,7 @@ class MessageKind(enum.IntEnum):
     STORE_CHECK = 11
     BARRIER = 12
     STATUS = 13
+    HELLO = 15  # 14 stays unused: tests use it as an unknown kind
     # server -> client
     REPLY = 32
     WELCOME = 33
@@ -194,6 +196,17 @@ class StatusRequest:
     req_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first message of a connection to a server that requires a token."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.HELLO
+    token: str
+
+    def __repr__(self) -> str:  # the token must never reach a log line
+        return "Hello(token=<hidden>)"
+
+
 # --- control plane: server -> client ------------------------------------------------
 
 
@@ -253,6 +266,7 @@ Message = (
     | StoreCheck
     | Barrier
     | StatusRequest
+    | Hello
     | Reply
     | Welcome
     | ErrorReply
@@ -276,6 +290,7 @@ MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
         StoreCheck,
         Barrier,
         StatusRequest,
+        Hello,
         Reply,
         Welcome,
         ErrorReply,
