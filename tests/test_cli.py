@@ -22,8 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import aiodist
 from aiodist import AuthenticationError, RendezvousError, open_process_group
 from aiodist._cli import format_status
+from aiodist._control import connect_control
 from aiodist._daemon import is_loopback, read_token_file, sd_notify
-from aiodist._wire.messages import StoreGet
+from aiodist._wire.messages import StatusRequest, StoreGet
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
@@ -583,3 +584,20 @@ def test_daemon_never_imports_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+async def test_embedded_server_requires_the_token_when_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIODIST_TOKEN", TOKEN)
+    with anyio.fail_after(20):
+        async with open_process_group(f"file://{tmp_path}/rdzv", world_size=1) as g:
+            server = g.session.server
+            assert server is not None  # this process embedded it
+            assert server.token == TOKEN
+            conn = await connect_control(*server.address, timeout=5, token="")
+            try:
+                with pytest.raises(AuthenticationError, match="requires a token"):
+                    await conn.request(StatusRequest, timeout=5)
+            finally:
+                conn.close()
