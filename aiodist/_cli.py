@@ -28,6 +28,7 @@ __all__ = ["main"]
 logger = logging.getLogger("aiodist")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -94,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", type=str.lower, choices=LOG_LEVELS, default=_env("LOG_LEVEL", "info")
     )
-    serve.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT", "text"))
+    serve.add_argument("--log-format", choices=LOG_FORMATS, default=_env("LOG_FORMAT", "text"))
 
     status = sub.add_parser("status", help="show the jobs a rendezvous server holds")
     status.add_argument("--host", default=_env("HOST", "127.0.0.1"))
@@ -129,7 +130,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``aiodist`` and ``python -m aiodist``; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # Defaults from the environment skip argparse's choices check: check them here.
+    for name, choices in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        value = getattr(args, name, choices[0])
+        if value not in choices:
+            parser.error(f"AIODIST_{name.upper()}={value!r} is not one of {', '.join(choices)}")
     _configure_logging(
         args.log_level if hasattr(args, "log_level") else "warning",
         getattr(args, "log_format", "text"),

@@ -141,17 +141,27 @@ def _signal_name(signum: int) -> str:
 
 async def _pump(stream: asyncio.StreamReader, sink: IO[bytes], prefix: bytes) -> None:
     pending = b""
-    while chunk := await stream.read(READ_CHUNK_BYTES):
+    writable = True
+
+    def write(data: bytes) -> None:
+        nonlocal writable
+        if not writable:
+            return
+        try:
+            sink.write(data)
+            sink.flush()
+        except (BrokenPipeError, ValueError):  # our reader went away (`| head`): discard
+            writable = False
+
+    while chunk := await stream.read(READ_CHUNK_BYTES):  # always drain: ranks never block
         *lines, pending = (pending + chunk).split(b"\n")
         if len(pending) > MAX_LINE_BYTES:
             lines.append(pending)
             pending = b""
         if lines:
-            sink.write(b"".join(prefix + line + b"\n" for line in lines))
-            sink.flush()
+            write(b"".join(prefix + line + b"\n" for line in lines))
     if pending:
-        sink.write(prefix + pending + b"\n")
-        sink.flush()
+        write(prefix + pending + b"\n")
 
 
 class _Ranks:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import aiodist
 from aiodist import AuthenticationError, RendezvousError, open_process_group
-from aiodist._cli import format_status
+from aiodist._cli import format_status, main
 from aiodist._control import connect_control
 from aiodist._daemon import is_loopback, read_token_file, sd_notify
 from aiodist._wire.messages import StatusRequest, StoreGet
@@ -601,3 +601,16 @@ async def test_embedded_server_requires_the_token_when_set(
                     await conn.request(StatusRequest, timeout=5)
             finally:
                 conn.close()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("AIODIST_LOG_LEVEL", "verbose"), ("AIODIST_LOG_FORMAT", "xml")]
+)
+def test_bad_setting_from_environment_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "0"])
+    assert exit_info.value.code == 2
+    assert f"{variable}={value!r} is not one of" in capsys.readouterr().err
