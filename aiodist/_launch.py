@@ -111,7 +111,10 @@ def rank_env(
     job_id: str,
     base: Mapping[str, str],
 ) -> dict[str, str]:
-    """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables."""
+    """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables.
+
+    ``OMP_NUM_THREADS`` defaults to 1 when several ranks share the node, as with torchrun.
+    """
     rank = spec.node_rank * spec.nproc + local_rank
     env = dict(base)
     env.update(
@@ -129,6 +132,9 @@ def rank_env(
         AIODIST_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
     )
+    if spec.nproc > 1:
+        # As torchrun does: N ranks each using every core would oversubscribe the node.
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

@@ -103,8 +103,12 @@ def test_rank_env_is_torchruns() -> None:
         "MASTER_PORT": "1234",
         "AIODIST_JOB_ID": "job",
         "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
     }
     assert env["PATH"] == "/bin"
+    assert rank_env(spec, 0, ("h", 1), "j", {"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    single = LaunchSpec(["python", "x.py"], nproc=1)
+    assert "OMP_NUM_THREADS" not in rank_env(single, 0, ("h", 1), "j", {})
 
 
 @pytest.mark.parametrize(
