@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -22,6 +23,7 @@ from aiodist._errors import (
     DistTimeoutError,
     GroupBrokenError,
     ProtocolError,
+    RendezvousError,
     from_wire,
 )
 from aiodist._wire.frame import (
@@ -37,6 +39,7 @@ from aiodist._wire.frame import (
 from aiodist._wire.messages import (
     ErrorCode,
     ErrorReply,
+    Hello,
     MemberFailed,
     Reply,
     ServerClosing,
@@ -121,6 +124,9 @@ class ControlConnection(asyncio.Protocol):
 
         Raises:
             DistError: The server's error, rebuilt with its class and attributes.
+            AuthenticationError: The server requires a token and this connection's
+                was missing or wrong (never retried).
+            RendezvousError: The server shut down.
             GroupBrokenError: The connection was lost.
             DistTimeoutError: No reply within ``timeout`` (a safety net; the server
                 enforces the operation's own timeout).
@@ -178,16 +184,18 @@ class ControlConnection(asyncio.Protocol):
             exc = from_wire(msg.code, msg.message, msg.details)
             if msg.req_id in self._pending:
                 self._resolve(msg.req_id, exc)
-            elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.RANK_FAILED):
+            elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.RANK_FAILED, ErrorCode.AUTHENTICATION):
                 self._fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
         elif isinstance(msg, MemberFailed | ServerClosing):
             if isinstance(msg, ServerClosing):
+                logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
                 self._fail(
-                    GroupBrokenError(
-                        f"the rendezvous server at {self.server} is going away ({msg.reason}); "
-                        "operations that need it will fail. Restart the job."
+                    RendezvousError(
+                        f"the rendezvous server at {self.server} shut down ({msg.reason}); "
+                        "store, barrier and join requests can no longer be served. Restart "
+                        "the server, then the job."
                     )
                 )
             if self.on_notice is not None:
@@ -219,8 +227,19 @@ async def connect_control(
     timeout: float,
     on_notice: Callable[[Notice], None] | None = None,
     retry_refused: bool = True,
+    token: str | None = None,
 ) -> ControlConnection:
     """Connect to the rendezvous server, retrying while nothing listens yet.
+
+    Args:
+        host: The server's address.
+        port: The server's port.
+        timeout: Seconds to keep retrying while nothing listens.
+        on_notice: Called with every notice the server sends (a member failed, closing).
+        retry_refused: Retry while the connection is refused.
+        token: The job's shared token; ``None`` reads ``$AIODIST_TOKEN``. It is
+            sent as the connection's first message, before any request, so a
+            server that requires it refuses nothing this connection pipelines.
 
     Raises:
         ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
@@ -228,6 +247,8 @@ async def connect_control(
     """
     from aiodist._errors import RendezvousTimeout
 
+    if token is None:
+        token = os.environ.get("AIODIST_TOKEN", "")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -235,6 +256,8 @@ async def connect_control(
             _, protocol = await loop.create_connection(
                 lambda: ControlConnection(on_notice), host, port
             )
+            if token:
+                protocol.send(Hello(token))
             return protocol
         except OSError as exc:
             if not retry_refused and isinstance(exc, ConnectionRefusedError):

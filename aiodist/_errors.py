@@ -128,7 +128,7 @@ _BY_CODE.update(
         ErrorCode.JOB_FULL: RendezvousError,
         ErrorCode.BAD_REQUEST: DistError,
         ErrorCode.NOT_JOINED: DistError,
-        ErrorCode.SERVER_CLOSING: GroupBrokenError,
+        ErrorCode.SERVER_CLOSING: RendezvousError,
     }
 )
 

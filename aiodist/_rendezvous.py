@@ -8,12 +8,15 @@
   the first process starts an embedded server on a free port and writes its
   address there; the others read it and connect. The file is the only thing
   the processes must share, so no port has to be agreed on beforehand.
+
+An embedded server requires ``$AIODIST_TOKEN`` from its clients when it is set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import os
 import urllib.parse
 from dataclasses import dataclass
@@ -148,7 +151,11 @@ async def connect_rendezvous(
             return conn, None
         except ConnectionRefusedError:
             try:
-                server: RendezvousServer = await tg.start(serve_rendezvous, spec.host, spec.port)
+                server: RendezvousServer = await tg.start(
+                    functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                    spec.host,
+                    spec.port,
+                )
             except OSError:
                 pass  # another process won the race to embed it; connect to theirs
             else:
@@ -188,7 +195,11 @@ async def _connect_file(
                         except (OSError, ValueError, RendezvousError):
                             pass  # a stale address from a job that ended: replace it
                     bind = env.get("AIODIST_HOST", "127.0.0.1")
-                    server: RendezvousServer = await tg.start(serve_rendezvous, bind, 0)
+                    server: RendezvousServer = await tg.start(
+                        functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                        bind,
+                        0,
+                    )
                     f.seek(0)
                     f.truncate()
                     f.write(f"{server.address[0]}:{server.address[1]}\n")

@@ -1,4 +1,8 @@
-"""Real processes: the `aiodist serve` daemon, `aiodist run`, and a rank killed mid-job."""
+"""Real processes: ranks meeting at the `aiodist serve` daemon, a rank killed, the daemon stopped.
+
+The daemon's own behaviour (flags, signals, metrics, tokens) is tested in test_cli.py and
+the launcher's in test_launch.py.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aiodist import open_process_group
 
@@ -52,6 +57,15 @@ WORKER = textwrap.dedent(
             except aiodist.RankFailedError as exc:
                 out["error"] = type(exc).__name__
                 out["failed_rank"] = exc.rank
+        elif mode == "server-gone":
+            await store.set(f"ready/{rank}", b"")
+            await store.wait([f"ready/{r}" for r in range(world)])
+            print("waiting", flush=True)
+            for what in ("pending", "next"):
+                try:
+                    await store.get("never-set", timeout=60)
+                except aiodist.RendezvousError as exc:
+                    out[what] = [type(exc).__name__, str(exc)]
         print(json.dumps(out), flush=True)
         await aiodist.destroy_process_group()
 
@@ -61,25 +75,30 @@ WORKER = textwrap.dedent(
 
 
 @pytest.fixture
-def daemon() -> Iterator[tuple[str, int]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aiodist", "serve", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def daemon_proc(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen[str]]]:
+    with open(tmp_path / "daemon.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aiodist", "serve", "--host", "127.0.0.1", "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # readiness: the bound address, printed once listening
         assert "listening on" in line, line
-        host, port = line.rsplit(" ", 1)[1].strip().rsplit(":", 1)
-        yield host, int(port)
+        host, port = line.split("listening on ", 1)[1].strip().rsplit(":", 1)
+        yield host, int(port), proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, (tmp_path / "daemon.log").read_text()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=10) == 0
-        finally:
-            _kill(proc)
+        _kill(proc)
+
+
+@pytest.fixture
+def daemon(daemon_proc: tuple[str, int, subprocess.Popen[str]]) -> tuple[str, int]:
+    return daemon_proc[0], daemon_proc[1]
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
@@ -155,17 +174,6 @@ async def test_killed_rank_is_reported_to_survivors_by_rank(
         assert out["failed_rank"] == 1
 
 
-def test_status_without_server_fails_clearly() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "aiodist", "status", "--port", "1", "--timeout", "2"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 1
-    assert "no rendezvous server answers at 127.0.0.1:1" in result.stderr
-
-
 def test_aiodist_run_demo_passes_with_rank_prefixes() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "aiodist", "run", "-n", "4", str(ROOT / "examples" / "demo.py")],
@@ -186,37 +194,6 @@ def test_aiodist_run_demo_passes_with_rank_prefixes() -> None:
         "all_reduce on ranks [0, 2]         [2.0, 2.0]",
     ):
         assert f"[rank 0]   {line}" in result.stdout, result.stdout
-
-
-def test_aiodist_run_reports_failing_rank_and_stops_the_others(tmp_path: Path) -> None:
-    script = tmp_path / "fail.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os, sys, time
-            if os.environ["RANK"] == "2":
-                sys.exit(3)
-            time.sleep(120)  # the launcher must stop this rank
-            """
-        )
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "aiodist", "run", "-n", "3", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 3
-    assert "rank 2" in result.stderr
-    assert "exited with code 3" in result.stderr
-
-
-def test_daemon_never_imports_torch() -> None:
-    code = "import sys; import aiodist._server.serve, aiodist._cli; print('torch' in sys.modules)"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
-    assert result.stdout.strip() == "False", result.stderr
 
 
 async def test_in_process_member_and_subprocess_members_share_a_job(
@@ -244,3 +221,43 @@ async def test_in_process_member_and_subprocess_members_share_a_job(
     finally:
         for p in procs:
             _kill(p)
+
+
+async def test_stopping_the_daemon_fails_ranks_control_requests_clearly(
+    daemon_proc: tuple[str, int, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    host, port, proc = daemon_proc
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    url = f"tcp://{host}:{port}"
+    workers = [
+        await anyio.open_process(
+            [sys.executable, str(script), url, str(r), "2", "server-gone"], env=env
+        )
+        for r in range(2)
+    ]
+    try:
+        with anyio.fail_after(60):
+            streams = []
+            for w in workers:
+                assert w.stdout is not None
+                streams.append(BufferedByteReceiveStream(w.stdout))
+                assert await streams[-1].receive_until(b"\n", 1 << 16) == b"waiting"
+            proc.send_signal(signal.SIGTERM)
+            outs = []
+            for w, stream in zip(workers, streams, strict=True):
+                assert await w.wait() == 0
+                outs.append(json.loads(await stream.receive_until(b"\n", 1 << 16)))
+    finally:
+        for w in workers:
+            if w.returncode is None:
+                w.kill()
+                with anyio.CancelScope(shield=True):
+                    await w.wait()
+            await w.aclose()
+    for out in outs:
+        for what in ("pending", "next"):
+            kind, message = out[what]
+            assert kind == "RendezvousError"
+            assert f"rendezvous server at {host}:{port} shut down (it received SIGTERM)" in message

@@ -6,11 +6,18 @@ closes that one connection with a log line. Deadlines (store waits, barriers,
 joins, the heartbeat sweep) are one ``loop.call_at`` timer, re-armed after
 every batch of actions. Peer addresses are logged as the numeric addresses the
 socket reports: the server never resolves a host name.
+
+A server started with a token authenticates each connection before anything it
+sends reaches the job table: the first message must be ``Hello`` with the
+token (compared in constant time), or the connection gets one AUTHENTICATION
+error and is closed. The token is never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import importlib.metadata
 import logging
 import socket
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -29,12 +36,12 @@ from aiodist._wire.frame import (
     encode_message,
     frame_message,
 )
-from aiodist._wire.messages import ErrorCode, ErrorReply
+from aiodist._wire.messages import ErrorCode, ErrorReply, Hello
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
-__all__ = ["DEFAULT_PORT", "RendezvousServer", "serve_rendezvous"]
+__all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serve_rendezvous"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,15 @@ SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
 MAX_WRITE_BUFFER_BYTES: Final = 64 * MiB
 # asyncio's default backlog of 100 overflows when a large job connects at once.
 LISTEN_BACKLOG: Final = 4096
+# How long a shutdown waits for clients to take the closing notice before cutting them off.
+DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("aiodist")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout
+        return "unknown"
 
 
 class _ServerConnection(asyncio.Protocol):
@@ -54,6 +70,7 @@ class _ServerConnection(asyncio.Protocol):
         self._decoder = FrameDecoder(SERVER_LIMITS)
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        self.authenticated = server.token is None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -66,6 +83,9 @@ class _ServerConnection(asyncio.Protocol):
         self._server._connection_made(self)
 
     def data_received(self, data: bytes) -> None:
+        self._server.bytes_received += len(data)
+        if self.transport is None or self.transport.is_closing():
+            return  # refused or cut off: nothing more it sends is read
         dec = self._decoder
         try:
             dec.receive_data(data)
@@ -73,13 +93,44 @@ class _ServerConnection(asyncio.Protocol):
                 if event is CLOSED:
                     break
                 assert isinstance(event, Frame)  # payloads are refused by SERVER_LIMITS
-                self._server._receive(self._id, frame_message(event))
+                msg = frame_message(event)
+                if isinstance(msg, Hello) or not self.authenticated:
+                    if not self._authenticate(msg):
+                        break
+                    continue
+                self._server._receive(self._id, msg)
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", self.peer, exc)
             self.write(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
             assert self.transport is not None
             self.transport.close()
         self._server._flush()
+
+    def _authenticate(self, msg: Any) -> bool:
+        expected = self._server.token
+        if expected is None:
+            return True  # a token sent to a server that requires none is accepted
+        if isinstance(msg, Hello):
+            if hmac.compare_digest(msg.token.encode(), expected.encode()):
+                self.authenticated = True
+                return True
+            why = "its token does not match the server's"
+            message = (
+                "the rendezvous server refused this connection: AIODIST_TOKEN does not match "
+                "the server's token; set it to the contents of the server's --token-file"
+            )
+        else:
+            why = f"it sent {type(msg).__name__} without a token"
+            message = (
+                "the rendezvous server requires a token; set AIODIST_TOKEN to the contents "
+                "of the server's --token-file"
+            )
+        self._server.auth_failures += 1
+        logger.warning("refused a connection from %s: %s", self.peer, why)
+        self.write(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
+        assert self.transport is not None
+        self.transport.close()
+        return False
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -91,7 +142,9 @@ class _ServerConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        transport.writelines(encode_message(msg))
+        parts = encode_message(msg)
+        self._server.bytes_sent += sum(len(p) for p in parts)
+        transport.writelines(parts)
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
             logger.warning("closing connection from %s: it stopped reading replies", self.peer)
             transport.abort()
@@ -103,11 +156,23 @@ class RendezvousServer:
     Attributes:
         address: ``(host, port)`` it listens on, with the port the OS picked.
         state: The job table (read it; never change it from outside).
+        token: The token clients must send, or None when none is required.
+        bytes_received: Bytes read from all clients so far.
+        bytes_sent: Bytes written to all clients so far.
+        auth_failures: Connections refused for a missing or wrong token.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, token: str | None = None, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self.state = ServerState(self._loop.time())
+        self.state.version = _version()
+        self.token = token or None
+        self.shutdown_timeout = shutdown_timeout
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.auth_failures = 0
         self.address: tuple[str, int] = ("", 0)
         self._conns: dict[int, _ServerConnection] = {}
         self._next_id = 0
@@ -148,8 +213,36 @@ class RendezvousServer:
             lambda s: (job := s.state.jobs.get(group_name)) is not None and len(job.members) >= n
         )
 
+    def metrics_sample(self) -> dict[str, Any]:
+        """Counters and gauges for the metrics endpoint; call it on the server's loop."""
+        stats = self.state.stats
+        jobs = {"forming": 0, "running": 0, "failed": 0}
+        members = 0
+        for job in self.state.jobs.values():
+            jobs["failed" if job.failures else "running" if job.complete else "forming"] += 1
+            members += len(job.members)
+        return {
+            "version": self.state.version,
+            "uptime": self._loop.time() - self.state.started_at,
+            "connections": len(self._conns),
+            "jobs": jobs,
+            "members": members,
+            "joins": stats.joins,
+            "jobs_formed": stats.jobs_formed,
+            "failures": stats.failures,
+            "store_ops": stats.store_ops,
+            "messages": stats.messages,
+            "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
+            "auth_failures": self.auth_failures,
+        }
+
     async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
-        """Stop accepting, tell every client the server is going away, close connections."""
+        """Stop accepting, tell every client the server is going away, close connections.
+
+        Each connection is closed after its notice is written; a client that does
+        not read it within ``shutdown_timeout`` seconds is cut off.
+        """
         if self._server is None:
             return
         server, self._server = self._server, None
@@ -161,7 +254,13 @@ class RendezvousServer:
                 conn.transport.close()
         if self._timer is not None:
             self._timer.cancel()
-        with anyio.move_on_after(5):
+        with anyio.move_on_after(self.shutdown_timeout):
+            await self.wait_until(lambda s: not s._conns)
+        for conn in list(self._conns.values()):
+            logger.warning("cutting off %s: it did not take the closing notice", conn.peer)
+            if conn.transport is not None:
+                conn.transport.abort()
+        with anyio.move_on_after(self.shutdown_timeout):
             await server.wait_closed()
 
     # --- called by connections -------------------------------------------------------
@@ -212,6 +311,8 @@ async def serve_rendezvous(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
+    token: str | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a rendezvous server until cancelled.
@@ -219,17 +320,21 @@ async def serve_rendezvous(
     Args:
         host: Numeric address to bind; the default accepts local clients only.
         port: 0 lets the OS pick one; read it from ``server.address``.
+        token: When given, every client must send it (``AIODIST_TOKEN``) before
+            anything else; others are refused with ``AuthenticationError``.
+        shutdown_timeout: Seconds a shutdown waits for clients to take the
+            closing notice before cutting them off.
         task_status: Receives the ``RendezvousServer`` once it is listening.
 
     Cancellation:
         Cancelling the task closes the listener and every connection, telling
-        clients first that the server is going away.
+        clients first that the server is going away (bounded by ``shutdown_timeout``).
 
     Example:
         >>> async with anyio.create_task_group() as tg:
         ...     server = await tg.start(serve_rendezvous, "127.0.0.1", 0)
     """
-    server = RendezvousServer()
+    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout)
     await server._start(host, port)
     try:
         task_status.started(server)

@@ -109,6 +109,8 @@ class ServerState:
 
     def __init__(self, now: float) -> None:
         self.started_at = now
+        self.version = ""  # reported by status; the shell fills it in
+        self.closing = False
         self.jobs: dict[str, Job] = {}
         self.stats = Stats()
         self._conns: dict[ConnId, _Conn] = {}
@@ -128,7 +130,8 @@ class ServerState:
         if state is None or state.member is None:
             return
         member = state.member
-        if member.job.complete and member.status == "active":
+        # A server shutting down drops its members; that is no failure of theirs.
+        if member.job.complete and member.status == "active" and not self.closing:
             self._fail(member, f"{reason} (control connection from {state.peer})")
         self._remove(member)
 
@@ -168,6 +171,7 @@ class ServerState:
 
     def close(self, reason: str) -> None:
         """Tell every connection that the server is going away."""
+        self.closing = True
         for conn in list(self._conns):
             self._send(conn, ServerClosing(reason))
 
@@ -521,6 +525,7 @@ class ServerState:
     def snapshot(self, now: float) -> dict[str, Any]:
         """Plain data describing the server and every job (for ``aiodist status``)."""
         return {
+            "version": self.version,
             "uptime": now - self.started_at,
             "connections": len(self._conns),
             "stats": {

@@ -22,6 +22,7 @@ __all__ = [
     "ErrorCode",
     "ErrorReply",
     "Heartbeat",
+    "Hello",
     "Join",
     "Leave",
     "MemberFailed",
@@ -61,6 +62,7 @@ class MessageKind(enum.IntEnum):
     STORE_CHECK = 11
     BARRIER = 12
     STATUS = 13
+    HELLO = 15  # 14 stays unused: tests use it as an unknown kind
     MEMBERS = 20
     # server -> client
     REPLY = 32
@@ -205,6 +207,17 @@ class MembersRequest:
     req_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first message of a connection to a server that requires a token."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.HELLO
+    token: str
+
+    def __repr__(self) -> str:  # the token must never reach a log line
+        return "Hello(token=<hidden>)"
+
+
 # --- control plane: server -> client ------------------------------------------------
 
 
@@ -275,6 +288,7 @@ Message = (
     | Barrier
     | StatusRequest
     | MembersRequest
+    | Hello
     | Reply
     | Welcome
     | ErrorReply
@@ -299,6 +313,7 @@ MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
         Barrier,
         StatusRequest,
         MembersRequest,
+        Hello,
         Reply,
         Welcome,
         ErrorReply,

@@ -1,0 +1,177 @@
+"""``aiodist serve``: the rendezvous server as a long-lived daemon.
+
+Runs in the foreground, as systemd and containers expect. Readiness is
+announced once the server listens (``on_ready``, and ``READY=1`` on
+``$NOTIFY_SOCKET`` when systemd set one). SIGTERM or SIGINT stops accepting,
+tells every connected job the server is going away and exits 0 within
+``shutdown_timeout``; a second signal exits at once. Metrics are served by
+``prometheus_client`` on their own port when asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import stat
+from typing import TYPE_CHECKING, Final
+
+import anyio
+
+from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+__all__ = ["is_loopback", "read_token_file", "run_daemon", "sd_notify"]
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKEN_BYTES: Final = 4096
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` accepts local clients only (never resolves a name)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def read_token_file(path: str) -> str:
+    """Read a job token: the file's first line, without surrounding whitespace.
+
+    Raises:
+        ValueError: The file is missing, unreadable, empty or too long.
+    """
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ValueError(f"the token file {path!r} is over {MAX_TOKEN_BYTES} bytes; is it a token?")
+    lines = raw.decode("utf-8", errors="strict").strip().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"the token file {path!r} is empty; write a random token into it")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "the token file %r can be read by other users; restrict it with `chmod 600`", path
+        )
+    return token
+
+
+def sd_notify(message: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Send ``message`` (``"READY=1"``, ...) to systemd's ``$NOTIFY_SOCKET``, if set.
+
+    The socket is a Unix datagram socket; a name starting with ``@`` lives in
+    the abstract namespace. No libsystemd is needed for this one datagram.
+
+    Returns:
+        Whether a notification was sent.
+    """
+    path = (os.environ if environ is None else environ).get("NOTIFY_SOCKET", "")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    elif not path.startswith("/"):
+        logger.warning("NOTIFY_SOCKET=%r is not a Unix socket; not notifying", path)
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)  # never stall the loop on a full queue
+            sock.sendto(message.encode(), path)
+    except OSError as exc:
+        logger.warning("could not notify systemd at %r: %s", path.lstrip("\0"), exc)
+        return False
+    return True
+
+
+async def run_daemon(
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    metrics_host: str | None = None,
+    metrics_port: int | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    on_ready: Callable[[RendezvousServer, tuple[str, int] | None], None] | None = None,
+) -> int:
+    """Serve until SIGTERM or SIGINT; return the exit code (0 after a clean shutdown).
+
+    Args:
+        host: Address to bind; a non-loopback one without a token logs a warning.
+        port: Port to bind (0: the OS picks one; ``on_ready`` learns it).
+        token: When given, clients must send it (``AIODIST_TOKEN``).
+        metrics_host: Address of the metrics endpoint (default: ``host``).
+        metrics_port: Port of the Prometheus endpoint; None serves no metrics.
+        shutdown_timeout: Seconds a shutdown waits for clients to take the notice.
+        on_ready: Called once listening, with the server and the metrics address.
+
+    Raises:
+        OSError: An address cannot be bound.
+    """
+    if not is_loopback(host) and token is None:
+        logger.warning(
+            "listening on %s without a token: anyone who reaches this port can join jobs and "
+            "read or write their stores; pass --token-file (and set AIODIST_TOKEN on clients)",
+            host,
+        )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        if len(received) == 1:
+            logger.info("received %s: shutting down (again to exit at once)", sig.name)
+            stop.set()
+            return
+        logger.error("received %s again: exiting at once", sig.name)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(128 + sig.value)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        async with anyio.create_task_group() as tg:
+            server: RendezvousServer = await tg.start(
+                functools.partial(
+                    serve_rendezvous, host, port, token=token, shutdown_timeout=shutdown_timeout
+                )
+            )
+            metrics = None
+            try:
+                if metrics_port is not None:
+                    from aiodist._server.metrics import start_metrics
+
+                    metrics = start_metrics(server, loop, metrics_host or host, metrics_port)
+                if on_ready is not None:
+                    on_ready(server, None if metrics is None else metrics.address)
+                bound = f"{server.address[0]}:{server.address[1]}"
+                sd_notify(f"READY=1\nSTATUS=listening on {bound}\nMAINPID={os.getpid()}")
+                await stop.wait()
+                sd_notify("STOPPING=1")
+                jobs = len(server.state.jobs)
+                logger.info("closing %d connections of %d jobs", server.num_connections, jobs)
+                await server.aclose(f"it received {received[0].name}")
+            finally:
+                tg.cancel_scope.cancel()
+                if metrics is not None:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(metrics.close)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    logger.info("stopped")
+    return 0

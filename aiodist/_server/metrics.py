@@ -1,0 +1,134 @@
+"""Prometheus metrics of a rendezvous server, served by ``prometheus_client``.
+
+The HTTP endpoint runs in ``prometheus_client``'s own thread. A scrape must not
+read the job table while the event loop changes it, so the collector asks the
+loop for one consistent sample (``RendezvousServer.metrics_sample``) and waits
+for it, bounded by ``SAMPLE_TIMEOUT``; a loop that cannot answer in time yields
+an empty scrape rather than a stuck HTTP thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import TYPE_CHECKING, Any, Final
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    import asyncio
+    import threading
+    from collections.abc import Iterator
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
+
+    from aiodist._server.serve import RendezvousServer
+
+__all__ = ["MetricsEndpoint", "start_metrics"]
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_TIMEOUT: Final = 5.0
+
+# (sample key, metric name without _total, help) for every counter.
+_COUNTERS: Final = (
+    ("joins", "aiodist_joins", "Join requests accepted."),
+    ("jobs_formed", "aiodist_jobs_formed", "Jobs that reached their world size."),
+    ("failures", "aiodist_rank_failures", "Members declared failed (dropped or silent)."),
+    ("store_ops", "aiodist_store_operations", "Key-value store operations."),
+    ("messages", "aiodist_messages_received", "Control messages received."),
+    ("bytes_received", "aiodist_received_bytes", "Bytes received from clients."),
+    ("bytes_sent", "aiodist_sent_bytes", "Bytes sent to clients."),
+    ("auth_failures", "aiodist_authentication_failures", "Connections refused for their token."),
+)
+
+
+class _ServerCollector(Collector):
+    def __init__(self, server: RendezvousServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        self._loop = loop
+
+    def _sample(self) -> dict[str, Any] | None:
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                future.set_result(self._server.metrics_sample())
+            except Exception as exc:  # pragma: no cover - reported to the scraping thread
+                future.set_exception(exc)
+
+        try:
+            self._loop.call_soon_threadsafe(take)
+            return future.result(timeout=SAMPLE_TIMEOUT)
+        except (RuntimeError, concurrent.futures.TimeoutError) as exc:  # loop closed or stuck
+            logger.warning("metrics scrape got no sample from the server: %r", exc)
+            return None
+
+    def collect(self) -> Iterator[Metric]:
+        sample = self._sample()
+        if sample is None:
+            return
+        yield InfoMetricFamily(
+            "aiodist_server", "The server's version.", {"version": sample["version"]}
+        )
+        yield GaugeMetricFamily(
+            "aiodist_uptime_seconds", "Seconds since the server started.", sample["uptime"]
+        )
+        yield GaugeMetricFamily(
+            "aiodist_connections", "Open control connections.", sample["connections"]
+        )
+        jobs = GaugeMetricFamily(
+            "aiodist_jobs", "Jobs the server holds, by state.", labels=["state"]
+        )
+        for state, count in sorted(sample["jobs"].items()):
+            jobs.add_metric([state], count)
+        yield jobs
+        yield GaugeMetricFamily(
+            "aiodist_members", "Members joined to the jobs the server holds.", sample["members"]
+        )
+        for key, name, help_text in _COUNTERS:
+            yield CounterMetricFamily(name, help_text, sample[key])
+
+
+class MetricsEndpoint:
+    """A running metrics endpoint; ``close()`` stops it.
+
+    Attributes:
+        address: ``(host, port)`` it listens on.
+    """
+
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        host, port = httpd.server_address[:2]
+        self.address = (str(host), int(port))
+
+    def close(self) -> None:
+        """Stop serving and join the thread (blocks up to the server's poll interval)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+
+def start_metrics(
+    server: RendezvousServer, loop: asyncio.AbstractEventLoop, host: str, port: int
+) -> MetricsEndpoint:
+    """Serve ``server``'s metrics at ``http://host:port/metrics`` from a thread.
+
+    Besides the server's own metrics, the process's (``process_*``: memory,
+    CPU, open files) are exported, as Prometheus exporters usually do.
+
+    Raises:
+        OSError: The address cannot be bound.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ServerCollector(server, loop))
+    ProcessCollector(registry=registry)
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    endpoint = MetricsEndpoint(httpd, thread)
+    logger.info("metrics on http://%s:%d/metrics", *endpoint.address)
+    return endpoint
