@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
     from aiodist._work import Work
 
-__all__ = ["call", "is_running", "loop_thread", "stop", "submit"]
+__all__ = ["call", "is_running", "loop_thread", "run_sync", "stop", "submit"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +123,9 @@ def _check_thread(name: str) -> None:
         )
 
 
-def _check_group_loop(lt: _LoopThread) -> None:
-    runner = _world._runner
-    if runner is not None and runner.task.get_loop() is not lt.loop:
+def _check_group_loop() -> None:
+    runner, current = _world._runner, _current
+    if runner is not None and (current is None or runner.task.get_loop() is not current.loop):
         raise RuntimeError(
             "the default process group belongs to another event loop (it was initialised with "
             "`await aiodist.init_process_group()`, or in the parent of this forked process); "
@@ -143,8 +144,8 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
             another event loop.
     """
     _check_thread(fn.__name__)
+    _check_group_loop()
     lt = _running()
-    _check_group_loop(lt)
     assert lt.portal is not None
 
     async def run() -> T:
@@ -175,8 +176,8 @@ def submit(
         # answer) or raises, without a loop; no thread needs to start for it.
         work = fn(*args, **kwargs)
         return work if async_op else work.wait()
+    _check_group_loop()
     lt = _running()
-    _check_group_loop(lt)
     assert lt.loop is not None
     box: Future[Any] = Future()
 
@@ -195,6 +196,21 @@ def submit(
 
     lt.loop.call_soon_threadsafe(start)
     return box.result()  # type: ignore[no-any-return]
+
+
+def run_sync(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run the plain function ``fn(*args, **kwargs)`` on the loop thread; return its result.
+
+    For code that must touch what the loop owns (its futures, its tasks). The
+    loop thread starts if needed and keeps running afterwards.
+
+    Raises:
+        RuntimeError: Called on the loop thread.
+    """
+    _check_thread(fn.__name__)
+    lt = _running()
+    assert lt.portal is not None
+    return lt.portal.call(functools.partial(fn, *args, **kwargs))
 
 
 def _transfer(work: Work[Any], box: Future[Any]) -> None:

@@ -333,7 +333,10 @@ def _blocking(name: str, fn: Callable[..., Any], imports: _Imports) -> str:
 
 
 def render(api: ModuleType, *, path: Path | None = None, fmt: bool = True) -> str:
-    """The text of the facade for ``api`` (``aiodist``), formatted as ``make lint`` wants."""
+    """The text of the facade for ``api`` (``aiodist``), formatted as ``make lint`` wants.
+
+    ``path`` is where the file lives (ruff reads its settings from there).
+    """
     imports = _Imports(api)
     bodies: list[str] = []
     exported: list[str] = []
@@ -416,9 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     api = importlib.import_module(args.api)
     assert api.__file__ is not None
-    out: Path = args.output or Path(api.__file__).with_name("sync.py")
+    home = Path(api.__file__).with_name("sync.py")
+    out: Path = args.output or home
     try:
-        text = render(api, path=out)
+        text = render(api, path=home)  # formatted under the project's settings wherever it goes
     except GenerateError as exc:
         print(f"gen_sync: {exc}", file=sys.stderr)
         return 2
