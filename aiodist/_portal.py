@@ -30,6 +30,7 @@ import atexit
 import functools
 import logging
 import os
+import signal
 import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -52,6 +53,15 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 THREAD_NAME = "aiodist-loop"
+_ASYNC_SIGNALS = {
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGALRM,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+}
 
 
 class _LoopThread:
@@ -70,6 +80,10 @@ class _LoopThread:
             raise RuntimeError("aiodist.sync could not start its event loop") from self._error
 
     def _run(self) -> None:
+        # Keep signals for the main thread, where they interrupt a blocked call
+        # (Ctrl-C, pytest-timeout's SIGALRM): POSIX lets the kernel deliver them to
+        # any thread that does not block them, and Python handles them in the main one.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
         options: dict[str, Any] = {}
         try:
             import uvloop
@@ -93,7 +107,8 @@ class _LoopThread:
     def close(self) -> None:
         assert self.portal is not None
         if self.thread is not threading.current_thread():
-            self.portal.call(self.portal.stop)
+            # Cancel what is left (a call interrupted by Ctrl-C, say) rather than wait for it.
+            self.portal.call(self.portal.stop, True)
             self.thread.join()
 
 
@@ -214,11 +229,12 @@ def run_sync(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
 
 
 def _transfer(work: Work[Any], box: Future[Any]) -> None:
-    exc = work.exception()
-    if exc is None:
-        box.set_result(work.result())
-    else:
+    try:
+        result = work.result()
+    except BaseException as exc:  # the operation's error (or cancellation) goes to the caller
         box.set_exception(exc)
+    else:
+        box.set_result(result)
 
 
 def is_running() -> bool:
@@ -236,7 +252,7 @@ def loop_thread() -> threading.Thread | None:
 def stop(only: _LoopThread | None = None) -> None:
     """Stop the loop thread (only ``only``, if given and still current); a no-op when stopped.
 
-    Tasks still running on the loop are waited for, not cancelled. Call
+    Blocking calls still running on the loop are cancelled. Call
     ``destroy_process_group`` first: the default group lives on this loop.
     """
     global _current

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +127,38 @@ def test_ranks_that_never_destroy_the_group_exit_cleanly() -> None:
         assert out["loop_threads"] == ["aiodist-loop"]
         # aiodist's exit handler destroyed the group and stopped the thread.
         assert out["at_exit"] == {"initialized": False, "loop_threads": []}
+
+
+def test_ctrl_c_interrupts_a_blocked_call_at_once() -> None:
+    port = _free_port()
+    code = (
+        "import aiodist.sync as dist\n"
+        f"dist.init_process_group(init_method='tcp://127.0.0.1:{port}', rank=0, world_size=2,"
+        " timeout=100)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        # Rank 0 is blocked in init, waiting for rank 1, once its embedded server listens.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1]
+                assert time.monotonic() < deadline, "the embedded server never listened"
+                time.sleep(0.05)  # polling another process's socket: no event to await
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)  # the join itself would wait 100 s
+        assert "KeyboardInterrupt" in stderr
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
