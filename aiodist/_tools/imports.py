@@ -22,6 +22,8 @@ class GenerateError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Import:
+    """How the defining module imports one name: ``from module import name as asname``."""
+
     module: str
     name: str | None  # None: ``import module``
     asname: str
