@@ -96,17 +96,24 @@ class Work(Generic[T]):
 
         Raises:
             RuntimeError: Called on the event loop's own thread (it would deadlock;
-                ``await`` the handle there instead).
+                ``await`` the handle there instead), even once done; or the loop
+                closed before the operation completed.
             DistTimeoutError: Not done within ``timeout`` seconds (the operation goes on).
         """
         future, loop = self._future, self._loop
-        if future is None or future.done():
-            return self.result()
-        assert loop is not None
-        if loop.is_running() and _running_loop() is loop:
+        # Raise on the loop's thread even when already done, so that whether it
+        # raises does not depend on timing (anyio's portal does the same).
+        if loop is not None and loop.is_running() and _running_loop() is loop:
             raise RuntimeError(
                 f"Work.wait() on the event loop's thread would deadlock; use `await` on "
                 f"{self.description}"
+            )
+        if future is None or future.done():
+            return self.result()
+        assert loop is not None
+        if loop.is_closed():
+            raise RuntimeError(
+                f"{self.description} can never complete: its event loop was closed first"
             )
         done = threading.Event()
         loop.call_soon_threadsafe(future.add_done_callback, lambda _: done.set())
