@@ -49,7 +49,6 @@ from aiodist import (
     get_local_rank,
     get_local_size,
     get_rank,
-    get_store,
     get_world_size,
     infer_launcher,
     is_distributed,
@@ -57,6 +56,7 @@ from aiodist import (
     is_main_process,
     master_only,
 )
+from aiodist._blocking import get_store
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

@@ -55,6 +55,11 @@ def workload(rank: int, world: int) -> dict[str, Any]:
     out["collect_results"] = dist.collect_results(mine, 10)
     out["seed"] = dist.sync_random_seed()
 
+    store = dist.get_store()  # blocking methods, like TCPStore's
+    store.set(f"ready/{rank}", str(rank))
+    store.wait([f"ready/{r}" for r in range(world)], timeout=60)
+    out["store"] = [store.get("ready/0").decode(), store.add("count", 1) >= 1]
+
     right, left = (rank + 1) % world, (rank - 1) % world
     send = dist.isend(torch.full((4,), float(rank)), dst=right, async_op=True)
     buf = torch.zeros(4)

@@ -21,7 +21,7 @@ import aiodist
 import aiodist.sync as dist
 from aiodist import _portal
 from aiodist._tools import gen_sync
-from aiodist._tools.gen_sync import ASYNC_ONLY, GenerateError, Kind, classify, render
+from aiodist._tools.gen_sync import ASYNC_ONLY, TWINS, GenerateError, Kind, classify, render
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -78,9 +78,15 @@ def test_every_async_name_has_its_sync_twin() -> None:
     operations = set(_operations())
     assert {"all_reduce", "all_gather_object", "send", "init_process_group"} <= operations
     for name in aiodist.__all__:
-        if name in ASYNC_ONLY or name in operations:
+        if name in ASYNC_ONLY or name in operations or name in TWINS:
             continue
         assert getattr(dist, name) is getattr(aiodist, name), f"{name} is not re-exported"
+    for name in TWINS:  # a hand-written blocking twin, with the same parameters
+        twin, original = getattr(dist, name), getattr(aiodist, name)
+        assert twin is not original
+        assert list(inspect.signature(twin).parameters) == list(
+            inspect.signature(original).parameters
+        )
 
 
 @pytest.mark.parametrize("name", _operations())

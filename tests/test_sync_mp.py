@@ -89,6 +89,7 @@ def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:
         assert out["results"][2] == [{"rank": r} for r in range(world)]
         assert out["all_completed"]
         assert out["broadcast_object_list"] == ["cfg", {"lr": 0.1}]
+        assert out["store"] == ["0", True]
         assert out["recv_from"] == (rank - 1) % world
         assert out["recv"] == [float((rank - 1) % world)] * 4
         assert out["loop_threads_after"] == []  # destroy stopped the loop thread

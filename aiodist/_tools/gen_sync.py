@@ -5,7 +5,7 @@ Usage::
     python -m aiodist._tools.gen_sync            # rewrite aiodist/sync.py
     python -m aiodist._tools.gen_sync --check    # exit 1 if it is stale (make lint)
 
-Every name in ``aiodist.__all__`` becomes one of four things in ``aiodist.sync``:
+Every name in ``aiodist.__all__`` becomes one of five things in ``aiodist.sync``:
 
 - an **operation** (a function returning ``Work[T]``) becomes a function with
   ``Literal`` overloads on a keyword-only ``async_op``: it blocks and returns
@@ -13,7 +13,8 @@ Every name in ``aiodist.__all__`` becomes one of four things in ``aiodist.sync``
 - an ``async def`` becomes a blocking function returning what it awaits to;
 - anything else (queries, decorators, classes, errors, constants) is
   re-exported as the very same object;
-- a name in ``ASYNC_ONLY`` is left out, for the reason given there.
+- a name in ``ASYNC_ONLY`` is left out, for the reason given there;
+- a name in ``TWINS`` is imported from its hand-written blocking twin.
 
 Signatures are copied from ``inspect.signature`` with their annotations as
 written (every module uses ``from __future__ import annotations``); the names
@@ -50,6 +51,10 @@ ASYNC_ONLY: Final[dict[str, str]] = {
     "serve_rendezvous": "serves until cancelled; plain code runs `aiodist serve` or lets "
     "init_process_group embed the server",
 }
+
+# Queries that hand back objects with coroutine methods: their blocking twins are
+# written by hand in this module and imported by the facade instead.
+TWINS: Final[dict[str, str]] = {"get_store": "aiodist._blocking"}
 
 _TOOL = "aiodist/_tools/gen_sync.py"
 _HEADER = f"""\
@@ -239,7 +244,9 @@ def render(api: ModuleType, *, path: Path | None = None, fmt: bool = True) -> st
         if kind == Kind.ASYNC_ONLY:
             continue
         exported.append(name)
-        if kind == Kind.OPERATION:
+        if name in TWINS:
+            imports.twins[name] = TWINS[name]
+        elif kind == Kind.OPERATION:
             bodies.append(_operation(name, obj, imports))
         elif kind == Kind.BLOCKING:
             bodies.append(_blocking(name, obj, imports))

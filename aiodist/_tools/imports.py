@@ -70,6 +70,7 @@ class Imports:
         self.api = api
         self.public = set(api.__all__)
         self.runtime: set[str] = set()
+        self.twins: dict[str, str] = {}  # name -> module of its hand-written blocking twin
         self.typing: set[str] = {"TYPE_CHECKING"}
         self.type_only: set[str] = set()
         self._sources: dict[str, dict[str, Import]] = {}
@@ -108,6 +109,7 @@ class Imports:
         ]
         if self.runtime:
             out.append(f"from {self.api.__name__} import {', '.join(sorted(self.runtime))}")
+        out.extend(f"from {module} import {name}" for name, module in sorted(self.twins.items()))
         if self.type_only:
             out.append("if TYPE_CHECKING:")
             out.extend(f"    {line}" for line in sorted(self.type_only))
