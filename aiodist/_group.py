@@ -70,6 +70,8 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
 DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
+# How long closing waits for operations already started (peers may need our part).
+CLOSE_GRACE: Final = 30.0
 # How long a process that embeds the server keeps it up for the other members.
 EMBEDDED_SERVER_LINGER: Final = 60.0
 
@@ -227,9 +229,12 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        # A receive that no one may ever match would hold the close for the whole
+        # timeout: fail point-to-point receives now, as torch's destroy does.
+        self.plane.fail_p2p(ClosedError(f"process group {self.group_name!r} was destroyed"))
         if self.inflight:
-            # Operations already started complete for the peers' sake (bounded).
-            with anyio.move_on_after(self.timeout):
+            # Sends and collectives already started complete for the peers' sake (bounded).
+            with anyio.move_on_after(min(self.timeout, CLOSE_GRACE)):
                 await asyncio.gather(*self.inflight, return_exceptions=True)
         await self.plane.aclose()
         if not self.conn.closed:

@@ -273,6 +273,12 @@ class DataPlane:
             if not posted.future.done():
                 posted.future.set_exception(exc)
 
+    def fail_p2p(self, exc: BaseException) -> None:
+        """Fail every posted point-to-point receive (tensors and objects) with ``exc``."""
+        for posted in self.matcher.take_posted_where(lambda k: k[0] in (P2P, OBJECT_P2P)):
+            if not posted.future.done():
+                posted.future.set_exception(exc)
+
     def _channel_closed(self, link: _Link, channel: DataChannel, exc: Exception | None) -> None:
         self._channels.discard(channel)
         src = link.src

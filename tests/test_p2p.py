@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
-from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist import ClosedError, CollectiveMismatchError, ProcessGroup, RendezvousServer, Work
 from aiodist._p2p import irecv, irecv_object, isend, isend_object, recv, send
 from aiodist.testing import run_ranks
 
@@ -199,3 +200,18 @@ async def test_work_wait_from_another_thread_and_not_on_the_loop(
     with anyio.fail_after(10):
         outs = await run_ranks(server.address, 2, body)
     assert outs[1] == 0
+
+
+async def test_closing_the_group_fails_unmatched_receives_instead_of_waiting(
+    server: RendezvousServer,
+) -> None:
+    # No rank ever sends: the receives must not hold the close for the group's timeout.
+    async def body(g: ProcessGroup) -> list[Work[Any]]:
+        return [irecv(torch.zeros(1), src=None, group=g), irecv_object(src=None, tag=3, group=g)]
+
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, 2, body)
+    for works in outs:
+        for w in works:
+            assert w.is_completed()
+            assert isinstance(w.exception(), ClosedError)
