@@ -46,7 +46,14 @@ from aiodist._wire.messages import (
 from aiodist._work import Work
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+    from collections.abc import (
+        AsyncIterator,
+        Awaitable,
+        Callable,
+        Coroutine,
+        Iterator,
+        Sequence,
+    )
 
     from anyio.abc import TaskGroup
 
@@ -122,7 +129,7 @@ class Session:
         plane.set_members(self.rank, self.world_size, self._peer_table)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
-        self.world = ProcessGroup(self, list(range(self.world_size)), name=group_name, group_id=0)
+        self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
     def next_group_id(self) -> int:
@@ -262,9 +269,9 @@ class ProcessGroup:
         ranks: The global rank of each group rank.
     """
 
-    def __init__(self, session: Session, ranks: list[int], *, name: str, group_id: int) -> None:
+    def __init__(self, session: Session, ranks: Sequence[int], *, name: str, group_id: int) -> None:
         self._session = session
-        self.ranks = ranks
+        self.ranks = ranks  # the world's is a range: O(1) lookups in a job of any size
         self.name = name
         self.group_id = group_id
         self.world_size = len(ranks)
@@ -390,15 +397,18 @@ class ProcessGroup:
         """
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise TypeError(f"{name} must be an int rank, got {type(rank).__name__}")
-        if self._index is None:
-            self._index = {r: i for i, r in enumerate(self.ranks)}
-        try:
-            return self._index[rank]
-        except KeyError:
-            raise ValueError(
-                f"{name}={rank} is not a member of {self!r} (its global ranks: "
-                f"{_ranges(self.ranks)}); {name} is a global rank, as in torch.distributed"
-            ) from None
+        if isinstance(self.ranks, range):
+            if rank in self.ranks:
+                return self.ranks.index(rank)
+        else:
+            if self._index is None:
+                self._index = {r: i for i, r in enumerate(self.ranks)}
+            if rank in self._index:
+                return self._index[rank]
+        raise ValueError(
+            f"{name}={rank} is not a member of {self!r} (its global ranks: "
+            f"{_ranges(self.ranks)}); {name} is a global rank, as in torch.distributed"
+        )
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"
@@ -416,7 +426,7 @@ class ProcessGroup:
         return self._session.store
 
 
-def _ranges(ranks: list[int]) -> str:
+def _ranges(ranks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` as ``"0-2, 5"``: short even for large groups."""
     spans: list[list[int]] = []
     for r in ranks:
