@@ -67,13 +67,15 @@ def parse_backend(backend: str | None) -> dict[str, str] | None:
     Raises:
         RuntimeError: A torch backend this process cannot run (NCCL without CUDA).
     """
-    if backend is None:
+    if backend is None or (backend.lower() not in _DEVICE_OF and ":" not in backend):
         return None
     pairs: dict[str, str] = {}
     for part in backend.lower().split(","):
         device, _, name = part.strip().rpartition(":")
-        if name not in _DEVICE_OF or (device and device != _DEVICE_OF[name]):
-            return None if not pairs and "," not in backend else _bad_backend(backend)
+        if name not in _DEVICE_OF or device not in ("", _DEVICE_OF[name]):
+            raise ValueError(
+                f"cannot bridge backend {backend!r}; use 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl'"
+            )
         pairs[_DEVICE_OF[name]] = name
     if "cuda" in pairs:
         import torch
@@ -85,12 +87,6 @@ def parse_backend(backend: str | None) -> dict[str, str] | None:
                 "has neither; use backend='gloo' (CPU tensors) or None (aiodist's data plane)"
             )
     return pairs
-
-
-def _bad_backend(backend: str) -> dict[str, str]:
-    raise ValueError(
-        f"cannot bridge backend {backend!r}; use 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl'"
-    )
 
 
 class GroupBridge:

@@ -360,3 +360,9 @@ def test_nccl_collectives_on_cuda_tensors(daemon: str, tmp_path: Path) -> None:
         assert out["nccl_all_gather"] == [[float(r)] * 2 for r in range(world)]
         assert out["nccl_cpu_all_reduce"] == [float(world)] * 3
         assert out["torch_initialized_after"] is False, rank
+
+
+async def test_unbridgeable_backend_fails_before_joining() -> None:
+    with pytest.raises(ValueError, match="cannot bridge backend 'cuda:gloo'"):
+        await aiodist.init_process_group("cuda:gloo", init_method="tcp://127.0.0.1:1", world_size=2)
+    assert not aiodist.is_initialized()
