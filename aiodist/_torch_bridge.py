@@ -152,7 +152,7 @@ class GroupBridge:
 
         work = self.group.start(description, op)  # raises here, before issuing, if unusable
         self._pending.add(done)
-        done.add_done_callback(self._pending.discard)
+        done.add_done_callback(self._retire)
 
         def settle(result: Any = None, exc: BaseException | None = None) -> None:
             if done.done():
@@ -160,6 +160,7 @@ class GroupBridge:
             if exc is not None:
                 done.set_exception(exc)
             elif cuda:  # on the loop: make the caller's stream wait for the collective
+                # (NCCL's Work.wait() only enqueues that wait; the loop does not block).
                 try:
                     with _stream_context(stream):
                         result.wait()
@@ -196,10 +197,19 @@ class GroupBridge:
         self._executor.submit(issue_in_thread)
         return work
 
+    def _retire(self, done: asyncio.Future[Any]) -> None:
+        self._pending.discard(done)
+        if not done.cancelled():
+            done.exception()  # torch may fail after our own timeout: never "unretrieved"
+
     def _translate(self, description: str, exc: Exception) -> DistError:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = f"{description} on group {self.group.name!r} failed in torch.distributed"
-        if isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text:
+        if (
+            isinstance(exc, TimeoutError)
+            or "timed out" in text.lower()
+            or "timeout" in text.lower()
+        ):
             return DistTimeoutError(
                 f"{where} ({self.backend}): {text}; a rank may not have called it, or may be "
                 "stuck. The group is broken on every rank."
@@ -362,10 +372,10 @@ async def tear_down(group: ProcessGroup) -> None:
 
 
 def bridged(group: ProcessGroup | None, name: str, *args: Any) -> Work[Any] | None:
-    """Start collective ``name`` on torch.distributed if ``group`` is bridged and its
-    tensors live on the bridge's device; else return None (aiodist's data plane runs it).
+    """Start collective ``name`` on torch.distributed, or return None for the data plane.
 
-    ``args`` are the collective's positional arguments after ``group`` was taken out.
+    It goes to torch when ``group`` is bridged and its tensors live on the
+    bridge's device. ``args`` are the collective's arguments but ``group``.
     """
     g = resolve_group(group)
     if g is None or g.bridge is None:
