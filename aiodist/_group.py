@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
     from aiodist._control import ControlConnection, Notice
     from aiodist._server.serve import RendezvousServer
+    from aiodist._torch_bridge import GroupBridge
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
@@ -278,6 +279,7 @@ class ProcessGroup:
         self.rank = ranks.index(session.rank) if session.rank in ranks else -1
         self.timeout = session.timeout
         self.group_backend: str | None = None  # new_group(backend=...); else the session's
+        self.bridge: GroupBridge | None = None  # torch.distributed's side of this group, if any
         self.error: DistError | None = None
         self.closed = False
         self._seq = 0

@@ -20,6 +20,7 @@ from aiodist._errors import CollectiveMismatchError
 from aiodist._group import DEFAULT_TIMEOUT, ProcessGroup, open_process_group
 from aiodist._launchers import infer_launcher, launcher_env
 from aiodist._store import as_seconds
+from aiodist._torch_bridge import bridge_new_group, bring_up, parse_backend, tear_down
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
@@ -95,8 +96,14 @@ async def init_process_group(
         heartbeat_timeout: Silence after which a rank is declared failed.
         hostname: The host this rank counts as when computing local ranks.
 
+    With ``backend="gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``, torch.distributed's
+    default group is brought up too, through this job's store (no second port):
+    tensor collectives on that backend's device then run on torch.distributed.
+
     Raises:
-        RuntimeError: Already initialised.
+        RuntimeError: Already initialised; ``backend="nccl"`` without CUDA; or
+            torch.distributed already initialised by other code.
+        GroupBrokenError: torch.distributed could not bring its group up.
         RendezvousError: The job refused this process; the message says why.
         RendezvousTimeout: The job did not form within ``timeout``.
 
@@ -113,6 +120,7 @@ async def init_process_group(
             "the default process group is already initialised; call destroy_process_group() first"
         )
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
+    devices = parse_backend(backend)  # before joining: NCCL without CUDA fails here
     loop = asyncio.get_running_loop()
     started: asyncio.Future[ProcessGroup] = loop.create_future()
     stop = asyncio.Event()
@@ -149,6 +157,13 @@ async def init_process_group(
         await asyncio.gather(task, return_exceptions=True)
         raise
     _runner = _Runner(group, task, stop)
+    if devices is not None:
+        assert backend is not None
+        try:
+            await bring_up(group, backend, devices)
+        except BaseException:
+            await destroy_process_group()
+            raise
 
 
 async def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> None:
@@ -192,7 +207,8 @@ async def new_group(
     Args:
         ranks: Global ranks of the members (sorted, as torch does); None for all.
         timeout: Default timeout of the group's operations; the world's if None.
-        backend: Recorded for queries; the data plane carries the group either way.
+        backend: When the parent group is bridged to torch.distributed, the torch
+            backend of the new group (default: the parent's); otherwise recorded only.
         parent: The group to carve the new one from (the members of ``parent``
             call ``new_group``); the world group if None, as in torch.
 
@@ -241,6 +257,8 @@ async def new_group(
         del session.groups[group_id]
         world.break_(exc, notify=False)  # every rank saw the same table: no notice needed
         raise exc
+    if world.bridge is not None:
+        await bridge_new_group(world, group, backend)
     return group
 
 
@@ -271,19 +289,22 @@ async def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Leave the job and tear the default group down; a no-op when not initialised.
 
     With a group made by ``new_group``, only that group is destroyed: later
-    operations on it raise ``ClosedError``.
+    operations on it raise ``ClosedError``. torch.distributed's groups brought
+    up by the torch bridge go with them.
 
     Cancellation:
         Shielded: once called, the group is torn down even if the caller is cancelled.
     """
     global _runner
     if group is not None and group.group_id != 0:  # a group made by new_group
+        await tear_down(group)
         group.close()
         return
     runner = _runner
     if runner is None or (group is not None and group is not runner.group):
         return
     _runner = None
+    await asyncio.shield(tear_down(runner.group))
     runner.stop.set()
     await asyncio.shield(asyncio.gather(runner.task, return_exceptions=True))
 

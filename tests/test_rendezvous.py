@@ -434,13 +434,15 @@ async def test_default_group_queries_and_teardown(server: RendezvousServer) -> N
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(other)
+            # "mpi" is recorded only; "gloo"/"nccl" would also bring up torch.distributed,
+            # which needs one process per rank (see test_torch_bridge.py).
             await aiodist.init_process_group(
-                "gloo", _url(server), world_size=2, rank=1, group_name="dflt"
+                "mpi", _url(server), world_size=2, rank=1, group_name="dflt"
             )
             try:
                 assert aiodist.is_initialized()
                 assert aiodist.get_dist_info() == (1, 2)
-                assert aiodist.get_backend() == "gloo"
+                assert aiodist.get_backend() == "mpi"
                 assert not aiodist.is_main_process()
                 assert only_main() is None
                 with pytest.raises(RuntimeError, match="already initialised"):

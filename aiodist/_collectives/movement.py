@@ -29,6 +29,7 @@ from aiodist._collectives.common import (
     signature,
 )
 from aiodist._peers import Received
+from aiodist._torch_bridge import bridged
 from aiodist._work import Work
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ def broadcast(
     Example:
         >>> await aiodist.broadcast(weights, src=0)
     """
+    if (w := bridged(group, "broadcast", data, src)) is not None:
+        return w
     t = check_tensor(data, "data")
     g = resolve_group(group)
     if g is None:
@@ -118,6 +121,8 @@ def gather(
     Example:
         >>> parts = await aiodist.gather(t, dst=0)
     """
+    if (w := bridged(group, "gather", data, dst)) is not None:
+        return w
     t = check_tensor(data, "data")
     g = resolve_group(group)
     if g is None:
@@ -173,6 +178,8 @@ def scatter(
     Example:
         >>> await aiodist.scatter(part, [a, b], src=0)
     """
+    if (w := bridged(group, "scatter", data, scatter_list, src)) is not None:
+        return w
     t = check_tensor(data, "data")
     g = resolve_group(group)
     if g is None:
@@ -235,6 +242,8 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
     Example:
         >>> parts = await aiodist.all_gather(torch.tensor([rank]))
     """
+    if (w := bridged(group, "all_gather", data)) is not None:
+        return w
     t = check_tensor(data, "data")
     g = resolve_group(group)
     if g is None:
@@ -281,6 +290,8 @@ def all_to_all(
     Example:
         >>> outs = await aiodist.all_to_all([torch.tensor([rank, i]) for i in range(n)])
     """
+    if (w := bridged(group, "all_to_all", inputs)) is not None:
+        return w
     tensors = check_tensor_list(inputs, "inputs", None)
     dtypes = {x.dtype for x in tensors}
     if len(dtypes) > 1:

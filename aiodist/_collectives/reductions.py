@@ -26,6 +26,7 @@ from aiodist._collectives.common import (
     send,
     signature,
 )
+from aiodist._torch_bridge import bridged
 from aiodist._work import Work
 
 if TYPE_CHECKING:
@@ -179,6 +180,8 @@ def all_reduce(
         >>> t = torch.ones(4)
         >>> await aiodist.all_reduce(t, op="mean")
     """
+    if (w := bridged(group, "all_reduce", data, op)) is not None:
+        return w
     t = check_tensor(data, "data")
     reduce_op = _reduce_op(op)
     _check_op_dtype(reduce_op, t.dtype)
@@ -233,6 +236,8 @@ def reduce(
     Example:
         >>> await aiodist.reduce(t, dst=0, op="max")
     """
+    if (w := bridged(group, "reduce", data, dst, op)) is not None:
+        return w
     t = check_tensor(data, "data")
     reduce_op = _reduce_op(op)
     _check_op_dtype(reduce_op, t.dtype)
@@ -293,6 +298,8 @@ def reduce_scatter(
     Example:
         >>> mine = await aiodist.reduce_scatter([a, b], op="sum")
     """
+    if (w := bridged(group, "reduce_scatter", inputs, op)) is not None:
+        return w
     tensors = check_tensor_list(inputs, "inputs", None)
     if not tensors:
         raise ValueError("inputs must hold one tensor per rank, got an empty list")
