@@ -641,7 +641,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     (started on first use, stopped once nothing is initialised).
 
     With a group made by ``new_group``, only that group is destroyed: later
-    operations on it raise ``ClosedError``.
+    operations on it raise ``ClosedError``. torch.distributed's groups brought
+    up by the torch bridge go with them.
 
     Cancellation:
         Shielded: once called, the group is torn down even if the caller is cancelled.
@@ -795,8 +796,14 @@ def init_process_group(
         heartbeat_timeout: Silence after which a rank is declared failed.
         hostname: The host this rank counts as when computing local ranks.
 
+    With ``backend="gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``, torch.distributed's
+    default group is brought up too, through this job's store (no second port):
+    tensor collectives on that backend's device then run on torch.distributed.
+
     Raises:
-        RuntimeError: Already initialised.
+        RuntimeError: Already initialised; ``backend="nccl"`` without CUDA; or
+            torch.distributed already initialised by other code.
+        GroupBrokenError: torch.distributed could not bring its group up.
         RendezvousError: The job refused this process; the message says why.
         RendezvousTimeout: The job did not form within ``timeout``.
 
@@ -1014,7 +1021,8 @@ def new_group(
     Args:
         ranks: Global ranks of the members (sorted, as torch does); None for all.
         timeout: Default timeout of the group's operations; the world's if None.
-        backend: Recorded for queries; the data plane carries the group either way.
+        backend: When the parent group is bridged to torch.distributed, the torch
+            backend of the new group (default: the parent's); otherwise recorded only.
         parent: The group to carve the new one from (the members of ``parent``
             call ``new_group``); the world group if None, as in torch.
 
