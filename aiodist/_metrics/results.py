@@ -35,13 +35,14 @@ class MetricResults(Mapping[str, float]):
     def __init__(
         self,
         reduced: Mapping[str, tuple[float, float, int]],
-        reductions: Mapping[str, str],
+        reductions: Mapping[str, str] | None = None,
     ) -> None:
         names = sorted(reduced)
         self._values: dict[str, float] = {k: reduced[k][0] for k in names}
         self.counts: dict[str, float] = {k: reduced[k][1] for k in names}
         self.nonfinite: dict[str, int] = {k: reduced[k][2] for k in names if reduced[k][2]}
-        self.reductions: dict[str, str] = {k: reductions[k] for k in names}
+        given = reductions or {}
+        self.reductions: dict[str, str] = {k: given[k] for k in names if k in given}
 
     def __getitem__(self, name: str) -> float:
         return self._values[name]
