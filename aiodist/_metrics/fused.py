@@ -14,7 +14,8 @@ collective does) and runs, inside that one operation:
 The agreed key set only grows, so a loop whose metrics do not change pays one
 reduction per sync, and one that logs an extra metric every N steps pays the
 union once. Each sync needs the key set its predecessor agreed on, so syncs in
-flight chain on a future; their exchanges still overlap the caller's compute.
+flight chain on a future (set when the predecessor's values are known: syncs
+resolve in call order); all of them still overlap the caller's compute.
 """
 
 from __future__ import annotations
@@ -188,10 +189,10 @@ async def run_sync(
                 return layout.unpack(buf)
         table: dict[str, Reduction] = {**dict(schema or ()), **snapshot.reductions}
         schema = await _union(g, seq, table)
-        agreed.set_result(schema)
         layout = Layout.of(schema)
         buf = layout.pack(records, g.rank)
         await _reduce_buffer(g, seq, _SECOND, layout, buf)
+        agreed.set_result(schema)  # only now: syncs resolve in the order they were called
         return layout.unpack(buf)
     except BaseException as exc:
         if not agreed.done():
