@@ -15,10 +15,9 @@ sync) the ranks exchange their ``{name: reduction}`` tables (recursive
 doubling again, a union) and reduce once more on the new layout. The agreed
 set only grows, so keys that appear on some ranks or some steps cost the
 extra round once. Gathering ``(keys, values)`` records with
-``all_gather_object`` every sync would need no agreement, but it moves
-``P`` records to every rank and encodes them each time: about 2.4x the time
-of the fused buffer at 4 ranks and 32 metrics on this project's CPU runner
-(``benchmarks/bench_metrics.py --compare-gather``), growing with ``P``.
+``all_gather_object`` every sync would need no agreement, but every rank would
+receive and decode ``P`` records each time (``P - 1`` messages instead of
+``log2 P``), which grows with the job; the flag costs one slot.
 
 Reductions per metric: ``mean`` (weighted by the count passed to ``update``),
 ``sum``, ``min``, ``max``, and ``last`` (the lowest rank's latest value, rank 0's
