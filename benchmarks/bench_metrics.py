@@ -81,7 +81,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         out = model(x)
         loss = torch.nn.functional.cross_entropy(out, y)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         metrics = {"loss": loss.detach(), "acc": (out.argmax(1) == y).float().mean()}
         for i, p in enumerate(model.parameters()):
