@@ -1,0 +1,1 @@
+"""Internals of ``aiodist.metrics``: local accumulation, the fused buffer, results."""

@@ -1,0 +1,244 @@
+"""Metric aggregation that costs a training step nothing visible: ``MetricAggregator``.
+
+``update(**values)`` accumulates on this rank only (numbers, 0-d tensors and
+tensors; CUDA tensors stay on the GPU, updated by kernels, never ``.item()``).
+``sync()`` snapshots every metric and starts **one** fused reduction for all of
+them; it returns a running ``aiodist.Work`` and the loop goes on computing.
+
+How the key set is agreed (measured, then chosen): every sync exchanges one
+float64 buffer laid out by the key set agreed at the previous sync, with
+recursive doubling: ``log2 P`` exchanges of ``8 * (4 * metrics + 1)`` bytes
+(sum, count, update and non-finite slots; min/max and "last" slots beside
+them, all reduced in the same pass). A flag slot in that buffer says whether
+some rank has a metric outside the agreed set; only then (and at the first
+sync) the ranks exchange their ``{name: reduction}`` tables (recursive
+doubling again, a union) and reduce once more on the new layout. The agreed
+set only grows, so keys that appear on some ranks or some steps cost the
+extra round once. Gathering ``(keys, values)`` records with
+``all_gather_object`` every sync would need no agreement, but every rank would
+receive and decode ``P`` records each time (``P - 1`` messages instead of
+``log2 P``), which grows with the job; the flag costs one slot.
+
+Reductions per metric: ``mean`` (weighted by the count passed to ``update``),
+``sum``, ``min``, ``max``, and ``last`` (the lowest rank's latest value, rank 0's
+when it has one). NaN and infinities propagate as torch would propagate them
+and are counted in ``MetricResults.nonfinite``.
+
+From plain code the collective starts on ``aiodist.sync``'s loop thread (through
+``aiodist._portal``, as every ``aiodist.sync`` operation does); with nothing
+initialised a sync resolves at once to this process's own values.
+
+Example:
+    >>> agg = MetricAggregator({"tokens": "sum", "grad_norm": "max"}, every=10)
+    >>> for step, batch in enumerate(loader):
+    ...     loss = train_step(batch)
+    ...     agg.update(len(batch), loss=loss.detach(), tokens=batch.numel())
+    ...     agg.step(on_done=lambda r: print(r.summary(prefix=f"step {step} | ")))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import numbers
+from typing import TYPE_CHECKING, Any, cast
+
+from aiodist._collectives.common import resolve_group
+from aiodist._metrics.fused import Schema, reduce_locally, run_sync
+from aiodist._metrics.results import MetricResults, MetricsWriter
+from aiodist._metrics.state import REDUCTIONS, Accumulator, Reduction, check_reduction
+from aiodist._metrics.state import take_snapshot as _take_snapshot
+from aiodist._work import Work
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from aiodist._group import ProcessGroup
+    from aiodist._metrics.state import Snapshot
+
+__all__ = ["REDUCTIONS", "MetricAggregator", "MetricResults", "MetricsWriter", "Reduction"]
+
+logger = logging.getLogger(__name__)
+
+
+class MetricAggregator:
+    """Accumulate metrics locally; reduce them all across ranks in one fused collective.
+
+    Args:
+        reductions: ``{name: reduction}`` for metrics that do not use ``default``;
+            a reduction is one of ``mean``, ``sum``, ``min``, ``max``, ``last``.
+            Every rank must give a metric the same reduction.
+        default: The reduction of metrics not named in ``reductions``.
+        group: Defaults to the world group (or none: world size 1).
+        every: ``step()`` syncs on every ``every``-th call (None: never).
+        on_done: Called with the results of each sync ``step()`` starts.
+
+    Raises:
+        ValueError: An unknown reduction, or ``every`` below 1.
+
+    Example:
+        >>> agg = MetricAggregator({"tokens": "sum"})
+        >>> agg.update(32, loss=0.7, tokens=4096)      # 32 samples of mean loss 0.7
+        >>> results = await agg.sync()                  # or agg.sync().wait()
+        >>> results["loss"], results.summary()
+    """
+
+    def __init__(
+        self,
+        reductions: Mapping[str, str] | None = None,
+        *,
+        default: str = "mean",
+        group: ProcessGroup | None = None,
+        every: int | None = None,
+        on_done: Callable[[MetricResults], object] | None = None,
+    ) -> None:
+        self._default = check_reduction("(default)", default)
+        self._reductions = {k: check_reduction(k, v) for k, v in (reductions or {}).items()}
+        if every is not None and (isinstance(every, bool) or every < 1):
+            raise ValueError(f"every must be a positive number of steps, got {every!r}")
+        self.every = every
+        self.on_done = on_done
+        self._group = group
+        self._accs: dict[str, Accumulator] = {}
+        self._steps = 0
+        # The key set the latest started sync agrees on; lives on the group's loop.
+        self._agreed: asyncio.Future[Schema] | None = None
+        self._agreed_group: ProcessGroup | None = None
+
+    def reduction(self, name: str) -> Reduction:
+        """The reduction ``name`` gets."""
+        return self._reductions.get(name, self._default)
+
+    @property
+    def pending(self) -> list[str]:
+        """Metrics updated on this rank since the last sync."""
+        return sorted(self._accs)
+
+    def update(self, weight: float | Any = 1, /, **values: Any) -> None:
+        """Accumulate ``values`` on this rank; no communication, no GPU sync.
+
+        Args:
+            weight: The count each value stands for (positional: a batch size,
+                a number of tokens); a number or a one-element tensor (a CUDA
+                one stays on the GPU). ``mean`` weights by it; every metric
+                reports its total in ``MetricResults.counts``.
+            **values: Numbers, 0-d tensors, or tensors (each element one
+                observation: ``mean`` of a tensor is its mean, ``max`` its
+                largest element, ``last`` its mean).
+
+        Raises:
+            TypeError: A value or the weight is neither a number nor a tensor.
+            ValueError: A negative weight, or a weight tensor with several elements.
+        """
+        import torch
+
+        if isinstance(weight, torch.Tensor):
+            if weight.numel() != 1:
+                raise ValueError(f"weight must be one number, got a tensor of {weight.numel()}")
+        elif isinstance(weight, numbers.Real) and not isinstance(weight, bool):
+            if weight < 0:
+                raise ValueError(f"weight must be >= 0, got {weight}")
+        else:
+            raise TypeError(f"weight must be a number or a tensor, got {type(weight).__name__}")
+        for name, value in values.items():  # check all first: no partial update
+            if not isinstance(value, torch.Tensor | numbers.Real) or isinstance(value, bool):
+                raise TypeError(
+                    f"metric {name!r} must be a number or a tensor, got {type(value).__name__}"
+                )
+        for name, value in values.items():
+            acc = self._accs.get(name)
+            if acc is None:
+                acc = self._accs[name] = Accumulator(self.reduction(name))
+            acc.add(value, weight)
+
+    def reset(self) -> None:
+        """Drop what this rank accumulated since the last sync."""
+        self._accs = {}
+
+    def sync(
+        self, *, on_done: Callable[[MetricResults], object] | None = None
+    ) -> Work[MetricResults]:
+        """Start reducing every metric across ranks; return at once.
+
+        Every rank of the group must call it, in the same order relative to
+        other collectives. The local values start over.
+
+        Args:
+            on_done: Called with the results once they are known, on the event
+                loop's thread (``aiodist.sync``'s loop thread in plain code), with
+                no one awaiting; errors it raises are logged. Not called when
+                the sync fails (the Work holds the error).
+
+        Returns:
+            Work resolving to ``MetricResults``: metrics no rank updated since
+            the previous sync are absent. Already done when not initialised.
+
+        Raises:
+            CollectiveMismatchError: Ranks give a metric different reductions
+                (from the Work, on every rank).
+
+        Cancellation:
+            Cancelling a task that awaits the Work does not cancel the sync; it
+            completes on every rank. A timeout marks the group broken.
+
+        Example:
+            >>> work = agg.sync(on_done=lambda r: print(r.summary()))
+        """
+        snapshot = _take_snapshot(self._accs)
+        self._accs = {}
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # plain code: start it on aiodist.sync's loop thread
+            from aiodist import _portal
+
+            started = _portal.submit(self._start, snapshot, on_done, async_op=True)
+            return cast("Work[MetricResults]", started)
+        return self._start(snapshot, on_done)
+
+    def step(
+        self, *, on_done: Callable[[MetricResults], object] | None = None
+    ) -> Work[MetricResults] | None:
+        """Count a step; sync on every ``every``-th one, else return None.
+
+        Ranks count their own calls, so they agree on when to sync without
+        talking. ``on_done`` defaults to the aggregator's.
+        """
+        self._steps += 1
+        if self.every is None or self._steps % self.every:
+            return None
+        return self.sync(on_done=on_done or self.on_done)
+
+    def _start(
+        self, snapshot: Snapshot, on_done: Callable[[MetricResults], object] | None
+    ) -> Work[MetricResults]:
+        g = resolve_group(self._group)
+        work: Work[MetricResults]
+        if g is None:
+            work = Work.completed(
+                MetricResults(reduce_locally(snapshot), snapshot.reductions), "metrics.sync"
+            )
+        else:
+            if g is not self._agreed_group:  # a new default group: agree afresh
+                self._agreed, self._agreed_group = None, g
+            previous = self._agreed
+            agreed: asyncio.Future[Schema] = asyncio.get_running_loop().create_future()
+            self._agreed = agreed
+
+            async def op(seq: int) -> MetricResults:
+                reduced = await run_sync(g, seq, snapshot, previous, agreed)
+                return MetricResults(reduced, dict(agreed.result()))
+
+            work = g.start("metrics.sync", op)
+        if on_done is not None:
+            work.add_done_callback(lambda w: _deliver(w, on_done))
+        return work
+
+
+def _deliver(work: Work[MetricResults], on_done: Callable[[MetricResults], object]) -> None:
+    if work.exception() is not None:
+        logger.warning("metrics sync failed: %s", work.exception())
+        return
+    try:
+        on_done(work.result())
+    except Exception:
+        logger.exception("the on_done callback of a metrics sync raised")

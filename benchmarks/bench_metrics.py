@@ -1,0 +1,214 @@
+"""Step time of a small CPU training loop with four ways of syncing its metrics.
+
+Every rank trains its own MLP (no gradient sync, so the step's own cost is
+what the metric sync adds to) and computes the same metrics each step: loss,
+accuracy and a gradient norm per parameter. Variants, run in one job and
+interleaved over ``--repeats`` rounds:
+
+- ``none``: the metrics are computed, not synced;
+- ``torch_each``: torch.distributed (gloo) blocking ``all_reduce`` of each
+  metric, then ``.item()``, every step;
+- ``torch_fused``: one blocking gloo ``all_reduce`` of all metrics stacked, every step;
+- ``aiodist``: ``MetricAggregator.update`` then ``sync()`` every step, never waited
+  for inside the loop (plain code, through ``aiodist.sync``'s loop thread).
+
+Each rank sets ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``: four
+ranks on a small machine otherwise spin torch's thread pools. TCPStore gets
+``RES_OPTIONS=use-vc`` (see ``bench_rendezvous.DNS_WORKAROUND``).
+
+Usage::
+
+    python -m benchmarks.bench_metrics [--ranks 4] [--steps 200] [--repeats 3]
+
+Results go to ``benchmarks/results/metrics.json``; the table shows the median
+over rounds of the slowest rank's mean step time, and ratios to ``none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Final
+
+from benchmarks._common import format_table, write_results
+
+VARIANTS: Final = ("none", "torch_each", "torch_fused", "aiodist")
+ENV: Final = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "RES_OPTIONS": "use-vc",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as tdist
+
+    import aiodist.sync as dist
+    from aiodist.metrics import MetricAggregator
+
+    torch.set_num_threads(1)
+    rank, world = args.rank, args.ranks
+    tdist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.torch_port}", rank=rank, world_size=world
+    )
+    dist.init_process_group(
+        init_method=f"tcp://127.0.0.1:{args.aiodist_port}", rank=rank, world_size=world, timeout=120
+    )
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(args.batch, 128)
+    y = torch.randint(0, 10, (args.batch,))
+    agg = MetricAggregator()
+
+    def train_step() -> dict[str, torch.Tensor]:
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        metrics = {"loss": loss.detach(), "acc": (out.argmax(1) == y).float().mean()}
+        for i, p in enumerate(model.parameters()):
+            assert p.grad is not None
+            metrics[f"grad_norm_{i}"] = p.grad.norm()
+        return metrics
+
+    def run(variant: str, steps: int) -> float:
+        tdist.barrier()
+        last = None
+        start = time.perf_counter()
+        for _ in range(steps):
+            metrics = train_step()
+            if variant == "torch_each":
+                for t in metrics.values():
+                    tdist.all_reduce(t)
+                    t.item()
+            elif variant == "torch_fused":
+                buf = torch.stack(list(metrics.values()))
+                tdist.all_reduce(buf)
+                buf.tolist()
+            elif variant == "aiodist":
+                agg.update(args.batch, **metrics)
+                last = agg.sync()
+        elapsed = time.perf_counter() - start
+        if last is not None:
+            last.wait(timeout=60)
+        return elapsed / steps
+
+    for variant in VARIANTS:  # warm up every path
+        run(variant, max(5, args.steps // 10))
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            times[variant].append(run(variant, args.steps))
+    tdist.barrier()  # rank 0 embeds the rendezvous server: leave together
+    dist.destroy_process_group()
+    tdist.destroy_process_group()
+    print("RESULT " + json.dumps({"rank": rank, "times": times}), flush=True)
+
+
+def _parent(args: argparse.Namespace) -> None:
+    torch_port, aiodist_port = _free_port(), _free_port()
+    env = {**os.environ, **ENV}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_metrics",
+                *sys.argv[1:],
+                "--rank",
+                str(r),
+                "--torch-port",
+                str(torch_port),
+                "--aiodist-port",
+                str(aiodist_port),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(args.ranks)
+    ]
+    reports = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=args.timeout)
+            if p.returncode != 0:
+                raise SystemExit(f"a rank exited with {p.returncode}")
+            line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+            reports.append(json.loads(line.removeprefix("RESULT ")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    # Per round, the slowest rank's mean step; then the median over rounds.
+    step: dict[str, float] = {}
+    for v in VARIANTS:
+        per_round = [max(r["times"][v][i] for r in reports) for i in range(args.repeats)]
+        step[v] = statistics.median(per_round)
+    rows = [
+        [
+            v,
+            f"{step[v] * 1e3:.3f}",
+            f"{step[v] / step['none']:.3f}",
+            f"{step[v] / step['torch_each']:.3f}",
+        ]
+        for v in VARIANTS
+    ]
+    print(
+        f"metric sync every step: {args.ranks} ranks (CPU), MLP 128-{args.hidden}-10, batch "
+        f"{args.batch}, {2 + 4} metrics, {args.steps} steps x {args.repeats} rounds; "
+        "OMP_NUM_THREADS=1 and torch.set_num_threads(1) in every rank"
+    )
+    print(format_table(["variant", "step ms", "vs none", "vs torch_each"], rows))
+    path = write_results(
+        "metrics",
+        {
+            "config": {k: v for k, v in vars(args).items() if k not in ("rank",)},
+            "step_seconds": step,
+            "ratio_to_none": {v: step[v] / step["none"] for v in VARIANTS},
+            "per_rank": reports,
+            "threads": "OMP_NUM_THREADS=1, torch.set_num_threads(1)",
+        },
+    )
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--aiodist-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank is None:
+        _parent(args)
+    else:
+        _rank_main(args)
+
+
+if __name__ == "__main__":
+    main()
