@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 import torch
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiodist
 from aiodist import AuthenticationError, serve_rendezvous
@@ -34,10 +39,11 @@ from aiodist._wire.messages import (
     StatusRequest,
 )
 from aiodist.testing import run_ranks
-from tests._daemon import TOKEN
+from tests._daemon import TOKEN, asyncio_only
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
     from anyio.abc import ByteStream, SocketStream
 
@@ -345,3 +351,99 @@ async def test_connecting_rank_checks_the_acceptor_knows_the_token(
         received.cancel()
         await a.aclose()
         await b.aclose()
+
+
+# --- reliability: the rendezvous server going away mid-job --------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GONE_WORKER = """
+import json, sys
+import anyio, torch
+import aiodist
+
+async def main() -> None:
+    url, rank = sys.argv[1], int(sys.argv[2])
+    await aiodist.init_process_group(init_method=url, world_size=2, rank=rank, group_name="gone")
+    out = {"before": (await aiodist.all_reduce(torch.ones(2))).tolist()}
+    print("ready", flush=True)
+    await anyio.to_thread.run_sync(sys.stdin.readline)  # the server is gone by now
+    out["after"] = (await aiodist.all_reduce(torch.full((2,), 2.0))).tolist()
+    out["objects"] = await aiodist.all_gather_object({"rank": rank})
+    try:
+        await aiodist.get_store().set("k", b"v")
+    except aiodist.DistError as exc:
+        out["store"] = [type(exc).__name__, str(exc)]
+    with anyio.fail_after(10):
+        await aiodist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+anyio.run(main)
+"""
+
+
+async def _start_daemon(port: int) -> tuple[anyio.abc.Process, int]:
+    proc = await anyio.open_process(
+        [sys.executable, "-m", "aiodist", "serve", "--port", str(port), "--log-format", "json"],
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    line = await BufferedByteReceiveStream(proc.stdout).receive_until(b"\n", 1 << 16)
+    return proc, int(json.loads(line)["port"])
+
+
+@pytest.mark.slow
+@asyncio_only
+async def test_server_gone_mid_job_data_plane_works_control_fails_restart_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AIODIST_TOKEN", raising=False)
+    script = tmp_path / "worker.py"
+    script.write_text(GONE_WORKER)
+    procs: list[anyio.abc.Process] = []
+    try:
+        with anyio.fail_after(60):
+            daemon, port = await _start_daemon(0)
+            procs.append(daemon)
+            url = f"tcp://127.0.0.1:{port}"
+            env = {**os.environ, "PYTHONPATH": ROOT}
+            workers = [
+                await anyio.open_process([sys.executable, str(script), url, str(r)], env=env)
+                for r in range(2)
+            ]
+            procs += workers
+            streams = []
+            for w in workers:
+                assert w.stdout is not None
+                streams.append(BufferedByteReceiveStream(w.stdout))
+                assert await streams[-1].receive_until(b"\n", 1 << 16) == b"ready"
+            daemon.kill()  # not a shutdown: the server just vanishes
+            assert await daemon.wait() == -signal.SIGKILL
+            for w in workers:
+                assert w.stdin is not None
+                await w.stdin.send(b"go\n")
+            outs = []
+            for w, stream in zip(workers, streams, strict=True):
+                outs.append(json.loads(await stream.receive_until(b"\n", 1 << 16)))
+                assert await w.wait() == 0
+
+            # A new server on the same port serves new jobs.
+            restarted, same_port = await _start_daemon(port)
+            procs.append(restarted)
+            assert same_port == port
+            sums = await run_ranks(("127.0.0.1", port), 2, lambda g: g.store.add("n", 1))
+            assert sorted(sums) == [1, 2]
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+            with anyio.CancelScope(shield=True):
+                await p.wait()
+            await p.aclose()
+    for rank, out in enumerate(outs):
+        assert out["before"] == [2.0, 2.0]
+        assert out["after"] == [4.0, 4.0], out  # data-plane work still completes
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+        kind, message = out["store"]
+        assert kind == "GroupBrokenError", (rank, out)
+        assert f"rendezvous server at 127.0.0.1:{port}" in message
+    assert all(p.returncode is not None for p in procs)
