@@ -4,6 +4,9 @@ One ``asyncio.Protocol`` per job member. Requests carry a ``req_id``; the
 reply resolves the matching future. Notices from the server (a member failed,
 the server is closing) go to a callback. When the connection drops, every
 pending request fails with the same error and later requests fail at once.
+
+With a token, the connection first answers the server's challenge (see
+``_auth.py``) and accepts no reply until the server has proved the token too.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
+from aiodist._auth import client_proof, new_nonce, server_proof, verify
 from aiodist._errors import (
+    AuthenticationError,
     ClosedError,
     DistError,
     DistTimeoutError,
     GroupBrokenError,
     ProtocolError,
     RendezvousError,
+    RendezvousTimeout,
     from_wire,
 )
 from aiodist._wire.frame import (
@@ -37,6 +43,9 @@ from aiodist._wire.frame import (
     frame_message,
 )
 from aiodist._wire.messages import (
+    Authenticated,
+    AuthStart,
+    Challenge,
     ErrorCode,
     ErrorReply,
     Hello,
@@ -55,13 +64,15 @@ logger = logging.getLogger(__name__)
 
 CLIENT_LIMITS: Final = Limits(max_header_bytes=64 * MiB, max_payload_bytes=0)
 CONNECT_RETRY_INTERVAL: Final = 0.05
+# The least time given to a server's challenge, even when the connect timeout is nearly spent.
+AUTH_WAIT: Final = 5.0
 Notice = MemberFailed | ServerClosing
 
 
 class ControlConnection(asyncio.Protocol):
     """Requests to the rendezvous server and the notices it sends back."""
 
-    def __init__(self, on_notice: Callable[[Notice], None] | None = None) -> None:
+    def __init__(self, on_notice: Callable[[Notice], None] | None = None, token: str = "") -> None:
         self._loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(CLIENT_LIMITS)
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -69,6 +80,9 @@ class ControlConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._error: DistError | None = None
         self.on_notice = on_notice
+        self.token = token  # set before connecting: the challenge may come at once
+        self._challenge: asyncio.Future[bytes] = self._loop.create_future()
+        self._expected_proof: bytes | None = None
         self.server = "?"
         self.local_host = "127.0.0.1"
 
@@ -177,7 +191,72 @@ class ControlConnection(asyncio.Protocol):
 
     # --- internals ---------------------------------------------------------------------
 
+    async def authenticate(self, token: str, timeout: float) -> None:
+        """Answer the server's challenge with a proof of ``token``.
+
+        Returns once the proof is sent; requests may follow at once (the server
+        reads them after the proof). The server's own proof is checked when it
+        arrives, before any reply is accepted.
+
+        Raises:
+            AuthenticationError: The server refused the connection.
+            RendezvousTimeout: No challenge within ``timeout``.
+
+        Cancellation:
+            The connection is left unauthenticated; close it.
+        """
+        self.token = token
+        self.send(AuthStart())
+        try:
+            server_nonce = await asyncio.wait_for(asyncio.shield(self._challenge), timeout)
+        except TimeoutError:
+            raise RendezvousTimeout(
+                f"the rendezvous server at {self.server} sent no challenge within "
+                f"{timeout:.1f} s; is it an aiodist server?"
+            ) from None
+        if not server_nonce:
+            logger.debug("the rendezvous server at %s requires no token", self.server)
+            return
+        client_nonce = new_nonce()
+        self._expected_proof = server_proof(token, client_nonce, server_nonce)
+        self.send(Hello(client_nonce, client_proof(token, server_nonce, client_nonce)))
+
+    def _on_auth_message(self, msg: Challenge | Authenticated) -> None:
+        if isinstance(msg, Challenge):
+            if not self._challenge.done():
+                self._challenge.set_result(msg.nonce)
+            if msg.nonce and not self.token:
+                self._fail(
+                    AuthenticationError(
+                        f"the rendezvous server at {self.server} requires a token; set "
+                        "AIODIST_TOKEN to the contents of the server's --token-file"
+                    )
+                )
+                self.close()
+        elif self._expected_proof is not None and verify(self._expected_proof, msg.proof):
+            self._expected_proof = None
+        else:
+            self._fail(
+                AuthenticationError(
+                    f"the rendezvous server at {self.server} could not prove that it knows "
+                    "AIODIST_TOKEN; check that you are talking to the server you meant to"
+                )
+            )
+            self.close()
+
     def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Challenge | Authenticated):
+            self._on_auth_message(msg)
+            return
+        if self._expected_proof is not None and not isinstance(msg, ErrorReply | ServerClosing):
+            self._fail(
+                AuthenticationError(
+                    f"the rendezvous server at {self.server} answered before proving that it "
+                    "knows AIODIST_TOKEN; check that you are talking to the server you meant to"
+                )
+            )
+            self.close()
+            return
         if isinstance(msg, Reply | Welcome):
             self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
         elif isinstance(msg, ErrorReply):
@@ -215,6 +294,9 @@ class ControlConnection(asyncio.Protocol):
     def _fail(self, exc: DistError) -> None:
         if self._error is None:
             self._error = exc
+        if not self._challenge.done():
+            self._challenge.set_exception(exc)
+            self._challenge.exception()  # retrieved: authenticate() re-raises it
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(exc)
@@ -237,16 +319,15 @@ async def connect_control(
         timeout: Seconds to keep retrying while nothing listens.
         on_notice: Called with every notice the server sends (a member failed, closing).
         retry_refused: Retry while the connection is refused.
-        token: The job's shared token; ``None`` reads ``$AIODIST_TOKEN``. It is
-            sent as the connection's first message, before any request, so a
-            server that requires it refuses nothing this connection pipelines.
+        token: The job's shared token; ``None`` reads ``$AIODIST_TOKEN``. The
+            connection answers the server's challenge with a proof of it (the
+            token itself is never sent) before it returns.
 
     Raises:
         ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
         RendezvousTimeout: Nothing answered within ``timeout``.
+        AuthenticationError: The server refused the token (never retried).
     """
-    from aiodist._errors import RendezvousTimeout
-
     if token is None:
         token = os.environ.get("AIODIST_TOKEN", "")
     loop = asyncio.get_running_loop()
@@ -254,11 +335,8 @@ async def connect_control(
     while True:
         try:
             _, protocol = await loop.create_connection(
-                lambda: ControlConnection(on_notice), host, port
+                lambda: ControlConnection(on_notice, token), host, port
             )
-            if token:
-                protocol.send(Hello(token))
-            return protocol
         except OSError as exc:
             if not retry_refused and isinstance(exc, ConnectionRefusedError):
                 raise
@@ -270,3 +348,11 @@ async def connect_control(
                 ) from exc
             # Not a sleep-wait for an event: the server is another process; poll for it.
             await anyio.sleep(CONNECT_RETRY_INTERVAL)
+            continue
+        if token:
+            try:
+                await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))
+            except BaseException:
+                protocol.close()
+                raise
+        return protocol

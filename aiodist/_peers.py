@@ -8,6 +8,11 @@ number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
 that breaks a group on every member; ``PEER_BYE`` precedes a clean close.
 
+With a job token (``$AIODIST_TOKEN``), ``PEER_HELLO`` carries a fresh nonce
+and both ends prove the token with ``PEER_AUTH`` before either accepts a
+frame from the other (``_auth.py`` has the exchange): a process that is not a
+member of the job cannot deliver data, claim a rank, or make a rank unpickle.
+
 Each direction of a peer pair uses one channel, so messages from one source
 with one key arrive in send order. A payload whose receive is already posted
 is read straight into the receiver's memory; otherwise it is buffered once.
@@ -21,7 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from aiodist._errors import ProtocolError
+from aiodist import _auth
+from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._matching import Matcher
 from aiodist._transport import tcp, uds
 from aiodist._wire.messages import MessageKind
@@ -42,6 +48,8 @@ PeerTable = tuple[dict[int, tuple[str, ...]], set[int]]
 P2P: Final = 0
 COLLECTIVE: Final = 1
 OBJECT_P2P: Final = 2
+# How long a connecting rank waits for the accepting rank's proof of the token.
+HANDSHAKE_TIMEOUT: Final = 30.0
 
 
 @dataclass(slots=True)
@@ -71,6 +79,10 @@ class _Link:
         self._buffer: memoryview | None = None
         self._meta: Any = None
         self._key: Key = (0, 0, 0, 0)
+        # Token handshake state: the accepting side's claim and nonces, the connecting
+        # side's wait for the acceptor's proof.
+        self._claim: tuple[int, bytes, bytes] | None = None
+        self.challenge: asyncio.Future[tuple[Any, Any]] | None = None
 
     def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
         kind, header = frame.kind, frame.header
@@ -90,11 +102,9 @@ class _Link:
                 self._buffer = memoryview(bytearray(nbytes))
             return self._buffer if nbytes else None
         if kind == MessageKind.PEER_HELLO:
-            job, rank, _pid = header
-            if job != self.plane.job or not 0 <= rank < self.plane.world_size:
-                raise ProtocolError(f"peer hello from job {job!r} rank {rank} does not belong here")
-            self.src = rank
-            self.plane._adopt(rank, channel)
+            self._hello_received(channel, header)
+        elif kind == MessageKind.PEER_AUTH:
+            self._auth_received(channel, header)
         elif kind == MessageKind.PEER_ERROR:
             if self.src is not None:
                 self.plane.on_peer_error(self.src, header)
@@ -103,6 +113,50 @@ class _Link:
         else:
             raise ProtocolError(f"unexpected frame kind {kind} on a data channel")
         return None
+
+    def _hello_received(self, channel: DataChannel, header: Any) -> None:
+        if self.src is not None or self._claim is not None:
+            raise ProtocolError("a second PEER_HELLO on one data channel")
+        if not isinstance(header, list) or len(header) not in (3, 4):
+            raise ProtocolError("malformed PEER_HELLO header")
+        job, rank = header[0], header[1]
+        if job != self.plane.job or type(rank) is not int or not 0 <= rank < self.plane.world_size:
+            raise ProtocolError(f"peer hello from job {job!r} rank {rank!r} does not belong here")
+        token = self.plane.token
+        nonce = header[3] if len(header) == 4 else None
+        if token is None:
+            if nonce is not None:  # the peer holds a token we lack: let it say so
+                self.plane._spawn(channel.send(MessageKind.PEER_AUTH, [b"", b""]))
+            self.src = rank
+            self.plane._adopt(rank, channel)
+            return
+        if type(nonce) is not bytes or len(nonce) != _auth.NONCE_BYTES:
+            raise ProtocolError(
+                f"a peer claiming rank {rank} offered no proof of the job's token; "
+                "set the same AIODIST_TOKEN on every rank"
+            )
+        mine = _auth.new_nonce()
+        self._claim = (rank, nonce, mine)
+        proof = _auth.accept_proof(token, job, rank, self.plane.rank, nonce, mine)
+        self.plane._spawn(channel.send(MessageKind.PEER_AUTH, [mine, proof]))
+
+    def _auth_received(self, channel: DataChannel, header: Any) -> None:
+        if not isinstance(header, list) or len(header) != 2:
+            raise ProtocolError("malformed PEER_AUTH header")
+        if self.challenge is not None:  # connecting side: the acceptor's proof
+            if not self.challenge.done():
+                self.challenge.set_result((header[0], header[1]))
+            return
+        claim, token = self._claim, self.plane.token
+        if claim is None or token is None or self.src is not None:
+            raise ProtocolError("unexpected PEER_AUTH on a data channel")
+        rank, theirs, mine = claim
+        expected = _auth.connect_proof(token, self.plane.job, rank, self.plane.rank, mine, theirs)
+        if not _auth.verify(expected, header[1]):
+            raise ProtocolError(f"a peer claiming rank {rank} failed to prove the job's token")
+        self._claim = None
+        self.src = rank
+        self.plane._adopt(rank, channel)
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
         if frame.kind != MessageKind.DATA:
@@ -120,6 +174,11 @@ class _Link:
             self.plane._complete(posted, msg)
 
     def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
+        if self.challenge is not None and not self.challenge.done():
+            self.challenge.set_exception(
+                ConnectionResetError(f"data connection to {channel.peer} closed ({exc or 'EOF'})")
+            )
+            self.challenge.exception()  # retrieved: _handshake re-raises it
         self.plane._channel_closed(self, channel, exc)
 
 
@@ -132,8 +191,12 @@ class DataPlane:
         *,
         on_peer_lost: Callable[[int, str], BaseException | None],
         on_peer_error: Callable[[int, Any], None],
+        token: str | None = None,
     ) -> None:
+        """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated."""
         self.job = job
+        self.token = token or os.environ.get("AIODIST_TOKEN") or None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.rank = -1
         self.world_size = 0
         self.matcher: Matcher[_Posted, Received] = Matcher()
@@ -203,8 +266,13 @@ class DataPlane:
         future: asyncio.Future[DataChannel] = asyncio.get_running_loop().create_future()
         self._connecting[dst] = future
         try:
-            channel = await self._open(dst)
-            await channel.send(MessageKind.PEER_HELLO, [self.job, self.rank, os.getpid()])
+            link = _Link(self, None if self.token else dst)
+            channel = await self._open(dst, link)
+            try:
+                await self._handshake(dst, channel, link)
+            except BaseException:
+                channel.abort()
+                raise
             self._channels.add(channel)
             self._out.setdefault(dst, channel)
             future.set_result(self._out[dst])
@@ -216,7 +284,48 @@ class DataPlane:
             del self._connecting[dst]
         return self._out[dst]
 
-    async def _open(self, dst: int) -> DataChannel:
+    async def _handshake(self, dst: int, channel: DataChannel, link: _Link) -> None:
+        hello: list[Any] = [self.job, self.rank, os.getpid()]
+        token = self.token
+        if token is None:
+            await channel.send(MessageKind.PEER_HELLO, hello)
+            return
+        mine = _auth.new_nonce()
+        link.challenge = asyncio.get_running_loop().create_future()
+        await channel.send(MessageKind.PEER_HELLO, [*hello, mine])
+        try:
+            theirs, proof = await asyncio.wait_for(
+                asyncio.shield(link.challenge), HANDSHAKE_TIMEOUT
+            )
+        except TimeoutError:
+            raise ConnectionError(
+                f"rank {dst} did not answer the token handshake within {HANDSHAKE_TIMEOUT:.0f} s"
+            ) from None
+        expected = _auth.accept_proof(token, self.job, self.rank, dst, mine, theirs)
+        if type(theirs) is not bytes or not _auth.verify(expected, proof):
+            raise AuthenticationError(
+                f"the process listening at rank {dst}'s data-plane address ({channel.peer}) "
+                f"could not prove that it knows the token of job {self.job!r}; set the same "
+                "AIODIST_TOKEN on every rank"
+            )
+        link.src = dst  # only now is what arrives on this channel trusted
+        await channel.send(
+            MessageKind.PEER_AUTH,
+            [b"", _auth.connect_proof(token, self.job, self.rank, dst, theirs, mine)],
+        )
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        # A reply sent from a frame callback (which cannot await); errors close the channel.
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("data-plane handshake reply failed: %s", task.exception())
+
+    async def _open(self, dst: int, link: _Link) -> DataChannel:
         if self._table is None:
             assert self._lookup is not None, "set_members() first"
             self._table = await self._lookup()
@@ -226,12 +335,12 @@ class DataPlane:
         tcp_addr = [a for a in addresses if a.startswith("tcp://")]
         if self.use_uds and dst in local_ranks and uds_addr:
             try:
-                return await uds.connect(uds_addr[0], _Link(self, dst))
+                return await uds.connect(uds_addr[0], link)
             except OSError:
                 logger.debug("falling back to TCP for rank %d", dst)
         if not tcp_addr:
             raise ConnectionError(f"rank {dst} published no reachable data-plane address")
-        return await tcp.connect(tcp_addr[0], _Link(self, dst))
+        return await tcp.connect(tcp_addr[0], link)
 
     def _adopt(self, src: int, channel: DataChannel) -> None:
         # A peer connected to us first: use its channel for our sends to it too.
@@ -301,5 +410,7 @@ class DataPlane:
             channel.close()
         for listener in self._listeners:
             listener.close()
+        for task in list(self._tasks):
+            task.cancel()
         self._channels.clear()
         self._out.clear()

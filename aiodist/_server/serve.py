@@ -8,15 +8,17 @@ every batch of actions. Peer addresses are logged as the numeric addresses the
 socket reports: the server never resolves a host name.
 
 A server started with a token authenticates each connection before anything it
-sends reaches the job table: the first message must be ``Hello`` with the
-token (compared in constant time), or the connection gets one AUTHENTICATION
-error and is closed. The token is never logged.
+sends reaches the job table: it sends a fresh nonce (``Challenge``) as soon as
+the client connects, and the client's first message must be a ``Hello`` whose
+HMAC answers that nonce (checked in constant time, see ``_auth.py``); anything
+else gets one AUTHENTICATION error and the connection is closed, as is one that
+has not authenticated within ``AUTH_TIMEOUT`` seconds. The token never crosses
+the wire and is never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import logging
 import socket
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
+from aiodist._auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
 from aiodist._errors import ProtocolError
 from aiodist._server.state import Close, ServerState
 from aiodist._wire.frame import (
@@ -36,7 +39,14 @@ from aiodist._wire.frame import (
     encode_message,
     frame_message,
 )
-from aiodist._wire.messages import ErrorCode, ErrorReply, Hello
+from aiodist._wire.messages import (
+    Authenticated,
+    AuthStart,
+    Challenge,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+)
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
@@ -54,6 +64,8 @@ MAX_WRITE_BUFFER_BYTES: Final = 64 * MiB
 LISTEN_BACKLOG: Final = 4096
 # How long a shutdown waits for clients to take the closing notice before cutting them off.
 DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
+# A connection that has not proved the token by then is closed: it holds no slot forever.
+AUTH_TIMEOUT: Final = 10.0
 
 
 def _version() -> str:
@@ -71,6 +83,8 @@ class _ServerConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.authenticated = server.token is None
+        self._nonce = b""
+        self._auth_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -81,6 +95,10 @@ class _ServerConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._server._connection_made(self)
+        if not self.authenticated:
+            self._nonce = new_nonce()
+            self.write(Challenge(self._nonce))
+            self._auth_timer = self._server._loop.call_later(AUTH_TIMEOUT, self._auth_expired)
 
     def data_received(self, data: bytes) -> None:
         self._server.bytes_received += len(data)
@@ -94,7 +112,7 @@ class _ServerConnection(asyncio.Protocol):
                     break
                 assert isinstance(event, Frame)  # payloads are refused by SERVER_LIMITS
                 msg = frame_message(event)
-                if isinstance(msg, Hello) or not self.authenticated:
+                if not self.authenticated or isinstance(msg, AuthStart | Hello):
                     if not self._authenticate(msg):
                         break
                     continue
@@ -107,35 +125,70 @@ class _ServerConnection(asyncio.Protocol):
         self._server._flush()
 
     def _authenticate(self, msg: Any) -> bool:
-        expected = self._server.token
-        if expected is None:
-            return True  # a token sent to a server that requires none is accepted
+        token = self._server.token
+        if isinstance(msg, AuthStart):
+            if token is None:
+                self.write(Challenge(b""))  # nothing to prove: the client goes on
+            return True  # with a token, the challenge went out on connect
+        if token is None or self.authenticated:
+            return True  # a proof sent to a server that requires none is accepted
         if isinstance(msg, Hello):
-            if hmac.compare_digest(msg.token.encode(), expected.encode()):
+            nonce = msg.nonce
+            if len(nonce) == NONCE_BYTES and verify(
+                client_proof(token, self._nonce, nonce), msg.proof
+            ):
                 self.authenticated = True
+                server_nonce, self._nonce = self._nonce, b""  # one answer per challenge
+                self._cancel_auth_timer()
+                self.write(Authenticated(server_proof(token, nonce, server_nonce)))
                 return True
-            why = "its token does not match the server's"
+            why = "its proof of the token does not match the server's token"
             message = (
                 "the rendezvous server refused this connection: AIODIST_TOKEN does not match "
                 "the server's token; set it to the contents of the server's --token-file"
             )
         else:
-            why = f"it sent {type(msg).__name__} without a token"
+            why = f"it sent {type(msg).__name__} without proving the token"
             message = (
                 "the rendezvous server requires a token; set AIODIST_TOKEN to the contents "
                 "of the server's --token-file"
             )
+        self._refuse(why, message)
+        return False
+
+    def _cancel_auth_timer(self) -> None:
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
+
+    def _refuse(self, why: str, message: str) -> None:
+        self._cancel_auth_timer()
         self._server.auth_failures += 1
         logger.warning("refused a connection from %s: %s", self.peer, why)
         self.write(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
         assert self.transport is not None
         self.transport.close()
-        return False
+
+    def _auth_expired(self) -> None:
+        self._auth_timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self._refuse(
+                f"it did not prove the token within {AUTH_TIMEOUT:.0f} s",
+                "the rendezvous server requires a token and got no proof of it in time; set "
+                "AIODIST_TOKEN to the contents of the server's --token-file",
+            )
 
     def eof_received(self) -> bool:
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._auth_timer is not None:
+            # It left before proving the token (a client without one gives up at the challenge).
+            self._cancel_auth_timer()
+            self._server.auth_failures += 1
+            logger.warning(
+                "refused a connection from %s: it left without proving the token", self.peer
+            )
         self._server._connection_lost(self, "connection lost" if exc is None else str(exc))
 
     def write(self, msg: Any) -> None:
@@ -250,6 +303,7 @@ class RendezvousServer:
         self.state.close(reason)
         self._flush()
         for conn in list(self._conns.values()):
+            conn._cancel_auth_timer()
             if conn.transport is not None:
                 conn.transport.close()
         if self._timer is not None:

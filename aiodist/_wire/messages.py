@@ -18,7 +18,10 @@ from typing import Any, ClassVar, Union, cast
 
 __all__ = [
     "MESSAGE_TYPES",
+    "AuthStart",
+    "Authenticated",
     "Barrier",
+    "Challenge",
     "ErrorCode",
     "ErrorReply",
     "Heartbeat",
@@ -63,6 +66,7 @@ class MessageKind(enum.IntEnum):
     BARRIER = 12
     STATUS = 13
     HELLO = 15  # 14 stays unused: tests use it as an unknown kind
+    AUTH_START = 16
     MEMBERS = 20
     # server -> client
     REPLY = 32
@@ -70,11 +74,14 @@ class MessageKind(enum.IntEnum):
     ERROR = 34
     MEMBER_FAILED = 35
     SERVER_CLOSING = 36
+    CHALLENGE = 37
+    AUTHENTICATED = 38
     # rank <-> rank (data plane)
     PEER_HELLO = 64
     DATA = 65
     PEER_ERROR = 66
     PEER_BYE = 67
+    PEER_AUTH = 68  # [nonce, proof]: the data plane's token handshake (see _auth.py)
 
 
 class ErrorCode(enum.IntEnum):
@@ -208,14 +215,19 @@ class MembersRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthStart:
+    """Ask the server for a challenge (a client holding a token sends it first)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.AUTH_START
+
+
+@dataclass(frozen=True, slots=True)
 class Hello:
-    """The first message of a connection to a server that requires a token."""
+    """The client's answer to a ``Challenge``: its nonce and its proof of the token."""
 
     KIND: ClassVar[MessageKind] = MessageKind.HELLO
-    token: str
-
-    def __repr__(self) -> str:  # the token must never reach a log line
-        return "Hello(token=<hidden>)"
+    nonce: bytes
+    proof: bytes
 
 
 # --- control plane: server -> client ------------------------------------------------
@@ -268,6 +280,22 @@ class MemberFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Challenge:
+    """The server's nonce; empty when the server requires no token."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.CHALLENGE
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    """The server accepted the client's proof and proves the token in turn."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.AUTHENTICATED
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class ServerClosing:
     KIND: ClassVar[MessageKind] = MessageKind.SERVER_CLOSING
     reason: str
@@ -288,7 +316,10 @@ Message = (
     | Barrier
     | StatusRequest
     | MembersRequest
+    | AuthStart
     | Hello
+    | Challenge
+    | Authenticated
     | Reply
     | Welcome
     | ErrorReply
@@ -313,7 +344,10 @@ MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
         Barrier,
         StatusRequest,
         MembersRequest,
+        AuthStart,
         Hello,
+        Challenge,
+        Authenticated,
         Reply,
         Welcome,
         ErrorReply,
