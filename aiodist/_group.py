@@ -108,6 +108,7 @@ class Session:
         backend: str | None,
         server: RendezvousServer | None,
         plane: DataPlane,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
         self.conn = conn
         self.plane = plane
@@ -126,6 +127,8 @@ class Session:
         self._group_ids = itertools.count(1)
         self.inflight: set[asyncio.Task[None]] = set()
         self._members: list[MemberInfo] | None = None
+        self.heartbeat_timeout = heartbeat_timeout
+        self._failed = asyncio.Event()  # set with the session's first error
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
         plane.set_members(self.rank, self.world_size, self._peer_table)
         plane.on_peer_lost = self._peer_lost
@@ -171,20 +174,32 @@ class Session:
             {m.rank for m in members if m.host == me.host},
         )
 
-    def _peer_lost(self, rank: int, reason: str) -> DistError | None:
-        # A peer that connected to us may be lost before we ever fetched the table.
-        m = self._members[rank] if self._members is not None else None
-        where = f" (host {m.host}, pid {m.pid})" if m is not None else ""
-        self.fail(
-            RankFailedError(
-                f"rank {rank}{where} failed: {reason}; group "
-                f"{self.group_name!r} is broken on all ranks. Restart the job.",
-                rank=rank,
-                host=m.host if m is not None else "",
-                pid=m.pid if m is not None else 0,
-                reason=reason,
+    async def _peer_lost(self, rank: int, reason: str) -> DistError | None:
+        """Decide who failed when the data connection to ``rank`` broke; return the error.
+
+        A broken connection is a symptom: ``rank`` may have died, or left because
+        another rank died (it then told us, but its notice may be lost with the
+        connection). The server is the authority: its notice of a failed member
+        usually arrives within milliseconds, so wait for it (up to the heartbeat
+        timeout) before blaming ``rank`` on the data plane's evidence alone.
+        """
+        if self.error is None:
+            with anyio.move_on_after(self.heartbeat_timeout):
+                await self._failed.wait()
+        if self.error is None:
+            # A peer that connected to us may be lost before we ever fetched the table.
+            m = self._members[rank] if self._members is not None else None
+            where = f" (host {m.host}, pid {m.pid})" if m is not None else ""
+            self.fail(
+                RankFailedError(
+                    f"rank {rank}{where} failed: {reason}; group "
+                    f"{self.group_name!r} is broken on all ranks. Restart the job.",
+                    rank=rank,
+                    host=m.host if m is not None else "",
+                    pid=m.pid if m is not None else 0,
+                    reason=reason,
+                )
             )
-        )
         return self.error
 
     def _peer_error(self, src: int, header: Any) -> None:
@@ -215,6 +230,7 @@ class Session:
         if self.error is None:
             self.error = exc
             logger.error("%s", exc)
+            self._failed.set()
         self.plane.fail(self.error)
 
     def check_usable(self) -> None:
@@ -550,7 +566,7 @@ async def _joined(
             session_box[0].on_notice(notice)
 
     conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=on_notice)
-    plane = DataPlane(name, on_peer_lost=lambda r, why: None, on_peer_error=lambda r, h: None)
+    plane = DataPlane(name)
     try:
         addresses = [*(addresses or []), *await plane.listen(conn.local_host)]
         join = Join(
@@ -581,6 +597,7 @@ async def _joined(
         backend=backend,
         server=server,
         plane=plane,
+        heartbeat_timeout=hb_timeout,
     )
     if spec.local_rank is not None:
         session.local_rank = spec.local_rank  # the launcher's word wins, as in torch

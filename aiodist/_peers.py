@@ -182,6 +182,10 @@ class _Link:
         self.plane._channel_closed(self, channel, exc)
 
 
+async def _no_verdict(rank: int, reason: str) -> BaseException | None:
+    return None  # until a session takes over the plane's peer failures
+
+
 class DataPlane:
     """Channels to every peer of a session, and the receives waiting on them."""
 
@@ -189,19 +193,19 @@ class DataPlane:
         self,
         job: str,
         *,
-        on_peer_lost: Callable[[int, str], BaseException | None],
-        on_peer_error: Callable[[int, Any], None],
+        on_peer_lost: Callable[[int, str], Awaitable[BaseException | None]] | None = None,
+        on_peer_error: Callable[[int, Any], None] | None = None,
         token: str | None = None,
     ) -> None:
         """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated."""
         self.job = job
         self.token = token or os.environ.get("AIODIST_TOKEN") or None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self.rank = -1
         self.world_size = 0
         self.matcher: Matcher[_Posted, Received] = Matcher()
-        self.on_peer_lost = on_peer_lost
-        self.on_peer_error = on_peer_error
+        self.on_peer_lost = on_peer_lost or _no_verdict
+        self.on_peer_error = on_peer_error or (lambda src, header: None)
         self._listeners: list[Listener] = []
         self._lookup: Callable[[], Awaitable[PeerTable]] | None = None
         self._table: PeerTable | None = None
@@ -238,19 +242,19 @@ class DataPlane:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.DATA, [*key, meta], payload)
         except OSError as exc:
-            raise self._send_failed(dst, exc) from exc
+            raise await self._send_failed(dst, exc) from exc
 
     async def send_error(self, dst: int, header: Any) -> None:
         if dst != self.rank:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.PEER_ERROR, header)
 
-    def _send_failed(self, dst: int, exc: OSError) -> BaseException:
-        # A peer we cannot reach or whose connection broke mid-send has failed: report
-        # it the way a dropped connection is reported (RankFailedError naming it).
+    async def _send_failed(self, dst: int, exc: OSError) -> BaseException:
+        # A peer we cannot reach or whose connection broke mid-send: the session works
+        # out who failed (the peer, or another rank whose failure made the peer leave).
         if self._closing:
             return exc
-        return self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
+        return await self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
 
     def _deliver_local(self, key: Key, msg: Received) -> None:
         posted = self.matcher.arrive(self.rank, key)
@@ -314,16 +318,16 @@ class DataPlane:
             [b"", _auth.connect_proof(token, self.job, self.rank, dst, theirs, mine)],
         )
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        # A reply sent from a frame callback (which cannot await); errors close the channel.
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        # Work started from a frame or close callback (which cannot await).
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, task: asyncio.Task[object]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.debug("data-plane handshake reply failed: %s", task.exception())
+            logger.debug("data-plane background task failed: %s", task.exception())
 
     async def _open(self, dst: int, link: _Link) -> DataChannel:
         if self._table is None:
@@ -396,7 +400,7 @@ class DataPlane:
         if self._closing or link.said_bye or src is None:
             return
         reason = f"its data connection closed ({exc or 'EOF'})"
-        self.on_peer_lost(src, reason)
+        self._spawn(self.on_peer_lost(src, reason))
 
     async def aclose(self) -> None:
         """Say goodbye to every peer, then close channels and listeners."""

@@ -311,10 +311,7 @@ async def test_stranger_cannot_deliver_data_to_a_rank(
 
 
 def _planes(tokens: tuple[str, str], use_uds: bool) -> tuple[DataPlane, DataPlane]:
-    planes = tuple(
-        DataPlane("job", on_peer_lost=lambda r, why: None, on_peer_error=lambda r, h: None, token=t)
-        for t in tokens
-    )
+    planes = tuple(DataPlane("job", token=t) for t in tokens)
     for plane in planes:
         plane.use_uds = use_uds
     return planes  # type: ignore[return-value]

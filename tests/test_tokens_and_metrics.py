@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 import urllib.request
 from typing import TYPE_CHECKING
 
@@ -51,12 +50,10 @@ async def test_token_accepted_refused_and_missing(
                 monkeypatch.delenv("AIODIST_TOKEN")
             else:
                 monkeypatch.setenv("AIODIST_TOKEN", token)
-            started = time.monotonic()
             with anyio.fail_after(30), pytest.raises(AuthenticationError, match=expected):
                 # rank 1: the kind of member that would retry a refused connection
                 async with open_process_group(url, world_size=2, rank=1, group_name="bad"):
                     pass
-            assert time.monotonic() - started < 10, "a refused token must not be retried"
 
         refused = await run_cli("status", "--port", port, "--json")
         assert refused.returncode == 1
@@ -69,7 +66,9 @@ async def test_token_accepted_refused_and_missing(
         # The refused members never reached the job table.
         assert json.loads(accepted.stdout)["jobs"] == []
     logged = d.output()
-    assert "refused a connection from 127.0.0.1:" in logged
+    # One refusal per client (two members, one status query): none was retried.
+    assert logged.count("refused a connection from 127.0.0.1:") == 3, logged
+    assert logged.count("proof of the token does not match") == 1, logged
     assert "does not match" in logged
     assert TOKEN not in logged
     assert "wrong-token" not in logged
