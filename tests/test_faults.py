@@ -103,3 +103,49 @@ async def test_rank_dying_mid_collective_fails_survivors_with_its_rank(
             # that wins the race may know only the rank.
             assert pid in (dead["pid"], 0)
             assert isinstance(host, str)
+
+
+JOINER = textwrap.dedent(
+    """
+    import json, sys
+    import anyio
+    import aiodist
+
+    async def main() -> None:
+        url, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        try:
+            await aiodist.init_process_group(init_method=url, world_size=world, rank=rank,
+                                             group_name="forming", timeout=4.0)
+            print(json.dumps({"joined": True}), flush=True)
+        except aiodist.DistError as exc:
+            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+async def test_rank_dying_during_rendezvous_leaves_a_clear_timeout(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    # World of 3: rank 0 waits, rank 2 joins and is killed before the job forms,
+    # rank 1 never comes. Rank 0 must not wait forever nor count the dead rank.
+    script = tmp_path / "joiner.py"
+    script.write_text(JOINER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    args = [sys.executable, str(script), url]
+    with anyio.fail_after(60):
+        async with await anyio.open_process([*args, "0", "3"]) as waiter:
+            async with await anyio.open_process([*args, "2", "3"]) as victim:
+                await server.wait_for_members("forming", 2)
+                victim.kill()
+                await victim.wait()
+            await server.wait_until(
+                lambda s: [m.requested_rank for m in s.state.jobs["forming"].members] == [0]
+            )
+            assert waiter.stdout is not None
+            out = json.loads(await waiter.stdout.receive())
+            assert await waiter.wait() == 0
+    assert out["error"] == "RendezvousTimeout"
+    assert "1 of 3 members joined (rank 0)" in out["message"]
+    assert server.state.jobs == {}  # the forming job's state was dropped
