@@ -39,13 +39,13 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from aiodist import _world
+from aiodist._work import Work
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aiodist._work import Work
 
-__all__ = ["call", "is_running", "loop_thread", "run_sync", "stop", "submit"]
+__all__ = ["call", "is_running", "loop_thread", "run_sync", "start_soon", "stop", "submit"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,50 @@ def run_sync(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
     lt = _running()
     assert lt.portal is not None
     return lt.portal.call(functools.partial(fn, *args, **kwargs))
+
+
+def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
+    """Start the operation ``fn(*args)`` on the loop thread; return its handle at once.
+
+    ``submit(..., async_op=True)`` without the round trip to the loop thread, for
+    callers that start an operation every training step: the loop runs starts
+    in call order, so sequence numbers still follow call order. An error raised
+    while starting (bad arguments) is the handle's error instead of raised here.
+
+    Raises:
+        RuntimeError: Called on the loop thread, or the default group belongs to
+            another event loop.
+    """
+    _check_thread(fn.__name__)
+    if not _world.is_initialized():
+        return fn(*args)  # the non-distributed answer: no loop needed
+    _check_group_loop()
+    lt = _running()
+    loop = lt.loop
+    assert loop is not None
+    # Made here, but only ever completed or read for callbacks on the loop's thread.
+    proxy: asyncio.Future[T] = asyncio.Future(loop=loop)
+
+    def start() -> None:
+        try:
+            work = fn(*args)
+        except Exception as exc:
+            proxy.set_exception(exc)
+            proxy.exception()  # retrieved: the caller sees it through the handle
+            return
+        work.add_done_callback(lambda w: _settle(w, proxy))
+
+    loop.call_soon_threadsafe(start)
+    return Work(proxy, fn.__name__)
+
+
+def _settle(work: Work[T], proxy: asyncio.Future[T]) -> None:
+    error = work.exception()
+    if error is not None:
+        proxy.set_exception(error)
+        proxy.exception()
+    else:
+        proxy.set_result(work.result())
 
 
 def _transfer(work: Work[Any], box: Future[Any]) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import numbers
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives.common import resolve_group
 from aiodist._metrics.fused import Schema, reduce_locally, run_sync
@@ -191,8 +191,8 @@ class MetricAggregator:
         except RuntimeError:  # plain code: start it on aiodist.sync's loop thread
             from aiodist import _portal
 
-            started = _portal.submit(self._start, snapshot, on_done, async_op=True)
-            return cast("Work[MetricResults]", started)
+            # No round trip to the loop thread: a training step must not wait for it.
+            return _portal.start_soon(self._start, snapshot, on_done)
         return self._start(snapshot, on_done)
 
     def step(
