@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ProtocolError
 from aiodist._matching import Matcher
-from aiodist._transport import tcp, uds
+from aiodist._transport import shm, tcp, uds
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -145,6 +145,8 @@ class DataPlane:
         self._channels: set[DataChannel] = set()
         self._closing = False
         self.use_uds = uds.available() and os.environ.get("AIODIST_UDS", "1") != "0"
+        self.use_shm = shm.available()
+        self.segments = shm.SharedSegments()
 
     async def listen(self, host: str) -> list[str]:
         """Start listening; return the addresses to publish."""
@@ -160,6 +162,10 @@ class DataPlane:
         self.world_size = len(addresses)
         self._addresses = addresses
         self._local_ranks = same_host
+
+    def all_local(self, ranks: list[int]) -> bool:
+        """True if every one of ``ranks`` (global) runs on this host."""
+        return all(r == self.rank or r in self._local_ranks for r in ranks)
 
     # --- sending ------------------------------------------------------------------------
 
@@ -281,3 +287,4 @@ class DataPlane:
             listener.close()
         self._channels.clear()
         self._out.clear()
+        self.segments.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import glob
+import os
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist._collectives import schedules
 from aiodist._collectives.movement import (
     all_gather,
     all_to_all,
@@ -115,7 +118,60 @@ async def test_all_reduce_float_sums_are_bitwise_identical_on_every_rank(
             assert torch.equal(a, b)
 
 
-async def test_all_reduce_64_mib_float32(server: RendezvousServer) -> None:
+ALGORITHM_CASES = [
+    ("sum", torch.float32),
+    ("max", torch.int64),
+    ("product", torch.float64),
+    ("bor", torch.bool),
+    ("mean", torch.bfloat16),
+]
+
+
+def _hosts(world_size: int, same_host: bool) -> list[str]:
+    # Ranks that claim different hosts cannot share memory: they use the ring over TCP.
+    return ["node"] * world_size if same_host else [f"node-{r}" for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    ("numel", "same_host", "algorithm"),
+    [
+        (6_000, True, "recursive_doubling"),  # float32: 24 KB, between direct and ring
+        (300_001, True, "shared_memory"),  # float32: 1.2 MB, chunks of unequal size
+        (300_001, False, "ring"),
+    ],
+)
+async def test_all_reduce_each_algorithm_matches_torch(
+    server: RendezvousServer, world_size: int, numel: int, same_host: bool, algorithm: str
+) -> None:
+    if world_size > 1:
+        chosen = schedules.all_reduce_algorithm(
+            4 * numel, numel, world_size, shared_memory=same_host
+        )
+        assert chosen == algorithm
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for op, dtype in ALGORITHM_CASES:
+            t = _input(g.rank, numel, dtype, op, seed=1)
+            assert await all_reduce(t, op=op, group=g) is t
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(
+            server.address, world_size, body, hostnames=_hosts(world_size, same_host)
+        )
+    for i, (op, dtype) in enumerate(ALGORITHM_CASES):
+        expected = _reference(op, [_input(r, numel, dtype, op, seed=1) for r in range(world_size)])
+        torch.testing.assert_close(results[0][i], expected, msg=f"{op} {dtype}")
+        for r in range(1, world_size):
+            assert torch.equal(results[r][i], results[0][i]), f"rank {r}: {op} {dtype}"
+    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared_memory", "ring"])
+async def test_all_reduce_64_mib_float32(server: RendezvousServer, same_host: bool) -> None:
     numel = 16 * 1024 * 1024
 
     async def body(g: ProcessGroup) -> bool:
@@ -128,7 +184,27 @@ async def test_all_reduce_64_mib_float32(server: RendezvousServer) -> None:
         return torch.equal(t, expected)
 
     with anyio.fail_after(60):
-        assert await run_ranks(server.address, 2, body) == [True, True]
+        outs = await run_ranks(server.address, 2, body, hostnames=_hosts(2, same_host))
+    assert outs == [True, True]
+
+
+async def test_all_reduce_shared_memory_reuses_and_grows_its_segment(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for numel in (300_000, 300_000, 700_000, 300_000):  # reuse, grow, reuse the larger
+            t = torch.full((numel,), float(g.rank + 1), dtype=torch.float64)
+            await all_reduce(t, group=g)
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, 3, body, hostnames=_hosts(3, True))
+    for outs in results:
+        assert [t.numel() for t in outs] == [300_000, 300_000, 700_000, 300_000]
+        assert all(torch.equal(t, torch.full_like(t, 6.0)) for t in outs)
+    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
 
 
 async def test_all_reduce_non_contiguous_is_copied_back(server: RendezvousServer) -> None:

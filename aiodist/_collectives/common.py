@@ -54,9 +54,13 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
+        # Only called for names not cached yet: after the first use of ``torch.add``
+        # it is a plain instance attribute (an import per call cost ~10 us on hot paths).
         import importlib
 
-        return getattr(importlib.import_module(self._name), attr)
+        value = getattr(importlib.import_module(self._name), attr)
+        setattr(self, attr, value)
+        return value
 
 
 SIGNATURE_FIELDS = ("op", "dtype", "shape", "reduce_op", "root")

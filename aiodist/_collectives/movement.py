@@ -316,7 +316,10 @@ def all_to_all(
 
 
 def barrier(group: ProcessGroup | None = None) -> Work[None]:
-    """Wait until every rank of ``group`` reached this barrier (dissemination, data plane).
+    """Wait until every rank of ``group`` reached this barrier (on the data plane).
+
+    Groups of up to 8 ranks exchange one message with every rank (one round);
+    larger ones use dissemination (``log2 size`` rounds).
 
     Args:
         group: Defaults to the world group.
@@ -339,7 +342,15 @@ def barrier(group: ProcessGroup | None = None) -> Work[None]:
     mine = signature("barrier")
 
     async def run(seq: int) -> None:
-        for k, (to, frm) in enumerate(schedules.dissemination_partners(g.rank, g.world_size)):
+        p, me = g.world_size, g.rank
+        if p <= schedules.DIRECT_MAX_RANKS:  # one round: everyone tells everyone
+            futures = [recv_tensor(g, r, seq, 0) for r in range(p) if r != me]
+            for r in schedules.direct_peers(me, p):
+                await send(g, r, seq, 0, mine, None)
+            for future in futures:
+                check_signature(g, mine, await future)
+            return
+        for k, (to, frm) in enumerate(schedules.dissemination_partners(me, p)):
             future = recv_tensor(g, frm, seq, k)
             await send(g, to, seq, k, mine, None)
             check_signature(g, mine, await future)
