@@ -30,6 +30,7 @@ __all__ = [
     "format_table",
     "now",
     "peak_rss_bytes",
+    "pss_bytes",
     "raise_fd_limit",
     "reset_peak_rss",
     "rss_bytes",
@@ -114,6 +115,15 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """The highest resident set size since start-up or the last ``reset_peak_rss`` (Linux)."""
     return _status_kib("VmHWM") * 1024
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size: shared pages divided among their mappers (Linux)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/smaps_rollup has no Pss line")
 
 
 def reset_peak_rss() -> int:

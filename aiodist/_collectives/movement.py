@@ -23,6 +23,7 @@ from aiodist._collectives.common import (
     check_tensor,
     check_tensor_list,
     contiguous,
+    copy_into,
     recv_tensor,
     resolve_group,
     send,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
 
 __all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "scatter"]
+
+_READY_STEP = 1 << 18  # the all_gather ring's clear-to-send message
 
 
 # --- rooted operations ---------------------------------------------------------------------
@@ -84,7 +87,7 @@ def broadcast(
         for child in links.children:
             await send(g, child, seq, 0, mine, byte_view(buf))
         if buf is not t:
-            t.copy_(buf)
+            copy_into(t, buf)
         return t
 
     async def run(seq: int) -> torch.Tensor:
@@ -131,7 +134,7 @@ def gather(
             return []
         out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
         futures = {r: recv_tensor(g, r, seq, 0, out[r]) for r in range(g.world_size) if r != root}
-        out[root].copy_(t)
+        copy_into(out[root], t)
         for future in futures.values():
             check_signature(g, mine, await future)
         return out
@@ -198,12 +201,12 @@ def scatter(
             buf = contiguous(t)
             check_signature(g, mine, await recv_tensor(g, root, seq, 0, buf))
             if buf is not t:
-                t.copy_(buf)
+                copy_into(t, buf)
             return t
         for r, part in enumerate(parts):
             if r != root:
                 await send(g, r, seq, 0, mine, byte_view(contiguous(part)))
-        t.copy_(parts[root])
+        copy_into(t, parts[root])
         return t
 
     async def run(seq: int) -> torch.Tensor:
@@ -245,11 +248,19 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
         p, me = g.world_size, g.rank
         left, right = schedules.ring_neighbours(me, p)
         out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(p)]
-        out[me].copy_(t)
+        # Every receive lands in its own output tensor, so all are posted up front, and
+        # the left neighbour waits for our "ready" before it sends: no part arrives
+        # unexpected (a rank still in the previous operation would buffer and copy it).
+        futures = [recv_tensor(g, left, seq, s, out[(me - s - 1) % p]) for s in range(p - 1)]
+        if p > 1:
+            ready = recv_tensor(g, right, seq, _READY_STEP)
+            await send(g, left, seq, _READY_STEP, mine, None)
+        copy_into(out[me], t)
+        if p > 1:
+            check_signature(g, mine, await ready)
         for s in range(p - 1):
-            future = recv_tensor(g, left, seq, s, out[(me - s - 1) % p])
             await send(g, right, seq, s, mine, byte_view(out[(me - s) % p]))
-            check_signature(g, mine, await future)
+            check_signature(g, mine, await futures[s])
         return out
 
     return g.start("all_gather", run)

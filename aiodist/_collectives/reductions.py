@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives import schedules, shared
 from aiodist._collectives.common import (
+    SLICE_NUMEL,
     LazyModule,
     agreed,
     byte_view,
@@ -21,6 +22,8 @@ from aiodist._collectives.common import (
     check_tensor,
     check_tensor_list,
     contiguous,
+    copy_into,
+    divide_,
     recv_tensor,
     resolve_group,
     send,
@@ -38,8 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["all_reduce", "reduce", "reduce_scatter"]
 
-#: Elements per torch call in reductions: torch's GRAIN_SIZE, below which it stays serial.
-SLICE_NUMEL = 32768
 _FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
 _READY_STEP = 1 << 18  # the ring's clear-to-send message
 _OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
@@ -91,9 +92,7 @@ def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tens
     """``out = first <op> second`` with torch kernels; ``out`` may alias either input.
 
     Large tensors go through in slices of ``SLICE_NUMEL`` elements, each below
-    torch's parallel grain: every rank of a job would otherwise wake its own
-    intra-op thread pool, and on a host shared by several ranks those pools
-    spin against each other (a 256 KiB add took 28 ms with 4 ranks on 2 cores).
+    torch's parallel grain, so that no rank wakes its intra-op thread pool.
     """
     n = out.numel()
     if n <= SLICE_NUMEL:
@@ -123,7 +122,7 @@ async def _direct_all_reduce(
     view = byte_view(flat)
     for r in schedules.direct_peers(me, p):
         await send(g, r, seq, 0, mine, view)
-    parts[me].copy_(flat)
+    copy_into(parts[me], flat)
     for future in futures.values():
         check_signature(g, mine, await future)
     _combine(op, flat, parts[0], parts[1])
@@ -146,7 +145,7 @@ async def _recursive_doubling(
         await send(g, plan.fold_partner, seq, fold, mine, byte_view(buf))
         msg = await future
         check_signature(g, mine, msg)
-        buf.copy_(scratch)
+        copy_into(buf, scratch)
         return
     if plan.fold_partner is not None:
         msg = await recv_tensor(g, plan.fold_partner, seq, fold, scratch)
@@ -269,9 +268,9 @@ def all_reduce(
             else:
                 await _ring_all_reduce(g, seq, buf, reduce_op, mine)
         if reduce_op == "mean" and p > 1:
-            buf.div_(p)
+            divide_(buf, p)
         if buf is not t:
-            t.copy_(buf)
+            copy_into(t, buf)
         return t
 
     return g.start(f"all_reduce(op={reduce_op})", run)
@@ -317,7 +316,10 @@ def reduce(
     async def tree(seq: int) -> torch.Tensor:
         links = schedules.binomial_tree(g.rank, g.world_size, root)
         src = contiguous(t)
-        acc = src if g.rank == root or not links.children else src.clone()
+        acc = src
+        if g.rank != root and links.children:
+            acc = torch.empty_like(src)
+            copy_into(acc, src)
         scratch = torch.empty_like(src) if links.children else src
         for child in reversed(links.children):  # smallest subtrees arrive first
             msg = await recv_tensor(g, child, seq, 0, scratch)
@@ -327,9 +329,9 @@ def reduce(
             await send(g, links.parent, seq, 0, mine, byte_view(acc))
             return t
         if reduce_op == "mean" and g.world_size > 1:
-            acc.div_(g.world_size)
+            divide_(acc, g.world_size)
         if acc is not t:
-            t.copy_(acc)
+            copy_into(t, acc)
         return t
 
     async def run(seq: int) -> torch.Tensor:
@@ -395,11 +397,11 @@ def reduce_scatter(
             if future is not None:
                 check_signature(g, mine, await future)
             if r == 0:
-                out.copy_(got[0])
+                copy_into(out, got[0])
             else:
                 _combine(reduce_op, out, out, got[r])
         if reduce_op == "mean":
-            out.div_(p)
+            divide_(out, p)
         return out
 
     return g.start(f"reduce_scatter(op={reduce_op})", run)

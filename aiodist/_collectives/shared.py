@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._collectives import schedules
-from aiodist._collectives.common import byte_view, check_signature, recv_tensor, send
+from aiodist._collectives.common import check_signature, copy_into, recv_tensor, send
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,12 +45,6 @@ def usable(g: ProcessGroup) -> bool:
     """
     plane = g.session.plane
     return plane.use_shm and plane.all_local(g.ranks)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    # One memcpy on this thread (torch's copy_ would wake its thread pool).
-    if dst.numel():
-        byte_view(dst)[:] = byte_view(src)
 
 
 async def _notify_all(
@@ -78,7 +72,7 @@ async def shared_memory_all_reduce(
     own = seg.tensor(buf.dtype, numel)
     peers = schedules.direct_peers(me, p)
     notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(3)]
-    _copy(own, flat)
+    copy_into(own, flat)
     await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
     parts: list[torch.Tensor] = [own] * p
     for r, future in notices[0].items():
@@ -93,14 +87,14 @@ async def shared_memory_all_reduce(
         combine(op, mine_out, parts[0][a:b], parts[1][a:b])
         for r in range(2, p):
             combine(op, mine_out, mine_out, parts[r][a:b])
-        _copy(own[a:b], mine_out)
+        copy_into(own[a:b], mine_out)
     await _notify_all(g, seq, _STEP + 1, mine, None)
     for future in notices[1].values():
         check_signature(g, mine, await future)
     plane.segments.unlink_own()  # every peer has mapped it by now
     for r in peers:
         lo, hi = bounds[r]
-        _copy(flat[lo:hi], parts[r][lo:hi])
+        copy_into(flat[lo:hi], parts[r][lo:hi])
     await _notify_all(g, seq, _STEP + 2, mine, None)
     for future in notices[2].values():
         check_signature(g, mine, await future)
