@@ -106,10 +106,10 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     assert tensor.is_contiguous()
     if tensor.numel() == 0:
         return memoryview(bytearray(0))
-    flat = tensor.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return flat.numpy().data.cast("B")
+    if tensor.dim() == 0:
+        tensor = tensor.view(1)
+    # Viewing the last dimension as bytes keeps the tensor C-contiguous; cast("B") flattens.
+    return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
 def signature(
@@ -195,12 +195,16 @@ def check_tensor_list(tensors: object, name: str, length: int | None) -> list[to
 
 
 def recv_tensor(
-    g: ProcessGroup, src: int, seq: int, step: int, dest: torch.Tensor | None = None
+    g: ProcessGroup,
+    src: int,
+    seq: int,
+    step: int,
+    dest: torch.Tensor | memoryview | None = None,
 ) -> asyncio.Future[Received]:
     """Post a receive into ``dest`` (or a new buffer); its failure never goes unretrieved."""
-    # A receive posted after the group broke would never be failed: check first.
-    g.check_usable()
-    future = recv(g, src, seq, step, None if dest is None else byte_view(dest))
+    if dest is not None and not isinstance(dest, memoryview):
+        dest = byte_view(dest)
+    future = recv(g, src, seq, step, dest)  # checks first that the group is usable
     # A broken group fails every posted receive, including ones an aborted operation no
     # longer awaits; the operation reports the error, so mark it retrieved here.
     future.add_done_callback(_retrieve)

@@ -113,21 +113,28 @@ async def _direct_all_reduce(
     """Send ``buf`` to every rank, then reduce all parts in rank order (one round).
 
     Every rank combines the same parts in the same order, so results are
-    bitwise identical everywhere.
+    bitwise identical everywhere. The parts land in one staging buffer viewed
+    as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
     """
     p, me = g.world_size, g.rank
     flat = buf.view(-1)
-    parts = torch.empty((p, flat.numel()), dtype=buf.dtype)
-    futures = {r: recv_tensor(g, r, seq, 0, parts[r]) for r in range(p) if r != me}
-    view = byte_view(flat)
+    nbytes = flat.numel() * flat.element_size()
+    staging = bytearray(p * nbytes)
+    slots = memoryview(staging)
+    futures = [
+        recv_tensor(g, r, seq, 0, slots[r * nbytes : (r + 1) * nbytes]) for r in range(p) if r != me
+    ]
+    mine_bytes = byte_view(flat)
     for r in schedules.direct_peers(me, p):
-        await send(g, r, seq, 0, mine, view)
-    copy_into(parts[me], flat)
-    for future in futures.values():
+        await send(g, r, seq, 0, mine, mine_bytes)
+    slots[me * nbytes : (me + 1) * nbytes] = mine_bytes
+    for future in futures:
         check_signature(g, mine, await future)
-    _combine(op, flat, parts[0], parts[1])
-    for r in range(2, p):
-        _combine(op, flat, flat, parts[r])
+    if nbytes:
+        parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
+        _combine(op, flat, parts[0], parts[1])
+        for r in range(2, p):
+            _combine(op, flat, flat, parts[r])
 
 
 async def _recursive_doubling(
