@@ -30,7 +30,7 @@ KiB: Final = 1024
 MiB: Final = 1024 * KiB
 STARTUP_TIMEOUT: Final = 180.0
 CASE_TIMEOUT: Final = 120.0  # seconds one case may take on every rank together
-OP_TIMEOUT: Final = 300.0  # the systems' own operation timeout
+OP_TIMEOUT: Final = 60.0  # the systems' own operation timeout: fires before CASE_TIMEOUT
 
 ALL_REDUCE_SIZES: Final = tuple(4**k for k in range(1, 14))  # 4 B ... 64 MiB
 QUICK_ALL_REDUCE_SIZES: Final = (4, 1 * KiB, 64 * KiB, 1 * MiB, 64 * MiB)

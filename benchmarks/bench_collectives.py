@@ -4,12 +4,12 @@ For each world size, two sets of N spawned processes start together: N gloo
 ranks (``init_process_group("gloo")`` over a TCPStore on 127.0.0.1) and N
 aiodist ranks (``open_process_group`` against an ``aiodist serve`` daemon,
 uvloop, the async API as a user would call it). Both stay up for the whole
-world size; the parent sends every case to one system, then the other
-(alternating which goes first), so a busy machine slows both alike.
+world size; the parent sends every batch of a case to one system, then the
+other (alternating which goes first), so a busy machine slows both alike.
 
 A case runs a warm-up that also checks the result, then ``repeats`` timed
-batches of ``iters`` back-to-back calls, each batch after the system's own
-barrier. A batch's time per call is the slowest rank's; the table shows the
+batches of ``iters`` back-to-back calls per system, each batch after the
+system's own barrier. A batch's time per call is the slowest rank's; the table shows the
 median over batches and its min-max spread. Bandwidths follow nccl-tests:
 ``algbw = size / time`` and bus bandwidth ``busbw = algbw * factor`` with
 factor ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather and
@@ -145,15 +145,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _measure(ranks: Ranks, case: Case, repeats: int, target: float) -> dict[str, Any]:
-    """Warm up (checking the result), pick the batch size, time ``repeats`` batches."""
-    timed = timed_ranks(case, ranks.n)
-    warm = ranks.run(Run(case, None, repeats))
-    if warm is None:
-        return {"error": ranks.error}
-    errors = [f"rank {r}: {rep.error}" for r, rep in enumerate(warm) if rep.error]
-    if errors:
-        return {"error": errors[0]}
+def _errors(ranks: Ranks, reports: list[RankReport] | None) -> str:
+    if reports is None:
+        return ranks.error
+    return next((f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error), "")
+
+
+def _warm_up(ranks: Ranks, case: Case, target: float) -> dict[str, Any]:
+    """Run ``case`` once (checking its result); pick the batch size, or report memory."""
+    warm = ranks.run(Run(case, None, 1))
+    error = _errors(ranks, warm)
+    if error:
+        return {"error": error}
+    assert warm is not None
     if case.op == "memory":
         extra = max(rep.extra_bytes for rep in warm)
         pss = max(rep.pss_extra_bytes for rep in warm)
@@ -163,16 +167,40 @@ def _measure(ranks: Ranks, case: Case, repeats: int, target: float) -> dict[str,
             "pss_extra_bytes": pss,
             "pss_extra_tensor_sizes": pss / case.nbytes,
         }
-    once = max(warm[r].seconds[0] for r in timed)
-    iters = max(1, min(2000, round(target / max(once, 1e-6))))
-    reports = ranks.run(Run(case, iters, repeats))
-    if reports is None:
-        return {"error": ranks.error}
-    errors = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
-    if errors:
-        return {"error": errors[0]}
-    per_batch = [max(reports[r].seconds[i] for r in timed) for i in range(repeats)]
-    return {"iters": iters, "seconds": per_batch, "summary_s": summarize(per_batch)}
+    once = max(warm[r].seconds[0] for r in timed_ranks(case, ranks.n))
+    return {"iters": max(1, min(2000, round(target / max(once, 1e-6)))), "seconds": []}
+
+
+def _measure(
+    sets: dict[System, Ranks], case: Case, repeats: int, target: float, first: int
+) -> dict[System, dict[str, Any]]:
+    """Warm both systems up, then time them batch by batch, taking turns.
+
+    Alternating single batches (and which system goes first) spreads the load
+    of a shared machine over both systems alike.
+    """
+    order = SYSTEMS if first % 2 == 0 else SYSTEMS[::-1]
+    res = {system: _warm_up(sets[system], case, target) for system in order}
+    if case.op == "memory":
+        return res
+    for i in range(repeats):
+        for system in order if i % 2 == 0 else order[::-1]:
+            out = res[system]
+            if "error" in out:
+                continue
+            reports = sets[system].run(Run(case, out["iters"], 1))
+            error = _errors(sets[system], reports)
+            if error:
+                res[system] = {"error": error}
+                continue
+            assert reports is not None
+            out["seconds"].append(
+                max(reports[r].seconds[0] for r in timed_ranks(case, sets[system].n))
+            )
+    for out in res.values():
+        if "error" not in out:
+            out["summary_s"] = summarize(out["seconds"])
+    return res
 
 
 def bench(
@@ -186,7 +214,7 @@ def bench(
         stack.callback(server.stop)
         for n in world_sizes:
             started = now()
-            sets = {
+            sets: dict[System, Ranks] = {
                 "gloo": Ranks(ctx, "gloo", n, str(_free_port())),
                 "aiodist": Ranks(ctx, "aiodist", n, f"tcp://{HOST}:{server.port}"),
             }
@@ -198,9 +226,7 @@ def bench(
             for i, case in enumerate(cases(quick, only)):
                 row: dict[str, Any] = {"world_size": n, "case": case.name, "op": case.op}
                 row["nbytes"] = case.nbytes
-                order = SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]
-                for system in order:
-                    row[system] = _measure(sets[system], case, repeats, target)
+                row.update({str(k): v for k, v in _measure(sets, case, repeats, target, i).items()})
                 _add_ratios(row, n)
                 results.append(row)
                 print(f"  {_line(row)}", flush=True)

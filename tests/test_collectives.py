@@ -394,6 +394,13 @@ MISMATCHES: list[tuple[str, Callable[[ProcessGroup], Any]]] = [
     ("shape", lambda g: all_reduce(torch.ones(4 + (g.rank == 1)), group=g)),
     ("reduce_op", lambda g: all_reduce(torch.ones(4), op="max" if g.rank == 1 else "sum", group=g)),
     ("shape", lambda g: all_reduce(torch.ones(100_000 + (g.rank == 1)), group=g)),
+    ("shape", lambda g: all_reduce(torch.ones(300_000 + (g.rank == 1)), group=g)),  # shared memory
+    (
+        "dtype",
+        lambda g: all_gather(
+            torch.ones(100_000, dtype=torch.float64 if g.rank else torch.float32), group=g
+        ),
+    ),
     ("root", lambda g: broadcast(torch.ones(4), src=min(g.rank, 1), group=g)),
     ("root", lambda g: reduce(torch.ones(4), dst=min(g.rank, 1), group=g)),
     ("root", lambda g: gather(torch.ones(4), dst=min(g.rank, 1), group=g)),
@@ -476,3 +483,25 @@ def test_not_initialised_returns_mmengine_non_distributed_results() -> None:
     assert barrier().result() is None
     with pytest.raises(TypeError, match="floating-point"):
         all_reduce(torch.ones(1, dtype=torch.int32), op="mean")
+
+
+async def test_barrier_and_small_all_reduce_beyond_the_direct_group_size(
+    server: RendezvousServer,
+) -> None:
+    world_size = schedules.DIRECT_MAX_RANKS + 1  # dissemination and folded recursive doubling
+    assert schedules.all_reduce_algorithm(4, 1, world_size) == "recursive_doubling"
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for i in range(3):
+            await barrier(group=g)
+            t = torch.tensor([float(g.rank + i)])
+            await all_reduce(t, op="max" if i else "sum", group=g)
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(server.address, world_size, body)
+    total = float(sum(range(world_size)))
+    for outs in results:
+        assert [float(t) for t in outs] == [total, world_size, world_size + 1.0]
