@@ -89,7 +89,10 @@ class _Link:
             return self._buffer if nbytes else None
         if kind == MessageKind.PEER_HELLO:
             job, rank, _pid = header
-            if job != self.plane.job or not 0 <= rank < self.plane.world_size:
+            # A peer that got the job's member table first may say hello before this rank
+            # got it (world_size still 0): accept it; set_members checks the rank later.
+            known = self.plane.world_size
+            if job != self.plane.job or not 0 <= rank < (known or rank + 1):
                 raise ProtocolError(f"peer hello from job {job!r} rank {rank} does not belong here")
             self.src = rank
             self.plane._adopt(rank, channel)
@@ -162,6 +165,11 @@ class DataPlane:
         self.world_size = len(addresses)
         self._addresses = addresses
         self._local_ranks = same_host
+        for src, channel in list(self._out.items()):  # said hello before the table came
+            if not 0 <= src < self.world_size:
+                logger.warning("closing a data channel from rank %d, not a member", src)
+                del self._out[src]
+                channel.abort()
 
     def all_local(self, ranks: list[int]) -> bool:
         """True if every one of ``ranks`` (global) runs on this host."""
