@@ -505,3 +505,18 @@ async def test_barrier_and_small_all_reduce_beyond_the_direct_group_size(
     total = float(sum(range(world_size)))
     for outs in results:
         assert [float(t) for t in outs] == [total, world_size, world_size + 1.0]
+
+
+async def test_shared_memory_all_reduces_in_flight_together(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        tensors = [torch.full((300_000,), float((g.rank + 1) * (i + 1))) for i in range(4)]
+        works = [all_reduce(t, group=g) for t in tensors]  # all started before any await
+        for w in reversed(works):
+            await w
+        return tensors
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, 3, body, hostnames=_hosts(3, True))
+    for outs in results:
+        for i, t in enumerate(outs):
+            assert torch.equal(t, torch.full_like(t, 6.0 * (i + 1))), i

@@ -62,13 +62,30 @@ async def shared_memory_all_reduce(
     mine: list[Any],
     combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> None:
-    """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring)."""
+    """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring).
+
+    Operations of one group in flight together take turns on its segment, in
+    call order (the lock is taken before the first await, and asyncio's lock is
+    first come, first served), which is the same order on every rank.
+    """
+    async with g.session.plane.segments.lock(g.group_id):
+        await _all_reduce(g, seq, buf, op, mine, combine)
+
+
+async def _all_reduce(
+    g: ProcessGroup,
+    seq: int,
+    buf: torch.Tensor,
+    op: str,
+    mine: list[Any],
+    combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:
     p, me = g.world_size, g.rank
-    plane = g.session.plane
+    segments = g.session.plane.segments
     flat = buf.view(-1)
     numel = flat.numel()
     nbytes = numel * flat.element_size()
-    seg = plane.segments.own(nbytes)
+    seg = segments.own(g.group_id, nbytes)
     own = seg.tensor(buf.dtype, numel)
     peers = schedules.direct_peers(me, p)
     notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(3)]
@@ -79,7 +96,8 @@ async def shared_memory_all_reduce(
         msg = await future
         check_signature(g, mine, msg)
         name, _, size = bytes(msg.data).decode().rpartition(":")
-        parts[r] = plane.segments.peer(g.ranks[r], name, int(size)).tensor(buf.dtype, numel)
+        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        parts[r] = peer.tensor(buf.dtype, numel)
     bounds = schedules.chunk_bounds(numel, p)
     a, b = bounds[me]
     if b > a:
@@ -91,7 +109,7 @@ async def shared_memory_all_reduce(
     await _notify_all(g, seq, _STEP + 1, mine, None)
     for future in notices[1].values():
         check_signature(g, mine, await future)
-    plane.segments.unlink_own()  # every peer has mapped it by now
+    segments.unlink_own(g.group_id)  # every peer has mapped it by now
     for r in peers:
         lo, hi = bounds[r]
         copy_into(flat[lo:hi], parts[r][lo:hi])

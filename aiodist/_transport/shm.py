@@ -2,9 +2,11 @@
 
 Collectives between ranks of one host can read each other's data in place
 instead of copying it through a socket twice (in and out of the kernel). Each
-rank owns at most one segment, grown when an operation needs more; peers map
-it by the name the owner sends them over the data plane, and keep the mapping
-for later operations. The owner unlinks the file as soon as every peer has
+rank owns at most one segment per process group, grown when an operation
+needs more, and used by one operation at a time (``lock``: operations of one
+group take it in call order, which is the same on every rank); peers map it by
+the name the owner sends them over the data plane, and keep the mapping for
+later operations. The owner unlinks the file as soon as every peer has
 mapped it, so a crash leaves nothing behind in ``/dev/shm``; the memory is
 freed once the last mapping closes.
 
@@ -13,6 +15,7 @@ Messages still go over the data channels: this module only holds memory.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import mmap
@@ -73,19 +76,25 @@ class Segment:
 
 
 class SharedSegments:
-    """This rank's own segment and its mappings of its peers' segments."""
+    """This rank's own segments (one per group) and its mappings of its peers' segments."""
 
     def __init__(self) -> None:
-        self._own: Segment | None = None
-        self._peers: dict[int, Segment] = {}
+        self._own: dict[int, Segment] = {}
+        self._peers: dict[tuple[int, int], Segment] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
 
-    def own(self, nbytes: int) -> Segment:
-        """This rank's segment, of at least ``nbytes`` (a new one if the old is too small)."""
-        if self._own is not None and self._own.nbytes >= nbytes:
-            return self._own
-        if self._own is not None:
-            self._own.close()
-            self._own = None
+    def lock(self, group_id: int) -> asyncio.Lock:
+        """Held by the operation of group ``group_id`` that uses its segments."""
+        return self._locks.setdefault(group_id, asyncio.Lock())
+
+    def own(self, group_id: int, nbytes: int) -> Segment:
+        """This rank's segment for ``group_id``, of at least ``nbytes`` (new if too small)."""
+        seg = self._own.get(group_id)
+        if seg is not None and seg.nbytes >= nbytes:
+            return seg
+        if seg is not None:
+            seg.close()
+            del self._own[group_id]
         size = max(ROUND_BYTES, -(-nbytes // ROUND_BYTES) * ROUND_BYTES)
         name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
         path = os.path.join(SHM_DIR, name)
@@ -98,25 +107,26 @@ class SharedSegments:
             raise
         finally:
             os.close(fd)
-        self._own = Segment(name, size, memory, linked=True)
-        return self._own
+        seg = self._own[group_id] = Segment(name, size, memory, linked=True)
+        return seg
 
-    def unlink_own(self) -> None:
-        """Remove the own segment's file once every peer has mapped it."""
-        own = self._own
-        if own is not None and own.linked:
-            own.linked = False
+    def unlink_own(self, group_id: int) -> None:
+        """Remove the file of ``group_id``'s own segment once every peer has mapped it."""
+        seg = self._own.get(group_id)
+        if seg is not None and seg.linked:
+            seg.linked = False
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, own.name))
+                os.unlink(os.path.join(SHM_DIR, seg.name))
 
-    def peer(self, rank: int, name: str, nbytes: int) -> Segment:
-        """Rank ``rank``'s segment ``name``, mapped on first use and kept."""
-        seg = self._peers.get(rank)
+    def peer(self, group_id: int, rank: int, name: str, nbytes: int) -> Segment:
+        """Rank ``rank``'s segment ``name`` for ``group_id``, mapped on first use and kept."""
+        key = (group_id, rank)
+        seg = self._peers.get(key)
         if seg is not None and seg.name == name:
             return seg
         if seg is not None:
             seg.close()
-            del self._peers[rank]
+            del self._peers[key]
         if "/" in name or not name.startswith("aiodist-"):
             raise ValueError(f"rank {rank} sent an invalid shared segment name {name!r}")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
@@ -124,15 +134,12 @@ class SharedSegments:
             memory = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        seg = Segment(name, nbytes, memory)
-        self._peers[rank] = seg
+        seg = self._peers[key] = Segment(name, nbytes, memory)
         return seg
 
     def close(self) -> None:
-        """Unmap everything and remove the own file if peers never mapped it."""
-        for seg in self._peers.values():
+        """Unmap everything and remove own files that peers never mapped."""
+        for seg in [*self._peers.values(), *self._own.values()]:
             seg.close()
         self._peers.clear()
-        if self._own is not None:
-            self._own.close()
-            self._own = None
+        self._own.clear()
