@@ -157,9 +157,18 @@ async def send(
     meta: Any,
     payload: Buffer | None,
 ) -> None:
-    """Send a collective's message to group rank ``dst``."""
+    """Send a collective's message to group rank ``dst``.
+
+    A peer that found the group broken (say, a mismatch) tells every member,
+    then may leave while a large payload to it is still being written: report
+    the group's error then, not the closed connection it caused.
+    """
     key = (COLLECTIVE, group.group_id, seq, step)
-    await group.session.plane.send(group.ranks[dst], key, meta, payload)
+    try:
+        await group.session.plane.send(group.ranks[dst], key, meta, payload)
+    except ConnectionError:
+        group.check_usable()
+        raise
 
 
 def recv(
