@@ -520,3 +520,52 @@ async def test_shared_memory_all_reduces_in_flight_together(server: RendezvousSe
     for outs in results:
         for i, t in enumerate(outs):
             assert torch.equal(t, torch.full_like(t, 6.0 * (i + 1))), i
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared_memory", "tree"])
+async def test_large_broadcast_from_every_root(
+    server: RendezvousServer, world_size: int, same_host: bool
+) -> None:
+    numel = 300_001  # float64: 2.4 MB, over the shared-memory threshold
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for root in range(world_size):
+            t = torch.full((numel,), float(g.rank), dtype=torch.float64)
+            t[-1] = -1.0 - g.rank
+            assert await broadcast(t, src=root, group=g) is t
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(
+            server.address, world_size, body, hostnames=_hosts(world_size, same_host)
+        )
+    for outs in results:
+        for root, t in enumerate(outs):
+            assert torch.equal(t[:-1], torch.full((numel - 1,), float(root), dtype=torch.float64))
+            assert float(t[-1]) == -1.0 - root
+    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+
+
+async def test_shared_memory_broadcasts_and_all_reduces_take_turns(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        a = torch.full((400_000,), float(g.rank))
+        b = torch.full((300_000,), float(g.rank + 1))
+        c = torch.full((500_000,), float(g.rank) * 10)
+        # Broadcasts run a task inside their operation, all_reduce does not: turns are
+        # still taken in call order, the same on every rank.
+        works = [broadcast(a, src=1, group=g), all_reduce(b, group=g), broadcast(c, src=2, group=g)]
+        for w in reversed(works):
+            await w
+        return [a, b, c]
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, 3, body, hostnames=_hosts(3, True))
+    for a, b, c in results:
+        assert torch.equal(a, torch.full_like(a, 1.0))
+        assert torch.equal(b, torch.full_like(b, 6.0))
+        assert torch.equal(c, torch.full_like(c, 20.0))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aiodist._collectives import schedules
+from aiodist._collectives import schedules, shared
 from aiodist._collectives.common import (
     LazyModule,
     agreed,
@@ -39,6 +39,7 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
+    from aiodist._transport.shm import Turn
 
 __all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "scatter"]
 
@@ -51,7 +52,10 @@ _READY_STEP = 1 << 18  # the all_gather ring's clear-to-send message
 def broadcast(
     data: torch.Tensor, src: int = 0, group: ProcessGroup | None = None
 ) -> Work[torch.Tensor]:
-    """Copy ``data`` from rank ``src`` into ``data`` on every rank (binomial tree).
+    """Copy ``data`` from rank ``src`` into ``data`` on every rank.
+
+    A binomial tree of messages; from 1 MiB, in a group whose ranks share one
+    host, every rank copies straight from ``src``'s shared-memory segment.
 
     Args:
         data: A CPU tensor: the value on ``src``, overwritten elsewhere.
@@ -90,10 +94,27 @@ def broadcast(
             copy_into(t, buf)
         return t
 
+    async def through_shared_memory(seq: int) -> torch.Tensor:
+        buf = contiguous(t)
+        await shared.shared_memory_broadcast(g, seq, buf, root, mine)
+        if buf is not t:
+            copy_into(t, buf)
+        return t
+
+    nbytes = t.numel() * t.element_size()
+    use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
+    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+
     async def run(seq: int) -> torch.Tensor:
+        if use_shm:
+            async with turns[0]:
+                return await agreed(g, seq, mine, through_shared_memory(seq))
         return await agreed(g, seq, mine, tree(seq))
 
-    return g.start(f"broadcast(src={root})", run)
+    work = g.start(f"broadcast(src={root})", run)
+    if use_shm:
+        turns.append(shared.take_turn(g))
+    return work
 
 
 def gather(

@@ -38,6 +38,7 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
+    from aiodist._transport.shm import Turn
 
 __all__ = ["all_reduce", "reduce", "reduce_scatter"]
 
@@ -258,16 +259,18 @@ def all_reduce(
         return Work.completed(t)
     mine = signature("all_reduce", t, reduce_op=reduce_op)
 
+    p = g.world_size
+    algorithm = schedules.all_reduce_algorithm(
+        t.numel() * t.element_size(), t.numel(), p, shared_memory=p > 1 and shared.usable(g)
+    )
+    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+
     async def run(seq: int) -> torch.Tensor:
-        p = g.world_size
         buf = contiguous(t)
         if p > 1:
-            nbytes = buf.numel() * buf.element_size()
-            algorithm = schedules.all_reduce_algorithm(
-                nbytes, buf.numel(), p, shared_memory=shared.usable(g)
-            )
             if algorithm == "shared_memory":
-                await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, _combine)
+                async with turns[0]:
+                    await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, _combine)
             elif algorithm == "direct":
                 await _direct_all_reduce(g, seq, buf, reduce_op, mine)
             elif algorithm == "recursive_doubling":
@@ -280,7 +283,10 @@ def all_reduce(
             copy_into(t, buf)
         return t
 
-    return g.start(f"all_reduce(op={reduce_op})", run)
+    work = g.start(f"all_reduce(op={reduce_op})", run)
+    if algorithm == "shared_memory":
+        turns.append(shared.take_turn(g))
+    return work
 
 
 # --- rooted operations ---------------------------------------------------------------------

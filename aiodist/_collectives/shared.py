@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group import ProcessGroup
+    from aiodist._transport.shm import Turn
 
-__all__ = ["shared_memory_all_reduce", "usable"]
+__all__ = ["shared_memory_all_reduce", "shared_memory_broadcast", "take_turn", "usable"]
 
 _STEP: Final = 1 << 17  # steps of the three notices, apart from other algorithms' steps
 
@@ -54,6 +55,44 @@ async def _notify_all(
         await send(g, r, seq, step, mine, payload)
 
 
+def take_turn(g: ProcessGroup) -> Turn:
+    """Call when the operation is called (after ``g.start``); enter it when it runs.
+
+    Operations of one group in flight together take turns on its segments in
+    call order, which is the same order on every rank.
+    """
+    return g.session.plane.segments.take_turn(g.group_id)
+
+
+async def shared_memory_broadcast(
+    g: ProcessGroup, seq: int, buf: torch.Tensor, root: int, mine: list[Any]
+) -> None:
+    """Copy contiguous ``buf`` from ``root`` to every rank through ``root``'s segment.
+
+    The root copies in and tells every rank where; each copies out and says so,
+    and the root returns once nobody reads its segment any more.
+    """
+    segments = g.session.plane.segments
+    flat = buf.view(-1)
+    numel = flat.numel()
+    if g.rank == root:
+        seg = segments.own(g.group_id, numel * flat.element_size())
+        peers = schedules.direct_peers(root, g.world_size)
+        done = [recv_tensor(g, r, seq, _STEP + 1) for r in peers]
+        copy_into(seg.tensor(buf.dtype, numel), flat)
+        await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+        for future in done:
+            check_signature(g, mine, await future)
+        segments.unlink_own(g.group_id)  # every peer has mapped it by now
+        return
+    msg = await recv_tensor(g, root, seq, _STEP)
+    check_signature(g, mine, msg)
+    name, _, size = bytes(msg.data).decode().rpartition(":")
+    seg = segments.peer(g.group_id, g.ranks[root], name, int(size))
+    copy_into(flat, seg.tensor(buf.dtype, numel))
+    await send(g, root, seq, _STEP + 1, mine, None)
+
+
 async def shared_memory_all_reduce(
     g: ProcessGroup,
     seq: int,
@@ -62,24 +101,7 @@ async def shared_memory_all_reduce(
     mine: list[Any],
     combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> None:
-    """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring).
-
-    Operations of one group in flight together take turns on its segment, in
-    call order (the lock is taken before the first await, and asyncio's lock is
-    first come, first served), which is the same order on every rank.
-    """
-    async with g.session.plane.segments.lock(g.group_id):
-        await _all_reduce(g, seq, buf, op, mine, combine)
-
-
-async def _all_reduce(
-    g: ProcessGroup,
-    seq: int,
-    buf: torch.Tensor,
-    op: str,
-    mine: list[Any],
-    combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
-) -> None:
+    """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring)."""
     p, me = g.world_size, g.rank
     segments = g.session.plane.segments
     flat = buf.view(-1)

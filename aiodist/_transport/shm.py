@@ -3,10 +3,11 @@
 Collectives between ranks of one host can read each other's data in place
 instead of copying it through a socket twice (in and out of the kernel). Each
 rank owns at most one segment per process group, grown when an operation
-needs more, and used by one operation at a time (``lock``: operations of one
-group take it in call order, which is the same on every rank); peers map it by
-the name the owner sends them over the data plane, and keep the mapping for
-later operations. The owner unlinks the file as soon as every peer has
+needs more, and used by one operation at a time: each operation takes a
+``Turn`` when it is called, so turns go in call order, which is the same on
+every rank (an order in which tasks happen to run need not be). Peers map a
+segment by the name the owner sends them over the data plane, and keep the
+mapping for later operations. The owner unlinks the file as soon as every peer has
 mapped it, so a crash leaves nothing behind in ``/dev/shm``; the memory is
 freed once the last mapping closes.
 
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Segment", "SharedSegments", "available"]
+__all__ = ["Segment", "SharedSegments", "Turn", "available"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +76,38 @@ class Segment:
             logger.debug("shared segment %s still in use; left to the garbage collector", self.name)
 
 
+class Turn:
+    """An operation's turn on its group's segments: ``async with turn:`` waits for the last."""
+
+    __slots__ = ("_before", "_done")
+
+    def __init__(self, before: asyncio.Future[None] | None, done: asyncio.Future[None]) -> None:
+        self._before = before
+        self._done = done
+
+    async def __aenter__(self) -> None:
+        if self._before is not None and not self._before.done():
+            await asyncio.shield(self._before)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+
 class SharedSegments:
     """This rank's own segments (one per group) and its mappings of its peers' segments."""
 
     def __init__(self) -> None:
         self._own: dict[int, Segment] = {}
         self._peers: dict[tuple[int, int], Segment] = {}
-        self._locks: dict[int, asyncio.Lock] = {}
+        self._turns: dict[int, asyncio.Future[None]] = {}
 
-    def lock(self, group_id: int) -> asyncio.Lock:
-        """Held by the operation of group ``group_id`` that uses its segments."""
-        return self._locks.setdefault(group_id, asyncio.Lock())
+    def take_turn(self, group_id: int) -> Turn:
+        """The next turn on ``group_id``'s segments; take it when the operation is called."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        before = self._turns.get(group_id)
+        self._turns[group_id] = done
+        return Turn(before, done)
 
     def own(self, group_id: int, nbytes: int) -> Segment:
         """This rank's segment for ``group_id``, of at least ``nbytes`` (new if too small)."""
