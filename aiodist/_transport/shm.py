@@ -7,8 +7,9 @@ needs more, and used by one operation at a time: each operation takes a
 ``Turn`` when it is called, so turns go in call order, which is the same on
 every rank (an order in which tasks happen to run need not be). Peers map a
 segment by the name the owner sends them over the data plane, and keep the
-mapping for later operations. The owner unlinks the file as soon as every peer has
-mapped it, so a crash leaves nothing behind in ``/dev/shm``; the memory is
+mapping for later operations. The owner unlinks the file as soon as every peer
+has mapped it (within the operation that made it), so only a crash during that
+operation can leave an ``aiodist-<pid>-*`` file in ``/dev/shm``; the memory is
 freed once the last mapping closes.
 
 Messages still go over the data channels: this module only holds memory.
