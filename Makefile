@@ -35,9 +35,11 @@ demo: install
 
 bench: install
 	$(PY) -m benchmarks.bench_rendezvous
+	$(PY) -m benchmarks.bench_collectives
 
 bench-quick: install
 	$(PY) -m benchmarks.bench_rendezvous --quick
+	$(PY) -m benchmarks.bench_collectives --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

@@ -128,9 +128,9 @@ class Session:
         self.inflight: set[asyncio.Task[None]] = set()
         self._members: list[MemberInfo] | None = None
         self.heartbeat_timeout = heartbeat_timeout
-        self._failed = asyncio.Event()  # set with the session's first error
+        self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
-        plane.set_members(self.rank, self.world_size, self._peer_table)
+        plane.set_members(self.rank, self.world_size, self._peer_table, welcome.host_ids)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
@@ -166,13 +166,8 @@ class Session:
         self._members = members
         return members
 
-    async def _peer_table(self) -> tuple[dict[int, tuple[str, ...]], set[int]]:
-        members = await self.members()
-        me = members[self.rank]
-        return (
-            {m.rank: m.addresses for m in members},
-            {m.rank for m in members if m.host == me.host},
-        )
+    async def _peer_table(self) -> dict[int, tuple[str, ...]]:
+        return {m.rank: m.addresses for m in await self.members()}
 
     async def _peer_lost(self, rank: int, reason: str) -> DistError | None:
         """Decide who failed when the data connection to ``rank`` broke; return the error.
@@ -185,7 +180,12 @@ class Session:
         """
         if self.error is None:
             with anyio.move_on_after(self.heartbeat_timeout):
-                await self._failed.wait()
+                await self._trouble.wait()
+        broken = next((g.error for g in self.groups.values() if g.error is not None), None)
+        if self.error is None and broken is not None:
+            # A member's notice explained it (say, a mismatch made everyone leave):
+            # the peer did not fail, and the session stays as usable as it was.
+            return broken
         if self.error is None:
             # A peer that connected to us may be lost before we ever fetched the table.
             m = self._members[rank] if self._members is not None else None
@@ -230,7 +230,7 @@ class Session:
         if self.error is None:
             self.error = exc
             logger.error("%s", exc)
-            self._failed.set()
+            self._trouble.set()
         self.plane.fail(self.error)
 
     def check_usable(self) -> None:
@@ -325,6 +325,7 @@ class ProcessGroup:
             return
         self.error = exc
         logger.error("group %r broken: %s", self.name, exc)
+        self._session._trouble.set()
         plane = self._session.plane
         plane.fail(exc, self.group_id)
         if notify:

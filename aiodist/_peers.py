@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist import _auth
 from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._matching import Matcher
-from aiodist._transport import tcp, uds
+from aiodist._transport import shm, tcp, uds
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Sequence
 
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Buffer, Frame
@@ -43,8 +43,8 @@ __all__ = ["DataPlane", "Key", "Received"]
 logger = logging.getLogger(__name__)
 
 Key = tuple[int, int, int, int]
-# Each rank's data-plane addresses, and the ranks on this host.
-PeerTable = tuple[dict[int, tuple[str, ...]], set[int]]
+# Each rank's data-plane addresses.
+PeerTable = dict[int, tuple[str, ...]]
 P2P: Final = 0
 COLLECTIVE: Final = 1
 OBJECT_P2P: Final = 2
@@ -120,7 +120,15 @@ class _Link:
         if not isinstance(header, list) or len(header) not in (3, 4):
             raise ProtocolError("malformed PEER_HELLO header")
         job, rank = header[0], header[1]
-        if job != self.plane.job or type(rank) is not int or not 0 <= rank < self.plane.world_size:
+        # A peer that got its Welcome first may say hello before this rank got its
+        # own (world_size still 0). With a token, the proof needs this rank's own
+        # rank: answer once set_members knows it (the peer sends nothing before).
+        # Without one, accept it now; set_members drops it if the rank is no member.
+        if self.plane.rank < 0 and self.plane.token is not None:
+            self.plane._early_hellos.append((self, channel, header))
+            return
+        known = self.plane.world_size
+        if job != self.plane.job or type(rank) is not int or not 0 <= rank < (known or rank + 1):
             raise ProtocolError(f"peer hello from job {job!r} rank {rank!r} does not belong here")
         token = self.plane.token
         nonce = header[3] if len(header) == 4 else None
@@ -209,11 +217,15 @@ class DataPlane:
         self._listeners: list[Listener] = []
         self._lookup: Callable[[], Awaitable[PeerTable]] | None = None
         self._table: PeerTable | None = None
+        self._host_ids: Sequence[int] = ()
+        self._early_hellos: list[tuple[_Link, DataChannel, Any]] = []
         self._out: dict[int, DataChannel] = {}
         self._connecting: dict[int, asyncio.Future[DataChannel]] = {}
         self._channels: set[DataChannel] = set()
         self._closing = False
         self.use_uds = uds.available() and os.environ.get("AIODIST_UDS", "1") != "0"
+        self.use_shm = shm.available()
+        self.segments = shm.SharedSegments()
 
     async def listen(self, host: str) -> list[str]:
         """Start listening; return the addresses to publish."""
@@ -223,12 +235,37 @@ class DataPlane:
         return [lst.address for lst in self._listeners]
 
     def set_members(
-        self, rank: int, world_size: int, lookup: Callable[[], Awaitable[PeerTable]]
+        self,
+        rank: int,
+        world_size: int,
+        lookup: Callable[[], Awaitable[PeerTable]],
+        host_ids: Sequence[int],
     ) -> None:
-        """Join the job as ``rank``; ``lookup`` fetches the peers' addresses on first connect."""
+        """Join the job as ``rank``; ``lookup`` fetches the peers' addresses on first connect.
+
+        ``host_ids[r]`` tells apart the hosts of the ranks: equal ids, same host.
+        """
         self.rank = rank
         self.world_size = world_size
         self._lookup = lookup
+        self._host_ids = host_ids
+        for src, channel in list(self._out.items()):  # said hello before the table came
+            if not 0 <= src < world_size:
+                logger.warning("closing a data channel from rank %d, not a member", src)
+                del self._out[src]
+                channel.abort()
+        early, self._early_hellos = self._early_hellos, []
+        for link, channel, header in early:  # peers that said hello before our Welcome
+            try:
+                link._hello_received(channel, header)
+            except ProtocolError as exc:
+                logger.warning("closing a data channel: %s", exc)
+                channel.abort()
+
+    def all_local(self, ranks: Sequence[int]) -> bool:
+        """True if every one of ``ranks`` (global) runs on this host."""
+        ids, mine = self._host_ids, self._host_ids[self.rank]
+        return all(ids[r] == mine for r in ranks)
 
     # --- sending ------------------------------------------------------------------------
 
@@ -333,11 +370,10 @@ class DataPlane:
         if self._table is None:
             assert self._lookup is not None, "set_members() first"
             self._table = await self._lookup()
-        all_addresses, local_ranks = self._table
-        addresses = all_addresses.get(dst, ())
+        addresses = self._table.get(dst, ())
         uds_addr = [a for a in addresses if a.startswith("uds:")]
         tcp_addr = [a for a in addresses if a.startswith("tcp://")]
-        if self.use_uds and dst in local_ranks and uds_addr:
+        if self.use_uds and self.all_local([dst]) and uds_addr:
             try:
                 return await uds.connect(uds_addr[0], link)
             except OSError:
@@ -418,3 +454,4 @@ class DataPlane:
             task.cancel()
         self._channels.clear()
         self._out.clear()
+        self.segments.close()

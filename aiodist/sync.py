@@ -231,9 +231,12 @@ def all_reduce(
     With ``async_op=True`` it returns the running ``Work`` instead (``.wait()`` from any
     thread, ``.is_completed()``).
 
-    Small tensors (under 64 KiB) use recursive doubling; larger ones a ring
-    reduce-scatter then ring all-gather. The result is bitwise identical on
-    every rank.
+    Small tensors (up to 16 KiB, in groups of up to 8) go straight to every
+    rank in one round; others under 64 KiB use recursive doubling; larger ones a
+    ring reduce-scatter then ring all-gather, or, from 1 MiB in a group whose
+    ranks share one host, a reduction in shared memory (``/dev/shm``; set
+    ``AIODIST_SHM=0`` on every rank to turn it off). The result is bitwise
+    identical on every rank.
 
     Args:
         data: A CPU tensor, overwritten with the result.
@@ -444,11 +447,14 @@ def barrier(group: ProcessGroup | None = ..., *, async_op: Literal[False] = ...)
 @overload
 def barrier(group: ProcessGroup | None = ..., *, async_op: Literal[True]) -> Work[None]: ...
 def barrier(group: ProcessGroup | None = None, *, async_op: bool = False) -> Work[None] | None:
-    """Wait until every rank of ``group`` reached this barrier (dissemination, data plane).
+    """Wait until every rank of ``group`` reached this barrier (on the data plane).
 
     Blocking twin of ``aiodist.barrier``: waits, then returns what its Work resolves to.
     With ``async_op=True`` it returns the running ``Work`` instead (``.wait()`` from any
     thread, ``.is_completed()``).
+
+    Groups of up to 8 ranks exchange one message with every rank (one round);
+    larger ones use dissemination (``log2 size`` rounds).
 
     Args:
         group: Defaults to the world group.
@@ -484,11 +490,14 @@ def broadcast(
 def broadcast(
     data: torch.Tensor, src: int = 0, group: ProcessGroup | None = None, *, async_op: bool = False
 ) -> Work[torch.Tensor] | torch.Tensor:
-    """Copy ``data`` from rank ``src`` into ``data`` on every rank (binomial tree).
+    """Copy ``data`` from rank ``src`` into ``data`` on every rank.
 
     Blocking twin of ``aiodist.broadcast``: waits, then returns what its Work resolves to.
     With ``async_op=True`` it returns the running ``Work`` instead (``.wait()`` from any
     thread, ``.is_completed()``).
+
+    A binomial tree of messages; from 1 MiB, in a group whose ranks share one
+    host, every rank copies straight from ``src``'s shared-memory segment.
 
     Args:
         data: A CPU tensor: the value on ``src``, overwritten elsewhere.

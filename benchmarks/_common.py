@@ -29,7 +29,11 @@ __all__ = [
     "environment",
     "format_table",
     "now",
+    "peak_rss_bytes",
+    "pss_bytes",
     "raise_fd_limit",
+    "reset_peak_rss",
+    "rss_bytes",
     "summarize",
     "write_results",
 ]
@@ -93,6 +97,40 @@ def raise_fd_limit(wanted: int) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         soft = target
     return soft
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The highest resident set size since start-up or the last ``reset_peak_rss`` (Linux)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size: shared pages divided among their mappers (Linux)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/smaps_rollup has no Pss line")
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak RSS to the current RSS (``clear_refs`` 5, Linux >= 4.0); return it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_bytes()
 
 
 def environment() -> dict[str, Any]:

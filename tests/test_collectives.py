@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import glob
+import os
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist._collectives import schedules
 from aiodist._collectives.movement import (
     all_gather,
     all_to_all,
@@ -115,7 +118,60 @@ async def test_all_reduce_float_sums_are_bitwise_identical_on_every_rank(
             assert torch.equal(a, b)
 
 
-async def test_all_reduce_64_mib_float32(server: RendezvousServer) -> None:
+ALGORITHM_CASES = [
+    ("sum", torch.float32),
+    ("max", torch.int64),
+    ("product", torch.float64),
+    ("bor", torch.bool),
+    ("mean", torch.bfloat16),
+]
+
+
+def _hosts(world_size: int, same_host: bool) -> list[str]:
+    # Ranks that claim different hosts cannot share memory: they use the ring over TCP.
+    return ["node"] * world_size if same_host else [f"node-{r}" for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    ("numel", "same_host", "algorithm"),
+    [
+        (6_000, True, "recursive_doubling"),  # float32: 24 KB, between direct and ring
+        (300_001, True, "shared_memory"),  # float32: 1.2 MB, chunks of unequal size
+        (300_001, False, "ring"),
+    ],
+)
+async def test_all_reduce_each_algorithm_matches_torch(
+    server: RendezvousServer, world_size: int, numel: int, same_host: bool, algorithm: str
+) -> None:
+    if world_size > 1:
+        chosen = schedules.all_reduce_algorithm(
+            4 * numel, numel, world_size, shared_memory=same_host
+        )
+        assert chosen == algorithm
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for op, dtype in ALGORITHM_CASES:
+            t = _input(g.rank, numel, dtype, op, seed=1)
+            assert await all_reduce(t, op=op, group=g) is t
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(
+            server.address, world_size, body, hostnames=_hosts(world_size, same_host)
+        )
+    for i, (op, dtype) in enumerate(ALGORITHM_CASES):
+        expected = _reference(op, [_input(r, numel, dtype, op, seed=1) for r in range(world_size)])
+        torch.testing.assert_close(results[0][i], expected, msg=f"{op} {dtype}")
+        for r in range(1, world_size):
+            assert torch.equal(results[r][i], results[0][i]), f"rank {r}: {op} {dtype}"
+    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared_memory", "ring"])
+async def test_all_reduce_64_mib_float32(server: RendezvousServer, same_host: bool) -> None:
     numel = 16 * 1024 * 1024
 
     async def body(g: ProcessGroup) -> bool:
@@ -128,7 +184,27 @@ async def test_all_reduce_64_mib_float32(server: RendezvousServer) -> None:
         return torch.equal(t, expected)
 
     with anyio.fail_after(60):
-        assert await run_ranks(server.address, 2, body) == [True, True]
+        outs = await run_ranks(server.address, 2, body, hostnames=_hosts(2, same_host))
+    assert outs == [True, True]
+
+
+async def test_all_reduce_shared_memory_reuses_and_grows_its_segment(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for numel in (300_000, 300_000, 700_000, 300_000):  # reuse, grow, reuse the larger
+            t = torch.full((numel,), float(g.rank + 1), dtype=torch.float64)
+            await all_reduce(t, group=g)
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, 3, body, hostnames=_hosts(3, True))
+    for outs in results:
+        assert [t.numel() for t in outs] == [300_000, 300_000, 700_000, 300_000]
+        assert all(torch.equal(t, torch.full_like(t, 6.0)) for t in outs)
+    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
 
 
 async def test_all_reduce_non_contiguous_is_copied_back(server: RendezvousServer) -> None:
@@ -318,6 +394,13 @@ MISMATCHES: list[tuple[str, Callable[[ProcessGroup], Any]]] = [
     ("shape", lambda g: all_reduce(torch.ones(4 + (g.rank == 1)), group=g)),
     ("reduce_op", lambda g: all_reduce(torch.ones(4), op="max" if g.rank == 1 else "sum", group=g)),
     ("shape", lambda g: all_reduce(torch.ones(100_000 + (g.rank == 1)), group=g)),
+    ("shape", lambda g: all_reduce(torch.ones(300_000 + (g.rank == 1)), group=g)),  # shared memory
+    (
+        "dtype",
+        lambda g: all_gather(
+            torch.ones(100_000, dtype=torch.float64 if g.rank else torch.float32), group=g
+        ),
+    ),
     ("root", lambda g: broadcast(torch.ones(4), src=min(g.rank, 1), group=g)),
     ("root", lambda g: reduce(torch.ones(4), dst=min(g.rank, 1), group=g)),
     ("root", lambda g: gather(torch.ones(4), dst=min(g.rank, 1), group=g)),
@@ -400,3 +483,89 @@ def test_not_initialised_returns_mmengine_non_distributed_results() -> None:
     assert barrier().result() is None
     with pytest.raises(TypeError, match="floating-point"):
         all_reduce(torch.ones(1, dtype=torch.int32), op="mean")
+
+
+async def test_barrier_and_small_all_reduce_beyond_the_direct_group_size(
+    server: RendezvousServer,
+) -> None:
+    world_size = schedules.DIRECT_MAX_RANKS + 1  # dissemination and folded recursive doubling
+    assert schedules.all_reduce_algorithm(4, 1, world_size) == "recursive_doubling"
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for i in range(3):
+            await barrier(group=g)
+            t = torch.tensor([float(g.rank + i)])
+            await all_reduce(t, op="max" if i else "sum", group=g)
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(server.address, world_size, body)
+    total = float(sum(range(world_size)))
+    for outs in results:
+        assert [float(t) for t in outs] == [total, world_size, world_size + 1.0]
+
+
+async def test_shared_memory_all_reduces_in_flight_together(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        tensors = [torch.full((300_000,), float((g.rank + 1) * (i + 1))) for i in range(4)]
+        works = [all_reduce(t, group=g) for t in tensors]  # all started before any await
+        for w in reversed(works):
+            await w
+        return tensors
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, 3, body, hostnames=_hosts(3, True))
+    for outs in results:
+        for i, t in enumerate(outs):
+            assert torch.equal(t, torch.full_like(t, 6.0 * (i + 1))), i
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared_memory", "tree"])
+async def test_large_broadcast_from_every_root(
+    server: RendezvousServer, world_size: int, same_host: bool
+) -> None:
+    numel = 300_001  # float64: 2.4 MB, over the shared-memory threshold
+
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for root in range(world_size):
+            t = torch.full((numel,), float(g.rank), dtype=torch.float64)
+            t[-1] = -1.0 - g.rank
+            assert await broadcast(t, src=root, group=g) is t
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(
+            server.address, world_size, body, hostnames=_hosts(world_size, same_host)
+        )
+    for outs in results:
+        for root, t in enumerate(outs):
+            assert torch.equal(t[:-1], torch.full((numel - 1,), float(root), dtype=torch.float64))
+            assert float(t[-1]) == -1.0 - root
+    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+
+
+async def test_shared_memory_broadcasts_and_all_reduces_take_turns(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        a = torch.full((400_000,), float(g.rank))
+        b = torch.full((300_000,), float(g.rank + 1))
+        c = torch.full((500_000,), float(g.rank) * 10)
+        # Broadcasts run a task inside their operation, all_reduce does not: turns are
+        # still taken in call order, the same on every rank.
+        works = [broadcast(a, src=1, group=g), all_reduce(b, group=g), broadcast(c, src=2, group=g)]
+        for w in reversed(works):
+            await w
+        return [a, b, c]
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, 3, body, hostnames=_hosts(3, True))
+    for a, b, c in results:
+        assert torch.equal(a, torch.full_like(a, 1.0))
+        assert torch.equal(b, torch.full_like(b, 6.0))
+        assert torch.equal(c, torch.full_like(c, 20.0))

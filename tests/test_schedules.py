@@ -7,8 +7,14 @@ import itertools
 import pytest
 
 from aiodist._collectives.schedules import (
+    DIRECT_MAX_BYTES,
+    DIRECT_MAX_RANKS,
+    RING_MIN_BYTES,
+    SHM_MIN_BYTES,
+    all_reduce_algorithm,
     binomial_tree,
     chunk_bounds,
+    direct_peers,
     dissemination_partners,
     recursive_doubling,
     ring_all_gather_steps,
@@ -150,3 +156,35 @@ def test_dissemination_everyone_hears_from_everyone(size: int) -> None:
 def test_bad_rank_or_size_raises_value_error(call: object) -> None:
     with pytest.raises(ValueError, match="must be"):
         call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_direct_peers_name_every_other_rank_once_starting_with_the_next(size: int) -> None:
+    for rank in range(size):
+        peers = direct_peers(rank, size)
+        assert sorted(peers) == [r for r in range(size) if r != rank]
+        assert not peers or peers[0] == (rank + 1) % size
+    # In each position every rank is sent to by exactly one rank: no receiver is flooded.
+    for k in range(size - 1):
+        assert sorted(direct_peers(r, size)[k] for r in range(size)) == list(range(size))
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "numel", "size", "shared_memory", "expected"),
+    [
+        (4, 1, 4, False, "direct"),
+        (DIRECT_MAX_BYTES, DIRECT_MAX_BYTES // 4, DIRECT_MAX_RANKS, False, "direct"),
+        (4, 1, DIRECT_MAX_RANKS + 1, False, "recursive_doubling"),
+        (DIRECT_MAX_BYTES + 4, DIRECT_MAX_BYTES // 4 + 1, 4, False, "recursive_doubling"),
+        (RING_MIN_BYTES - 4, RING_MIN_BYTES // 4 - 1, 4, True, "recursive_doubling"),
+        (RING_MIN_BYTES, RING_MIN_BYTES // 4, 4, False, "ring"),
+        (RING_MIN_BYTES, 3, 4, False, "recursive_doubling"),  # a ring chunk would be empty
+        (SHM_MIN_BYTES - 4, SHM_MIN_BYTES // 4 - 1, 4, True, "ring"),
+        (SHM_MIN_BYTES, SHM_MIN_BYTES // 4, 4, True, "shared_memory"),
+        (SHM_MIN_BYTES, SHM_MIN_BYTES // 4, 4, False, "ring"),
+    ],
+)
+def test_all_reduce_algorithm_by_size(
+    nbytes: int, numel: int, size: int, shared_memory: bool, expected: str
+) -> None:
+    assert all_reduce_algorithm(nbytes, numel, size, shared_memory=shared_memory) == expected

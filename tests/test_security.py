@@ -325,11 +325,11 @@ async def test_connecting_rank_checks_the_acceptor_knows_the_token(
     a, b = _planes((TOKEN, accept_token), use_uds)
     addresses = {0: tuple(await a.listen("127.0.0.1")), 1: tuple(await b.listen("127.0.0.1"))}
 
-    async def table() -> tuple[dict[int, tuple[str, ...]], set[int]]:
-        return addresses, {0, 1}
+    async def table() -> dict[int, tuple[str, ...]]:
+        return addresses
 
-    a.set_members(0, 2, table)
-    b.set_members(1, 2, table)
+    a.set_members(0, 2, table, [0, 0])
+    b.set_members(1, 2, table, [0, 0])
     key = (P2P, 0, 0, 0)
     received = b.recv(0, key)
     try:

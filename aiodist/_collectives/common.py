@@ -35,6 +35,8 @@ __all__ = [
     "check_tensor",
     "check_tensor_list",
     "contiguous",
+    "copy_into",
+    "divide_",
     "recv",
     "recv_tensor",
     "resolve_group",
@@ -46,6 +48,12 @@ T = TypeVar("T")
 
 _AGREE_STEP = 1 << 20  # steps of the root-agreement check, apart from the data's steps
 
+#: Elements per torch call on large tensors: torch's GRAIN_SIZE, below which it stays serial.
+#: Every rank of a host has its own intra-op thread pool, and when several ranks wake
+#: theirs at once they spin against each other (a 256 KiB add took 28 ms with 4 ranks on
+#: 2 cores), so the data plane keeps its copies and reductions on the loop's thread.
+SLICE_NUMEL = 32768
+
 
 class LazyModule:
     """Imports a module on first attribute access (keeps ``import aiodist`` torch-free)."""
@@ -54,9 +62,13 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
+        # Only called for names not cached yet: after the first use of ``torch.add``
+        # it is a plain instance attribute (an import per call cost ~10 us on hot paths).
         import importlib
 
-        return getattr(importlib.import_module(self._name), attr)
+        value = getattr(importlib.import_module(self._name), attr)
+        setattr(self, attr, value)
+        return value
 
 
 SIGNATURE_FIELDS = ("op", "dtype", "shape", "reduce_op", "root")
@@ -94,10 +106,10 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     assert tensor.is_contiguous()
     if tensor.numel() == 0:
         return memoryview(bytearray(0))
-    flat = tensor.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return flat.numpy().data.cast("B")
+    if tensor.dim() == 0:
+        tensor = tensor.view(1)
+    # Viewing the last dimension as bytes keeps the tensor C-contiguous; cast("B") flattens.
+    return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
 def signature(
@@ -145,9 +157,18 @@ async def send(
     meta: Any,
     payload: Buffer | None,
 ) -> None:
-    """Send a collective's message to group rank ``dst``."""
+    """Send a collective's message to group rank ``dst``.
+
+    A peer that found the group broken (say, a mismatch) tells every member,
+    then may leave while a large payload to it is still being written: report
+    the group's error then, not the closed connection it caused.
+    """
     key = (COLLECTIVE, group.group_id, seq, step)
-    await group.session.plane.send(group.ranks[dst], key, meta, payload)
+    try:
+        await group.session.plane.send(group.ranks[dst], key, meta, payload)
+    except ConnectionError:
+        group.check_usable()
+        raise
 
 
 def recv(
@@ -179,12 +200,16 @@ def check_tensor_list(tensors: object, name: str, length: int | None) -> list[to
 
 
 def recv_tensor(
-    g: ProcessGroup, src: int, seq: int, step: int, dest: torch.Tensor | None = None
+    g: ProcessGroup,
+    src: int,
+    seq: int,
+    step: int,
+    dest: torch.Tensor | memoryview | None = None,
 ) -> asyncio.Future[Received]:
     """Post a receive into ``dest`` (or a new buffer); its failure never goes unretrieved."""
-    # A receive posted after the group broke would never be failed: check first.
-    g.check_usable()
-    future = recv(g, src, seq, step, None if dest is None else byte_view(dest))
+    if dest is not None and not isinstance(dest, memoryview):
+        dest = byte_view(dest)
+    future = recv(g, src, seq, step, dest)  # checks first that the group is usable
     # A broken group fails every posted receive, including ones an aborted operation no
     # longer awaits; the operation reports the error, so mark it retrieved here.
     future.add_done_callback(_retrieve)
@@ -226,3 +251,27 @@ async def agreed(g: ProcessGroup, seq: int, mine: list[Any], body: Coroutine[Any
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on this thread: one memcpy when both are contiguous and alike."""
+    if (
+        dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+        if dst.numel():
+            byte_view(dst)[:] = byte_view(src)
+        return
+    dst.copy_(src)
+
+
+def divide_(t: torch.Tensor, divisor: int) -> None:
+    """``t.div_(divisor)`` in slices below torch's parallel grain (see ``SLICE_NUMEL``)."""
+    if t.numel() <= SLICE_NUMEL or not t.is_contiguous():
+        t.div_(divisor)
+        return
+    flat = t.view(-1)
+    for start in range(0, flat.numel(), SLICE_NUMEL):
+        flat[start : start + SLICE_NUMEL].div_(divisor)

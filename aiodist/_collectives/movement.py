@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aiodist._collectives import schedules
+from aiodist._collectives import schedules, shared
 from aiodist._collectives.common import (
     LazyModule,
     agreed,
@@ -23,6 +23,7 @@ from aiodist._collectives.common import (
     check_tensor,
     check_tensor_list,
     contiguous,
+    copy_into,
     recv_tensor,
     resolve_group,
     send,
@@ -39,8 +40,11 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
+    from aiodist._transport.shm import Turn
 
 __all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "scatter"]
+
+_READY_STEP = 1 << 18  # the all_gather ring's clear-to-send message
 
 
 # --- rooted operations ---------------------------------------------------------------------
@@ -49,7 +53,10 @@ __all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "scatte
 def broadcast(
     data: torch.Tensor, src: int = 0, group: ProcessGroup | None = None
 ) -> Work[torch.Tensor]:
-    """Copy ``data`` from rank ``src`` into ``data`` on every rank (binomial tree).
+    """Copy ``data`` from rank ``src`` into ``data`` on every rank.
+
+    A binomial tree of messages; from 1 MiB, in a group whose ranks share one
+    host, every rank copies straight from ``src``'s shared-memory segment.
 
     Args:
         data: A CPU tensor: the value on ``src``, overwritten elsewhere.
@@ -87,13 +94,30 @@ def broadcast(
         for child in links.children:
             await send(g, child, seq, 0, mine, byte_view(buf))
         if buf is not t:
-            t.copy_(buf)
+            copy_into(t, buf)
         return t
 
+    async def through_shared_memory(seq: int) -> torch.Tensor:
+        buf = contiguous(t)
+        await shared.shared_memory_broadcast(g, seq, buf, root, mine)
+        if buf is not t:
+            copy_into(t, buf)
+        return t
+
+    nbytes = t.numel() * t.element_size()
+    use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
+    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+
     async def run(seq: int) -> torch.Tensor:
+        if use_shm:
+            async with turns[0]:
+                return await agreed(g, seq, mine, through_shared_memory(seq))
         return await agreed(g, seq, mine, tree(seq))
 
-    return g.start(f"broadcast(src={root})", run)
+    work = g.start(f"broadcast(src={root})", run)
+    if use_shm:
+        turns.append(shared.take_turn(g))
+    return work
 
 
 def gather(
@@ -136,7 +160,7 @@ def gather(
             return []
         out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
         futures = {r: recv_tensor(g, r, seq, 0, out[r]) for r in range(g.world_size) if r != root}
-        out[root].copy_(t)
+        copy_into(out[root], t)
         for future in futures.values():
             check_signature(g, mine, await future)
         return out
@@ -205,12 +229,12 @@ def scatter(
             buf = contiguous(t)
             check_signature(g, mine, await recv_tensor(g, root, seq, 0, buf))
             if buf is not t:
-                t.copy_(buf)
+                copy_into(t, buf)
             return t
         for r, part in enumerate(parts):
             if r != root:
                 await send(g, r, seq, 0, mine, byte_view(contiguous(part)))
-        t.copy_(parts[root])
+        copy_into(t, parts[root])
         return t
 
     async def run(seq: int) -> torch.Tensor:
@@ -254,11 +278,19 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
         p, me = g.world_size, g.rank
         left, right = schedules.ring_neighbours(me, p)
         out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(p)]
-        out[me].copy_(t)
+        # Every receive lands in its own output tensor, so all are posted up front, and
+        # the left neighbour waits for our "ready" before it sends: no part arrives
+        # unexpected (a rank still in the previous operation would buffer and copy it).
+        futures = [recv_tensor(g, left, seq, s, out[(me - s - 1) % p]) for s in range(p - 1)]
+        if p > 1:
+            ready = recv_tensor(g, right, seq, _READY_STEP)
+            await send(g, left, seq, _READY_STEP, mine, None)
+        copy_into(out[me], t)
+        if p > 1:
+            check_signature(g, mine, await ready)
         for s in range(p - 1):
-            future = recv_tensor(g, left, seq, s, out[(me - s - 1) % p])
             await send(g, right, seq, s, mine, byte_view(out[(me - s) % p]))
-            check_signature(g, mine, await future)
+            check_signature(g, mine, await futures[s])
         return out
 
     return g.start("all_gather", run)
@@ -327,7 +359,10 @@ def all_to_all(
 
 
 def barrier(group: ProcessGroup | None = None) -> Work[None]:
-    """Wait until every rank of ``group`` reached this barrier (dissemination, data plane).
+    """Wait until every rank of ``group`` reached this barrier (on the data plane).
+
+    Groups of up to 8 ranks exchange one message with every rank (one round);
+    larger ones use dissemination (``log2 size`` rounds).
 
     Args:
         group: Defaults to the world group.
@@ -350,7 +385,15 @@ def barrier(group: ProcessGroup | None = None) -> Work[None]:
     mine = signature("barrier")
 
     async def run(seq: int) -> None:
-        for k, (to, frm) in enumerate(schedules.dissemination_partners(g.rank, g.world_size)):
+        p, me = g.world_size, g.rank
+        if p <= schedules.DIRECT_MAX_RANKS:  # one round: everyone tells everyone
+            futures = [recv_tensor(g, r, seq, 0) for r in range(p) if r != me]
+            for r in schedules.direct_peers(me, p):
+                await send(g, r, seq, 0, mine, None)
+            for future in futures:
+                check_signature(g, mine, await future)
+            return
+        for k, (to, frm) in enumerate(schedules.dissemination_partners(me, p)):
             future = recv_tensor(g, frm, seq, k)
             await send(g, to, seq, k, mine, None)
             check_signature(g, mine, await future)

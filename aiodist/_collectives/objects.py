@@ -15,15 +15,16 @@ instead of hanging until the timeout.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives import common
 from aiodist._collectives.common import check_signature, resolve_group, signature
+from aiodist._errors import CollectiveMismatchError
 from aiodist._wire import codec
 from aiodist._work import Work
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Awaitable, Callable, Iterable
 
     import torch
@@ -61,15 +62,6 @@ def _check_root(g: ProcessGroup | None, root: object, name: str) -> int:
     return root
 
 
-async def _recv_checked(
-    g: ProcessGroup, mine: list[Any], future: asyncio.Future[Received]
-) -> memoryview:
-    msg = await future
-    check_signature(g, mine, msg)
-    data: memoryview = msg.data
-    return data
-
-
 async def _exchange(
     g: ProcessGroup,
     seq: int,
@@ -79,11 +71,13 @@ async def _exchange(
     *,
     ring_check: bool = False,
 ) -> list[memoryview]:
-    """Post ``recvs`` (src, step), then send ``sends`` (dst, step, payload) concurrently.
+    """Post ``recvs`` (src, step), then send ``sends`` (dst, step, payload).
 
     Returns the received payloads in ``recvs`` order, each from a sender whose
-    signature equals ``mine``. The first error is raised at once (the group then
-    breaks, which fails the rest), so a mismatch never waits for the timeout.
+    signature equals ``mine``. Each message is checked the moment it arrives:
+    a disagreeing rank breaks the group at once (which fails the receives
+    still waiting), so a mismatch never waits for the timeout. No task is
+    made per message: on small objects those tasks cost more than the rest.
     """
     recvs = list(recvs)
     sends = list(sends)
@@ -94,12 +88,25 @@ async def _exchange(
     # The group may have broken between start() and now; a receive posted after
     # that would never be failed and could only time out.
     g.check_usable()
+
+    def check_on_arrival(future: asyncio.Future[Received]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # the group broke: the operation reports that error
+        try:
+            check_signature(g, mine, future.result())
+        except CollectiveMismatchError as exc:
+            g.break_(exc)
+
     futures = [common.recv(g, src, seq, step, None) for src, step in recvs]
-    results = await asyncio.gather(
-        *(_recv_checked(g, mine, f) for f in futures),
-        *(common.send(g, dst, seq, step, mine, payload) for dst, step, payload in sends),
-    )
-    received = [buf for buf in results[: len(recvs)] if buf is not None]
+    for future in futures:
+        future.add_done_callback(check_on_arrival)
+    for dst, step, payload in sends:
+        await common.send(g, dst, seq, step, mine, payload)
+    received = []
+    for future in futures:
+        msg = await future
+        check_signature(g, mine, msg)
+        received.append(msg.data)
     if ring_check and n > 1:
         received.pop()
     return received

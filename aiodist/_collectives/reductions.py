@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from aiodist._collectives import schedules
+from aiodist._collectives import schedules, shared
 from aiodist._collectives.common import (
+    SLICE_NUMEL,
     LazyModule,
     agreed,
     byte_view,
@@ -21,6 +22,8 @@ from aiodist._collectives.common import (
     check_tensor,
     check_tensor_list,
     contiguous,
+    copy_into,
+    divide_,
     recv_tensor,
     resolve_group,
     send,
@@ -36,12 +39,12 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
+    from aiodist._transport.shm import Turn
 
 __all__ = ["all_reduce", "reduce", "reduce_scatter"]
 
-#: Below this many bytes all_reduce uses recursive doubling (latency-bound), above it a ring.
-RING_THRESHOLD_BYTES = 64 * 1024
 _FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
+_READY_STEP = 1 << 18  # the ring's clear-to-send message
 _OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
 _ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
 
@@ -66,8 +69,7 @@ def _check_op_dtype(op: str, dtype: torch.dtype) -> None:
         raise TypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
 
 
-def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
-    """``out = first <op> second`` with torch kernels; ``out`` may alias either input."""
+def _combine_kernel(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
     if out.dtype == torch.bool and op in ("sum", "mean", "max"):
         torch.logical_or(first, second, out=out)
     elif out.dtype == torch.bool and op in ("product", "min"):
@@ -88,7 +90,53 @@ def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tens
         torch.bitwise_xor(first, second, out=out)
 
 
+def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
+    """``out = first <op> second`` with torch kernels; ``out`` may alias either input.
+
+    Large tensors go through in slices of ``SLICE_NUMEL`` elements, each below
+    torch's parallel grain, so that no rank wakes its intra-op thread pool.
+    """
+    n = out.numel()
+    if n <= SLICE_NUMEL:
+        _combine_kernel(op, out, first, second)
+        return
+    o, a, b = out.view(-1), first.reshape(-1), second.reshape(-1)
+    for start in range(0, n, SLICE_NUMEL):
+        stop = start + SLICE_NUMEL
+        _combine_kernel(op, o[start:stop], a[start:stop], b[start:stop])
+
+
 # --- all_reduce ----------------------------------------------------------------------------
+
+
+async def _direct_all_reduce(
+    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
+) -> None:
+    """Send ``buf`` to every rank, then reduce all parts in rank order (one round).
+
+    Every rank combines the same parts in the same order, so results are
+    bitwise identical everywhere. The parts land in one staging buffer viewed
+    as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
+    """
+    p, me = g.world_size, g.rank
+    flat = buf.view(-1)
+    nbytes = flat.numel() * flat.element_size()
+    staging = bytearray(p * nbytes)
+    slots = memoryview(staging)
+    futures = [
+        recv_tensor(g, r, seq, 0, slots[r * nbytes : (r + 1) * nbytes]) for r in range(p) if r != me
+    ]
+    mine_bytes = byte_view(flat)
+    for r in schedules.direct_peers(me, p):
+        await send(g, r, seq, 0, mine, mine_bytes)
+    slots[me * nbytes : (me + 1) * nbytes] = mine_bytes
+    for future in futures:
+        check_signature(g, mine, await future)
+    if nbytes:
+        parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
+        _combine(op, flat, parts[0], parts[1])
+        for r in range(2, p):
+            _combine(op, flat, flat, parts[r])
 
 
 async def _recursive_doubling(
@@ -106,7 +154,7 @@ async def _recursive_doubling(
         await send(g, plan.fold_partner, seq, fold, mine, byte_view(buf))
         msg = await future
         check_signature(g, mine, msg)
-        buf.copy_(scratch)
+        copy_into(buf, scratch)
         return
     if plan.fold_partner is not None:
         msg = await recv_tensor(g, plan.fold_partner, seq, fold, scratch)
@@ -128,22 +176,43 @@ async def _recursive_doubling(
 async def _ring_all_reduce(
     g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
 ) -> None:
+    """Ring reduce-scatter then ring all-gather, every receive posted up front.
+
+    Every receive is posted before the first send, and each rank tells its left
+    neighbour so (a header-only "ready") before that neighbour sends: no payload
+    ever arrives unexpected, which would cost a tensor-sized buffer and a copy
+    (a rank that finished the previous operation first would otherwise start
+    sending before this one posted). Reduce-scatter parts land in their own
+    slice of one scratch buffer of ``size - 1`` chunks (less than the tensor),
+    all-gather parts straight in their final place in ``buf``. An all-gather
+    part can only arrive after this rank sent its last use of that chunk round
+    the ring, so the early receive never overwrites live data.
+    """
     p, me = g.world_size, g.rank
     left, right = schedules.ring_neighbours(me, p)
     flat = buf.view(-1)
     bounds = schedules.chunk_bounds(flat.numel(), p)
     chunks = [flat[a:b] for a, b in bounds]
-    scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=buf.dtype)
-    for s, (out_c, in_c) in enumerate(schedules.ring_reduce_scatter_steps(me, p)):
-        part = scratch[: chunks[in_c].numel()]
-        future = recv_tensor(g, left, seq, s, part)
+    rs_steps = schedules.ring_reduce_scatter_steps(me, p)
+    ag_steps = schedules.ring_all_gather_steps(me, p)
+    width = bounds[0][1] - bounds[0][0]
+    scratch = torch.empty((p - 1) * width, dtype=buf.dtype)
+    parts = [
+        scratch[s * width : s * width + chunks[c].numel()] for s, (_, c) in enumerate(rs_steps)
+    ]
+    rs_recvs = [recv_tensor(g, left, seq, s, part) for s, part in enumerate(parts)]
+    ag_recvs = [recv_tensor(g, left, seq, p + s, chunks[c]) for s, (_, c) in enumerate(ag_steps)]
+    # Clear to send: the right neighbour has posted every receive of this operation.
+    ready = recv_tensor(g, right, seq, _READY_STEP)
+    await send(g, left, seq, _READY_STEP, mine, None)
+    check_signature(g, mine, await ready)
+    for s, (out_c, in_c) in enumerate(rs_steps):
         await send(g, right, seq, s, mine, byte_view(chunks[out_c]))
-        check_signature(g, mine, await future)
-        _combine(op, chunks[in_c], part, chunks[in_c])
-    for s, (out_c, in_c) in enumerate(schedules.ring_all_gather_steps(me, p)):
-        future = recv_tensor(g, left, seq, p + s, chunks[in_c])
+        check_signature(g, mine, await rs_recvs[s])
+        _combine(op, chunks[in_c], parts[s], chunks[in_c])
+    for s, (out_c, _) in enumerate(ag_steps):
         await send(g, right, seq, p + s, mine, byte_view(chunks[out_c]))
-        check_signature(g, mine, await future)
+        check_signature(g, mine, await ag_recvs[s])
 
 
 def all_reduce(
@@ -151,9 +220,12 @@ def all_reduce(
 ) -> Work[torch.Tensor]:
     """Reduce ``data`` across all ranks, in place: every rank ends with the same result.
 
-    Small tensors (under 64 KiB) use recursive doubling; larger ones a ring
-    reduce-scatter then ring all-gather. The result is bitwise identical on
-    every rank.
+    Small tensors (up to 16 KiB, in groups of up to 8) go straight to every
+    rank in one round; others under 64 KiB use recursive doubling; larger ones a
+    ring reduce-scatter then ring all-gather, or, from 1 MiB in a group whose
+    ranks share one host, a reduction in shared memory (``/dev/shm``; set
+    ``AIODIST_SHM=0`` on every rank to turn it off). The result is bitwise
+    identical on every rank.
 
     Args:
         data: A CPU tensor, overwritten with the result.
@@ -190,22 +262,34 @@ def all_reduce(
         return Work.completed(t)
     mine = signature("all_reduce", t, reduce_op=reduce_op)
 
+    p = g.world_size
+    algorithm = schedules.all_reduce_algorithm(
+        t.numel() * t.element_size(), t.numel(), p, shared_memory=p > 1 and shared.usable(g)
+    )
+    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+
     async def run(seq: int) -> torch.Tensor:
-        p = g.world_size
         buf = contiguous(t)
         if p > 1:
-            nbytes = buf.numel() * buf.element_size()
-            if nbytes < RING_THRESHOLD_BYTES or buf.numel() < p:
+            if algorithm == "shared_memory":
+                async with turns[0]:
+                    await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, _combine)
+            elif algorithm == "direct":
+                await _direct_all_reduce(g, seq, buf, reduce_op, mine)
+            elif algorithm == "recursive_doubling":
                 await _recursive_doubling(g, seq, buf, reduce_op, mine)
             else:
                 await _ring_all_reduce(g, seq, buf, reduce_op, mine)
         if reduce_op == "mean" and p > 1:
-            buf.div_(p)
+            divide_(buf, p)
         if buf is not t:
-            t.copy_(buf)
+            copy_into(t, buf)
         return t
 
-    return g.start(f"all_reduce(op={reduce_op})", run)
+    work = g.start(f"all_reduce(op={reduce_op})", run)
+    if algorithm == "shared_memory":
+        turns.append(shared.take_turn(g))
+    return work
 
 
 # --- rooted operations ---------------------------------------------------------------------
@@ -250,7 +334,10 @@ def reduce(
     async def tree(seq: int) -> torch.Tensor:
         links = schedules.binomial_tree(g.rank, g.world_size, root)
         src = contiguous(t)
-        acc = src if g.rank == root or not links.children else src.clone()
+        acc = src
+        if g.rank != root and links.children:
+            acc = torch.empty_like(src)
+            copy_into(acc, src)
         scratch = torch.empty_like(src) if links.children else src
         for child in reversed(links.children):  # smallest subtrees arrive first
             msg = await recv_tensor(g, child, seq, 0, scratch)
@@ -260,9 +347,9 @@ def reduce(
             await send(g, links.parent, seq, 0, mine, byte_view(acc))
             return t
         if reduce_op == "mean" and g.world_size > 1:
-            acc.div_(g.world_size)
+            divide_(acc, g.world_size)
         if acc is not t:
-            t.copy_(acc)
+            copy_into(t, acc)
         return t
 
     async def run(seq: int) -> torch.Tensor:
@@ -330,11 +417,11 @@ def reduce_scatter(
             if future is not None:
                 check_signature(g, mine, await future)
             if r == 0:
-                out.copy_(got[0])
+                copy_into(out, got[0])
             else:
                 _combine(reduce_op, out, out, got[r])
         if reduce_op == "mean":
-            out.div_(p)
+            divide_(out, p)
         return out
 
     return g.start(f"reduce_scatter(op={reduce_op})", run)

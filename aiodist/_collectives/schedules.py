@@ -20,23 +20,44 @@ Ranks are group ranks in ``[0, size)``.
 - **Dissemination**: at round ``k`` rank ``r`` sends to ``r + 2**k`` and
   receives from ``r - 2**k``; after ``ceil(log2 size)`` rounds everyone has
   (transitively) heard from everyone.
+- **Direct exchange**: every rank sends to every other rank at once, starting
+  with ``r + 1``; one round instead of ``log2 size``, at the price of
+  ``size - 1`` messages per rank, so it serves small groups and small data.
+- **Shared memory** (ranks of one host): every rank reduces chunk ``r`` of
+  all ranks' shared segments in place, then copies the other chunks out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final, Literal
 
 __all__ = [
+    "DIRECT_MAX_BYTES",
+    "DIRECT_MAX_RANKS",
+    "RING_MIN_BYTES",
+    "SHM_MIN_BYTES",
     "RecursiveDoubling",
     "TreeLinks",
+    "all_reduce_algorithm",
     "binomial_tree",
     "chunk_bounds",
+    "direct_peers",
     "dissemination_partners",
     "recursive_doubling",
     "ring_all_gather_steps",
     "ring_neighbours",
     "ring_reduce_scatter_steps",
 ]
+
+#: Largest group that uses the one-round direct exchange for latency-bound operations.
+DIRECT_MAX_RANKS: Final = 8
+#: Largest all_reduce (bytes per rank) that uses the direct exchange in such a group.
+DIRECT_MAX_BYTES: Final = 16 * 1024
+#: all_reduce of at least this many bytes uses the bandwidth-optimal ring.
+RING_MIN_BYTES: Final = 64 * 1024
+#: all_reduce of at least this many bytes goes through shared memory where it can.
+SHM_MIN_BYTES: Final = 1 << 20
 
 
 def _check(rank: int, size: int) -> None:
@@ -159,3 +180,33 @@ def dissemination_partners(rank: int, size: int) -> list[tuple[int, int]]:
         rounds.append(((rank + distance) % size, (rank - distance) % size))
         distance <<= 1
     return rounds
+
+
+def direct_peers(rank: int, size: int) -> list[int]:
+    """The other ranks in the order ``rank`` sends to them: ``r + 1, r + 2, ...``.
+
+    Starting at the next rank spreads the first messages over all receivers.
+    """
+    _check(rank, size)
+    return [(rank + k) % size for k in range(1, size)]
+
+
+def all_reduce_algorithm(
+    nbytes: int, numel: int, size: int, *, shared_memory: bool = False
+) -> Literal["direct", "recursive_doubling", "ring", "shared_memory"]:
+    """Pick all_reduce's algorithm from the tensor's size and the group's.
+
+    Small tensors in small groups: one round of direct exchange (latency).
+    Up to ``RING_MIN_BYTES``: recursive doubling, ``log2 size`` rounds. Larger:
+    the ring, which moves ``2 (size - 1) / size`` of the tensor per rank
+    (bandwidth), as long as every rank gets a non-empty chunk. From
+    ``SHM_MIN_BYTES`` on, a group whose ranks share one host (``shared_memory``)
+    reduces in shared memory instead, with no socket copies at all.
+    """
+    if shared_memory and nbytes >= SHM_MIN_BYTES:
+        return "shared_memory"
+    if size <= DIRECT_MAX_RANKS and nbytes <= DIRECT_MAX_BYTES:
+        return "direct"
+    if nbytes < RING_MIN_BYTES or numel < size:
+        return "recursive_doubling"
+    return "ring"

@@ -27,7 +27,9 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
+
+import msgpack
 
 from aiodist._server.jobs import Job, Member, Waiter, assign_ranks
 from aiodist._wire.messages import (
@@ -39,6 +41,7 @@ from aiodist._wire.messages import (
     Leave,
     MemberFailed,
     MembersRequest,
+    Packed,
     Reply,
     ServerClosing,
     StatusRequest,
@@ -285,6 +288,10 @@ class ServerState:
         job.complete = True
         self.stats.jobs_formed += 1
         local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
+        host_index = {host: i for i, host in enumerate(local_sizes)}
+        # Encoded once for the whole job: every member gets the same bytes.
+        ids = Packed(msgpack.packb([host_index[m.host] for m in job.by_rank]))
+        host_ids = cast("list[int]", ids)  # spliced into each Welcome as encoded
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
@@ -297,6 +304,7 @@ class ServerState:
                     job.world_size,
                     m.local_rank,
                     local_sizes[m.host],
+                    host_ids,
                 ),
             )
 

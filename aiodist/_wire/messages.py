@@ -259,6 +259,7 @@ class Welcome:
     world_size: int
     local_rank: int
     local_size: int
+    host_ids: list[int]  # per rank, in rank order: equal ids mean the same host
 
 
 @dataclass(frozen=True, slots=True)

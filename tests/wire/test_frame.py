@@ -578,6 +578,7 @@ MESSAGES: list[Any] = [
         world_size=2,
         local_rank=0,
         local_size=1,
+        host_ids=[0, 1],
     ),
     MembersRequest(req_id=8),
     ErrorReply(req_id=0, code=ErrorCode.PROTOCOL, message="bad", details={"rank": 2}),
@@ -666,7 +667,10 @@ def _set(index: int, value: Any) -> Any:
             id="StoreWait-items",
         ),
         pytest.param(
-            Welcome(1, 0, 1, 0, 1), _set(1, True), "Welcome.rank must be int, got bool", id="bool"
+            Welcome(1, 0, 1, 0, 1, [0]),
+            _set(1, True),
+            "Welcome.rank must be int, got bool",
+            id="bool",
         ),
         pytest.param(
             StoreWait(1, ["a"], 1.0), _set(2, False), "StoreWait.timeout must be float/int", id="f"

@@ -1,0 +1,140 @@
+"""all_reduce through shared memory, for groups whose ranks all run on one host.
+
+Each rank copies its tensor into its own shared segment, then reduces one
+chunk of every segment in place of a ring's ``2 (size - 1)`` socket hops:
+
+1. copy in, then tell every peer the segment's name (one small message each);
+2. reduce chunk ``rank`` over all segments, in rank order, into the tensor,
+   and write the result back to the own segment; tell every peer;
+3. copy every other chunk from its owner's segment; tell every peer, so that
+   nobody writes a segment (in a later operation) while it is still read.
+
+Each chunk is computed by one rank and copied by the others, so results are
+bitwise identical everywhere. Per rank that is one tensor-sized segment (kept
+for later operations) and three small messages to each peer, against a
+socket ring's twice-copied ``2 (size - 1) / size`` of the tensor per rank.
+Copies go through memoryviews and reductions through ``combine``'s sliced
+torch calls, so neither wakes torch's intra-op thread pool (every rank of the
+host has one, and they spin against each other).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._collectives import schedules
+from aiodist._collectives.common import check_signature, copy_into, recv_tensor, send
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from aiodist._group import ProcessGroup
+    from aiodist._transport.shm import Turn
+
+__all__ = ["shared_memory_all_reduce", "shared_memory_broadcast", "take_turn", "usable"]
+
+_STEP: Final = 1 << 17  # steps of the three notices, apart from other algorithms' steps
+
+
+def usable(g: ProcessGroup) -> bool:
+    """Every rank of ``g`` is on this host and shared memory is available here.
+
+    Every rank computes the same answer from the member table, except where
+    ``AIODIST_SHM=0`` is set on some ranks only: set it on all or none.
+    """
+    plane = g.session.plane
+    return plane.use_shm and plane.all_local(g.ranks)
+
+
+async def _notify_all(
+    g: ProcessGroup, seq: int, step: int, mine: list[Any], payload: bytes | None
+) -> None:
+    for r in schedules.direct_peers(g.rank, g.world_size):
+        await send(g, r, seq, step, mine, payload)
+
+
+def take_turn(g: ProcessGroup) -> Turn:
+    """Call when the operation is called (after ``g.start``); enter it when it runs.
+
+    Operations of one group in flight together take turns on its segments in
+    call order, which is the same order on every rank.
+    """
+    return g.session.plane.segments.take_turn(g.group_id)
+
+
+async def shared_memory_broadcast(
+    g: ProcessGroup, seq: int, buf: torch.Tensor, root: int, mine: list[Any]
+) -> None:
+    """Copy contiguous ``buf`` from ``root`` to every rank through ``root``'s segment.
+
+    The root copies in and tells every rank where; each copies out and says so,
+    and the root returns once nobody reads its segment any more.
+    """
+    segments = g.session.plane.segments
+    flat = buf.view(-1)
+    numel = flat.numel()
+    if g.rank == root:
+        seg = segments.own(g.group_id, numel * flat.element_size())
+        peers = schedules.direct_peers(root, g.world_size)
+        done = [recv_tensor(g, r, seq, _STEP + 1) for r in peers]
+        copy_into(seg.tensor(buf.dtype, numel), flat)
+        await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+        for future in done:
+            check_signature(g, mine, await future)
+        segments.unlink_own(g.group_id)  # every peer has mapped it by now
+        return
+    msg = await recv_tensor(g, root, seq, _STEP)
+    check_signature(g, mine, msg)
+    name, _, size = bytes(msg.data).decode().rpartition(":")
+    seg = segments.peer(g.group_id, g.ranks[root], name, int(size))
+    copy_into(flat, seg.tensor(buf.dtype, numel))
+    await send(g, root, seq, _STEP + 1, mine, None)
+
+
+async def shared_memory_all_reduce(
+    g: ProcessGroup,
+    seq: int,
+    buf: torch.Tensor,
+    op: str,
+    mine: list[Any],
+    combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring)."""
+    p, me = g.world_size, g.rank
+    segments = g.session.plane.segments
+    flat = buf.view(-1)
+    numel = flat.numel()
+    nbytes = numel * flat.element_size()
+    seg = segments.own(g.group_id, nbytes)
+    own = seg.tensor(buf.dtype, numel)
+    peers = schedules.direct_peers(me, p)
+    notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(3)]
+    copy_into(own, flat)
+    await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+    parts: list[torch.Tensor] = [own] * p
+    for r, future in notices[0].items():
+        msg = await future
+        check_signature(g, mine, msg)
+        name, _, size = bytes(msg.data).decode().rpartition(":")
+        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        parts[r] = peer.tensor(buf.dtype, numel)
+    bounds = schedules.chunk_bounds(numel, p)
+    a, b = bounds[me]
+    if b > a:
+        mine_out = flat[a:b]
+        combine(op, mine_out, parts[0][a:b], parts[1][a:b])
+        for r in range(2, p):
+            combine(op, mine_out, mine_out, parts[r][a:b])
+        copy_into(own[a:b], mine_out)
+    await _notify_all(g, seq, _STEP + 1, mine, None)
+    for future in notices[1].values():
+        check_signature(g, mine, await future)
+    segments.unlink_own(g.group_id)  # every peer has mapped it by now
+    for r in peers:
+        lo, hi = bounds[r]
+        copy_into(flat[lo:hi], parts[r][lo:hi])
+    await _notify_all(g, seq, _STEP + 2, mine, None)
+    for future in notices[2].values():
+        check_signature(g, mine, await future)

@@ -1,0 +1,168 @@
+"""Shared-memory segments for ranks on one host: ``/dev/shm`` files, mapped once, reused.
+
+Collectives between ranks of one host can read each other's data in place
+instead of copying it through a socket twice (in and out of the kernel). Each
+rank owns at most one segment per process group, grown when an operation
+needs more, and used by one operation at a time: each operation takes a
+``Turn`` when it is called, so turns go in call order, which is the same on
+every rank (an order in which tasks happen to run need not be). Peers map a
+segment by the name the owner sends them over the data plane, and keep the
+mapping for later operations. The owner unlinks the file as soon as every peer
+has mapped it (within the operation that made it), so only a crash during that
+operation can leave an ``aiodist-<pid>-*`` file in ``/dev/shm``; the memory is
+freed once the last mapping closes.
+
+Messages still go over the data channels: this module only holds memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Segment", "SharedSegments", "Turn", "available"]
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR: Final = "/dev/shm"
+#: Segments grow in steps of this many bytes, so slightly larger tensors reuse them.
+ROUND_BYTES: Final = 1 << 20
+
+
+def available() -> bool:
+    """Linux with a writable ``/dev/shm``, unless ``AIODIST_SHM=0``."""
+    return (
+        sys.platform.startswith("linux")
+        and os.environ.get("AIODIST_SHM", "1") != "0"
+        and os.path.isdir(SHM_DIR)
+        and os.access(SHM_DIR, os.W_OK)
+    )
+
+
+@dataclass(eq=False)
+class Segment:
+    """One mapped segment: ``name`` (the file under ``/dev/shm``) and ``nbytes``."""
+
+    name: str
+    nbytes: int
+    memory: mmap.mmap
+    linked: bool = False
+
+    def tensor(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A 1-d tensor of ``numel`` elements of ``dtype`` over the segment's first bytes."""
+        import torch
+
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        assert nbytes <= self.nbytes
+        return torch.frombuffer(self.memory, dtype=torch.uint8, count=nbytes).view(dtype)
+
+    def close(self) -> None:
+        if self.linked:
+            self.linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.name))
+        try:
+            self.memory.close()
+        except BufferError:  # a tensor still views it: the mapping goes with that tensor
+            logger.debug("shared segment %s still in use; left to the garbage collector", self.name)
+
+
+class Turn:
+    """An operation's turn on its group's segments: ``async with turn:`` waits for the last."""
+
+    __slots__ = ("_before", "_done")
+
+    def __init__(self, before: asyncio.Future[None] | None, done: asyncio.Future[None]) -> None:
+        self._before = before
+        self._done = done
+
+    async def __aenter__(self) -> None:
+        if self._before is not None and not self._before.done():
+            await asyncio.shield(self._before)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+
+class SharedSegments:
+    """This rank's own segments (one per group) and its mappings of its peers' segments."""
+
+    def __init__(self) -> None:
+        self._own: dict[int, Segment] = {}
+        self._peers: dict[tuple[int, int], Segment] = {}
+        self._turns: dict[int, asyncio.Future[None]] = {}
+
+    def take_turn(self, group_id: int) -> Turn:
+        """The next turn on ``group_id``'s segments; take it when the operation is called."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        before = self._turns.get(group_id)
+        self._turns[group_id] = done
+        return Turn(before, done)
+
+    def own(self, group_id: int, nbytes: int) -> Segment:
+        """This rank's segment for ``group_id``, of at least ``nbytes`` (new if too small)."""
+        seg = self._own.get(group_id)
+        if seg is not None and seg.nbytes >= nbytes:
+            return seg
+        if seg is not None:
+            seg.close()
+            del self._own[group_id]
+        size = max(ROUND_BYTES, -(-nbytes // ROUND_BYTES) * ROUND_BYTES)
+        name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            memory = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        seg = self._own[group_id] = Segment(name, size, memory, linked=True)
+        return seg
+
+    def unlink_own(self, group_id: int) -> None:
+        """Remove the file of ``group_id``'s own segment once every peer has mapped it."""
+        seg = self._own.get(group_id)
+        if seg is not None and seg.linked:
+            seg.linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, seg.name))
+
+    def peer(self, group_id: int, rank: int, name: str, nbytes: int) -> Segment:
+        """Rank ``rank``'s segment ``name`` for ``group_id``, mapped on first use and kept."""
+        key = (group_id, rank)
+        seg = self._peers.get(key)
+        if seg is not None and seg.name == name:
+            return seg
+        if seg is not None:
+            seg.close()
+            del self._peers[key]
+        if "/" in name or not name.startswith("aiodist-"):
+            raise ValueError(f"rank {rank} sent an invalid shared segment name {name!r}")
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            memory = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        seg = self._peers[key] = Segment(name, nbytes, memory)
+        return seg
+
+    def close(self) -> None:
+        """Unmap everything and remove own files that peers never mapped."""
+        for seg in [*self._peers.values(), *self._own.values()]:
+            seg.close()
+        self._peers.clear()
+        self._own.clear()
