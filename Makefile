@@ -33,13 +33,21 @@ test: install lint
 demo: install
 	$(VENV)/bin/aiodist run -n 4 examples/demo.py
 
+# Every benchmark, each side by side with torch.distributed (gloo / TCPStore) where
+# there is a counterpart; results land in benchmarks/results/.
 bench: install
 	$(PY) -m benchmarks.bench_rendezvous
 	$(PY) -m benchmarks.bench_collectives
+	$(PY) -m benchmarks.bench_bridge
+	$(PY) -m benchmarks.bench_metrics
+	$(PY) -m benchmarks.bench_load
 
 bench-quick: install
 	$(PY) -m benchmarks.bench_rendezvous --quick
 	$(PY) -m benchmarks.bench_collectives --quick
+	$(PY) -m benchmarks.bench_bridge --quick
+	$(PY) -m benchmarks.bench_metrics --steps 50 --repeats 1
+	$(PY) -m benchmarks.bench_load --connections 400 --jobs 20 --rounds 1
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
