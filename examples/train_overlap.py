@@ -14,57 +14,26 @@ Rank 0 prints the median step time per mode and the overlap efficiency: the
 share of the blocking mode's communication time that overlapping hides,
 ``(blocking - overlap) / (blocking - none)``. ``--json PATH`` writes them.
 
-The training loop is synchronous: aiodist's async core runs on a background
-event-loop thread (``LoopThread``).
-TODO: switch ``LoopThread`` to ``aiodist.sync`` once it lands; the loop stays the same.
+The training loop is plain synchronous code on ``aiodist.sync``: aiodist's async
+core runs on its background event-loop thread, and ``async_op=True`` returns the
+running handle at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
-import threading
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-import aiodist
+import aiodist.sync as dist
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Sequence
-    from concurrent.futures import Future
-
-T = TypeVar("T")
-
-
-class LoopThread:
-    """An event loop on a daemon thread that runs aiodist for synchronous code."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def start(self, fn: Callable[..., aiodist.Work[T]], *args: Any) -> Future[aiodist.Work[T]]:
-        """Call ``fn(*args)`` on the loop without waiting (calls keep their order)."""
-
-        async def call() -> aiodist.Work[T]:
-            return fn(*args)
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
+    from collections.abc import Sequence
 
 
 def make_model(width: int, depth: int, device: torch.device) -> nn.Module:
@@ -77,7 +46,6 @@ def make_model(width: int, depth: int, device: torch.device) -> nn.Module:
 
 
 def train(
-    lt: LoopThread,
     mode: str,
     steps: int,
     width: int,
@@ -88,13 +56,13 @@ def train(
     """Train for ``steps``; return the step times (seconds) and a checksum of the weights."""
     model = make_model(width, depth, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    rank = aiodist.get_rank()
+    rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
-    pending: list[Future[aiodist.Work[torch.Tensor]]] = []
+    pending: list[dist.Work[torch.Tensor]] = []
 
     def on_grad(p: torch.Tensor) -> None:  # runs in autograd as soon as p.grad is final
         assert p.grad is not None
-        pending.append(lt.start(aiodist.all_reduce, p.grad, "mean"))
+        pending.append(dist.all_reduce(p.grad, "mean", async_op=True))
 
     hooks = []
     if mode == "overlap":
@@ -113,13 +81,13 @@ def train(
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
         if mode == "overlap":
-            for f in pending:
-                f.result().wait()
+            for work in pending:
+                work.wait()
             pending.clear()
         elif mode == "blocking":
             for p in model.parameters():
                 assert p.grad is not None
-                lt.start(aiodist.all_reduce, p.grad, "mean").result().wait()
+                dist.all_reduce(p.grad, "mean")
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -144,19 +112,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
 
-    lt = LoopThread()
+    dist.init_process_group(args.backend)
     try:
-        lt.run(aiodist.init_process_group(args.backend))
-        rank, world = aiodist.get_dist_info()
+        rank, world = dist.get_dist_info()
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         torch.set_num_threads(1)  # several ranks share this machine's cores
         figures: dict[str, Any] = {"world_size": world, "backend": args.backend}
         for mode in args.modes:
             times, checksum = train(
-                lt, mode, args.warmup + args.steps, args.width, args.depth, args.batch, device
+                mode, args.warmup + args.steps, args.width, args.depth, args.batch, device
             )
-            sums = lt.run(_gathered(checksum))
+            sums = dist.all_gather_object(checksum)
             in_sync = len(set(sums)) == 1
             if mode != "none" and not in_sync:
                 raise SystemExit(f"mode {mode}: ranks disagree on the weights: {sums}")
@@ -172,14 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0 and args.json:
             with open(args.json, "w") as f:
                 json.dump(figures, f)
-        lt.run(aiodist.destroy_process_group())
     finally:
-        lt.close()
+        dist.destroy_process_group()
     return 0
-
-
-async def _gathered(value: float) -> list[float]:
-    return await aiodist.all_gather_object(value)
 
 
 if __name__ == "__main__":
