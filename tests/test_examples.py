@@ -1,0 +1,33 @@
+"""The examples run as users run them: ``aiodist run -n N examples/<name>.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("ranks", "items"), [(4, 200), (3, 50)])
+def test_async_pipeline_gathers_every_item(ranks: int, items: int) -> None:
+    script = ROOT / "examples" / "async_pipeline.py"
+    args = ["-n", str(ranks), str(script), "--items", str(items)]
+    result = subprocess.run(
+        [sys.executable, "-m", "aiodist", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    total = -(-items // ranks) * ranks  # rounded up to equal shares
+    assert f"[rank 0] pipeline: {total} items on {ranks} ranks" in result.stdout
+    # Every rank shared its progress every 10 records; the last report counts them all.
+    last = (total // ranks) // 10 * 10
+    assert f"progress: {last * ranks} records done across ranks ({[last] * ranks})" in (
+        result.stdout
+    )
