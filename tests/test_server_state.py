@@ -581,6 +581,33 @@ def test_store_wait_several_keys_released_only_when_last_is_set(srv: FakeServer)
     assert srv.quiet()
 
 
+def test_store_waits_on_the_same_keys_share_one_watch_and_time_out_alone(
+    srv: FakeServer,
+) -> None:
+    a, b, c = srv.form(3)
+    keys = ["k0", "k1", "k2"]
+    short = srv.call(a, StoreWait, keys, 2.0)
+    longer = [srv.call(conn, StoreWait, keys, 30.0) for conn in (b, c)]
+    job = srv.state.jobs["job"]
+    parked = [w for ws in job.key_waiters.values() for w in ws]
+    assert len(parked) == 1  # one watch, checked once per set, whoever waits on it
+    assert len(parked[0].followers) == 2
+    srv.call(c, StoreSet, "k1", b"1")
+    srv.only(c, Reply)
+    srv.advance(2.0)  # the first request gives up; the others still wait on the watch
+    srv.error(a, short, ErrorCode.TIMEOUT)
+    for key in ("k0", "k2"):
+        srv.call(c, StoreSet, key, b"1")
+    assert srv.reply(b, longer[0]) is None
+    replies = srv.take(c)
+    assert [m.req_id for m in replies if isinstance(m, Reply)][-1] == longer[1]
+    assert job.watches == {}
+    assert srv.take(a) == []
+    # A later wait on the same keys is answered at once, not parked.
+    again = srv.call(a, StoreWait, keys, 5.0)
+    assert srv.reply(a, again) is None
+
+
 def test_store_wait_present_keys_replies_at_once(srv: FakeServer) -> None:
     a, _ = srv.form(2)
     srv.call(a, StoreSet, "x", b"1")

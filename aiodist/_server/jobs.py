@@ -43,6 +43,10 @@ class Waiter:
     seq: int = 0
     done: bool = False
     pos: int = 0  # keys[:pos] are known to be set: each key is checked once in total
+    # Waits on the very same keys ride along with the first one (every rank of a job
+    # usually waits on the same N keys: checking them once, not N times, keeps a
+    # job's rendezvous O(N) on the server instead of O(N^2)).
+    followers: list[Waiter] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -63,6 +67,7 @@ class Job:
     failures: list[tuple[int, str, int, str]] = field(default_factory=list)
     kv: dict[str, bytes] = field(default_factory=dict)
     key_waiters: dict[str, list[Waiter]] = field(default_factory=dict)
+    watches: dict[tuple[str, ...], Waiter] = field(default_factory=dict)  # keys -> first wait
     barriers: dict[int, BarrierState] = field(default_factory=dict)
     failed_barriers: dict[int, tuple[Any, str, dict[str, Any]]] = field(default_factory=dict)
     _packed_table: Packed | None = None
@@ -98,6 +103,7 @@ class Job:
 
     def all_waiters(self) -> list[Waiter]:
         out = [w for ws in self.key_waiters.values() for w in ws]
+        out.extend(f for w in out[:] for f in w.followers)
         out.extend(w for b in self.barriers.values() for w in b.arrived.values())
         return out
 

@@ -460,14 +460,19 @@ class ServerState:
             if msg.timeout <= 0:
                 raise _BadRequest(ErrorCode.BAD_REQUEST, f"timeout must be > 0, got {msg.timeout}")
             kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
-            missing = [k for k in keys if k not in kv]
-            if not missing:
-                self._send(conn, Reply(msg.req_id, kv[keys[0]] if kind == "get" else None))
-                return
             waiter = Waiter(conn, msg.req_id, keys, kind, job)
+            watch_key = tuple(keys) if kind == "wait" else None
+            first = job.watches.get(watch_key) if watch_key is not None else None
+            if first is not None:  # the same keys are watched already: ride along
+                first.followers.append(waiter)
             # Park the waiter under its first missing key only; _wake moves it along.
             # (Under every key, a wait on N keys cost O(N^2) per set: O(N^3) in all.)
-            self._advance_waiter(job, waiter)
+            elif self._advance_waiter(job, waiter):
+                if watch_key is not None:
+                    job.watches[watch_key] = waiter
+            else:
+                self._send(conn, Reply(msg.req_id, kv[keys[0]] if kind == "get" else None))
+                return
             self._push_timer(now + msg.timeout, waiter)
 
     def _wake(self, job: Job, key: str) -> None:
@@ -476,11 +481,19 @@ class ServerState:
             return
         kv = job.kv
         for waiter in waiters:
-            if waiter.done or self._advance_waiter(job, waiter):
+            alive = [w for w in (waiter, *waiter.followers) if not w.done]
+            if not alive:  # every request on it gave up (timed out)
+                if waiter.kind == "wait":
+                    job.watches.pop(tuple(waiter.keys), None)
                 continue
-            waiter.done = True
+            if self._advance_waiter(job, waiter):
+                continue
+            if waiter.kind == "wait":
+                job.watches.pop(tuple(waiter.keys), None)
             value = kv[waiter.keys[0]] if waiter.kind == "get" else None
-            self._send(waiter.conn, Reply(waiter.req_id, value))
+            for w in alive:
+                w.done = True
+                self._send(w.conn, Reply(w.req_id, value))
 
     @staticmethod
     def _advance_waiter(job: Job, waiter: Waiter) -> bool:
