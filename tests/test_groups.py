@@ -176,3 +176,30 @@ async def test_subgroup_roots_and_peers_are_global_ranks_as_in_torch(
         None,
         (3.0, [], "from 1", 1),
     ]
+
+
+async def test_barrier_timeout_names_the_ranks_that_never_arrived(
+    server: RendezvousServer,
+) -> None:
+    late = anyio.Event()
+    gave_up: list[str] = []
+
+    async def body(world: ProcessGroup) -> str:
+        if world.rank == 2:  # never calls this barrier
+            await late.wait()
+            with pytest.raises(aiodist.DistTimeoutError) as info:
+                await aiodist.all_reduce(torch.ones(1), group=world)  # the group is broken
+            return str(info.value)
+        with pytest.raises(aiodist.DistTimeoutError) as info:
+            await aiodist.barrier(group=world, timeout=0.5)
+        gave_up.append(str(info.value))
+        if len(gave_up) == 2:
+            late.set()
+        return str(info.value)
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 3, body)
+    for rank, message in enumerate(outs):
+        assert "ranks [2] never arrived" in message, (rank, message)
+    with pytest.raises(ValueError, match="timeout must be"):
+        aiodist.barrier(timeout=0)

@@ -11,6 +11,7 @@ never message each other.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from aiodist._collectives import schedules, shared
@@ -29,6 +30,7 @@ from aiodist._collectives.common import (
     send,
     signature,
 )
+from aiodist._errors import DistTimeoutError
 from aiodist._peers import Received
 from aiodist._torch_bridge import bridged
 from aiodist._work import Work
@@ -358,34 +360,67 @@ def all_to_all(
     return g.start("all_to_all", run)
 
 
-def barrier(group: ProcessGroup | None = None) -> Work[None]:
+def _came(future: asyncio.Future[Received]) -> bool:
+    """True if the peer's message arrived (not still awaited, nor failed by a notice)."""
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def barrier(group: ProcessGroup | None = None, timeout: float | None = None) -> Work[None]:
     """Wait until every rank of ``group`` reached this barrier (on the data plane).
 
     Groups of up to 8 ranks exchange one message with every rank (one round);
-    larger ones use dissemination (``log2 size`` rounds).
+    larger ones use dissemination (``log2 size`` rounds). With ``timeout``, every
+    rank hears from every other one, so a rank that gives up can say which
+    ranks never arrived (as torch's ``monitored_barrier`` does).
 
     Args:
         group: Defaults to the world group.
+        timeout: Seconds to wait for the others; the group's timeout if None.
 
     Returns:
         Work resolving to None; already done when not initialised.
 
     Raises:
+        DistTimeoutError: ``timeout`` passed; the message names the ranks (global)
+            that never arrived, and the group is broken on every member.
         CollectiveMismatchError: Another rank called a different collective here.
 
     Cancellation:
         Cancelling the awaiting task does not cancel the barrier.
 
     Example:
-        >>> await aiodist.barrier()
+        >>> await aiodist.barrier(timeout=30)   # names the ranks that never came
     """
+    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     g = resolve_group(group)
     if g is None:
         return Work.completed(None)
     mine = signature("barrier")
 
+    async def monitored(seq: int, seconds: float) -> None:
+        me = g.rank
+        peers = [r for r in range(g.world_size) if r != me]
+        futures = [recv_tensor(g, r, seq, 0) for r in peers]
+        try:
+            async with asyncio.timeout(seconds):
+                for r in schedules.direct_peers(me, g.world_size):
+                    await send(g, r, seq, 0, mine, None)
+                for future in futures:
+                    check_signature(g, mine, await asyncio.shield(future))
+        except TimeoutError:
+            missing = [g.ranks[r] for r, f in zip(peers, futures, strict=True) if not _came(f)]
+            raise DistTimeoutError(
+                f"barrier on group {g.name!r} timed out after {seconds:g} s: ranks {missing} "
+                f"never arrived (rank {g.ranks[me]} waited); the group is broken. Check "
+                "that every rank calls barrier, and why those ranks are late."
+            ) from None
+
     async def run(seq: int) -> None:
         p, me = g.world_size, g.rank
+        if timeout is not None:
+            await monitored(seq, timeout)
+            return
         if p <= schedules.DIRECT_MAX_RANKS:  # one round: everyone tells everyone
             futures = [recv_tensor(g, r, seq, 0) for r in range(p) if r != me]
             for r in schedules.direct_peers(me, p):
