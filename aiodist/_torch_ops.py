@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from aiodist._collectives.common import check_rank
+from aiodist._collectives.common import check_alike, check_rank
 from aiodist._collectives.objects import all_gather_object
 from aiodist._collectives.reductions import _check_op_dtype, _combine, _reduce_op
 
@@ -141,10 +141,8 @@ def _reduce(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op:
 def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: object) -> Any:
     tensors = [_dense(x) for x in _tensors(inputs, "inputs", bridge, g.world_size)]
     reduce_op = _reduce_op(op)
+    check_alike(tensors, "inputs")
     first = tensors[0]
-    for i, x in enumerate(tensors):
-        if x.dtype != first.dtype or x.shape != first.shape:
-            raise ValueError(f"inputs[{i}] differs from inputs[0] in dtype or shape")
     _check_op_dtype(reduce_op, first.dtype)
     pg, p = bridge.torch_group, g.world_size
     description = f"reduce_scatter(op={reduce_op})"

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "agreed",
     "byte_view",
+    "check_alike",
     "check_rank",
     "check_signature",
     "check_tensor",
@@ -197,6 +198,14 @@ def check_tensor_list(tensors: object, name: str, length: int | None) -> list[to
     if length is not None and len(out) != length:
         raise ValueError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
     return out
+
+
+def check_alike(tensors: list[torch.Tensor], name: str) -> None:
+    """Raise ``ValueError`` unless every tensor has the dtype and shape of the first."""
+    first = tensors[0]
+    for i, x in enumerate(tensors):
+        if x.dtype != first.dtype or x.shape != first.shape:
+            raise ValueError(f"{name}[{i}] differs from {name}[0] in dtype or shape")
 
 
 def recv_tensor(

@@ -17,6 +17,7 @@ from aiodist._collectives.common import (
     LazyModule,
     agreed,
     byte_view,
+    check_alike,
     check_rank,
     check_signature,
     check_tensor,
@@ -391,10 +392,8 @@ def reduce_scatter(
     if not tensors:
         raise ValueError("inputs must hold one tensor per rank, got an empty list")
     reduce_op = _reduce_op(op)
+    check_alike(tensors, "inputs")
     first = tensors[0]
-    for i, x in enumerate(tensors):
-        if x.dtype != first.dtype or x.shape != first.shape:
-            raise ValueError(f"inputs[{i}] differs from inputs[0] in dtype or shape")
     _check_op_dtype(reduce_op, first.dtype)
     g = resolve_group(group)
     if g is None:
