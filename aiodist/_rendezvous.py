@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final, Literal
 import anyio
 
 from aiodist._control import ControlConnection, Notice, connect_control
-from aiodist._errors import RendezvousError
+from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 
 if TYPE_CHECKING:
@@ -192,6 +192,8 @@ async def _connect_file(
                                 retry_refused=False,
                             )
                             return conn, None
+                        except AuthenticationError:
+                            raise  # a live server refused our token: final, not stale
                         except (OSError, ValueError, RendezvousError):
                             pass  # a stale address from a job that ended: replace it
                     bind = env.get("AIODIST_HOST", "127.0.0.1")

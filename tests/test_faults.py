@@ -8,6 +8,7 @@ are inside a collective with it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ WORKER = textwrap.dedent(
             print(json.dumps(out), flush=True)
             os._exit(17)  # dies while the others are inside the next collective
         for name, start in (
-            ("all_reduce", lambda: aiodist.all_reduce(torch.ones(1 << 22))),  # ring, 16 MiB
+            ("all_reduce", lambda: aiodist.all_reduce(torch.ones(1 << 24))),  # 64 MiB
             ("all_gather_object", lambda: aiodist.all_gather_object({"rank": rank})),
         ):
             try:
@@ -57,9 +58,13 @@ WORKER = textwrap.dedent(
 )
 
 
-async def _run_rank(script: Path, url: str, rank: int, world: int, victim: int) -> dict[str, Any]:
+async def _run_rank(
+    script: Path, url: str, rank: int, world: int, victim: int, env: dict[str, str]
+) -> dict[str, Any]:
     result = await anyio.run_process(
-        [sys.executable, str(script), url, str(rank), str(world), str(victim)], check=False
+        [sys.executable, str(script), url, str(rank), str(world), str(victim)],
+        check=False,
+        env={**os.environ, **env},
     )
     lines = result.stdout.decode().strip().splitlines()
     assert lines, result.stderr.decode()
@@ -68,9 +73,10 @@ async def _run_rank(script: Path, url: str, rank: int, world: int, victim: int) 
     return out
 
 
+@pytest.mark.parametrize("path", ["shm", "ring"])  # same-host shared memory, or sockets
 @pytest.mark.parametrize(("world", "victim"), [(3, 1), (4, 0)])
 async def test_rank_dying_mid_collective_fails_survivors_with_its_rank(
-    server: RendezvousServer, tmp_path: Path, world: int, victim: int
+    server: RendezvousServer, tmp_path: Path, world: int, victim: int, path: str
 ) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -78,7 +84,8 @@ async def test_rank_dying_mid_collective_fails_survivors_with_its_rank(
     outs: dict[int, dict[str, Any]] = {}
 
     async def one(rank: int) -> None:
-        outs[rank] = await _run_rank(script, url, rank, world, victim)
+        env = {"AIODIST_SHM": "1" if path == "shm" else "0"}
+        outs[rank] = await _run_rank(script, url, rank, world, victim, env)
 
     # The operation's own timeout is the 30-minute default: only failure detection
     # (a dropped data-plane connection or missed heartbeats) can end this in time.

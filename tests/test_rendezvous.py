@@ -409,6 +409,26 @@ async def test_file_rendezvous_with_automatic_ranks(tmp_path: Path) -> None:
     assert sorted(out) == [0, 1]
 
 
+async def test_file_rendezvous_refused_token_is_reported_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rdzv"
+    url = f"file://{path}"
+    monkeypatch.setenv("AIODIST_TOKEN", "the-job-token")
+    with anyio.fail_after(20):
+        async with open_process_group(url, world_size=1, group_name="first") as g:
+            address = path.read_text()  # g's process embeds the server named there
+            monkeypatch.setenv("AIODIST_TOKEN", "another-token")
+            with pytest.raises(aiodist.AuthenticationError):
+                async with open_process_group(url, world_size=1, group_name="stranger"):
+                    pass
+            assert path.read_text() == address  # the refusal did not replace the server
+            monkeypatch.setenv("AIODIST_TOKEN", "the-job-token")
+            async with open_process_group(url, world_size=1, group_name="second") as h:
+                assert (g.rank, h.rank) == (0, 0)
+                assert path.read_text() == address
+
+
 async def _file_member(path: Path, out: list[int]) -> None:
     async with open_process_group(f"file://{path}", world_size=2, group_name="f2") as g:
         out.append(g.rank)
