@@ -203,3 +203,29 @@ async def test_barrier_timeout_names_the_ranks_that_never_arrived(
         assert "ranks [2] never arrived" in message, (rank, message)
     with pytest.raises(ValueError, match="timeout must be"):
         aiodist.barrier(timeout=0)
+
+
+async def test_subgroup_mismatch_breaks_only_that_group(server: RendezvousServer) -> None:
+    async def body(world: ProcessGroup) -> tuple[str | None, float]:
+        g = await aiodist.new_group([0, 1, 2], parent=world)
+        field = None
+        if g.rank >= 0:
+            t = torch.ones(2)
+            if world.rank == 0:
+                work = aiodist.all_reduce(t, group=g)
+            else:
+                work = aiodist.broadcast(t, src=1, group=g)
+            with pytest.raises(CollectiveMismatchError) as info:
+                await work
+            field = info.value.field
+            with pytest.raises(CollectiveMismatchError):  # the subgroup stays broken
+                await aiodist.barrier(group=g)
+        t = torch.ones(1)
+        await aiodist.all_reduce(t, group=world)  # the world group is untouched
+        return field, float(t[0])
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 4, body)
+    assert [o[1] for o in outs] == [4.0] * 4
+    assert outs[3][0] is None
+    assert {o[0] for o in outs[:3]} == {"op"}
