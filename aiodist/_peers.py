@@ -187,6 +187,11 @@ class _Link:
                 ConnectionResetError(f"data connection to {channel.peer} closed ({exc or 'EOF'})")
             )
             self.challenge.exception()  # retrieved: _handshake re-raises it
+        if self._posted is not None:
+            # A receive whose payload was arriving when the connection dropped: it left
+            # the matcher on arrival, so hand it to the plane to fail with the verdict.
+            self.plane._orphans.append(self._posted)
+            self._posted = self._buffer = None
         self.plane._channel_closed(self, channel, exc)
 
 
@@ -219,6 +224,7 @@ class DataPlane:
         self._table: PeerTable | None = None
         self._host_ids: Sequence[int] = ()
         self._early_hellos: list[tuple[_Link, DataChannel, Any]] = []
+        self._orphans: list[_Posted] = []  # receives cut off mid-payload (see _Link)
         self._out: dict[int, DataChannel] = {}
         self._connecting: dict[int, asyncio.Future[DataChannel]] = {}
         self._channels: set[DataChannel] = set()
@@ -416,8 +422,12 @@ class DataPlane:
         """Fail every posted receive (of ``group_id``, if given) with ``exc``."""
         if group_id is None:
             posted_list = self.matcher.take_all_posted()
+            posted_list += self._orphans
+            self._orphans = []
         else:
             posted_list = self.matcher.take_posted_where(lambda k: k[1] == group_id)
+            posted_list += [o for o in self._orphans if o.key[1] == group_id]
+            self._orphans = [o for o in self._orphans if o.key[1] != group_id]
         for posted in posted_list:
             if not posted.future.done():
                 posted.future.set_exception(exc)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, signal, sys
     import anyio, torch
     import aiodist
 
@@ -37,13 +37,23 @@ WORKER = textwrap.dedent(
         t = torch.ones(1 << 18)
         await aiodist.all_reduce(t)  # every rank completes one collective
         out = {"rank": rank, "pid": os.getpid(), "first": float(t[0])}
-        if str(rank) == victim:
-            print(json.dumps(out), flush=True)
-            os._exit(17)  # dies while the others are inside the next collective
-        for name, start in (
+        mode = os.environ.get("FAULT_MODE", "exit")
+        ops = [
             ("all_reduce", lambda: aiodist.all_reduce(torch.ones(1 << 24))),  # 64 MiB
             ("all_gather_object", lambda: aiodist.all_gather_object({"rank": rank})),
-        ):
+        ]
+        if mode == "gather":  # the victim dies in the middle of an object gather
+            ops.reverse()
+        if str(rank) == victim:
+            print(json.dumps(out), flush=True)
+            if mode == "gather":
+                aiodist.all_gather_object(b"x" * (8 << 20))  # starts sending 8 MiB...
+                await anyio.sleep(0)  # ...one loop turn in, then dies
+                os._exit(17)
+            if mode == "stop":  # a frozen host: connections stay open, heartbeats stop
+                os.kill(os.getpid(), signal.SIGSTOP)
+            os._exit(17)  # dies while the others are inside the next collective
+        for name, start in ops:
             try:
                 await start()
                 out[name] = "completed"
@@ -61,11 +71,8 @@ WORKER = textwrap.dedent(
 async def _run_rank(
     script: Path, url: str, rank: int, world: int, victim: int, env: dict[str, str]
 ) -> dict[str, Any]:
-    result = await anyio.run_process(
-        [sys.executable, str(script), url, str(rank), str(world), str(victim)],
-        check=False,
-        env={**os.environ, **env},
-    )
+    args = [sys.executable, str(script), url, str(rank), str(world), str(victim)]
+    result = await anyio.run_process(args, check=False, env={**os.environ, **env})
     lines = result.stdout.decode().strip().splitlines()
     assert lines, result.stderr.decode()
     out: dict[str, Any] = json.loads(lines[-1])
@@ -156,3 +163,40 @@ async def test_rank_dying_during_rendezvous_leaves_a_clear_timeout(
     assert out["error"] == "RendezvousTimeout"
     assert "1 of 3 members joined (rank 0)" in out["message"]
     assert server.state.jobs == {}  # the forming job's state was dropped
+
+
+@pytest.mark.parametrize("mode", ["gather", "stop"])
+async def test_rank_dying_mid_gather_or_freezing_fails_survivors(
+    server: RendezvousServer, tmp_path: Path, mode: str
+) -> None:
+    # "gather": the victim dies a loop turn into sending its part of an object gather.
+    # "stop": SIGSTOP, as a host that drops off the network: only heartbeats tell.
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    env = {**os.environ, "FAULT_MODE": mode}
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def survivor(rank: int) -> None:
+        outs[rank] = await _run_rank(script, url, rank, 3, 2, {"FAULT_MODE": mode})
+
+    args = [sys.executable, str(script), url, "2", "3", "2"]
+    with anyio.fail_after(90):
+        async with await anyio.open_process(args, env=env) as victim:
+            try:
+                async with anyio.create_task_group() as tg:
+                    for rank in (0, 1):
+                        tg.start_soon(survivor, rank)
+            finally:
+                if victim.returncode is None:
+                    victim.kill()  # a frozen victim never exits by itself
+                await victim.wait()
+    for rank in (0, 1):
+        gather, after = outs[rank]["all_gather_object"], outs[rank]["all_reduce"]
+        if mode == "gather" and gather == "completed":
+            pass  # the victim's whole part reached this rank before it died: a valid gather
+        else:
+            assert tuple(gather[:2]) == ("RankFailedError", 2), outs[rank]
+        assert tuple(after[:2]) == ("RankFailedError", 2), outs[rank]
+        if mode == "stop":
+            assert "heartbeat" in gather[4], outs[rank]
