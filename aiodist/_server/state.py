@@ -481,19 +481,20 @@ class ServerState:
             return
         kv = job.kv
         for waiter in waiters:
-            alive = [w for w in (waiter, *waiter.followers) if not w.done]
-            if not alive:  # every request on it gave up (timed out)
-                if waiter.kind == "wait":
-                    job.watches.pop(tuple(waiter.keys), None)
-                continue
-            if self._advance_waiter(job, waiter):
+            # all() stops at the first live follower: a watch with N followers is not
+            # scanned on each of its N wakes, only once when it completes.
+            gave_up = waiter.done and all(f.done for f in waiter.followers)
+            if not gave_up and self._advance_waiter(job, waiter):
                 continue
             if waiter.kind == "wait":
                 job.watches.pop(tuple(waiter.keys), None)
+            if gave_up:  # every request on it timed out
+                continue
             value = kv[waiter.keys[0]] if waiter.kind == "get" else None
-            for w in alive:
-                w.done = True
-                self._send(w.conn, Reply(w.req_id, value))
+            for w in (waiter, *waiter.followers):
+                if not w.done:
+                    w.done = True
+                    self._send(w.conn, Reply(w.req_id, value))
 
     @staticmethod
     def _advance_waiter(job: Job, waiter: Waiter) -> bool:
