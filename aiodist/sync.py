@@ -512,7 +512,7 @@ def broadcast(
 
     Args:
         data: A CPU tensor: the value on ``src``, overwritten elsewhere.
-        src: The rank whose tensor is sent.
+        src: Global rank whose tensor is sent (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -520,7 +520,7 @@ def broadcast(
 
     Raises:
         TypeError: ``data`` is not a tensor.
-        ValueError: ``src`` out of range.
+        ValueError: ``src`` is not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.
 
     Cancellation:
@@ -694,7 +694,7 @@ def gather(
 
     Args:
         data: A CPU tensor; every rank passes the same dtype and shape.
-        dst: The rank that receives the tensors.
+        dst: Global rank that receives the tensors (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -703,7 +703,7 @@ def gather(
 
     Raises:
         TypeError: ``data`` is not a tensor.
-        ValueError: ``dst`` out of range.
+        ValueError: ``dst`` is not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``dst``.
 
     Cancellation:
@@ -1113,7 +1113,7 @@ def reduce(
 
     Args:
         data: A CPU tensor; overwritten with the result on ``dst`` only.
-        dst: The rank that receives the result.
+        dst: Global rank that receives the result (torch's convention).
         op: As for ``all_reduce``.
         group: Defaults to the world group.
 
@@ -1122,7 +1122,7 @@ def reduce(
 
     Raises:
         TypeError: ``data`` is not a tensor, or ``op`` does not suit its dtype.
-        ValueError: Unknown ``op`` or ``dst`` out of range.
+        ValueError: Unknown ``op``, or ``dst`` not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape, op or ``dst``.
 
     Cancellation:
@@ -1226,7 +1226,7 @@ def scatter(
         data: A CPU tensor that receives this rank's part.
         scatter_list: On ``src``, one tensor per rank, each shaped like ``data``;
             ignored elsewhere.
-        src: The rank that scatters.
+        src: Global rank that scatters (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -1235,7 +1235,7 @@ def scatter(
 
     Raises:
         TypeError: ``data`` or an entry of ``scatter_list`` is not a tensor.
-        ValueError: ``src`` out of range, ``scatter_list`` missing on ``src``,
+        ValueError: ``src`` not a member of ``group``, ``scatter_list`` missing on ``src``,
             or of the wrong length, dtype or shape.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.
 

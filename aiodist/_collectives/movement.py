@@ -62,7 +62,7 @@ def broadcast(
 
     Args:
         data: A CPU tensor: the value on ``src``, overwritten elsewhere.
-        src: The rank whose tensor is sent.
+        src: Global rank whose tensor is sent (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -70,7 +70,7 @@ def broadcast(
 
     Raises:
         TypeError: ``data`` is not a tensor.
-        ValueError: ``src`` out of range.
+        ValueError: ``src`` is not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.
 
     Cancellation:
@@ -129,7 +129,7 @@ def gather(
 
     Args:
         data: A CPU tensor; every rank passes the same dtype and shape.
-        dst: The rank that receives the tensors.
+        dst: Global rank that receives the tensors (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -138,7 +138,7 @@ def gather(
 
     Raises:
         TypeError: ``data`` is not a tensor.
-        ValueError: ``dst`` out of range.
+        ValueError: ``dst`` is not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``dst``.
 
     Cancellation:
@@ -185,7 +185,7 @@ def scatter(
         data: A CPU tensor that receives this rank's part.
         scatter_list: On ``src``, one tensor per rank, each shaped like ``data``;
             ignored elsewhere.
-        src: The rank that scatters.
+        src: Global rank that scatters (torch's convention).
         group: Defaults to the world group.
 
     Returns:
@@ -194,7 +194,7 @@ def scatter(
 
     Raises:
         TypeError: ``data`` or an entry of ``scatter_list`` is not a tensor.
-        ValueError: ``src`` out of range, ``scatter_list`` missing on ``src``,
+        ValueError: ``src`` not a member of ``group``, ``scatter_list`` missing on ``src``,
             or of the wrong length, dtype or shape.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.
 
@@ -398,17 +398,22 @@ def barrier(group: ProcessGroup | None = None, timeout: float | None = None) -> 
         return Work.completed(None)
     mine = signature("barrier")
 
-    async def monitored(seq: int, seconds: float) -> None:
+    async def direct(seq: int, seconds: float | None) -> None:
+        # One round: everyone tells everyone, so a rank that gives up knows who is late.
         me = g.rank
         peers = [r for r in range(g.world_size) if r != me]
         futures = [recv_tensor(g, r, seq, 0) for r in peers]
+        deadline = asyncio.timeout(seconds)
         try:
-            async with asyncio.timeout(seconds):
+            async with deadline:
                 for r in schedules.direct_peers(me, g.world_size):
                     await send(g, r, seq, 0, mine, None)
                 for future in futures:
                     check_signature(g, mine, await asyncio.shield(future))
         except TimeoutError:
+            if not deadline.expired():  # not ours: e.g. a peer's timeout, as a notice
+                raise
+            assert seconds is not None  # only a deadline expires
             missing = [g.ranks[r] for r, f in zip(peers, futures, strict=True) if not _came(f)]
             raise DistTimeoutError(
                 f"barrier on group {g.name!r} timed out after {seconds:g} s: ranks {missing} "
@@ -418,15 +423,8 @@ def barrier(group: ProcessGroup | None = None, timeout: float | None = None) -> 
 
     async def run(seq: int) -> None:
         p, me = g.world_size, g.rank
-        if timeout is not None:
-            await monitored(seq, timeout)
-            return
-        if p <= schedules.DIRECT_MAX_RANKS:  # one round: everyone tells everyone
-            futures = [recv_tensor(g, r, seq, 0) for r in range(p) if r != me]
-            for r in schedules.direct_peers(me, p):
-                await send(g, r, seq, 0, mine, None)
-            for future in futures:
-                check_signature(g, mine, await future)
+        if timeout is not None or p <= schedules.DIRECT_MAX_RANKS:
+            await direct(seq, timeout)
             return
         for k, (to, frm) in enumerate(schedules.dissemination_partners(me, p)):
             future = recv_tensor(g, frm, seq, k)

@@ -303,7 +303,7 @@ def reduce(
 
     Args:
         data: A CPU tensor; overwritten with the result on ``dst`` only.
-        dst: The rank that receives the result.
+        dst: Global rank that receives the result (torch's convention).
         op: As for ``all_reduce``.
         group: Defaults to the world group.
 
@@ -312,7 +312,7 @@ def reduce(
 
     Raises:
         TypeError: ``data`` is not a tensor, or ``op`` does not suit its dtype.
-        ValueError: Unknown ``op`` or ``dst`` out of range.
+        ValueError: Unknown ``op``, or ``dst`` not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape, op or ``dst``.
 
     Cancellation:
