@@ -172,15 +172,22 @@ def _fail(command: str, message: str, code: int = 1) -> int:
     return code
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from aiodist._daemon import read_token_file, run_daemon
+def _token(args: argparse.Namespace) -> str | None:
+    """The token in ``--token-file``, if given. Raises ``ValueError`` for a bad file."""
+    if not args.token_file:
+        return None
+    from aiodist._daemon import read_token_file
 
-    token = None
-    if args.token_file:
-        try:
-            token = read_token_file(args.token_file)
-        except ValueError as exc:
-            return _fail("serve", str(exc), 2)
+    return read_token_file(args.token_file)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiodist._daemon import run_daemon
+
+    try:
+        token = _token(args)
+    except ValueError as exc:
+        return _fail("serve", str(exc), 2)
 
     def on_ready(server: RendezvousServer, metrics: tuple[str, int] | None) -> None:
         host, port = server.address
@@ -215,14 +222,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    token = None
-    if args.token_file:
-        from aiodist._daemon import read_token_file
-
-        try:
-            token = read_token_file(args.token_file)
-        except ValueError as exc:
-            return _fail("status", str(exc), 2)
+    try:
+        token = _token(args)
+    except ValueError as exc:
+        return _fail("status", str(exc), 2)
     return int(_run_async(_status_async(args, token)))
 
 
