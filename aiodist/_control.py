@@ -263,7 +263,10 @@ class ControlConnection(asyncio.Protocol):
             exc = from_wire(msg.code, msg.message, msg.details)
             if msg.req_id in self._pending:
                 self._resolve(msg.req_id, exc)
-            elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.RANK_FAILED, ErrorCode.AUTHENTICATION):
+            elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.AUTHENTICATION):
+                self._fail(exc)
+                self.close()  # the server stopped reading us: hang up so it can close too
+            elif msg.code == ErrorCode.RANK_FAILED:
                 self._fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)

@@ -444,3 +444,23 @@ async def test_server_gone_mid_job_data_plane_works_control_fails_restart_serves
         assert kind == "GroupBrokenError", (rank, out)
         assert f"rendezvous server at 127.0.0.1:{port}" in message
     assert all(p.returncode is not None for p in procs)
+
+
+async def test_a_refused_client_still_reads_why_while_its_requests_keep_coming(
+    token_server: RendezvousServer,
+) -> None:
+    # A client pipelines requests behind its proof. Closing on unread input would
+    # reset the connection, and a reset may discard the refusal before it is read.
+    with anyio.fail_after(10):
+        peer = await RawPeer.connect(f"tcp://{token_server.address[0]}:{token_server.address[1]}")
+        challenge = await peer.next_frame()
+        assert challenge is not None
+        mine = new_nonce()
+        await peer.send(_message(Hello(mine, client_proof("wrong", challenge.header[0], mine))))
+        await token_server.wait_until(lambda s: s.auth_failures == 1)
+        for req_id in range(1, 50):
+            await peer.send(_message(StatusRequest(req_id)))
+        frames = await peer.frames_until_closed()
+    peer.close()
+    assert [f.kind for f in frames] == [MessageKind.ERROR]
+    assert "does not match" in ErrorReply(*frames[0].header).message

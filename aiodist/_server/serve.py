@@ -66,6 +66,8 @@ LISTEN_BACKLOG: Final = 4096
 DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
 # A connection that has not proved the token by then is closed: it holds no slot forever.
 AUTH_TIMEOUT: Final = 10.0
+# How long a refused connection is drained after its error went out (see ``_close_after``).
+LINGER_TIMEOUT: Final = 5.0
 
 
 def _version() -> str:
@@ -85,6 +87,7 @@ class _ServerConnection(asyncio.Protocol):
         self.authenticated = server.token is None
         self._nonce = b""
         self._auth_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -102,7 +105,7 @@ class _ServerConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._server.bytes_received += len(data)
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing() or self._linger_timer:
             return  # refused or cut off: nothing more it sends is read
         dec = self._decoder
         try:
@@ -119,9 +122,7 @@ class _ServerConnection(asyncio.Protocol):
                 self._server._receive(self._id, msg)
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", self.peer, exc)
-            self.write(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
-            assert self.transport is not None
-            self.transport.close()
+            self._close_after(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
         self._server._flush()
 
     def _authenticate(self, msg: Any) -> bool:
@@ -165,9 +166,25 @@ class _ServerConnection(asyncio.Protocol):
         self._cancel_auth_timer()
         self._server.auth_failures += 1
         logger.warning("refused a connection from %s: %s", self.peer, why)
-        self.write(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
-        assert self.transport is not None
-        self.transport.close()
+        self._close_after(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
+
+    def _close_after(self, error: ErrorReply) -> None:
+        """Send `error` last, then close without letting the peer lose it.
+
+        Closing a socket with unread input makes the kernel answer with a reset,
+        and a reset can discard the error still on its way to the client (whose
+        next request was already in flight). So the write side is shut first and
+        whatever still arrives is read and dropped, until the client closes or
+        ``LINGER_TIMEOUT`` passes.
+        """
+        transport = self.transport
+        assert transport is not None
+        self.write(error)
+        if self._linger_timer is not None or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._linger_timer = self._server._loop.call_later(LINGER_TIMEOUT, transport.close)
 
     def _auth_expired(self) -> None:
         self._auth_timer = None
@@ -182,6 +199,8 @@ class _ServerConnection(asyncio.Protocol):
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         if self._auth_timer is not None:
             # It left before proving the token (a client without one gives up at the challenge).
             self._cancel_auth_timer()
@@ -193,8 +212,8 @@ class _ServerConnection(asyncio.Protocol):
 
     def write(self, msg: Any) -> None:
         transport = self.transport
-        if transport is None or transport.is_closing():
-            return
+        if transport is None or transport.is_closing() or self._linger_timer is not None:
+            return  # gone, or refused: its error was the last thing it is sent
         parts = encode_message(msg)
         self._server.bytes_sent += sum(len(p) for p in parts)
         transport.writelines(parts)
