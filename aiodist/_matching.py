@@ -90,14 +90,6 @@ class Matcher(Generic[R, M]):
         """Keep a message nobody has asked for yet."""
         self._unexpected.setdefault(key, deque()).append((src, msg))
 
-    def take_all_posted(self) -> list[R]:
-        """Remove and return every posted receive (to fail them together)."""
-        entries = [e for q in self._posted.values() for e in q]
-        entries += [e for q in self._posted_any.values() for e in q]
-        self._posted.clear()
-        self._posted_any.clear()
-        return [recv for _, recv in sorted(entries, key=lambda e: e[0])]
-
     def take_posted_where(self, keep: Callable[[Key], bool]) -> list[R]:
         """Remove and return the posted receives whose key satisfies ``keep``."""
         out: list[tuple[int, R]] = []

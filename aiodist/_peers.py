@@ -95,6 +95,8 @@ class _Link:
             self._key, self._meta = key, header[4]
             posted = self.plane.matcher.arrive(self.src, key)
             self._posted = posted
+            if posted is not None:
+                self.plane._arriving.add(self)  # off the matcher: fail() must still find it
             nbytes = frame.payload_nbytes
             if posted is not None and posted.dest is not None and posted.dest.nbytes == nbytes:
                 self._buffer = posted.dest
@@ -173,6 +175,7 @@ class _Link:
         assert self._buffer is not None
         msg = Received(self.src, self._meta, self._buffer)
         posted, self._posted, self._buffer = self._posted, None, None
+        self.plane._arriving.discard(self)
         if posted is None:
             # A receive may have been posted while this payload was in flight.
             posted = self.plane.matcher.arrive(self.src, self._key)
@@ -187,11 +190,12 @@ class _Link:
                 ConnectionResetError(f"data connection to {channel.peer} closed ({exc or 'EOF'})")
             )
             self.challenge.exception()  # retrieved: _handshake re-raises it
-        if self._posted is not None:
+        self.plane._arriving.discard(self)
+        if self._posted is not None and not self._posted.future.done():
             # A receive whose payload was arriving when the connection dropped: it left
             # the matcher on arrival, so hand it to the plane to fail with the verdict.
             self.plane._orphans.append(self._posted)
-            self._posted = self._buffer = None
+        self._posted = self._buffer = None
         self.plane._channel_closed(self, channel, exc)
 
 
@@ -225,6 +229,7 @@ class DataPlane:
         self._host_ids: Sequence[int] = ()
         self._early_hellos: list[tuple[_Link, DataChannel, Any]] = []
         self._orphans: list[_Posted] = []  # receives cut off mid-payload (see _Link)
+        self._arriving: set[_Link] = set()  # links receiving a payload for a posted receive
         self._out: dict[int, DataChannel] = {}
         self._connecting: dict[int, asyncio.Future[DataChannel]] = {}
         self._channels: set[DataChannel] = set()
@@ -411,23 +416,29 @@ class DataPlane:
         return future
 
     def _complete(self, posted: _Posted, msg: Received) -> None:
+        if posted.future.done():
+            return  # failed while its payload was arriving: the operation reported that
         dest = posted.dest
         if dest is not None and msg.data is not dest and dest.nbytes == msg.data.nbytes:
             dest[:] = msg.data  # it was buffered before the receive was posted
             msg = Received(msg.src, msg.meta, dest)
-        if not posted.future.done():
-            posted.future.set_result(msg)
+        posted.future.set_result(msg)
 
     def fail(self, exc: BaseException, group_id: int | None = None) -> None:
-        """Fail every posted receive (of ``group_id``, if given) with ``exc``."""
-        if group_id is None:
-            posted_list = self.matcher.take_all_posted()
-            posted_list += self._orphans
-            self._orphans = []
-        else:
-            posted_list = self.matcher.take_posted_where(lambda k: k[1] == group_id)
-            posted_list += [o for o in self._orphans if o.key[1] == group_id]
-            self._orphans = [o for o in self._orphans if o.key[1] != group_id]
+        """Fail every posted receive (of ``group_id``, if given) with ``exc``.
+
+        That includes receives whose payload is arriving: they left the matcher, and
+        the connection carrying the rest may outlive the failure (a dead rank's last
+        bytes still being read) or never deliver it.
+        """
+
+        def hit(key: tuple[int, ...]) -> bool:
+            return group_id is None or key[1] == group_id
+
+        posted_list = self.matcher.take_posted_where(hit)
+        arriving = [link._posted for link in self._arriving if link._posted is not None]
+        posted_list += [p for p in self._orphans + arriving if hit(p.key)]
+        self._orphans = [o for o in self._orphans if not hit(o.key)]
         for posted in posted_list:
             if not posted.future.done():
                 posted.future.set_exception(exc)

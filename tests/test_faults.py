@@ -165,21 +165,7 @@ async def test_rank_dying_during_rendezvous_leaves_a_clear_timeout(
     assert server.state.jobs == {}  # the forming job's state was dropped
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(
-            "gather",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="open bug: under CPU load (about 1 run in 12) a survivor never exits "
-                "after a peer dies mid object gather; its event loop does not answer "
-                "SIGUSR1, so it looks blocked, not waiting. Tracked in issue 8's note.",
-            ),
-        ),
-        "stop",
-    ],
-)
+@pytest.mark.parametrize("mode", ["gather", "stop"])
 async def test_rank_dying_mid_gather_or_freezing_fails_survivors(
     server: RendezvousServer, tmp_path: Path, mode: str
 ) -> None:

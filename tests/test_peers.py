@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import anyio
 import pytest
 
+from aiodist import RankFailedError
 from aiodist._peers import COLLECTIVE, DataPlane
+from aiodist._wire.frame import encode_frame
+from aiodist._wire.messages import MessageKind
+
+if TYPE_CHECKING:
+    from aiodist._peers import Key
 
 
 def _plane(lost: list[tuple[int, str]]) -> DataPlane:
@@ -44,3 +52,53 @@ async def test_hello_before_the_member_table_is_accepted(use_uds: bool) -> None:
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_a_failure_reaches_a_receive_whose_payload_is_still_arriving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank dies halfway through sending: the server's notice of it can come before
+    # the data connection reports the loss. The receive has left the matcher by then,
+    # and must still fail rather than wait for bytes that never come.
+    dropped = anyio.Event()
+
+    async def on_peer_lost(rank: int, why: str) -> None:
+        dropped.set()
+
+    plane = DataPlane("job", on_peer_lost=on_peer_lost)
+    plane.use_uds = False
+    (address,) = await plane.listen("127.0.0.1")
+    header_in = anyio.Event()
+    arrive = plane.matcher.arrive
+
+    def arrive_and_tell(src: int, key: Key) -> object:
+        found = arrive(src, key)
+        header_in.set()
+        return found
+
+    monkeypatch.setattr(plane.matcher, "arrive", arrive_and_tell)
+
+    async def table() -> dict[int, tuple[str, ...]]:
+        return {}
+
+    plane.set_members(1, 2, table, [0, 0])
+    key = (COLLECTIVE, 0, 1, 0)
+    dest = memoryview(bytearray(1 << 20))
+    future = plane.recv(0, key, dest)
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(host, int(port)) as dead_rank:
+                hello = encode_frame(MessageKind.PEER_HELLO, ["job", 0, 1234], None)
+                data = encode_frame(MessageKind.DATA, [*key, None], dest)
+                wire = b"".join(bytes(p) for p in hello + data)
+                await dead_rank.send(wire[: len(wire) - dest.nbytes // 2])  # half the payload
+                await header_in.wait()
+                plane.fail(RankFailedError("rank 0 failed", rank=0))
+                with pytest.raises(RankFailedError):
+                    await future
+            await dropped.wait()  # the connection then drops: nothing is left waiting
+        assert plane._orphans == []
+        assert not plane._arriving
+    finally:
+        await plane.aclose()
