@@ -113,7 +113,8 @@ def broadcast(
     async def run(seq: int) -> torch.Tensor:
         if use_shm:
             async with turns[0]:
-                return await agreed(g, seq, mine, through_shared_memory(seq))
+                if await shared.agreed(g):  # else some rank has it off: all take the tree
+                    return await agreed(g, seq, mine, through_shared_memory(seq))
         return await agreed(g, seq, mine, tree(seq))
 
     work = g.start(f"broadcast(src={root})", run)

@@ -33,19 +33,46 @@ if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
     from aiodist._transport.shm import Turn
 
-__all__ = ["shared_memory_all_reduce", "shared_memory_broadcast", "take_turn", "usable"]
+__all__ = [
+    "agreed",
+    "shared_memory_all_reduce",
+    "shared_memory_broadcast",
+    "take_turn",
+    "usable",
+]
 
 _STEP: Final = 1 << 17  # steps of the three notices, apart from other algorithms' steps
 
 
 def usable(g: ProcessGroup) -> bool:
-    """Every rank of ``g`` is on this host and shared memory is available here.
+    """Whether ``g`` may use shared memory, as far as this rank can tell at call time.
 
-    Every rank computes the same answer from the member table, except where
-    ``AIODIST_SHM=0`` is set on some ranks only: set it on all or none.
+    True if every rank of ``g`` is on this host and shared memory is on here,
+    unless ``g``'s ranks are already known to disagree (see ``agreed``). An
+    operation that gets True takes a turn when called, and asks ``agreed``
+    when it runs: only that answer is the same on every rank.
     """
     plane = g.session.plane
-    return plane.use_shm and plane.all_local(g.ranks)
+    return (
+        plane.use_shm
+        and plane.all_local(g.ranks)
+        and plane.shm_agreement.get(g.group_id) is not False
+    )
+
+
+async def agreed(g: ProcessGroup) -> bool:
+    """True if every rank of ``g`` turned shared memory on (the same answer on every rank).
+
+    Each rank publishes at join whether it will use shared memory (``AIODIST_SHM``,
+    a usable ``/dev/shm``, its user id), and every rank reads the same member
+    table, so ranks that mix ``AIODIST_SHM=0`` and ``1`` all fall back to sockets
+    instead of waiting for each other in different algorithms. Cached per group.
+    """
+    plane = g.session.plane
+    known = plane.shm_agreement.get(g.group_id)
+    if known is None:
+        known = plane.shm_agreement[g.group_id] = await plane.shared_memory_agreed(g.ranks)
+    return known
 
 
 async def _notify_all(

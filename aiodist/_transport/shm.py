@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Segment", "SharedSegments", "Turn", "available"]
+__all__ = ["Segment", "SharedSegments", "Turn", "available", "capability"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,16 @@ def available() -> bool:
         and os.path.isdir(SHM_DIR)
         and os.access(SHM_DIR, os.W_OK)
     )
+
+
+def capability() -> str:
+    """What a rank that will use shared memory publishes among its addresses: ``shm:<uid>``.
+
+    Ranks use shared memory only with peers that published the same string:
+    the same user (segments are private to their owner), and ``AIODIST_SHM``
+    not set to 0 there.
+    """
+    return f"shm:{os.getuid()}"
 
 
 @dataclass(eq=False)
