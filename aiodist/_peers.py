@@ -233,6 +233,8 @@ class DataPlane:
         self.use_shm = shm.available()
         self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()
+        if self.use_shm:
+            shm.remove_stale()  # left by earlier jobs' ranks that crashed mid-operation
 
     async def listen(self, host: str) -> list[str]:
         """Start listening; return the addresses to publish."""
@@ -440,6 +442,8 @@ class DataPlane:
     def fail(self, exc: BaseException, group_id: int | None = None) -> None:
         """Fail every posted receive (of ``group_id``, if given) with ``exc``."""
         if group_id is None:
+            if self.use_shm:  # a rank died (or the session broke): its segments may linger
+                shm.remove_stale()
             posted_list = self.matcher.take_all_posted()
             posted_list += self._orphans
             self._orphans = []

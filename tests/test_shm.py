@@ -93,3 +93,128 @@ async def test_shm_setting_mixed_across_ranks_falls_back_everywhere(
         assert out["broadcast_ok"], out
         # Ranks with shared memory on learn the group's answer; those with it off never ask.
         assert out["agreed"] == (None if rank in off else not off), out
+
+
+# --- segment hygiene ------------------------------------------------------------------------
+
+
+def _segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+@needs_shm
+def test_segments_are_private_to_their_user_whatever_the_umask() -> None:
+    old = os.umask(0)
+    try:
+        seg = shm.create_segment(1 << 20)
+    finally:
+        os.umask(old)
+    try:
+        st = os.stat(os.path.join(shm.SHM_DIR, seg.name))
+        assert st.st_mode & 0o777 == 0o600
+        assert st.st_uid == os.getuid()
+        assert seg.name.startswith(shm.segment_prefix())
+    finally:
+        seg.close()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+
+
+LEAKER = textwrap.dedent(
+    """
+    import os
+    from aiodist._transport import shm
+    seg = shm.create_segment(1 << 20)
+    print(seg.name, flush=True)
+    os._exit(0)  # no cleanup: as if killed
+    """
+)
+
+
+@needs_shm
+@one_backend
+async def test_next_start_removes_segments_of_dead_processes_only(tmp_path: Path) -> None:
+    from aiodist._peers import DataPlane
+
+    script = tmp_path / "leaker.py"
+    script.write_text(LEAKER)
+    with anyio.fail_after(60):
+        result = await anyio.run_process([sys.executable, str(script)])
+    stale = result.stdout.decode().strip()
+    assert _segment_exists(stale), "the dead process left no segment to clean up"
+    live = shm.create_segment(1 << 20)  # this process is alive: its file must stay
+    try:
+        DataPlane("next-job")  # a new rank starting on this host
+        assert not _segment_exists(stale)
+        assert _segment_exists(live.name)
+    finally:
+        live.close()
+
+
+KILLED_WORKER = textwrap.dedent(
+    """
+    import glob, json, os, signal, sys
+    import anyio, torch
+    import aiodist
+    from aiodist._transport import shm
+
+    async def main() -> None:
+        url, rank, world, victim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+        await aiodist.init_process_group(init_method=url, world_size=world, rank=rank,
+                                         group_name="killed", heartbeat_interval=0.1,
+                                         heartbeat_timeout=2.0)
+        out = {"rank": rank, "pid": os.getpid()}
+        w = aiodist.all_reduce(torch.ones(1 << 24))  # 64 MiB, through shared memory
+        if rank == victim:
+            pattern = f"{shm.SHM_DIR}/{shm.segment_prefix()}*"
+            with anyio.fail_after(30):
+                while not glob.glob(pattern):  # die once this rank's segment exists
+                    await anyio.sleep(0.001)
+            out["segments"] = [os.path.basename(p) for p in glob.glob(pattern)]
+            print(json.dumps(out), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            await w
+            out["all_reduce"] = "completed"
+        except aiodist.DistError as exc:
+            out["all_reduce"] = [type(exc).__name__, getattr(exc, "rank", None)]
+        await aiodist.destroy_process_group()
+        print(json.dumps(out), flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+@needs_shm
+@pytest.mark.slow
+@one_backend
+async def test_rank_killed_mid_shared_all_reduce_leaves_no_segment(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_WORKER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    world, victim = 3, 1
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        args = [url, str(rank), str(world), str(victim)]
+        outs[rank] = await _run_worker(script, args, {"AIODIST_SHM": "1"})
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for rank in range(world):
+                tg.start_soon(one, rank)
+    assert outs[victim]["returncode"] == -9
+    assert outs[victim]["segments"], "the victim died before making its segment"
+    for rank, out in outs.items():
+        if rank != victim:
+            assert out["returncode"] == 0, out
+            assert out["all_reduce"] == ["RankFailedError", victim], out
+    left = [
+        name
+        for name in os.listdir(shm.SHM_DIR)
+        for out in outs.values()
+        if name.startswith(shm.segment_prefix(out["pid"]))
+    ]
+    assert left == []
