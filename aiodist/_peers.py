@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist import _auth
 from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._matching import Matcher
-from aiodist._transport import shm, tcp, uds
+from aiodist._transport import shm, shmring, tcp, uds
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -238,8 +238,9 @@ class DataPlane:
 
     async def listen(self, host: str) -> list[str]:
         """Start listening; return the addresses to publish."""
-        if self.use_uds:
-            self._listeners.append(await uds.listen(host, lambda: _Link(self)))
+        if self.use_uds:  # with shared memory on, the Unix socket channels carry rings
+            transport = shmring if self.use_shm else uds
+            self._listeners.append(await transport.listen(host, lambda: _Link(self)))
         self._listeners.append(await tcp.listen(host, lambda: _Link(self)))
         addresses = [lst.address for lst in self._listeners]
         if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
@@ -401,7 +402,10 @@ class DataPlane:
         uds_addr = [a for a in addresses if a.startswith("uds:")]
         tcp_addr = [a for a in addresses if a.startswith("tcp://")]
         if self.use_uds and self.all_local([dst]) and uds_addr:
+            rings = self.use_shm and shm.capability() in addresses
             try:
+                if rings:
+                    return await shmring.connect(uds_addr[0], link)
                 return await uds.connect(uds_addr[0], link)
             except OSError:
                 logger.debug("falling back to TCP for rank %d", dst)

@@ -218,3 +218,56 @@ async def test_rank_killed_mid_shared_all_reduce_leaves_no_segment(
         if name.startswith(shm.segment_prefix(out["pid"]))
     ]
     assert left == []
+
+
+# --- the ring channel on the data plane -----------------------------------------------------
+
+
+@needs_shm
+async def test_same_host_peers_exchange_large_tensors_through_rings(
+    server: RendezvousServer,
+) -> None:
+    import torch
+
+    import aiodist
+    from aiodist._transport.shmring import ShmChannel
+    from aiodist.testing import run_ranks
+
+    numel = 4 << 20  # 16 MiB each way at once: both rings wrap, neither waits on the other
+
+    async def body(g: aiodist.ProcessGroup) -> tuple[bool, str]:
+        peer = 1 - g.rank
+        mine = torch.arange(numel, dtype=torch.float32) + g.rank
+        got = torch.empty(numel)
+        w = aiodist.irecv(got, peer, group=g)
+        await aiodist.isend(mine, peer, group=g)
+        await w
+        expected = torch.arange(numel, dtype=torch.float32) + peer
+        channel = g.session.plane._out[peer]
+        return bool(torch.equal(got, expected)), type(channel).__name__
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [(True, ShmChannel.__name__)] * 2
+
+
+@needs_shm
+async def test_shm_off_keeps_plain_unix_socket_channels(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import aiodist
+    from aiodist._transport.stream import StreamChannel
+    from aiodist.testing import run_ranks
+
+    monkeypatch.setenv("AIODIST_SHM", "0")
+
+    async def body(g: aiodist.ProcessGroup) -> tuple[float, type]:
+        t = torch.full((1 << 20,), float(g.rank + 1))
+        await aiodist.all_reduce(t, group=g)
+        return float(t[0]), type(g.session.plane._out[1 - g.rank])
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [(3.0, StreamChannel)] * 2
