@@ -271,3 +271,33 @@ async def test_shm_off_keeps_plain_unix_socket_channels(
     with anyio.fail_after(60):
         outs = await run_ranks(server.address, 2, body)
     assert outs == [(3.0, StreamChannel)] * 2
+
+
+@needs_shm
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+async def test_all_gather_through_shared_segments_matches_torch(
+    server: RendezvousServer, world_size: int
+) -> None:
+    import glob
+
+    import torch
+
+    import aiodist
+    from aiodist.testing import run_ranks
+
+    async def body(g: aiodist.ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for k in range(2):  # the second call reuses the segments mapped by the first
+            x = torch.arange(1 << 18, dtype=torch.float64).view(512, 512) * (g.rank + 1) + k
+            outs += await aiodist.all_gather(x.t(), group=g)  # non-contiguous input
+        return outs
+
+    with anyio.fail_after(60):
+        results = await run_ranks(server.address, world_size, body)
+    base = torch.arange(1 << 18, dtype=torch.float64).view(512, 512)
+    expected = [(base * (r + 1) + k).t() for k in range(2) for r in range(world_size)]
+    for outs in results:
+        assert len(outs) == len(expected)
+        for got, want in zip(outs, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not glob.glob(f"{shm.SHM_DIR}/{shm.segment_prefix()}*"), "segments left behind"

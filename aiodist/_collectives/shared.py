@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "agreed",
+    "shared_memory_all_gather",
     "shared_memory_all_reduce",
     "shared_memory_broadcast",
     "take_turn",
@@ -165,3 +166,35 @@ async def shared_memory_all_reduce(
     await _notify_all(g, seq, _STEP + 2, mine, None)
     for future in notices[2].values():
         check_signature(g, mine, await future)
+
+
+async def shared_memory_all_gather(
+    g: ProcessGroup, seq: int, src: torch.Tensor, out: list[torch.Tensor], mine: list[Any]
+) -> None:
+    """Fill ``out[r]`` (contiguous, shaped like ``src``) with rank ``r``'s ``src``.
+
+    Every rank copies its tensor into its own segment and says where; each then
+    copies every other rank's part straight out of that rank's segment into
+    ``out`` and says so, and returns once nobody reads its segment any more:
+    one copy in and ``size - 1`` out per rank, against a ring's ``size - 1``
+    socket sends each copied twice.
+    """
+    segments = g.session.plane.segments
+    flat = src.reshape(-1)
+    numel = flat.numel()
+    seg = segments.own(g.group_id, numel * flat.element_size())
+    peers = schedules.direct_peers(g.rank, g.world_size)
+    notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(2)]
+    copy_into(seg.tensor(src.dtype, numel), flat)
+    await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+    copy_into(out[g.rank].view(-1), flat)
+    for r, future in notices[0].items():
+        msg = await future
+        check_signature(g, mine, msg)
+        name, _, size = bytes(msg.data).decode().rpartition(":")
+        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        copy_into(out[r].view(-1), peer.tensor(src.dtype, numel))
+    await _notify_all(g, seq, _STEP + 1, mine, None)
+    for future in notices[1].values():
+        check_signature(g, mine, await future)
+    segments.unlink_own(g.group_id)  # every peer has mapped it by now
