@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist import _auth
 from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._matching import Matcher
-from aiodist._transport import shm, tcp, uds
+from aiodist._transport import shm, shmring, tcp, uds
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -236,14 +236,21 @@ class DataPlane:
         self._closing = False
         self.use_uds = uds.available() and os.environ.get("AIODIST_UDS", "1") != "0"
         self.use_shm = shm.available()
+        self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()
+        if self.use_shm:
+            shm.remove_stale()  # left by earlier jobs' ranks that crashed mid-operation
 
     async def listen(self, host: str) -> list[str]:
         """Start listening; return the addresses to publish."""
-        if self.use_uds:
-            self._listeners.append(await uds.listen(host, lambda: _Link(self)))
+        if self.use_uds:  # with shared memory on, the Unix socket channels carry rings
+            transport = shmring if self.use_shm else uds
+            self._listeners.append(await transport.listen(host, lambda: _Link(self)))
         self._listeners.append(await tcp.listen(host, lambda: _Link(self)))
-        return [lst.address for lst in self._listeners]
+        addresses = [lst.address for lst in self._listeners]
+        if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
+            addresses.append(shm.capability())
+        return addresses
 
     def set_members(
         self,
@@ -277,6 +284,24 @@ class DataPlane:
         """True if every one of ``ranks`` (global) runs on this host."""
         ids, mine = self._host_ids, self._host_ids[self.rank]
         return all(ids[r] == mine for r in ranks)
+
+    async def shared_memory_agreed(self, ranks: Sequence[int]) -> bool:
+        """True if every one of ``ranks`` runs on this host and published ``shm.capability()``.
+
+        Every rank reads the same member table from the server, so every rank of
+        a group gets the same answer, whatever ``AIODIST_SHM`` says on each.
+        """
+        if not self.use_shm or not self.all_local(ranks):
+            return False
+        mine = shm.capability()
+        table = await self._addresses()
+        return all(mine in table.get(r, ()) for r in ranks)
+
+    async def _addresses(self) -> PeerTable:
+        if self._table is None:
+            assert self._lookup is not None, "set_members() first"
+            self._table = await self._lookup()
+        return self._table
 
     # --- sending ------------------------------------------------------------------------
 
@@ -378,14 +403,14 @@ class DataPlane:
             logger.debug("data-plane background task failed: %s", task.exception())
 
     async def _open(self, dst: int, link: _Link) -> DataChannel:
-        if self._table is None:
-            assert self._lookup is not None, "set_members() first"
-            self._table = await self._lookup()
-        addresses = self._table.get(dst, ())
+        addresses = (await self._addresses()).get(dst, ())
         uds_addr = [a for a in addresses if a.startswith("uds:")]
         tcp_addr = [a for a in addresses if a.startswith("tcp://")]
         if self.use_uds and self.all_local([dst]) and uds_addr:
+            rings = self.use_shm and shm.capability() in addresses
             try:
+                if rings:
+                    return await shmring.connect(uds_addr[0], link)
                 return await uds.connect(uds_addr[0], link)
             except OSError:
                 logger.debug("falling back to TCP for rank %d", dst)
@@ -435,6 +460,8 @@ class DataPlane:
         def hit(key: tuple[int, ...]) -> bool:
             return group_id is None or key[1] == group_id
 
+        if group_id is None and self.use_shm:  # a rank died (or the session broke)
+            shm.remove_stale()  # its segments may linger
         posted_list = self.matcher.take_posted_where(hit)
         arriving = [link._posted for link in self._arriving if link._posted is not None]
         posted_list += [p for p in self._orphans + arriving if hit(p.key)]

@@ -136,11 +136,14 @@ def all_gather(
 def all_gather(
     data: torch.Tensor, group: ProcessGroup | None = None, *, async_op: bool = False
 ) -> Work[list[torch.Tensor]] | list[torch.Tensor]:
-    """Gather ``data`` from every rank onto every rank, in rank order (ring).
+    """Gather ``data`` from every rank onto every rank, in rank order.
 
     Blocking twin of ``aiodist.all_gather``: waits, then returns what its Work resolves to.
     With ``async_op=True`` it returns the running ``Work`` instead (``.wait()`` from any
     thread, ``.is_completed()``).
+
+    A ring of messages; from 1 MiB gathered, in a group whose ranks share one
+    host, every rank copies the others' parts straight from their shared segments.
 
     Args:
         data: A CPU tensor; every rank passes the same dtype and shape.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import os
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from aiodist._collectives.movement import (
     scatter,
 )
 from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
+from aiodist._transport import shm
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ async def test_all_reduce_each_algorithm_matches_torch(
         torch.testing.assert_close(results[0][i], expected, msg=f"{op} {dtype}")
         for r in range(1, world_size):
             assert torch.equal(results[r][i], results[0][i]), f"rank {r}: {op} {dtype}"
-    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+    assert not glob.glob(f"/dev/shm/{shm.segment_prefix()}*"), "shared segments left behind"
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared_memory", "ring"])
@@ -204,7 +204,7 @@ async def test_all_reduce_shared_memory_reuses_and_grows_its_segment(
     for outs in results:
         assert [t.numel() for t in outs] == [300_000, 300_000, 700_000, 300_000]
         assert all(torch.equal(t, torch.full_like(t, 6.0)) for t in outs)
-    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+    assert not glob.glob(f"/dev/shm/{shm.segment_prefix()}*"), "shared segments left behind"
 
 
 async def test_all_reduce_non_contiguous_is_copied_back(server: RendezvousServer) -> None:
@@ -546,7 +546,7 @@ async def test_large_broadcast_from_every_root(
         for root, t in enumerate(outs):
             assert torch.equal(t[:-1], torch.full((numel - 1,), float(root), dtype=torch.float64))
             assert float(t[-1]) == -1.0 - root
-    assert not glob.glob(f"/dev/shm/aiodist-{os.getpid()}-*"), "shared segments left behind"
+    assert not glob.glob(f"/dev/shm/{shm.segment_prefix()}*"), "shared segments left behind"
 
 
 async def test_shared_memory_broadcasts_and_all_reduces_take_turns(

@@ -5,14 +5,24 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from aiodist._transport import tcp, uds
+from aiodist._transport import shm, shmring, tcp, uds
 from aiodist.testing import check_data_channel
 
+# Rings small enough that the suite's payloads wrap them many times, and one
+# that sends every non-empty payload through shared memory.
+SMALL_RINGS = shmring.ShmTransport(min_bytes=1, slot_bytes=4096, slots=2)
 
-@pytest.mark.parametrize("transport", [tcp, uds], ids=["tcp", "uds"])
+
+@pytest.mark.parametrize(
+    "transport",
+    [tcp, uds, shmring, SMALL_RINGS],
+    ids=["tcp", "uds", "shm", "shm-small-rings"],
+)
 async def test_transport_passes_conformance_suite(transport: object) -> None:
-    if transport is uds and not uds.available():
+    if transport is not tcp and not uds.available():
         pytest.skip("abstract Unix sockets need Linux")
+    if transport in (shmring, SMALL_RINGS) and not shm.available():
+        pytest.skip("needs a writable /dev/shm")
     with anyio.fail_after(30):
         await check_data_channel(transport)  # type: ignore[arg-type]
 

@@ -12,7 +12,7 @@ never message each other.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives import schedules, shared
 from aiodist._collectives.common import (
@@ -113,7 +113,8 @@ def broadcast(
     async def run(seq: int) -> torch.Tensor:
         if use_shm:
             async with turns[0]:
-                return await agreed(g, seq, mine, through_shared_memory(seq))
+                if await shared.agreed(g):  # else some rank has it off: all take the tree
+                    return await agreed(g, seq, mine, through_shared_memory(seq))
         return await agreed(g, seq, mine, tree(seq))
 
     work = g.start(f"broadcast(src={root})", run)
@@ -249,7 +250,10 @@ def scatter(
 
 
 def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[list[torch.Tensor]]:
-    """Gather ``data`` from every rank onto every rank, in rank order (ring).
+    """Gather ``data`` from every rank onto every rank, in rank order.
+
+    A ring of messages; from 1 MiB gathered, in a group whose ranks share one
+    host, every rank copies the others' parts straight from their shared segments.
 
     Args:
         data: A CPU tensor; every rank passes the same dtype and shape.
@@ -276,26 +280,44 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
         return Work.completed([t])
     mine = signature("all_gather", t)
 
+    nbytes = t.numel() * t.element_size() * g.world_size
+    use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
+    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+
     async def run(seq: int) -> list[torch.Tensor]:
-        p, me = g.world_size, g.rank
-        left, right = schedules.ring_neighbours(me, p)
-        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(p)]
-        # Every receive lands in its own output tensor, so all are posted up front, and
-        # the left neighbour waits for our "ready" before it sends: no part arrives
-        # unexpected (a rank still in the previous operation would buffer and copy it).
-        futures = [recv_tensor(g, left, seq, s, out[(me - s - 1) % p]) for s in range(p - 1)]
-        if p > 1:
-            ready = recv_tensor(g, right, seq, _READY_STEP)
-            await send(g, left, seq, _READY_STEP, mine, None)
-        copy_into(out[me], t)
-        if p > 1:
-            check_signature(g, mine, await ready)
-        for s in range(p - 1):
-            await send(g, right, seq, s, mine, byte_view(out[(me - s) % p]))
-            check_signature(g, mine, await futures[s])
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
+        if use_shm:
+            async with turns[0]:
+                if await shared.agreed(g):  # else some rank has it off: all take the ring
+                    await shared.shared_memory_all_gather(g, seq, contiguous(t), out, mine)
+                    return out
+        await _ring_all_gather(g, seq, t, out, mine)
         return out
 
-    return g.start("all_gather", run)
+    work = g.start("all_gather", run)
+    if use_shm:
+        turns.append(shared.take_turn(g))
+    return work
+
+
+async def _ring_all_gather(
+    g: ProcessGroup, seq: int, t: torch.Tensor, out: list[torch.Tensor], mine: list[Any]
+) -> None:
+    p, me = g.world_size, g.rank
+    left, right = schedules.ring_neighbours(me, p)
+    # Every receive lands in its own output tensor, so all are posted up front, and
+    # the left neighbour waits for our "ready" before it sends: no part arrives
+    # unexpected (a rank still in the previous operation would buffer and copy it).
+    futures = [recv_tensor(g, left, seq, s, out[(me - s - 1) % p]) for s in range(p - 1)]
+    if p > 1:
+        ready = recv_tensor(g, right, seq, _READY_STEP)
+        await send(g, left, seq, _READY_STEP, mine, None)
+    copy_into(out[me], t)
+    if p > 1:
+        check_signature(g, mine, await ready)
+    for s in range(p - 1):
+        await send(g, right, seq, s, mine, byte_view(out[(me - s) % p]))
+        check_signature(g, mine, await futures[s])
 
 
 def all_to_all(

@@ -216,6 +216,21 @@ async def _ring_all_reduce(
         check_signature(g, mine, await ag_recvs[s])
 
 
+async def _socket_all_reduce(
+    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
+) -> None:
+    flat = buf.view(-1)
+    algorithm = schedules.all_reduce_algorithm(
+        flat.numel() * flat.element_size(), flat.numel(), g.world_size
+    )
+    if algorithm == "direct":
+        await _direct_all_reduce(g, seq, buf, op, mine)
+    elif algorithm == "recursive_doubling":
+        await _recursive_doubling(g, seq, buf, op, mine)
+    else:
+        await _ring_all_reduce(g, seq, buf, op, mine)
+
+
 def all_reduce(
     data: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None
 ) -> Work[torch.Tensor]:
@@ -271,16 +286,14 @@ def all_reduce(
 
     async def run(seq: int) -> torch.Tensor:
         buf = contiguous(t)
-        if p > 1:
-            if algorithm == "shared_memory":
-                async with turns[0]:
+        if algorithm == "shared_memory":
+            async with turns[0]:
+                if await shared.agreed(g):
                     await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, _combine)
-            elif algorithm == "direct":
-                await _direct_all_reduce(g, seq, buf, reduce_op, mine)
-            elif algorithm == "recursive_doubling":
-                await _recursive_doubling(g, seq, buf, reduce_op, mine)
-            else:
-                await _ring_all_reduce(g, seq, buf, reduce_op, mine)
+                else:  # some rank has shared memory off: every rank takes the sockets
+                    await _socket_all_reduce(g, seq, buf, reduce_op, mine)
+        elif p > 1:
+            await _socket_all_reduce(g, seq, buf, reduce_op, mine)
         if reduce_op == "mean" and p > 1:
             divide_(buf, p)
         if buf is not t:

@@ -33,19 +33,47 @@ if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
     from aiodist._transport.shm import Turn
 
-__all__ = ["shared_memory_all_reduce", "shared_memory_broadcast", "take_turn", "usable"]
+__all__ = [
+    "agreed",
+    "shared_memory_all_gather",
+    "shared_memory_all_reduce",
+    "shared_memory_broadcast",
+    "take_turn",
+    "usable",
+]
 
 _STEP: Final = 1 << 17  # steps of the three notices, apart from other algorithms' steps
 
 
 def usable(g: ProcessGroup) -> bool:
-    """Every rank of ``g`` is on this host and shared memory is available here.
+    """Whether ``g`` may use shared memory, as far as this rank can tell at call time.
 
-    Every rank computes the same answer from the member table, except where
-    ``AIODIST_SHM=0`` is set on some ranks only: set it on all or none.
+    True if every rank of ``g`` is on this host and shared memory is on here,
+    unless ``g``'s ranks are already known to disagree (see ``agreed``). An
+    operation that gets True takes a turn when called, and asks ``agreed``
+    when it runs: only that answer is the same on every rank.
     """
     plane = g.session.plane
-    return plane.use_shm and plane.all_local(g.ranks)
+    return (
+        plane.use_shm
+        and plane.all_local(g.ranks)
+        and plane.shm_agreement.get(g.group_id) is not False
+    )
+
+
+async def agreed(g: ProcessGroup) -> bool:
+    """True if every rank of ``g`` turned shared memory on (the same answer on every rank).
+
+    Each rank publishes at join whether it will use shared memory (``AIODIST_SHM``,
+    a usable ``/dev/shm``, its user id), and every rank reads the same member
+    table, so ranks that mix ``AIODIST_SHM=0`` and ``1`` all fall back to sockets
+    instead of waiting for each other in different algorithms. Cached per group.
+    """
+    plane = g.session.plane
+    known = plane.shm_agreement.get(g.group_id)
+    if known is None:
+        known = plane.shm_agreement[g.group_id] = await plane.shared_memory_agreed(g.ranks)
+    return known
 
 
 async def _notify_all(
@@ -138,3 +166,35 @@ async def shared_memory_all_reduce(
     await _notify_all(g, seq, _STEP + 2, mine, None)
     for future in notices[2].values():
         check_signature(g, mine, await future)
+
+
+async def shared_memory_all_gather(
+    g: ProcessGroup, seq: int, src: torch.Tensor, out: list[torch.Tensor], mine: list[Any]
+) -> None:
+    """Fill ``out[r]`` (contiguous, shaped like ``src``) with rank ``r``'s ``src``.
+
+    Every rank copies its tensor into its own segment and says where; each then
+    copies every other rank's part straight out of that rank's segment into
+    ``out`` and says so, and returns once nobody reads its segment any more:
+    one copy in and ``size - 1`` out per rank, against a ring's ``size - 1``
+    socket sends each copied twice.
+    """
+    segments = g.session.plane.segments
+    flat = src.reshape(-1)
+    numel = flat.numel()
+    seg = segments.own(g.group_id, numel * flat.element_size())
+    peers = schedules.direct_peers(g.rank, g.world_size)
+    notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(2)]
+    copy_into(seg.tensor(src.dtype, numel), flat)
+    await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+    copy_into(out[g.rank].view(-1), flat)
+    for r, future in notices[0].items():
+        msg = await future
+        check_signature(g, mine, msg)
+        name, _, size = bytes(msg.data).decode().rpartition(":")
+        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        copy_into(out[r].view(-1), peer.tensor(src.dtype, numel))
+    await _notify_all(g, seq, _STEP + 1, mine, None)
+    for future in notices[1].values():
+        check_signature(g, mine, await future)
+    segments.unlink_own(g.group_id)  # every peer has mapped it by now

@@ -8,9 +8,15 @@ needs more, and used by one operation at a time: each operation takes a
 every rank (an order in which tasks happen to run need not be). Peers map a
 segment by the name the owner sends them over the data plane, and keep the
 mapping for later operations. The owner unlinks the file as soon as every peer
-has mapped it (within the operation that made it), so only a crash during that
-operation can leave an ``aiodist-<pid>-*`` file in ``/dev/shm``; the memory is
-freed once the last mapping closes.
+has mapped it (within the operation that made it); the memory is freed once
+the last mapping closes.
+
+Hygiene: files are created ``0600`` (other users cannot open them, whatever
+the umask) and named ``aiodist-<uid>-<pid namespace>-<pid>-<random>``, so a
+file left by a rank that crashed inside an operation can be told from a live
+one: ``remove_stale`` unlinks those whose creating process is gone (or a
+zombie). Survivors call it when a rank fails and when they close, and every
+new data plane calls it once: nothing accumulates in ``/dev/shm``.
 
 Messages still go over the data channels: this module only holds memory.
 """
@@ -30,7 +36,17 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Segment", "SharedSegments", "Turn", "available"]
+__all__ = [
+    "Segment",
+    "SharedSegments",
+    "Turn",
+    "available",
+    "capability",
+    "create_segment",
+    "map_segment",
+    "remove_stale",
+    "segment_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +63,67 @@ def available() -> bool:
         and os.path.isdir(SHM_DIR)
         and os.access(SHM_DIR, os.W_OK)
     )
+
+
+def capability() -> str:
+    """What a rank that will use shared memory publishes among its addresses: ``shm:<uid>``.
+
+    Ranks use shared memory only with peers that published the same string:
+    the same user (segments are private to their owner), and ``AIODIST_SHM``
+    not set to 0 there.
+    """
+    return f"shm:{os.getuid()}"
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """The name every segment made by process ``pid`` (default: this one) starts with."""
+    return f"aiodist-{os.getuid()}-{_pid_namespace()}-{os.getpid() if pid is None else pid}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by its parent) maps nothing any more
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale() -> list[str]:
+    """Unlink this user's segments (in this pid namespace) whose creator is dead; return them.
+
+    Another user's files, and files of processes in another pid namespace
+    (whose liveness cannot be told from here), are never touched.
+    """
+    head = f"aiodist-{os.getuid()}-{_pid_namespace()}-"
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    for name in names:
+        if not name.startswith(head):
+            continue
+        pid = name[len(head) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    if removed:
+        logger.info("removed %d shared segments left by dead processes", len(removed))
+    return removed
 
 
 @dataclass(eq=False)
@@ -66,15 +143,56 @@ class Segment:
         assert nbytes <= self.nbytes
         return torch.frombuffer(self.memory, dtype=torch.uint8, count=nbytes).view(dtype)
 
-    def close(self) -> None:
+    def unlink(self) -> None:
+        """Remove the file (peers that mapped it keep their mapping)."""
         if self.linked:
             self.linked = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
+
+    def close(self) -> None:
+        self.unlink()
         try:
             self.memory.close()
         except BufferError:  # a tensor still views it: the mapping goes with that tensor
             logger.debug("shared segment %s still in use; left to the garbage collector", self.name)
+
+
+def create_segment(nbytes: int) -> Segment:
+    """Create and map a new ``0600`` segment of ``nbytes`` (linked: ``unlink`` it once mapped).
+
+    Raises:
+        OSError: ``/dev/shm`` is missing, or too small (``ENOSPC``: the pages are
+            reserved up front, so a full ``/dev/shm`` fails here, not later with
+            a ``SIGBUS`` on first touch).
+    """
+    name = segment_prefix() + secrets.token_hex(8)
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask did
+        os.posix_fallocate(fd, 0, nbytes)
+        memory = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return Segment(name, nbytes, memory, linked=True)
+
+
+def map_segment(name: str, nbytes: int) -> Segment:
+    """Map a peer's segment ``name`` of ``nbytes`` (checked to be one of ours first)."""
+    if "/" in name or not name.startswith("aiodist-"):
+        raise ValueError(f"invalid shared segment name {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"shared segment {name!r} is smaller than the {nbytes} bytes sent")
+        memory = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return Segment(name, nbytes, memory)
 
 
 class Turn:
@@ -119,27 +237,14 @@ class SharedSegments:
             seg.close()
             del self._own[group_id]
         size = max(ROUND_BYTES, -(-nbytes // ROUND_BYTES) * ROUND_BYTES)
-        name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            memory = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        seg = self._own[group_id] = Segment(name, size, memory, linked=True)
+        seg = self._own[group_id] = create_segment(size)
         return seg
 
     def unlink_own(self, group_id: int) -> None:
         """Remove the file of ``group_id``'s own segment once every peer has mapped it."""
         seg = self._own.get(group_id)
-        if seg is not None and seg.linked:
-            seg.linked = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, seg.name))
+        if seg is not None:
+            seg.unlink()
 
     def peer(self, group_id: int, rank: int, name: str, nbytes: int) -> Segment:
         """Rank ``rank``'s segment ``name`` for ``group_id``, mapped on first use and kept."""
@@ -150,14 +255,11 @@ class SharedSegments:
         if seg is not None:
             seg.close()
             del self._peers[key]
-        if "/" in name or not name.startswith("aiodist-"):
-            raise ValueError(f"rank {rank} sent an invalid shared segment name {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
-            memory = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        seg = self._peers[key] = Segment(name, nbytes, memory)
+            seg = map_segment(name, nbytes)
+        except ValueError as exc:
+            raise ValueError(f"rank {rank} sent a bad shared segment: {exc}") from None
+        self._peers[key] = seg
         return seg
 
     def close(self) -> None:
@@ -166,3 +268,5 @@ class SharedSegments:
             seg.close()
         self._peers.clear()
         self._own.clear()
+        if available():
+            remove_stale()

@@ -47,8 +47,15 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
-async def listen(host: str, sink_factory: Callable[[], FrameSink]) -> UdsListener:
-    """Listen on a fresh abstract name (``host`` is unused: same-host only)."""
+async def listen(
+    host: str,
+    sink_factory: Callable[[], FrameSink],
+    make_channel: Callable[[FrameSink], StreamChannel] = StreamChannel,
+) -> UdsListener:
+    """Listen on a fresh abstract name (``host`` is unused: same-host only).
+
+    ``make_channel`` makes the protocol of each accepted connection (``shmring``'s).
+    """
     loop = asyncio.get_running_loop()
     name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -56,11 +63,15 @@ async def listen(host: str, sink_factory: Callable[[], FrameSink]) -> UdsListene
     sock.bind("\0" + name)
     sock.listen(1024)
     sock.setblocking(False)
-    server = await loop.create_unix_server(lambda: StreamChannel(sink_factory()), sock=sock)
+    server = await loop.create_unix_server(lambda: make_channel(sink_factory()), sock=sock)
     return UdsListener(f"uds:{name}", server)
 
 
-async def connect(address: str, sink: FrameSink) -> StreamChannel:
+async def connect(
+    address: str,
+    sink: FrameSink,
+    make_channel: Callable[[FrameSink], StreamChannel] = StreamChannel,
+) -> StreamChannel:
     """Connect to a ``uds:`` address a rank on this host published."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -68,7 +79,7 @@ async def connect(address: str, sink: FrameSink) -> StreamChannel:
         _tune(sock)
         sock.setblocking(False)
         await loop.sock_connect(sock, "\0" + address.removeprefix("uds:"))
-        _, channel = await loop.create_unix_connection(lambda: StreamChannel(sink), sock=sock)
+        _, channel = await loop.create_unix_connection(lambda: make_channel(sink), sock=sock)
     except BaseException:
         sock.close()
         raise
