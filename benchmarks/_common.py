@@ -32,6 +32,7 @@ __all__ = [
     "environment",
     "format_table",
     "goal_table",
+    "jsonable",
     "now",
     "peak_rss_bytes",
     "pss_bytes",
@@ -251,11 +252,12 @@ def write_results(name: str, data: dict[str, Any], out: Path = RESULTS_DIR) -> P
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     payload = {"benchmark": name, "environment": environment(), **data}
-    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    path.write_text(json.dumps(payload, indent=2, default=jsonable) + "\n")
     return path
 
 
-def _jsonable(obj: object) -> object:
+def jsonable(obj: object) -> object:
+    """``json.dumps``' ``default=``: the benchmarks' dataclasses as dicts."""
     if isinstance(obj, Summary | Goal):
         return asdict(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")

@@ -272,7 +272,8 @@ def _bridge(data: dict[str, Any]) -> list[str]:
 
     def row(label: str, key: str, better: str = "lower") -> list[str]:
         ratio = a[key] / t[key] if t[key] else None
-        return [label, _num(a[key]), _num(t[key]), _ratio(ratio, better)]
+        shown = [str(x) if isinstance(x, int) else _num(x) for x in (a[key], t[key])]
+        return [label, *shown, _ratio(ratio, better)]
 
     op = [
         f"all_reduce {data['size_mib']} MiB, ms",

@@ -40,16 +40,16 @@ import os
 import shlex
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from benchmarks import bench_bridge, bench_collectives, bench_load, bench_metrics, bench_rendezvous
 from benchmarks._common import (
     RESULTS_DIR,
-    _jsonable,
     environment,
     goal_table,
+    jsonable,
     now,
     raise_fd_limit,
     write_results,
@@ -82,7 +82,7 @@ class Plan:
 
 
 PLANS: Final[dict[Mode, Plan]] = {
-    "full": Plan((2, 4), 5, 25.0, (16, 128, 1024), None, 4, (5, 64, 20), (200, 3), (2000, 100, 3)),
+    "full": Plan((2, 4), 7, 40.0, (16, 128, 1024), None, 4, (7, 64, 20), (200, 3), (2000, 100, 3)),
     "quick": Plan((2, 4), 3, 10.0, (16, 128), 2, 4, (2, 64, 5), (50, 2), (400, 20, 2)),
     "smoke": Plan((2,), 1, 5.0, (4,), 1, 1, None, None, (20, 2, 1)),
 }
@@ -174,7 +174,7 @@ def run(
         "command": shlex.join(["python", "-m", "benchmarks.report", *sys.argv[1:]]),
         "mode": mode,
         "environment": env,
-        "plan": plan,
+        "plan": asdict(plan),
         "sections": sections,
         "goals": goals,
         "plots": sorted(plot_files.values()),
@@ -182,15 +182,9 @@ def run(
         "wall_s": now() - started,
     }
     (out / "report.md").write_text(render_report(report, goals, plot_files))
-    text = json.dumps(report, indent=2, default=_report_jsonable) + "\n"
+    text = json.dumps(report, indent=2, default=jsonable) + "\n"
     (out / "report.json").write_text(text)
     return report
-
-
-def _report_jsonable(obj: object) -> object:
-    if isinstance(obj, Plan):
-        return {k: getattr(obj, k) for k in Plan.__slots__}
-    return _jsonable(obj)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
