@@ -131,10 +131,14 @@ class Ranks:
         self.error = error
         self.close()
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask every rank to leave; ``close()`` then waits for them."""
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
+
+    def close(self) -> None:
+        self.stop()
         for proc in self._procs:
             proc.join(10)
             if proc.is_alive():
@@ -250,6 +254,8 @@ def bench(
                 _add_ratios(row, n)
                 results.append(row)
                 print(f"  {_line(row)}  [{now() - t0:.1f} s]", flush=True)
+            for ranks in sets.values():  # both systems tear down at once
+                ranks.stop()
             for ranks in sets.values():
                 ranks.close()
     return {

@@ -19,7 +19,7 @@ Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
 bandwidth vs message size per world size, needs matplotlib: the ``bench``
 extra), and each section's own JSON.
 
-Modes: the full run (about 6 minutes on 2 cores), ``--quick`` (under 2),
+Modes: the full run (about 4-5 minutes on 2 busy cores), ``--quick`` (under 2),
 ``--smoke`` (a few seconds of measuring: two sizes, world size 2, one repeat,
 no bridge or metrics; plots only when matplotlib is installed), which the
 test suite runs to keep this script working.
