@@ -33,21 +33,20 @@ test: install lint
 demo: install
 	$(VENV)/bin/aiodist run -n 4 examples/demo.py
 
-# Every benchmark, each side by side with torch.distributed (gloo / TCPStore) where
-# there is a counterpart; results land in benchmarks/results/.
-bench: install
-	$(PY) -m benchmarks.bench_rendezvous
-	$(PY) -m benchmarks.bench_collectives
-	$(PY) -m benchmarks.bench_bridge
-	$(PY) -m benchmarks.bench_metrics
-	$(PY) -m benchmarks.bench_load
+# Every benchmark, side by side with torch.distributed (gloo / TCPStore) in one run, into
+# one report: benchmarks/results/report.md (+ report.json and bus-bandwidth PNGs).
+# The plots need matplotlib: the `bench` extra, installed here only (not for `make test`).
+BENCH_STAMP := $(VENV)/.bench-stamp
 
-bench-quick: install
-	$(PY) -m benchmarks.bench_rendezvous --quick
-	$(PY) -m benchmarks.bench_collectives --quick
-	$(PY) -m benchmarks.bench_bridge --quick
-	$(PY) -m benchmarks.bench_metrics --steps 50 --repeats 1
-	$(PY) -m benchmarks.bench_load --connections 400 --jobs 20 --rounds 1
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: install $(BENCH_STAMP)
+	$(PY) -m benchmarks.report
+
+bench-quick: install $(BENCH_STAMP)
+	$(PY) -m benchmarks.report --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

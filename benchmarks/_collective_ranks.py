@@ -32,10 +32,15 @@ STARTUP_TIMEOUT: Final = 180.0
 CASE_TIMEOUT: Final = 120.0  # seconds one case may take on every rank together
 OP_TIMEOUT: Final = 60.0  # the systems' own operation timeout: fires before CASE_TIMEOUT
 
-ALL_REDUCE_SIZES: Final = tuple(4**k for k in range(1, 14))  # 4 B ... 64 MiB
-QUICK_ALL_REDUCE_SIZES: Final = (4, 1 * KiB, 64 * KiB, 1 * MiB, 64 * MiB)
-MOVE_SIZES: Final = (1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB)
-QUICK_MOVE_SIZES: Final = (1 * MiB,)
+Mode = Literal["full", "quick", "smoke"]
+TENSOR_OPS: Final = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+# Message sizes of the four tensor collectives, per mode: 4 B ... 64 MiB in powers of 4
+# (the full sweep), every third of them (quick), two points for a plot (smoke).
+SIZES: Final[dict[Mode, tuple[int, ...]]] = {
+    "full": tuple(4**k for k in range(1, 14)),
+    "quick": (4, 256, 16 * KiB, 1 * MiB, 64 * MiB),
+    "smoke": (4, 64 * KiB),
+}
 BIG_BYTES: Final = 64 * MiB
 SMALL_OBJECT: Final = {"step": 100, "loss": 0.5, "acc": 0.75, "name": "resnet50"}
 
@@ -77,22 +82,36 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B" if nbytes else ""
 
 
-def cases(quick: bool, only: Sequence[str] = ()) -> list[Case]:
-    """Every case (whose op is in ``only``, if given), in the order both systems run them."""
-    out = [Case("memory", BIG_BYTES, "all_reduce 64 MiB")]
-    out += [Case("all_reduce", n) for n in (QUICK_ALL_REDUCE_SIZES if quick else ALL_REDUCE_SIZES)]
-    for op in ("broadcast", "all_gather", "reduce_scatter"):
-        out += [Case(op, n) for n in (QUICK_MOVE_SIZES if quick else MOVE_SIZES)]
-    out += [
-        Case("barrier"),
-        Case("all_gather_object", 0, "small dict"),
-        Case("all_gather_object", 1 * MiB, "1 MiB"),
-        Case("broadcast_object_list", 0, "small dict"),
-        Case("broadcast_object_list", 1 * MiB, "1 MiB"),
-        Case("p2p_round_trip", 8),
-        Case("p2p_bandwidth", BIG_BYTES),
-    ]
+def cases(mode: Mode = "full", only: Sequence[str] = ()) -> list[Case]:
+    """Every case of ``mode`` (whose op is in ``only``, if given), in the order both run them.
+
+    ``smoke`` is the smallest run that still exercises every kind of row: no
+    memory case and no 64 MiB transfer.
+    """
+    out = [] if mode == "smoke" else [Case("memory", BIG_BYTES, "all_reduce 64 MiB")]
+    out += [Case(op, n) for op in TENSOR_OPS for n in SIZES[mode]]
+    out += [Case("barrier"), Case("all_gather_object", 0, "small dict")]
+    if mode != "smoke":
+        out += [
+            Case("all_gather_object", 1 * MiB, "1 MiB"),
+            Case("broadcast_object_list", 0, "small dict"),
+            Case("broadcast_object_list", 1 * MiB, "1 MiB"),
+        ]
+    out.append(Case("p2p_round_trip", 8))
+    if mode != "smoke":
+        out.append(Case("p2p_bandwidth", BIG_BYTES))
     return [c for c in out if not only or c.op in only]
+
+
+def moved_bytes(case: Case, n: int) -> int:
+    """The bytes a case's call really moves (nccl-tests' ``size``).
+
+    All_gather and reduce_scatter split ``nbytes`` into ``n`` whole float32
+    parts, at least one element each: below ``4 * n`` bytes the buffer grows.
+    """
+    if case.op in ("all_gather", "reduce_scatter"):
+        return max(1, case.nbytes // 4 // n) * n * 4
+    return case.nbytes
 
 
 def bus_factor(op: str, n: int) -> float | None:

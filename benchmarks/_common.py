@@ -13,21 +13,26 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
     "RESULTS_DIR",
+    "Goal",
     "Summary",
+    "as_summary",
     "environment",
     "format_table",
+    "goal_table",
+    "jsonable",
     "now",
     "peak_rss_bytes",
     "pss_bytes",
@@ -64,11 +69,64 @@ class Summary:
         return f"{self.min * scale:.{digits}f}-{self.max * scale:.{digits}f}"
 
 
+def as_summary(obj: Summary | dict[str, Any] | None) -> Summary | None:
+    """A Summary, also from its JSON form (a dict), so results can be re-read from a file."""
+    if obj is None or isinstance(obj, Summary):
+        return obj
+    return Summary(float(obj["median"]), float(obj["min"]), float(obj["max"]), int(obj["n"]))
+
+
 def summarize(samples: Sequence[float]) -> Summary | None:
     """Median, min and max of ``samples``; None when there are none."""
     if not samples:
         return None
     return Summary(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    """One of the project's goals, and where a run landed against it."""
+
+    name: str  # what was measured: "all_reduce 64 MiB, N=4"
+    measure: str  # how: "busbw aiodist/gloo"
+    target: str  # "<= 0.5", ">= 2"
+    value: float | None  # None: not measured in this run
+    met: bool | None  # None: not measured
+    source: str = ""  # where the goal was set
+
+    @classmethod
+    def judge(
+        cls,
+        name: str,
+        measure: str,
+        sense: Literal["<", "<=", ">=", ">"],
+        limit: float,
+        value: float | None,
+        source: str = "",
+    ) -> Goal:
+        """Compare ``value`` with ``limit``; a missing value is "not measured"."""
+        met = None
+        if value is not None:
+            met = {
+                "<": value < limit,
+                "<=": value <= limit,
+                ">=": value >= limit,
+                ">": value > limit,
+            }[sense]
+        return cls(name, measure, f"{sense} {limit:g}", value, met, source)
+
+    @property
+    def verdict(self) -> str:
+        return "not measured" if self.met is None else "met" if self.met else "MISSED"
+
+
+def goal_table(goals: Sequence[Goal]) -> str:
+    """The goals as a plain-text table."""
+    rows = [
+        [g.name, g.measure, g.target, "-" if g.value is None else f"{g.value:.3g}", g.verdict]
+        for g in goals
+    ]
+    return format_table(["case", "measure", "goal", "value", "verdict"], rows)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -139,8 +197,12 @@ def environment() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # others' work on a shared machine shows
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    info["git_commit"] = git_commit()
     for name in ("torch", "anyio", "uvloop", "msgpack"):
         try:
             info[name] = version(name)
@@ -149,16 +211,53 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def write_results(name: str, data: dict[str, Any]) -> Path:
-    """Write ``data`` (plus ``environment()``) to ``benchmarks/results/{name}.json``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def git_commit() -> str | None:
+    """The checked-out commit (with ``+dirty`` if files changed), or None outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def write_results(name: str, data: dict[str, Any], out: Path = RESULTS_DIR) -> Path:
+    """Write ``data`` (plus ``environment()``) to ``{out}/{name}.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     payload = {"benchmark": name, "environment": environment(), **data}
-    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    path.write_text(json.dumps(payload, indent=2, default=jsonable) + "\n")
     return path
 
 
-def _jsonable(obj: object) -> object:
-    if isinstance(obj, Summary):
+def jsonable(obj: object) -> object:
+    """``json.dumps``' ``default=``: the benchmarks' dataclasses as dicts."""
+    if isinstance(obj, Summary | Goal):
         return asdict(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")

@@ -25,17 +25,17 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
 
 import anyio
 import uvloop
 
 from aiodist._control import connect_control
 from aiodist._wire.messages import Barrier, Join, Leave, StoreAdd, StoreSet, StoreWait
-from benchmarks._common import format_table, raise_fd_limit, write_results
+from benchmarks._common import Goal, format_table, goal_table, raise_fd_limit, write_results
 
-__all__ = ["LoadRound", "run_round"]
+__all__ = ["LoadRound", "bench", "goal_list", "render", "run_round"]
 
 
 @dataclass
@@ -129,28 +129,23 @@ def _rss_kib(pid: int) -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-async def _rounds(args: argparse.Namespace, address: tuple[str, int], pid: int) -> None:
+async def _rounds(
+    address: tuple[str, int], pid: int, connections: int, jobs: int, rounds: int
+) -> dict[str, Any]:
     baseline, _ = _rss_kib(pid)
-    rows, results = [], []
-    for i in range(args.rounds):
-        r = await run_round(address, args.connections, args.jobs, prefix=f"load{i}")
+    results = []
+    for i in range(rounds):
+        r = await run_round(address, connections, jobs, prefix=f"load{i}")
         rss, peak = _rss_kib(pid)
-        shown = [f"{r.seconds:.2f}", f"{peak / 1024:.1f}", f"{rss / 1024:.1f}"]
-        rows.append([i, r.held_at_once, len(r.counters), *shown])
-        results.append({**r.__dict__, "rss_kib": rss, "peak_kib": peak})
-    headers = ["round", "connections held", "jobs formed", "time s", "peak MiB", "after MiB"]
-    print(f"server baseline {baseline / 1024:.1f} MiB (pid {pid})")
-    print(format_table(headers, rows))
-    write_results("load", {"baseline_kib": baseline, "rounds": results})
+        results.append(
+            {**asdict(r), "jobs_formed": len(r.counters), "rss_kib": rss, "peak_kib": peak}
+        )
+    return {"baseline_kib": baseline, "rounds": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--connections", type=int, default=2000)
-    parser.add_argument("--jobs", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-    raise_fd_limit(args.connections * 2 + 256)  # the server inherits it
+def bench(connections: int, jobs: int, rounds: int) -> dict[str, Any]:
+    """Run ``rounds`` rounds against a fresh ``aiodist serve``; return plain data."""
+    raise_fd_limit(connections * 2 + 256)  # the server inherits it
     env = {**os.environ, "AIODIST_LOG_LEVEL": "warning"}
     daemon = subprocess.Popen(
         [sys.executable, "-m", "aiodist", "serve", "--port", "0", "--log-format", "json"],
@@ -162,10 +157,75 @@ def main(argv: list[str] | None = None) -> int:
         assert daemon.stdout is not None
         port = int(json.loads(daemon.stdout.readline())["port"])
         options = {"loop_factory": uvloop.new_event_loop}
-        anyio.run(_rounds, args, ("127.0.0.1", port), daemon.pid, backend_options=options)
+        data: dict[str, Any] = anyio.run(
+            _rounds,
+            ("127.0.0.1", port),
+            daemon.pid,
+            connections,
+            jobs,
+            rounds,
+            backend_options=options,
+        )
     finally:
         daemon.terminate()
         daemon.wait(10)
+    data["config"] = {"connections": connections, "jobs": jobs, "rounds": rounds}
+    return data
+
+
+def render(data: dict[str, Any]) -> str:
+    """The per-round table, as text."""
+    rows = [
+        [
+            i,
+            r["held_at_once"],
+            r["jobs_formed"],
+            f"{r['seconds']:.2f}",
+            f"{r['peak_kib'] / 1024:.1f}",
+            f"{r['rss_kib'] / 1024:.1f}",
+        ]
+        for i, r in enumerate(data["rounds"])
+    ]
+    headers = ["round", "connections held", "jobs formed", "time s", "peak MiB", "after MiB"]
+    return f"server baseline {data['baseline_kib'] / 1024:.1f} MiB\n" + format_table(headers, rows)
+
+
+# Server memory may grow by this much from the end of the first round to the end of the last
+# (allocator arenas settle in the first round; a per-round leak shows as steady growth).
+MEMORY_GROWTH_LIMIT_MIB: Final = 8.0
+
+
+def goal_list(data: dict[str, Any]) -> list[Goal]:
+    """Every member held at once and every job formed each round; server memory steady."""
+    cfg, rounds = data["config"], data["rounds"]
+    held = min((r["held_at_once"] / cfg["connections"] for r in rounds), default=None)
+    formed = min((r["jobs_formed"] / cfg["jobs"] for r in rounds), default=None)
+    growth = (rounds[-1]["rss_kib"] - rounds[0]["rss_kib"]) / 1024 if rounds else None
+    where = f"{cfg['connections']} connections / {cfg['jobs']} jobs"
+    return [
+        Goal.judge(f"load {where}", "share held at once", ">=", 1.0, held, "issue 8"),
+        Goal.judge(f"load {where}", "share of jobs formed", ">=", 1.0, formed, "issue 8"),
+        Goal.judge(
+            f"load {where}, {len(rounds)} rounds",
+            "server RSS growth after round 1 (MiB)",
+            "<=",
+            MEMORY_GROWTH_LIMIT_MIB,
+            growth,
+            "issue 8",
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, default=2000)
+    parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    data = bench(args.connections, args.jobs, args.rounds)
+    print(render(data))
+    print(goal_table(goal_list(data)))
+    print(f"results: {write_results('load', data)}")
     return 0
 
 

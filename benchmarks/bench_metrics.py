@@ -34,9 +34,9 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Final
+from typing import Any, Final
 
-from benchmarks._common import format_table, write_results
+from benchmarks._common import Goal, format_table, goal_table, summarize, write_results
 
 VARIANTS: Final = ("none", "torch_each", "torch_fused", "aiodist")
 ENV: Final = {
@@ -123,35 +123,41 @@ def _rank_main(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({"rank": rank, "times": times}), flush=True)
 
 
-def _parent(args: argparse.Namespace) -> None:
+def bench(
+    ranks: int = 4,
+    steps: int = 200,
+    repeats: int = 3,
+    *,
+    hidden: int = 512,
+    batch: int = 64,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """Run the four variants on ``ranks`` processes; return plain data.
+
+    Per round, a variant's time is the slowest rank's mean step; the summary
+    is the median over rounds, with the min and max.
+    """
     torch_port, aiodist_port = _free_port(), _free_port()
     env = {**os.environ, **ENV}
+    config = {"ranks": ranks, "steps": steps, "repeats": repeats, "hidden": hidden, "batch": batch}
+    rank_args = [f"--{k}={v}" for k, v in config.items()]
+    rank_args += [f"--torch-port={torch_port}", f"--aiodist-port={aiodist_port}"]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.bench_metrics",
-                *sys.argv[1:],
-                "--rank",
-                str(r),
-                "--torch-port",
-                str(torch_port),
-                "--aiodist-port",
-                str(aiodist_port),
-            ],
+            [sys.executable, "-m", "benchmarks.bench_metrics", *rank_args, f"--rank={r}"],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for r in range(args.ranks)
+        for r in range(ranks)
     ]
     reports = []
     try:
+        deadline = time.monotonic() + timeout
         for p in procs:
-            out, _ = p.communicate(timeout=args.timeout)
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
-                raise SystemExit(f"a rank exited with {p.returncode}")
+                raise RuntimeError(f"a metrics rank exited with {p.returncode}")
             line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
             reports.append(json.loads(line.removeprefix("RESULT ")))
     finally:
@@ -159,37 +165,47 @@ def _parent(args: argparse.Namespace) -> None:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    # Per round, the slowest rank's mean step; then the median over rounds.
-    step: dict[str, float] = {}
-    for v in VARIANTS:
-        per_round = [max(r["times"][v][i] for r in reports) for i in range(args.repeats)]
-        step[v] = statistics.median(per_round)
+    per_round = {
+        v: [max(r["times"][v][i] for r in reports) for i in range(repeats)] for v in VARIANTS
+    }
+    step = {v: statistics.median(per_round[v]) for v in VARIANTS}
+    return {
+        "config": {**config, "timeout": timeout},
+        "step_seconds": step,
+        "step_summary_s": {v: summarize(per_round[v]) for v in VARIANTS},
+        "ratio_to_none": {v: step[v] / step["none"] for v in VARIANTS},
+        "per_rank": reports,
+        "threads": "OMP_NUM_THREADS=1, torch.set_num_threads(1)",
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    """The step-time table, as text."""
+    cfg, step = data["config"], data["step_seconds"]
     rows = [
         [
             v,
             f"{step[v] * 1e3:.3f}",
+            data["step_summary_s"][v].spread(1e3, 3),
             f"{step[v] / step['none']:.3f}",
             f"{step[v] / step['torch_each']:.3f}",
         ]
         for v in VARIANTS
     ]
-    print(
-        f"metric sync every step: {args.ranks} ranks (CPU), MLP 128-{args.hidden}-10, batch "
-        f"{args.batch}, {2 + 4} metrics, {args.steps} steps x {args.repeats} rounds; "
+    title = (
+        f"metric sync every step: {cfg['ranks']} ranks (CPU), MLP 128-{cfg['hidden']}-10, batch "
+        f"{cfg['batch']}, {2 + 4} metrics, {cfg['steps']} steps x {cfg['repeats']} rounds; "
         "OMP_NUM_THREADS=1 and torch.set_num_threads(1) in every rank"
     )
-    print(format_table(["variant", "step ms", "vs none", "vs torch_each"], rows))
-    path = write_results(
-        "metrics",
-        {
-            "config": {k: v for k, v in vars(args).items() if k not in ("rank",)},
-            "step_seconds": step,
-            "ratio_to_none": {v: step[v] / step["none"] for v in VARIANTS},
-            "per_rank": reports,
-            "threads": "OMP_NUM_THREADS=1, torch.set_num_threads(1)",
-        },
-    )
-    print(f"wrote {path}")
+    headers = ["variant", "step ms", "min-max", "vs none", "vs torch_each"]
+    return title + "\n" + format_table(headers, rows)
+
+
+def goal_list(data: dict[str, Any]) -> list[Goal]:
+    """aiodist's aggregator costs the step at most 2% (issue 6)."""
+    value = data["ratio_to_none"]["aiodist"]
+    where = f"metrics every step, {data['config']['ranks']} ranks"
+    return [Goal.judge(where, "step time aiodist/none", "<=", 1.02, value, "issue 6")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,10 +220,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--aiodist-port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rank is None:
-        _parent(args)
-    else:
+    if args.rank is not None:
         _rank_main(args)
+        return
+    data = bench(
+        args.ranks,
+        args.steps,
+        args.repeats,
+        hidden=args.hidden,
+        batch=args.batch,
+        timeout=args.timeout,
+    )
+    print(render(data))
+    print(goal_table(goal_list(data)))
+    print(f"wrote {write_results('metrics', data)}")
 
 
 if __name__ == "__main__":

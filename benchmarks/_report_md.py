@@ -1,0 +1,394 @@
+"""The benchmark report as Markdown: header, goals, and one table per measurement.
+
+Every row puts aiodist's figure next to its counterpart's (torch.distributed
+gloo, or torch's TCPStore for rendezvous) measured in the same run, with the
+ratio; a figure reads ``median (min-max)`` over the repeats. Works on the
+in-memory results and on their JSON form alike (``report.json``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Final
+
+from benchmarks._collective_ranks import TENSOR_OPS, MiB, bus_factor
+from benchmarks._common import Goal, Summary, as_summary
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["render_report"]
+
+SECTION_TITLES: Final = {
+    "collectives": "Collectives vs torch.distributed gloo",
+    "rendezvous": "Rendezvous at scale vs torch TCPStore",
+    "bridge": "Torch bridge: loop lag and overlap",
+    "metrics": "Metric sync step time",
+    "load": "Server load",
+}
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    align = ["---", *["---:"] * (len(headers) - 1)]
+    lines = [headers, align, *[[str(c) for c in row] for row in rows]]
+    return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", MiB), ("KiB", 1024)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def _count(k: int, noun: str, plural: str = "s") -> str:
+    return f"{k} {noun}{'' if k == 1 else plural}"
+
+
+def _num(x: float) -> str:
+    """Three significant figures, no exponent for the ranges we print."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:.{digits}f}"
+
+
+def _spread(s: Summary, scale: float) -> str:
+    """`` (min-max)``, or nothing for a single sample."""
+    if s.n < 2:
+        return ""
+    return f" ({_num(s.min * scale)}-{_num(s.max * scale)})"
+
+
+def _duration(s: Summary | None) -> str:
+    """``median (min-max)`` in µs, ms or s, whichever reads best for the median."""
+    if s is None:
+        return "-"
+    unit, scale = ("s", 1.0) if s.median >= 1 else ("ms", 1e3) if s.median >= 1e-3 else ("µs", 1e6)
+    return f"{_num(s.median * scale)} {unit}{_spread(s, scale)}"
+
+
+def _bandwidth(nbytes: int, factor: float, s: Summary | None) -> str:
+    """``median (min-max)`` in GB/s, MB/s or kB/s (decimal units, as nccl-tests)."""
+    if s is None:
+        return "-"
+    rate = nbytes * factor / s.median
+    unit, scale = next(
+        ((u, k) for u, k in (("GB/s", 1e9), ("MB/s", 1e6)) if rate >= k), ("kB/s", 1e3)
+    )
+    low, high = nbytes * factor / s.max / scale, nbytes * factor / s.min / scale
+    spread = f" ({_num(low)}-{_num(high)})" if s.n > 1 else ""
+    return f"{_num(rate / scale)} {unit}{spread}"
+
+
+def _ratio(value: float | None, better: str) -> str:
+    """The ratio, in bold where aiodist is the better of the two."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    wins = value < 1 if better == "lower" else value > 1
+    text = f"{value:.2f}"
+    return f"**{text}**" if wins else text
+
+
+def _failed(res: dict[str, Any]) -> str | None:
+    error = res.get("error")
+    return None if error is None else f"failed: {str(error)[:60]}"
+
+
+def _env_lines(env: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    versions = ", ".join(
+        f"{k} {env.get(k)}" for k in ("python", "torch", "anyio", "uvloop", "msgpack")
+    )
+    return [
+        f"- **Run**: `{report['command']}`, mode `{report['mode']}`, {env.get('date')}, "
+        f"{report['wall_s'] / 60:.1f} min in all",
+        f"- **Commit**: `{env.get('git_commit')}`",
+        f"- **Machine**: {env.get('cpu_count')} CPUs ({env.get('cpu_model')}), "
+        f"{env.get('mem_total_gib')} GiB, {env.get('platform')}; load average "
+        f"{env.get('load_avg_1m')} at the start (a shared machine slows both systems alike: "
+        "they take turns batch by batch)",
+        f"- **Software**: {versions}",
+    ]
+
+
+def _goals(goals: Sequence[Goal]) -> str:
+    rows = [
+        [
+            g.name,
+            g.measure,
+            g.target,
+            "-" if g.value is None else _num(g.value),
+            "met" if g.met else "not measured" if g.met is None else "**MISSED**",
+            g.source,
+        ]
+        for g in goals
+    ]
+    met = sum(1 for g in goals if g.met)
+    measured = sum(1 for g in goals if g.met is not None)
+    return f"{met} of {measured} measured goals met.\n\n" + _table(
+        ["case", "measure", "goal", "value", "verdict", "set in"], rows
+    )
+
+
+# --- collectives --------------------------------------------------------------------------------
+
+
+def _tensor_rows(results: list[dict[str, Any]], n: int) -> list[list[str]]:
+    rows = []
+    for op in TENSOR_OPS:
+        for row in results:
+            if row["world_size"] != n or row["op"] != op:
+                continue
+            factor = bus_factor(op, n)
+            assert factor is not None
+            cells = [op, _size(row["nbytes"])]
+            for system in ("aiodist", "gloo"):
+                res = row[system]
+                cells.append(_failed(res) or _duration(as_summary(res.get("summary_s"))))
+            cells.append(_ratio(row.get("time_ratio"), "lower"))
+            for system in ("aiodist", "gloo"):
+                s = as_summary(row[system].get("summary_s"))
+                cells.append(_failed(row[system]) or _bandwidth(row["nbytes"], factor, s))
+            cells.append(_ratio(row.get("busbw_ratio"), "higher"))
+            rows.append(cells)
+    return rows
+
+
+def _other_rows(results: list[dict[str, Any]], n: int) -> list[list[str]]:
+    rows = []
+    for row in results:
+        if row["world_size"] != n or row["op"] in (*TENSOR_OPS, "memory"):
+            continue
+        cells = [row["case"]]
+        if row["op"] == "p2p_bandwidth":
+            for system in ("aiodist", "gloo"):
+                s = as_summary(row[system].get("summary_s"))
+                cells.append(_failed(row[system]) or _bandwidth(row["nbytes"], 1.0, s))
+            cells.append(_ratio(row.get("busbw_ratio"), "higher") + " (bandwidth)")
+        else:
+            for system in ("aiodist", "gloo"):
+                res = row[system]
+                cells.append(_failed(res) or _duration(as_summary(res.get("summary_s"))))
+            cells.append(_ratio(row.get("time_ratio"), "lower") + " (time)")
+        rows.append(cells)
+    return rows
+
+
+def _memory_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for row in results:
+        if row["op"] != "memory":
+            continue
+        cells = [str(row["world_size"])]
+        for key in ("extra_bytes", "pss_extra_bytes"):
+            for system in ("aiodist", "gloo"):
+                res = row[system]
+                value = res.get(key)
+                tensors = value / row["nbytes"] if value is not None else None
+                cells.append(
+                    _failed(res)
+                    or ("-" if value is None else f"{value / MiB:.1f} MiB ({tensors:.2f}x)")
+                )
+        rows.append(cells)
+    return rows
+
+
+def _collectives(data: dict[str, Any], plots: dict[int, str]) -> list[str]:
+    cfg, results = data["config"], data["results"]
+    out = [
+        f"{cfg['repeats']} timed batches per case and system, each of about "
+        f"{cfg['batch_target_s'] * 1e3:.0f} ms of back-to-back calls after a checked warm-up; "
+        "a batch's time per call is the slowest rank's. Both systems' ranks are up for the "
+        "whole world size and take turns batch by batch. Bus bandwidth follows nccl-tests: "
+        "algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_scatter (size = "
+        "the whole gathered or scattered buffer), x 1 for broadcast and point-to-point. "
+        "Ratios are aiodist/gloo; **bold** where aiodist is better (a lower time, a higher "
+        "bandwidth)."
+    ]
+    for n in cfg["world_sizes"]:
+        out.append(f"### World size {n}")
+        if n in plots:
+            out.append(f"![bus bandwidth, world size {n}]({plots[n]})")
+        headers = [
+            "op",
+            "size",
+            "aiodist time",
+            "gloo time",
+            "time a/g",
+            "aiodist busbw",
+            "gloo busbw",
+            "busbw a/g",
+        ]
+        out.append(_table(headers, _tensor_rows(results, n)))
+        other = _other_rows(results, n)
+        if other:
+            out.append(f"Barrier, object collectives and point-to-point (ranks 0 and 1), N={n}:")
+            out.append(_table(["case", "aiodist", "gloo", "aiodist/gloo"], other))
+    memory = _memory_rows(results)
+    if memory:
+        out.append(
+            "Memory during one 64 MiB all_reduce, per rank: how far peak RSS rose, and how much "
+            "the proportional set size (shared pages counted once across ranks) grew; in MiB "
+            "and in tensor sizes."
+        )
+        headers = ["N", "aiodist peak RSS", "gloo peak RSS", "aiodist PSS", "gloo PSS"]
+        out.append(_table(headers, memory))
+    return out
+
+
+# --- the other sections -------------------------------------------------------------------------
+
+
+def _rendezvous(data: dict[str, Any]) -> list[str]:
+    rows, phase_rows = [], []
+    for res in data["results"]:
+        n = res["world_size"]
+        a = as_summary(res.get("aiodist", {}).get("summary_s"))
+        t = as_summary(res.get("tcpstore", {}).get("summary_s"))
+        ratio = a.median / t.median if a is not None and t is not None else None
+        rows.append([str(n), _duration(a), _duration(t), _ratio(ratio, "lower")])
+        for system in ("aiodist", "tcpstore"):
+            phases = res.get(system, {}).get("phases_s", {})
+            shown = []
+            for p in data["phases"]:
+                s = as_summary(phases.get(p))
+                shown.append("-" if s is None else f"{s.median * 1e3:.1f}")
+            phase_rows.append([str(n), system, *shown])
+    cfg = data["config"]
+    return [
+        f"N clients join, set a key, wait for all N keys and pass a barrier; clients spread "
+        f"over {_count(cfg['workers'], 'worker process', 'es')} (aiodist: tasks on a uvloop "
+        "loop; TCPStore: threads), each server in its own process. Time from release to the "
+        "last client past the barrier; ratio aiodist/TCPStore (below 1: aiodist faster).",
+        _table(["N", "aiodist", "TCPStore", "time a/t"], rows),
+        "When the last client finished each step (median, ms after the start):",
+        _table(["N", "system", *(f"{p} ms" for p in data["phases"])], phase_rows),
+    ]
+
+
+def _bridge(data: dict[str, Any]) -> list[str]:
+    lag = data["loop_lag"]
+    a, t = lag["bridged"], lag["naive"]
+
+    def row(label: str, key: str, better: str = "lower") -> list[str]:
+        ratio = a[key] / t[key] if t[key] else None
+        shown = [str(x) if isinstance(x, int) else _num(x) for x in (a[key], t[key])]
+        return [label, *shown, _ratio(ratio, better)]
+
+    op = [
+        f"all_reduce {data['size_mib']} MiB, ms",
+        f"{_num(a['op_median_ms'])} ({_num(a['op_min_ms'])}-{_num(a['op_max_ms'])})",
+        f"{_num(t['op_median_ms'])} ({_num(t['op_min_ms'])}-{_num(t['op_max_ms'])})",
+        _ratio(a["op_median_ms"] / t["op_median_ms"], "lower"),
+    ]
+    train = data["training"]
+    return [
+        f"Two ranks (`aiodist run -n 2`, gloo on CPU) all-reduce {data['size_mib']} MiB "
+        f"{data['repeats']} times while a task on rank 0's loop sleeps 1 ms at a time and "
+        "records how late it wakes: through aiodist's bridge, and with torch.distributed's "
+        "all_reduce called inside the coroutine (which blocks the loop).",
+        _table(
+            ["", "aiodist (bridged)", "torch.distributed in the loop", "aiodist/torch"],
+            [
+                op,
+                row("loop lag p50, ms", "lag_p50_ms"),
+                row("loop lag p99, ms", "lag_p99_ms"),
+                row("loop lag max, ms", "lag_max_ms"),
+                row("ticks seen", "ticks", "higher"),
+            ],
+        ),
+        f"Training overlap (`examples/train_overlap.py`, 4 ranks, {data['steps']} steps, median "
+        f"step): overlap efficiency {train['overlap_efficiency']:.0%} of the communication time "
+        "hidden.",
+        _table(
+            ["mode", "ms/step"],
+            [[m, _num(train[m] * 1e3)] for m in ("overlap", "blocking", "none")],
+        ),
+    ]
+
+
+def _metrics(data: dict[str, Any]) -> list[str]:
+    cfg, step = data["config"], data["step_seconds"]
+    rows = []
+    for v in ("none", "torch_each", "torch_fused", "aiodist"):
+        s = as_summary(data["step_summary_s"][v])
+        rows.append(
+            [
+                v,
+                _duration(s),
+                _num(step[v] / step["none"]),
+                _ratio(step["aiodist"] / step[v], "lower") if v != "aiodist" else "",
+            ]
+        )
+    return [
+        f"{cfg['ranks']} ranks on CPU each train a small MLP (128-{cfg['hidden']}-10, batch "
+        f"{cfg['batch']}) and sync 6 metrics every step: not at all, torch.distributed "
+        "blocking all_reduce per metric, one fused all_reduce, or aiodist's MetricAggregator "
+        f"(never waited for in the loop). {cfg['steps']} steps x {cfg['repeats']} rounds; "
+        "the slowest rank's mean step per round.",
+        _table(["variant", "step", "vs none", "aiodist/this"], rows),
+    ]
+
+
+def _load(data: dict[str, Any]) -> list[str]:
+    cfg = data["config"]
+    rows = [
+        [
+            str(i),
+            str(r["held_at_once"]),
+            str(r["jobs_formed"]),
+            f"{r['seconds']:.2f}",
+            f"{r['peak_kib'] / 1024:.1f}",
+            f"{r['rss_kib'] / 1024:.1f}",
+        ]
+        for i, r in enumerate(data["rounds"])
+    ]
+    return [
+        f"{cfg['connections']} control clients over {cfg['jobs']} jobs on one `aiodist serve` "
+        "(join, store set/add/wait, barrier, hold until every member is in, leave), "
+        f"{_count(cfg['rounds'], 'round')}; server baseline {data['baseline_kib'] / 1024:.1f} MiB. "
+        "No torch counterpart.",
+        _table(["round", "held at once", "jobs formed", "seconds", "peak MiB", "after MiB"], rows),
+    ]
+
+
+_RENDER: Final = {
+    "rendezvous": _rendezvous,
+    "bridge": _bridge,
+    "metrics": _metrics,
+    "load": _load,
+}
+
+
+def render_report(report: dict[str, Any], goals: Sequence[Goal], plots: dict[int, str]) -> str:
+    """The whole report; ``plots`` maps a world size to its PNG's file name."""
+    env = report["environment"]
+    out = ["# aiodist benchmark report", "\n".join(_env_lines(env, report))]
+    if report.get("plot_note"):
+        out.append(f"_{report['plot_note']}_")
+    out += ["## Goals", _goals(goals)]
+    for name, title in SECTION_TITLES.items():
+        section = report["sections"].get(name)
+        if section is None:
+            continue
+        out.append(f"## {title}")
+        if "skipped" in section:
+            out.append(f"_Not run: {section['skipped']}._")
+        elif "error" in section:
+            out.append(
+                f"**Failed** after {section['wall_s']:.0f} s:\n\n```\n{section['error']}\n```"
+            )
+        elif name == "collectives":
+            out += _collectives(section["data"], plots)
+        else:
+            out += _RENDER[name](section["data"])
+    rows = [
+        [
+            name,
+            "skipped" if "skipped" in s else "FAILED" if "error" in s else "ok",
+            f"{s.get('wall_s', 0.0):.0f}",
+        ]
+        for name, s in report["sections"].items()
+    ]
+    out += ["## Run", _table(["section", "status", "seconds"], rows)]
+    return "\n\n".join(out) + "\n"

@@ -1,0 +1,220 @@
+"""Run every benchmark and write one report: aiodist against torch.distributed, side by side.
+
+Sections, run one after another in this process (each spawns its own ranks
+and servers, and stops them before the next starts):
+
+- ``collectives``: all_reduce, broadcast, all_gather, reduce_scatter over
+  4 B ... 64 MiB, barrier, object collectives, point-to-point latency and
+  bandwidth, memory; aiodist vs gloo at world sizes 2 and 4
+  (``bench_collectives``);
+- ``rendezvous``: N clients joining, up to 1024, vs TCPStore (``bench_rendezvous``);
+- ``bridge``: event-loop lag during a bridged all_reduce vs torch.distributed
+  called in the loop, and training overlap (``bench_bridge``);
+- ``metrics``: step time with per-step metric sync (``bench_metrics``);
+- ``load``: thousands of control connections on one server (``bench_load``).
+
+Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
+``report.md`` (header with machine facts and goals met, then every table),
+``report.json`` (everything, machine-readable), ``busbw_ws{N}.png`` (bus
+bandwidth vs message size per world size, needs matplotlib: the ``bench``
+extra), and each section's own JSON.
+
+Modes: the full run (about 4-5 minutes on 2 busy cores), ``--quick`` (under 2),
+``--smoke`` (a few seconds of measuring: two sizes, world size 2, one repeat,
+no bridge or metrics; plots only when matplotlib is installed), which the
+test suite runs to keep this script working.
+
+Usage::
+
+    python -m benchmarks.report [--quick | --smoke] [--out DIR] [--sections NAME ...]
+
+Exit status: 0 when every section ran (goals missed or not), 1 when one failed
+(the report is written all the same and says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from benchmarks import bench_bridge, bench_collectives, bench_load, bench_metrics, bench_rendezvous
+from benchmarks._common import (
+    RESULTS_DIR,
+    environment,
+    goal_table,
+    jsonable,
+    now,
+    raise_fd_limit,
+    write_results,
+)
+from benchmarks._plots import have_matplotlib, plot_busbw
+from benchmarks._report_md import render_report
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from benchmarks._collective_ranks import Mode
+    from benchmarks._common import Goal
+
+SECTIONS: Final = ("collectives", "rendezvous", "bridge", "metrics", "load")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How much each section measures in one mode."""
+
+    world_sizes: tuple[int, ...]
+    collective_repeats: int
+    batch_ms: float
+    rendezvous_sizes: tuple[int, ...]
+    rendezvous_repeats: int | None  # None: more where runs are cheap
+    rendezvous_workers: int
+    bridge: tuple[int, int, int] | None  # repeats, size in MiB, training steps
+    metrics: tuple[int, int] | None  # steps, rounds
+    load: tuple[int, int, int]  # connections, jobs, rounds
+
+
+PLANS: Final[dict[Mode, Plan]] = {
+    "full": Plan((2, 4), 7, 40.0, (16, 128, 1024), None, 4, (7, 64, 20), (200, 3), (2000, 100, 3)),
+    "quick": Plan((2, 4), 3, 10.0, (16, 128), 2, 4, (2, 64, 5), (50, 2), (400, 20, 2)),
+    "smoke": Plan((2,), 1, 5.0, (4,), 1, 1, None, None, (20, 2, 1)),
+}
+
+
+def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], list[Goal], str]:
+    """Run one section; return its data, its goals and its text tables."""
+    if name == "collectives":
+        data = bench_collectives.bench(
+            plan.world_sizes, plan.collective_repeats, plan.batch_ms / 1e3, mode
+        )
+        return data, bench_collectives.goal_list(data), bench_collectives.render(data)
+    if name == "rendezvous":
+        data = bench_rendezvous.bench(
+            plan.rendezvous_sizes,
+            plan.rendezvous_repeats,
+            workers=plan.rendezvous_workers,
+            timeout=bench_rendezvous.DEFAULT_RUN_TIMEOUT,
+        )
+        return data, bench_rendezvous.goal_list(data), bench_rendezvous.render(data)
+    if name == "bridge":
+        assert plan.bridge is not None
+        data = bench_bridge.bench(*plan.bridge)
+        return data, bench_bridge.goal_list(data), bench_bridge.render(data)
+    if name == "metrics":
+        assert plan.metrics is not None
+        steps, rounds = plan.metrics
+        data = bench_metrics.bench(4, steps, rounds)
+        return data, bench_metrics.goal_list(data), bench_metrics.render(data)
+    if name == "load":
+        data = bench_load.bench(*plan.load)
+        return data, bench_load.goal_list(data), bench_load.render(data)
+    raise ValueError(f"unknown section {name!r}")
+
+
+def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> str | None:
+    if name not in chosen:
+        return "not chosen with --sections"
+    if (name == "bridge" and plan.bridge is None) or (name == "metrics" and plan.metrics is None):
+        return f"not part of --{mode} (it spawns several more jobs)"
+    return None
+
+
+def run(
+    mode: Mode,
+    out: Path,
+    chosen: Sequence[str] = SECTIONS,
+    plots: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the chosen sections of ``mode``, write the report into ``out``; return it as data."""
+    plan = PLANS[mode]
+    out.mkdir(parents=True, exist_ok=True)
+    started = now()
+    env = environment()  # before anything runs: the load average is others' work
+    sections: dict[str, dict[str, Any]] = {}
+    goals: list[Goal] = []
+    for name in SECTIONS:
+        reason = _skip_reason(name, plan, mode, chosen)
+        if reason is not None:
+            sections[name] = {"skipped": reason}
+            continue
+        log(f"== {name} ({mode})")
+        t0 = now()
+        try:
+            data, section_goals, text = _run_section(name, plan, mode)
+        except Exception as exc:
+            error = "".join(traceback.format_exception_only(exc)).strip()
+            sections[name] = {"error": error[-2000:], "wall_s": now() - t0}
+            log(f"{name} FAILED after {now() - t0:.0f} s: {error}")
+            continue
+        sections[name] = {"data": data, "wall_s": now() - t0}
+        goals += section_goals
+        write_results(name, data, out)
+        log(f"{text}\n{goal_table(section_goals)}\n{name}: {now() - t0:.0f} s\n")
+    plot_files: dict[int, str] = {}
+    plot_note = None
+    collectives = sections["collectives"].get("data")
+    if collectives is not None and plots and have_matplotlib():
+        for path in plot_busbw(collectives, out):
+            plot_files[int(path.stem.removeprefix("busbw_ws"))] = path.name
+    elif collectives is not None:
+        plot_note = (
+            "Plots skipped: --no-plots."
+            if not plots
+            else "Plots skipped: matplotlib is not installed (pip install -e '.[bench]')."
+        )
+    report: dict[str, Any] = {
+        "command": shlex.join(["python", "-m", "benchmarks.report", *sys.argv[1:]]),
+        "mode": mode,
+        "environment": env,
+        "plan": asdict(plan),
+        "sections": sections,
+        "goals": goals,
+        "plots": sorted(plot_files.values()),
+        "plot_note": plot_note,
+        "wall_s": now() - started,
+    }
+    (out / "report.md").write_text(render_report(report, goals, plot_files))
+    text = json.dumps(report, indent=2, default=jsonable) + "\n"
+    (out / "report.json").write_text(text)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m benchmarks.report``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0]
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer sizes and repeats: < 2 min")
+    size.add_argument("--smoke", action="store_true", help="the smallest run that writes it all")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report goes")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="NAME"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="write the tables only")
+    args = parser.parse_args(argv)
+    mode: Mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if not args.no_plots and mode != "smoke" and not have_matplotlib():
+        parser.error(
+            "the plots need matplotlib: pip install -e '.[bench]' (or `make bench`), "
+            "or pass --no-plots"
+        )
+    for key, value in bench_rendezvous.DNS_WORKAROUND.items():
+        os.environ.setdefault(key, value)  # every spawned rank and store inherits it
+    raise_fd_limit(2 * max(max(PLANS[mode].rendezvous_sizes), PLANS[mode].load[0]) + 1024)
+    report = run(mode, args.out, args.sections, plots=not args.no_plots)
+    print(goal_table(report["goals"]))
+    print(f"\nreport: {args.out / 'report.md'} ({report['wall_s']:.0f} s)")
+    return 1 if any("error" in s for s in report["sections"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
