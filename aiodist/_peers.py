@@ -238,6 +238,7 @@ class DataPlane:
         self.use_shm = shm.available()
         self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()
+        self._failed = False  # a session-wide failure happened
         if self.use_shm:
             shm.remove_stale()  # left by earlier jobs' ranks that crashed mid-operation
 
@@ -461,6 +462,7 @@ class DataPlane:
             return group_id is None or key[1] == group_id
 
         if group_id is None and self.use_shm:  # a rank died (or the session broke)
+            self._failed = True
             shm.remove_stale()  # its segments may linger
         posted_list = self.matcher.take_posted_where(hit)
         arriving = [link._posted for link in self._arriving if link._posted is not None]
@@ -502,4 +504,4 @@ class DataPlane:
             task.cancel()
         self._channels.clear()
         self._out.clear()
-        self.segments.close()
+        self.segments.close(sweep=self._failed)  # a dead peer's may outlive the sweep at fail

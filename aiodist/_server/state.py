@@ -499,13 +499,17 @@ class ServerState:
     @staticmethod
     def _advance_waiter(job: Job, waiter: Waiter) -> bool:
         """Park ``waiter`` under its next missing key; False once all its keys are set."""
-        keys, kv, i = waiter.keys, job.kv, waiter.pos
-        while i < len(keys) and keys[i] in kv:
-            i += 1
-        waiter.pos = i
-        if i == len(keys):
+        keys, kv = waiter.keys, job.kv
+        # The first missing key, found in C: a wait on N keys that are all set (the
+        # common case at start-up) costs a fast pass, not N Python iterations.
+        missing = next(
+            itertools.filterfalse(kv.__contains__, itertools.islice(keys, waiter.pos, None)), None
+        )
+        if missing is None:
+            waiter.pos = len(keys)
             return False
-        job.key_waiters.setdefault(keys[i], []).append(waiter)
+        waiter.pos = keys.index(missing, waiter.pos)
+        job.key_waiters.setdefault(missing, []).append(waiter)
         return True
 
     def _waiter_timed_out(self, waiter: Waiter) -> None:

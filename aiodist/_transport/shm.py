@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -57,11 +58,14 @@ ROUND_BYTES: Final = 1 << 20
 
 def available() -> bool:
     """Linux with a writable ``/dev/shm``, unless ``AIODIST_SHM=0``."""
+    return os.environ.get("AIODIST_SHM", "1") != "0" and _dev_shm_writable()
+
+
+@functools.cache
+def _dev_shm_writable() -> bool:
+    # Asked by every rank as it joins: the answer does not change within a process.
     return (
-        sys.platform.startswith("linux")
-        and os.environ.get("AIODIST_SHM", "1") != "0"
-        and os.path.isdir(SHM_DIR)
-        and os.access(SHM_DIR, os.W_OK)
+        sys.platform.startswith("linux") and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
     )
 
 
@@ -75,6 +79,7 @@ def capability() -> str:
     return f"shm:{os.getuid()}"
 
 
+@functools.cache
 def _pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -262,11 +267,14 @@ class SharedSegments:
         self._peers[key] = seg
         return seg
 
-    def close(self) -> None:
-        """Unmap everything and remove own files that peers never mapped."""
+    def close(self, *, sweep: bool = False) -> None:
+        """Unmap everything and remove own files that peers never mapped.
+
+        With ``sweep`` (a peer failed), also remove dead processes' segments.
+        """
         for seg in [*self._peers.values(), *self._own.values()]:
             seg.close()
         self._peers.clear()
         self._own.clear()
-        if available():
+        if sweep and available():
             remove_stale()
