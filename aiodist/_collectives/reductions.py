@@ -25,6 +25,7 @@ from aiodist._collectives.common import (
     contiguous,
     copy_into,
     divide_,
+    exchange_all,
     recv_tensor,
     resolve_group,
     send,
@@ -138,6 +139,31 @@ async def _direct_all_reduce(
         _combine(op, flat, parts[0], parts[1])
         for r in range(2, p):
             _combine(op, flat, flat, parts[r])
+
+
+def _direct_all_reduce_now(
+    g: ProcessGroup, t: torch.Tensor, op: str, mine: list[Any]
+) -> Work[torch.Tensor]:
+    """``_direct_all_reduce`` driven by the data plane's callbacks: no task, no coroutine."""
+    _, work, seq = g.begin(f"all_reduce(op={op})")
+    buf = contiguous(t)
+    flat = buf.view(-1)
+    p = g.world_size
+
+    def done(staging: memoryview) -> None:
+        if p > 1 and flat.numel():
+            parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
+            _combine(op, flat, parts[0], parts[1])
+            for r in range(2, p):
+                _combine(op, flat, flat, parts[r])
+            if op == "mean":
+                divide_(buf, p)
+        if buf is not t:
+            copy_into(t, buf)
+        work._set_result(t)
+
+    exchange_all(g, work, seq, mine, byte_view(flat), done)
+    return work
 
 
 async def _recursive_doubling(
@@ -267,6 +293,8 @@ def all_reduce(
     algorithm = schedules.all_reduce_algorithm(
         t.numel() * t.element_size(), t.numel(), p, shared_memory=p > 1 and shared.usable(g)
     )
+    if algorithm == "direct":
+        return _direct_all_reduce_now(g, t, reduce_op, mine)
     turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
 
     async def run(seq: int) -> torch.Tensor:
@@ -275,8 +303,6 @@ def all_reduce(
             if algorithm == "shared_memory":
                 async with turns[0]:
                     await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, _combine)
-            elif algorithm == "direct":
-                await _direct_all_reduce(g, seq, buf, reduce_op, mine)
             elif algorithm == "recursive_doubling":
                 await _recursive_doubling(g, seq, buf, reduce_op, mine)
             else:
