@@ -12,16 +12,29 @@ interleaved over ``--repeats`` rounds:
 - ``aiodist``: ``MetricAggregator.update`` then ``sync()`` every step, never waited
   for inside the loop (plain code, through ``aiodist.sync``'s loop thread).
 
+Two step sizes run, one after the other, each with all four variants:
+``small`` (MLP 128-512-10, batch 64: about 1.6 ms a step with four ranks on
+two cores, where every microsecond of the sync shows) and ``large`` (MLP
+128-4096-10, batch 512: a step of tens of milliseconds, closer to real
+training). ``--hidden``/``--batch`` and ``--large-hidden``/``--large-batch``
+change them; ``--no-large`` skips the second.
+
+Besides the step time, each rank reports its CPU time per step (every thread
+of the process, aiodist's loop thread included): ``cpu - none's cpu`` is what
+one sync costs a rank in CPU, which is what slows the step when ranks share
+cores.
+
 Each rank sets ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``: four
 ranks on a small machine otherwise spin torch's thread pools. TCPStore gets
 ``RES_OPTIONS=use-vc`` (see ``bench_rendezvous.DNS_WORKAROUND``).
 
 Usage::
 
-    python -m benchmarks.bench_metrics [--ranks 4] [--steps 200] [--repeats 3]
+    python -m benchmarks.bench_metrics [--ranks 4] [--steps 200] [--repeats 3] [--no-large]
 
-Results go to ``benchmarks/results/metrics.json``; the table shows the median
-over rounds of the slowest rank's mean step time, and ratios to ``none``.
+Results go to ``benchmarks/results/metrics.json``; the tables show the median
+over rounds of the slowest rank's mean step time, ratios to ``none``, and the
+median over rounds of the ranks' mean CPU time per step.
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Final
+from typing import Any, Final
 
 from benchmarks._common import format_table, write_results
 
@@ -68,20 +81,46 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group(
         init_method=f"tcp://127.0.0.1:{args.aiodist_port}", rank=rank, world_size=world, timeout=120
     )
+    report: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for name, hidden, batch in _configs(args):
+        report[name] = _measure(args, rank, hidden, batch, torch, tdist, MetricAggregator)
+    tdist.barrier()  # rank 0 embeds the rendezvous server: leave together
+    dist.destroy_process_group()
+    tdist.destroy_process_group()
+    print("RESULT " + json.dumps({"rank": rank, "configs": report}), flush=True)
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    out = [("small", args.hidden, args.batch)]
+    if not args.no_large:
+        out.append(("large", args.large_hidden, args.large_batch))
+    return out
+
+
+def _measure(
+    args: argparse.Namespace,
+    rank: int,
+    hidden: int,
+    batch: int,
+    torch: Any,
+    tdist: Any,
+    aggregator: Any,
+) -> dict[str, dict[str, list[float]]]:
+    """Every variant's seconds and CPU seconds per step, one entry per round."""
     torch.manual_seed(rank)
     model = torch.nn.Sequential(
-        torch.nn.Linear(128, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 10)
+        torch.nn.Linear(128, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(args.batch, 128)
-    y = torch.randint(0, 10, (args.batch,))
-    agg = MetricAggregator()
+    x = torch.randn(batch, 128)
+    y = torch.randint(0, 10, (batch,))
+    agg = aggregator()
 
-    def train_step() -> dict[str, torch.Tensor]:
+    def train_step() -> dict[str, Any]:
         out = model(x)
         loss = torch.nn.functional.cross_entropy(out, y)
         opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         opt.step()
         metrics = {"loss": loss.detach(), "acc": (out.argmax(1) == y).float().mean()}
         for i, p in enumerate(model.parameters()):
@@ -89,10 +128,10 @@ def _rank_main(args: argparse.Namespace) -> None:
             metrics[f"grad_norm_{i}"] = p.grad.norm()
         return metrics
 
-    def run(variant: str, steps: int) -> float:
+    def run(variant: str, steps: int) -> tuple[float, float]:
         tdist.barrier()
         last = None
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             metrics = train_step()
             if variant == "torch_each":
@@ -104,23 +143,23 @@ def _rank_main(args: argparse.Namespace) -> None:
                 tdist.all_reduce(buf)
                 buf.tolist()
             elif variant == "aiodist":
-                agg.update(args.batch, **metrics)
+                agg.update(batch, **metrics)
                 last = agg.sync()
         elapsed = time.perf_counter() - start
         if last is not None:
             last.wait(timeout=60)
-        return elapsed / steps
+        # CPU of every thread (the loop thread's too), up to the last sync's end.
+        return elapsed / steps, (time.process_time() - cpu) / steps
 
     for variant in VARIANTS:  # warm up every path
         run(variant, max(5, args.steps // 10))
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, dict[str, list[float]]] = {v: {"wall": [], "cpu": []} for v in VARIANTS}
     for _ in range(args.repeats):
         for variant in VARIANTS:
-            times[variant].append(run(variant, args.steps))
-    tdist.barrier()  # rank 0 embeds the rendezvous server: leave together
-    dist.destroy_process_group()
-    tdist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": rank, "times": times}), flush=True)
+            wall, cpu = run(variant, args.steps)
+            times[variant]["wall"].append(wall)
+            times[variant]["cpu"].append(cpu)
+    return times
 
 
 def _parent(args: argparse.Namespace) -> None:
@@ -159,37 +198,62 @@ def _parent(args: argparse.Namespace) -> None:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    # Per round, the slowest rank's mean step; then the median over rounds.
+    configs: dict[str, Any] = {}
+    for name, hidden, batch in _configs(args):
+        configs[name] = _summarize(args, name, hidden, batch, reports)
+    path = write_results(
+        "metrics",
+        {
+            "config": {k: v for k, v in vars(args).items() if k not in ("rank",)},
+            # The small step's figures, as before; every configuration's under "configs".
+            "step_seconds": configs["small"]["step_seconds"],
+            "ratio_to_none": configs["small"]["ratio_to_none"],
+            "configs": configs,
+            "per_rank": reports,
+            "threads": "OMP_NUM_THREADS=1, torch.set_num_threads(1)",
+        },
+    )
+    print(f"wrote {path}")
+
+
+def _summarize(
+    args: argparse.Namespace, name: str, hidden: int, batch: int, reports: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Per round, the slowest rank's mean step (then the median over rounds); CPU likewise."""
+    per_rank = [r["configs"][name] for r in reports]
     step: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for v in VARIANTS:
-        per_round = [max(r["times"][v][i] for r in reports) for i in range(args.repeats)]
-        step[v] = statistics.median(per_round)
+        rounds = range(args.repeats)
+        step[v] = statistics.median(max(r[v]["wall"][i] for r in per_rank) for i in rounds)
+        cpu[v] = statistics.median(
+            statistics.mean(r[v]["cpu"][i] for r in per_rank) for i in rounds
+        )
     rows = [
         [
             v,
             f"{step[v] * 1e3:.3f}",
             f"{step[v] / step['none']:.3f}",
             f"{step[v] / step['torch_each']:.3f}",
+            f"{cpu[v] * 1e3:.3f}",
+            f"{(cpu[v] - cpu['none']) * 1e6:+.0f}",
         ]
         for v in VARIANTS
     ]
     print(
-        f"metric sync every step: {args.ranks} ranks (CPU), MLP 128-{args.hidden}-10, batch "
-        f"{args.batch}, {2 + 4} metrics, {args.steps} steps x {args.repeats} rounds; "
+        f"[{name}] metric sync every step: {args.ranks} ranks (CPU), MLP 128-{hidden}-10, batch "
+        f"{batch}, {2 + 4} metrics, {args.steps} steps x {args.repeats} rounds; "
         "OMP_NUM_THREADS=1 and torch.set_num_threads(1) in every rank"
     )
-    print(format_table(["variant", "step ms", "vs none", "vs torch_each"], rows))
-    path = write_results(
-        "metrics",
-        {
-            "config": {k: v for k, v in vars(args).items() if k not in ("rank",)},
-            "step_seconds": step,
-            "ratio_to_none": {v: step[v] / step["none"] for v in VARIANTS},
-            "per_rank": reports,
-            "threads": "OMP_NUM_THREADS=1, torch.set_num_threads(1)",
-        },
-    )
-    print(f"wrote {path}")
+    headers = ["variant", "step ms", "vs none", "vs torch_each", "cpu ms/step", "cpu us vs none"]
+    print(format_table(headers, rows))
+    return {
+        "hidden": hidden,
+        "batch": batch,
+        "step_seconds": step,
+        "ratio_to_none": {v: step[v] / step["none"] for v in VARIANTS},
+        "cpu_seconds_per_step": cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--large-hidden", type=int, default=4096)
+    parser.add_argument("--large-batch", type=int, default=512)
+    parser.add_argument("--no-large", action="store_true", help="only the small step")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
