@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives import common, schedules
 from aiodist._errors import CollectiveMismatchError
-from aiodist._inflight import start_task
+from aiodist._inflight import fail, start_task
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.state import Layout, Reduction, Snapshot
 from aiodist._wire import codec
@@ -85,11 +85,36 @@ def start_sync(
     so a sync chained after it never waits forever.
     """
     loop, work, seq = g.begin("metrics.sync", timed=False)
-    schema = _known(previous)
-    if schema is not None and snapshot.event is None and g.world_size <= _direct_max():
-        g.deadlines.add(loop, work, None)
+    if previous is None or snapshot.event is not None or g.world_size > _direct_max():
+
+        async def op(s: int) -> MetricResults:
+            return await run_sync(g, s, snapshot, previous, agreed)
+
+        start_task(g, loop, work, op, seq, True)
+        return work
+
+    g.deadlines.add(loop, work, None)
+
+    def failed(w: Work[Any]) -> None:
+        if (exc := w.exception()) is not None:
+            _fail_agreed(agreed, exc)
+
+    work._on_done(failed)
+
+    def exchange(prev: asyncio.Future[Schema]) -> None:
+        # The key set the previous sync agreed on is known: pack and send (no task).
+        if work.is_completed():
+            return  # timed out, or the group broke, while waiting for the previous sync
+        if prev.cancelled() or prev.exception() is not None:
+            fail(g, work, prev.exception() or asyncio.CancelledError(), collective=True)
+            return
+        try:
+            g.check_usable()  # broken since sync() was called: receives posted now would hang
+        except Exception as exc:
+            fail(g, work, exc, collective=True)
+            return
+        schema = prev.result()
         layout = _layout(schema)
-        records = snapshot.records()
 
         def done(rows: memoryview) -> None:
             vals = layout.reduce_rows(rows.cast("d"), g.world_size)
@@ -101,32 +126,18 @@ def start_sync(
             agreed.set_result(schema)
             work._set_result(MetricResults(layout.unpack(vals), layout.reductions))
 
-        def failed(w: Work[Any]) -> None:
-            if (exc := w.exception()) is not None:
-                _fail_agreed(agreed, exc)
-
-        work._on_done(failed)
-        packed = layout.pack(records, g.rank)
+        packed = layout.pack(snapshot.records(), g.rank)
         common.exchange_all(g, work, seq, _signature(layout), memoryview(packed).cast("B"), done)
-        return work
 
-    async def op(s: int) -> MetricResults:
-        return await run_sync(g, s, snapshot, previous, agreed)
-
-    start_task(g, loop, work, op, seq, True)
+    if previous.done():
+        exchange(previous)
+    else:  # syncs resolve in call order: this one goes once its predecessor agreed
+        previous.add_done_callback(exchange)
     return work
 
 
 def _direct_max() -> int:
     return schedules.DIRECT_MAX_RANKS
-
-
-def _known(previous: asyncio.Future[Schema] | None) -> Schema | None:
-    if previous is None or not previous.done() or previous.cancelled():
-        return None
-    if previous.exception() is not None:
-        return None
-    return previous.result()
 
 
 def _fail_agreed(agreed: asyncio.Future[Schema], exc: BaseException) -> None:
