@@ -26,11 +26,10 @@ import anyio
 from aiodist._errors import (
     ClosedError,
     DistError,
-    DistTimeoutError,
-    GroupBrokenError,
     RankFailedError,
     from_wire,
 )
+from aiodist._inflight import Deadlines, start_task
 from aiodist._peers import DataPlane
 from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
 from aiodist._store import REPLY_GRACE, Store
@@ -256,10 +255,13 @@ class Session:
         # A receive that no one may ever match would hold the close for the whole
         # timeout: fail point-to-point receives now, as torch's destroy does.
         self.plane.fail_p2p(ClosedError(f"process group {self.group_name!r} was destroyed"))
-        if self.inflight:
+        running = [w for g in self.groups.values() for w in g.deadlines.running()]
+        if self.inflight or running:
             # Sends and collectives already started complete for the peers' sake (bounded).
             with anyio.move_on_after(min(self.timeout, CLOSE_GRACE)):
-                await asyncio.gather(*self.inflight, return_exceptions=True)
+                await asyncio.gather(*self.inflight, *running, return_exceptions=True)
+        for g in self.groups.values():
+            g.deadlines.close()
         await self.plane.aclose()
         if not self.conn.closed:
             with contextlib.suppress(DistError), anyio.move_on_after(5):
@@ -300,6 +302,7 @@ class ProcessGroup:
         self.closed = False
         self._seq = 0
         self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
+        self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
 
     def check_usable(self) -> None:
         """Raise the error that broke this group (or its session), if any."""
@@ -318,6 +321,7 @@ class ProcessGroup:
         self.closed = True
         self._session.groups.pop(self.group_id, None)
         self._session.plane.fail(ClosedError(f"{self!r} was destroyed"), self.group_id)
+        self.deadlines.close()
 
     def break_(self, exc: DistError, *, notify: bool = True) -> None:
         """Mark this group unusable with ``exc`` on this rank and (``notify``) on every member."""
@@ -352,6 +356,18 @@ class ProcessGroup:
         operations in the same order however tasks are scheduled. A timeout or an
         error that makes the operation impossible breaks the group for every member.
         """
+        loop, work, seq = self.begin(description, collective=collective, timed=False)
+        start_task(self, loop, work, op, seq, collective)
+        return work
+
+    def begin(
+        self, description: str, *, collective: bool = True, timed: bool = True
+    ) -> tuple[asyncio.AbstractEventLoop, Work[Any], int]:
+        """Take the next operation's handle and sequence number, for a callback-driven op.
+
+        The caller settles the handle itself (``_inflight.fail`` on errors); with
+        ``timed`` it fails with ``DistTimeoutError`` after the group's timeout.
+        """
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -363,47 +379,10 @@ class ProcessGroup:
         if collective:  # point-to-point takes no sequence number: not every rank calls it
             self._seq += 1
         seq = self._seq
-        future: asyncio.Future[T] = loop.create_future()
-
-        async def run() -> None:
-            try:
-                # asyncio's own timeout: a third cheaper than a cancel scope per operation.
-                async with asyncio.timeout(self.timeout):
-                    result = await op(seq)
-            except DistError as exc:  # before TimeoutError: DistTimeoutError is one too
-                if collective:
-                    # Tell the group's members why (a rank dying breaks a ring in several
-                    # places; the first cause should reach everyone, not a later symptom).
-                    self.break_(exc)
-                    if isinstance(exc, GroupBrokenError) and self.error is not None:
-                        exc = self.error  # the group's first error: the same on every member
-                future.set_exception(exc)
-            except TimeoutError:  # our own timeout: the operation ran out of time
-                timed_out = DistTimeoutError(
-                    f"{description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
-                    "a rank may not have called it, or may be stuck. The group is broken."
-                )
-                self.break_(timed_out)
-                future.set_exception(timed_out)
-            except BaseException as exc:
-                if collective and isinstance(exc, Exception) and self.error is None:
-                    # Peers wait on this rank's part: tell them instead of letting them hang.
-                    self.break_(
-                        GroupBrokenError(
-                            f"{description} on group {self.name!r} failed on rank "
-                            f"{self._session.rank}: {type(exc).__name__}: {exc}; the group is "
-                            "broken. Restart the job."
-                        )
-                    )
-                future.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                future.set_result(result)
-            future.exception()  # the caller sees errors through Work: never "unretrieved"
-
-        self._spawn(run())
-        return Work(future, f"{description}#{seq}")
+        work: Work[Any] = Work.pending(loop, f"{description}#{seq}")
+        if timed:
+            self.deadlines.add(loop, work, None)
+        return loop, work, seq
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]

@@ -3,6 +3,10 @@
 Messages are matched by (group, source, tag) in send order, as MPI matches
 them. A receive is posted when ``irecv`` is called; a payload that arrives
 after that lands straight in the receiving tensor's memory.
+
+Neither side runs a task per message: ``isend`` writes the frame when called
+(its handle is done once the kernel took it), and ``irecv``'s handle is
+settled by the data plane's callback when the message is in.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives.common import byte_view, check_tensor, resolve_group
 from aiodist._errors import CollectiveMismatchError
+from aiodist._inflight import fail, start_task
 from aiodist._peers import OBJECT_P2P, P2P
 from aiodist._wire import codec
 
@@ -18,6 +23,8 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group import ProcessGroup
+    from aiodist._peers import Key, Received
+    from aiodist._wire.frame import Buffer
     from aiodist._work import Work
 
 __all__ = ["irecv", "irecv_object", "isend", "isend_object", "recv", "send"]
@@ -66,13 +73,28 @@ def isend(
     t = check_tensor(tensor)
     _check_peer(g, dst, "dst", tag)
     src = t if t.is_contiguous() else t.contiguous()
-    key = (P2P, g.group_id, tag, 0)
-    meta = _meta(src)
+    return _send(
+        g,
+        f"isend(dst={dst}, tag={tag})",
+        dst,
+        (P2P, g.group_id, tag, 0),
+        _meta(src),
+        byte_view(src),
+    )
 
-    async def op(seq: int) -> None:
-        await g.session.plane.send(dst, key, meta, byte_view(src))
 
-    return g.start(f"isend(dst={dst}, tag={tag})", op, collective=False)
+def _send(
+    g: ProcessGroup, description: str, dst: int, key: Key, meta: Any, payload: Buffer
+) -> Work[None]:
+    # Most sends are handed to the kernel right here: the handle is done at once, with
+    # no task and no timer. The rest (a first connection, a full socket) finish in a task.
+    loop, work, _ = g.begin(description, collective=False, timed=False)
+    rest = g.session.plane.send_now(dst, key, meta, payload)
+    if rest is None:
+        work._set_result(None)
+    else:
+        start_task(g, loop, work, lambda _seq: rest, 0, False)
+    return work
 
 
 def irecv(
@@ -95,29 +117,34 @@ def irecv(
     g = _p2p_group(group, "irecv")
     t = check_tensor(tensor)
     _check_peer(g, src, "src", tag)
-    g.check_usable()
+    _, work, _ = g.begin(f"irecv(src={src}, tag={tag})", collective=False)
     dest = t if t.is_contiguous() else t.contiguous()
-    key = (P2P, g.group_id, tag, 0)
-    future = g.session.plane.recv(src, key, byte_view(dest))
     mine = _meta(dest)
 
-    async def op(seq: int) -> int:
-        msg = await future
-        sender = msg.src  # a global rank, as torch's recv returns
-        if msg.meta != mine:
-            field = "dtype" if msg.meta[0] != mine[0] else "shape"
-            index = 0 if field == "dtype" else 1
-            raise CollectiveMismatchError(
-                f"irecv(tag={tag}) got {field} {msg.meta[index]!r} from rank {sender} but the "
-                f"receiving tensor has {mine[index]!r}; send and receive matching tensors",
-                field=field,
-                values_by_rank={g.session.rank: mine[index], sender: msg.meta[index]},
-            )
-        if dest is not t:
-            t.copy_(dest)
-        return sender
+    def arrived(msg: Received | BaseException) -> None:
+        # Called by the data plane (never raises into it): settle the handle here.
+        try:
+            if isinstance(msg, BaseException):
+                raise msg
+            sender = msg.src  # a global rank, as torch's recv returns
+            if msg.meta != mine:
+                field = "dtype" if msg.meta[0] != mine[0] else "shape"
+                index = 0 if field == "dtype" else 1
+                raise CollectiveMismatchError(
+                    f"irecv(tag={tag}) got {field} {msg.meta[index]!r} from rank {sender} but "
+                    f"the receiving tensor has {mine[index]!r}; send and receive matching tensors",
+                    field=field,
+                    values_by_rank={g.session.rank: mine[index], sender: msg.meta[index]},
+                )
+            if dest is not t:
+                t.copy_(dest)
+        except Exception as exc:
+            fail(g, work, exc, collective=False)
+        else:
+            work._set_result(sender)
 
-    return g.start(f"irecv(src={src}, tag={tag})", op, collective=False)
+    g.session.plane.post(src, (P2P, g.group_id, tag, 0), byte_view(dest), arrived)
+    return work
 
 
 async def send(
@@ -149,11 +176,7 @@ def isend_object(
     _check_peer(g, dst, "dst", tag)
     data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
     key = (OBJECT_P2P, g.group_id, tag, 0)
-
-    async def op(seq: int) -> None:
-        await g.session.plane.send(dst, key, None, data)
-
-    return g.start(f"isend_object(dst={dst}, tag={tag})", op, collective=False)
+    return _send(g, f"isend_object(dst={dst}, tag={tag})", dst, key, None, data)
 
 
 def irecv_object(
@@ -166,12 +189,17 @@ def irecv_object(
     """
     g = _p2p_group(group, "irecv_object")
     _check_peer(g, src, "src", tag)
-    g.check_usable()
-    key = (OBJECT_P2P, g.group_id, tag, 0)
-    future = g.session.plane.recv(src, key)
+    _, work, _ = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
 
-    async def op(seq: int) -> Any:
-        msg = await future
-        return codec.loads(msg.data)
+    def arrived(msg: Received | BaseException) -> None:
+        try:
+            if isinstance(msg, BaseException):
+                raise msg
+            obj = codec.loads(msg.data)
+        except Exception as exc:
+            fail(g, work, exc, collective=False)
+        else:
+            work._set_result(obj)
 
-    return g.start(f"irecv_object(src={src}, tag={tag})", op, collective=False)
+    g.session.plane.post(src, (OBJECT_P2P, g.group_id, tag, 0), None, arrived)
+    return work

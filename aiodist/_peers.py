@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -33,7 +34,7 @@ from aiodist._transport import shm, shmring, tcp, uds
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Buffer, Frame
@@ -63,9 +64,31 @@ class Received:
 
 @dataclass(slots=True, eq=False)
 class _Posted:
-    future: asyncio.Future[Received]
+    """A posted receive: its future, or (``post``) a callback that takes the outcome."""
+
+    future: asyncio.Future[Received] | None
     dest: memoryview | None
     key: Key
+    callback: Callable[[Received | BaseException], None] | None = None
+
+    @property
+    def settled(self) -> bool:
+        """True once the outcome was handed over (a failure may come before the payload)."""
+        return self.callback is None and (self.future is None or self.future.done())
+
+    def settle(self, outcome: Received | BaseException) -> None:
+        if self.callback is not None:
+            callback, self.callback = self.callback, None  # at most once
+            callback(outcome)
+            return
+        future = self.future
+        assert future is not None
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 class _Link:
@@ -191,12 +214,33 @@ class _Link:
             )
             self.challenge.exception()  # retrieved: _handshake re-raises it
         self.plane._arriving.discard(self)
-        if self._posted is not None and not self._posted.future.done():
+        if self._posted is not None and not self._posted.settled:
             # A receive whose payload was arriving when the connection dropped: it left
             # the matcher on arrival, so hand it to the plane to fail with the verdict.
             self.plane._orphans.append(self._posted)
         self._posted = self._buffer = None
         self.plane._channel_closed(self, channel, exc)
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
+    """Go on running ``coro``, which already ran up to yielding ``yielded`` to its driver."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # thrown in by the task (a cancellation): pass it on
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration:
+                return
 
 
 async def _no_verdict(rank: int, reason: str) -> BaseException | None:
@@ -317,6 +361,42 @@ class DataPlane:
             await channel.send(MessageKind.DATA, [*key, meta], payload)
         except OSError as exc:
             raise await self._send_failed(dst, exc) from exc
+
+    def send_now(
+        self, dst: int, key: Key, meta: Any, payload: Buffer | None
+    ) -> Coroutine[Any, Any, None] | None:
+        """Send like ``send``, as far as it goes without waiting.
+
+        Returns None once the message is handed to the kernel (the usual case for
+        a small one on a connected channel), else a coroutine that finishes the
+        send as ``send`` would: await it (in a task) before reusing ``payload``.
+        """
+        if dst == self.rank:
+            data = memoryview(bytes(payload) if payload is not None else b"")
+            self._deliver_local(key, Received(dst, meta, data))
+            return None
+        channel = self._out.get(dst)
+        if channel is None:
+            return self.send(dst, key, meta, payload)  # connect first: no shortcut
+        coro = channel.send(MessageKind.DATA, [*key, meta], payload)
+        try:
+            # Run the channel's send up to its first wait, here in the caller: a frame
+            # the kernel took at once needs no task and no loop turn.
+            yielded = coro.send(None)
+        except StopIteration:
+            return None
+        except OSError as exc:
+            return self._raise_send_failed(dst, exc)
+        return self._finish_send(dst, _resume(coro, yielded))
+
+    async def _finish_send(self, dst: int, rest: Awaitable[None]) -> None:
+        try:
+            await rest
+        except OSError as exc:
+            raise await self._send_failed(dst, exc) from exc
+
+    async def _raise_send_failed(self, dst: int, exc: OSError) -> None:
+        raise await self._send_failed(dst, exc) from exc
 
     async def send_error(self, dst: int, header: Any) -> None:
         if dst != self.rank:
@@ -441,14 +521,31 @@ class DataPlane:
             self._complete(posted, found[1])
         return future
 
+    def post(
+        self,
+        src: int | None,
+        key: Key,
+        dest: memoryview | None,
+        callback: Callable[[Received | BaseException], None],
+    ) -> None:
+        """Post a receive that calls ``callback`` once, with the message or the error.
+
+        ``callback`` runs inside the data plane's own callbacks (or right here, if
+        the message came first), so it must not raise. ``dest`` is as for ``recv``.
+        """
+        posted = _Posted(None, dest, key, callback)
+        found = self.matcher.post(src, key, posted)
+        if found is not None:
+            self._complete(posted, found[1])
+
     def _complete(self, posted: _Posted, msg: Received) -> None:
-        if posted.future.done():
+        if posted.settled:
             return  # failed while its payload was arriving: the operation reported that
         dest = posted.dest
         if dest is not None and msg.data is not dest and dest.nbytes == msg.data.nbytes:
             dest[:] = msg.data  # it was buffered before the receive was posted
             msg = Received(msg.src, msg.meta, dest)
-        posted.future.set_result(msg)
+        posted.settle(msg)
 
     def fail(self, exc: BaseException, group_id: int | None = None) -> None:
         """Fail every posted receive (of ``group_id``, if given) with ``exc``.
@@ -469,14 +566,12 @@ class DataPlane:
         posted_list += [p for p in self._orphans + arriving if hit(p.key)]
         self._orphans = [o for o in self._orphans if not hit(o.key)]
         for posted in posted_list:
-            if not posted.future.done():
-                posted.future.set_exception(exc)
+            posted.settle(exc)
 
     def fail_p2p(self, exc: BaseException) -> None:
         """Fail every posted point-to-point receive (tensors and objects) with ``exc``."""
         for posted in self.matcher.take_posted_where(lambda k: k[0] in (P2P, OBJECT_P2P)):
-            if not posted.future.done():
-                posted.future.set_exception(exc)
+            posted.settle(exc)
 
     def _channel_closed(self, link: _Link, channel: DataChannel, exc: Exception | None) -> None:
         self._channels.discard(channel)

@@ -247,29 +247,27 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
     lt = _running()
     loop = lt.loop
     assert loop is not None
-    # Made here, but only ever completed or read for callbacks on the loop's thread.
-    proxy: asyncio.Future[T] = asyncio.Future(loop=loop)
+    # Made here, but only ever settled (and its callbacks run) on the loop's thread.
+    work: Work[T] = Work.pending(loop, fn.__name__)
 
     def start() -> None:
         try:
-            work = fn(*args)
+            started = fn(*args)
         except Exception as exc:
-            proxy.set_exception(exc)
-            proxy.exception()  # retrieved: the caller sees it through the handle
+            work._set_exception(exc)  # the caller sees it through the handle
             return
-        work.add_done_callback(lambda w: _settle(w, proxy))
+        started._on_done(lambda done: _settle(done, work))  # at once: no extra loop turn
 
     loop.call_soon_threadsafe(start)
-    return Work(proxy, fn.__name__)
+    return work
 
 
-def _settle(work: Work[T], proxy: asyncio.Future[T]) -> None:
-    error = work.exception()
+def _settle(done: Work[T], work: Work[T]) -> None:
+    error = done.exception()
     if error is not None:
-        proxy.set_exception(error)
-        proxy.exception()
+        work._set_exception(error)
     else:
-        proxy.set_result(work.result())
+        work._set_result(done.result())
 
 
 def _transfer(work: Work[Any], box: Future[Any]) -> None:

@@ -2,7 +2,15 @@
 
 An operation starts when its function is called; the handle reports on it.
 Awaiting a handle never cancels the operation: peers take part in it, so it
-runs its course (``await`` is shielded, as anyio's worker threads are).
+runs its course (as anyio's worker threads do).
+
+A handle is its own promise rather than a wrapper of an ``asyncio.Future``:
+the operation settles it on the loop's thread (``_set_result`` /
+``_set_exception``), which wakes the tasks awaiting it
+directly. Each ``await`` of a running handle waits on a future of its own, so
+cancelling one awaiting task cancels that future only (what ``asyncio.shield``
+gives, without its extra future and loop turn). A handle that is already done
+when awaited returns without suspending.
 """
 
 from __future__ import annotations
@@ -31,22 +39,100 @@ class Work(Generic[T]):
         >>> await w                        # or w.wait() from another thread
     """
 
-    __slots__ = ("_future", "_loop", "_value", "description")
+    __slots__ = ("_done", "_error", "_listeners", "_loop", "_value", "_waiters", "description")
 
-    def __init__(self, future: asyncio.Future[T] | None, description: str, value: Any = _UNSET):
-        self._future = future
-        self._loop = future.get_loop() if future is not None else None
-        self._value = value
+    def __init__(
+        self,
+        future: asyncio.Future[T] | None,
+        description: str,
+        value: Any = _UNSET,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        """Follow ``future``; with None, a handle done with ``value`` or (``loop``) a pending one.
+
+        aiodist's operations make pending handles with ``Work.pending`` and settle
+        them; a handle that follows a future settles when the future does.
+        """
         self.description = description
+        self._loop = future.get_loop() if future is not None else loop
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._done = future is None and loop is None
+        if self._done:
+            self._value = None if value is _UNSET else value
+        self._waiters: list[asyncio.Future[None]] | None = None
+        self._listeners: list[Callable[[Work[T]], object]] | None = None
+        if future is not None:
+            future.add_done_callback(self._follow)
 
     @classmethod
     def completed(cls, value: T, description: str = "completed") -> Work[T]:
         """A handle that is already done with ``value`` (the non-distributed answer)."""
         return cls(None, description, value)
 
+    @classmethod
+    def pending(cls, loop: asyncio.AbstractEventLoop, description: str) -> Work[T]:
+        """A running handle that the operation settles on ``loop``'s thread."""
+        return cls(None, description, loop=loop)
+
     def __repr__(self) -> str:
-        state = "done" if self.is_completed() else "running"
+        state = "done" if self._done else "running"
         return f"<Work {self.description} {state}>"
+
+    # --- settling (aiodist's own, on the loop's thread) --------------------------------------
+
+    def _set_result(self, value: T) -> bool:
+        """Settle with ``value``; False (and no change) if already done."""
+        if self._done:
+            return False
+        self._value = value
+        self._done = True
+        self._wake()
+        return True
+
+    def _set_exception(self, exc: BaseException) -> bool:
+        """Settle with ``exc``; False (and no change) if already done."""
+        if self._done:
+            return False
+        self._error = exc
+        self._done = True
+        self._wake()
+        return True
+
+    def _follow(self, future: asyncio.Future[T]) -> None:
+        if future.cancelled():
+            self._set_exception(asyncio.CancelledError(f"{self.description} was cancelled"))
+        elif (exc := future.exception()) is not None:
+            self._set_exception(exc)
+        else:
+            self._set_result(future.result())
+
+    def _wake(self) -> None:
+        waiters, listeners = self._waiters, self._listeners
+        self._waiters = self._listeners = None
+        if waiters is not None:
+            for waiter in waiters:
+                if not waiter.done():  # a cancelled awaiter's future is done already
+                    waiter.set_result(None)
+        if listeners is not None:
+            for fn in listeners:
+                fn(self)
+
+    def _on_done(self, fn: Callable[[Work[T]], object]) -> None:
+        """Call ``fn(self)`` as soon as the operation finished, inside whatever settles it.
+
+        For aiodist's own bookkeeping: ``fn`` runs on the loop's thread (at once
+        if already done) and must not raise. Users want ``add_done_callback``.
+        """
+        if self._done:
+            fn(self)
+        elif self._listeners is None:
+            self._listeners = [fn]
+        else:
+            self._listeners.append(fn)
+
+    # --- the public handle --------------------------------------------------------------------
 
     def __await__(self) -> Generator[Any, None, T]:
         """Wait for the result.
@@ -54,14 +140,19 @@ class Work(Generic[T]):
         Cancellation:
             Cancelling the awaiting task leaves the operation running to completion.
         """
-        if self._future is None:
-            return self._value  # type: ignore[no-any-return]
-            yield  # pragma: no cover - makes this a generator
-        return (yield from asyncio.shield(self._future).__await__())
+        if not self._done:
+            assert self._loop is not None
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+            yield from waiter.__await__()
+        return self.result()
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not. Never blocks."""
-        return self._future is None or self._future.done()
+        return self._done
 
     def result(self) -> T:
         """The result of a completed operation.
@@ -70,26 +161,29 @@ class Work(Generic[T]):
             RuntimeError: Still running.
             DistError: The operation's error.
         """
-        if self._future is None:
-            return cast("T", self._value)
-        if not self._future.done():
+        if not self._done:
             raise RuntimeError(f"{self.description} has not completed; await it or call wait()")
-        return self._future.result()
+        if self._error is not None:
+            raise self._error
+        return cast("T", self._value)
 
     def exception(self) -> BaseException | None:
         """The operation's error, or None. Raises ``RuntimeError`` while running."""
-        if self._future is None:
-            return None
-        if not self._future.done():
+        if not self._done:
             raise RuntimeError(f"{self.description} has not completed")
-        return self._future.exception()
+        return self._error
 
     def add_done_callback(self, fn: Callable[[Work[T]], object]) -> None:
-        """Call ``fn(self)`` on the event loop once the operation finished."""
-        if self._future is None:
+        """Call ``fn(self)`` on the event loop once the operation finished.
+
+        A handle that is already done calls ``fn`` at once.
+        """
+        if self._done:
             fn(self)
-        else:
-            self._future.add_done_callback(lambda _: fn(self))
+            return
+        loop = self._loop
+        assert loop is not None
+        self._on_done(lambda w: loop.call_soon(fn, w))
 
     def wait(self, timeout: float | None = None) -> T:
         """Block this thread until done and return the result (from any thread but the loop's).
@@ -100,7 +194,7 @@ class Work(Generic[T]):
                 closed before the operation completed.
             DistTimeoutError: Not done within ``timeout`` seconds (the operation goes on).
         """
-        future, loop = self._future, self._loop
+        loop = self._loop
         # Raise on the loop's thread even when already done, so that whether it
         # raises does not depend on timing (anyio's portal does the same).
         if loop is not None and loop.is_running() and _running_loop() is loop:
@@ -108,7 +202,7 @@ class Work(Generic[T]):
                 f"Work.wait() on the event loop's thread would deadlock; use `await` on "
                 f"{self.description}"
             )
-        if future is None or future.done():
+        if self._done:
             return self.result()
         assert loop is not None
         if loop.is_closed():
@@ -116,7 +210,7 @@ class Work(Generic[T]):
                 f"{self.description} can never complete: its event loop was closed first"
             )
         done = threading.Event()
-        loop.call_soon_threadsafe(future.add_done_callback, lambda _: done.set())
+        loop.call_soon_threadsafe(self._on_done, lambda _: done.set())
         if not done.wait(timeout):
             raise DistTimeoutError(f"{self.description} did not complete within {timeout} s")
         return self.result()

@@ -44,7 +44,7 @@ import numbers
 from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives.common import resolve_group
-from aiodist._metrics.fused import Schema, reduce_locally, run_sync
+from aiodist._metrics.fused import Schema, reduce_locally, start_sync
 from aiodist._metrics.results import MetricResults, MetricsWriter
 from aiodist._metrics.state import REDUCTIONS, Accumulator, Reduction, check_reduction
 from aiodist._metrics.state import take_snapshot as _take_snapshot
@@ -222,13 +222,8 @@ class MetricAggregator:
                 self._agreed, self._agreed_group = None, g
             previous = self._agreed
             agreed: asyncio.Future[Schema] = asyncio.get_running_loop().create_future()
-            self._agreed = agreed
-
-            async def op(seq: int) -> MetricResults:
-                reduced = await run_sync(g, seq, snapshot, previous, agreed)
-                return MetricResults(reduced, dict(agreed.result()))
-
-            work = g.start("metrics.sync", op)
+            work = start_sync(g, snapshot, previous, agreed)
+            self._agreed = agreed  # only once started: a refused sync leaves the chain as it was
         if on_done is not None:
             work.add_done_callback(lambda w: _deliver(w, on_done))
         return work

@@ -308,26 +308,33 @@ def _bridge(data: dict[str, Any]) -> list[str]:
 
 
 def _metrics(data: dict[str, Any]) -> list[str]:
-    cfg, step = data["config"], data["step_seconds"]
-    rows = []
-    for v in ("none", "torch_each", "torch_fused", "aiodist"):
-        s = as_summary(data["step_summary_s"][v])
-        rows.append(
-            [
-                v,
-                _duration(s),
-                _num(step[v] / step["none"]),
-                _ratio(step["aiodist"] / step[v], "lower") if v != "aiodist" else "",
-            ]
-        )
-    return [
-        f"{cfg['ranks']} ranks on CPU each train a small MLP (128-{cfg['hidden']}-10, batch "
-        f"{cfg['batch']}) and sync 6 metrics every step: not at all, torch.distributed "
-        "blocking all_reduce per metric, one fused all_reduce, or aiodist's MetricAggregator "
-        f"(never waited for in the loop). {cfg['steps']} steps x {cfg['repeats']} rounds; "
-        "the slowest rank's mean step per round.",
-        _table(["variant", "step", "vs none", "aiodist/this"], rows),
+    cfg = data["config"]
+    out = [
+        f"{cfg['ranks']} ranks on CPU each train an MLP and sync 6 metrics every step: not at "
+        "all, torch.distributed blocking all_reduce per metric, one fused all_reduce, or "
+        f"aiodist's MetricAggregator (never waited for in the loop). {cfg['steps']} steps x "
+        f"{cfg['repeats']} rounds; the slowest rank's mean step per round. CPU is the ranks' "
+        "mean CPU time per step, every thread included: what a sync costs when ranks share cores."
     ]
+    for name, c in data["configs"].items():
+        step, cpu = c["step_seconds"], c["cpu_seconds_per_step"]
+        rows = []
+        for v in ("none", "torch_each", "torch_fused", "aiodist"):
+            s = as_summary(c["step_summary_s"][v])
+            rows.append(
+                [
+                    v,
+                    _duration(s),
+                    _num(step[v] / step["none"]),
+                    _ratio(step["aiodist"] / step[v], "lower") if v != "aiodist" else "",
+                    f"{(cpu[v] - cpu['none']) * 1e6:+.0f} µs",
+                ]
+            )
+        out += [
+            f"**{name} step** (MLP 128-{c['hidden']}-10, batch {c['batch']}):",
+            _table(["variant", "step", "vs none", "aiodist/this", "CPU vs none"], rows),
+        ]
+    return out
 
 
 def _load(data: dict[str, Any]) -> list[str]:

@@ -186,7 +186,13 @@ async def test_barrier_timeout_names_the_ranks_that_never_arrived(
 
     async def body(world: ProcessGroup) -> str:
         if world.rank == 2:  # never calls this barrier
+            # Collectives start when called: wait until this rank has heard that the
+            # group broke (the receive fails then), or all_reduce would meet the others'
+            # barrier messages and report that mismatch instead.
+            notice = aiodist.irecv(torch.zeros(1), src=0, group=world)
             await late.wait()
+            with pytest.raises(aiodist.DistTimeoutError):
+                await notice
             with pytest.raises(aiodist.DistTimeoutError) as info:
                 await aiodist.all_reduce(torch.ones(1), group=world)  # the group is broken
             return str(info.value)

@@ -92,7 +92,7 @@ def _check(results: MetricResults, world: int, round_: int) -> None:
     assert results.nonfinite == {}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 9])  # 9: recursive doubling with a fold
 async def test_sync_matches_reference_with_uneven_counts_and_keys(
     server: RendezvousServer, world_size: int
 ) -> None:
@@ -135,6 +135,31 @@ async def test_keys_that_appear_later_on_one_rank_are_reduced(server: Rendezvous
         {"loss": 1.0, "n": 3.0, "eval_acc": 0.5},
     ]
     assert outs == [expected] * 3
+
+
+async def test_ranks_that_sync_at_call_time_and_ranks_that_queue_agree(
+    server: RendezvousServer,
+) -> None:
+    # Rank 0 awaits every sync, so each later one starts at once from the known key set;
+    # the others start them all before any finished, so theirs wait for their predecessor.
+    async def body(g: ProcessGroup) -> list[dict[str, float]]:
+        agg = MetricAggregator(REDUCTIONS, group=g)
+        works = []
+        for round_ in range(4):
+            for weight, values in _rank_updates(g.rank, round_):
+                agg.update(weight, **values)
+            works.append(agg.sync())
+            if g.rank == 0:
+                await works[-1]
+        return [(await w).to_dict() for w in works]
+
+    with anyio.fail_after(30):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs[1] == outs[0]
+    assert outs[2] == outs[0]
+    for round_, values in enumerate(outs[0]):
+        ref = _reference(3, round_)
+        assert values == pytest.approx({k: v for k, (v, _) in ref.items()}, rel=1e-12)
 
 
 async def test_nan_and_inf_propagate_and_are_counted(server: RendezvousServer) -> None:

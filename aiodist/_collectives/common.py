@@ -16,16 +16,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._collectives import schedules
 from aiodist._errors import CollectiveMismatchError
+from aiodist._inflight import fail
 from aiodist._peers import COLLECTIVE
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
+    from collections.abc import Callable, Coroutine
 
     import torch
 
     from aiodist._group import ProcessGroup
     from aiodist._peers import Received
     from aiodist._wire.frame import Buffer
+    from aiodist._work import Work
 
 __all__ = [
     "agreed",
@@ -38,6 +40,7 @@ __all__ = [
     "contiguous",
     "copy_into",
     "divide_",
+    "exchange_all",
     "recv",
     "recv_tensor",
     "resolve_group",
@@ -183,6 +186,103 @@ def recv(
     group.check_usable()  # a receive posted after break_() would never be failed
     key = (COLLECTIVE, group.group_id, seq, step)
     return group.session.plane.recv(group.ranks[src], key, dest)
+
+
+def exchange_all(
+    g: ProcessGroup,
+    work: Work[Any],
+    seq: int,
+    mine: list[Any],
+    data: memoryview,
+    done: Callable[[memoryview], None],
+    *,
+    step: int = 0,
+) -> None:
+    """Swap ``data`` with every other rank of ``g`` in one round, with no task.
+
+    The path of small collectives: every receive is posted and every send
+    written right here; the data plane's callbacks do the rest. Group rank
+    ``r``'s bytes land in row ``r`` of a ``size x data.nbytes`` staging buffer
+    (this rank's row is a copy of ``data``, which may change from now on).
+    Once every row is in and every send was handed to the kernel,
+    ``done(staging)`` runs and settles ``work``. A message with another
+    signature, a failed peer, an error in ``done``: ``work`` fails by the
+    group's rules (``_inflight.fail``), which breaks the group on every member.
+    """
+    p, me, n = g.world_size, g.rank, data.nbytes
+    staging = memoryview(bytearray(p * n))
+    own = staging[me * n : (me + 1) * n]
+    own[:] = data
+    plane = g.session.plane
+    ranks = g.ranks
+    key = (COLLECTIVE, g.group_id, seq, step)
+    # Receives still to come, plus one for this rank's sends: however many messages
+    # were waiting already, ``done`` runs only once every send went out.
+    left = [p]
+
+    def one_less() -> None:
+        left[0] -= 1
+        if left[0] == 0 and not work.is_completed():
+            try:
+                done(staging)
+            except Exception as exc:
+                fail(g, work, exc, collective=True)
+
+    def arrived(msg: Received | BaseException) -> None:
+        if work.is_completed():
+            return
+        try:
+            if isinstance(msg, BaseException):
+                raise msg
+            check_signature(g, mine, msg)
+        except Exception as exc:
+            fail(g, work, exc, collective=True)
+            return
+        one_less()
+
+    for r in range(p):
+        if r != me:
+            plane.post(ranks[r], key, staging[r * n : (r + 1) * n], arrived)
+    unsent = []
+    for r in schedules.direct_peers(me, p):
+        if work.is_completed():
+            return  # failed already (a mismatched message was waiting): say no more
+        rest = plane.send_now(ranks[r], key, mine, own)
+        if rest is not None:
+            unsent.append(rest)
+    if unsent:  # a full socket, or a first connection: finish those sends in a task
+        _spawn(g, _finish_sends(g, work, unsent, one_less))
+    else:
+        one_less()
+
+
+async def _finish_sends(
+    g: ProcessGroup,
+    work: Work[Any],
+    unsent: list[Coroutine[Any, Any, None]],
+    then: Callable[[], None],
+) -> None:
+    try:
+        for rest in unsent:
+            try:
+                await rest
+            except ConnectionError:
+                g.check_usable()  # the peer left because the group broke: say why
+                raise
+    except Exception as exc:
+        fail(g, work, exc, collective=True)
+    else:
+        then()
+    finally:
+        for rest in unsent:
+            rest.close()  # those never awaited after a failure
+
+
+def _spawn(g: ProcessGroup, coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    inflight = g.session.inflight
+    inflight.add(task)
+    task.add_done_callback(inflight.discard)
 
 
 def check_rank(g: ProcessGroup, rank: object, name: str) -> int:

@@ -25,6 +25,7 @@ from aiodist._collectives.common import (
     contiguous,
     copy_into,
     divide_,
+    exchange_all,
     recv_tensor,
     resolve_group,
     send,
@@ -110,34 +111,35 @@ def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tens
 # --- all_reduce ----------------------------------------------------------------------------
 
 
-async def _direct_all_reduce(
-    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
-) -> None:
-    """Send ``buf`` to every rank, then reduce all parts in rank order (one round).
+def _direct_all_reduce_now(
+    g: ProcessGroup, t: torch.Tensor, op: str, mine: list[Any]
+) -> Work[torch.Tensor]:
+    """Send ``t`` to every rank, then reduce all parts in rank order (one round).
 
     Every rank combines the same parts in the same order, so results are
     bitwise identical everywhere. The parts land in one staging buffer viewed
     as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
+    Driven by the data plane's callbacks: no task, no coroutine.
     """
-    p, me = g.world_size, g.rank
+    _, work, seq = g.begin(f"all_reduce(op={op})")
+    buf = contiguous(t)
     flat = buf.view(-1)
-    nbytes = flat.numel() * flat.element_size()
-    staging = bytearray(p * nbytes)
-    slots = memoryview(staging)
-    futures = [
-        recv_tensor(g, r, seq, 0, slots[r * nbytes : (r + 1) * nbytes]) for r in range(p) if r != me
-    ]
-    mine_bytes = byte_view(flat)
-    for r in schedules.direct_peers(me, p):
-        await send(g, r, seq, 0, mine, mine_bytes)
-    slots[me * nbytes : (me + 1) * nbytes] = mine_bytes
-    for future in futures:
-        check_signature(g, mine, await future)
-    if nbytes:
-        parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
-        _combine(op, flat, parts[0], parts[1])
-        for r in range(2, p):
-            _combine(op, flat, flat, parts[r])
+    p = g.world_size
+
+    def done(staging: memoryview) -> None:
+        if p > 1 and flat.numel():
+            parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
+            _combine(op, flat, parts[0], parts[1])
+            for r in range(2, p):
+                _combine(op, flat, flat, parts[r])
+            if op == "mean":
+                divide_(buf, p)
+        if buf is not t:
+            copy_into(t, buf)
+        work._set_result(t)
+
+    exchange_all(g, work, seq, mine, byte_view(flat), done)
+    return work
 
 
 async def _recursive_doubling(
@@ -223,9 +225,8 @@ async def _socket_all_reduce(
     algorithm = schedules.all_reduce_algorithm(
         flat.numel() * flat.element_size(), flat.numel(), g.world_size
     )
-    if algorithm == "direct":
-        await _direct_all_reduce(g, seq, buf, op, mine)
-    elif algorithm == "recursive_doubling":
+    # Only large tensors come here (the shared-memory path's fallback): never "direct".
+    if algorithm == "recursive_doubling":
         await _recursive_doubling(g, seq, buf, op, mine)
     else:
         await _ring_all_reduce(g, seq, buf, op, mine)
@@ -282,6 +283,8 @@ def all_reduce(
     algorithm = schedules.all_reduce_algorithm(
         t.numel() * t.element_size(), t.numel(), p, shared_memory=p > 1 and shared.usable(g)
     )
+    if algorithm == "direct":
+        return _direct_all_reduce_now(g, t, reduce_op, mine)
     turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
 
     async def run(seq: int) -> torch.Tensor:

@@ -4,9 +4,11 @@
 collective does) and runs, inside that one operation:
 
 1. the **fused reduction** of the buffer laid out by the key set agreed at the
-   previous sync: recursive doubling (``log2 P`` exchanges of a few hundred
-   bytes) with a combine that adds the sum segment, takes the maximum of the max
-   segment and keeps the lowest rank's pair in the select segment;
+   previous sync: in groups of up to ``DIRECT_MAX_RANKS`` every rank sends its
+   buffer (a few hundred bytes) to every other and combines all rows in rank
+   order, one round; in larger groups recursive doubling (``log2 P`` exchanges).
+   The combine adds the sum segment, takes the maximum of the max segment and
+   keeps the lowest rank's pair in the select segment;
 2. only when that buffer's flag says some rank has a metric outside the agreed
    set (and at the first sync): the **key union**, recursive doubling of the
    ``{name: reduction}`` tables, then the fused reduction again on the new layout.
@@ -16,34 +18,132 @@ reduction per sync, and one that logs an extra metric every N steps pays the
 union once. Each sync needs the key set its predecessor agreed on, so syncs in
 flight chain on a future (set when the predecessor's values are known: syncs
 resolve in call order); all of them still overlap the caller's compute.
+
+The common case (host values, the previous key set known, a small group) runs
+with no task: the buffer is packed and sent when ``sync()`` is called and the
+data plane's callbacks finish the rest (``common.exchange_all``). Every other
+case runs as a task with the same messages, so ranks agree whichever way each
+of them took.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from array import array
+from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives import common, schedules
 from aiodist._errors import CollectiveMismatchError
-from aiodist._metrics.state import Layout, Reduction, Snapshot, combine
+from aiodist._inflight import fail, start_task
+from aiodist._metrics.results import MetricResults
+from aiodist._metrics.state import Layout, Reduction, Snapshot
 from aiodist._wire import codec
+from aiodist._work import Work
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     import anyio
-    import torch
 
     from aiodist._group import ProcessGroup
 
-__all__ = ["Schema", "reduce_locally", "run_sync"]
+__all__ = ["Schema", "reduce_locally", "start_sync"]
 
 Schema = tuple[tuple[str, Reduction], ...]
+Reduced = dict[str, tuple[float, float, int]]
 
 # Step ranges of the three phases inside one sequence number.
 _FIRST, _UNION, _SECOND = 0, 1 << 10, 2 << 10
 _FOLD, _UNFOLD = 1 << 9, (1 << 9) + 1  # offsets within a phase
 _limiters: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
+_layouts: dict[Schema, Layout] = {}  # the few key sets a job agrees on, laid out once
+
+
+def _layout(schema: Schema) -> Layout:
+    layout = _layouts.get(schema)
+    if layout is None:
+        if len(_layouts) > 64:
+            _layouts.clear()
+        layout = _layouts[schema] = Layout.of(schema)
+    return layout
+
+
+def _signature(layout: Layout) -> list[Any]:
+    return ["metrics.sync", "float64", [layout.numel], None, None]
+
+
+def start_sync(
+    g: ProcessGroup,
+    snapshot: Snapshot,
+    previous: asyncio.Future[Schema] | None,
+    agreed: asyncio.Future[Schema],
+) -> Work[MetricResults]:
+    """Start one sync of ``snapshot`` across ``g``; set ``agreed`` to the key set it used.
+
+    ``previous`` is the key set of the sync before (a future, None before the
+    first). ``agreed`` is always resolved, with an exception if this sync fails,
+    so a sync chained after it never waits forever.
+    """
+    loop, work, seq = g.begin("metrics.sync", timed=False)
+    if previous is None or snapshot.event is not None or g.world_size > _direct_max():
+
+        async def op(s: int) -> MetricResults:
+            return await run_sync(g, s, snapshot, previous, agreed)
+
+        start_task(g, loop, work, op, seq, True)
+        return work
+
+    g.deadlines.add(loop, work, None)
+
+    def failed(w: Work[Any]) -> None:
+        if (exc := w.exception()) is not None:
+            _fail_agreed(agreed, exc)
+
+    work._on_done(failed)
+
+    def exchange(prev: asyncio.Future[Schema]) -> None:
+        # The key set the previous sync agreed on is known: pack and send (no task).
+        if work.is_completed():
+            return  # timed out, or the group broke, while waiting for the previous sync
+        if prev.cancelled() or prev.exception() is not None:
+            fail(g, work, prev.exception() or asyncio.CancelledError(), collective=True)
+            return
+        try:
+            g.check_usable()  # broken since sync() was called: receives posted now would hang
+        except Exception as exc:
+            fail(g, work, exc, collective=True)
+            return
+        schema = prev.result()
+        layout = _layout(schema)
+
+        def done(rows: memoryview) -> None:
+            vals = layout.reduce_rows(rows.cast("d"), g.world_size)
+            if layout.flagged(vals):  # some rank has a new metric: agree on keys, again
+                start_task(
+                    g, loop, work, lambda s: _agree(g, s, snapshot, schema, agreed), seq, True
+                )
+                return
+            agreed.set_result(schema)
+            work._set_result(MetricResults(layout.unpack(vals), layout.reductions))
+
+        packed = layout.pack(snapshot.records(), g.rank)
+        common.exchange_all(g, work, seq, _signature(layout), memoryview(packed).cast("B"), done)
+
+    if previous.done():
+        exchange(previous)
+    else:  # syncs resolve in call order: this one goes once its predecessor agreed
+        previous.add_done_callback(exchange)
+    return work
+
+
+def _direct_max() -> int:
+    return schedules.DIRECT_MAX_RANKS
+
+
+def _fail_agreed(agreed: asyncio.Future[Schema], exc: BaseException) -> None:
+    if not agreed.done():
+        agreed.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+        agreed.exception()  # retrieved: the sync's own Work reports it
 
 
 async def wait_device_copy(snapshot: Snapshot) -> None:
@@ -90,30 +190,44 @@ async def _doubling(
         await send_only(plan.fold_partner, base + _UNFOLD)
 
 
-async def _reduce_buffer(
-    g: ProcessGroup, seq: int, base: int, layout: Layout, buf: torch.Tensor
-) -> None:
-    """All-reduce ``buf`` (laid out by ``layout``) in place across the group."""
-    mine = common.signature("metrics.sync", buf)
-    scratch = buf.new_empty(buf.shape)
+async def _reduce(
+    g: ProcessGroup, seq: int, base: int, layout: Layout, buf: array[float]
+) -> list[float]:
+    """All-reduce ``buf`` (laid out by ``layout``) across the group; return the values."""
+    mine = _signature(layout)
+    if g.world_size <= _direct_max():
+        loop = asyncio.get_running_loop()
+        part: Work[list[float]] = Work.pending(loop, f"metrics.sync#{seq}")
+
+        def done(rows: memoryview) -> None:
+            part._set_result(layout.reduce_rows(rows.cast("d"), g.world_size))
+
+        common.exchange_all(g, part, seq, mine, memoryview(buf).cast("B"), done, step=base)
+        return await part
+    state = buf.tolist()
+    scratch = memoryview(bytearray(8 * layout.numel))
 
     async def send_only(dst: int, step: int) -> None:
-        await common.send(g, dst, seq, step, mine, common.byte_view(buf))
+        await common.send(g, dst, seq, step, mine, memoryview(buf).cast("B"))
 
     async def receive(src: int, step: int, replace: bool) -> None:
         common.check_signature(g, mine, await common.recv_tensor(g, src, seq, step, scratch))
+        other = scratch.cast("d").tolist()
         if replace:
-            buf.copy_(scratch)
+            state[:] = other
         else:
-            combine(layout, buf, buf, scratch)
+            layout.merge(state, other)
+        buf[:] = array("d", state)  # what send_only sends next
 
     async def exchange(partner: int, step: int) -> None:
         future = common.recv_tensor(g, partner, seq, step, scratch)
         await send_only(partner, step)
         common.check_signature(g, mine, await future)
-        combine(layout, buf, buf, scratch)
+        layout.merge(state, scratch.cast("d").tolist())
+        buf[:] = array("d", state)
 
     await _doubling(g, base, exchange, send_only, receive)
+    return state
 
 
 async def _union(g: ProcessGroup, seq: int, table: dict[str, Reduction]) -> Schema:
@@ -163,45 +277,51 @@ async def _union(g: ProcessGroup, seq: int, table: dict[str, Reduction]) -> Sche
     return tuple(sorted(state.items()))
 
 
+async def _agree(
+    g: ProcessGroup,
+    seq: int,
+    snapshot: Snapshot,
+    schema: Schema | None,
+    agreed: asyncio.Future[Schema],
+) -> MetricResults:
+    """Phase 2: agree on the union of keys, then reduce on its layout."""
+    try:
+        records = snapshot.records()
+        table: dict[str, Reduction] = {**dict(schema or ()), **snapshot.reductions}
+        schema = await _union(g, seq, table)
+        layout = _layout(schema)
+        vals = await _reduce(g, seq, _SECOND, layout, layout.pack(records, g.rank))
+        agreed.set_result(schema)  # only now: syncs resolve in the order they were called
+        return MetricResults(layout.unpack(vals), layout.reductions)
+    except BaseException as exc:
+        _fail_agreed(agreed, exc)
+        raise
+
+
 async def run_sync(
     g: ProcessGroup,
     seq: int,
     snapshot: Snapshot,
-    previous: asyncio.Future[Schema] | Schema | None,
+    previous: asyncio.Future[Schema] | None,
     agreed: asyncio.Future[Schema],
-) -> dict[str, tuple[float, float, int]]:
-    """One sync: reduce ``snapshot`` across ``g``; set ``agreed`` to the key set it used.
-
-    ``previous`` is the key set of the sync before (a future while that one
-    runs, None before the first). ``agreed`` is always resolved, with an
-    exception if this sync fails, so a sync chained after it never waits forever.
-    """
+) -> MetricResults:
+    """One sync as a task: wait for the previous key set and the device copy, then reduce."""
     try:
-        schema = await previous if isinstance(previous, asyncio.Future) else previous
+        schema = await previous if previous is not None else None
         await wait_device_copy(snapshot)
-        records = snapshot.records()
         if schema is not None:
-            layout = Layout.of(schema)
-            buf = layout.pack(records, g.rank)
-            await _reduce_buffer(g, seq, _FIRST, layout, buf)
-            if not layout.flagged(buf):
+            layout = _layout(schema)
+            vals = await _reduce(g, seq, _FIRST, layout, layout.pack(snapshot.records(), g.rank))
+            if not layout.flagged(vals):
                 agreed.set_result(schema)
-                return layout.unpack(buf)
-        table: dict[str, Reduction] = {**dict(schema or ()), **snapshot.reductions}
-        schema = await _union(g, seq, table)
-        layout = Layout.of(schema)
-        buf = layout.pack(records, g.rank)
-        await _reduce_buffer(g, seq, _SECOND, layout, buf)
-        agreed.set_result(schema)  # only now: syncs resolve in the order they were called
-        return layout.unpack(buf)
+                return MetricResults(layout.unpack(vals), layout.reductions)
     except BaseException as exc:
-        if not agreed.done():
-            agreed.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
-            agreed.exception()  # retrieved: the sync's own Work reports it
+        _fail_agreed(agreed, exc)
         raise
+    return await _agree(g, seq, snapshot, schema, agreed)
 
 
-def reduce_locally(snapshot: Snapshot) -> dict[str, tuple[float, float, int]]:
+def reduce_locally(snapshot: Snapshot) -> Reduced:
     """The single-process answer (not initialised): the snapshot's own values."""
     if snapshot.event is not None:
         snapshot.event.synchronize()

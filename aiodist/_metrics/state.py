@@ -15,7 +15,8 @@ with kernels only, so ``update`` never waits for the GPU; ``take_snapshot``
 starts one non-blocking copy of all such records to pinned host memory.
 
 A ``Layout`` places the records of an agreed, sorted key set into one float64
-buffer of three segments reduced with different ops in one pass:
+buffer of three segments reduced with different ops in one pass (plain floats:
+a few hundred bytes, where each torch call would cost more than the whole sum):
 
     [ sum segment | max segment | select segment ]
 
@@ -29,6 +30,7 @@ buffer of three segments reduced with different ops in one pass:
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
@@ -44,7 +46,6 @@ __all__ = [
     "Reduction",
     "Snapshot",
     "check_reduction",
-    "combine",
     "take_snapshot",
 ]
 
@@ -99,9 +100,13 @@ class Accumulator:
             return
         w = float(cast("Any", weight))
         if isinstance(value, torch.Tensor):
-            self._add_host_tensor(value, w)
-            return
-        x = float(cast("Any", value))
+            if value.numel() != 1 or value.is_complex():
+                self._add_host_tensor(value, w)
+                return
+            # One element (a loss, a norm): one conversion instead of a few torch calls.
+            x = float(value.item())
+        else:
+            x = float(cast("Any", value))
         self.count += w
         if not math.isfinite(x):
             self.nonfinite += 1
@@ -258,6 +263,7 @@ class Layout:
     n_sum: int
     n_max: int  # including the flag slot
     n_select: int
+    reductions: dict[str, Reduction]  # the schema as a mapping
 
     @classmethod
     def of(cls, schema: Sequence[tuple[str, Reduction]]) -> Layout:
@@ -276,19 +282,19 @@ class Layout:
             elif red == "last":
                 select_slots[name] = n_select
                 n_select += 1
-        return cls(ordered, sum_slots, max_slots, select_slots, n_sum, n_max, n_select)
+        return cls(
+            ordered, sum_slots, max_slots, select_slots, n_sum, n_max, n_select, dict(ordered)
+        )
 
     @property
     def numel(self) -> int:
         """Length of the fused buffer."""
         return self.n_sum + self.n_max + 2 * self.n_select
 
-    def pack(self, records: Mapping[str, Sequence[float]], rank: int) -> torch.Tensor:
+    def pack(self, records: Mapping[str, Sequence[float]], rank: int) -> array[float]:
         """This rank's fused buffer; the flag slot is 1 when a metric is not in the layout."""
-        import torch
-
         buf = [0.0] * self.n_sum + [NEG_INF] * self.n_max + [NEG_INF, 0.0] * self.n_select
-        reductions = dict(self.schema)
+        reductions = self.reductions
         outside = any(name not in reductions for name in records)
         buf[self.n_sum] = 1.0 if outside else 0.0
         sel = self.n_sum + self.n_max
@@ -309,15 +315,39 @@ class Layout:
             elif red == "last":
                 j = sel + 2 * self.select_slots[name]
                 buf[j : j + 2] = [float(-rank), last]
-        return torch.tensor(buf, dtype=torch.float64)
+        return array("d", buf)
 
-    def flagged(self, buf: torch.Tensor) -> bool:
+    def flagged(self, vals: Sequence[float]) -> bool:
         """True when some rank had a metric outside this layout (after the reduction)."""
-        return bool(buf[self.n_sum].item() > 0)
+        return vals[self.n_sum] > 0
 
-    def unpack(self, buf: torch.Tensor) -> dict[str, tuple[float, float, int]]:
+    def reduce_rows(self, rows: memoryview[float], size: int) -> list[float]:
+        """Combine ``size`` packed buffers, stored one after another in ``rows`` (doubles).
+
+        Rows are taken in order, in plain floats: every rank that combines the same
+        rows gets bitwise the same values. For a few hundred bytes this beats torch
+        calls, whose fixed cost is a few microseconds each.
+        """
+        n = self.numel
+        out = list(rows[0:n])
+        for r in range(1, size):
+            self.merge(out, rows[r * n : (r + 1) * n].tolist())
+        return out
+
+    def merge(self, out: list[float], other: Sequence[float]) -> None:
+        """``out = out (+) other`` segment by segment: add, maximum, keep the higher priority."""
+        n, s, m = self.numel, self.n_sum, self.n_sum + self.n_max
+        for i in range(s):
+            out[i] += other[i]
+        for i in range(s, m):
+            out[i] = _fmax(out[i], other[i])
+        for j in range(m, n, 2):
+            if other[j] > out[j]:  # the higher priority (lower rank) keeps its value
+                out[j] = other[j]
+                out[j + 1] = other[j + 1]
+
+    def unpack(self, vals: Sequence[float]) -> dict[str, tuple[float, float, int]]:
         """``name -> (value, count, nonfinite)`` for every metric some rank updated."""
-        vals: list[float] = buf.tolist()
         out: dict[str, tuple[float, float, int]] = {}
         sel = self.n_sum + self.n_max
         for name, red in self.schema:
@@ -341,16 +371,3 @@ class Layout:
                 value = math.nan if vals[j] == NEG_INF else vals[j + 1]
             out[name] = (value, count, int(nonfinite))
         return out
-
-
-def combine(layout: Layout, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a (+) b`` segment by segment; commutative, so both partners agree bitwise."""
-    import torch
-
-    s, m = layout.n_sum, layout.n_sum + layout.n_max
-    torch.add(a[:s], b[:s], out=out[:s])
-    torch.maximum(a[s:m], b[s:m], out=out[s:m])
-    if layout.n_select:
-        pa, pb = a[m:].view(-1, 2), b[m:].view(-1, 2)
-        take_b = (pb[:, 0] > pa[:, 0]).unsqueeze(1)
-        out[m:].view(-1, 2).copy_(torch.where(take_b, pb, pa))
