@@ -395,6 +395,12 @@ MISMATCHES: list[tuple[str, Callable[[ProcessGroup], Any]]] = [
     ("reduce_op", lambda g: all_reduce(torch.ones(4), op="max" if g.rank == 1 else "sum", group=g)),
     ("shape", lambda g: all_reduce(torch.ones(100_000 + (g.rank == 1)), group=g)),
     ("shape", lambda g: all_reduce(torch.ones(300_000 + (g.rank == 1)), group=g)),  # shared memory
+    (  # 800 KB and 1.6 MB: one side of the shared-memory threshold each, two algorithms
+        "dtype",
+        lambda g: all_reduce(
+            torch.ones(200_000, dtype=torch.float64 if g.rank else torch.float32), group=g
+        ),
+    ),
     (
         "dtype",
         lambda g: all_gather(

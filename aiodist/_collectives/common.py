@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiodist._collectives import schedules
 from aiodist._errors import CollectiveMismatchError
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from aiodist._work import Work
 
 __all__ = [
+    "READY_STEP",
     "agreed",
     "byte_view",
     "check_alike",
@@ -37,6 +38,7 @@ __all__ = [
     "check_signature",
     "check_tensor",
     "check_tensor_list",
+    "clear_to_send",
     "contiguous",
     "copy_into",
     "divide_",
@@ -47,6 +49,13 @@ __all__ = [
     "send",
     "signature",
 ]
+
+#: The step of a ring's clear-to-send message, sent to the left neighbour before
+#: the right one may send. The shared-memory paths exchange it first too: ranks
+#: that disagree on a tensor's size may pick different algorithms, and one
+#: message they all share makes them meet and report the mismatch rather than
+#: wait for each other until the timeout.
+READY_STEP: Final = 1 << 18
 
 T = TypeVar("T")
 
@@ -384,3 +393,11 @@ def divide_(t: torch.Tensor, divisor: int) -> None:
     flat = t.view(-1)
     for start in range(0, flat.numel(), SLICE_NUMEL):
         flat[start : start + SLICE_NUMEL].div_(divisor)
+
+
+async def clear_to_send(g: ProcessGroup, seq: int, mine: list[Any]) -> asyncio.Future[Received]:
+    """Tell the left ring neighbour it may send; return the right one's word (check it)."""
+    left, right = schedules.ring_neighbours(g.rank, g.world_size)
+    ready = recv_tensor(g, right, seq, READY_STEP)
+    await send(g, left, seq, READY_STEP, mine, None)
+    return ready

@@ -23,6 +23,7 @@ from aiodist._collectives.common import (
     check_signature,
     check_tensor,
     check_tensor_list,
+    clear_to_send,
     contiguous,
     copy_into,
     recv_tensor,
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from aiodist._transport.shm import Turn
 
 __all__ = ["all_gather", "all_to_all", "barrier", "broadcast", "gather", "scatter"]
-
-_READY_STEP = 1 << 18  # the all_gather ring's clear-to-send message
 
 
 # --- rooted operations ---------------------------------------------------------------------
@@ -310,8 +309,7 @@ async def _ring_all_gather(
     # unexpected (a rank still in the previous operation would buffer and copy it).
     futures = [recv_tensor(g, left, seq, s, out[(me - s - 1) % p]) for s in range(p - 1)]
     if p > 1:
-        ready = recv_tensor(g, right, seq, _READY_STEP)
-        await send(g, left, seq, _READY_STEP, mine, None)
+        ready = await clear_to_send(g, seq, mine)
     copy_into(out[me], t)
     if p > 1:
         check_signature(g, mine, await ready)

@@ -22,6 +22,7 @@ from aiodist._collectives.common import (
     check_signature,
     check_tensor,
     check_tensor_list,
+    clear_to_send,
     contiguous,
     copy_into,
     divide_,
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["all_reduce", "reduce", "reduce_scatter"]
 
 _FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
-_READY_STEP = 1 << 18  # the ring's clear-to-send message
 _OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
 _ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
 
@@ -206,8 +206,7 @@ async def _ring_all_reduce(
     rs_recvs = [recv_tensor(g, left, seq, s, part) for s, part in enumerate(parts)]
     ag_recvs = [recv_tensor(g, left, seq, p + s, chunks[c]) for s, (_, c) in enumerate(ag_steps)]
     # Clear to send: the right neighbour has posted every receive of this operation.
-    ready = recv_tensor(g, right, seq, _READY_STEP)
-    await send(g, left, seq, _READY_STEP, mine, None)
+    ready = await clear_to_send(g, seq, mine)
     check_signature(g, mine, await ready)
     for s, (out_c, in_c) in enumerate(rs_steps):
         await send(g, right, seq, s, mine, byte_view(chunks[out_c]))

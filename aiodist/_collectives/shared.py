@@ -23,7 +23,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._collectives import schedules
-from aiodist._collectives.common import check_signature, copy_into, recv_tensor, send
+from aiodist._collectives.common import (
+    check_signature,
+    clear_to_send,
+    copy_into,
+    recv_tensor,
+    send,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,6 +98,13 @@ def take_turn(g: ProcessGroup) -> Turn:
     return g.session.plane.segments.take_turn(g.group_id)
 
 
+async def _meet_the_ring(g: ProcessGroup, seq: int, mine: list[Any]) -> None:
+    # A rank whose tensor is on the other side of the size threshold (a shape or
+    # dtype mismatch) takes the socket ring, which starts with this very message:
+    # both sides then see the disagreement instead of waiting for each other.
+    check_signature(g, mine, await (await clear_to_send(g, seq, mine)))
+
+
 async def shared_memory_broadcast(
     g: ProcessGroup, seq: int, buf: torch.Tensor, root: int, mine: list[Any]
 ) -> None:
@@ -130,6 +143,7 @@ async def shared_memory_all_reduce(
     combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> None:
     """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring)."""
+    await _meet_the_ring(g, seq, mine)
     p, me = g.world_size, g.rank
     segments = g.session.plane.segments
     flat = buf.view(-1)
@@ -179,6 +193,7 @@ async def shared_memory_all_gather(
     one copy in and ``size - 1`` out per rank, against a ring's ``size - 1``
     socket sends each copied twice.
     """
+    await _meet_the_ring(g, seq, mine)
     segments = g.session.plane.segments
     flat = src.reshape(-1)
     numel = flat.numel()
