@@ -126,6 +126,15 @@ async def token_server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rendezv
 # --- control plane ------------------------------------------------------------------------
 
 
+async def _challenged(server: RendezvousServer) -> tuple[RawPeer, bytes]:
+    """A raw connection to ``server`` and the nonce of the challenge it sent at once."""
+    peer = await RawPeer.connect(f"tcp://{server.address[0]}:{server.address[1]}")
+    challenge = await peer.next_frame()
+    assert challenge is not None
+    assert challenge.kind == MessageKind.CHALLENGE
+    return peer, challenge.header[0]
+
+
 async def _relay(target: tuple[str, int], up: list[bytes], down: list[bytes], client: ByteStream):
     async def pump(src: ByteStream | SocketStream, dst: Any, record: list[bytes]) -> None:
         with anyio.CancelScope() as scope:
@@ -180,11 +189,7 @@ async def test_a_correct_proof_is_served_and_the_server_proves_the_token(
     token_server: RendezvousServer,
 ) -> None:
     with anyio.fail_after(10):
-        peer = await RawPeer.connect(f"tcp://{token_server.address[0]}:{token_server.address[1]}")
-        challenge = await peer.next_frame()
-        assert challenge is not None
-        assert challenge.kind == MessageKind.CHALLENGE
-        server_nonce = challenge.header[0]
+        peer, server_nonce = await _challenged(token_server)
         mine = new_nonce()
         await peer.send(
             _message(Hello(mine, client_proof(TOKEN, server_nonce, mine)))
@@ -452,11 +457,9 @@ async def test_a_refused_client_still_reads_why_while_its_requests_keep_coming(
     # A client pipelines requests behind its proof. Closing on unread input would
     # reset the connection, and a reset may discard the refusal before it is read.
     with anyio.fail_after(10):
-        peer = await RawPeer.connect(f"tcp://{token_server.address[0]}:{token_server.address[1]}")
-        challenge = await peer.next_frame()
-        assert challenge is not None
+        peer, server_nonce = await _challenged(token_server)
         mine = new_nonce()
-        await peer.send(_message(Hello(mine, client_proof("wrong", challenge.header[0], mine))))
+        await peer.send(_message(Hello(mine, client_proof("wrong", server_nonce, mine))))
         await token_server.wait_until(lambda s: s.auth_failures == 1)
         for req_id in range(1, 50):
             await peer.send(_message(StatusRequest(req_id)))
