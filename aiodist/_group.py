@@ -594,8 +594,12 @@ async def _joined(
 
 
 async def _heartbeat_loop(conn: ControlConnection, interval: float) -> None:
-    # Heartbeats start with the join: a member still waiting for the job to form
-    # is alive too. The loop ends when the connection closes.
-    while not conn.closed:
-        conn.send(Heartbeat())
+    # Heartbeats run from the join on: a member still waiting for the job to form
+    # is alive too. The join itself counts as the first (the server counts any
+    # message), so a rendezvous of N ranks costs no extra N messages. The loop
+    # ends when the connection closes.
+    while True:
         await anyio.sleep(interval)
+        if conn.closed:
+            return
+        conn.send(Heartbeat())
