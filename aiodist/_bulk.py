@@ -1,0 +1,142 @@
+"""Large point-to-point payloads: ready-to-send, clear-to-send, then the bytes.
+
+A tensor sent with ``isend`` of at least ``BULK_MIN_BYTES`` does not travel
+at once (as gloo's and MPI's rendezvous protocols do): a payload that arrived
+before its receive was posted would have to be buffered in fresh memory and
+copied again. Instead, on the data plane::
+
+    sender                                      receiver
+    DATA [P2P, group, tag, 0, meta, id, n]  ->  matched like any message (its key,
+                                                in send order); held while unmatched
+                                            <-  DATA [CLEAR, group, id, 0, None]
+                                                once a matching receive is posted
+    DATA [BULK, group, id, 0, None] + n bytes -> lands in the receive's own memory
+
+The clear-to-send and the payload are ordinary messages with keys of their own
+(the same header-only "ready" message the collectives' rings send), matched by
+the plane's ``Matcher``: nothing here blocks a channel, so other messages keep
+flowing while a payload waits for its receive, and a failure that fails a
+group's posted receives fails the waiting sender (its clear-to-send) and the
+waiting receiver (its payload) alike.
+
+Cycles: two ranks that each ``await send(big)`` to the other before posting
+their receives would wait for each other's clear-to-send for ever. So while
+this rank itself waits for a clear-to-send, announcements it holds (and those
+that arrive) are cleared at once, into a buffer, as if the payload had come
+unannounced: such programs behave as they do without rendezvous.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._wire.frame import MiB
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from aiodist._peers import DataPlane, Key, Received, _Posted
+
+__all__ = ["BULK", "BULK_MIN_BYTES", "CLEAR", "Announced", "BulkTransfers"]
+
+#: Point-to-point tensor payloads of at least this many bytes wait for clear-to-send.
+BULK_MIN_BYTES: Final = 1 * MiB
+# Message kinds of the match key, beside _peers' P2P (0), COLLECTIVE (1), OBJECT_P2P (2).
+CLEAR: Final = 3
+BULK: Final = 4
+
+
+@dataclass(slots=True, eq=False)
+class Announced:
+    """A large payload announced by ``src``: it moves once this rank clears it."""
+
+    src: int
+    group_id: int
+    ident: int
+    nbytes: int
+    payload: asyncio.Future[Received] | None = None  # its receive, once cleared
+
+
+class BulkTransfers:
+    """Both ends of the clear-to-send exchange, for one data plane."""
+
+    def __init__(self, plane: DataPlane) -> None:
+        self._plane = plane
+        self._ids = itertools.count()
+        self._held: set[Announced] = set()  # announced, not yet matched nor cleared
+        self._waiting = 0  # this rank's sends waiting for a clear-to-send
+
+    # --- sending ------------------------------------------------------------------------
+
+    async def send(self, dst: int, key: Key, meta: Any, payload: memoryview) -> None:
+        """Announce ``payload``, wait until ``dst`` clears it, then send it."""
+        plane, group_id, ident = self._plane, key[1], next(self._ids)
+        cleared = plane.recv(dst, (CLEAR, group_id, ident, 0))
+        cleared.add_done_callback(_retrieve)  # a failure reaches the caller via await
+        await plane.send_header(dst, [*key, meta, ident, payload.nbytes])
+        self._waiting += 1
+        try:
+            for announced in list(self._held):  # break wait-for cycles (module docstring)
+                self._clear(announced, None)
+            await cleared
+        finally:
+            self._waiting -= 1
+        await plane.send_header(dst, [BULK, group_id, ident, 0, None], payload)
+
+    # --- receiving ----------------------------------------------------------------------
+
+    def announced(self, key: Key, msg: Received) -> None:
+        """A ready-to-send ``msg`` arrived: match it like the message it stands for."""
+        plane, src, announced = self._plane, msg.src, msg.announced
+        assert announced is not None
+        posted = plane.matcher.arrive(src, key)
+        if posted is not None:
+            self.deliver(posted, msg)
+            return
+        plane.matcher.buffer(src, key, msg)
+        if self._waiting:
+            self._clear(announced, None)
+        else:
+            self._held.add(announced)
+
+    def deliver(self, posted: _Posted, msg: Received) -> None:
+        """Complete ``posted`` with announced ``msg`` once its payload is in."""
+        announced = msg.announced
+        assert announced is not None
+        self._held.discard(announced)
+        if announced.payload is None:
+            dest = posted.dest
+            fits = dest is not None and dest.nbytes == announced.nbytes
+            self._clear(announced, dest if fits else None)
+        assert announced.payload is not None
+        plane = self._plane
+
+        def arrived(payload: asyncio.Future[Received]) -> None:
+            if posted.future.done():
+                return
+            if payload.cancelled():
+                posted.future.cancel()
+                return
+            exc = payload.exception()
+            if exc is not None:
+                posted.future.set_exception(exc)
+            else:
+                plane._complete(posted, replace(msg, data=payload.result().data, announced=None))
+
+        announced.payload.add_done_callback(arrived)
+
+    def _clear(self, announced: Announced, dest: memoryview | None) -> None:
+        # Post the payload's receive first: it may follow the clear-to-send at once.
+        self._held.discard(announced)
+        plane, src = self._plane, announced.src
+        key = (BULK, announced.group_id, announced.ident, 0)
+        announced.payload = plane.recv(src, key, dest)
+        announced.payload.add_done_callback(_retrieve)
+        plane._spawn(plane.send(src, (CLEAR, announced.group_id, announced.ident, 0), None, None))
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
