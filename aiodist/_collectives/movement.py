@@ -30,6 +30,7 @@ from aiodist._collectives.common import (
     send,
     signature,
 )
+from aiodist._collectives.outputs import new_outputs
 from aiodist._errors import DistTimeoutError
 from aiodist._peers import Received
 from aiodist._torch_bridge import bridged
@@ -285,7 +286,7 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
     turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
 
     async def run(seq: int) -> list[torch.Tensor]:
-        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
+        out = new_outputs(g, t, g.world_size)
         if use_shm:
             async with turns[0]:
                 if await shared.agreed(g):  # else some rank has it off: all take the ring
