@@ -86,6 +86,7 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
         if use_shm:
             async with turns[0]:
                 if await shared.agreed(g):  # else some rank has it off: all take the ring
+                    await _exchange_ready(g, seq, mine)
                     await shared.shared_memory_all_gather(g, seq, contiguous(t), out, mine)
                     return out
         await _ring_all_gather(g, seq, t, out, mine)
@@ -95,6 +96,16 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
     if use_shm:
         turns.append(shared.take_turn(g))
     return work
+
+
+async def _exchange_ready(g: ProcessGroup, seq: int, mine: list[Any]) -> None:
+    # The ring's first message, on the shared-memory path too: ranks whose inputs differ
+    # in size may have chosen different paths, and somewhere around the ring a rank then
+    # gets the "ready" of a neighbour that disagrees, instead of waiting for ever.
+    left, right = schedules.ring_neighbours(g.rank, g.world_size)
+    ready = recv_tensor(g, right, seq, _READY_STEP)
+    await send(g, left, seq, _READY_STEP, mine, None)
+    check_signature(g, mine, await ready)
 
 
 async def _ring_all_gather(
