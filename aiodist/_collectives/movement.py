@@ -82,7 +82,7 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
     turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
 
     async def run(seq: int) -> list[torch.Tensor]:
-        out = new_outputs(g, t, g.world_size)
+        out = new_outputs(g, t, g.world_size, "all_gather")
         if use_shm:
             async with turns[0]:
                 if await shared.agreed(g):  # else some rank has it off: all take the ring

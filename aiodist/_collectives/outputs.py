@@ -1,14 +1,15 @@
 """Output tensors of large collectives, reused once the caller dropped them.
 
-``all_gather`` returns new tensors, as mmengine's does. Fresh memory costs
-more than the gather itself on a busy host: the kernel faults in and zeroes
-every page (for a 64 MiB gather on 4 ranks, a quarter of a million pages on
-the host per call). So each group keeps the tensors of its last large gather,
-and the next gather of the same dtype and shape writes into them again if, by
-then, nothing outside this module refers to their memory any more (no
-tensor, view, numpy array or storage of the caller's): the storage's
-reference count says so exactly. Otherwise it allocates new ones. The tensors
-handed out share the kept storages but are plain tensors, not views.
+``all_gather`` and ``reduce_scatter`` return new tensors, as mmengine's do.
+Fresh memory costs more than the gather itself on a busy host: the kernel
+faults in and zeroes every page (for a 64 MiB gather on 4 ranks, a quarter of
+a million pages on the host per call). So each group keeps the tensors of its
+last large call of each operation, and the next call of the same dtype and
+shape writes into them again if, by then, nothing outside this module refers
+to their memory any more (no tensor, view, numpy array or storage of the
+caller's): the storage's reference count says so exactly. Otherwise it
+allocates new ones. The tensors handed out share the kept storages but are
+plain tensors, not views.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class _Kept:
         self.idle_count = _use_count(tensors[0])
 
 
-_kept: weakref.WeakKeyDictionary[ProcessGroup, _Kept] = weakref.WeakKeyDictionary()
+_kept: weakref.WeakKeyDictionary[ProcessGroup, dict[str, _Kept]] = weakref.WeakKeyDictionary()
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -53,7 +54,9 @@ def _share(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, t.shape, t.stride())
 
 
-def new_outputs(g: ProcessGroup, like: torch.Tensor, count: int) -> list[torch.Tensor]:
+def new_outputs(
+    g: ProcessGroup, like: torch.Tensor, count: int, operation: str
+) -> list[torch.Tensor]:
     """``count`` contiguous tensors shaped like ``like`` whose memory nobody else uses."""
     import torch
 
@@ -61,7 +64,8 @@ def new_outputs(g: ProcessGroup, like: torch.Tensor, count: int) -> list[torch.T
     if nbytes < MIN_KEPT_BYTES:
         return [torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(count)]
     key = (like.dtype, tuple(like.shape), count)
-    kept = _kept.get(g)
+    by_operation = _kept.setdefault(g, {})
+    kept = by_operation.get(operation)
     if (
         kept is None
         or kept.key != key
@@ -70,5 +74,5 @@ def new_outputs(g: ProcessGroup, like: torch.Tensor, count: int) -> list[torch.T
         tensors = [
             torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(count)
         ]
-        kept = _kept[g] = _Kept(key, tensors)
+        kept = by_operation[operation] = _Kept(key, tensors)
     return [_share(t) for t in kept.tensors]

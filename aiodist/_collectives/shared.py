@@ -46,6 +46,7 @@ __all__ = [
     "shared_memory_all_gather",
     "shared_memory_all_reduce",
     "shared_memory_broadcast",
+    "shared_memory_reduce_scatter",
     "take_turn",
     "usable",
 ]
@@ -224,6 +225,55 @@ async def shared_memory_all_gather(
         peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
         copy_into(out[r].view(-1), peer.tensor(src.dtype, numel))
     await _notify_all(g, seq, _STEP + 1, mine, None)
+    for future in notices[1].values():
+        check_signature(g, mine, await future)
+    segments.unlink_own(g.group_id)  # every peer has mapped it by now
+
+
+async def shared_memory_reduce_scatter(
+    g: ProcessGroup,
+    seq: int,
+    inputs: list[torch.Tensor],
+    out: torch.Tensor,
+    op: str,
+    mine: list[Any],
+    combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Reduce contiguous ``inputs[rank]`` of every rank into contiguous ``out``, in rank order.
+
+    Every rank copies the parts meant for the others into its own segment and
+    says where; each then reduces its part straight out of the peers' segments
+    (and its own input) into ``out``, slice by slice, says so, and returns once
+    nobody reads its segment any more. The notice that names a segment is step
+    0, the step of the socket path's parts, so a rank that took the other path
+    (its inputs differ) gets a signature it can tell apart instead of silence.
+    """
+    p, me = g.world_size, g.rank
+    segments = g.session.plane.segments
+    numel = out.numel()
+    part_bytes = numel * out.element_size()
+    seg = segments.own(g.group_id, p * part_bytes)
+    own = seg.tensor(out.dtype, p * numel)
+    peers = schedules.direct_peers(me, p)
+    notices = [{r: recv_tensor(g, r, seq, k) for r in peers} for k in (0, _STEP)]
+    for r in peers:
+        copy_into(own[r * numel : (r + 1) * numel], inputs[r].view(-1))
+    await _notify_all(g, seq, 0, mine, f"{seg.name}:{seg.nbytes}".encode())
+    parts = [inputs[me].view(-1)] * p
+    for r, future in notices[0].items():
+        msg = await future
+        check_signature(g, mine, msg)
+        name, _, size = bytes(msg.data).decode().rpartition(":")
+        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        parts[r] = peer.tensor(out.dtype, p * numel)[me * numel : (me + 1) * numel]
+    flat = out.view(-1)
+    for start in range(0, numel, SLICE_NUMEL):
+        stop = min(start + SLICE_NUMEL, numel)
+        dst = flat[start:stop]
+        combine(op, dst, parts[0][start:stop], parts[1][start:stop])
+        for part in parts[2:]:
+            combine(op, dst, dst, part[start:stop])
+    await _notify_all(g, seq, _STEP, mine, None)
     for future in notices[1].values():
         check_signature(g, mine, await future)
     segments.unlink_own(g.group_id)  # every peer has mapped it by now
