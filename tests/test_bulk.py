@@ -134,6 +134,26 @@ async def test_large_send_into_a_smaller_receive_fails_the_receive_only(
     assert outs == ["sent", ("shape", [1.0, 1.0, 1.0])]
 
 
+async def test_a_broken_group_fails_a_send_waiting_for_clear_to_send(
+    server: RendezvousServer,
+) -> None:
+    # Rank 1 never posts the receive; a collective the ranks disagree on breaks the
+    # group, and the announced send fails with the group's error instead of hanging.
+    async def body(g: ProcessGroup) -> tuple[str, str | None]:
+        pending = aiodist.isend(_payload(0), 1, tag=9, group=g) if g.rank == 0 else None
+        with pytest.raises(CollectiveMismatchError):
+            await aiodist.all_reduce(torch.ones(4 + g.rank), group=g)
+        if pending is None:
+            return "receiver", None
+        with pytest.raises(CollectiveMismatchError) as info:
+            await pending
+        return "sender", info.value.field
+
+    with anyio.fail_after(30):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [("sender", "shape"), ("receiver", None)]
+
+
 FAILING_WORKER = textwrap.dedent(
     """
     import json, os, sys
