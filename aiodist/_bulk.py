@@ -127,6 +127,10 @@ class BulkTransfers:
 
         announced.payload.add_done_callback(arrived)
 
+    def forget(self, group_id: int | None) -> None:
+        """Stop holding announcements of ``group_id`` (all, if None): it broke or closed."""
+        self._held = {a for a in self._held if group_id is not None and a.group_id != group_id}
+
     def _clear(self, announced: Announced, dest: memoryview | None) -> None:
         # Post the payload's receive first: it may follow the clear-to-send at once.
         self._held.discard(announced)

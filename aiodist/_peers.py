@@ -491,6 +491,7 @@ class DataPlane:
 
         if group_id is None and self.use_shm:  # a rank died (or the session broke)
             shm.remove_stale()  # its segments may linger
+        self.bulk.forget(group_id)  # their senders fail too: never clear them
         posted_list = self.matcher.take_posted_where(hit)
         arriving = [link._posted for link in self._arriving if link._posted is not None]
         posted_list += [p for p in self._orphans + arriving if hit(p.key)]

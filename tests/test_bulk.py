@@ -138,20 +138,21 @@ async def test_a_broken_group_fails_a_send_waiting_for_clear_to_send(
     server: RendezvousServer,
 ) -> None:
     # Rank 1 never posts the receive; a collective the ranks disagree on breaks the
-    # group, and the announced send fails with the group's error instead of hanging.
-    async def body(g: ProcessGroup) -> tuple[str, str | None]:
+    # group, and the announced send fails with the group's error instead of hanging,
+    # while the receiver lets go of the announcement (it would never be cleared).
+    async def body(g: ProcessGroup) -> tuple[str, str | int]:
         pending = aiodist.isend(_payload(0), 1, tag=9, group=g) if g.rank == 0 else None
         with pytest.raises(CollectiveMismatchError):
             await aiodist.all_reduce(torch.ones(4 + g.rank), group=g)
         if pending is None:
-            return "receiver", None
+            return "receiver", len(g.session.plane.bulk._held)
         with pytest.raises(CollectiveMismatchError) as info:
             await pending
         return "sender", info.value.field
 
     with anyio.fail_after(30):
         outs = await run_ranks(server.address, 2, body)
-    assert outs == [("sender", "shape"), ("receiver", None)]
+    assert outs == [("sender", "shape"), ("receiver", 0)]
 
 
 FAILING_WORKER = textwrap.dedent(
