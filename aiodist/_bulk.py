@@ -19,6 +19,15 @@ flowing while a payload waits for its receive, and a failure that fails a
 group's posted receives fails the waiting sender (its clear-to-send) and the
 waiting receiver (its payload) alike.
 
+Credits: a receiver that is ahead need not wait for an announcement. Posting
+a large receive from a named source sends it ``DATA [CREDIT, group, tag,
+nbytes, None]``; a send of that size and key that finds a credit goes at once,
+with no announcement, and lands in the posted receive. A credit whose receive
+was matched by an announcement after all is taken back by the clear-to-send
+(its ``meta`` is 1; both travel the same channel, the credit first). Credits
+are hints: a stale one (the receive failed, or a smaller message with the same
+key took it) sends a payload eagerly, which the receiver buffers as before.
+
 Cycles: two ranks that each ``await send(big)`` to the other before posting
 their receives would wait for each other's clear-to-send for ever. So while
 this rank itself waits for a clear-to-send, announcements it holds (and those
@@ -39,13 +48,15 @@ if TYPE_CHECKING:
 
     from aiodist._peers import DataPlane, Key, Received, _Posted
 
-__all__ = ["BULK", "BULK_MIN_BYTES", "CLEAR", "Announced", "BulkTransfers"]
+__all__ = ["BULK", "BULK_MIN_BYTES", "CLEAR", "CREDIT", "Announced", "BulkTransfers"]
 
 #: Point-to-point tensor payloads of at least this many bytes wait for clear-to-send.
 BULK_MIN_BYTES: Final = 1 * MiB
+P2P: Final = 0  # _peers.P2P: the kind of point-to-point tensors
 # Message kinds of the match key, beside _peers' P2P (0), COLLECTIVE (1), OBJECT_P2P (2).
 CLEAR: Final = 3
 BULK: Final = 4
+CREDIT: Final = 5
 
 
 @dataclass(slots=True, eq=False)
@@ -67,12 +78,20 @@ class BulkTransfers:
         self._ids = itertools.count()
         self._held: set[Announced] = set()  # announced, not yet matched nor cleared
         self._waiting = 0  # this rank's sends waiting for a clear-to-send
+        # Receives peers posted for our sends: (dst, key, nbytes) -> how many.
+        self._credits: dict[tuple[int, Key, int], int] = {}
+        self.announcements = 0  # sends that had to announce (no credit): a statistic
 
     # --- sending ------------------------------------------------------------------------
 
     async def send(self, dst: int, key: Key, meta: Any, payload: memoryview) -> None:
         """Announce ``payload``, wait until ``dst`` clears it, then send it."""
         plane, group_id, ident = self._plane, key[1], next(self._ids)
+        credit = (dst, key, payload.nbytes)
+        if self._take_credit(credit):  # its receive is posted: no need to ask
+            await plane.send_header(dst, [*key, meta], payload)
+            return
+        self.announcements += 1
         cleared = plane.recv(dst, (CLEAR, group_id, ident, 0))
         cleared.add_done_callback(_retrieve)  # a failure reaches the caller via await
         await plane.send_header(dst, [*key, meta, ident, payload.nbytes])
@@ -80,10 +99,27 @@ class BulkTransfers:
         try:
             for announced in list(self._held):  # break wait-for cycles (module docstring)
                 self._clear(announced, None)
-            await cleared
+            if (await cleared).meta:  # that receive had sent a credit: take it back
+                self._take_credit(credit)
         finally:
             self._waiting -= 1
         await plane.send_header(dst, [BULK, group_id, ident, 0, None], payload)
+
+    def credited(self, dst: int, key: Key) -> None:
+        """Rank ``dst`` posted a receive for a large payload: ``[CREDIT, group, tag, nbytes]``."""
+        _, group_id, tag, nbytes = key
+        credit = (dst, (P2P, group_id, tag, 0), nbytes)
+        self._credits[credit] = self._credits.get(credit, 0) + 1
+
+    def _take_credit(self, credit: tuple[int, Key, int]) -> bool:
+        left = self._credits.get(credit, 0)
+        if left <= 0:
+            return False
+        if left == 1:
+            del self._credits[credit]
+        else:
+            self._credits[credit] = left - 1
+        return True
 
     # --- receiving ----------------------------------------------------------------------
 
@@ -101,6 +137,15 @@ class BulkTransfers:
         else:
             self._held.add(announced)
 
+    def offer(self, src: int, posted: _Posted) -> None:
+        """A receive from ``src`` was posted and found nothing: credit ``src`` if it is large."""
+        dest, plane = posted.dest, self._plane
+        if dest is None or dest.nbytes < BULK_MIN_BYTES or src == plane.rank:
+            return
+        posted.credited = True
+        _, group_id, tag, _ = posted.key
+        plane._spawn(plane.send(src, (CREDIT, group_id, tag, dest.nbytes), None, None))
+
     def deliver(self, posted: _Posted, msg: Received) -> None:
         """Complete ``posted`` with announced ``msg`` once its payload is in."""
         announced = msg.announced
@@ -109,7 +154,7 @@ class BulkTransfers:
         if announced.payload is None:
             dest = posted.dest
             fits = dest is not None and dest.nbytes == announced.nbytes
-            self._clear(announced, dest if fits else None)
+            self._clear(announced, dest if fits else None, posted.credited)
         assert announced.payload is not None
         plane = self._plane
 
@@ -130,15 +175,18 @@ class BulkTransfers:
     def forget(self, group_id: int | None) -> None:
         """Stop holding announcements of ``group_id`` (all, if None): it broke or closed."""
         self._held = {a for a in self._held if group_id is not None and a.group_id != group_id}
+        self._credits = {
+            c: n for c, n in self._credits.items() if group_id is not None and c[1][1] != group_id
+        }
 
-    def _clear(self, announced: Announced, dest: memoryview | None) -> None:
+    def _clear(self, announced: Announced, dest: memoryview | None, credited: bool = False) -> None:
         # Post the payload's receive first: it may follow the clear-to-send at once.
         self._held.discard(announced)
         plane, src = self._plane, announced.src
-        key = (BULK, announced.group_id, announced.ident, 0)
-        announced.payload = plane.recv(src, key, dest)
+        group_id, ident = announced.group_id, announced.ident
+        announced.payload = plane.recv(src, (BULK, group_id, ident, 0), dest)
         announced.payload.add_done_callback(_retrieve)
-        plane._spawn(plane.send(src, (CLEAR, announced.group_id, announced.ident, 0), None, None))
+        plane._spawn(plane.send(src, (CLEAR, group_id, ident, 0), 1 if credited else 0, None))
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist import _auth
-from aiodist._bulk import BULK, BULK_MIN_BYTES, CLEAR, Announced, BulkTransfers
+from aiodist._bulk import BULK, BULK_MIN_BYTES, CLEAR, CREDIT, Announced, BulkTransfers
 from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
@@ -74,6 +74,7 @@ class _Posted:
     future: asyncio.Future[Received]
     dest: memoryview | None
     key: Key
+    credited: bool = False  # its sender was told it is posted (see _bulk.py)
 
 
 class _Link:
@@ -100,6 +101,9 @@ class _Link:
             if not isinstance(header, list) or len(header) not in (5, 7):
                 raise ProtocolError("malformed DATA header")
             key: Key = (header[0], header[1], header[2], header[3])
+            if key[0] == CREDIT:  # a peer posted a receive for a large payload of ours
+                self.plane.bulk.credited(self.src, key)
+                return None
             if len(header) == 7:  # announces a large payload: it moves once cleared
                 ident, nbytes = header[5], header[6]
                 if type(ident) is not int or type(nbytes) is not int or nbytes < 0:
@@ -185,8 +189,8 @@ class _Link:
         self.plane._adopt(rank, channel)
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if frame.kind != MessageKind.DATA or len(frame.header) == 7:
-            return  # not data, or an announcement (handled on arrival)
+        if frame.kind != MessageKind.DATA or len(frame.header) == 7 or frame.header[0] == CREDIT:
+            return  # not data, or an announcement or a credit (handled on arrival)
         assert self.src is not None
         assert self._buffer is not None
         msg = Received(self.src, self._meta, self._buffer)
@@ -464,6 +468,8 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif key[0] == P2P and src is not None:
+            self.bulk.offer(src, posted)
         return future
 
     def _complete(self, posted: _Posted, msg: Received) -> None:

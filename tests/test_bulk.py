@@ -93,6 +93,36 @@ async def test_large_send_waits_for_its_receive_while_small_messages_pass(
     assert outs[1] == (7.0, [(1, 1)], True, True)
 
 
+@PATHS
+async def test_a_receive_posted_first_lets_the_send_go_without_announcement(
+    server: RendezvousServer, hostnames: list[str] | None
+) -> None:
+    # Posting the first receive credits the sender, which then sends at once; the
+    # second receive is posted only after the second send started: that one waits.
+    async def body(g: ProcessGroup) -> Any:
+        await aiodist.barrier(group=g)  # channels up both ways before the credit
+        if g.rank == 1:
+            first, second = torch.empty(NUMEL), torch.empty(NUMEL)
+            posted = aiodist.irecv(first, 0, group=g)
+            await aiodist.isend_object("posted", 0, group=g)  # after the credit
+            await posted
+            assert await aiodist.irecv_object(0, group=g) == "second started"
+            await aiodist.recv(second, 0, group=g)
+            return torch.equal(first, _payload(0)), torch.equal(second, _payload(1))
+        assert await aiodist.irecv_object(1, group=g) == "posted"
+        bulk = g.session.plane.bulk
+        await aiodist.isend(_payload(0), 1, group=g)
+        announced_first = bulk.announcements
+        w = aiodist.isend(_payload(1), 1, group=g)
+        await aiodist.isend_object("second started", 1, group=g)
+        await w
+        return announced_first, bulk.announcements, bulk._credits
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body, hostnames=hostnames)
+    assert outs == [(0, 1, {}), (True, True)]
+
+
 async def test_large_sends_keep_their_order_and_match_any_source(
     server: RendezvousServer,
 ) -> None:
