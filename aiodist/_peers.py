@@ -16,9 +16,10 @@ member of the job cannot deliver data, claim a rank, or make a rank unpickle.
 Each direction of a peer pair uses one channel, so messages from one source
 with one key arrive in send order. A payload whose receive is already posted
 is read straight into the receiver's memory; otherwise it is buffered once.
-Point-to-point tensors from ``_bulk.BULK_MIN_BYTES`` are announced first and
-move only once their receive is posted (``_bulk.py``): a DATA header of
-seven fields, ``[..., meta, id, nbytes]``, is such an announcement.
+Point-to-point tensors from ``_bulk.BULK_MIN_BYTES`` move only once their
+receive is posted (``_bulk.py``): announced first (a DATA header of seven
+fields, ``[..., meta, id, nbytes]``), unless the receiver already sent a
+credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
 """
 
 from __future__ import annotations
