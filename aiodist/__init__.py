@@ -8,14 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from aiodist._collectives.movement import (
-    all_gather,
-    all_to_all,
-    barrier,
-    broadcast,
-    gather,
-    scatter,
-)
+from aiodist._collectives.movement import all_gather, all_to_all, barrier
 from aiodist._collectives.objects import (
     all_gather_object,
     all_reduce_dict,
@@ -27,6 +20,7 @@ from aiodist._collectives.objects import (
     sync_random_seed,
 )
 from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
+from aiodist._collectives.rooted import broadcast, gather, scatter
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,

@@ -16,6 +16,10 @@ member of the job cannot deliver data, claim a rank, or make a rank unpickle.
 Each direction of a peer pair uses one channel, so messages from one source
 with one key arrive in send order. A payload whose receive is already posted
 is read straight into the receiver's memory; otherwise it is buffered once.
+Point-to-point tensors from ``_bulk.BULK_MIN_BYTES`` move only once their
+receive is posted (``_bulk.py``): announced first (a DATA header of seven
+fields, ``[..., meta, id, nbytes]``), unless the receiver already sent a
+credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist import _auth
+from aiodist._bulk import BULK, BULK_MIN_BYTES, CLEAR, CREDIT, Announced, BulkTransfers
 from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
@@ -55,11 +60,15 @@ HANDSHAKE_TIMEOUT: Final = 30.0
 
 @dataclass(slots=True)
 class Received:
-    """A matched message: who sent it, its metadata, and where its payload is."""
+    """A matched message: who sent it, its metadata, and where its payload is.
+
+    ``announced`` marks a large payload still at its sender (see ``_bulk.py``).
+    """
 
     src: int
     meta: Any
     data: memoryview
+    announced: Announced | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +79,7 @@ class _Posted:
     dest: memoryview | None
     key: Key
     callback: Callable[[Received | BaseException], None] | None = None
+    credited: bool = False  # its sender was told it is posted (see _bulk.py)
 
     @property
     def settled(self) -> bool:
@@ -112,9 +122,20 @@ class _Link:
         if kind == MessageKind.DATA:
             if self.src is None:
                 raise ProtocolError("DATA before PEER_HELLO")
-            if not isinstance(header, list) or len(header) != 5:
+            if not isinstance(header, list) or len(header) not in (5, 7):
                 raise ProtocolError("malformed DATA header")
             key: Key = (header[0], header[1], header[2], header[3])
+            if key[0] == CREDIT:  # a peer posted a receive for a large payload of ours
+                self.plane.bulk.credited(self.src, key)
+                return None
+            if len(header) == 7:  # announces a large payload: it moves once cleared
+                ident, nbytes = header[5], header[6]
+                if type(ident) is not int or type(nbytes) is not int or nbytes < 0:
+                    raise ProtocolError(f"malformed payload announcement {header!r}")
+                announced = Announced(self.src, key[1], ident, nbytes)
+                msg = Received(self.src, header[4], memoryview(b""), announced)
+                self.plane.bulk.announced(key, msg)
+                return None
             self._key, self._meta = key, header[4]
             posted = self.plane.matcher.arrive(self.src, key)
             self._posted = posted
@@ -192,8 +213,8 @@ class _Link:
         self.plane._adopt(rank, channel)
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if frame.kind != MessageKind.DATA:
-            return
+        if frame.kind != MessageKind.DATA or len(frame.header) == 7 or frame.header[0] == CREDIT:
+            return  # not data, or an announcement or a credit (handled on arrival)
         assert self.src is not None
         assert self._buffer is not None
         msg = Received(self.src, self._meta, self._buffer)
@@ -283,6 +304,7 @@ class DataPlane:
         self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()
         self._failed = False  # a session-wide failure happened
+        self.bulk = BulkTransfers(self)
         if self.use_shm:
             shm.remove_stale()  # left by earlier jobs' ranks that crashed mid-operation
 
@@ -356,9 +378,18 @@ class DataPlane:
             data = memoryview(bytes(payload) if payload is not None else b"")
             self._deliver_local(key, Received(dst, meta, data))
             return
+        if key[0] == P2P and payload is not None:
+            view = memoryview(payload).cast("B")
+            if view.nbytes >= BULK_MIN_BYTES:
+                await self.bulk.send(dst, key, meta, view)
+                return
+        await self.send_header(dst, [*key, meta], payload)
+
+    async def send_header(self, dst: int, header: list[Any], payload: Buffer | None = None) -> None:
+        """Send one DATA frame with ``header`` to peer ``dst`` (not this rank)."""
         try:
             channel = self._out.get(dst) or await self._connect(dst)
-            await channel.send(MessageKind.DATA, [*key, meta], payload)
+            await channel.send(MessageKind.DATA, header, payload)
         except OSError as exc:
             raise await self._send_failed(dst, exc) from exc
 
@@ -376,8 +407,10 @@ class DataPlane:
             self._deliver_local(key, Received(dst, meta, data))
             return None
         channel = self._out.get(dst)
-        if channel is None:
-            return self.send(dst, key, meta, payload)  # connect first: no shortcut
+        if channel is None or (
+            key[0] == P2P and payload is not None and memoryview(payload).nbytes >= BULK_MIN_BYTES
+        ):
+            return self.send(dst, key, meta, payload)  # connect first, or announce: no shortcut
         coro = channel.send(MessageKind.DATA, [*key, meta], payload)
         try:
             # Run the channel's send up to its first wait, here in the caller: a frame
@@ -519,6 +552,8 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif key[0] == P2P and src is not None:
+            self.bulk.offer(src, posted)
         return future
 
     def post(
@@ -537,10 +572,15 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif key[0] == P2P and src is not None:
+            self.bulk.offer(src, posted)
 
     def _complete(self, posted: _Posted, msg: Received) -> None:
         if posted.settled:
             return  # failed while its payload was arriving: the operation reported that
+        if msg.announced is not None:  # a large payload still at its sender
+            self.bulk.deliver(posted, msg)
+            return
         dest = posted.dest
         if dest is not None and msg.data is not dest and dest.nbytes == msg.data.nbytes:
             dest[:] = msg.data  # it was buffered before the receive was posted
@@ -561,6 +601,7 @@ class DataPlane:
         if group_id is None and self.use_shm:  # a rank died (or the session broke)
             self._failed = True
             shm.remove_stale()  # its segments may linger
+        self.bulk.forget(group_id)  # their senders fail too: never clear them
         posted_list = self.matcher.take_posted_where(hit)
         arriving = [link._posted for link in self._arriving if link._posted is not None]
         posted_list += [p for p in self._orphans + arriving if hit(p.key)]
@@ -570,7 +611,8 @@ class DataPlane:
 
     def fail_p2p(self, exc: BaseException) -> None:
         """Fail every posted point-to-point receive (tensors and objects) with ``exc``."""
-        for posted in self.matcher.take_posted_where(lambda k: k[0] in (P2P, OBJECT_P2P)):
+        kinds = (P2P, OBJECT_P2P, CLEAR, BULK)  # and the large payloads' own messages
+        for posted in self.matcher.take_posted_where(lambda k: k[0] in kinds):
             posted.settle(exc)
 
     def _channel_closed(self, link: _Link, channel: DataChannel, exc: Exception | None) -> None:

@@ -1168,7 +1168,8 @@ def reduce_scatter(
     thread, ``.is_completed()``).
 
     Every rank sends ``inputs[i]`` straight to rank ``i``, which reduces what
-    it receives in rank order.
+    it receives in rank order; from 1 MiB of inputs, in a group whose ranks
+    share one host, rank ``i`` reduces straight out of the others' shared segments.
 
     Args:
         inputs: One CPU tensor per rank, all of the same dtype and shape.

@@ -13,15 +13,9 @@ import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
 from aiodist._collectives import schedules
-from aiodist._collectives.movement import (
-    all_gather,
-    all_to_all,
-    barrier,
-    broadcast,
-    gather,
-    scatter,
-)
+from aiodist._collectives.movement import all_gather, all_to_all, barrier
 from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
+from aiodist._collectives.rooted import broadcast, gather, scatter
 from aiodist._transport import shm
 from aiodist.testing import run_ranks
 

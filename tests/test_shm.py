@@ -301,3 +301,61 @@ async def test_all_gather_through_shared_segments_matches_torch(
         for got, want in zip(outs, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not glob.glob(f"{shm.SHM_DIR}/{shm.segment_prefix()}*"), "segments left behind"
+
+
+@needs_shm
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+async def test_reduce_scatter_through_shared_segments_matches_torch(
+    server: RendezvousServer, world_size: int, op: str
+) -> None:
+    import glob
+
+    import torch
+
+    import aiodist
+    from aiodist.testing import run_ranks
+
+    def inputs(rank: int, k: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(100 * k + rank)
+        return [torch.randn(384, 512, generator=gen) for _ in range(world_size)]  # 768 KiB each
+
+    async def body(g: aiodist.ProcessGroup) -> tuple[list[torch.Tensor], bool]:
+        outs = []
+        for k in range(2):  # the second call reuses the segments mapped by the first
+            parts = [x.t().contiguous().t() for x in inputs(g.rank, k)]  # non-contiguous
+            outs.append(await aiodist.reduce_scatter(parts, op=op, group=g))
+        return outs, g.group_id in g.session.plane.segments._own
+
+    with anyio.fail_after(60):
+        results = await run_ranks(server.address, world_size, body)
+    for rank, (outs, used_segment) in enumerate(results):
+        assert used_segment
+        for k, got in enumerate(outs):
+            stacked = torch.stack([inputs(r, k)[rank] for r in range(world_size)])
+            want = {
+                "max": stacked.max(dim=0).values,
+                "sum": stacked.sum(dim=0),
+                "mean": stacked.sum(dim=0) / world_size,
+            }[op]
+            torch.testing.assert_close(got, want)
+    assert not glob.glob(f"{shm.SHM_DIR}/{shm.segment_prefix()}*"), "segments left behind"
+
+
+@needs_shm
+async def test_reduce_scatter_sizes_that_pick_different_paths_raise_on_every_rank(
+    server: RendezvousServer,
+) -> None:
+    import torch
+
+    import aiodist
+    from aiodist.testing import run_ranks
+
+    async def body(g: aiodist.ProcessGroup) -> str:
+        numel = 1 << 18 if g.rank else 1 << 10  # 2 MiB (shared memory) against 8 KiB (sockets)
+        with pytest.raises(aiodist.CollectiveMismatchError) as info:
+            await aiodist.reduce_scatter([torch.ones(numel)] * 2, group=g)
+        return info.value.field
+
+    with anyio.fail_after(20):
+        assert await run_ranks(server.address, 2, body) == ["shape", "shape"]

@@ -32,6 +32,7 @@ from aiodist._collectives.common import (
     send,
     signature,
 )
+from aiodist._collectives.outputs import new_outputs
 from aiodist._torch_bridge import bridged
 from aiodist._work import Work
 
@@ -380,7 +381,8 @@ def reduce_scatter(
     """Reduce ``inputs[i]`` over all ranks and leave the result on rank ``i``.
 
     Every rank sends ``inputs[i]`` straight to rank ``i``, which reduces what
-    it receives in rank order.
+    it receives in rank order; from 1 MiB of inputs, in a group whose ranks
+    share one host, rank ``i`` reduces straight out of the others' shared segments.
 
     Args:
         inputs: One CPU tensor per rank, all of the same dtype and shape.
@@ -418,8 +420,22 @@ def reduce_scatter(
             f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
         )
     mine = signature("reduce_scatter", first, reduce_op=reduce_op)
+    nbytes = first.numel() * first.element_size() * g.world_size
+    use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
+    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
 
     async def run(seq: int) -> torch.Tensor:
+        if use_shm:
+            async with turns[0]:
+                if await shared.agreed(g):  # else some rank has it off: all take the sockets
+                    out = new_outputs(g, first, 1, "reduce_scatter")[0]
+                    parts = [contiguous(x) for x in tensors]
+                    await shared.shared_memory_reduce_scatter(
+                        g, seq, parts, out, reduce_op, mine, _combine
+                    )
+                    if reduce_op == "mean":
+                        divide_(out, g.world_size)
+                    return out
         p, me = g.world_size, g.rank
         got = [tensors[me] if r == me else torch.empty_like(first) for r in range(p)]
         futures = [None if r == me else recv_tensor(g, r, seq, 0, got[r]) for r in range(p)]
@@ -438,4 +454,7 @@ def reduce_scatter(
             divide_(out, p)
         return out
 
-    return g.start(f"reduce_scatter(op={reduce_op})", run)
+    work = g.start(f"reduce_scatter(op={reduce_op})", run)
+    if use_shm:
+        turns.append(shared.take_turn(g))
+    return work

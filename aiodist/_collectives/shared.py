@@ -4,8 +4,9 @@ Each rank copies its tensor into its own shared segment, then reduces one
 chunk of every segment in place of a ring's ``2 (size - 1)`` socket hops:
 
 1. copy in, then tell every peer the segment's name (one small message each);
-2. reduce chunk ``rank`` over all segments, in rank order, into the tensor,
-   and write the result back to the own segment; tell every peer;
+2. reduce chunk ``rank`` over all segments, in rank order, into the own
+   segment, slice by slice, and copy each slice into the tensor; tell every
+   peer (the own chunk's input never goes into the segment: only its result);
 3. copy every other chunk from its owner's segment; tell every peer, so that
    nobody writes a segment (in a later operation) while it is still read.
 
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._collectives import schedules
 from aiodist._collectives.common import (
+    SLICE_NUMEL,
+    byte_view,
     check_signature,
     clear_to_send,
     copy_into,
@@ -44,6 +47,7 @@ __all__ = [
     "shared_memory_all_gather",
     "shared_memory_all_reduce",
     "shared_memory_broadcast",
+    "shared_memory_reduce_scatter",
     "take_turn",
     "usable",
 ]
@@ -153,23 +157,20 @@ async def shared_memory_all_reduce(
     own = seg.tensor(buf.dtype, numel)
     peers = schedules.direct_peers(me, p)
     notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(3)]
-    copy_into(own, flat)
+    bounds = schedules.chunk_bounds(numel, p)
+    a, b = bounds[me]
+    # Peers read only the result of this rank's own chunk (written below), not its input.
+    copy_into(own[:a], flat[:a])
+    copy_into(own[b:], flat[b:])
     await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
-    parts: list[torch.Tensor] = [own] * p
+    parts: list[torch.Tensor] = [flat] * p
     for r, future in notices[0].items():
         msg = await future
         check_signature(g, mine, msg)
         name, _, size = bytes(msg.data).decode().rpartition(":")
         peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
         parts[r] = peer.tensor(buf.dtype, numel)
-    bounds = schedules.chunk_bounds(numel, p)
-    a, b = bounds[me]
-    if b > a:
-        mine_out = flat[a:b]
-        combine(op, mine_out, parts[0][a:b], parts[1][a:b])
-        for r in range(2, p):
-            combine(op, mine_out, mine_out, parts[r][a:b])
-        copy_into(own[a:b], mine_out)
+    _reduce_chunk(op, combine, parts, own, flat, a, b)
     await _notify_all(g, seq, _STEP + 1, mine, None)
     for future in notices[1].values():
         check_signature(g, mine, await future)
@@ -180,6 +181,30 @@ async def shared_memory_all_reduce(
     await _notify_all(g, seq, _STEP + 2, mine, None)
     for future in notices[2].values():
         check_signature(g, mine, await future)
+
+
+def _reduce_chunk(
+    op: str,
+    combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    parts: list[torch.Tensor],
+    own: torch.Tensor,
+    flat: torch.Tensor,
+    a: int,
+    b: int,
+) -> None:
+    # Slice by slice, all parts in rank order into the segment, then into ``flat``: each
+    # slice stays in cache from the first add to the copy, where whole-chunk passes would
+    # stream the chunk through memory once per part. ``flat`` is ``parts[rank]``: each
+    # slice of it is read before it is overwritten.
+    flat_bytes, own_bytes = byte_view(flat), byte_view(own)
+    size = flat.element_size()
+    for start in range(a, b, SLICE_NUMEL):
+        stop = min(start + SLICE_NUMEL, b)
+        out = own[start:stop]
+        combine(op, out, parts[0][start:stop], parts[1][start:stop])
+        for part in parts[2:]:
+            combine(op, out, out, part[start:stop])
+        flat_bytes[start * size : stop * size] = own_bytes[start * size : stop * size]
 
 
 async def shared_memory_all_gather(
@@ -210,6 +235,55 @@ async def shared_memory_all_gather(
         peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
         copy_into(out[r].view(-1), peer.tensor(src.dtype, numel))
     await _notify_all(g, seq, _STEP + 1, mine, None)
+    for future in notices[1].values():
+        check_signature(g, mine, await future)
+    segments.unlink_own(g.group_id)  # every peer has mapped it by now
+
+
+async def shared_memory_reduce_scatter(
+    g: ProcessGroup,
+    seq: int,
+    inputs: list[torch.Tensor],
+    out: torch.Tensor,
+    op: str,
+    mine: list[Any],
+    combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Reduce contiguous ``inputs[rank]`` of every rank into contiguous ``out``, in rank order.
+
+    Every rank copies the parts meant for the others into its own segment and
+    says where; each then reduces its part straight out of the peers' segments
+    (and its own input) into ``out``, slice by slice, says so, and returns once
+    nobody reads its segment any more. The notice that names a segment is step
+    0, the step of the socket path's parts, so a rank that took the other path
+    (its inputs differ) gets a signature it can tell apart instead of silence.
+    """
+    p, me = g.world_size, g.rank
+    segments = g.session.plane.segments
+    numel = out.numel()
+    part_bytes = numel * out.element_size()
+    seg = segments.own(g.group_id, p * part_bytes)
+    own = seg.tensor(out.dtype, p * numel)
+    peers = schedules.direct_peers(me, p)
+    notices = [{r: recv_tensor(g, r, seq, k) for r in peers} for k in (0, _STEP)]
+    for r in peers:
+        copy_into(own[r * numel : (r + 1) * numel], inputs[r].view(-1))
+    await _notify_all(g, seq, 0, mine, f"{seg.name}:{seg.nbytes}".encode())
+    parts = [inputs[me].view(-1)] * p
+    for r, future in notices[0].items():
+        msg = await future
+        check_signature(g, mine, msg)
+        name, _, size = bytes(msg.data).decode().rpartition(":")
+        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        parts[r] = peer.tensor(out.dtype, p * numel)[me * numel : (me + 1) * numel]
+    flat = out.view(-1)
+    for start in range(0, numel, SLICE_NUMEL):
+        stop = min(start + SLICE_NUMEL, numel)
+        dst = flat[start:stop]
+        combine(op, dst, parts[0][start:stop], parts[1][start:stop])
+        for part in parts[2:]:
+            combine(op, dst, dst, part[start:stop])
+    await _notify_all(g, seq, _STEP, mine, None)
     for future in notices[1].values():
         check_signature(g, mine, await future)
     segments.unlink_own(g.group_id)  # every peer has mapped it by now
