@@ -972,7 +972,13 @@ def isend(
         group: Defaults to the world group.
 
     Returns:
-        Work that completes once ``tensor``'s memory may be reused.
+        Work that completes once ``tensor``'s memory may be reused. A small tensor
+        is handed to the kernel at once; one of 1 MiB or more moves only when
+        ``dst`` has posted the matching receive, straight into the receiving
+        tensor (as MPI's rendezvous protocol). So awaiting a large send before
+        ``dst`` can reach its receive (say, both ranks then enter a barrier)
+        waits until the group's timeout: start the send, do the rest, await it
+        later, or post the receive first.
 
     Cancellation:
         Cancelling the awaiting task does not cancel the send.

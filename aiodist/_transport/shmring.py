@@ -212,7 +212,10 @@ class ShmChannel(StreamChannel):
         kind, inner, nbytes, announce = header
         if type(nbytes) is not int or not 0 < nbytes <= self._max_payload:
             raise ProtocolError(f"ring payload of {nbytes!r} bytes is out of bounds")
-        if announce is not None:
+        if announce is not None and not (self._in is not None and self._in.name == announce[0]):
+            # Every payload announces the ring until the sender learns it is mapped (a
+            # RING_FREE) and unlinks its file: a later announcement of the ring already
+            # mapped here keeps that mapping; the file may be gone by now.
             name, slots, slot_bytes = announce
             self._close_in()
             try:
