@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._wire.frame import MiB
 
 if TYPE_CHECKING:
-    from aiodist._peers import DataPlane, Key, Received, _Posted
+    from aiodist._link import Posted, Received
+    from aiodist._peers import DataPlane, Key
 
 __all__ = ["BULK", "BULK_MIN_BYTES", "CLEAR", "CREDIT", "Announced", "BulkTransfers"]
 
@@ -136,7 +137,7 @@ class BulkTransfers:
         else:
             self._held.add(announced)
 
-    def offer(self, src: int, posted: _Posted) -> None:
+    def offer(self, src: int, posted: Posted) -> None:
         """A receive from ``src`` was posted and found nothing: credit ``src`` if it is large."""
         dest, plane = posted.dest, self._plane
         if dest is None or dest.nbytes < BULK_MIN_BYTES or src == plane.rank:
@@ -145,7 +146,7 @@ class BulkTransfers:
         _, group_id, tag, _ = posted.key
         plane._spawn(plane.send(src, (CREDIT, group_id, tag, dest.nbytes), None, None))
 
-    def deliver(self, posted: _Posted, msg: Received) -> None:
+    def deliver(self, posted: Posted, msg: Received) -> None:
         """Complete ``posted`` with announced ``msg`` once its payload is in."""
         announced = msg.announced
         assert announced is not None
