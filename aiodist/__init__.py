@@ -11,8 +11,6 @@ from __future__ import annotations
 from aiodist._collectives.movement import all_gather, all_to_all, barrier
 from aiodist._collectives.objects import (
     all_gather_object,
-    all_reduce_dict,
-    all_reduce_params,
     broadcast_object_list,
     collect_results,
     gather_object,
@@ -21,6 +19,7 @@ from aiodist._collectives.objects import (
 )
 from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
 from aiodist._collectives.rooted import broadcast, gather, scatter
+from aiodist._collectives.tensor_groups import all_reduce_dict, all_reduce_params
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -14,14 +13,13 @@ import torch
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
 from aiodist._collectives.objects import (
     all_gather_object,
-    all_reduce_dict,
-    all_reduce_params,
     broadcast_object_list,
     collect_results,
     gather_object,
     scatter_object_list,
     sync_random_seed,
 )
+from aiodist._collectives.tensor_groups import all_reduce_dict, all_reduce_params
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
@@ -195,35 +193,10 @@ async def test_collect_results_interleaves_and_truncates(
     assert all(out is None for out in outs[1:])
 
 
-@pytest.fixture(params=["tensor", "fallback"])
-def reduce_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Reduce with aiodist._collectives.reductions.all_reduce, or (hidden) the gather fallback.
-
-    Returns the log of fallback uses, for the test to check which path ran.
-    """
-    import aiodist._collectives as package
-    from aiodist._collectives import objects
-
-    used: list[str] = []
-    real = objects._start_gather_reduce
-
-    def spy(*args: Any) -> Any:
-        used.append("fallback")
-        return real(*args)
-
-    monkeypatch.setattr(objects, "_start_gather_reduce", spy)
-    if request.param == "fallback":
-        monkeypatch.setitem(sys.modules, "aiodist._collectives.reductions", None)
-        monkeypatch.delattr(package, "reductions", raising=False)
-    else:
-        used.append("expect-tensor")
-    return used
-
-
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("world_size", [2, 3])
 async def test_all_reduce_dict_matches_reference(
-    server: RendezvousServer, world_size: int, op: str, reduce_path: list[str]
+    server: RendezvousServer, world_size: int, op: str
 ) -> None:
     def make(rank: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(rank)
@@ -245,7 +218,6 @@ async def test_all_reduce_dict_matches_reference(
 
     with anyio.fail_after(15):
         outs = await run_ranks(server.address, world_size, body)
-    assert ("fallback" in reduce_path) != ("expect-tensor" in reduce_path), reduce_path
     inputs = [make(r) for r in range(world_size)]
     for same, data in outs:
         assert same
@@ -269,7 +241,6 @@ async def test_all_reduce_params_matches_reference(
     coalesce: bool,
     bucket_size_mb: int,
     op: str,
-    reduce_path: list[str],
 ) -> None:
     world_size = 3
 
@@ -289,7 +260,6 @@ async def test_all_reduce_params_matches_reference(
 
     with anyio.fail_after(20):
         outs = await run_ranks(server.address, world_size, body)
-    assert ("fallback" in reduce_path) != ("expect-tensor" in reduce_path), reduce_path
     inputs = [make(r) for r in range(world_size)]
     for i in range(4):
         stacked = torch.stack([ps[i].detach() for ps in inputs])
