@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from aiodist._collectives import ops
 from aiodist._collectives.common import check_alike, check_rank
 from aiodist._collectives.objects import all_gather_object
-from aiodist._collectives.reductions import _check_op_dtype, _combine, _reduce_op
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,8 +90,8 @@ def _copy_back(t: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]
 
 def _all_reduce(g: ProcessGroup, bridge: GroupBridge, data: object, op: object) -> Work[Any]:
     t = _tensor(data, "data", bridge)
-    reduce_op = _reduce_op(op)
-    _check_op_dtype(reduce_op, t.dtype)
+    reduce_op = ops.reduce_op(op)
+    ops.check_op_dtype(reduce_op, t.dtype)
     buf = _dense(t)
     pg = bridge.torch_group
     # NCCL averages natively; gloo sums, and the mean is taken on its completion thread.
@@ -114,8 +114,8 @@ def _all_reduce(g: ProcessGroup, bridge: GroupBridge, data: object, op: object) 
 
 def _reduce(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op: object) -> Any:
     t = _tensor(data, "data", bridge)
-    reduce_op = _reduce_op(op)
-    _check_op_dtype(reduce_op, t.dtype)
+    reduce_op = ops.reduce_op(op)
+    ops.check_op_dtype(reduce_op, t.dtype)
     root = check_rank(g, dst, "dst")
     buf = _dense(t)
     pg = bridge.torch_group
@@ -140,10 +140,10 @@ def _reduce(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op:
 
 def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: object) -> Any:
     tensors = [_dense(x) for x in _tensors(inputs, "inputs", bridge, g.world_size)]
-    reduce_op = _reduce_op(op)
+    reduce_op = ops.reduce_op(op)
     check_alike(tensors, "inputs")
     first = tensors[0]
-    _check_op_dtype(reduce_op, first.dtype)
+    ops.check_op_dtype(reduce_op, first.dtype)
     pg, p = bridge.torch_group, g.world_size
     description = f"reduce_scatter(op={reduce_op})"
     if first.device.type == "cuda":
@@ -162,7 +162,7 @@ def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: ob
         parts = got.view(p, -1)
         out = parts[0].clone()
         for r in range(1, p):
-            _combine(reduce_op, out, out, parts[r])
+            ops.combine(reduce_op, out, out, parts[r])
         if reduce_op == "mean":
             out.div_(p)
         return out.view(first.shape)

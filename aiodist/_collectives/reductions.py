@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from aiodist._collectives import schedules, shared
+from aiodist._collectives import ops, schedules, shared
 from aiodist._collectives.common import (
-    SLICE_NUMEL,
     LazyModule,
     agreed,
     byte_view,
@@ -48,67 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["all_reduce", "reduce", "reduce_scatter"]
 
 _FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
-_OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
-_ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
-
-
-def _reduce_op(op: object) -> str:
-    name = op if isinstance(op, str) else getattr(op, "name", None)
-    if name is None and op is not None and type(op).__name__ in ("ReduceOp", "RedOpType"):
-        name = str(op)
-    if not isinstance(name, str):
-        raise TypeError(f"op must be a string such as 'sum', got {type(op).__name__}")
-    key = name.rsplit(".", 1)[-1].lower()
-    key = _ALIASES.get(key, key)
-    if key not in _OPS:
-        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(_OPS)}")
-    return key
-
-
-def _check_op_dtype(op: str, dtype: torch.dtype) -> None:
-    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"op 'mean' needs a floating-point tensor, got {dtype}")
-    if op in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
-
-
-def _combine_kernel(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
-    if out.dtype == torch.bool and op in ("sum", "mean", "max"):
-        torch.logical_or(first, second, out=out)
-    elif out.dtype == torch.bool and op in ("product", "min"):
-        torch.logical_and(first, second, out=out)
-    elif op in ("sum", "mean"):
-        torch.add(first, second, out=out)
-    elif op == "product":
-        torch.mul(first, second, out=out)
-    elif op == "min":
-        torch.minimum(first, second, out=out)
-    elif op == "max":
-        torch.maximum(first, second, out=out)
-    elif op == "band":
-        torch.bitwise_and(first, second, out=out)
-    elif op == "bor":
-        torch.bitwise_or(first, second, out=out)
-    else:
-        torch.bitwise_xor(first, second, out=out)
-
-
-def _combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
-    """``out = first <op> second`` with torch kernels; ``out`` may alias either input.
-
-    Large tensors go through in slices of ``SLICE_NUMEL`` elements, each below
-    torch's parallel grain, so that no rank wakes its intra-op thread pool.
-    """
-    n = out.numel()
-    if n <= SLICE_NUMEL:
-        _combine_kernel(op, out, first, second)
-        return
-    o, a, b = out.view(-1), first.reshape(-1), second.reshape(-1)
-    for start in range(0, n, SLICE_NUMEL):
-        stop = start + SLICE_NUMEL
-        _combine_kernel(op, o[start:stop], a[start:stop], b[start:stop])
-
-
 # --- all_reduce ----------------------------------------------------------------------------
 
 
@@ -130,9 +68,9 @@ def _direct_all_reduce_now(
     def done(staging: memoryview) -> None:
         if p > 1 and flat.numel():
             parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
-            _combine(op, flat, parts[0], parts[1])
+            ops.combine(op, flat, parts[0], parts[1])
             for r in range(2, p):
-                _combine(op, flat, flat, parts[r])
+                ops.combine(op, flat, flat, parts[r])
             if op == "mean":
                 divide_(buf, p)
         if buf is not t:
@@ -163,16 +101,16 @@ async def _recursive_doubling(
     if plan.fold_partner is not None:
         msg = await recv_tensor(g, plan.fold_partner, seq, fold, scratch)
         check_signature(g, mine, msg)
-        _combine(op, buf, buf, scratch)  # the extra rank is higher: it goes second
+        ops.combine(op, buf, buf, scratch)  # the extra rank is higher: it goes second
     for k, partner in enumerate(plan.partners):
         future = recv_tensor(g, partner, seq, k, scratch)
         await send(g, partner, seq, k, mine, byte_view(buf))
         check_signature(g, mine, await future)
         # Lower rank first on both sides, so both compute bitwise the same value.
         if partner < me:
-            _combine(op, buf, scratch, buf)
+            ops.combine(op, buf, scratch, buf)
         else:
-            _combine(op, buf, buf, scratch)
+            ops.combine(op, buf, buf, scratch)
     if plan.fold_partner is not None:
         await send(g, plan.fold_partner, seq, unfold, mine, byte_view(buf))
 
@@ -212,7 +150,7 @@ async def _ring_all_reduce(
     for s, (out_c, in_c) in enumerate(rs_steps):
         await send(g, right, seq, s, mine, byte_view(chunks[out_c]))
         check_signature(g, mine, await rs_recvs[s])
-        _combine(op, chunks[in_c], parts[s], chunks[in_c])
+        ops.combine(op, chunks[in_c], parts[s], chunks[in_c])
     for s, (out_c, _) in enumerate(ag_steps):
         await send(g, right, seq, p + s, mine, byte_view(chunks[out_c]))
         check_signature(g, mine, await ag_recvs[s])
@@ -272,8 +210,8 @@ def all_reduce(
     if (w := bridged(group, "all_reduce", data, op)) is not None:
         return w
     t = check_tensor(data, "data")
-    reduce_op = _reduce_op(op)
-    _check_op_dtype(reduce_op, t.dtype)
+    reduce_op = ops.reduce_op(op)
+    ops.check_op_dtype(reduce_op, t.dtype)
     g = resolve_group(group)
     if g is None:
         return Work.completed(t)
@@ -292,7 +230,7 @@ def all_reduce(
         if algorithm == "shared_memory":
             async with turns[0]:
                 if await shared.agreed(g):
-                    await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, _combine)
+                    await shared.shared_memory_all_reduce(g, seq, buf, reduce_op, mine, ops.combine)
                 else:  # some rank has shared memory off: every rank takes the sockets
                     await _socket_all_reduce(g, seq, buf, reduce_op, mine)
         elif p > 1:
@@ -340,8 +278,8 @@ def reduce(
     if (w := bridged(group, "reduce", data, dst, op)) is not None:
         return w
     t = check_tensor(data, "data")
-    reduce_op = _reduce_op(op)
-    _check_op_dtype(reduce_op, t.dtype)
+    reduce_op = ops.reduce_op(op)
+    ops.check_op_dtype(reduce_op, t.dtype)
     g = resolve_group(group)
     if g is None:
         return Work.completed(t)
@@ -359,7 +297,7 @@ def reduce(
         for child in reversed(links.children):  # smallest subtrees arrive first
             msg = await recv_tensor(g, child, seq, 0, scratch)
             check_signature(g, mine, msg)
-            _combine(reduce_op, acc, acc, scratch)
+            ops.combine(reduce_op, acc, acc, scratch)
         if links.parent is not None:
             await send(g, links.parent, seq, 0, mine, byte_view(acc))
             return t
@@ -408,10 +346,10 @@ def reduce_scatter(
     tensors = check_tensor_list(inputs, "inputs", None)
     if not tensors:
         raise ValueError("inputs must hold one tensor per rank, got an empty list")
-    reduce_op = _reduce_op(op)
+    reduce_op = ops.reduce_op(op)
     check_alike(tensors, "inputs")
     first = tensors[0]
-    _check_op_dtype(reduce_op, first.dtype)
+    ops.check_op_dtype(reduce_op, first.dtype)
     g = resolve_group(group)
     if g is None:
         return Work.completed(first)
@@ -431,7 +369,7 @@ def reduce_scatter(
                     out = new_outputs(g, first, 1, "reduce_scatter")[0]
                     parts = [contiguous(x) for x in tensors]
                     await shared.shared_memory_reduce_scatter(
-                        g, seq, parts, out, reduce_op, mine, _combine
+                        g, seq, parts, out, reduce_op, mine, ops.combine
                     )
                     if reduce_op == "mean":
                         divide_(out, g.world_size)
@@ -449,7 +387,7 @@ def reduce_scatter(
             if r == 0:
                 copy_into(out, got[0])
             else:
-                _combine(reduce_op, out, out, got[r])
+                ops.combine(reduce_op, out, out, got[r])
         if reduce_op == "mean":
             divide_(out, p)
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aiodist._collectives import ops
 from aiodist._collectives.common import resolve_group
 from aiodist._collectives.reductions import all_reduce
 from aiodist._work import Work
@@ -22,24 +23,13 @@ if TYPE_CHECKING:
 
 __all__ = ["all_reduce_dict", "all_reduce_params"]
 
-_REDUCE_OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
-_ALIASES = {"prod": "product", "avg": "mean", "average": "mean"}
-
 
 def _check_reduce_op(op: object, tensors: Iterable[torch.Tensor]) -> str:
     """Validate ``op`` against every tensor now: a failure after some reductions
     started would leave ranks numbering their operations differently."""
-    if not isinstance(op, str):
-        raise TypeError(f"op must be a str such as 'sum', got {type(op).__name__}")
-    key = _ALIASES.get(op.lower(), op.lower())
-    if key not in _REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}; got {op!r}")
+    key = ops.reduce_op(op)
     for t in tensors:
-        floating = t.dtype.is_floating_point or t.dtype.is_complex
-        if key == "mean" and not floating:
-            raise TypeError(f"op 'mean' needs floating-point tensors, got {t.dtype}")
-        if key in ("band", "bor", "bxor") and floating:
-            raise TypeError(f"op {key!r} needs integer or bool tensors, got {t.dtype}")
+        ops.check_op_dtype(key, t.dtype)
     return key
 
 
