@@ -402,6 +402,8 @@ MISMATCHES: list[tuple[str, Callable[[ProcessGroup], Any]]] = [
         ),
     ),
     ("root", lambda g: broadcast(torch.ones(4), src=min(g.rank, 1), group=g)),
+    # 1.2 MB on rank 0 (shared memory), 800 KB elsewhere (the tree)
+    ("shape", lambda g: broadcast(torch.ones(200_000 if g.rank else 300_000), src=0, group=g)),
     ("root", lambda g: reduce(torch.ones(4), dst=min(g.rank, 1), group=g)),
     ("root", lambda g: gather(torch.ones(4), dst=min(g.rank, 1), group=g)),
     (
