@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -301,6 +302,7 @@ class ProcessGroup:
         self.error: DistError | None = None
         self.closed = False
         self._seq = 0
+        self._seq_lock = threading.Lock()
         self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
 
@@ -376,13 +378,19 @@ class ProcessGroup:
                 "from plain code use aiodist.sync"
             ) from None
         self.check_usable()
-        if collective:  # point-to-point takes no sequence number: not every rank calls it
-            self._seq += 1
-        seq = self._seq
+        # Point-to-point takes no sequence number: not every rank calls it.
+        seq = self.next_seq() if collective else self._seq
         work: Work[Any] = Work.pending(loop, f"{description}#{seq}")
         if timed:
             self.deadlines.add(loop, work, None)
         return loop, work, seq
+
+    def next_seq(self) -> int:
+        """Take the group's next sequence number (under a lock: metric syncs on the
+        shared board take theirs from the training loop's thread)."""
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]

@@ -45,7 +45,16 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
 
-__all__ = ["call", "is_running", "loop_thread", "run_sync", "start_soon", "stop", "submit"]
+__all__ = [
+    "call",
+    "is_running",
+    "loop_thread",
+    "quiet",
+    "run_sync",
+    "start_soon",
+    "stop",
+    "submit",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +123,8 @@ class _LoopThread:
 
 _lock = threading.Lock()
 _current: _LoopThread | None = None
+_unstarted = 0  # start_soon calls whose operation has not started on the loop yet
+_unstarted_lock = threading.Lock()
 _atexit_registered = False
 
 
@@ -240,6 +251,7 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
         RuntimeError: Called on the loop thread, or the default group belongs to
             another event loop.
     """
+    global _unstarted
     _check_thread(fn.__name__)
     if not _world.is_initialized():
         return fn(*args)  # the non-distributed answer: no loop needed
@@ -251,15 +263,30 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
     work: Work[T] = Work.pending(loop, fn.__name__)
 
     def start() -> None:
+        global _unstarted
         try:
             started = fn(*args)
         except Exception as exc:
             work._set_exception(exc)  # the caller sees it through the handle
             return
+        finally:
+            with _unstarted_lock:
+                _unstarted -= 1
         started._on_done(lambda done: _settle(done, work))  # at once: no extra loop turn
 
     loop.call_soon_threadsafe(start)
+    with _unstarted_lock:  # after: a loop that is gone leaves no count behind
+        _unstarted += 1
     return work
+
+
+def quiet() -> bool:
+    """True when every operation ``start_soon`` handed the loop thread has started.
+
+    Then every earlier call from plain code holds its sequence number, and the
+    caller may take the next one itself (``ProcessGroup.next_seq``).
+    """
+    return _unstarted == 0
 
 
 def _settle(done: Work[T], work: Work[T]) -> None:

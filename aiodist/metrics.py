@@ -44,7 +44,8 @@ import numbers
 from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives.common import resolve_group
-from aiodist._metrics.fused import Schema, reduce_locally, start_sync
+from aiodist._metrics.board import Board, encode
+from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.results import MetricResults, MetricsWriter
 from aiodist._metrics.state import REDUCTIONS, Accumulator, Reduction, check_reduction
 from aiodist._metrics.state import take_snapshot as _take_snapshot
@@ -101,9 +102,14 @@ class MetricAggregator:
         self._group = group
         self._accs: dict[str, Accumulator] = {}
         self._steps = 0
-        # The key set the latest started sync agrees on; lives on the group's loop.
-        self._agreed: asyncio.Future[Schema] | None = None
+        self._syncs = 0  # every rank numbers its syncs alike: the shared board's index
+        # The route the latest sync started on the loop takes; lives on the group's loop.
+        self._agreed: asyncio.Future[Route] | None = None
         self._agreed_group: ProcessGroup | None = None
+        self._first = 0  # the number of the first sync on ``_agreed_group``
+        # Set once syncs go through the shared board and none waits on the loop:
+        # then ``sync()`` writes from the caller's thread (see ``_metrics.board``).
+        self._board: Board | None = None
 
     def reduction(self, name: str) -> Reduction:
         """The reduction ``name`` gets."""
@@ -186,14 +192,19 @@ class MetricAggregator:
         """
         snapshot = _take_snapshot(self._accs)
         self._accs = {}
+        number = self._syncs
+        self._syncs += 1
+        board = self._board
+        if board is not None and snapshot.event is None and self._may_write(board):
+            return self._write(board, number, snapshot, on_done)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # plain code: start it on aiodist.sync's loop thread
             from aiodist import _portal
 
             # No round trip to the loop thread: a training step must not wait for it.
-            return _portal.start_soon(self._start, snapshot, on_done)
-        return self._start(snapshot, on_done)
+            return _portal.start_soon(self._start, snapshot, on_done, number)
+        return self._start(snapshot, on_done, number)
 
     def step(
         self, *, on_done: Callable[[MetricResults], object] | None = None
@@ -208,8 +219,42 @@ class MetricAggregator:
             return None
         return self.sync(on_done=on_done or self.on_done)
 
+    def _may_write(self, board: Board) -> bool:
+        """Whether this sync may go straight onto ``board`` from this thread.
+
+        Only when its sequence number comes next in call order: on the loop's
+        thread, or from plain code with no earlier operation still on its way to
+        the loop. And only while the group is the one the board belongs to.
+        """
+        if not board.usable() or resolve_group(self._group) is not board.group:
+            return False
+        if board.on_loop_thread():
+            return True
+        from aiodist import _portal
+
+        return _portal.quiet()
+
+    def _write(
+        self,
+        board: Board,
+        number: int,
+        snapshot: Snapshot,
+        on_done: Callable[[MetricResults], object] | None,
+    ) -> Work[MetricResults]:
+        work = board.post(number - self._first, board.group.next_seq(), encode(snapshot))
+        if on_done is not None:
+            if board.on_loop_thread():
+                work.add_done_callback(lambda w: _deliver(w, on_done))
+            else:  # on_done runs on the loop's thread, as documented
+                loop = board.loop
+                work._on_done(lambda w: loop.call_soon_threadsafe(_deliver, w, on_done))
+        return work
+
     def _start(
-        self, snapshot: Snapshot, on_done: Callable[[MetricResults], object] | None
+        self,
+        snapshot: Snapshot,
+        on_done: Callable[[MetricResults], object] | None,
+        number: int,
     ) -> Work[MetricResults]:
         g = resolve_group(self._group)
         work: Work[MetricResults]
@@ -219,14 +264,27 @@ class MetricAggregator:
             )
         else:
             if g is not self._agreed_group:  # a new default group: agree afresh
-                self._agreed, self._agreed_group = None, g
+                self._agreed, self._agreed_group, self._first = None, g, number
+                self._board = None
             previous = self._agreed
-            agreed: asyncio.Future[Schema] = asyncio.get_running_loop().create_future()
-            work = start_sync(g, snapshot, previous, agreed)
+            agreed: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+            work = start_sync(g, snapshot, previous, agreed, number - self._first)
             self._agreed = agreed  # only once started: a refused sync leaves the chain as it was
+            if agreed.done():  # it went onto the board at once
+                self._route_known(agreed)
+            else:
+                agreed.add_done_callback(self._route_known)
         if on_done is not None:
             work.add_done_callback(lambda w: _deliver(w, on_done))
         return work
+
+    def _route_known(self, agreed: asyncio.Future[Route]) -> None:
+        # Syncs go through the board: later ones may write directly (posts may
+        # overtake syncs still queued on the loop; each has its own slot).
+        if not agreed.cancelled() and agreed.exception() is None:
+            route = agreed.result()
+            if isinstance(route, Board) and route.group is self._agreed_group:
+                self._board = route
 
 
 def _deliver(work: Work[MetricResults], on_done: Callable[[MetricResults], object]) -> None:

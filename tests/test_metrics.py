@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 REDUCTIONS = {"tok": "sum", "gmax": "max", "gmin": "min", "lr": "last"}
 
 
+@pytest.fixture(params=["board", "sockets"], autouse=True)
+def metrics_route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both routes: the shared board (one host) and the data plane."""
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "1" if request.param == "board" else "0")
+    return str(request.param)
+
+
 def _rank_updates(rank: int, round_: int) -> list[tuple[float, dict[str, Any]]]:
     """Uneven work per rank: rank r makes r + 2 updates, some metrics on some ranks only."""
     rng = random.Random(1000 * round_ + rank)

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 from aiodist._collectives import common, schedules
 from aiodist._errors import CollectiveMismatchError
 from aiodist._inflight import fail, start_task
+from aiodist._metrics.board import Board, encode, open_board
 from aiodist._metrics.results import MetricResults
-from aiodist._metrics.state import Layout, Reduction, Snapshot
+from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of
 from aiodist._wire import codec
 from aiodist._work import Work
 
@@ -50,22 +51,15 @@ if TYPE_CHECKING:
 __all__ = ["Schema", "reduce_locally", "start_sync"]
 
 Schema = tuple[tuple[str, Reduction], ...]
+# What a sync hands the next one: the key set it agreed on, or the shared board
+# that every later sync of the aggregator on the group goes through.
+Route = Schema | Board
 Reduced = dict[str, tuple[float, float, int]]
 
 # Step ranges of the three phases inside one sequence number.
 _FIRST, _UNION, _SECOND = 0, 1 << 10, 2 << 10
 _FOLD, _UNFOLD = 1 << 9, (1 << 9) + 1  # offsets within a phase
 _limiters: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
-_layouts: dict[Schema, Layout] = {}  # the few key sets a job agrees on, laid out once
-
-
-def _layout(schema: Schema) -> Layout:
-    layout = _layouts.get(schema)
-    if layout is None:
-        if len(_layouts) > 64:
-            _layouts.clear()
-        layout = _layouts[schema] = Layout.of(schema)
-    return layout
 
 
 def _signature(layout: Layout) -> list[Any]:
@@ -75,20 +69,22 @@ def _signature(layout: Layout) -> list[Any]:
 def start_sync(
     g: ProcessGroup,
     snapshot: Snapshot,
-    previous: asyncio.Future[Schema] | None,
-    agreed: asyncio.Future[Schema],
+    previous: asyncio.Future[Route] | None,
+    agreed: asyncio.Future[Route],
+    index: int,
 ) -> Work[MetricResults]:
-    """Start one sync of ``snapshot`` across ``g``; set ``agreed`` to the key set it used.
+    """Start sync ``index`` of ``snapshot`` across ``g``; set ``agreed`` to the route it took.
 
-    ``previous`` is the key set of the sync before (a future, None before the
-    first). ``agreed`` is always resolved, with an exception if this sync fails,
-    so a sync chained after it never waits forever.
+    ``previous`` is the route of the sync before (a future, None before the
+    first, which also sets up the shared board when it can). ``agreed`` is
+    always resolved, with an exception if this sync fails, so a sync chained
+    after it never waits forever.
     """
     loop, work, seq = g.begin("metrics.sync", timed=False)
     if previous is None or snapshot.event is not None or g.world_size > _direct_max():
 
         async def op(s: int) -> MetricResults:
-            return await run_sync(g, s, snapshot, previous, agreed)
+            return await run_sync(g, s, snapshot, previous, agreed, index, work)
 
         start_task(g, loop, work, op, seq, True)
         return work
@@ -101,7 +97,7 @@ def start_sync(
 
     work._on_done(failed)
 
-    def exchange(prev: asyncio.Future[Schema]) -> None:
+    def exchange(prev: asyncio.Future[Route]) -> None:
         # The key set the previous sync agreed on is known: pack and send (no task).
         if work.is_completed():
             return  # timed out, or the group broke, while waiting for the previous sync
@@ -113,8 +109,14 @@ def start_sync(
         except Exception as exc:
             fail(g, work, exc, collective=True)
             return
-        schema = prev.result()
-        layout = _layout(schema)
+        route = prev.result()
+        if isinstance(route, Board):
+            board_work = route.post(index, seq, encode(snapshot))
+            agreed.set_result(route)
+            board_work._on_done(lambda b: _settle_from(b, work))
+            return
+        schema = route
+        layout = layout_of(schema)
 
         def done(rows: memoryview) -> None:
             vals = layout.reduce_rows(rows.cast("d"), g.world_size)
@@ -136,11 +138,19 @@ def start_sync(
     return work
 
 
+def _settle_from(done: Work[MetricResults], work: Work[MetricResults]) -> None:
+    error = done.exception()
+    if error is not None:
+        work._set_exception(error)
+    else:
+        work._set_result(done.result())
+
+
 def _direct_max() -> int:
     return schedules.DIRECT_MAX_RANKS
 
 
-def _fail_agreed(agreed: asyncio.Future[Schema], exc: BaseException) -> None:
+def _fail_agreed(agreed: asyncio.Future[Route], exc: BaseException) -> None:
     if not agreed.done():
         agreed.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
         agreed.exception()  # retrieved: the sync's own Work reports it
@@ -282,14 +292,14 @@ async def _agree(
     seq: int,
     snapshot: Snapshot,
     schema: Schema | None,
-    agreed: asyncio.Future[Schema],
+    agreed: asyncio.Future[Route],
 ) -> MetricResults:
     """Phase 2: agree on the union of keys, then reduce on its layout."""
     try:
         records = snapshot.records()
         table: dict[str, Reduction] = {**dict(schema or ()), **snapshot.reductions}
         schema = await _union(g, seq, table)
-        layout = _layout(schema)
+        layout = layout_of(schema)
         vals = await _reduce(g, seq, _SECOND, layout, layout.pack(records, g.rank))
         agreed.set_result(schema)  # only now: syncs resolve in the order they were called
         return MetricResults(layout.unpack(vals), layout.reductions)
@@ -302,15 +312,29 @@ async def run_sync(
     g: ProcessGroup,
     seq: int,
     snapshot: Snapshot,
-    previous: asyncio.Future[Schema] | None,
-    agreed: asyncio.Future[Schema],
+    previous: asyncio.Future[Route] | None,
+    agreed: asyncio.Future[Route],
+    index: int,
+    work: Work[MetricResults],
 ) -> MetricResults:
-    """One sync as a task: wait for the previous key set and the device copy, then reduce."""
+    """One sync as a task: wait for the previous route and the device copy, then reduce.
+
+    The first sync (no ``previous``) sets up the shared board first; when every
+    rank has one, this and every later sync go through it. On the board,
+    ``work`` is settled as soon as the board's handle is, so syncs still
+    resolve in call order.
+    """
     try:
-        schema = await previous if previous is not None else None
+        route = await previous if previous is not None else await open_board(g, seq)
         await wait_device_copy(snapshot)
+        if isinstance(route, Board):
+            board_work = route.post(index, seq, encode(snapshot))
+            agreed.set_result(route)
+            board_work._on_done(lambda b: _settle_from(b, work))
+            return await board_work
+        schema = route
         if schema is not None:
-            layout = _layout(schema)
+            layout = layout_of(schema)
             vals = await _reduce(g, seq, _FIRST, layout, layout.pack(snapshot.records(), g.rank))
             if not layout.flagged(vals):
                 agreed.set_result(schema)

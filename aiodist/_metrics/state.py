@@ -46,6 +46,7 @@ __all__ = [
     "Reduction",
     "Snapshot",
     "check_reduction",
+    "layout_of",
     "take_snapshot",
 ]
 
@@ -92,8 +93,8 @@ class Accumulator:
         import torch
 
         self.updates += 1
-        on_device = (isinstance(value, torch.Tensor) and value.device.type != "cpu") or (
-            isinstance(weight, torch.Tensor) and weight.device.type != "cpu"
+        on_device = (isinstance(value, torch.Tensor) and not value.is_cpu) or (
+            isinstance(weight, torch.Tensor) and not weight.is_cpu
         )
         if self.record is not None or on_device:
             self._add_device(value, weight)
@@ -371,3 +372,16 @@ class Layout:
                 value = math.nan if vals[j] == NEG_INF else vals[j + 1]
             out[name] = (value, count, int(nonfinite))
         return out
+
+
+_layouts: dict[tuple[tuple[str, Reduction], ...], Layout] = {}  # the few key sets a job uses
+
+
+def layout_of(schema: tuple[tuple[str, Reduction], ...]) -> Layout:
+    """``Layout.of(schema)`` for a sorted ``schema``, computed once per key set."""
+    layout = _layouts.get(schema)
+    if layout is None:
+        if len(_layouts) > 64:
+            _layouts.clear()
+        layout = _layouts[schema] = Layout.of(schema)
+    return layout

@@ -1,0 +1,231 @@
+"""Metric syncs on the shared board (ranks of one host): real clients, real server, real memory.
+
+In-process tests run every rank as a task of one loop (``run_ranks``); the
+multi-process ones run real ranks as subprocesses against the test's own
+rendezvous server, so each rank has its own environment and can really die.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import aiodist
+from aiodist._metrics import board
+from aiodist._transport import shm
+from aiodist.metrics import MetricAggregator
+from aiodist.testing import run_ranks
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from aiodist import ProcessGroup, RendezvousServer
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux and a writable /dev/shm")
+
+
+def _updates(agg: MetricAggregator, rank: int, step: int) -> None:
+    agg.update(rank + 1, loss=float(step + rank), grad=float(rank) if rank % 2 else math.nan)
+    agg.update(tok=float(step), peak=float(rank * step))
+    if (step + rank) % 3 == 0:  # keys that come and go, on some ranks only
+        agg.update(**{f"extra{step % 2}": float(rank)})
+
+
+async def _run(server: RendezvousServer, world: int, steps: int) -> list[list[dict[str, Any]]]:
+    async def body(g: ProcessGroup) -> list[dict[str, Any]]:
+        agg = MetricAggregator({"tok": "sum", "peak": "max"}, group=g)
+        works = []
+        for step in range(steps):
+            _updates(agg, g.rank, step)
+            works.append(agg.sync())
+            await anyio.lowlevel.checkpoint()
+        out = []
+        for w in works:
+            r = await w
+            out.append({"values": r.to_dict(), "counts": r.counts, "nonfinite": r.nonfinite})
+        assert (agg._board is not None) == (os.environ.get("AIODIST_METRICS_SHM") != "0")
+        return out
+
+    with anyio.fail_after(60):
+        return await run_ranks(server.address, world, body)
+
+
+async def test_board_and_sockets_give_bitwise_the_same_results(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "1")
+    on_board = await _run(server, 3, 20)
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "0")
+    on_sockets = await _run(server, 3, 20)
+    # NaN != NaN: compare the JSON text, where NaN is spelled out.
+    assert json.dumps(on_board) == json.dumps([on_board[0]] * 3)
+    assert json.dumps(on_board) == json.dumps(on_sockets)
+    assert on_board[0][0]["values"]["tok"] == 0.0
+    assert on_board[0][5]["values"]["tok"] == 15.0  # 3 ranks x step 5
+    assert on_board[0][5]["nonfinite"] == {"grad": 2}  # ranks 0 and 2 send NaN
+
+
+async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServer) -> None:
+    """Fast ranks run 3 x DEPTH syncs ahead of a slow one: their writes queue, none is lost."""
+    n = 3 * board.DEPTH
+    slow_may_go = anyio.Event()
+
+    async def body(g: ProcessGroup) -> list[float]:
+        agg = MetricAggregator({"step": "sum"}, group=g)
+        agg.update(step=0.0)
+        await agg.sync()  # the board is set up
+        if g.rank == 1:
+            await slow_may_go.wait()
+        works = []
+        for step in range(n):
+            agg.update(step=float(step))
+            works.append(agg.sync())
+        if g.rank == 0:
+            assert agg._board is not None
+            assert len(agg._board._backlog) >= n - board.DEPTH  # the slow rank holds slots
+            slow_may_go.set()
+        return [(await w)["step"] for w in works]
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [[3.0 * step for step in range(n)]] * 3
+
+
+async def test_a_rank_that_stops_syncing_times_the_others_out(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> str:
+        agg = MetricAggregator(group=g)
+        agg.update(x=1.0)
+        await agg.sync()
+        if g.rank == 1:
+            with anyio.fail_after(30):
+                await g.session._trouble.wait()  # rank 0 breaks the group when its sync times out
+            return type(g.error).__name__
+        agg.update(x=2.0)
+        with pytest.raises(aiodist.DistTimeoutError, match=r"metrics\.sync.*timed out"):
+            await agg.sync()
+        return "timed out"
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body, timeout=1.5)
+    assert outs == ["timed out", "DistTimeoutError"]
+
+
+async def test_too_many_metrics_for_one_slot_fail_on_every_rank(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> str:
+        agg = MetricAggregator(group=g)
+        agg.update(x=1.0)
+        await agg.sync()
+        n = 1 if g.rank else board.MAX_RECORD_BYTES // 20  # rank 0 logs far too many
+        agg.update(**{f"metric_{i:08d}": float(i) for i in range(n)})
+        with pytest.raises(ValueError, match=r"rank 0 synced more metrics than fit") as caught:
+            await agg.sync()
+        agg.update(x=3.0)  # the board goes on
+        assert (await agg.sync())["x"] == 3.0
+        return str(caught.value)
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs[0] == outs[1]
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import anyio
+    import aiodist
+    from aiodist.metrics import MetricAggregator
+
+    async def main() -> None:
+        url, rank, world, victim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+        await aiodist.init_process_group(init_method=url, world_size=world, rank=rank,
+                                         group_name="board", timeout=30)
+        agg = MetricAggregator({"n": "sum"})
+        values = []
+        for step in range(5):
+            agg.update(n=float(rank + step))
+            values.append((await agg.sync())["n"])
+        out = {"rank": rank, "values": values, "board": agg._board is not None}
+        if victim >= 0:
+            await aiodist.barrier()
+            if rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            agg.update(n=1.0)
+            try:
+                await agg.sync()
+                out["error"] = None
+            except aiodist.DistError as exc:
+                out["error"] = type(exc).__name__
+                out["message"] = str(exc)
+        await aiodist.destroy_process_group()
+        print(json.dumps(out), flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+async def _worker(script: Path, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    result = await anyio.run_process(
+        [sys.executable, str(script), *args], check=False, env={**os.environ, **env}
+    )
+    lines = result.stdout.decode().strip().splitlines()
+    out: dict[str, Any] = json.loads(lines[-1]) if lines else {"stderr": result.stderr.decode()}
+    out["returncode"] = result.returncode
+    return out
+
+
+async def _run_workers(
+    server: RendezvousServer, tmp_path: Path, world: int, victim: int, off: list[int]
+) -> dict[int, dict[str, Any]]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        env = {"AIODIST_METRICS_SHM": "0" if rank in off else "1"}
+        outs[rank] = await _worker(script, [url, str(rank), str(world), str(victim)], env)
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for rank in range(world):
+                tg.start_soon(one, rank)
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the ranks run their own loops
+@pytest.mark.parametrize("off", [[], [1]], ids=["all-on", "rank1-off"])
+async def test_a_rank_without_the_board_sends_every_rank_to_sockets(
+    server: RendezvousServer, tmp_path: Path, off: list[int]
+) -> None:
+    outs = await _run_workers(server, tmp_path, 3, -1, off)
+    expected = [3.0 + 3 * step for step in range(5)]  # ranks 0, 1, 2 add rank + step
+    for rank in range(3):
+        assert outs[rank]["returncode"] == 0, outs[rank]
+        assert outs[rank]["values"] == expected, outs[rank]
+        assert outs[rank]["board"] == (not off), outs[rank]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_rank_dying_fails_the_others_pending_syncs(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    victim = 2
+    outs = await _run_workers(server, tmp_path, 3, victim, [])
+    assert outs[victim]["returncode"] == -9
+    for rank in (0, 1):
+        out = outs[rank]
+        assert out["returncode"] == 0, out
+        assert out["board"], out
+        assert out["error"] == "RankFailedError", out
+        assert f"rank {victim}" in out["message"], out
