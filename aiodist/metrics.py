@@ -149,23 +149,45 @@ class MetricAggregator:
         """
         import torch
 
-        if isinstance(weight, torch.Tensor):
+        tensor = torch.Tensor
+        host_weight: float | None = None  # the weight as a float, unless it lives on a device
+        if isinstance(weight, tensor):
             if weight.numel() != 1:
                 raise ValueError(f"weight must be one number, got a tensor of {weight.numel()}")
+            if weight.is_cpu:
+                host_weight = float(weight.item())
         elif isinstance(weight, numbers.Real) and not isinstance(weight, bool):
             if weight < 0:
                 raise ValueError(f"weight must be >= 0, got {weight}")
+            host_weight = float(weight)
         else:
             raise TypeError(f"weight must be a number or a tensor, got {type(weight).__name__}")
         for name, value in values.items():  # check all first: no partial update
-            if not isinstance(value, torch.Tensor | numbers.Real) or isinstance(value, bool):
-                raise TypeError(
-                    f"metric {name!r} must be a number or a tensor, got {type(value).__name__}"
-                )
+            kind = type(value)
+            if kind is not tensor and kind is not float and kind is not int:
+                if not isinstance(value, tensor | numbers.Real) or isinstance(value, bool):
+                    raise TypeError(
+                        f"metric {name!r} must be a number or a tensor, got {kind.__name__}"
+                    )
+        accs = self._accs
         for name, value in values.items():
-            acc = self._accs.get(name)
+            acc = accs.get(name)
             if acc is None:
-                acc = self._accs[name] = Accumulator(self.reduction(name))
+                acc = accs[name] = Accumulator(self.reduction(name))
+            # The usual case, a host number or a one-element CPU tensor, in one call.
+            if host_weight is not None and acc.record is None:
+                kind = type(value)
+                if kind is float or kind is int:
+                    acc.add_number(float(value), host_weight)
+                    continue
+                if (
+                    kind is tensor
+                    and value.is_cpu
+                    and value.numel() == 1
+                    and not value.is_complex()
+                ):
+                    acc.add_number(float(value.item()), host_weight)
+                    continue
             acc.add(value, weight)
 
     def reset(self) -> None:

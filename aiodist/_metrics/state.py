@@ -92,22 +92,28 @@ class Accumulator:
         """Fold ``value`` (number or tensor) observed with ``weight`` into the record."""
         import torch
 
-        self.updates += 1
         on_device = (isinstance(value, torch.Tensor) and not value.is_cpu) or (
             isinstance(weight, torch.Tensor) and not weight.is_cpu
         )
         if self.record is not None or on_device:
+            self.updates += 1
             self._add_device(value, weight)
             return
         w = float(cast("Any", weight))
         if isinstance(value, torch.Tensor):
             if value.numel() != 1 or value.is_complex():
+                self.updates += 1
                 self._add_host_tensor(value, w)
                 return
             # One element (a loss, a norm): one conversion instead of a few torch calls.
             x = float(value.item())
         else:
             x = float(cast("Any", value))
+        self.add_number(x, w)
+
+    def add_number(self, x: float, w: float) -> None:
+        """Fold one host value ``x`` observed with weight ``w`` into a host record."""
+        self.updates += 1
         self.count += w
         if not math.isfinite(x):
             self.nonfinite += 1
