@@ -55,7 +55,8 @@ import numbers
 from typing import TYPE_CHECKING, Any
 
 from aiodist._collectives.common import resolve_group
-from aiodist._metrics.board import Board, encode
+from aiodist._metrics.board import Board
+from aiodist._metrics.board_work import encode
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.results import MetricResults, MetricsWriter
 from aiodist._metrics.state import REDUCTIONS, Accumulator, Reduction, check_reduction

@@ -1,0 +1,178 @@
+"""The shared board's handles and records (see ``_metrics.board``).
+
+``BoardWork`` is a ``Work`` that any thread may settle: the training loop's
+thread when its next ``sync()`` finds a sync complete, or the event loop's
+poller. Waiters and listeners register under the board's lock, and whoever
+settles wakes them on the loop's thread. A completed sync holds every rank's
+raw records (``Rows``), decoded on first read.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from aiodist._errors import CollectiveMismatchError, DistError
+from aiodist._metrics.results import MetricResults
+from aiodist._metrics.state import Reduction, layout_of
+from aiodist._work import Work
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Generator
+
+    from aiodist._metrics.board import Board
+    from aiodist._metrics.state import Snapshot
+
+__all__ = ["BoardWork", "Rows", "encode", "wake"]
+
+
+def encode(snapshot: Snapshot) -> bytes:
+    """This rank's records of one sync, as written into its slot."""
+    reductions = snapshot.reductions
+    records = snapshot.records()
+    return msgpack.packb([[name, reductions[name], *rec] for name, rec in records.items()])
+
+
+class Rows:
+    """Every rank's slot of one completed sync, copied out; decoded on first read."""
+
+    __slots__ = ("group", "limit", "rows")
+
+    def __init__(self, group: str, rows: list[bytes | None], limit: int) -> None:
+        self.group = group
+        self.rows = rows  # None: that rank's records did not fit in ``limit`` bytes
+        self.limit = limit
+
+    def decode(self) -> MetricResults:
+        """Reduce the ranks' records as the fused path does (same layout, same order)."""
+        decoded: list[list[list[Any]]] = []
+        for r, row in enumerate(self.rows):
+            if row is None:
+                raise ValueError(
+                    f"rank {r} synced more metrics than fit in one shared-memory sync "
+                    f"({self.limit} bytes encoded); sync fewer metrics at a time, or "
+                    "set AIODIST_METRICS_SHM=0 on every rank"
+                )
+            decoded.append(msgpack.unpackb(row))
+        table: dict[str, tuple[Reduction, int]] = {}
+        for r, records in enumerate(decoded):
+            for name, red, *_ in records:
+                have = table.setdefault(name, (red, r))
+                if have[0] != red:
+                    values = {have[1]: have[0], r: red}
+                    raise CollectiveMismatchError(
+                        f"ranks reduce metric {name!r} differently (rank {have[1]}: "
+                        f"{have[0]!r}, rank {r}: {red!r}) in group {self.group!r}; give every "
+                        "rank the same reductions",
+                        field="reduction",
+                        values_by_rank=values,
+                    )
+        layout = layout_of(tuple(sorted((name, red) for name, (red, _) in table.items())))
+        buf: array[float] = array("d")
+        for r, records in enumerate(decoded):
+            buf.extend(layout.pack({rec[0]: rec[2:] for rec in records}, r))
+        vals = layout.reduce_rows(memoryview(buf), len(decoded))
+        return MetricResults(layout.unpack(vals), layout.reductions)
+
+
+class BoardWork(Work[MetricResults]):
+    """A sync on the board: settled by whichever thread notices it complete."""
+
+    __slots__ = ("_board", "deadline", "index", "seq")
+
+    def __init__(self, board: Board, index: int, seq: int, deadline: float) -> None:
+        super().__init__(None, f"metrics.sync#{seq}", loop=board.loop)
+        self._board = board
+        self.index = index
+        self.seq = seq
+        self.deadline = deadline
+
+    # Waiters and listeners register under the board's lock: another thread may settle.
+
+    def _on_done(self, fn: Callable[[Work[MetricResults]], object]) -> None:
+        with self._board.lock:
+            if not self._done:
+                if self._listeners is None:
+                    self._listeners = [fn]
+                else:
+                    self._listeners.append(fn)
+                registered = True
+            else:
+                registered = False
+        if registered:
+            self._board.watch()
+        else:
+            fn(self)
+
+    def __await__(self) -> Generator[Any, None, MetricResults]:
+        if not self._done:
+            self._board.check()
+        if not self._done:
+            assert self._loop is not None
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            with self._board.lock:
+                pending = not self._done
+                if pending:
+                    if self._waiters is None:
+                        self._waiters = [waiter]
+                    else:
+                        self._waiters.append(waiter)
+            if pending:
+                self._board.watch()
+                yield from waiter.__await__()
+        return self.result()
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            self._board.check()
+        return self._done
+
+    def result(self) -> MetricResults:
+        if not self._done:
+            self._board.check()
+        self._materialize()
+        return super().result()
+
+    def exception(self) -> BaseException | None:
+        if not self._done:
+            self._board.check()
+        self._materialize()
+        return super().exception()
+
+    def wait(self, timeout: float | None = None) -> MetricResults:
+        if not self._done:
+            self._board.check()
+        if self._done and not self._board.on_loop_thread():
+            return self.result()
+        return super().wait(timeout)
+
+    def _materialize(self) -> None:
+        value = self._value
+        if type(value) is Rows:
+            try:
+                self._value = value.decode()
+            except (DistError, ValueError) as exc:
+                self._value, self._error = None, exc
+
+    def _settle_locked(self, value: Any, error: BaseException | None) -> list[Any] | None:
+        """Settle under the board's lock; return what to wake (outside it), if anything."""
+        if self._done:
+            return None
+        self._value, self._error, self._done = value, error, True
+        waiters, listeners = self._waiters, self._listeners
+        self._waiters = self._listeners = None
+        if waiters is None and listeners is None:
+            return None
+        return [self, waiters, listeners]
+
+
+def wake(items: list[list[Any]]) -> None:
+    for work, waiters, listeners in items:
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+        for fn in listeners or ():
+            fn(work)
