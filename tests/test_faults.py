@@ -36,6 +36,9 @@ WORKER = textwrap.dedent(
                                          heartbeat_timeout=2.0)
         t = torch.ones(1 << 18)
         await aiodist.all_reduce(t)  # every rank completes one collective
+        # ...before the victim may die: its last bytes could still be on their way
+        # when the server's notice of its death arrives, and the notice wins.
+        await aiodist.barrier()
         out = {"rank": rank, "pid": os.getpid(), "first": float(t[0])}
         mode = os.environ.get("FAULT_MODE", "exit")
         ops = [
