@@ -210,7 +210,9 @@ class Work(Generic[T]):
                 f"{self.description} can never complete: its event loop was closed first"
             )
         done = threading.Event()
-        loop.call_soon_threadsafe(self._on_done, lambda _: done.set())
+        # One loop turn later: callbacks of handles that settled before this one
+        # (scheduled with call_soon) have run by the time wait() returns.
+        loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(done.set))
         if not done.wait(timeout):
             raise DistTimeoutError(f"{self.description} did not complete within {timeout} s")
         return self.result()

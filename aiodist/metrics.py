@@ -276,12 +276,8 @@ class MetricAggregator:
         on_done: Callable[[MetricResults], object] | None,
     ) -> Work[MetricResults]:
         work = board.post(number - self._first, board.group.next_seq(), encode(snapshot))
-        if on_done is not None:
-            if board.on_loop_thread():
-                work.add_done_callback(lambda w: _deliver(w, on_done))
-            else:  # on_done runs on the loop's thread, as documented
-                loop = board.loop
-                work._on_done(lambda w: loop.call_soon_threadsafe(_deliver, w, on_done))
+        if on_done is not None:  # runs on the loop's thread, in call order
+            work.add_done_callback(lambda w: _deliver(w, on_done))
         return work
 
     def _start(
@@ -309,7 +305,9 @@ class MetricAggregator:
             else:
                 agreed.add_done_callback(self._route_known)
         if on_done is not None:
-            work.add_done_callback(lambda w: _deliver(w, on_done))
+            # Through the loop even when done already: callbacks run in call order.
+            loop = asyncio.get_running_loop()
+            work._on_done(lambda w: loop.call_soon(_deliver, w, on_done))
         return work
 
     def _route_known(self, agreed: asyncio.Future[Route]) -> None:

@@ -18,6 +18,7 @@ WORKER = textwrap.dedent(
     """
     import json
     import threading
+    import time
 
     import torch
 
@@ -41,6 +42,21 @@ WORKER = textwrap.dedent(
     results = [w.wait(timeout=60).to_dict() for w in works]
     final = last.wait(timeout=60)
     assert done.wait(timeout=60)
+    on_board = agg._board is not None
+
+    # Callbacks run in call order, and all of them before a later sync's wait() returns,
+    # whether the syncs went through the loop (the first ones) or straight to the board.
+    orders = []
+    for trial in range(8):
+        seen = []
+        agg = MetricAggregator(every=1)
+        for step in range(6):
+            agg.update(x=float(step))
+            time.sleep(0.001 * (step % 3))  # some steps find the board ready, some do not
+            agg.step(on_done=lambda r, step=step: seen.append(step))
+        agg.update(x=1.0)
+        agg.sync().wait(timeout=60)
+        orders.append(list(seen))
     dist.destroy_process_group()
     print(json.dumps({
         "rank": rank,
@@ -48,6 +64,8 @@ WORKER = textwrap.dedent(
         "final": {"loss": str(final["loss"]), "nonfinite": final.nonfinite},
         "callback_threads": sorted(set(called)),
         "callbacks": len(called),
+        "on_board": on_board,
+        "orders": orders,
     }))
     """
 )
@@ -86,6 +104,8 @@ def test_plain_code_syncs_in_flight_with_callbacks(tmp_path: Path) -> None:
         assert report["final"] == {"loss": "inf", "nonfinite": {"loss": 3}}
         assert report["callbacks"] == 6
         assert report["callback_threads"] == ["aiodist-loop"]
+        assert report["on_board"]  # ranks of one host: the shared board
+        assert report["orders"] == [list(range(6))] * 8
 
 
 def test_train_metrics_example_logs_every_step(tmp_path: Path) -> None:

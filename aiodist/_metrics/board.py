@@ -108,6 +108,8 @@ class Board:
         self._writable_below = DEPTH  # indices below this may be written (cached)
         self._polling = False
         self._delay = POLL_MIN
+        self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
+        self._draining = False
 
     @staticmethod
     def nbytes(world_size: int) -> int:
@@ -132,10 +134,9 @@ class Board:
                 raise RuntimeError(f"metrics sync {index} was posted already")
             self._pending[index] = work
             self._backlog.append((index, seq, data))
-            woken = self._check_locked()
+            drain = self.queue_wake_locked(self._check_locked())
             queued = bool(self._backlog)
-        if woken:
-            self._dispatch(woken)
+        self.run_wake(drain)
         if queued:
             self.watch()  # the slowest rank will free a slot; write it then
         return work
@@ -165,9 +166,8 @@ class Board:
     def check(self) -> None:
         """Write what may be written, copy out what completed, settle those handles."""
         with self.lock:
-            woken = self._check_locked()
-        if woken:
-            self._dispatch(woken)
+            drain = self.queue_wake_locked(self._check_locked())
+        self.run_wake(drain)
 
     def _check_locked(self) -> list[list[Any]]:
         backlog = self._backlog
@@ -238,11 +238,33 @@ class Board:
             rows.append((seq, data))
         return rows
 
-    def _dispatch(self, woken: list[list[Any]]) -> None:
-        if self.on_loop_thread():
-            wake(woken)
-        else:
-            self.loop.call_soon_threadsafe(wake, woken)
+    # Handles wake on the loop's thread in the order they settled (which is index
+    # order), whichever thread settled them: one queue, drained by one callback.
+
+    def queue_wake_locked(self, woken: list[list[Any]]) -> bool | None:
+        """Queue ``woken``; True: drain it now (loop thread), False: soon, None: no need."""
+        if not woken:
+            return None
+        self._to_wake.extend(woken)
+        if self._draining:
+            return None
+        self._draining = True
+        return self.on_loop_thread()
+
+    def run_wake(self, drain: bool | None) -> None:
+        if drain:
+            self._drain()
+        elif drain is False and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self.lock:
+                items, self._to_wake = self._to_wake, []
+                if not items:
+                    self._draining = False
+                    return
+            wake(items)
 
     # --- the poller (the loop's thread) ------------------------------------------------------
 
@@ -263,6 +285,7 @@ class Board:
         self.check()
         error = self._failure()
         with self.lock:
+            drain = None
             if error is not None:
                 woken = [
                     w
@@ -271,8 +294,7 @@ class Board:
                 ]
                 self._pending.clear()
                 self._backlog.clear()
-            else:
-                woken = []
+                drain = self.queue_wake_locked(woken)
             watched = any(w._waiters or w._listeners for w in self._pending.values())
             keep = watched or bool(self._backlog)
             if not keep:
@@ -281,8 +303,7 @@ class Board:
                 self._delay = POLL_MIN  # progress: look again soon
             else:
                 self._delay = min(POLL_MAX, self._delay * 2)
-        if woken:
-            wake(woken)
+        self.run_wake(drain)
         if keep:
             self.loop.call_later(self._delay, self._poll)
 

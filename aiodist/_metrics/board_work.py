@@ -9,8 +9,9 @@ raw records (``Rows``), decoded on first read.
 
 from __future__ import annotations
 
+import threading
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from aiodist._metrics.state import Snapshot
 
 __all__ = ["BoardWork", "Rows", "encode", "wake"]
+
+# Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
+_DELIVERY_WAIT: Final = 5.0
 
 
 def encode(snapshot: Snapshot) -> bytes:
@@ -93,19 +97,30 @@ class BoardWork(Work[MetricResults]):
     # Waiters and listeners register under the board's lock: another thread may settle.
 
     def _on_done(self, fn: Callable[[Work[MetricResults]], object]) -> None:
-        with self._board.lock:
+        # Even a handle done already goes through the board's queue: listeners run in
+        # the order handles settled (call order), whichever thread settled them.
+        board = self._board
+        with board.lock:
             if not self._done:
                 if self._listeners is None:
                     self._listeners = [fn]
                 else:
                     self._listeners.append(fn)
+                drain = None
                 registered = True
             else:
+                drain = board.queue_wake_locked([[self, None, [fn]]])
                 registered = False
         if registered:
-            self._board.watch()
+            board.watch()
         else:
-            fn(self)
+            board.run_wake(drain)
+
+    def add_done_callback(self, fn: Callable[[Work[MetricResults]], object]) -> None:
+        """Call ``fn(self)`` on the event loop once the sync finished, in call order."""
+        loop = self._loop
+        assert loop is not None
+        self._on_done(lambda w: loop.call_soon(fn, w))
 
     def __await__(self) -> Generator[Any, None, MetricResults]:
         if not self._done:
@@ -143,9 +158,17 @@ class BoardWork(Work[MetricResults]):
         return super().exception()
 
     def wait(self, timeout: float | None = None) -> MetricResults:
-        if not self._done:
-            self._board.check()
-        if self._done and not self._board.on_loop_thread():
+        """Block until done; callbacks of syncs that finished before this one have run.
+
+        A sync this thread found complete is done before the loop has run the
+        callbacks of the syncs before it: the loop gets one turn to deliver them.
+        """
+        loop = self._loop
+        assert loop is not None
+        if self._done and loop.is_running() and not self._board.on_loop_thread():
+            delivered = threading.Event()
+            loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(delivered.set))
+            delivered.wait(_DELIVERY_WAIT if timeout is None else timeout)
             return self.result()
         return super().wait(timeout)
 
