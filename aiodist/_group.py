@@ -5,8 +5,9 @@ the job's store, heartbeats, the member table, and (once the data plane joins
 in) the channels to its peers. Its *world* group spans every rank; groups made
 with ``new_group`` are subsets that share the session.
 
-Background tasks (heartbeats, the embedded server) live in one anyio task group
-owned by ``open_process_group``; nothing outlives the ``async with``.
+Heartbeats are a timer of the control connection, stopped when it closes; an
+embedded server lives in an anyio task group owned by ``open_process_group``
+(made only when this process may embed one). Nothing outlives the ``async with``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from aiodist._errors import (
 )
 from aiodist._inflight import Deadlines, start_task
 from aiodist._peers import DataPlane
-from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
+from aiodist._rendezvous import (
+    RendezvousSpec,
+    connect_rendezvous,
+    may_embed,
+    parse_init_method,
+)
 from aiodist._store import REPLY_GRACE, Store
 from aiodist._wire.messages import (
     Barrier,
-    Heartbeat,
     Join,
     Leave,
     MemberFailed,
@@ -500,11 +505,15 @@ async def open_process_group(
             f"({hb_timeout})"
         )
     name = group_name or _default_group_name(env)
+    args = (spec, name, timeout, backend, interval, hb_timeout, hostname, addresses)
+    if not may_embed(spec, env):
+        # Nothing to run beside the member (heartbeats are a timer): no task group.
+        async with _joined(None, *args) as group:
+            yield group
+        return
     with _unwrap_single_error():
         async with anyio.create_task_group() as tg:
-            async with _joined(
-                tg, spec, name, timeout, backend, interval, hb_timeout, hostname, addresses
-            ) as group:
+            async with _joined(tg, *args) as group:
                 yield group
 
 
@@ -530,7 +539,7 @@ def _flatten(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 @contextlib.asynccontextmanager
 async def _joined(
-    tg: TaskGroup,
+    tg: TaskGroup | None,
     spec: RendezvousSpec,
     name: str,
     timeout: float,
@@ -561,7 +570,7 @@ async def _joined(
             hb_timeout,
             timeout,
         )
-        tg.start_soon(_heartbeat_loop, conn, interval)
+        conn.start_heartbeats(interval)
         welcome: Any = await conn.request(
             lambda r: dataclasses.replace(join, req_id=r), timeout=timeout + REPLY_GRACE
         )
@@ -590,16 +599,5 @@ async def _joined(
     finally:
         with anyio.CancelScope(shield=True):
             await session.aclose()
-        tg.cancel_scope.cancel()
-
-
-async def _heartbeat_loop(conn: ControlConnection, interval: float) -> None:
-    # Heartbeats run from the join on: a member still waiting for the job to form
-    # is alive too. The join itself counts as the first (the server counts any
-    # message), so a rendezvous of N ranks costs no extra N messages. The loop
-    # ends when the connection closes.
-    while True:
-        await anyio.sleep(interval)
-        if conn.closed:
-            return
-        conn.send(Heartbeat())
+        if tg is not None:
+            tg.cancel_scope.cancel()  # the embedded server, if this process started one
