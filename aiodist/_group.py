@@ -27,6 +27,7 @@ import anyio
 from aiodist._errors import (
     ClosedError,
     DistError,
+    ProtocolError,
     RankFailedError,
     from_wire,
 )
@@ -134,7 +135,11 @@ class Session:
         self.heartbeat_timeout = heartbeat_timeout
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
-        plane.set_members(self.rank, self.world_size, self._peer_table, welcome.host_ids)
+        try:
+            host_ids = welcome.host_ids()
+        except ValueError as exc:
+            raise ProtocolError(f"the rendezvous server sent a malformed Welcome: {exc}") from None
+        plane.set_members(self.rank, self.world_size, self._peer_table, host_ids)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)

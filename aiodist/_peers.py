@@ -121,7 +121,7 @@ class DataPlane:
         self._failed = False  # a session-wide failure happened
         self.bulk = BulkTransfers(self)
         if self.use_shm:
-            shm.remove_stale()  # left by earlier jobs' ranks that crashed mid-operation
+            shm.remove_stale(if_changed=True)  # left by earlier jobs' ranks that crashed
 
     async def listen(self, host: str) -> list[str]:
         """Start listening; return the addresses to publish."""

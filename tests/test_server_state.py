@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from aiodist._server.state import Close, ConnId, Send, ServerState
+from aiodist._wire.frame import FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Barrier,
     ErrorCode,
@@ -136,6 +137,14 @@ class FakeServer:
         assert reply.req_id == req_id
         assert isinstance(reply.value, Packed)
         return cast("list[list[Any]]", msgpack.unpackb(reply.value.data))
+
+    def welcome(self, conn: ConnId) -> Welcome:
+        """The one message waiting on ``conn``, a Welcome, decoded as a client would."""
+        dec = FrameDecoder()
+        dec.receive_data(b"".join(encode_message(self.only(conn, Welcome))))
+        welcome = frame_message(dec.next_event())  # type: ignore[arg-type]
+        assert isinstance(welcome, Welcome)
+        return welcome
 
     def heartbeat(self, *conns: ConnId) -> None:
         for conn in conns:
@@ -273,8 +282,11 @@ def test_join_mixed_explicit_and_automatic_ranks_fills_free_ranks(srv: FakeServe
         srv.join(world_size=5, rank=rank, host=host, pid=10 + i)
         for i, (rank, host) in enumerate(joins)
     ]
-    welcomes = [srv.only(conn, Welcome) for conn in conns]
+    welcomes = [srv.welcome(conn) for conn in conns]
     assert [w.rank for w in welcomes] == [1, 0, 2, 3, 4]
+    # Hosts by rank: h2 h1 h1 h2 h1 (ids in the order hosts first appear by rank).
+    assert all(w.host_runs == [[0, 1], [1, 2], [0, 1], [1, 1]] for w in welcomes)
+    assert all(w.host_ids() == [0, 1, 1, 0, 1] for w in welcomes)
     assert [(w.local_rank, w.local_size) for w in welcomes] == [
         (0, 3),
         (0, 2),
@@ -1167,3 +1179,14 @@ def test_member_table_request_needs_a_joined_job(srv: FakeServer) -> None:
     conn = srv.connect()
     req = srv.call(conn, MembersRequest)
     srv.error(conn, req, ErrorCode.NOT_JOINED)
+
+
+def test_join_welcome_sends_one_run_per_host_not_one_id_per_rank(srv: FakeServer) -> None:
+    world_size = 64
+    conns = [
+        srv.join(world_size=world_size, host=f"h{i % 2}", pid=10 + i) for i in range(world_size)
+    ]
+    welcomes = [srv.welcome(conn) for conn in conns]
+    # Automatic ranks are contiguous per host: two runs, whatever the world size.
+    assert all(w.host_runs == [[0, 32], [1, 32]] for w in welcomes)
+    assert welcomes[0].host_ids() == [0] * 32 + [1] * 32

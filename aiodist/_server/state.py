@@ -289,9 +289,15 @@ class ServerState:
         self.stats.jobs_formed += 1
         local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
         host_index = {host: i for i, host in enumerate(local_sizes)}
+        runs: list[list[int]] = []
+        for m in job.by_rank:
+            host_id = host_index[m.host]
+            if runs and runs[-1][0] == host_id:
+                runs[-1][1] += 1
+            else:
+                runs.append([host_id, 1])
         # Encoded once for the whole job: every member gets the same bytes.
-        ids = Packed(msgpack.packb([host_index[m.host] for m in job.by_rank]))
-        host_ids = cast("list[int]", ids)  # spliced into each Welcome as encoded
+        host_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
@@ -304,7 +310,7 @@ class ServerState:
                     job.world_size,
                     m.local_rank,
                     local_sizes[m.host],
-                    host_ids,
+                    host_runs,
                 ),
             )
 

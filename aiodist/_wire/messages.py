@@ -259,7 +259,29 @@ class Welcome:
     world_size: int
     local_rank: int
     local_size: int
-    host_ids: list[int]  # per rank, in rank order: equal ids mean the same host
+    # Which host each rank runs on, in rank order, as runs [host id, count]: equal ids
+    # mean the same host. Ranks of one host are usually contiguous, so a job of N
+    # ranks on H hosts sends H pairs to each member, not N ids.
+    host_runs: list[list[int]]
+
+    def host_ids(self) -> list[int]:
+        """The host id of every rank, in rank order.
+
+        Raises:
+            ValueError: The runs are malformed or do not cover ``world_size`` ranks.
+        """
+        ids: list[int] = []
+        for run in self.host_runs:
+            if len(run) != 2 or type(run[0]) is not int or type(run[1]) is not int or run[1] < 1:
+                raise ValueError(f"Welcome.host_runs has a malformed run {run!r}")
+            ids += [run[0]] * run[1]
+            if len(ids) > self.world_size:
+                break
+        if len(ids) != self.world_size:
+            raise ValueError(
+                f"Welcome.host_runs covers {len(ids)} ranks, world_size is {self.world_size}"
+            )
+        return ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -578,13 +578,33 @@ MESSAGES: list[Any] = [
         world_size=2,
         local_rank=0,
         local_size=1,
-        host_ids=[0, 1],
+        host_runs=[[0, 1], [1, 1]],
     ),
     MembersRequest(req_id=8),
     ErrorReply(req_id=0, code=ErrorCode.PROTOCOL, message="bad", details={"rank": 2}),
     MemberFailed(rank=2, host="node-3", pid=4121, reason="missed heartbeats"),
     ServerClosing(reason="shutdown"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("runs", "problem"),
+    [
+        pytest.param([[0, 2], [1, 1]], "covers 3 ranks, world_size is 4", id="short"),
+        pytest.param([[0, 2], [1, 3]], "covers 5 ranks, world_size is 4", id="long"),
+        pytest.param([[0, 4, 1]], "malformed run", id="triple"),
+        pytest.param([[0, 0], [1, 4]], "malformed run", id="empty-run"),
+        pytest.param([[0, True], [1, 3]], "malformed run", id="bool-count"),
+        pytest.param([["h", 4]], "malformed run", id="str-host"),
+    ],
+)
+def test_welcome_host_ids_malformed_runs_raise(runs: list[list[Any]], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        Welcome(1, 0, 4, 0, 1, runs).host_ids()
+
+
+def test_welcome_host_ids_expands_runs_in_rank_order() -> None:
+    assert Welcome(1, 0, 5, 0, 2, [[1, 2], [0, 3]]).host_ids() == [1, 1, 0, 0, 0]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -667,7 +687,7 @@ def _set(index: int, value: Any) -> Any:
             id="StoreWait-items",
         ),
         pytest.param(
-            Welcome(1, 0, 1, 0, 1, [0]),
+            Welcome(1, 0, 1, 0, 1, [[0, 1]]),
             _set(1, True),
             "Welcome.rank must be int, got bool",
             id="bool",
