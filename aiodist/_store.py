@@ -15,6 +15,7 @@ from aiodist._wire.messages import (
     StoreNumKeys,
     StoreSet,
     StoreWait,
+    pack_keys,
 )
 
 if TYPE_CHECKING:
@@ -112,9 +113,9 @@ class Store:
             DistTimeoutError: Some key was still unset after ``timeout``.
         """
         seconds = as_seconds(timeout, self.timeout)
-        checked = _check_keys(keys)
+        packed = pack_keys(_check_keys(keys))
         await self._conn.request(
-            lambda r: StoreWait(r, checked, seconds), timeout=seconds + REPLY_GRACE
+            lambda r: StoreWait(r, packed, seconds), timeout=seconds + REPLY_GRACE
         )
 
     async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union, cast
 
+import msgpack
+
 __all__ = [
     "MESSAGE_TYPES",
     "AuthStart",
@@ -47,6 +49,8 @@ __all__ = [
     "Welcome",
     "decode_message",
     "message_fields",
+    "pack_keys",
+    "unpack_keys",
 ]
 
 
@@ -159,7 +163,10 @@ class StoreAdd:
 class StoreWait:
     KIND: ClassVar[MessageKind] = MessageKind.STORE_WAIT
     req_id: int
-    keys: list[str]
+    # The keys as one msgpack array of str (``pack_keys``). Every member of a job
+    # usually waits on the same N keys: the server recognises those waits by these
+    # bytes and decodes the N keys once, not once per member.
+    keys: bytes
     timeout: float
 
 
@@ -449,6 +456,29 @@ def decode_message(kind: int, header: object) -> Any:
         if items is not None and not items.issuperset(map(type, cast("list[Any]", value))):
             raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
     return cls(*header)
+
+
+def pack_keys(keys: list[str]) -> bytes:
+    """``StoreWait.keys`` for ``keys``."""
+    return msgpack.packb(keys, use_bin_type=True)
+
+
+def unpack_keys(data: bytes) -> list[str]:
+    """The keys of a ``StoreWait``.
+
+    Raises:
+        ValueError: ``data`` is not one msgpack array of str.
+    """
+    try:
+        keys = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"StoreWait.keys is not msgpack: {exc}") from None
+    if type(keys) is not list or not _STR.issuperset(map(type, keys)):
+        raise ValueError("StoreWait.keys must be a msgpack array of str")
+    return keys
+
+
+_STR = frozenset((str,))
 
 
 def message_header(msg: Any) -> list[Any]:

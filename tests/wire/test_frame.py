@@ -38,11 +38,13 @@ from aiodist._wire.messages import (
     Packed,
     Reply,
     ServerClosing,
+    StoreCheck,
     StoreCompareSet,
     StoreSet,
     StoreWait,
     Welcome,
     message_header,
+    pack_keys,
 )
 
 if TYPE_CHECKING:
@@ -568,7 +570,7 @@ MESSAGES: list[Any] = [
     Leave(req_id=1),
     Heartbeat(),
     StoreSet(req_id=2, key="k", value=b"\x00\x01"),
-    StoreWait(req_id=3, keys=["a", "b"], timeout=1.5),
+    StoreWait(req_id=3, keys=pack_keys(["a", "b"]), timeout=1.5),
     StoreCompareSet(req_id=4, key="k", expected=b"", desired=b"v"),
     Barrier(req_id=5, seq=2, timeout=30.0),
     Reply(req_id=6, value={"nested": [1, 2.5, None]}),
@@ -681,10 +683,10 @@ def _set(index: int, value: Any) -> Any:
             StoreSet(1, "k", b"v"), _set(2, "v"), "StoreSet.value must be bytes, got str", id="Set"
         ),
         pytest.param(
-            StoreWait(1, ["a"], 1.0),
+            StoreCheck(1, ["a"]),
             _set(1, [b"a"]),
-            "StoreWait.keys has items of the wrong type",
-            id="StoreWait-items",
+            "StoreCheck.keys has items of the wrong type",
+            id="StoreCheck-items",
         ),
         pytest.param(
             Welcome(1, 0, 1, 0, 1, [[0, 1]]),
@@ -693,7 +695,7 @@ def _set(index: int, value: Any) -> Any:
             id="bool",
         ),
         pytest.param(
-            StoreWait(1, ["a"], 1.0), _set(2, False), "StoreWait.timeout must be float/int", id="f"
+            StoreWait(1, b"", 1.0), _set(2, False), "StoreWait.timeout must be float/int", id="f"
         ),
         pytest.param(
             ErrorReply(0, 2, "m", {}), _set(3, [1]), "ErrorReply.details must be dict", id="Error"
