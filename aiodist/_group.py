@@ -85,6 +85,8 @@ DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
 # How long closing waits for operations already started (peers may need our part).
 CLOSE_GRACE: Final = 30.0
+# How long closing waits for the server to take note that this member left.
+LEAVE_TIMEOUT: Final = 5.0
 # How long a process that embeds the server keeps it up for the other members.
 EMBEDDED_SERVER_LINGER: Final = 60.0
 
@@ -274,8 +276,8 @@ class Session:
             g.deadlines.close()
         await self.plane.aclose()
         if not self.conn.closed:
-            with contextlib.suppress(DistError), anyio.move_on_after(5):
-                await self.conn.request(Leave)
+            with contextlib.suppress(DistError):  # DistTimeoutError included
+                await self.conn.request(Leave, timeout=LEAVE_TIMEOUT)
         self.conn.close()
         if self.server is not None:
             # Others may still be using the server this process embeds: wait for them.

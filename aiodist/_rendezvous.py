@@ -83,9 +83,9 @@ def parse_init_method(
     env = os.environ if environ is None else environ
     method = init_method or "env://"
     url = urllib.parse.urlsplit(method)
-    local_rank = _env_int(env, "LOCAL_RANK")
-    local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
-    if url.scheme == "env":
+    if url.scheme == "env":  # only a launcher's environment says which local rank we are
+        local_rank = _env_int(env, "LOCAL_RANK")
+        local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
         if rank < 0:
             rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
         if world_size < 0:

@@ -150,6 +150,21 @@ async def test_store_get_and_wait_time_out(server: RendezvousServer) -> None:
         await run_ranks(server.address, 2, setup)
 
 
+async def test_store_wait_and_check_non_str_key_raise_type_error_and_send_nothing(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> None:
+        with pytest.raises(TypeError, match="store keys are str, got bytes"):
+            await g.store.wait(["ok", b"k"])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="store keys are str, got int"):
+            await g.store.check(["ok", 1])  # type: ignore[list-item]
+        await g.store.set("ok", b"1")  # the connection is still in order
+        await g.store.wait(["ok"], timeout=5)
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 1, body)
+
+
 async def test_store_wait_released_by_last_key(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> int:
         await g.store.set(f"k{g.rank}", str(g.rank))
