@@ -97,10 +97,52 @@ async def test_member_table_carries_published_addresses(server: RendezvousServer
                 tg.start_soon(_append, results, one(r))
     assert results[0] == results[1]
     for rank, addresses in enumerate(results[0]):
-        # The caller's addresses first, then the data plane's own listeners.
+        # The caller's addresses first, then the data plane's own listener: on a
+        # loopback server every member is on this host, so a Unix socket only.
         assert addresses[0] == f"tcp://127.0.0.1:{4000 + rank}"
-        assert any(a.startswith("uds:aiodist-") for a in addresses[1:])
-        assert any(a.startswith("tcp://127.0.0.1:") for a in addresses[1:])
+        assert [a for a in addresses[1:] if not a.startswith("shm:")] == [
+            a for a in addresses[1:] if a.startswith("uds:aiodist-")
+        ]
+        assert len([a for a in addresses if a.startswith("uds:")]) == 1
+
+
+async def test_ranks_listen_on_tcp_when_unix_sockets_are_off(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIODIST_UDS", "0")
+
+    async def body(g: ProcessGroup) -> tuple[tuple[str, ...], list[float]]:
+        out = await aiodist.all_gather_object(float(g.rank), group=g)
+        return (await g.session.members())[g.rank].addresses, out
+
+    with anyio.fail_after(10):
+        results = await run_ranks(server.address, 2, body)
+    for addresses, gathered in results:
+        assert [a for a in addresses if not a.startswith("shm:")] == [
+            a for a in addresses if a.startswith("tcp://127.0.0.1:")
+        ]
+        assert any(a.startswith("tcp://") for a in addresses)
+        assert gathered == [0.0, 1.0]
+
+
+async def test_ranks_of_other_hosts_on_a_loopback_server_talk_over_unix_sockets(
+    server: RendezvousServer,
+) -> None:
+    # Host names say "two hosts", but a loopback server means one: the only address
+    # each rank publishes is its Unix socket, and that is what peers connect to.
+    async def body(g: ProcessGroup) -> tuple[set[int], list[float]]:
+        out = await aiodist.all_gather_object(float(g.rank), group=g)
+        families = {
+            c._transport.get_extra_info("socket").family  # type: ignore[attr-defined]
+            for c in g.session.plane._out.values()
+        }
+        return families, out
+
+    with anyio.fail_after(10):
+        results = await run_ranks(server.address, 2, body, hostnames=["node-a", "node-b"])
+    for families, gathered in results:
+        assert families == {socket.AF_UNIX}
+        assert gathered == [0.0, 1.0]
 
 
 async def _append(out: list[Any], coro: Awaitable[Any]) -> None:
