@@ -350,6 +350,21 @@ async def test_silent_member_is_declared_failed(server: RendezvousServer) -> Non
     assert server.state.stats.failures == 1
 
 
+async def test_idle_members_stay_alive_on_heartbeats_alone(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> int:
+        # Silent for four heartbeat timeouts: only the heartbeat timer speaks for it.
+        await anyio.sleep(2.0)
+        await g.session.barrier()
+        return g.rank
+
+    with anyio.fail_after(20):
+        ranks = await run_ranks(
+            server.address, 2, body, heartbeat_interval=0.05, heartbeat_timeout=0.5
+        )
+    assert ranks == [0, 1]
+    assert server.state.stats.failures == 0
+
+
 @pytest.mark.parametrize(
     "garbage",
     [
