@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -565,21 +564,14 @@ async def _joined(
     conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=on_notice)
     plane = DataPlane(name)
     try:
-        addresses = [*(addresses or []), *await plane.listen(conn.local_host)]
-        join = Join(
-            0,
-            name,
-            spec.world_size,
-            spec.rank,
-            hostname or socket.gethostname(),
-            os.getpid(),
-            list(addresses or []),
-            hb_timeout,
-            timeout,
-        )
+        published = [*(addresses or []), *await plane.listen(conn.local_host)]
+        host, pid = hostname or socket.gethostname(), os.getpid()
         conn.start_heartbeats(interval)
         welcome: Any = await conn.request(
-            lambda r: dataclasses.replace(join, req_id=r), timeout=timeout + REPLY_GRACE
+            lambda r: Join(
+                r, name, spec.world_size, spec.rank, host, pid, published, hb_timeout, timeout
+            ),
+            timeout=timeout + REPLY_GRACE,
         )
     except BaseException:
         conn.close()

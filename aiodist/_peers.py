@@ -25,6 +25,7 @@ credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import os
@@ -80,6 +81,7 @@ def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any
                 return
 
 
+@functools.cache  # asked by every member that joins; a process has few local addresses
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
