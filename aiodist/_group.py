@@ -573,21 +573,21 @@ async def _joined(
             ),
             timeout=timeout + REPLY_GRACE,
         )
+        session = Session(  # ProtocolError if the Welcome is malformed
+            conn,
+            welcome,
+            group_name=name,
+            timeout=timeout,
+            backend=backend,
+            server=server,
+            plane=plane,
+            heartbeat_timeout=hb_timeout,
+        )
     except BaseException:
         conn.close()
         with anyio.CancelScope(shield=True):
             await plane.aclose()
         raise
-    session = Session(
-        conn,
-        welcome,
-        group_name=name,
-        timeout=timeout,
-        backend=backend,
-        server=server,
-        plane=plane,
-        heartbeat_timeout=hb_timeout,
-    )
     if spec.local_rank is not None:
         session.local_rank = spec.local_rank  # the launcher's word wins, as in torch
     if spec.local_world_size is not None:

@@ -19,8 +19,15 @@ from aiodist import (
     RendezvousTimeout,
     open_process_group,
 )
-from aiodist._wire.frame import PREFIX
-from aiodist._wire.messages import StatusRequest
+from aiodist._errors import ProtocolError
+from aiodist._wire.frame import (
+    NEED_DATA,
+    PREFIX,
+    FrameDecoder,
+    encode_message,
+    frame_message,
+)
+from aiodist._wire.messages import Join, StatusRequest, Welcome
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
@@ -563,3 +570,30 @@ async def test_master_only_runs_on_main_process_only() -> None:
     assert plain(1) == 2
     assert await coro(3) == 6
     assert calls == ["plain", "coro"]
+
+
+async def test_malformed_welcome_raises_protocol_error_and_hangs_up() -> None:
+    # A server that answers the join with host runs covering 3 ranks of a 2-rank job.
+    hung_up = anyio.Event()
+
+    async def fake_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while (event := dec.next_event()) is NEED_DATA:
+            dec.receive_data(await reader.read(65536))
+        join = frame_message(event)  # type: ignore[arg-type]
+        assert isinstance(join, Join)
+        writer.writelines(encode_message(Welcome(join.req_id, 0, 2, 0, 2, [[0, 3]])))
+        await reader.read()  # the client closes its end
+        hung_up.set()
+        writer.close()
+
+    srv = await asyncio.start_server(fake_server, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with anyio.fail_after(10):
+            with pytest.raises(ProtocolError, match=r"malformed Welcome.*covers 3 ranks"):
+                async with open_process_group(f"tcp://127.0.0.1:{port}", world_size=2, rank=1):
+                    pytest.fail("joined despite a malformed Welcome")
+            await hung_up.wait()
+    finally:
+        srv.close()
