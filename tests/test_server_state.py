@@ -406,7 +406,7 @@ def test_join_second_time_on_same_connection_bad_request(srv: FakeServer, comple
     assert "already joined" in err.message
     job = srv.state.jobs["job"]
     assert len(job.members) == (2 if complete else 1)
-    assert job.members[0].conn == a
+    assert next(iter(job.members)).conn == a
     if not complete:
         b = srv.join(world_size=2, rank=1)
         assert srv.only(a, Welcome).rank == 0

@@ -61,7 +61,8 @@ class Job:
     name: str
     world_size: int
     created_at: float
-    members: list[Member] = field(default_factory=list)
+    # In join order; a dict as an ordered set: a leave or a lookup is O(1), not O(N).
+    members: dict[Member, None] = field(default_factory=dict)
     requested: dict[int, Member] = field(default_factory=dict)
     by_rank: list[Member] = field(default_factory=list)
     complete: bool = False
@@ -111,13 +112,12 @@ class Job:
         return self._packed_table
 
     def add(self, member: Member) -> None:
-        self.members.append(member)
+        self.members[member] = None
         if member.requested_rank >= 0:
             self.requested[member.requested_rank] = member
 
     def discard(self, member: Member) -> None:
-        if member in self.members:
-            self.members.remove(member)
+        self.members.pop(member, None)
         if self.requested.get(member.requested_rank) is member:
             del self.requested[member.requested_rank]
 
