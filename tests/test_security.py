@@ -276,8 +276,10 @@ def _attacks(job: str, group_id: int) -> dict[str, list[bytes]]:
 
 @pytest.mark.parametrize("scheme", ["tcp", "uds"])
 async def test_stranger_cannot_deliver_data_to_a_rank(
-    token_server: RendezvousServer, scheme: str
+    token_server: RendezvousServer, scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if scheme == "tcp":  # ranks of a loopback server listen on TCP only without Unix sockets
+        monkeypatch.setenv("AIODIST_UDS", "0")
     refused: dict[str, list[int]] = {}
 
     async def body(g: ProcessGroup) -> list[float]:

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from aiodist._server.state import Close, ConnId, Send, ServerState
+from aiodist._wire.frame import FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Barrier,
     ErrorCode,
@@ -33,6 +34,7 @@ from aiodist._wire.messages import (
     StoreSet,
     StoreWait,
     Welcome,
+    pack_keys,
 )
 
 LONG = 1000.0  # a heartbeat or join timeout that no test reaches unless it means to
@@ -136,6 +138,14 @@ class FakeServer:
         assert reply.req_id == req_id
         assert isinstance(reply.value, Packed)
         return cast("list[list[Any]]", msgpack.unpackb(reply.value.data))
+
+    def welcome(self, conn: ConnId) -> Welcome:
+        """The one message waiting on ``conn``, a Welcome, decoded as a client would."""
+        dec = FrameDecoder()
+        dec.receive_data(b"".join(encode_message(self.only(conn, Welcome))))
+        welcome = frame_message(dec.next_event())  # type: ignore[arg-type]
+        assert isinstance(welcome, Welcome)
+        return welcome
 
     def heartbeat(self, *conns: ConnId) -> None:
         for conn in conns:
@@ -273,8 +283,11 @@ def test_join_mixed_explicit_and_automatic_ranks_fills_free_ranks(srv: FakeServe
         srv.join(world_size=5, rank=rank, host=host, pid=10 + i)
         for i, (rank, host) in enumerate(joins)
     ]
-    welcomes = [srv.only(conn, Welcome) for conn in conns]
+    welcomes = [srv.welcome(conn) for conn in conns]
     assert [w.rank for w in welcomes] == [1, 0, 2, 3, 4]
+    # Hosts by rank: h2 h1 h1 h2 h1 (ids in the order hosts first appear by rank).
+    assert all(w.host_runs == [[0, 1], [1, 2], [0, 1], [1, 1]] for w in welcomes)
+    assert all(w.host_ids() == [0, 1, 1, 0, 1] for w in welcomes)
     assert [(w.local_rank, w.local_size) for w in welcomes] == [
         (0, 3),
         (0, 2),
@@ -393,7 +406,7 @@ def test_join_second_time_on_same_connection_bad_request(srv: FakeServer, comple
     assert "already joined" in err.message
     job = srv.state.jobs["job"]
     assert len(job.members) == (2 if complete else 1)
-    assert job.members[0].conn == a
+    assert next(iter(job.members)).conn == a
     if not complete:
         b = srv.join(world_size=2, rank=1)
         assert srv.only(a, Welcome).rank == 0
@@ -406,7 +419,7 @@ def test_join_second_time_on_same_connection_bad_request(srv: FakeServer, comple
         StoreSet(7, "k", b"v"),
         StoreGet(7, "k", 1.0),
         StoreAdd(7, "k", 1),
-        StoreWait(7, ["k"], 1.0),
+        StoreWait(7, pack_keys(["k"]), 1.0),
         StoreCompareSet(7, "k", b"", b"v"),
         StoreDeleteKey(7, "k"),
         StoreNumKeys(7),
@@ -566,7 +579,7 @@ def test_store_add_wakes_waiting_get(srv: FakeServer) -> None:
 
 def test_store_wait_several_keys_released_only_when_last_is_set(srv: FakeServer) -> None:
     a, b = srv.form(2)
-    req = srv.call(a, StoreWait, ["x", "y", "z"], 30.0)
+    req = srv.call(a, StoreWait, pack_keys(["x", "y", "z"]), 30.0)
     for key in ("y", "x"):
         srv.call(b, StoreSet, key, b"1")
         srv.only(b, Reply)
@@ -586,8 +599,8 @@ def test_store_waits_on_the_same_keys_share_one_watch_and_time_out_alone(
 ) -> None:
     a, b, c = srv.form(3)
     keys = ["k0", "k1", "k2"]
-    short = srv.call(a, StoreWait, keys, 2.0)
-    longer = [srv.call(conn, StoreWait, keys, 30.0) for conn in (b, c)]
+    short = srv.call(a, StoreWait, pack_keys(keys), 2.0)
+    longer = [srv.call(conn, StoreWait, pack_keys(keys), 30.0) for conn in (b, c)]
     job = srv.state.jobs["job"]
     parked = [w for ws in job.key_waiters.values() for w in ws]
     assert len(parked) == 1  # one watch, checked once per set, whoever waits on it
@@ -604,7 +617,7 @@ def test_store_waits_on_the_same_keys_share_one_watch_and_time_out_alone(
     assert job.watches == {}
     assert srv.take(a) == []
     # A later wait on the same keys is answered at once, not parked.
-    again = srv.call(a, StoreWait, keys, 5.0)
+    again = srv.call(a, StoreWait, pack_keys(keys), 5.0)
     assert srv.reply(a, again) is None
 
 
@@ -612,13 +625,13 @@ def test_store_wait_present_keys_replies_at_once(srv: FakeServer) -> None:
     a, _ = srv.form(2)
     srv.call(a, StoreSet, "x", b"1")
     srv.only(a, Reply)
-    req = srv.call(a, StoreWait, ["x"], 5.0)
+    req = srv.call(a, StoreWait, pack_keys(["x"]), 5.0)
     assert srv.reply(a, req) is None
 
 
 def test_store_wait_times_out_naming_missing_keys(srv: FakeServer) -> None:
     a, b = srv.form(2)
-    req = srv.call(a, StoreWait, ["x", "y"], 4.0)
+    req = srv.call(a, StoreWait, pack_keys(["x", "y"]), 4.0)
     srv.call(b, StoreSet, "x", b"1")
     srv.only(b, Reply)
     srv.advance(3.9375)
@@ -807,7 +820,7 @@ def test_connection_lost_fails_pending_waits_and_barriers_with_rank_failed(
 ) -> None:
     a, b, c = srv.form(3)
     get_req = srv.call(a, StoreGet, "k", 30.0)
-    wait_req = srv.call(a, StoreWait, ["x", "y"], 30.0)
+    wait_req = srv.call(a, StoreWait, pack_keys(["x", "y"]), 30.0)
     barrier_req = srv.call(b, Barrier, 0, 30.0)
     srv.lose(c)
     msgs_a, msgs_b = srv.take(a), srv.take(b)
@@ -1167,3 +1180,89 @@ def test_member_table_request_needs_a_joined_job(srv: FakeServer) -> None:
     conn = srv.connect()
     req = srv.call(conn, MembersRequest)
     srv.error(conn, req, ErrorCode.NOT_JOINED)
+
+
+def test_join_welcome_sends_one_run_per_host_not_one_id_per_rank(srv: FakeServer) -> None:
+    world_size = 64
+    conns = [
+        srv.join(world_size=world_size, host=f"h{i % 2}", pid=10 + i) for i in range(world_size)
+    ]
+    welcomes = [srv.welcome(conn) for conn in conns]
+    # Automatic ranks are contiguous per host: two runs, whatever the world size.
+    assert all(w.host_runs == [[0, 32], [1, 32]] for w in welcomes)
+    assert welcomes[0].host_ids() == [0] * 32 + [1] * 32
+
+
+@pytest.mark.parametrize(
+    "packed",
+    [
+        pytest.param(b"\xc1", id="not-msgpack"),
+        pytest.param(msgpack.packb({"k": 1}), id="not-an-array"),
+        pytest.param(msgpack.packb(["k", b"k"]), id="bytes-key"),
+        pytest.param(msgpack.packb(["k", 1]), id="int-key"),
+    ],
+)
+def test_store_wait_malformed_keys_is_a_bad_request_and_the_job_goes_on(
+    srv: FakeServer, packed: bytes
+) -> None:
+    a, b = srv.form(2)
+    req = srv.call(a, StoreWait, packed, 5.0)
+    err = srv.error(a, req, ErrorCode.BAD_REQUEST)
+    assert "StoreWait.keys" in err.message
+    srv.call(b, StoreSet, "k", b"1")
+    srv.only(b, Reply)
+    assert srv.reply(a, srv.call(a, StoreWait, pack_keys(["k"]), 5.0)) is None
+
+
+def test_store_waits_on_the_same_keys_by_every_member_decode_them_once(
+    srv: FakeServer,
+) -> None:
+    conns = srv.form(4)
+    keys = [f"addr/{r}" for r in range(4)]
+    job = srv.state.jobs["job"]
+    reqs = [srv.call(conn, StoreWait, pack_keys(keys), 30.0) for conn in conns]
+    (watch,) = job.watches.values()
+    assert all(f.keys is watch.keys for f in watch.followers)  # shared, not decoded again
+    for conn, key in zip(conns, keys, strict=True):
+        srv.call(conn, StoreSet, key, b"1")
+    for conn, req in zip(conns, reqs, strict=True):
+        replies = [m for m in srv.take(conn) if isinstance(m, Reply) and m.req_id == req]
+        assert [m.value for m in replies] == [None]
+    assert job.watches == {}
+    # All set now: later waits are answered at once, from the one decoded copy.
+    late = [srv.call(conn, StoreWait, pack_keys(keys), 30.0) for conn in conns[:2]]
+    assert [srv.reply(conn, req) for conn, req in zip(conns[:2], late, strict=True)] == [None] * 2
+
+
+def test_store_wait_after_a_key_was_deleted_waits_again(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    keys = pack_keys(["x", "y"])
+    for key in ("x", "y"):
+        srv.call(b, StoreSet, key, b"1")
+        srv.only(b, Reply)
+    assert srv.reply(a, srv.call(a, StoreWait, keys, 5.0)) is None  # all set: at once
+    assert srv.reply(a, srv.call(a, StoreWait, keys, 5.0)) is None  # known set: at once
+    srv.call(b, StoreDeleteKey, "y")
+    assert srv.only(b, Reply).value is True
+    req = srv.call(a, StoreWait, keys, 5.0)
+    assert srv.take(a) == []  # "y" is gone: the wait is parked, not answered from memory
+    srv.call(b, StoreSet, "y", b"2")
+    srv.only(b, Reply)
+    assert srv.reply(a, req) is None
+
+
+def test_store_wait_whose_requests_all_timed_out_is_not_remembered_as_set(
+    srv: FakeServer,
+) -> None:
+    a, b = srv.form(2)
+    keys = pack_keys(["x", "y"])
+    req = srv.call(a, StoreWait, keys, 1.0)
+    srv.advance(1.0)
+    srv.error(a, req, ErrorCode.TIMEOUT)
+    srv.call(b, StoreSet, "x", b"1")  # wakes the given-up watch; "y" is still unset
+    srv.only(b, Reply)
+    req = srv.call(a, StoreWait, keys, 5.0)
+    assert srv.take(a) == []
+    srv.call(b, StoreSet, "y", b"1")
+    srv.only(b, Reply)
+    assert srv.reply(a, req) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import anyio
 import pytest
 
@@ -36,3 +38,23 @@ async def test_uds_addresses_are_abstract_and_unique() -> None:
     finally:
         a.close()
         b.close()
+
+
+async def test_uds_listener_queues_a_burst_of_connects_beyond_the_loop_default_backlog() -> None:
+    if not uds.available():
+        pytest.skip("abstract Unix sockets need Linux")
+    listener = await uds.listen("", lambda: None)  # type: ignore[arg-type, return-value]
+    socks: list[socket.socket] = []
+    try:
+        # No await in between: the loop accepts none of them meanwhile, so each one
+        # queues. A Unix socket refuses a connect beyond the backlog at once (EAGAIN);
+        # the loop's default of 100 used to replace the listener's own.
+        for _ in range(300):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setblocking(False)
+            sock.connect("\0" + listener.address.removeprefix("uds:"))
+    finally:
+        for sock in socks:
+            sock.close()
+        listener.close()

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from aiodist._wire.messages import Packed
+from aiodist._wire.messages import Packed, unpack_keys
 
 __all__ = ["BarrierState", "Job", "Member", "Waiter", "assign_ranks"]
 
@@ -40,6 +40,7 @@ class Waiter:
     keys: list[str]
     kind: Literal["get", "wait", "barrier"]
     job: Job
+    packed_keys: bytes = b""  # a wait's keys as the client sent them (its watch's key)
     seq: int = 0
     done: bool = False
     pos: int = 0  # keys[:pos] are known to be set: each key is checked once in total
@@ -60,17 +61,43 @@ class Job:
     name: str
     world_size: int
     created_at: float
-    members: list[Member] = field(default_factory=list)
+    # In join order; a dict as an ordered set: a leave or a lookup is O(1), not O(N).
+    members: dict[Member, None] = field(default_factory=dict)
     requested: dict[int, Member] = field(default_factory=dict)
     by_rank: list[Member] = field(default_factory=list)
     complete: bool = False
     failures: list[tuple[int, str, int, str]] = field(default_factory=list)
     kv: dict[str, bytes] = field(default_factory=dict)
     key_waiters: dict[str, list[Waiter]] = field(default_factory=dict)
-    watches: dict[tuple[str, ...], Waiter] = field(default_factory=dict)  # keys -> first wait
+    watches: dict[bytes, Waiter] = field(default_factory=dict)  # packed keys -> first wait
     barriers: dict[int, BarrierState] = field(default_factory=dict)
     failed_barriers: dict[int, tuple[Any, str, dict[str, Any]]] = field(default_factory=dict)
+    deletions: int = 0  # keys deleted so far: a set of keys once all set stays so until one is
     _packed_table: Packed | None = None
+    # The keys of the latest wait, decoded, and the value of ``deletions`` when they were
+    # last seen all set (-1: not known to be).
+    _last_keys: tuple[bytes, list[str]] = (b"", [])
+    _last_keys_set_at: int = -1
+
+    def wait_keys(self, packed: bytes) -> list[str]:
+        """The keys of a wait, decoded once for the many members that wait on the same ones.
+
+        Raises:
+            ValueError: ``packed`` is not a msgpack array of str.
+        """
+        if packed != self._last_keys[0]:
+            self._last_keys = (packed, unpack_keys(packed))
+            self._last_keys_set_at = -1
+        return self._last_keys[1]
+
+    def known_set(self, packed: bytes) -> bool:
+        """True if the keys ``packed`` were all set and none was deleted since."""
+        return packed == self._last_keys[0] and self._last_keys_set_at == self.deletions
+
+    def mark_set(self, packed: bytes) -> None:
+        """Record that the keys ``packed`` are all set now (a later wait needs no scan)."""
+        if packed == self._last_keys[0]:
+            self._last_keys_set_at = self.deletions
 
     def packed_table(self) -> Packed:
         """``[rank, local_rank, host, pid, addresses]`` per rank, encoded once per job.
@@ -85,13 +112,12 @@ class Job:
         return self._packed_table
 
     def add(self, member: Member) -> None:
-        self.members.append(member)
+        self.members[member] = None
         if member.requested_rank >= 0:
             self.requested[member.requested_rank] = member
 
     def discard(self, member: Member) -> None:
-        if member in self.members:
-            self.members.remove(member)
+        self.members.pop(member, None)
         if self.requested.get(member.requested_rank) is member:
             del self.requested[member.requested_rank]
 

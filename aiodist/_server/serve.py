@@ -215,7 +215,7 @@ class _ServerConnection(asyncio.Protocol):
         if transport is None or transport.is_closing() or self._linger_timer is not None:
             return  # gone, or refused: its error was the last thing it is sent
         parts = encode_message(msg)
-        self._server.bytes_sent += sum(len(p) for p in parts)
+        self._server.bytes_sent += sum(map(len, parts))
         transport.writelines(parts)
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
             logger.warning("closing connection from %s: it stopped reading replies", self.peer)

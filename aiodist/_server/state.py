@@ -218,7 +218,9 @@ class ServerState:
             self._store_op(conn, job, msg, now)
         elif isinstance(msg, StoreDeleteKey):
             self.stats.store_ops += 1
-            self._send(conn, Reply(msg.req_id, job.kv.pop(msg.key, None) is not None))
+            deleted = job.kv.pop(msg.key, None) is not None
+            job.deletions += deleted
+            self._send(conn, Reply(msg.req_id, deleted))
         elif isinstance(msg, StoreNumKeys):
             self.stats.store_ops += 1
             self._send(conn, Reply(msg.req_id, len(job.kv)))
@@ -289,9 +291,15 @@ class ServerState:
         self.stats.jobs_formed += 1
         local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
         host_index = {host: i for i, host in enumerate(local_sizes)}
+        runs: list[list[int]] = []
+        for m in job.by_rank:
+            host_id = host_index[m.host]
+            if runs and runs[-1][0] == host_id:
+                runs[-1][1] += 1
+            else:
+                runs.append([host_id, 1])
         # Encoded once for the whole job: every member gets the same bytes.
-        ids = Packed(msgpack.packb([host_index[m.host] for m in job.by_rank]))
-        host_ids = cast("list[int]", ids)  # spliced into each Welcome as encoded
+        host_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
@@ -304,7 +312,7 @@ class ServerState:
                     job.world_size,
                     m.local_rank,
                     local_sizes[m.host],
-                    host_ids,
+                    host_runs,
                 ),
             )
 
@@ -456,21 +464,36 @@ class ServerState:
             else:
                 self._send(conn, Reply(msg.req_id, msg.expected if current is None else current))
         else:  # StoreGet | StoreWait
-            keys = [msg.key] if isinstance(msg, StoreGet) else list(msg.keys)
             if msg.timeout <= 0:
                 raise _BadRequest(ErrorCode.BAD_REQUEST, f"timeout must be > 0, got {msg.timeout}")
             kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
-            waiter = Waiter(conn, msg.req_id, keys, kind, job)
-            watch_key = tuple(keys) if kind == "wait" else None
-            first = job.watches.get(watch_key) if watch_key is not None else None
-            if first is not None:  # the same keys are watched already: ride along
-                first.followers.append(waiter)
+            if isinstance(msg, StoreGet):
+                keys, packed = [msg.key], b""
+            else:
+                # The same keys watched already: ride along without decoding them again.
+                first = job.watches.get(msg.keys)
+                if first is not None:
+                    waiter = Waiter(conn, msg.req_id, first.keys, "wait", job, msg.keys)
+                    first.followers.append(waiter)
+                    self._push_timer(now + msg.timeout, waiter)
+                    return
+                if job.known_set(msg.keys):  # the late members of a rendezvous: no scan
+                    self._send(conn, Reply(msg.req_id, None))
+                    return
+                try:
+                    keys = job.wait_keys(msg.keys)
+                except ValueError as exc:
+                    raise _BadRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+                packed = msg.keys
+            waiter = Waiter(conn, msg.req_id, keys, kind, job, packed)
             # Park the waiter under its first missing key only; _wake moves it along.
             # (Under every key, a wait on N keys cost O(N^2) per set: O(N^3) in all.)
-            elif self._advance_waiter(job, waiter):
-                if watch_key is not None:
-                    job.watches[watch_key] = waiter
+            if self._advance_waiter(job, waiter):
+                if kind == "wait":
+                    job.watches[packed] = waiter
             else:
+                if kind == "wait":
+                    job.mark_set(packed)
                 self._send(conn, Reply(msg.req_id, kv[keys[0]] if kind == "get" else None))
                 return
             self._push_timer(now + msg.timeout, waiter)
@@ -487,9 +510,11 @@ class ServerState:
             if not gave_up and self._advance_waiter(job, waiter):
                 continue
             if waiter.kind == "wait":
-                job.watches.pop(tuple(waiter.keys), None)
+                job.watches.pop(waiter.packed_keys, None)
             if gave_up:  # every request on it timed out
                 continue
+            if waiter.kind == "wait":
+                job.mark_set(waiter.packed_keys)
             value = kv[waiter.keys[0]] if waiter.kind == "get" else None
             for w in (waiter, *waiter.followers):
                 if not w.done:

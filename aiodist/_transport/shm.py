@@ -16,7 +16,8 @@ the umask) and named ``aiodist-<uid>-<pid namespace>-<pid>-<random>``, so a
 file left by a rank that crashed inside an operation can be told from a live
 one: ``remove_stale`` unlinks those whose creating process is gone (or a
 zombie). Survivors call it when a rank fails and when they close, and every
-new data plane calls it once: nothing accumulates in ``/dev/shm``.
+new data plane calls it (skipped when ``/dev/shm`` has not changed since the
+process last looked): nothing accumulates in ``/dev/shm``.
 
 Messages still go over the data channels: this module only holds memory.
 """
@@ -106,18 +107,33 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def remove_stale() -> list[str]:
+# /dev/shm's modification time when this process last listed it (see remove_stale).
+_swept_mtime_ns: int | None = None
+
+
+def remove_stale(*, if_changed: bool = False) -> list[str]:
     """Unlink this user's segments (in this pid namespace) whose creator is dead; return them.
 
     Another user's files, and files of processes in another pid namespace
     (whose liveness cannot be told from here), are never touched.
+
+    With ``if_changed`` (a new data plane starting), nothing is listed when no
+    file came or went in ``/dev/shm`` since this process last looked: one
+    ``stat`` instead of a listing, so a process that starts many members pays
+    the sweep once. A file whose creator died since is swept at the next change,
+    or when a rank fails or a plane closes after a failure (those always list).
     """
+    global _swept_mtime_ns
     head = f"aiodist-{os.getuid()}-{_pid_namespace()}-"
     removed = []
     try:
+        mtime_ns = os.stat(SHM_DIR).st_mtime_ns  # before listing: a change after it shows next time
+        if if_changed and mtime_ns == _swept_mtime_ns:
+            return []
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
+    _swept_mtime_ns = mtime_ns
     for name in names:
         if not name.startswith(head):
             continue

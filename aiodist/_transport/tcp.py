@@ -14,10 +14,13 @@ if TYPE_CHECKING:
 
     from aiodist._transport.base import FrameSink
 
-__all__ = ["TcpListener", "connect", "listen", "scheme"]
+__all__ = ["LISTEN_BACKLOG", "TcpListener", "connect", "listen", "scheme"]
 
 scheme: Final = "tcp"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
+# Connections a listener queues before accepting them: every peer of a large job may
+# connect at once. (The loop's default, 100, would silently replace our listen().)
+LISTEN_BACKLOG: Final = 1024
 
 
 def _tune(sock: socket.socket) -> None:
@@ -50,9 +53,9 @@ async def listen(host: str, sink_factory: Callable[[], FrameSink]) -> TcpListene
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     _tune(sock)  # accepted sockets inherit the buffer sizes
     sock.bind((host, 0))
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    server = await loop.create_server(_factory(sink_factory), sock=sock)
+    server = await loop.create_server(_factory(sink_factory), sock=sock, backlog=LISTEN_BACKLOG)
     bound_host, port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     return TcpListener(f"tcp://{shown}:{port}", server)

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
     from aiodist._transport.base import FrameSink
 
-__all__ = ["UdsListener", "available", "connect", "listen", "scheme"]
+__all__ = ["LISTEN_BACKLOG", "UdsListener", "available", "connect", "listen", "scheme"]
 
 scheme: Final = "uds"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
+# As tcp.LISTEN_BACKLOG: a connect beyond it fails at once (EAGAIN) on a Unix socket.
+LISTEN_BACKLOG: Final = 1024
 
 
 def available() -> bool:
@@ -61,9 +63,11 @@ async def listen(
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     _tune(sock)
     sock.bind("\0" + name)
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    server = await loop.create_unix_server(lambda: make_channel(sink_factory()), sock=sock)
+    server = await loop.create_unix_server(
+        lambda: make_channel(sink_factory()), sock=sock, backlog=LISTEN_BACKLOG
+    )
     return UdsListener(f"uds:{name}", server)
 
 

@@ -137,7 +137,7 @@ def encode_message(msg: Any, payload: Buffer | None = None) -> list[Buffer]:
     an array header followed by each field's encoding is the array's encoding.
     """
     header = message_header(msg)
-    if not any(type(v) is Packed for v in header):
+    if Packed not in map(type, header):
         return encode_frame(msg.KIND, header, payload)
     assert len(header) < 16, "fixarray headers only"
     body = [bytes((0x90 | len(header),))]

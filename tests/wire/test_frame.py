@@ -38,11 +38,13 @@ from aiodist._wire.messages import (
     Packed,
     Reply,
     ServerClosing,
+    StoreCheck,
     StoreCompareSet,
     StoreSet,
     StoreWait,
     Welcome,
     message_header,
+    pack_keys,
 )
 
 if TYPE_CHECKING:
@@ -568,7 +570,7 @@ MESSAGES: list[Any] = [
     Leave(req_id=1),
     Heartbeat(),
     StoreSet(req_id=2, key="k", value=b"\x00\x01"),
-    StoreWait(req_id=3, keys=["a", "b"], timeout=1.5),
+    StoreWait(req_id=3, keys=pack_keys(["a", "b"]), timeout=1.5),
     StoreCompareSet(req_id=4, key="k", expected=b"", desired=b"v"),
     Barrier(req_id=5, seq=2, timeout=30.0),
     Reply(req_id=6, value={"nested": [1, 2.5, None]}),
@@ -578,13 +580,33 @@ MESSAGES: list[Any] = [
         world_size=2,
         local_rank=0,
         local_size=1,
-        host_ids=[0, 1],
+        host_runs=[[0, 1], [1, 1]],
     ),
     MembersRequest(req_id=8),
     ErrorReply(req_id=0, code=ErrorCode.PROTOCOL, message="bad", details={"rank": 2}),
     MemberFailed(rank=2, host="node-3", pid=4121, reason="missed heartbeats"),
     ServerClosing(reason="shutdown"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("runs", "problem"),
+    [
+        pytest.param([[0, 2], [1, 1]], "covers 3 ranks, world_size is 4", id="short"),
+        pytest.param([[0, 2], [1, 3]], "covers 5 ranks, world_size is 4", id="long"),
+        pytest.param([[0, 4, 1]], "malformed run", id="triple"),
+        pytest.param([[0, 0], [1, 4]], "malformed run", id="empty-run"),
+        pytest.param([[0, True], [1, 3]], "malformed run", id="bool-count"),
+        pytest.param([["h", 4]], "malformed run", id="str-host"),
+    ],
+)
+def test_welcome_host_ids_malformed_runs_raise(runs: list[list[Any]], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        Welcome(1, 0, 4, 0, 1, runs).host_ids()
+
+
+def test_welcome_host_ids_expands_runs_in_rank_order() -> None:
+    assert Welcome(1, 0, 5, 0, 2, [[1, 2], [0, 3]]).host_ids() == [1, 1, 0, 0, 0]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -661,19 +683,19 @@ def _set(index: int, value: Any) -> Any:
             StoreSet(1, "k", b"v"), _set(2, "v"), "StoreSet.value must be bytes, got str", id="Set"
         ),
         pytest.param(
-            StoreWait(1, ["a"], 1.0),
+            StoreCheck(1, ["a"]),
             _set(1, [b"a"]),
-            "StoreWait.keys has items of the wrong type",
-            id="StoreWait-items",
+            "StoreCheck.keys has items of the wrong type",
+            id="StoreCheck-items",
         ),
         pytest.param(
-            Welcome(1, 0, 1, 0, 1, [0]),
+            Welcome(1, 0, 1, 0, 1, [[0, 1]]),
             _set(1, True),
             "Welcome.rank must be int, got bool",
             id="bool",
         ),
         pytest.param(
-            StoreWait(1, ["a"], 1.0), _set(2, False), "StoreWait.timeout must be float/int", id="f"
+            StoreWait(1, b"", 1.0), _set(2, False), "StoreWait.timeout must be float/int", id="f"
         ),
         pytest.param(
             ErrorReply(0, 2, "m", {}), _set(3, [1]), "ErrorReply.details must be dict", id="Error"
