@@ -272,7 +272,7 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
         finally:
             with _unstarted_lock:
                 _unstarted -= 1
-        started._on_done(lambda done: _settle(done, work))  # at once: no extra loop turn
+        started._on_done(work._settle_as)  # at once: no extra loop turn
 
     loop.call_soon_threadsafe(start)
     with _unstarted_lock:  # after: a loop that is gone leaves no count behind
@@ -287,14 +287,6 @@ def quiet() -> bool:
     caller may take the next one itself (``ProcessGroup.next_seq``).
     """
     return _unstarted == 0
-
-
-def _settle(done: Work[T], work: Work[T]) -> None:
-    error = done.exception()
-    if error is not None:
-        work._set_exception(error)
-    else:
-        work._set_result(done.result())
 
 
 def _transfer(work: Work[Any], box: Future[Any]) -> None:

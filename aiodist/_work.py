@@ -100,6 +100,14 @@ class Work(Generic[T]):
         self._wake()
         return True
 
+    def _settle_as(self, done: Work[T]) -> None:
+        """Settle the way ``done`` (another handle, finished) ended."""
+        error = done.exception()
+        if error is not None:
+            self._set_exception(error)
+        else:
+            self._set_result(done.result())
+
     def _follow(self, future: asyncio.Future[T]) -> None:
         if future.cancelled():
             self._set_exception(asyncio.CancelledError(f"{self.description} was cancelled"))

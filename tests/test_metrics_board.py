@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from aiodist._metrics import board
 from aiodist._transport import shm
 from aiodist.metrics import MetricAggregator
 from aiodist.testing import run_ranks
+from tests._workers import run_worker
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -172,16 +172,6 @@ WORKER = textwrap.dedent(
 )
 
 
-async def _worker(script: Path, args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    result = await anyio.run_process(
-        [sys.executable, str(script), *args], check=False, env={**os.environ, **env}
-    )
-    lines = result.stdout.decode().strip().splitlines()
-    out: dict[str, Any] = json.loads(lines[-1]) if lines else {"stderr": result.stderr.decode()}
-    out["returncode"] = result.returncode
-    return out
-
-
 async def _run_workers(
     server: RendezvousServer, tmp_path: Path, world: int, victim: int, off: list[int]
 ) -> dict[int, dict[str, Any]]:
@@ -192,7 +182,7 @@ async def _run_workers(
 
     async def one(rank: int) -> None:
         env = {"AIODIST_METRICS_SHM": "0" if rank in off else "1"}
-        outs[rank] = await _worker(script, [url, str(rank), str(world), str(victim)], env)
+        outs[rank] = await run_worker(script, [url, str(rank), str(world), str(victim)], env)
 
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:

@@ -7,7 +7,6 @@ environment (``AIODIST_SHM``) and can really die.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import anyio
 import pytest
 
 from aiodist._transport import shm
+from tests._workers import run_worker
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -55,17 +55,6 @@ MIXED_WORKER = textwrap.dedent(
 )
 
 
-async def _run_worker(script: Path, args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    result = await anyio.run_process(
-        [sys.executable, str(script), *args], check=False, env={**os.environ, **env}
-    )
-    lines = result.stdout.decode().strip().splitlines()
-    assert lines, result.stderr.decode()
-    out: dict[str, Any] = json.loads(lines[-1])
-    out["returncode"] = result.returncode
-    return out
-
-
 @needs_shm
 @pytest.mark.slow
 @one_backend
@@ -81,7 +70,7 @@ async def test_shm_setting_mixed_across_ranks_falls_back_everywhere(
 
     async def one(rank: int) -> None:
         env = {"AIODIST_SHM": "0" if rank in off else "1"}
-        outs[rank] = await _run_worker(script, [url, str(rank), str(world)], env)
+        outs[rank] = await run_worker(script, [url, str(rank), str(world)], env)
 
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
@@ -199,7 +188,7 @@ async def test_rank_killed_mid_shared_all_reduce_leaves_no_segment(
 
     async def one(rank: int) -> None:
         args = [url, str(rank), str(world), str(victim)]
-        outs[rank] = await _run_worker(script, args, {"AIODIST_SHM": "1"})
+        outs[rank] = await run_worker(script, args, {"AIODIST_SHM": "1"})
 
     with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:

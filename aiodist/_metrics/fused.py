@@ -114,7 +114,7 @@ def start_sync(
         if isinstance(route, Board):
             board_work = route.post(index, seq, encode(snapshot))
             agreed.set_result(route)
-            board_work._on_done(lambda b: _settle_from(b, work))
+            board_work._on_done(work._settle_as)
             return
         schema = route
         layout = layout_of(schema)
@@ -137,14 +137,6 @@ def start_sync(
     else:  # syncs resolve in call order: this one goes once its predecessor agreed
         previous.add_done_callback(exchange)
     return work
-
-
-def _settle_from(done: Work[MetricResults], work: Work[MetricResults]) -> None:
-    error = done.exception()
-    if error is not None:
-        work._set_exception(error)
-    else:
-        work._set_result(done.result())
 
 
 def _direct_max() -> int:
@@ -331,7 +323,7 @@ async def run_sync(
         if isinstance(route, Board):
             board_work = route.post(index, seq, encode(snapshot))
             agreed.set_result(route)
-            board_work._on_done(lambda b: _settle_from(b, work))
+            board_work._on_done(work._settle_as)
             return await board_work
         schema = route
         if schema is not None:
