@@ -54,9 +54,10 @@ import logging
 import numbers
 from typing import TYPE_CHECKING, Any
 
+from aiodist import _portal, _world
 from aiodist._collectives.common import resolve_group
 from aiodist._metrics.board import Board
-from aiodist._metrics.board_work import encode
+from aiodist._metrics.board_work import encode_host
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.results import MetricResults, MetricsWriter
 from aiodist._metrics.state import REDUCTIONS, Accumulator, Reduction, check_reduction
@@ -224,13 +225,15 @@ class MetricAggregator:
         Example:
             >>> work = agg.sync(on_done=lambda r: print(r.summary()))
         """
-        snapshot = _take_snapshot(self._accs)
-        self._accs = {}
+        accs, self._accs = self._accs, {}
         number = self._syncs
         self._syncs += 1
         board = self._board
-        if board is not None and snapshot.event is None and self._may_write(board):
-            return self._write(board, number, snapshot, on_done)
+        if board is not None and self._may_write(board):
+            record = encode_host(accs)  # None: a value lives on a GPU, the loop waits for it
+            if record is not None:
+                return self._write(board, number, record, on_done)
+        snapshot = _take_snapshot(accs)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # plain code: start it on aiodist.sync's loop thread
@@ -258,24 +261,24 @@ class MetricAggregator:
 
         Only when its sequence number comes next in call order: on the loop's
         thread, or from plain code with no earlier operation still on its way to
-        the loop. And only while the group is the one the board belongs to.
+        the loop. And only while the group is usable and the one the board
+        belongs to. (Once per step: kept to a few attribute reads.)
         """
-        if not board.usable() or resolve_group(self._group) is not board.group:
+        g = board.group
+        if g.error is not None or g.closed or g.session.error is not None:
             return False
-        if board.on_loop_thread():
-            return True
-        from aiodist import _portal
-
-        return _portal.quiet()
+        if (self._group if self._group is not None else _world.get_default_group()) is not g:
+            return False
+        return board.on_loop_thread() or _portal.quiet()
 
     def _write(
         self,
         board: Board,
         number: int,
-        snapshot: Snapshot,
+        record: bytes,
         on_done: Callable[[MetricResults], object] | None,
     ) -> Work[MetricResults]:
-        work = board.post(number - self._first, board.group.next_seq(), encode(snapshot))
+        work = board.post(number - self._first, board.group.next_seq(), record)
         if on_done is not None:  # runs on the loop's thread, in call order
             work.add_done_callback(lambda w: _deliver(w, on_done))
         return work

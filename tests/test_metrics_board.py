@@ -219,3 +219,32 @@ async def test_a_rank_dying_fails_the_others_pending_syncs(
         assert out["board"], out
         assert out["error"] == "RankFailedError", out
         assert f"rank {victim}" in out["message"], out
+
+
+async def test_with_checksums_a_torn_slot_is_not_read(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where stores may be seen out of order (not x86), each slot carries a CRC."""
+    monkeypatch.setattr(board, "_CHECKSUM", True)
+
+    async def body(g: ProcessGroup) -> list[float]:
+        agg = MetricAggregator({"x": "sum"}, group=g)
+        sums = []
+        for step in range(5):
+            agg.update(x=float(step + g.rank))
+            sums.append((await agg.sync())["x"])
+        b = agg._board
+        assert b is not None
+        assert b._read(4) is not None  # sync 4, complete: every slot checks out
+        off = b._slots_at + ((4 % board.DEPTH) * b._size + 1) * board.SLOT_BYTES
+        data = off + board._HEAD.size
+        b._mem[data] ^= 0xFF  # rank 1's record of sync 4, torn
+        torn = b._read(4)
+        b._mem[data] ^= 0xFF
+        assert torn is None
+        assert b._read(4) is not None
+        return sums
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [[1.0, 3.0, 5.0, 7.0, 9.0]] * 2

@@ -22,22 +22,48 @@ from aiodist._work import Work
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable, Generator
+    from collections.abc import Callable, Generator, Mapping
 
     from aiodist._metrics.board import Board
-    from aiodist._metrics.state import Snapshot
+    from aiodist._metrics.state import Accumulator, Snapshot
 
-__all__ = ["BoardWork", "Rows", "encode", "wake"]
+__all__ = ["BoardWork", "Rows", "encode", "encode_host", "wake"]
 
 # Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
 _DELIVERY_WAIT: Final = 5.0
+
+
+_packers = threading.local()  # one reusable msgpack buffer per thread
+
+
+def _pack(records: list[list[Any]]) -> bytes:
+    packer: msgpack.Packer | None = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer()
+    return packer.pack(records)
 
 
 def encode(snapshot: Snapshot) -> bytes:
     """This rank's records of one sync, as written into its slot."""
     reductions = snapshot.reductions
     records = snapshot.records()
-    return msgpack.packb([[name, reductions[name], *rec] for name, rec in records.items()])
+    return _pack([[name, reductions[name], *rec] for name, rec in records.items()])
+
+
+def encode_host(accumulators: Mapping[str, Accumulator]) -> bytes | None:
+    """``encode(take_snapshot(accumulators))`` without the snapshot; None if one is on a device.
+
+    The per-step path: a training loop pays for every object it builds here.
+    """
+    records = []
+    for name, a in accumulators.items():
+        if a.record is not None:
+            return None
+        updates, seen = float(a.updates), float(a.seen)
+        records.append(
+            [name, a.reduction, a.total, a.count, a.nonfinite, a.extreme, a.last, updates, seen]
+        )
+    return _pack(records)
 
 
 class Rows:
