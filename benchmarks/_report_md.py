@@ -334,6 +334,15 @@ def _metrics(data: dict[str, Any]) -> list[str]:
             f"**{name} step** (MLP 128-{c['hidden']}-10, batch {c['batch']}):",
             _table(["variant", "step", "vs none", "aiodist/this", "CPU vs none"], rows),
         ]
+        paired = c.get("paired_summary")
+        if paired is not None:
+            s = as_summary(paired)
+            assert s is not None
+            out.append(
+                f"Paired blocks ({len(c['paired_ratios'])} ABBA pairs of {cfg['block']} steps of "
+                f"none and aiodist): aiodist/none median {_num(c['paired_ratio'])} "
+                f"(min {_num(s.min)}, max {_num(s.max)}); the goal is judged on this."
+            )
     return out
 
 
