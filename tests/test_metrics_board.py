@@ -248,3 +248,40 @@ async def test_with_checksums_a_torn_slot_is_not_read(
     with anyio.fail_after(60):
         outs = await run_ranks(server.address, 2, body)
     assert outs == [[1.0, 3.0, 5.0, 7.0, 9.0]] * 2
+
+
+async def test_boards_of_subgroups_and_of_two_aggregators_stay_apart(
+    server: RendezvousServer,
+) -> None:
+    """Each aggregator has a board per group: interleaved syncs never see each other's slots."""
+
+    async def body(world: ProcessGroup) -> tuple[list[float], list[float], list[float] | None]:
+        low = await aiodist.new_group([0, 1, 2], parent=world)  # every rank calls new_group
+        mine = world.rank if world.rank < 3 else None
+        a = MetricAggregator({"x": "sum"}, group=world)
+        b = MetricAggregator({"x": "sum"}, group=world)
+        c = MetricAggregator({"x": "sum"}, group=low) if mine is not None else None
+        got_a, got_b, got_c = [], [], []
+        for step in range(6):
+            a.update(x=float(step))
+            b.update(x=100.0 * (world.rank + 1))
+            wa, wb = a.sync(), b.sync()
+            if c is not None:
+                c.update(x=float(world.rank * step))
+                got_c.append((await c.sync())["x"])
+            got_a.append((await wa)["x"])
+            got_b.append((await wb)["x"])
+        assert a._board is not None
+        assert b._board is not None
+        assert a._board is not b._board
+        if c is not None:
+            assert c._board is not None
+            assert c._board.group is low
+        return got_a, got_b, got_c if c is not None else None
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 4, body)
+    for rank, (got_a, got_b, got_c) in enumerate(outs):
+        assert got_a == [4.0 * step for step in range(6)]
+        assert got_b == [1000.0] * 6  # 100 * (1 + 2 + 3 + 4)
+        assert got_c == (None if rank == 3 else [3.0 * step for step in range(6)])
