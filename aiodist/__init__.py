@@ -32,9 +32,11 @@ from aiodist._errors import (
     RendezvousError,
     RendezvousTimeout,
 )
-from aiodist._group import MemberInfo, ProcessGroup, open_process_group
+from aiodist._group import ProcessGroup
+from aiodist._join import open_process_group
 from aiodist._p2p import irecv, irecv_object, isend, isend_object, recv, send
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
+from aiodist._session import MemberInfo
 from aiodist._store import Store
 from aiodist._work import Work
 from aiodist._world import (

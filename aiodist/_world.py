@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from aiodist._collectives.objects import all_gather_object
 from aiodist._errors import CollectiveMismatchError
-from aiodist._group import DEFAULT_TIMEOUT, ProcessGroup, open_process_group
+from aiodist._group import ProcessGroup
+from aiodist._join import open_process_group
 from aiodist._launchers import infer_launcher, launcher_env
+from aiodist._session import DEFAULT_TIMEOUT
 from aiodist._store import as_seconds
 from aiodist._torch_bridge import bridge_new_group, bring_up, parse_backend, tear_down
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 import aiodist
 from aiodist import serve_rendezvous
 from aiodist._wire.frame import MAGIC, PREFIX, PROTOCOL_VERSION, encode_frame
-from aiodist._wire.messages import MESSAGE_TYPES, MessageKind, message_fields
+from aiodist._wire.headers import MESSAGE_TYPES, message_fields
+from aiodist._wire.messages import MessageKind
 from aiodist.testing import run_ranks
 from tests.test_security import RawPeer
 

@@ -1,1 +1,1 @@
-"""The rendezvous server: a sans-IO job table (``state``) and its asyncio shell (``serve``)."""
+"""The rendezvous server: a sans-IO job table (``state``, ``store``), its shell (``serve``)."""

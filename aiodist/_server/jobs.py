@@ -1,4 +1,4 @@
-"""Plain records of the job table: jobs, members, waiters, and rank assignment."""
+"""Plain records of the job table: jobs, members, waiters, rank assignment, actions."""
 
 from __future__ import annotations
 
@@ -7,10 +7,22 @@ from typing import Any, Literal
 
 import msgpack
 
-from aiodist._wire.messages import Packed, unpack_keys
+from aiodist._wire.messages import ErrorCode, Packed, unpack_keys
 
-__all__ = ["BarrierState", "Job", "Member", "Waiter", "assign_ranks"]
+__all__ = [
+    "BadRequest",
+    "BarrierState",
+    "Close",
+    "ConnId",
+    "Job",
+    "Member",
+    "Send",
+    "Timer",
+    "Waiter",
+    "assign_ranks",
+]
 
+ConnId = int
 MemberStatus = Literal["joining", "active", "failed", "left"]
 
 
@@ -184,3 +196,29 @@ def assign_ranks(job: Job) -> None:
     for m in job.by_rank:
         m.local_rank = seen.get(m.host, 0)
         seen[m.host] = m.local_rank + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    conn: ConnId
+    msg: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    conn: ConnId
+    reason: str
+
+
+class BadRequest(Exception):
+    def __init__(self, code: ErrorCode, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.details = details or {}
+
+
+@dataclass(order=True, slots=True)
+class Timer:
+    when: float
+    seq: int
+    target: Any = field(compare=False)  # Member (join deadline) | Waiter

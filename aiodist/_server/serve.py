@@ -28,7 +28,8 @@ import anyio
 
 from aiodist._auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
 from aiodist._errors import ProtocolError
-from aiodist._server.state import Close, ServerState
+from aiodist._server.jobs import Close
+from aiodist._server.state import ServerState
 from aiodist._wire.frame import (
     CLOSED,
     NEED_DATA,

@@ -15,8 +15,8 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   with RANK_FAILED, and the job is broken for good. A member that leaves
   cleanly has not failed. A forming member that disconnects simply drops out.
 - A job's state is dropped when its last member is gone.
-- Key-value operations follow torch's TCPStore (``add`` keeps decimal ASCII,
-  ``compare_set`` returns the value now stored).
+- Store operations and barriers, and the waits they park, are the job
+  table's other half (``store.py``).
 - Nothing here blocks or allocates per byte; deadlines live in one heap, and
   heartbeats are checked by a periodic sweep.
 """
@@ -24,14 +24,14 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgpack
 
-from aiodist._server.jobs import Job, Member, Waiter, assign_ranks
+from aiodist._server.jobs import BadRequest, Close, Job, Member, assign_ranks
+from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers
 from aiodist._wire.messages import (
     Barrier,
     ErrorCode,
@@ -45,36 +45,17 @@ from aiodist._wire.messages import (
     Reply,
     ServerClosing,
     StatusRequest,
-    StoreAdd,
-    StoreCheck,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreGet,
-    StoreNumKeys,
-    StoreSet,
-    StoreWait,
     Welcome,
 )
 
-__all__ = ["Close", "ConnId", "Send", "ServerState"]
+if TYPE_CHECKING:
+    from aiodist._server.jobs import ConnId, Send
 
-ConnId = int
+__all__ = ["ServerState"]
 
 MAX_GROUP_NAME_CHARS: Final = 256
 MAX_ADDRESSES: Final = 64
 MAX_SWEEP_INTERVAL: Final = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    conn: ConnId
-    msg: Any
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    conn: ConnId
-    reason: str
 
 
 @dataclass(slots=True)
@@ -93,33 +74,17 @@ class Stats:
     messages: int = 0
 
 
-class _BadRequest(Exception):
-    def __init__(self, code: ErrorCode, message: str, details: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.code = code
-        self.details = details or {}
-
-
-@dataclass(order=True, slots=True)
-class _Timer:
-    when: float
-    seq: int
-    target: Any = field(compare=False)  # Member (join deadline) | Waiter
-
-
-class ServerState:
+class ServerState(StoreAndBarriers):
     """All jobs of one server. Feed it messages and time; collect actions."""
 
     def __init__(self, now: float) -> None:
+        super().__init__()
         self.started_at = now
         self.version = ""  # reported by status; the shell fills it in
         self.closing = False
         self.jobs: dict[str, Job] = {}
         self.stats = Stats()
         self._conns: dict[ConnId, _Conn] = {}
-        self._actions: list[Send | Close] = []
-        self._timers: list[_Timer] = []
-        self._timer_seq = itertools.count()
         self._next_sweep: float | None = None
         self._sweep_interval = MAX_SWEEP_INTERVAL
 
@@ -148,7 +113,7 @@ class ServerState:
         req_id = getattr(msg, "req_id", 0)
         try:
             self._dispatch(conn, state, msg, now)
-        except _BadRequest as exc:
+        except BadRequest as exc:
             self._send(conn, ErrorReply(req_id, exc.code, str(exc), exc.details))
 
     def next_deadline(self) -> float | None:
@@ -196,7 +161,7 @@ class ServerState:
             if isinstance(msg, Leave):
                 self._send(conn, Reply(msg.req_id, None))
                 return
-            raise _BadRequest(
+            raise BadRequest(
                 ErrorCode.NOT_JOINED, f"{type(msg).__name__} needs a joined job; join one first"
             )
         job = member.job
@@ -209,32 +174,21 @@ class ServerState:
             self._barrier(member, msg, now)
         elif isinstance(msg, MembersRequest):
             if not job.complete:
-                raise _BadRequest(
+                raise BadRequest(
                     ErrorCode.BAD_REQUEST, f"job {job.name!r} has not formed; join it first"
                 )
             self._send(conn, Reply(msg.req_id, job.packed_table()))
-        elif isinstance(msg, StoreSet | StoreGet | StoreAdd | StoreWait | StoreCompareSet):
+        elif isinstance(msg, STORE_REQUESTS):
             self.stats.store_ops += 1
             self._store_op(conn, job, msg, now)
-        elif isinstance(msg, StoreDeleteKey):
-            self.stats.store_ops += 1
-            deleted = job.kv.pop(msg.key, None) is not None
-            job.deletions += deleted
-            self._send(conn, Reply(msg.req_id, deleted))
-        elif isinstance(msg, StoreNumKeys):
-            self.stats.store_ops += 1
-            self._send(conn, Reply(msg.req_id, len(job.kv)))
-        elif isinstance(msg, StoreCheck):
-            self.stats.store_ops += 1
-            self._send(conn, Reply(msg.req_id, all(k in job.kv for k in msg.keys)))
         else:
-            raise _BadRequest(ErrorCode.BAD_REQUEST, f"a client may not send {type(msg).__name__}")
+            raise BadRequest(ErrorCode.BAD_REQUEST, f"a client may not send {type(msg).__name__}")
 
     # --- membership ----------------------------------------------------------------
 
     def _join(self, conn: ConnId, state: _Conn, msg: Join, now: float) -> None:
         if state.member is not None:
-            raise _BadRequest(
+            raise BadRequest(
                 ErrorCode.BAD_REQUEST,
                 f"this connection already joined job {state.member.job.name!r}; "
                 "open one connection per member",
@@ -244,19 +198,19 @@ class ServerState:
         if job is None:
             job = self.jobs[msg.group_name] = Job(msg.group_name, msg.world_size, created_at=now)
         elif job.world_size != msg.world_size:
-            raise _BadRequest(
+            raise BadRequest(
                 ErrorCode.WORLD_SIZE_MISMATCH,
                 f"job {job.name!r} has world_size {job.world_size} but this process asked for "
                 f"{msg.world_size}; start every rank with the same world size",
             )
         elif job.complete:
-            raise _BadRequest(
+            raise BadRequest(
                 ErrorCode.JOB_FULL,
                 f"job {job.name!r} already has all {job.world_size} members; use another "
                 "group_name, or wait until that job ends",
             )
         if msg.rank >= 0 and (holder := job.requested.get(msg.rank)) is not None:
-            raise _BadRequest(
+            raise BadRequest(
                 ErrorCode.DUPLICATE_RANK,
                 f"rank {msg.rank} of job {job.name!r} is already taken by pid {holder.pid} on "
                 f"host {holder.host}; give every process its own rank",
@@ -394,184 +348,7 @@ class ServerState:
                     self._conns[member.conn].member = None
         self._next_sweep = now + self._sweep_interval if self.jobs else None
 
-    # --- barrier and store -------------------------------------------------------------
-
-    def _barrier(self, member: Member, msg: Barrier, now: float) -> None:
-        job = member.job
-        if not job.complete:
-            raise _BadRequest(ErrorCode.NOT_JOINED, f"job {job.name!r} has not formed yet")
-        if job.failures:
-            rank, host, pid, reason = job.failures[0]
-            raise _BadRequest(
-                ErrorCode.RANK_FAILED,
-                f"rank {rank} (host {host}, pid {pid}) failed: {reason}; job {job.name!r} is "
-                "broken on all ranks. Restart the job.",
-                {"rank": rank, "host": host, "pid": pid, "reason": reason},
-            )
-        if (failed := job.failed_barriers.get(msg.seq)) is not None:
-            raise _BadRequest(*failed)
-        barrier = job.barrier(msg.seq)
-        waiter = Waiter(member.conn, msg.req_id, [], "barrier", job, seq=msg.seq)
-        barrier.arrived[member.rank] = waiter
-        if len(barrier.arrived) == job.world_size:
-            del job.barriers[msg.seq]
-            for w in barrier.arrived.values():
-                w.done = True
-                self._send(w.conn, Reply(w.req_id, None))
-        else:
-            self._push_timer(now + msg.timeout, waiter)
-
-    def _fail_barrier(
-        self,
-        job: Job,
-        seq: int,
-        code: ErrorCode,
-        message: str,
-        details: dict[str, Any] | None = None,
-    ) -> None:
-        barrier = job.barriers.pop(seq, None)
-        job.failed_barriers[seq] = (code, message, details or {})
-        if barrier is None:
-            return
-        for w in barrier.arrived.values():
-            if not w.done:
-                w.done = True
-                self._send(w.conn, ErrorReply(w.req_id, code, message, details or {}))
-
-    def _store_op(self, conn: ConnId, job: Job, msg: Any, now: float) -> None:
-        kv = job.kv
-        if isinstance(msg, StoreSet):
-            kv[msg.key] = msg.value
-            self._send(conn, Reply(msg.req_id, None))
-            self._wake(job, msg.key)
-        elif isinstance(msg, StoreAdd):
-            old = kv.get(msg.key, b"0")
-            try:
-                value = int(old) + msg.amount
-            except ValueError:
-                raise _BadRequest(
-                    ErrorCode.BAD_REQUEST, f"key {msg.key!r} holds {old[:32]!r}, not an integer"
-                ) from None
-            kv[msg.key] = str(value).encode()
-            self._send(conn, Reply(msg.req_id, value))
-            self._wake(job, msg.key)
-        elif isinstance(msg, StoreCompareSet):
-            current = kv.get(msg.key)
-            if (current is None and not msg.expected) or current == msg.expected:
-                kv[msg.key] = msg.desired
-                self._send(conn, Reply(msg.req_id, msg.desired))
-                self._wake(job, msg.key)
-            else:
-                self._send(conn, Reply(msg.req_id, msg.expected if current is None else current))
-        else:  # StoreGet | StoreWait
-            if msg.timeout <= 0:
-                raise _BadRequest(ErrorCode.BAD_REQUEST, f"timeout must be > 0, got {msg.timeout}")
-            kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
-            if isinstance(msg, StoreGet):
-                keys, packed = [msg.key], b""
-            else:
-                # The same keys watched already: ride along without decoding them again.
-                first = job.watches.get(msg.keys)
-                if first is not None:
-                    waiter = Waiter(conn, msg.req_id, first.keys, "wait", job, msg.keys)
-                    first.followers.append(waiter)
-                    self._push_timer(now + msg.timeout, waiter)
-                    return
-                if job.known_set(msg.keys):  # the late members of a rendezvous: no scan
-                    self._send(conn, Reply(msg.req_id, None))
-                    return
-                try:
-                    keys = job.wait_keys(msg.keys)
-                except ValueError as exc:
-                    raise _BadRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
-                packed = msg.keys
-            waiter = Waiter(conn, msg.req_id, keys, kind, job, packed)
-            # Park the waiter under its first missing key only; _wake moves it along.
-            # (Under every key, a wait on N keys cost O(N^2) per set: O(N^3) in all.)
-            if self._advance_waiter(job, waiter):
-                if kind == "wait":
-                    job.watches[packed] = waiter
-            else:
-                if kind == "wait":
-                    job.mark_set(packed)
-                self._send(conn, Reply(msg.req_id, kv[keys[0]] if kind == "get" else None))
-                return
-            self._push_timer(now + msg.timeout, waiter)
-
-    def _wake(self, job: Job, key: str) -> None:
-        waiters = job.key_waiters.pop(key, None)
-        if not waiters:
-            return
-        kv = job.kv
-        for waiter in waiters:
-            # all() stops at the first live follower: a watch with N followers is not
-            # scanned on each of its N wakes, only once when it completes.
-            gave_up = waiter.done and all(f.done for f in waiter.followers)
-            if not gave_up and self._advance_waiter(job, waiter):
-                continue
-            if waiter.kind == "wait":
-                job.watches.pop(waiter.packed_keys, None)
-            if gave_up:  # every request on it timed out
-                continue
-            if waiter.kind == "wait":
-                job.mark_set(waiter.packed_keys)
-            value = kv[waiter.keys[0]] if waiter.kind == "get" else None
-            for w in (waiter, *waiter.followers):
-                if not w.done:
-                    w.done = True
-                    self._send(w.conn, Reply(w.req_id, value))
-
-    @staticmethod
-    def _advance_waiter(job: Job, waiter: Waiter) -> bool:
-        """Park ``waiter`` under its next missing key; False once all its keys are set."""
-        keys, kv = waiter.keys, job.kv
-        # The first missing key, found in C: a wait on N keys that are all set (the
-        # common case at start-up) costs a fast pass, not N Python iterations.
-        missing = next(
-            itertools.filterfalse(kv.__contains__, itertools.islice(keys, waiter.pos, None)), None
-        )
-        if missing is None:
-            waiter.pos = len(keys)
-            return False
-        waiter.pos = keys.index(missing, waiter.pos)
-        job.key_waiters.setdefault(missing, []).append(waiter)
-        return True
-
-    def _waiter_timed_out(self, waiter: Waiter) -> None:
-        job = waiter.job
-        if waiter.kind == "barrier":
-            barrier = job.barriers.get(waiter.seq)
-            arrived = sorted(barrier.arrived) if barrier else []
-            missing = [r for r in range(job.world_size) if r not in arrived]
-            self._fail_barrier(
-                job,
-                waiter.seq,
-                ErrorCode.TIMEOUT,
-                f"barrier of job {job.name!r} timed out: ranks {missing} never arrived "
-                f"(ranks {arrived} did)",
-                {"missing": missing},
-            )
-            return
-        waiter.done = True
-        missing_keys = [k for k in waiter.keys if k not in job.kv]
-        self._send(
-            waiter.conn,
-            ErrorReply(
-                waiter.req_id,
-                ErrorCode.TIMEOUT,
-                f"store {waiter.kind} timed out waiting for keys {missing_keys} of job "
-                f"{job.name!r}",
-                {"keys": missing_keys},
-            ),
-        )
-
     # --- helpers ---------------------------------------------------------------------
-
-    def _send(self, conn: ConnId, msg: Any) -> None:
-        self._actions.append(Send(conn, msg))
-
-    def _push_timer(self, when: float, target: Member | Waiter) -> None:
-        heapq.heappush(self._timers, _Timer(when, next(self._timer_seq), target))
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Plain data describing the server and every job (for ``aiodist status``)."""
@@ -603,4 +380,4 @@ def _validate_join(msg: Join) -> None:
     if not msg.heartbeat_timeout > 0 or not msg.timeout > 0:
         problems.append("heartbeat_timeout and timeout must be > 0")
     if problems:
-        raise _BadRequest(ErrorCode.BAD_REQUEST, "; ".join(problems))
+        raise BadRequest(ErrorCode.BAD_REQUEST, "; ".join(problems))

@@ -33,7 +33,8 @@ from typing import Any, Final
 import msgpack
 
 from aiodist._errors import ProtocolError
-from aiodist._wire.messages import MessageKind, Packed, decode_message, message_header
+from aiodist._wire.headers import decode_message, message_header
+from aiodist._wire.messages import MessageKind, Packed
 
 __all__ = [
     "CLOSED",

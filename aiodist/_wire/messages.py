@@ -1,29 +1,21 @@
 """Message kinds, error codes, and one frozen dataclass per message.
 
 A message's header travels as a msgpack *array* of its fields in declaration
-order (compact, and cheap to decode on the hot path). ``decode_message``
-validates every field's type before a dataclass is built, so the server's
-state machine only ever sees well-typed messages: a peer that sends a string
-where a rank belongs gets a ``ProtocolError``, not a crash three layers down.
+order (compact, and cheap to decode on the hot path); ``headers.py`` turns a
+message into that array and back, checking every field's type. A
+``StoreWait`` carries its keys pre-packed: ``pack_keys`` and ``unpack_keys``
+below are that field's encoding.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import operator
-import types
-import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Union, cast
+from typing import Any, ClassVar
 
 import msgpack
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
 __all__ = [
-    "MESSAGE_TYPES",
     "AuthStart",
     "Authenticated",
     "Barrier",
@@ -51,8 +43,6 @@ __all__ = [
     "StoreSet",
     "StoreWait",
     "Welcome",
-    "decode_message",
-    "message_fields",
     "pack_keys",
     "unpack_keys",
 ]
@@ -361,104 +351,7 @@ Message = (
     | ServerClosing
 )
 
-MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
-    cls.KIND: cls
-    for cls in (
-        Join,
-        Leave,
-        Heartbeat,
-        StoreSet,
-        StoreGet,
-        StoreAdd,
-        StoreWait,
-        StoreCompareSet,
-        StoreDeleteKey,
-        StoreNumKeys,
-        StoreCheck,
-        Barrier,
-        StatusRequest,
-        MembersRequest,
-        AuthStart,
-        Hello,
-        Challenge,
-        Authenticated,
-        Reply,
-        Welcome,
-        ErrorReply,
-        MemberFailed,
-        ServerClosing,
-    )
-}
-
-
-# --- validation -----------------------------------------------------------------------
-
-# (exact types allowed, or None for anything; exact types of list items, or None).
-# Types are compared exactly, not with isinstance: msgpack decodes to exact builtin
-# types, and a bool must not pass where an int (a rank, a size) belongs.
-_Check = tuple[frozenset[type] | None, frozenset[type] | None]
-
-
-def _checks_for(tp: Any) -> _Check:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return (None, None)
-    if tp is float:
-        return (frozenset((int, float)), None)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return (frozenset((list,)), None if item is Any else _checks_for(item)[0])
-    if origin is dict:
-        return (frozenset((dict,)), None)
-    if origin in (Union, types.UnionType):
-        allowed: frozenset[type] = frozenset()
-        for arg in typing.get_args(tp):
-            arg_allowed = _checks_for(arg)[0]
-            assert arg_allowed is not None, "Any inside a union"
-            allowed |= arg_allowed
-        return (allowed, None)
-    if tp is type(None):
-        return (frozenset((type(None),)), None)
-    assert isinstance(tp, type), tp
-    return (frozenset((tp,)), None)
-
-
-_FIELDS: dict[type[Any], tuple[tuple[str, _Check], ...]] = {}
-
-
-def message_fields(cls: type[Any]) -> tuple[tuple[str, _Check], ...]:
-    """(name, check) per field of a message class, computed once."""
-    try:
-        return _FIELDS[cls]
-    except KeyError:
-        hints = typing.get_type_hints(cls)
-        fields = tuple((f.name, _checks_for(hints[f.name])) for f in dataclasses.fields(cls))
-        _FIELDS[cls] = fields
-        return fields
-
-
-def decode_message(kind: int, header: object) -> Any:
-    """Build the message of ``kind`` from its decoded msgpack header.
-
-    Raises:
-        ValueError: Unknown kind, wrong field count or a field of the wrong type.
-    """
-    cls = MESSAGE_TYPES.get(kind)  # type: ignore[call-overload]  # an int finds its IntEnum key
-    if cls is None:  # unknown, or a data-plane kind (which has no message class)
-        raise ValueError(f"unknown message kind {kind}")
-    if not isinstance(header, list):
-        raise ValueError(f"{cls.__name__} header must be an array, got {type(header).__name__}")
-    fields = message_fields(cls)
-    if len(header) != len(fields):
-        raise ValueError(f"{cls.__name__} has {len(fields)} fields, frame carries {len(header)}")
-    for value, (name, (allowed, items)) in zip(header, fields, strict=True):
-        if allowed is not None and type(value) not in allowed:
-            names = "/".join(sorted(t.__name__ for t in allowed))
-            raise ValueError(f"{cls.__name__}.{name} must be {names}, got {type(value).__name__}")
-        # map(type) runs in C: a wait on 1024 keys is checked in microseconds.
-        if items is not None and not items.issuperset(map(type, cast("list[Any]", value))):
-            raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
-    return cls(*header)
+# --- key packing ----------------------------------------------------------------------
 
 
 def pack_keys(keys: list[str]) -> bytes:
@@ -482,28 +375,3 @@ def unpack_keys(data: bytes) -> list[str]:
 
 
 _STR = frozenset((str,))
-
-
-_HEADERS: dict[type[Any], Callable[[Any], list[Any]]] = {}
-
-
-def message_header(msg: Any) -> list[Any]:
-    """The header array of ``msg`` (its fields in declaration order)."""
-    try:
-        return _HEADERS[type(msg)](msg)
-    except KeyError:
-        _HEADERS[type(msg)] = header = _header_getter(type(msg))
-        return header(msg)
-
-
-def _header_getter(cls: type[Any]) -> Callable[[Any], list[Any]]:
-    # One attrgetter per class reads every field in C (a list comprehension of
-    # getattr calls was a visible part of each request's cost).
-    names = [name for name, _ in message_fields(cls)]
-    if not names:
-        return lambda msg: []
-    if len(names) == 1:
-        one = operator.attrgetter(names[0])
-        return lambda msg: [one(msg)]
-    many = operator.attrgetter(*names)
-    return lambda msg: list(many(msg))

@@ -25,6 +25,7 @@ from aiodist._wire.frame import (
     encode_message,
     frame_message,
 )
+from aiodist._wire.headers import message_header
 from aiodist._wire.messages import (
     Barrier,
     ErrorCode,
@@ -43,7 +44,6 @@ from aiodist._wire.messages import (
     StoreSet,
     StoreWait,
     Welcome,
-    message_header,
     pack_keys,
 )
 
