@@ -84,7 +84,7 @@ class ProcessGroup:
             return
         self.error = exc
         logger.error("group %r broken: %s", self.name, exc)
-        self._session._trouble.set()
+        self._session.note_trouble()
         plane = self._session.plane
         plane.fail(exc, self.group_id)
         if notify:

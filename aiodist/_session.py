@@ -203,6 +203,14 @@ class Session:
                 )
             )
 
+    def note_trouble(self) -> None:
+        """A group of this session broke: wake whoever waits for the first sign of trouble."""
+        self._trouble.set()
+
+    async def trouble(self) -> None:
+        """Return once this session or one of its groups has had an error."""
+        await self._trouble.wait()
+
     def fail(self, exc: DistError) -> None:
         """Mark every group of this session broken with ``exc`` (the first error wins)."""
         if self.error is None:
