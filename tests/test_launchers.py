@@ -5,18 +5,17 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from aiodist import _launchers
+from aiodist import _launchers, _slurm_hostlist
 from aiodist._errors import RendezvousError
-from aiodist._launchers import (
-    DEFAULT_MASTER_PORT,
-    expand_slurm_hostlist,
-    first_slurm_host,
-    infer_launcher,
-    launcher_env,
-)
+from aiodist._launchers import DEFAULT_MASTER_PORT, infer_launcher, launcher_env
+from aiodist._slurm_hostlist import expand_slurm_hostlist, first_slurm_host
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 # Every variable infer_launcher or launcher_env reads; cleared in the environ=None tests.
 _ALL_VARS = (
@@ -541,8 +540,10 @@ def test_malformed_slurm_hostlist_raises_value_error(nodelist: str, why: str) ->
 # --- the module itself ----------------------------------------------------------------
 
 
-def test_module_imports_no_torch_asyncio_or_subprocess() -> None:
-    tree = ast.parse(Path(_launchers.__file__).read_text())
+@pytest.mark.parametrize("module", [_launchers, _slurm_hostlist])
+def test_module_imports_no_torch_asyncio_or_subprocess(module: ModuleType) -> None:
+    assert module.__file__ is not None
+    tree = ast.parse(Path(module.__file__).read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
