@@ -840,6 +840,36 @@ def test_connection_lost_fails_pending_waits_and_barriers_with_rank_failed(
     assert srv.quiet()
 
 
+def test_waits_that_start_after_a_failure_fail_at_once_unless_already_answered(
+    srv: FakeServer,
+) -> None:
+    """A get or wait that reaches the server just after a member failed must not sit out its
+    timeout: the member may never set the key, exactly as for the waits it failed."""
+    a, b, c = srv.form(3)
+    srv.call(a, StoreSet, "here", b"1")
+    first = srv.call(a, StoreWait, pack_keys(["x"]), 30.0)  # a watch others could ride on
+    srv.take(a)
+    srv.lose(c)
+    notice, failed = srv.take(a)
+    assert isinstance(notice, MemberFailed)
+    assert (failed.req_id, ErrorCode(failed.code)) == (first, ErrorCode.RANK_FAILED)
+    srv.take(b)
+    for request in (
+        lambda: srv.call(b, StoreGet, "missing", 30.0),
+        lambda: srv.call(b, StoreWait, pack_keys(["x"]), 30.0),  # the failed watch's keys
+        lambda: srv.call(b, StoreWait, pack_keys(["here", "missing"]), 30.0),
+    ):
+        req = request()
+        assert srv.error(b, req, ErrorCode.RANK_FAILED).details["rank"] == 2
+    # What is already there is still answered.
+    req = srv.call(b, StoreGet, "here", 30.0)
+    assert srv.reply(b, req) == b"1"
+    req = srv.call(b, StoreWait, pack_keys(["here"]), 30.0)
+    assert srv.reply(b, req) is None
+    srv.advance(60.0)
+    assert srv.quiet()
+
+
 def test_connection_lost_barrier_waiter_gets_rank_failed(srv: FakeServer) -> None:
     a, b, c = srv.form(3)
     ra = srv.call(a, Barrier, 0, 30.0)

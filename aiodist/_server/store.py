@@ -52,6 +52,18 @@ STORE_REQUESTS: Final = (
 )
 
 
+def _check_not_failed(job: Job) -> None:
+    """Refuse to start waiting in a job a member failed in, as its pending waits were."""
+    if job.failures:
+        rank, host, pid, reason = job.failures[0]
+        raise BadRequest(
+            ErrorCode.RANK_FAILED,
+            f"rank {rank} (host {host}, pid {pid}) failed: {reason}; job {job.name!r} is "
+            "broken on all ranks. Restart the job.",
+            {"rank": rank, "host": host, "pid": pid, "reason": reason},
+        )
+
+
 class StoreAndBarriers:
     """Store operations and barriers of every job, and the actions and timers of the table."""
 
@@ -64,14 +76,7 @@ class StoreAndBarriers:
         job = member.job
         if not job.complete:
             raise BadRequest(ErrorCode.NOT_JOINED, f"job {job.name!r} has not formed yet")
-        if job.failures:
-            rank, host, pid, reason = job.failures[0]
-            raise BadRequest(
-                ErrorCode.RANK_FAILED,
-                f"rank {rank} (host {host}, pid {pid}) failed: {reason}; job {job.name!r} is "
-                "broken on all ranks. Restart the job.",
-                {"rank": rank, "host": host, "pid": pid, "reason": reason},
-            )
+        _check_not_failed(job)
         if (failed := job.failed_barriers.get(msg.seq)) is not None:
             raise BadRequest(*failed)
         barrier = job.barrier(msg.seq)
@@ -140,8 +145,19 @@ class StoreAndBarriers:
                 raise BadRequest(ErrorCode.BAD_REQUEST, f"timeout must be > 0, got {msg.timeout}")
             kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
             if isinstance(msg, StoreGet):
+                if msg.key in kv:
+                    self._send(conn, Reply(msg.req_id, kv[msg.key]))
+                    return
+                _check_not_failed(job)  # a failed member may never set it: as pending waits
                 keys, packed = [msg.key], b""
             else:
+                if job.failures:  # a failed member may never set them: as pending waits
+                    try:
+                        missing = not all(k in kv for k in job.wait_keys(msg.keys))
+                    except ValueError as exc:
+                        raise BadRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+                    if missing:
+                        _check_not_failed(job)
                 # The same keys watched already: ride along without decoding them again.
                 first = job.watches.get(msg.keys)
                 if first is not None:
