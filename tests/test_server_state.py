@@ -854,12 +854,13 @@ def test_waits_that_start_after_a_failure_fail_at_once_unless_already_answered(
     assert isinstance(notice, MemberFailed)
     assert (failed.req_id, ErrorCode(failed.code)) == (first, ErrorCode.RANK_FAILED)
     srv.take(b)
-    for request in (
-        lambda: srv.call(b, StoreGet, "missing", 30.0),
-        lambda: srv.call(b, StoreWait, pack_keys(["x"]), 30.0),  # the failed watch's keys
-        lambda: srv.call(b, StoreWait, pack_keys(["here", "missing"]), 30.0),
-    ):
-        req = request()
+    requests: list[tuple[type[Any], Any]] = [
+        (StoreGet, "missing"),
+        (StoreWait, pack_keys(["x"])),  # the failed watch's keys
+        (StoreWait, pack_keys(["here", "missing"])),
+    ]
+    for cls, arg in requests:
+        req = srv.call(b, cls, arg, 30.0)
         assert srv.error(b, req, ErrorCode.RANK_FAILED).details["rank"] == 2
     # What is already there is still answered.
     req = srv.call(b, StoreGet, "here", 30.0)
