@@ -84,6 +84,7 @@ _OVERSIZE: Final = 0xFFFFFFFF
 _COPY_EVERY: Final = 8
 POLL_MIN: Final = 0.0002
 POLL_MAX: Final = 0.004
+POLL_QUEUED: Final = 0.02  # only writes queued, nobody waiting
 _STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases
 # Total store order: no checksum needed to trust a stamped slot.
 _CHECKSUM: Final = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}
@@ -144,7 +145,7 @@ class Board:
             queued = bool(self._backlog)
         self.run_wake(drain)
         if queued:
-            self.watch()  # the slowest rank will free a slot; write it then
+            self.watch(soon=False)  # the slowest rank will free a slot; write it then
         return work
 
     def _write_locked(self, index: int, seq: int, data: bytes | None) -> None:
@@ -274,17 +275,19 @@ class Board:
 
     # --- the poller (the loop's thread) ------------------------------------------------------
 
-    def watch(self) -> None:
-        """Make sure the poller runs: someone waits on a pending sync, or writes are queued."""
+    def watch(self, *, soon: bool = True) -> None:
+        """Make sure the poller runs: someone waits on a pending sync (``soon``), or
+        writes are queued (then a slow look is enough: the next ``sync()`` writes them
+        too, and ranks that drift apart would otherwise wake the loop all the time)."""
         with self.lock:
             if self._polling:
                 return
             self._polling = True
-            self._delay = POLL_MIN
+            self._delay = delay = POLL_MIN if soon else POLL_QUEUED
         if self.on_loop_thread():
-            self.loop.call_later(POLL_MIN, self._poll)
+            self.loop.call_later(delay, self._poll)
         elif not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.call_later, POLL_MIN, self._poll)
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay, self._poll)
 
     def _poll(self) -> None:
         before = len(self._pending)
@@ -305,6 +308,8 @@ class Board:
             keep = watched or bool(self._backlog)
             if not keep:
                 self._polling = False
+            elif not watched:
+                self._delay = POLL_QUEUED
             elif len(self._pending) < before:
                 self._delay = POLL_MIN  # progress: look again soon
             else:
