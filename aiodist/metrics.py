@@ -60,7 +60,13 @@ from aiodist._metrics.board import Board
 from aiodist._metrics.board_work import encode_host
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.results import MetricResults, MetricsWriter
-from aiodist._metrics.state import REDUCTIONS, Accumulator, Reduction, check_reduction
+from aiodist._metrics.state import (
+    REDUCTIONS,
+    Accumulator,
+    Reduction,
+    check_reduction,
+    host_number,
+)
 from aiodist._metrics.state import take_snapshot as _take_snapshot
 from aiodist._work import Work
 
@@ -178,17 +184,9 @@ class MetricAggregator:
                 acc = accs[name] = Accumulator(self.reduction(name))
             # The usual case, a host number or a one-element CPU tensor, in one call.
             if host_weight is not None and acc.record is None:
-                kind = type(value)
-                if kind is float or kind is int:
-                    acc.add_number(float(value), host_weight)
-                    continue
-                if (
-                    kind is tensor
-                    and value.is_cpu
-                    and value.numel() == 1
-                    and not value.is_complex()
-                ):
-                    acc.add_number(float(value.item()), host_weight)
+                x = host_number(value)
+                if x is not None:
+                    acc.add_number(x, host_weight)
                     continue
             acc.add(value, weight)
 

@@ -46,6 +46,7 @@ __all__ = [
     "Reduction",
     "Snapshot",
     "check_reduction",
+    "host_number",
     "layout_of",
     "take_snapshot",
 ]
@@ -71,6 +72,23 @@ def _fmin(a: float, b: float) -> float:
 
 def _fmax(a: float, b: float) -> float:
     return a if a != a or a >= b else b
+
+
+def host_number(value: object) -> float | None:
+    """``value`` as one float: a number, or a one-element real CPU tensor; else None.
+
+    One element (a loss, a norm) costs one conversion instead of a few torch calls.
+    """
+    kind = type(value)
+    if kind is float or kind is int:
+        return float(cast("float", value))
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_cpu and value.numel() == 1 and not value.is_complex():
+            return float(value.item())
+        return None
+    return float(cast("float", value))
 
 
 @dataclass(slots=True)
@@ -100,15 +118,11 @@ class Accumulator:
             self._add_device(value, weight)
             return
         w = float(cast("Any", weight))
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1 or value.is_complex():
-                self.updates += 1
-                self._add_host_tensor(value, w)
-                return
-            # One element (a loss, a norm): one conversion instead of a few torch calls.
-            x = float(value.item())
-        else:
-            x = float(cast("Any", value))
+        x = host_number(value)
+        if x is None:  # a tensor of several elements, or a complex one
+            self.updates += 1
+            self._add_host_tensor(cast("torch.Tensor", value), w)
+            return
         self.add_number(x, w)
 
     def add_number(self, x: float, w: float) -> None:
