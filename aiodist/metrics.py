@@ -277,8 +277,8 @@ class MetricAggregator:
         on_done: Callable[[MetricResults], object] | None,
     ) -> Work[MetricResults]:
         work = board.post(number - self._first, board.group.next_seq(), record)
-        if on_done is not None:  # runs on the loop's thread, in call order
-            work.add_done_callback(lambda w: _deliver(w, on_done))
+        if on_done is not None:
+            _deliver_when_done(work, on_done, board.loop)
         return work
 
     def _start(
@@ -306,9 +306,7 @@ class MetricAggregator:
             else:
                 agreed.add_done_callback(self._route_known)
         if on_done is not None:
-            # Through the loop even when done already: callbacks run in call order.
-            loop = asyncio.get_running_loop()
-            work._on_done(lambda w: loop.call_soon(_deliver, w, on_done))
+            _deliver_when_done(work, on_done, asyncio.get_running_loop())
         return work
 
     def _route_known(self, agreed: asyncio.Future[Route]) -> None:
@@ -318,6 +316,16 @@ class MetricAggregator:
             route = agreed.result()
             if isinstance(route, Board) and route.group is self._agreed_group:
                 self._board = route
+
+
+def _deliver_when_done(
+    work: Work[MetricResults],
+    on_done: Callable[[MetricResults], object],
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # A loop turn after the sync finished, even when it is done already: callbacks
+    # run on the loop's thread, in call order.
+    work._on_done(lambda w: loop.call_soon(_deliver, w, on_done))
 
 
 def _deliver(work: Work[MetricResults], on_done: Callable[[MetricResults], object]) -> None:

@@ -112,9 +112,7 @@ def start_sync(
             return
         route = prev.result()
         if isinstance(route, Board):
-            board_work = route.post(index, seq, encode(snapshot))
-            agreed.set_result(route)
-            board_work._on_done(work._settle_as)
+            _post(route, index, seq, snapshot, agreed, work)
             return
         schema = route
         layout = layout_of(schema)
@@ -137,6 +135,21 @@ def start_sync(
     else:  # syncs resolve in call order: this one goes once its predecessor agreed
         previous.add_done_callback(exchange)
     return work
+
+
+def _post(
+    board: Board,
+    index: int,
+    seq: int,
+    snapshot: Snapshot,
+    agreed: asyncio.Future[Route],
+    work: Work[MetricResults],
+) -> Work[MetricResults]:
+    """Sync ``index`` goes onto the board; ``work`` settles with it, in call order."""
+    board_work = board.post(index, seq, encode(snapshot))
+    agreed.set_result(board)  # at once: later syncs need not wait for this one's values
+    board_work._on_done(work._settle_as)
+    return board_work
 
 
 def _direct_max() -> int:
@@ -321,10 +334,7 @@ async def run_sync(
         route = await previous if previous is not None else await open_board(g, seq)
         await wait_device_copy(snapshot)
         if isinstance(route, Board):
-            board_work = route.post(index, seq, encode(snapshot))
-            agreed.set_result(route)
-            board_work._on_done(work._settle_as)
-            return await board_work
+            return await _post(route, index, seq, snapshot, agreed, work)
         schema = route
         if schema is not None:
             layout = layout_of(schema)
