@@ -217,13 +217,21 @@ class Work(Generic[T]):
             raise RuntimeError(
                 f"{self.description} can never complete: its event loop was closed first"
             )
-        done = threading.Event()
-        # One loop turn later: callbacks of handles that settled before this one
-        # (scheduled with call_soon) have run by the time wait() returns.
-        loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(done.set))
-        if not done.wait(timeout):
+        if not self._done_on_loop(timeout):
             raise DistTimeoutError(f"{self.description} did not complete within {timeout} s")
         return self.result()
+
+    def _done_on_loop(self, timeout: float | None) -> bool:
+        """Block until the loop saw this handle done (False: not within ``timeout``).
+
+        One loop turn after it settled: callbacks of handles that settled before
+        it (scheduled with call_soon) have run by then.
+        """
+        loop = self._loop
+        assert loop is not None
+        done = threading.Event()
+        loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(done.set))
+        return done.wait(timeout)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -192,9 +192,7 @@ class BoardWork(Work[MetricResults]):
         loop = self._loop
         assert loop is not None
         if self._done and loop.is_running() and not self._board.on_loop_thread():
-            delivered = threading.Event()
-            loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(delivered.set))
-            delivered.wait(_DELIVERY_WAIT if timeout is None else timeout)
+            self._done_on_loop(_DELIVERY_WAIT if timeout is None else timeout)
             return self.result()
         return super().wait(timeout)
 
