@@ -64,6 +64,13 @@ def _check_not_failed(job: Job) -> None:
         )
 
 
+def _wait_keys(job: Job, packed: bytes) -> list[str]:
+    try:
+        return job.wait_keys(packed)
+    except ValueError as exc:
+        raise BadRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+
 class StoreAndBarriers:
     """Store operations and barriers of every job, and the actions and timers of the table."""
 
@@ -151,13 +158,9 @@ class StoreAndBarriers:
                 _check_not_failed(job)  # a failed member may never set it: as pending waits
                 keys, packed = [msg.key], b""
             else:
-                if job.failures:  # a failed member may never set them: as pending waits
-                    try:
-                        missing = not all(k in kv for k in job.wait_keys(msg.keys))
-                    except ValueError as exc:
-                        raise BadRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
-                    if missing:
-                        _check_not_failed(job)
+                # A failed member may never set them: refused, as the pending waits were.
+                if job.failures and not all(k in kv for k in _wait_keys(job, msg.keys)):
+                    _check_not_failed(job)
                 # The same keys watched already: ride along without decoding them again.
                 first = job.watches.get(msg.keys)
                 if first is not None:
@@ -168,10 +171,7 @@ class StoreAndBarriers:
                 if job.known_set(msg.keys):  # the late members of a rendezvous: no scan
                     self._send(conn, Reply(msg.req_id, None))
                     return
-                try:
-                    keys = job.wait_keys(msg.keys)
-                except ValueError as exc:
-                    raise BadRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+                keys = _wait_keys(job, msg.keys)
                 packed = msg.keys
             waiter = Waiter(conn, msg.req_id, keys, kind, job, packed)
             # Park the waiter under its first missing key only; _wake moves it along.
