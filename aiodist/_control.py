@@ -1,9 +1,16 @@
 """The client end of a control connection: requests with replies, and notices.
 
-One ``asyncio.Protocol`` per job member. Requests carry a ``req_id``; the
-reply resolves the matching future. Notices from the server (a member failed,
-the server is closing) go to a callback. When the connection drops, every
-pending request fails with the same error and later requests fail at once.
+One ``asyncio.Protocol`` per server per process: the job members of one
+process (ranks as tasks, several jobs) share it, each on its own *channel*
+(``ControlChannel``), so a process of 256 members holds one connection, one
+heartbeat timer and one socket instead of 256. A channel is what a member
+sees: requests with replies, and the notices the server sends it. Requests
+carry a ``req_id`` unique on the connection; the reply resolves the matching
+future. Before another member's request the client names its channel
+(``Channel``); the server names the channel before a notice. When the
+connection drops, every pending request of every channel fails with the same
+error and later requests fail at once. ``AIODIST_SHARED_CONTROL=0`` gives each
+member a connection of its own.
 
 With a token, the connection first answers the server's challenge (see
 ``_auth.py``) and accepts no reply until the server has proved the token too.
@@ -16,6 +23,7 @@ import itertools
 import logging
 import os
 import socket
+import weakref
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
@@ -46,6 +54,8 @@ from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
     Challenge,
+    Channel,
+    CloseChannel,
     ErrorCode,
     ErrorReply,
     Heartbeat,
@@ -59,7 +69,9 @@ from aiodist._wire.messages import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ControlConnection", "connect_control"]
+    from aiodist._wire.frame import Buffer
+
+__all__ = ["ControlChannel", "ControlConnection", "connect_control", "open_channel"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +82,146 @@ AUTH_WAIT: Final = 5.0
 Notice = MemberFailed | ServerClosing
 
 
+class ControlChannel:
+    """One member's requests and notices on a (possibly shared) control connection.
+
+    Channel 0 is the connection's own: ``ControlConnection.request`` uses it.
+    """
+
+    def __init__(
+        self,
+        conn: ControlConnection,
+        number: int,
+        on_notice: Callable[[Notice], None] | None = None,
+    ) -> None:
+        self.connection = conn
+        self.number = number
+        self.on_notice = on_notice
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._error: DistError | None = None
+
+    @property
+    def server(self) -> str:
+        return self.connection.server
+
+    @property
+    def local_host(self) -> str:
+        """The numeric address this host reaches the server from."""
+        return self.connection.local_host
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None or self.connection.closed
+
+    @property
+    def error(self) -> DistError | None:
+        """Why the channel is unusable, or None while it works."""
+        return self._error or self.connection.error
+
+    async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
+        """Send the message ``build(req_id)`` and return the reply's value.
+
+        Raises:
+            DistError: The server's error, rebuilt with its class and attributes.
+            AuthenticationError: The server requires a token and this connection's
+                was missing or wrong (never retried).
+            RendezvousError: The server shut down.
+            GroupBrokenError: The connection was lost.
+            ClosedError: The channel was closed.
+            DistTimeoutError: No reply within ``timeout`` (a safety net; the server
+                enforces the operation's own timeout).
+
+        Cancellation:
+            The request stays sent; its reply is dropped.
+        """
+        conn = self.connection
+        error = self._error or conn.error
+        if error is not None:
+            raise error
+        req_id = next(conn._ids)
+        future: asyncio.Future[Any] = conn._loop.create_future()
+        self._pending[req_id] = future
+        conn._routes[req_id] = self
+        # A timer, not a cancel scope: requests are the hot path of a big rendezvous.
+        timer = (
+            None
+            if timeout is None
+            else conn._loop.call_later(timeout, self._expire, future, timeout)
+        )
+        try:
+            conn._send_on(self.number, build(req_id))
+            return await future
+        finally:
+            if timer is not None:
+                timer.cancel()
+            del self._pending[req_id]
+            conn._routes.pop(req_id, None)
+
+    def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
+        if not future.done():
+            future.set_exception(
+                DistTimeoutError(
+                    f"the rendezvous server at {self.server} did not answer within "
+                    f"{timeout:.1f} s; check that it is running and not overloaded"
+                )
+            )
+
+    def send(self, msg: Any) -> None:
+        """Send a message that expects no reply."""
+        error = self._error or self.connection.error
+        if error is not None:
+            raise error
+        self.connection._send_on(self.number, msg)
+
+    def start_heartbeats(self, interval: float) -> None:
+        """Make the connection send a heartbeat at least every ``interval`` seconds.
+
+        Heartbeats are the connection's: one keeps every member on it alive.
+        """
+        self.connection.start_heartbeats(interval)
+
+    def close(self) -> None:
+        """Fail this channel's requests; the server treats its member as disconnected.
+
+        The connection closes with its last channel (channel 0 closes it at once).
+        """
+        if self._error is None:
+            self._fail(ClosedError("the control connection was closed"))
+        self.connection._channel_closed(self)
+
+    def _resolve(self, req_id: int, value: Any) -> None:
+        future = self._pending.get(req_id)
+        if future is None or future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def _fail(self, exc: DistError) -> None:
+        if self._error is None:
+            self._error = exc
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
+
+
 class ControlConnection(asyncio.Protocol):
-    """Requests to the rendezvous server and the notices it sends back."""
+    """Requests to the rendezvous server and the notices it sends back, for every channel."""
 
     def __init__(self, on_notice: Callable[[Notice], None] | None = None, token: str = "") -> None:
         self._loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(CLIENT_LIMITS)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
+        self._routes: dict[int, ControlChannel] = {}  # req_id -> the channel that sent it
+        self._own = ControlChannel(self, 0, on_notice)
+        self._channels: dict[int, ControlChannel] = {0: self._own}
+        self._channel_numbers = itertools.count(1)
+        self._out_channel = 0  # the channel the server reads our next message for
+        self._in_channel = 0  # the channel the server's next notice is for
+        self._outbox: list[Buffer] = []
         self._transport: asyncio.Transport | None = None
         self._error: DistError | None = None
-        self.on_notice = on_notice
         self.token = token  # set before connecting: the challenge may come at once
         self._challenge: asyncio.Future[bytes] = self._loop.create_future()
         self._expected_proof: bytes | None = None
@@ -129,6 +270,15 @@ class ControlConnection(asyncio.Protocol):
     # --- requests --------------------------------------------------------------------
 
     @property
+    def on_notice(self) -> Callable[[Notice], None] | None:
+        """Called with the notices for channel 0 (the connection's own)."""
+        return self._own.on_notice
+
+    @on_notice.setter
+    def on_notice(self, callback: Callable[[Notice], None] | None) -> None:
+        self._own.on_notice = callback
+
+    @property
     def closed(self) -> bool:
         return self._transport is None or self._error is not None
 
@@ -137,63 +287,63 @@ class ControlConnection(asyncio.Protocol):
         """Why the connection is unusable, or None while it works."""
         return self._error
 
-    async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
-        """Send the message ``build(req_id)`` and return the reply's value.
+    @property
+    def channels(self) -> int:
+        """Members' channels open on this connection (channel 0 not counted)."""
+        return len(self._channels) - 1
 
-        Raises:
-            DistError: The server's error, rebuilt with its class and attributes.
-            AuthenticationError: The server requires a token and this connection's
-                was missing or wrong (never retried).
-            RendezvousError: The server shut down.
-            GroupBrokenError: The connection was lost.
-            DistTimeoutError: No reply within ``timeout`` (a safety net; the server
-                enforces the operation's own timeout).
-
-        Cancellation:
-            The request stays sent; its reply is dropped.
-        """
+    def open_channel(self, on_notice: Callable[[Notice], None] | None = None) -> ControlChannel:
+        """A new member's channel on this connection."""
         if self._error is not None:
             raise self._error
-        req_id = next(self._ids)
-        future: asyncio.Future[Any] = self._loop.create_future()
-        self._pending[req_id] = future
-        # A timer, not a cancel scope: requests are the hot path of a big rendezvous.
-        timer = (
-            None
-            if timeout is None
-            else self._loop.call_later(timeout, self._expire, future, timeout)
-        )
-        try:
-            self.send(build(req_id))
-            return await future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(req_id, None)
+        channel = ControlChannel(self, next(self._channel_numbers), on_notice)
+        self._channels[channel.number] = channel
+        return channel
 
-    def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
-        if not future.done():
-            future.set_exception(
-                DistTimeoutError(
-                    f"the rendezvous server at {self.server} did not answer within "
-                    f"{timeout:.1f} s; check that it is running and not overloaded"
-                )
-            )
+    async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
+        """``ControlChannel.request`` on channel 0, the connection's own."""
+        return await self._own.request(build, timeout=timeout)
 
     def send(self, msg: Any) -> None:
-        """Send a message that expects no reply."""
+        """Send a message that expects no reply, on channel 0."""
+        self._own.send(msg)
+
+    def _send_on(self, channel: int, msg: Any) -> None:
         if self._error is not None:
             raise self._error
+        parts = encode_message(msg)
+        if channel != self._out_channel:
+            self._out_channel = channel
+            parts = [*encode_message(Channel(channel)), *parts]
+        self._write(parts)
+
+    def _write(self, parts: list[Buffer]) -> None:
         assert self._transport is not None
-        self._transport.writelines(encode_message(msg))
+        if len(self._channels) <= 2:  # one member: write at once
+            self._transport.writelines(parts)
+            return
+        # Members of one process often send together (a job forming, a barrier): their
+        # messages leave in one write at the end of this loop iteration, not one each.
+        if not self._outbox:
+            self._loop.call_soon(self._flush_outbox)
+        self._outbox += parts
+
+    def _flush_outbox(self) -> None:
+        parts, self._outbox = self._outbox, []
+        if self._transport is not None and parts:
+            self._transport.writelines(parts)
 
     def start_heartbeats(self, interval: float) -> None:
-        """Send a heartbeat every ``interval`` seconds until the connection closes.
+        """Send a heartbeat at least every ``interval`` seconds until the connection closes.
 
         The first goes one interval from now: the server counts any message as
         one, so the request sent next (the join) is the first. A timer, not a
-        task: a process with many members pays no task per member.
+        task: a process with many members pays no task per member, and one
+        heartbeat keeps every member of the connection alive.
         """
+        if self._heartbeat is not None and self._heartbeat_interval <= interval:
+            return
+        self._stop_heartbeats()
         self._heartbeat_interval = interval
         self._heartbeat = self._loop.call_later(interval, self._beat)
 
@@ -201,7 +351,7 @@ class ControlConnection(asyncio.Protocol):
         if self.closed:
             self._heartbeat = None
             return
-        self.send(Heartbeat())
+        self._send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
         self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
 
     def _stop_heartbeats(self) -> None:
@@ -214,7 +364,20 @@ class ControlConnection(asyncio.Protocol):
         if self._error is None:
             self._fail(ClosedError("the control connection was closed"))
         if self._transport is not None:
+            self._flush_outbox()
             self._transport.close()
+
+    def _channel_closed(self, channel: ControlChannel) -> None:
+        if channel.number == 0:
+            self.close()
+            return
+        if self._channels.pop(channel.number, None) is None:
+            return
+        if self._error is None:
+            self._send_on(channel.number, CloseChannel(channel.number))
+            if len(self._channels) == 1:  # its last member left
+                _forget(self)
+                self.close()
 
     # --- internals ---------------------------------------------------------------------
 
@@ -286,50 +449,55 @@ class ControlConnection(asyncio.Protocol):
             return
         if isinstance(msg, Reply | Welcome):
             self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
+        elif isinstance(msg, Channel):
+            self._in_channel = msg.channel
         elif isinstance(msg, ErrorReply):
             exc = from_wire(msg.code, msg.message, msg.details)
-            if msg.req_id in self._pending:
+            if msg.req_id in self._routes:
                 self._resolve(msg.req_id, exc)
             elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.AUTHENTICATION):
                 self._fail(exc)
                 self.close()  # the server stopped reading us: hang up so it can close too
             elif msg.code == ErrorCode.RANK_FAILED:
-                self._fail(exc)
+                if (channel := self._channels.get(self._in_channel)) is not None:
+                    channel._fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed | ServerClosing):
-            if isinstance(msg, ServerClosing):
-                logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
-                self._fail(
-                    RendezvousError(
-                        f"the rendezvous server at {self.server} shut down ({msg.reason}); "
-                        "store, barrier and join requests can no longer be served. Restart "
-                        "the server, then the job."
-                    )
+        elif isinstance(msg, MemberFailed):
+            channel = self._channels.get(self._in_channel)
+            if channel is not None and channel.on_notice is not None:
+                channel.on_notice(msg)
+        elif isinstance(msg, ServerClosing):
+            logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
+            self._fail(
+                RendezvousError(
+                    f"the rendezvous server at {self.server} shut down ({msg.reason}); "
+                    "store, barrier and join requests can no longer be served. Restart "
+                    "the server, then the job."
                 )
-            if self.on_notice is not None:
-                self.on_notice(msg)
+            )
+            channel = self._channels.get(self._in_channel)
+            if channel is not None and channel.on_notice is not None:
+                channel.on_notice(msg)
         else:
             self._fail(ProtocolError(f"the server sent an unexpected {type(msg).__name__}"))
 
     def _resolve(self, req_id: int, value: Any) -> None:
-        future = self._pending.get(req_id)
-        if future is None or future.done():
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
+        channel = self._routes.get(req_id)
+        if channel is not None:
+            channel._resolve(req_id, value)
 
     def _fail(self, exc: DistError) -> None:
         if self._error is None:
             self._error = exc
+            _forget(self)
         if not self._challenge.done():
             self._challenge.set_exception(exc)
             self._challenge.exception()  # retrieved: authenticate() re-raises it
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(exc)
+        for channel in list(self._channels.values()):
+            for future in channel._pending.values():
+                if not future.done():
+                    future.set_exception(exc)
 
 
 async def connect_control(
@@ -386,3 +554,101 @@ async def connect_control(
                 protocol.close()
                 raise
         return protocol
+
+
+# --- one connection per server per process ------------------------------------------------
+
+_Key = tuple[str, int, str]
+# Per event loop: the shared connection to each (host, port, token), or its connect in progress.
+_shared: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[_Key, asyncio.Future[ControlConnection]]
+] = weakref.WeakKeyDictionary()
+
+
+def _forget(conn: ControlConnection) -> None:
+    """Take a failed or emptied connection out of the shared table: the next member reconnects."""
+    table = _shared.get(conn._loop)
+    if table is None:
+        return
+    for key, future in list(table.items()):
+        if future.done() and not future.cancelled() and future.exception() is None:
+            if future.result() is conn:
+                del table[key]
+
+
+def sharing_enabled() -> bool:
+    """Whether members of this process share a control connection (``AIODIST_SHARED_CONTROL``)."""
+    return os.environ.get("AIODIST_SHARED_CONTROL", "1") != "0"
+
+
+async def open_channel(
+    host: str,
+    port: int,
+    *,
+    timeout: float,
+    on_notice: Callable[[Notice], None] | None = None,
+    retry_refused: bool = True,
+    token: str | None = None,
+) -> ControlChannel:
+    """A new member's channel to the server at ``host:port``.
+
+    Members of one process share the connection to a server (one per token):
+    the first connects, the others wait for that connect and open their
+    channels on it. Arguments and errors are ``connect_control``'s.
+    """
+    if token is None:
+        token = os.environ.get("AIODIST_TOKEN", "")
+    if not sharing_enabled():
+        conn = await connect_control(
+            host, port, timeout=timeout, retry_refused=retry_refused, token=token
+        )
+        return conn.open_channel(on_notice)
+    loop = asyncio.get_running_loop()
+    table = _shared.setdefault(loop, {})
+    key = (host, port, token)
+    deadline = loop.time() + timeout
+    while True:
+        future = table.get(key)
+        if not retry_refused and (future is None or not future.done() or _unusable(future)):
+            # The caller must learn at once that nothing listens (to embed a server, say):
+            # it cannot wait for a connect that keeps retrying. It connects itself.
+            conn = await connect_control(
+                host, port, timeout=timeout, retry_refused=False, token=token
+            )
+            table[key] = done = loop.create_future()
+            done.set_result(conn)
+            return conn.open_channel(on_notice)
+        if future is None or (future.done() and _unusable(future)):
+            future = table[key] = asyncio.ensure_future(
+                connect_control(
+                    host, port, timeout=timeout, retry_refused=retry_refused, token=token
+                )
+            )
+            future.add_done_callback(lambda f: _drop_failed(loop, key, f))
+        try:
+            conn = await asyncio.wait_for(asyncio.shield(future), deadline - loop.time())
+        except TimeoutError:
+            raise RendezvousTimeout(
+                f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s; start "
+                f"one with `aiodist serve --port {port}` or let rank 0 embed it"
+            ) from None
+        if not conn.closed:
+            return conn.open_channel(on_notice)
+        # It closed while we waited (its last member left, or it was lost): connect anew,
+        # unless it was refused, which a new connection would be too.
+        if isinstance(conn.error, AuthenticationError) or loop.time() >= deadline:
+            assert conn.error is not None
+            raise conn.error
+
+
+def _unusable(future: asyncio.Future[ControlConnection]) -> bool:
+    return future.cancelled() or future.exception() is not None or future.result().closed
+
+
+def _drop_failed(
+    loop: asyncio.AbstractEventLoop, key: _Key, future: asyncio.Future[ControlConnection]
+) -> None:
+    if future.cancelled() or future.exception() is not None:
+        table = _shared.get(loop)
+        if table is not None and table.get(key) is future:
+            del table[key]

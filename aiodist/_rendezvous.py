@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 
-from aiodist._control import ControlConnection, Notice, connect_control
+from aiodist._control import ControlChannel, Notice, open_channel
 from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 
@@ -143,7 +143,7 @@ async def connect_rendezvous(
     timeout: float,
     on_notice: Callable[[Notice], None],
     environ: Mapping[str, str] | None = None,
-) -> tuple[ControlConnection, RendezvousServer | None]:
+) -> tuple[ControlChannel, RendezvousServer | None]:
     """Open the control connection for ``spec``, embedding a server in ``tg`` if needed.
 
     ``tg`` may be None only where ``may_embed(spec)`` is false.
@@ -153,13 +153,13 @@ async def connect_rendezvous(
     """
     env = os.environ if environ is None else environ
     if not may_embed(spec, env):
-        conn = await connect_control(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
+        conn = await open_channel(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
         return conn, None
     assert tg is not None, "a process that may embed the server needs a task group"
     if spec.scheme == "file":
         return await _connect_file(spec.path, tg, timeout=timeout, on_notice=on_notice, env=env)
     try:
-        conn = await connect_control(
+        conn = await open_channel(
             spec.host, spec.port, timeout=timeout, on_notice=on_notice, retry_refused=False
         )
         return conn, None
@@ -173,9 +173,9 @@ async def connect_rendezvous(
         except OSError:
             pass  # another process won the race to embed it; connect to theirs
         else:
-            conn = await connect_control(*server.address, timeout=timeout, on_notice=on_notice)
+            conn = await open_channel(*server.address, timeout=timeout, on_notice=on_notice)
             return conn, server
-    conn = await connect_control(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
+    conn = await open_channel(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
     return conn, None
 
 
@@ -186,7 +186,7 @@ async def _connect_file(
     timeout: float,
     on_notice: Callable[[Notice], None],
     env: Mapping[str, str],
-) -> tuple[ControlConnection, RendezvousServer | None]:
+) -> tuple[ControlChannel, RendezvousServer | None]:
     lock = _file_locks.setdefault(path, asyncio.Lock())
     with anyio.fail_after(timeout):
         async with lock:
@@ -198,7 +198,7 @@ async def _connect_file(
                     if content:
                         host, _, port = content.rpartition(":")
                         try:
-                            conn = await connect_control(
+                            conn = await open_channel(
                                 host.strip("[]"),
                                 int(port),
                                 timeout=FILE_PROBE_TIMEOUT,
@@ -221,7 +221,7 @@ async def _connect_file(
                     f.write(f"{server.address[0]}:{server.address[1]}\n")
                     f.flush()
                     os.fsync(f.fileno())
-                conn = await connect_control(*server.address, timeout=timeout, on_notice=on_notice)
+                conn = await open_channel(*server.address, timeout=timeout, on_notice=on_notice)
                 return conn, server
             finally:
                 os.close(fd)  # releases the fcntl lock

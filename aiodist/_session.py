@@ -32,7 +32,7 @@ from aiodist._store import REPLY_GRACE, Store
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersRequest
 
 if TYPE_CHECKING:
-    from aiodist._control import ControlConnection, Notice
+    from aiodist._control import ControlChannel, Notice
     from aiodist._peers import DataPlane
     from aiodist._server.serve import RendezvousServer
     from aiodist._wire.messages import Welcome
@@ -74,7 +74,7 @@ class Session:
 
     def __init__(
         self,
-        conn: ControlConnection,
+        conn: ControlChannel,
         welcome: Welcome,
         *,
         group_name: str,

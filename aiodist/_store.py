@@ -20,7 +20,7 @@ from aiodist._wire.messages import (
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from aiodist._control import ControlConnection
+    from aiodist._control import ControlChannel
 
 __all__ = ["Store", "as_seconds"]
 
@@ -80,7 +80,7 @@ class Store:
         1
     """
 
-    def __init__(self, conn: ControlConnection, timeout: float) -> None:
+    def __init__(self, conn: ControlChannel, timeout: float) -> None:
         self._conn = conn
         self.timeout = timeout
 

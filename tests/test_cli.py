@@ -182,7 +182,7 @@ async def test_second_signal_exits_at_once_while_a_client_stalls_shutdown() -> N
         async with open_process_group(url, world_size=1, group_name="stall") as g:
             await g.store.set("big", b"x" * 900_000)
             conn = g.session.conn
-            transport = conn._transport
+            transport = conn.connection._transport
             assert transport is not None
             transport.pause_reading()  # a client that stops reading its replies
             for i in range(40):  # ~36 MB of replies: more than the sockets hold

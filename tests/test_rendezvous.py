@@ -306,6 +306,44 @@ async def test_two_jobs_share_one_server(server: RendezvousServer) -> None:
     assert server.state.jobs == {}  # both jobs' state dropped once their members left
 
 
+async def test_members_of_one_process_share_one_connection(server: RendezvousServer) -> None:
+    seen: list[int] = []
+
+    async def body(g: ProcessGroup) -> int:
+        await g.store.set(f"k{g.rank}", b"x")
+        await g.session.barrier()
+        seen.append(server.num_connections)  # every member of both jobs has joined
+        await g.session.barrier()
+        return g.rank
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            a: list[list[int]] = []
+            b: list[list[int]] = []
+            tg.start_soon(_append, a, run_ranks(server.address, 6, body, group_name="job-a"))
+            tg.start_soon(_append, b, run_ranks(server.address, 2, body, group_name="job-b"))
+    assert a == [list(range(6))] and b == [[0, 1]]
+    assert seen == [1] * 8  # eight members, one socket
+    # The connection closed with its last member, and the server forgot every channel.
+    await server.wait_until(lambda s: s.num_connections == 0)
+    assert server.state._conns == {} and server._conns == {}
+
+
+async def test_own_connection_per_member_when_sharing_is_off(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIODIST_SHARED_CONTROL", "0")
+
+    async def body(g: ProcessGroup) -> int:
+        await g.session.barrier()
+        count = server.num_connections
+        await g.session.barrier()
+        return count
+
+    with anyio.fail_after(10):
+        assert await run_ranks(server.address, 3, body) == [3, 3, 3]
+
+
 async def test_disconnected_member_fails_the_others(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> str:
         await g.session.barrier()
@@ -324,12 +362,16 @@ async def test_disconnected_member_fails_the_others(server: RendezvousServer) ->
     assert outs == ["saw failure", "gone", "saw failure"]
 
 
-async def test_silent_member_is_declared_failed(server: RendezvousServer) -> None:
+async def test_silent_member_is_declared_failed(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Heartbeats are a connection's: give each rank its own, so that one can go quiet.
+    monkeypatch.setenv("AIODIST_SHARED_CONTROL", "0")
+
     async def body(g: ProcessGroup) -> int:
         if g.rank == 0:
-            # Stop heartbeats by closing the connection's sending side only:
-            # the member stays connected but silent.
-            g.session.conn.send = lambda msg: None  # type: ignore[method-assign]
+            # Stop heartbeats: the member stays connected but silent.
+            g.session.conn.connection._stop_heartbeats()
             await anyio.sleep_forever()
         with pytest.raises(RankFailedError, match="missed heartbeats") as info:
             await g.store.get("never-set")
@@ -578,10 +620,11 @@ async def test_malformed_welcome_raises_protocol_error_and_hangs_up() -> None:
 
     async def fake_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         dec = FrameDecoder()
-        while (event := dec.next_event()) is NEED_DATA:
-            dec.receive_data(await reader.read(65536))
-        join = frame_message(event)  # type: ignore[arg-type]
-        assert isinstance(join, Join)
+        join = None
+        while not isinstance(join, Join):  # the member names its channel first
+            while (event := dec.next_event()) is NEED_DATA:
+                dec.receive_data(await reader.read(65536))
+            join = frame_message(event)  # type: ignore[arg-type]
         writer.writelines(encode_message(Welcome(join.req_id, 0, 2, 0, 2, [[0, 3]])))
         await reader.read()  # the client closes its end
         hung_up.set()

@@ -197,7 +197,7 @@ async def test_metrics_endpoint_counts_a_job() -> None:
     (mid,) = during
     assert mid["aiodist_members"] == 3
     assert mid["aiodist_jobs{state=running}"] == 1
-    assert mid["aiodist_connections"] >= 3
+    assert mid["aiodist_connections"] == 1  # the three ranks of this process share one
     assert after["aiodist_joins_total"] == 3
     assert after["aiodist_jobs_formed_total"] == 1
     assert after["aiodist_store_operations_total"] >= 15

@@ -2,7 +2,12 @@
 
 All decisions live in ``state.py``; this module moves bytes. One
 ``asyncio.Protocol`` per connection feeds a ``FrameDecoder``; a protocol error
-closes that one connection with a log line. Deadlines (store waits, barriers,
+closes that one connection with a log line. A connection carries the members
+of one client process on *channels* (``Channel`` names the channel of the
+messages after it): ``state.py`` sees each channel as a connection of its own,
+so a job table never knows which members share a socket. A heartbeat counts
+for every channel of its connection. The replies of one batch of actions
+leave in one write per connection. Deadlines (store waits, barriers,
 joins, the heartbeat sweep) are one ``loop.call_at`` timer, re-armed after
 every batch of actions. Peer addresses are logged as the numeric addresses the
 socket reports: the server never resolves a host name.
@@ -44,13 +49,21 @@ from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
     Challenge,
+    Channel,
+    CloseChannel,
     ErrorCode,
     ErrorReply,
+    Heartbeat,
     Hello,
+    Reply,
+    Welcome,
 )
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
+
+    from aiodist._server.jobs import ConnId
+    from aiodist._wire.frame import Buffer
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serve_rendezvous"]
 
@@ -69,6 +82,8 @@ DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
 AUTH_TIMEOUT: Final = 10.0
 # How long a refused connection is drained after its error went out (see ``_close_after``).
 LINGER_TIMEOUT: Final = 5.0
+# Members' channels one connection may open: a process's ranks, with room to spare.
+MAX_CHANNELS: Final = 65536
 
 
 def _version() -> str:
@@ -89,6 +104,11 @@ class _ServerConnection(asyncio.Protocol):
         self._nonce = b""
         self._auth_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
+        # The client's channel numbers and the server's ids for them; channel 0 is ours.
+        self.channels: dict[int, ConnId] = {0: conn_id}
+        self._channel_of: dict[ConnId, int] = {conn_id: 0}
+        self._current = conn_id  # where the client's next message goes
+        self._named = 0  # the channel our last notice went to
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -120,11 +140,67 @@ class _ServerConnection(asyncio.Protocol):
                     if not self._authenticate(msg):
                         break
                     continue
-                self._server._receive(self._id, msg)
+                kind = type(msg)
+                if kind is Channel:
+                    self._select(msg.channel)
+                elif kind is Heartbeat:
+                    for conn_id in self.channels.values():
+                        self._server._receive(conn_id, msg)
+                elif kind is CloseChannel:
+                    self._close_channel(msg.channel)
+                else:
+                    self._server._receive(self._current, msg)
         except ProtocolError as exc:
             logger.warning("closing connection from %s: %s", self.peer, exc)
             self._close_after(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
         self._server._flush()
+
+    def _select(self, channel: int) -> None:
+        conn_id = self.channels.get(channel)
+        if conn_id is None:
+            if channel < 0 or len(self.channels) >= MAX_CHANNELS:
+                raise ProtocolError(
+                    f"channel {channel} refused: channels are numbered from 0, at most "
+                    f"{MAX_CHANNELS} per connection"
+                )
+            conn_id = self._server._channel_opened(self)
+            self.channels[channel] = conn_id
+            self._channel_of[conn_id] = channel
+        self._current = conn_id
+
+    def _close_channel(self, channel: int) -> None:
+        conn_id = self.channels.get(channel)
+        if conn_id is None or channel == 0:
+            return  # already gone; channel 0 closes with the connection
+        del self.channels[channel], self._channel_of[conn_id]
+        if self._current == conn_id:
+            self._current = self._id
+        self._server._channel_lost(conn_id, "its channel was closed")
+
+    def queue(self, conn_id: ConnId, msg: Any, out: list[Buffer]) -> None:
+        """Add ``msg`` for channel ``conn_id`` to ``out``, naming the channel before a notice."""
+        kind = type(msg)
+        if not (kind is Reply or kind is Welcome or (kind is ErrorReply and msg.req_id)):
+            channel = self._channel_of.get(conn_id)
+            if channel is None:
+                return  # that channel closed
+            if channel != self._named:
+                self._named = channel
+                out += encode_message(Channel(channel))
+        out += encode_message(msg)
+
+    def end_channel(self, conn_id: ConnId) -> None:
+        """The server closes channel ``conn_id``; channel 0 closes the whole connection."""
+        if conn_id == self._id:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        channel = self._channel_of.pop(conn_id, None)
+        if channel is not None:
+            del self.channels[channel]
+            if self._current == conn_id:
+                self._current = self._id
+            self._server._channel_lost(conn_id, "closed by the server")
 
     def _authenticate(self, msg: Any) -> bool:
         token = self._server.token
@@ -212,10 +288,12 @@ class _ServerConnection(asyncio.Protocol):
         self._server._connection_lost(self, "connection lost" if exc is None else str(exc))
 
     def write(self, msg: Any) -> None:
+        self.write_parts(encode_message(msg))
+
+    def write_parts(self, parts: list[Buffer]) -> None:
         transport = self.transport
         if transport is None or transport.is_closing() or self._linger_timer is not None:
             return  # gone, or refused: its error was the last thing it is sent
-        parts = encode_message(msg)
         self._server.bytes_sent += sum(map(len, parts))
         transport.writelines(parts)
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
@@ -247,7 +325,8 @@ class RendezvousServer:
         self.bytes_sent = 0
         self.auth_failures = 0
         self.address: tuple[str, int] = ("", 0)
-        self._conns: dict[int, _ServerConnection] = {}
+        self._conns: dict[ConnId, _ServerConnection] = {}  # every channel's connection
+        self._sockets: set[_ServerConnection] = set()
         self._next_id = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0
@@ -272,7 +351,8 @@ class RendezvousServer:
 
     @property
     def num_connections(self) -> int:
-        return len(self._conns)
+        """Client connections open (each may carry several members' channels)."""
+        return len(self._sockets)
 
     async def wait_until(self, predicate: Any) -> None:
         """Wait until ``predicate(server)`` holds; re-checked after every state change."""
@@ -297,7 +377,7 @@ class RendezvousServer:
         return {
             "version": self.state.version,
             "uptime": self._loop.time() - self.state.started_at,
-            "connections": len(self._conns),
+            "connections": len(self._sockets),
             "jobs": jobs,
             "members": members,
             "joins": stats.joins,
@@ -322,15 +402,15 @@ class RendezvousServer:
         server.close()
         self.state.close(reason)
         self._flush()
-        for conn in list(self._conns.values()):
+        for conn in list(self._sockets):
             conn._cancel_auth_timer()
             if conn.transport is not None:
                 conn.transport.close()
         if self._timer is not None:
             self._timer.cancel()
         with anyio.move_on_after(self.shutdown_timeout):
-            await self.wait_until(lambda s: not s._conns)
-        for conn in list(self._conns.values()):
+            await self.wait_until(lambda s: not s._sockets)
+        for conn in list(self._sockets):
             logger.warning("cutting off %s: it did not take the closing notice", conn.peer)
             if conn.transport is not None:
                 conn.transport.abort()
@@ -340,27 +420,47 @@ class RendezvousServer:
     # --- called by connections -------------------------------------------------------
 
     def _connection_made(self, conn: _ServerConnection) -> None:
+        self._sockets.add(conn)
         self._conns[conn._id] = conn
         self.state.connection_made(conn._id, conn.peer, self._loop.time())
 
+    def _channel_opened(self, conn: _ServerConnection) -> ConnId:
+        conn_id = self._new_id()
+        self._conns[conn_id] = conn
+        self.state.connection_made(conn_id, conn.peer, self._loop.time())
+        return conn_id
+
+    def _channel_lost(self, conn_id: ConnId, reason: str) -> None:
+        if self._conns.pop(conn_id, None) is not None:
+            self.state.connection_lost(conn_id, self._loop.time(), reason)
+
     def _connection_lost(self, conn: _ServerConnection, reason: str) -> None:
-        if self._conns.pop(conn._id, None) is not None:
-            self.state.connection_lost(conn._id, self._loop.time(), reason)
-            self._flush()
+        self._sockets.discard(conn)
+        for conn_id in list(conn.channels.values()):
+            self._channel_lost(conn_id, reason)
+        self._flush()
 
     def _receive(self, conn_id: int, msg: Any) -> None:
         self.state.receive(conn_id, msg, self._loop.time())
 
     def _flush(self) -> None:
-        for action in self.state.take_actions():
-            conn = self._conns.get(action.conn)
-            if conn is None:
-                continue
-            if isinstance(action, Close):
-                if conn.transport is not None:
-                    conn.transport.close()
-            else:
-                conn.write(action.msg)
+        # One write per connection for the whole batch: a barrier released for 256
+        # members of one process is one syscall, not 256.
+        out: dict[_ServerConnection, list[Buffer]] = {}
+        while actions := self.state.take_actions():  # closing a channel may add some
+            for action in actions:
+                conn = self._conns.get(action.conn)
+                if conn is None:
+                    continue
+                if isinstance(action, Close):
+                    if (parts := out.pop(conn, None)) is not None:
+                        conn.write_parts(parts)  # what went before the close goes first
+                    conn.end_channel(action.conn)
+                else:
+                    conn.queue(action.conn, action.msg, out.setdefault(conn, []))
+        for conn, parts in out.items():
+            if parts:
+                conn.write_parts(parts)
         self._arm_timer()
         self._changed.set()
 

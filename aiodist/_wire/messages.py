@@ -20,6 +20,8 @@ __all__ = [
     "Authenticated",
     "Barrier",
     "Challenge",
+    "Channel",
+    "CloseChannel",
     "ErrorCode",
     "ErrorReply",
     "Heartbeat",
@@ -65,6 +67,8 @@ class MessageKind(enum.IntEnum):
     STATUS = 13
     HELLO = 15  # 14 stays unused: tests use it as an unknown kind
     AUTH_START = 16
+    CHANNEL = 17  # both ways: which member's channel the messages after it belong to
+    CLOSE_CHANNEL = 18
     MEMBERS = 20
     # server -> client
     REPLY = 32
@@ -231,6 +235,30 @@ class Hello:
     proof: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """The messages after this one on this connection belong to member channel ``channel``.
+
+    Members in one process share one control connection to a server, each on
+    its own channel (channel 0 is the connection's own, where it starts). A
+    client names the channel before the requests of another member; the server
+    names it before a notice (``MemberFailed``, ``ErrorReply`` with no request,
+    ``ServerClosing``). Replies need no channel: a request id is unique on its
+    connection.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.CHANNEL
+    channel: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseChannel:
+    """The member on ``channel`` is gone, as if it had a connection of its own that closed."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.CLOSE_CHANNEL
+    channel: int
+
+
 # --- control plane: server -> client ------------------------------------------------
 
 
@@ -342,6 +370,8 @@ Message = (
     | MembersRequest
     | AuthStart
     | Hello
+    | Channel
+    | CloseChannel
     | Challenge
     | Authenticated
     | Reply
