@@ -322,11 +322,13 @@ async def test_members_of_one_process_share_one_connection(server: RendezvousSer
             b: list[list[int]] = []
             tg.start_soon(_append, a, run_ranks(server.address, 6, body, group_name="job-a"))
             tg.start_soon(_append, b, run_ranks(server.address, 2, body, group_name="job-b"))
-    assert a == [list(range(6))] and b == [[0, 1]]
+    assert a == [list(range(6))]
+    assert b == [[0, 1]]
     assert seen == [1] * 8  # eight members, one socket
     # The connection closed with its last member, and the server forgot every channel.
     await server.wait_until(lambda s: s.num_connections == 0)
-    assert server.state._conns == {} and server._conns == {}
+    assert server.state._conns == {}
+    assert server._conns == {}
 
 
 async def test_own_connection_per_member_when_sharing_is_off(

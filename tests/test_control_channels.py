@@ -1,0 +1,142 @@
+"""Members sharing one control connection, each on its own channel, against the real server."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+from aiodist import ClosedError, GroupBrokenError, RankFailedError, RendezvousServer
+from aiodist._control import ControlChannel, ControlConnection, connect_control
+from aiodist._errors import ProtocolError
+from aiodist._wire.messages import (
+    Channel,
+    Join,
+    MemberFailed,
+    StatusRequest,
+    StoreAdd,
+    StoreGet,
+    Welcome,
+)
+
+if TYPE_CHECKING:
+    from aiodist._control import Notice
+
+
+def _join(rank: int, job: str, world_size: int) -> Any:
+    return lambda r: Join(r, job, world_size, rank, "host-a", 1000 + rank, [], 10.0, 5.0)
+
+
+class _Notices:
+    """Notices per channel name, and an event set once ``expected`` have come."""
+
+    def __init__(self, expected: int) -> None:
+        self.got: list[tuple[str, Notice]] = []
+        self.expected = expected
+        self.all_in = anyio.Event()
+
+    def on(self, name: str) -> Any:
+        def record(notice: Notice) -> None:
+            self.got.append((name, notice))
+            if len(self.got) >= self.expected:
+                self.all_in.set()
+
+        return record
+
+
+async def _members(
+    conn: ControlConnection, job: str, notices: _Notices, names: str
+) -> list[ControlChannel]:
+    channels = [conn.open_channel(notices.on(name)) for name in names]
+    welcomes = []
+    async with anyio.create_task_group() as tg:
+        for rank, channel in enumerate(channels):
+
+            async def join(channel: ControlChannel = channel, rank: int = rank) -> None:
+                welcomes.append(await channel.request(_join(rank, job, len(names)), timeout=5))
+
+            tg.start_soon(join)
+    assert sorted(w.rank for w in welcomes) == list(range(len(names)))
+    assert all(isinstance(w, Welcome) for w in welcomes)
+    return channels
+
+
+async def test_each_channel_is_a_member_of_its_own(server: RendezvousServer) -> None:
+    notices = _Notices(expected=2)
+    conn = await connect_control(*server.address, timeout=5)
+    try:
+        with anyio.fail_after(10):
+            a, b, c = await _members(conn, "chan", notices, "abc")
+            assert server.num_connections == 1
+            assert len(server.state.jobs["chan"].members) == 3
+            # Requests of any channel reach the job as its member's.
+            assert await b.request(lambda r: StoreAdd(r, "n", 2), timeout=5) == 2
+            assert await c.request(lambda r: StoreAdd(r, "n", 3), timeout=5) == 5
+            # Closing a's channel is its member disconnecting: b and c are told, each on
+            # its own channel, and a's job is broken for them.
+            a.close()
+            await notices.all_in.wait()
+            assert sorted(name for name, _ in notices.got) == ["b", "c"]
+            for _, notice in notices.got:
+                assert isinstance(notice, MemberFailed)
+                assert notice.rank == 0
+                assert "channel was closed" in notice.reason
+            with pytest.raises(RankFailedError):
+                await b.request(lambda r: StoreGet(r, "never", 5.0), timeout=5)
+            with pytest.raises(ClosedError):  # a closed channel refuses at once
+                await a.request(lambda r: StoreAdd(r, "n", 1), timeout=5)
+            # The connection itself still serves its other channels.
+            assert (await conn.request(StatusRequest, timeout=5))["connections"] == 3
+    finally:
+        conn.close()
+    await server.wait_until(lambda s: s.num_connections == 0 and not s.state.jobs)
+    assert server.state._conns == {}
+
+
+async def test_a_lost_connection_fails_every_member_on_it(server: RendezvousServer) -> None:
+    notices = _Notices(expected=1)
+    shared = await connect_control(*server.address, timeout=5)
+    own = await connect_control(*server.address, timeout=5)
+    try:
+        with anyio.fail_after(10):
+            channels = [shared.open_channel(), shared.open_channel(), own.open_channel()]
+            own_channel = channels[2]
+            own_channel.on_notice = notices.on("own")
+            async with anyio.create_task_group() as tg:
+                for rank, channel in enumerate(channels):
+                    tg.start_soon(channel.request, _join(rank, "lost", 3))
+            pending: list[BaseException] = []
+
+            async def wait_forever(channel: ControlChannel) -> None:
+                with pytest.raises(GroupBrokenError) as info:
+                    await channel.request(lambda r: StoreGet(r, "never", 30.0))
+                pending.append(info.value)
+
+            async with anyio.create_task_group() as tg:
+                for channel in channels[:2]:
+                    tg.start_soon(wait_forever, channel)
+                await server.wait_until(lambda s: s.state.stats.store_ops >= 2)
+                assert shared._transport is not None
+                shared._transport.abort()  # as if the process of ranks 0 and 1 died
+            assert len(pending) == 2  # both members' requests failed with the connection
+            await notices.all_in.wait()
+            (_, notice), *_ = notices.got
+            assert isinstance(notice, MemberFailed)
+            assert notice.rank in (0, 1)
+            await server.wait_until(lambda s: s.num_connections == 1)
+    finally:
+        shared.close()
+        own.close()
+
+
+async def test_a_negative_channel_is_a_protocol_error(server: RendezvousServer) -> None:
+    conn = await connect_control(*server.address, timeout=5)
+    try:
+        with anyio.fail_after(10):
+            conn.send(Channel(-1))
+            with pytest.raises(ProtocolError, match="channel -1 refused"):
+                await conn.request(StatusRequest, timeout=5)
+            await server.wait_until(lambda s: s.num_connections == 0)
+    finally:
+        conn.close()
