@@ -319,7 +319,7 @@ class ControlConnection(asyncio.Protocol):
 
     def _write(self, parts: list[Buffer]) -> None:
         assert self._transport is not None
-        if len(self._channels) <= 2:  # one member: write at once
+        if len(self._channels) <= 2 and not self._outbox:  # one member: write at once
             self._transport.writelines(parts)
             return
         # Members of one process often send together (a job forming, a barrier): their

@@ -190,8 +190,8 @@ class ServerState(StoreAndBarriers):
         if state.member is not None:
             raise BadRequest(
                 ErrorCode.BAD_REQUEST,
-                f"this connection already joined job {state.member.job.name!r}; "
-                "open one connection per member",
+                f"this channel already joined job {state.member.job.name!r}; "
+                "open one channel per member",
             )
         _validate_join(msg)
         job = self.jobs.get(msg.group_name)

@@ -27,6 +27,7 @@ Rules the decoder keeps:
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -107,13 +108,23 @@ _COMPACT_AT = 256 * KiB
 _JOIN_HEADER_BYTES = 16 * KiB
 
 
+class _Packers(threading.local):
+    # A Packer per thread: building one per header (``msgpack.packb``) was most of
+    # the cost of encoding a small header.
+    def __init__(self) -> None:
+        self.pack = msgpack.Packer(use_bin_type=True).pack
+
+
+_packers = _Packers()
+
+
 def encode_frame(kind: int, header: Any, payload: Buffer | None = None) -> list[Buffer]:
     """Encode one frame as the buffers to hand to ``transport.writelines``.
 
     The payload is never copied: it is returned as given (a memoryview of a tensor
     stays one).
     """
-    return _frame(kind, [msgpack.packb(header, use_bin_type=True)], payload)
+    return _frame(kind, [_packers.pack(header)], payload)
 
 
 def _frame(kind: int, body: list[bytes], payload: Buffer | None) -> list[Buffer]:
@@ -142,7 +153,8 @@ def encode_message(msg: Any, payload: Buffer | None = None) -> list[Buffer]:
         return encode_frame(msg.KIND, header, payload)
     assert len(header) < 16, "fixarray headers only"
     body = [bytes((0x90 | len(header),))]
-    body += (v.data if type(v) is Packed else msgpack.packb(v, use_bin_type=True) for v in header)
+    pack = _packers.pack
+    body += (v.data if type(v) is Packed else pack(v) for v in header)
     return _frame(msg.KIND, body, payload)
 
 
