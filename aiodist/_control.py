@@ -201,6 +201,9 @@ class ControlChannel:
     def _fail(self, exc: DistError) -> None:
         if self._error is None:
             self._error = exc
+        self._fail_pending(exc)
+
+    def _fail_pending(self, exc: DistError) -> None:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(exc)
@@ -495,9 +498,7 @@ class ControlConnection(asyncio.Protocol):
             self._challenge.set_exception(exc)
             self._challenge.exception()  # retrieved: authenticate() re-raises it
         for channel in list(self._channels.values()):
-            for future in channel._pending.values():
-                if not future.done():
-                    future.set_exception(exc)
+            channel._fail_pending(exc)
 
 
 async def connect_control(
