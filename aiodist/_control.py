@@ -79,6 +79,8 @@ CLIENT_LIMITS: Final = Limits(max_header_bytes=64 * MiB, max_payload_bytes=0)
 CONNECT_RETRY_INTERVAL: Final = 0.05
 # The least time given to a server's challenge, even when the connect timeout is nearly spent.
 AUTH_WAIT: Final = 5.0
+# Notices a channel keeps until its member sets a callback (a job breaks with the first).
+MAX_HELD_NOTICES: Final = 16
 Notice = MemberFailed | ServerClosing
 
 
@@ -96,9 +98,36 @@ class ControlChannel:
     ) -> None:
         self.connection = conn
         self.number = number
-        self.on_notice = on_notice
+        self._on_notice = on_notice
+        self._held: list[Notice] | None = None  # notices that came before a callback
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._error: DistError | None = None
+
+    @property
+    def on_notice(self) -> Callable[[Notice], None] | None:
+        """Called with every notice for this channel's member.
+
+        Notices that arrive while it is None (a member failed in the same read as
+        the ``Welcome``, before the session exists) are held, and handed to the
+        callback when it is set.
+        """
+        return self._on_notice
+
+    @on_notice.setter
+    def on_notice(self, callback: Callable[[Notice], None] | None) -> None:
+        self._on_notice = callback
+        held, self._held = self._held, None
+        if callback is not None and held:
+            for notice in held:
+                callback(notice)
+
+    def _notice(self, notice: Notice) -> None:
+        if self._on_notice is not None:
+            self._on_notice(notice)
+        elif self._held is None:
+            self._held = [notice]
+        elif len(self._held) < MAX_HELD_NOTICES:
+            self._held.append(notice)
 
     @property
     def server(self) -> str:
@@ -467,9 +496,8 @@ class ControlConnection(asyncio.Protocol):
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
         elif isinstance(msg, MemberFailed):
-            channel = self._channels.get(self._in_channel)
-            if channel is not None and channel.on_notice is not None:
-                channel.on_notice(msg)
+            if (channel := self._channels.get(self._in_channel)) is not None:
+                channel._notice(msg)
         elif isinstance(msg, ServerClosing):
             logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
             self._fail(
@@ -479,9 +507,8 @@ class ControlConnection(asyncio.Protocol):
                     "the server, then the job."
                 )
             )
-            channel = self._channels.get(self._in_channel)
-            if channel is not None and channel.on_notice is not None:
-                channel.on_notice(msg)
+            if (channel := self._channels.get(self._in_channel)) is not None:
+                channel._notice(msg)
         else:
             self._fail(ProtocolError(f"the server sent an unexpected {type(msg).__name__}"))
 
@@ -627,7 +654,11 @@ async def open_channel(
             )
             future.add_done_callback(lambda f: _drop_failed(loop, key, f))
         try:
-            conn = await asyncio.wait_for(asyncio.shield(future), deadline - loop.time())
+            conn = (
+                future.result()  # the usual case: a member before us connected
+                if future.done()
+                else await asyncio.wait_for(asyncio.shield(future), deadline - loop.time())
+            )
         except TimeoutError:
             raise RendezvousTimeout(
                 f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s; start "

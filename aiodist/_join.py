@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskGroup
 
-    from aiodist._control import Notice
     from aiodist._group import ProcessGroup
 
 __all__ = ["open_process_group"]
@@ -151,13 +150,8 @@ async def _joined(
     hostname: str | None,
     addresses: list[str] | None,
 ) -> AsyncIterator[ProcessGroup]:
-    session_box: list[Session] = []
-
-    def on_notice(notice: Notice) -> None:
-        if session_box:
-            session_box[0].on_notice(notice)
-
-    conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=on_notice)
+    # Notices that come before the session exists are held by the channel until then.
+    conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=None)
     plane = DataPlane(name)
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]
@@ -188,7 +182,7 @@ async def _joined(
         session.local_rank = spec.local_rank  # the launcher's word wins, as in torch
     if spec.local_world_size is not None:
         session.local_size = spec.local_world_size
-    session_box.append(session)
+    conn.on_notice = session.on_notice
     try:
         yield session.world
     finally:

@@ -141,7 +141,7 @@ async def connect_rendezvous(
     tg: TaskGroup | None,
     *,
     timeout: float,
-    on_notice: Callable[[Notice], None],
+    on_notice: Callable[[Notice], None] | None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[ControlChannel, RendezvousServer | None]:
     """Open the control connection for ``spec``, embedding a server in ``tg`` if needed.
@@ -184,7 +184,7 @@ async def _connect_file(
     tg: TaskGroup,
     *,
     timeout: float,
-    on_notice: Callable[[Notice], None],
+    on_notice: Callable[[Notice], None] | None,
     env: Mapping[str, str],
 ) -> tuple[ControlChannel, RendezvousServer | None]:
     lock = _file_locks.setdefault(path, asyncio.Lock())

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+import torch
 
-from aiodist import ClosedError, GroupBrokenError, RankFailedError, RendezvousServer
+import aiodist
+from aiodist import (
+    ClosedError,
+    GroupBrokenError,
+    RankFailedError,
+    RendezvousServer,
+    open_process_group,
+)
 from aiodist._control import ControlChannel, ControlConnection, connect_control
 from aiodist._errors import ProtocolError
+from aiodist._wire.frame import NEED_DATA, FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Channel,
     Join,
+    Leave,
     MemberFailed,
+    Reply,
     StatusRequest,
     StoreAdd,
     StoreGet,
@@ -140,3 +152,47 @@ async def test_a_negative_channel_is_a_protocol_error(server: RendezvousServer) 
             await server.wait_until(lambda s: s.num_connections == 0)
     finally:
         conn.close()
+
+
+async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
+    # A server that sends the Welcome and, in the same write, the failure of rank 0:
+    # the notice arrives before the member has a session to tell.
+    hung_up = anyio.Event()
+
+    async def fake_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dec = FrameDecoder()
+        channel = 0
+        while True:
+            while (event := dec.next_event()) is NEED_DATA:
+                data = await reader.read(65536)
+                if not data:  # the member left and closed its connection
+                    writer.close()
+                    hung_up.set()
+                    return
+                dec.receive_data(data)
+            msg = frame_message(event)  # type: ignore[arg-type]
+            if isinstance(msg, Channel):
+                channel = msg.channel
+            elif isinstance(msg, Join):
+                writer.writelines(
+                    [
+                        *encode_message(Welcome(msg.req_id, 1, 2, 1, 2, [[0, 2]])),
+                        *encode_message(Channel(channel)),
+                        *encode_message(MemberFailed(0, "host-a", 1000, "connection lost")),
+                    ]
+                )
+            elif isinstance(msg, Leave):
+                writer.writelines(encode_message(Reply(msg.req_id, None)))
+
+    srv = await asyncio.start_server(fake_server, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with anyio.fail_after(10):
+            async with open_process_group(f"tcp://127.0.0.1:{port}", world_size=2, rank=1) as g:
+                assert isinstance(g.session.error, RankFailedError)
+                assert g.session.error.rank == 0
+                with pytest.raises(RankFailedError, match="rank 0"):
+                    await aiodist.all_reduce(torch.ones(1), group=g)
+            await hung_up.wait()
+    finally:
+        srv.close()
