@@ -591,6 +591,8 @@ _Key = tuple[str, int, str]
 _shared: weakref.WeakKeyDictionary[
     asyncio.AbstractEventLoop, dict[_Key, asyncio.Future[ControlConnection]]
 ] = weakref.WeakKeyDictionary()
+# Shared connects that give up at once when refused (a rank that may embed the server).
+_probes: weakref.WeakSet[asyncio.Future[ControlConnection]] = weakref.WeakSet()
 
 
 def _forget(conn: ControlConnection) -> None:
@@ -637,15 +639,6 @@ async def open_channel(
     deadline = loop.time() + timeout
     while True:
         future = table.get(key)
-        if not retry_refused and (future is None or not future.done() or _unusable(future)):
-            # The caller must learn at once that nothing listens (to embed a server, say):
-            # it cannot wait for a connect that keeps retrying. It connects itself.
-            conn = await connect_control(
-                host, port, timeout=timeout, retry_refused=False, token=token
-            )
-            table[key] = done = loop.create_future()
-            done.set_result(conn)
-            return conn.open_channel(on_notice)
         if future is None or (future.done() and _unusable(future)):
             future = table[key] = asyncio.ensure_future(
                 connect_control(
@@ -653,6 +646,15 @@ async def open_channel(
                 )
             )
             future.add_done_callback(lambda f: _drop_failed(loop, key, f))
+            if not retry_refused:
+                _probes.add(future)
+        elif not retry_refused and not future.done() and future not in _probes:
+            # A connect that keeps retrying cannot tell this caller that nothing listens
+            # (it must know at once, to embed the server): it connects by itself.
+            conn = await connect_control(
+                host, port, timeout=timeout, retry_refused=False, token=token
+            )
+            return conn.open_channel(on_notice)
         try:
             conn = (
                 future.result()  # the usual case: a member before us connected
@@ -664,6 +666,10 @@ async def open_channel(
                 f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s; start "
                 f"one with `aiodist serve --port {port}` or let rank 0 embed it"
             ) from None
+        except ConnectionRefusedError:
+            if not retry_refused:
+                raise
+            continue  # another member's probe found nothing listening: keep trying
         if not conn.closed:
             return conn.open_channel(on_notice)
         # It closed while we waited (its last member left, or it was lost): connect anew,

@@ -203,3 +203,63 @@ async def test_rank_dying_mid_gather_or_freezing_fails_survivors(
         assert tuple(after[:2]) == ("RankFailedError", 2), outs[rank]
         if mode == "stop":
             assert "heartbeat" in gather[4], outs[rank]
+
+
+PAIR_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import anyio
+    from aiodist import open_process_group
+
+    async def main() -> None:
+        url = sys.argv[1]
+        passed = []
+
+        async def member(rank: int) -> None:
+            async with open_process_group(url, world_size=3, rank=rank, group_name="pair",
+                                          heartbeat_interval=0.1, heartbeat_timeout=1.0) as g:
+                await g.session.barrier()
+                passed.append(rank)
+                if len(passed) == 2:  # both ranks of this process are in: freeze it
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                await anyio.sleep_forever()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(member, 0)
+            tg.start_soon(member, 1)
+
+    anyio.run(main)
+    """
+)
+
+
+async def test_a_frozen_process_fails_every_rank_it_hosts(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    # Ranks 0 and 1 share their process's control connection, and so its heartbeats:
+    # when the process freezes, the server declares both failed; rank 2 is told.
+    from aiodist import RankFailedError, open_process_group
+
+    script = tmp_path / "pair.py"
+    script.write_text(PAIR_WORKER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    with anyio.fail_after(60):
+        async with await anyio.open_process([sys.executable, str(script), url]) as pair:
+            try:
+                async with open_process_group(
+                    url,
+                    world_size=3,
+                    rank=2,
+                    group_name="pair",
+                    heartbeat_interval=0.1,
+                    heartbeat_timeout=1.0,
+                ) as g:
+                    await g.session.barrier()
+                    assert server.num_connections == 2  # one per process
+                    with pytest.raises(RankFailedError, match="missed heartbeats") as info:
+                        await g.store.get("never-set", timeout=30)
+                    assert info.value.rank in (0, 1)
+                    await server.wait_until(lambda s: s.state.stats.failures == 2)
+            finally:
+                pair.kill()  # a frozen process never exits by itself
+                await pair.wait()
