@@ -214,6 +214,23 @@ async def test_store_wait_and_check_non_str_key_raise_type_error_and_send_nothin
         await run_ranks(server.address, 1, body)
 
 
+async def test_store_wait_on_a_list_changed_since_waits_on_its_new_keys(
+    server: RendezvousServer,
+) -> None:
+    # Waits on the same keys reuse their packing; a list changed in place is packed anew.
+    async def body(g: ProcessGroup) -> None:
+        keys = ["first"]
+        await g.store.set("first", b"1")
+        await g.store.wait(keys)
+        keys.append("second")
+        with pytest.raises(DistTimeoutError, match="second"):
+            await g.store.wait(keys, timeout=0.2)
+        await g.store.wait(["first"])
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 1, body)
+
+
 async def test_store_wait_released_by_last_key(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> int:
         await g.store.set(f"k{g.rank}", str(g.rank))

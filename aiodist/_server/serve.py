@@ -55,6 +55,7 @@ from aiodist._wire.messages import (
     ErrorReply,
     Heartbeat,
     Hello,
+    MessageKind,
     Reply,
     Welcome,
 )
@@ -135,15 +136,20 @@ class _ServerConnection(asyncio.Protocol):
                 if event is CLOSED:
                     break
                 assert isinstance(event, Frame)  # payloads are refused by SERVER_LIMITS
+                if event.kind == MessageKind.CHANNEL and self.authenticated:
+                    # Before nearly every request of a shared connection: read it here.
+                    header = event.header
+                    if type(header) is not list or len(header) != 1 or type(header[0]) is not int:
+                        raise ProtocolError(f"malformed CHANNEL message: {header!r:.80}")
+                    self._select(header[0])
+                    continue
                 msg = frame_message(event)
                 if not self.authenticated or isinstance(msg, AuthStart | Hello):
                     if not self._authenticate(msg):
                         break
                     continue
                 kind = type(msg)
-                if kind is Channel:
-                    self._select(msg.channel)
-                elif kind is Heartbeat:
+                if kind is Heartbeat:
                     for conn_id in self.channels.values():
                         self._server._receive(conn_id, msg)
                 elif kind is CloseChannel:

@@ -74,7 +74,7 @@ class Limits:
     max_payload_bytes: int = 16 * GiB
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per frame, and a frozen __init__ costs 3x
 class Frame:
     """A frame's prefix and decoded header; ``payload_nbytes`` raw bytes follow it."""
 

@@ -9,9 +9,11 @@ below are that field's encoding.
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import msgpack
 
@@ -26,6 +28,7 @@ __all__ = [
     "ErrorReply",
     "Heartbeat",
     "Hello",
+    "HostIds",
     "Join",
     "Leave",
     "MemberFailed",
@@ -293,24 +296,64 @@ class Welcome:
     # ranks on H hosts sends H pairs to each member, not N ids.
     host_runs: list[list[int]]
 
-    def host_ids(self) -> list[int]:
+    def host_ids(self) -> HostIds:
         """The host id of every rank, in rank order.
 
         Raises:
             ValueError: The runs are malformed or do not cover ``world_size`` ranks.
         """
-        ids: list[int] = []
+        hosts: list[int] = []
+        starts: list[int] = []
+        covered = 0
         for run in self.host_runs:
             if len(run) != 2 or type(run[0]) is not int or type(run[1]) is not int or run[1] < 1:
                 raise ValueError(f"Welcome.host_runs has a malformed run {run!r}")
-            ids += [run[0]] * run[1]
-            if len(ids) > self.world_size:
-                break
-        if len(ids) != self.world_size:
+            hosts.append(run[0])
+            starts.append(covered)
+            covered += run[1]
+        if covered != self.world_size:
             raise ValueError(
-                f"Welcome.host_runs covers {len(ids)} ranks, world_size is {self.world_size}"
+                f"Welcome.host_runs covers {covered} ranks, world_size is {self.world_size}"
             )
-        return ids
+        return HostIds(hosts, starts, covered)
+
+
+class HostIds(Sequence[int]):
+    """Which host each rank runs on, kept as its runs: a member of a job of N ranks on H
+    hosts holds O(H), not a list of N ids (N members of one process would hold N^2)."""
+
+    __slots__ = ("_hosts", "_len", "_starts")
+
+    def __init__(self, hosts: list[int], starts: list[int], length: int) -> None:
+        self._hosts, self._starts, self._len = hosts, starts, length
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, rank: int) -> int: ...
+    @overload
+    def __getitem__(self, rank: slice) -> list[int]: ...
+    def __getitem__(self, rank: int | slice) -> int | list[int]:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(*rank.indices(self._len))]
+        if rank < 0:
+            rank += self._len
+        if not 0 <= rank < self._len:
+            raise IndexError(f"rank {rank} out of range for {self._len} ranks")
+        if len(self._hosts) == 1:
+            return self._hosts[0]
+        return self._hosts[bisect.bisect_right(self._starts, rank) - 1]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, HostIds | list | tuple):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking, as a list
+
+    def __repr__(self) -> str:
+        return f"HostIds({list(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)

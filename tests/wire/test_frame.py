@@ -735,3 +735,15 @@ def test_frame_message_accepts_int_for_float_field() -> None:
     msg = frame_message(frame)
     assert msg.timeout == 300
     assert msg == JOIN
+
+
+def test_welcome_host_ids_index_like_the_list_they_stand_for() -> None:
+    runs = [[3, 2], [0, 1], [3, 4]]  # a host may come back after another
+    ids = Welcome(1, 0, 7, 0, 6, runs).host_ids()
+    expanded = [3, 3, 0, 3, 3, 3, 3]
+    assert len(ids) == 7
+    assert [ids[r] for r in range(7)] == expanded
+    assert ids[-1] == 3
+    assert ids[1:4] == [3, 0, 3]
+    with pytest.raises(IndexError):
+        ids[7]
