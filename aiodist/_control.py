@@ -23,17 +23,16 @@ import itertools
 import logging
 import os
 import socket
-import weakref
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
 from aiodist._auth import client_proof, new_nonce, server_proof, verify
+from aiodist._control_channel import ControlChannel, Notice
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
     DistError,
-    DistTimeoutError,
     GroupBrokenError,
     ProtocolError,
     RendezvousError,
@@ -71,7 +70,7 @@ if TYPE_CHECKING:
 
     from aiodist._wire.frame import Buffer
 
-__all__ = ["ControlChannel", "ControlConnection", "connect_control", "open_channel"]
+__all__ = ["ControlChannel", "ControlConnection", "Notice", "connect_control"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,163 +78,6 @@ CLIENT_LIMITS: Final = Limits(max_header_bytes=64 * MiB, max_payload_bytes=0)
 CONNECT_RETRY_INTERVAL: Final = 0.05
 # The least time given to a server's challenge, even when the connect timeout is nearly spent.
 AUTH_WAIT: Final = 5.0
-# Notices a channel keeps until its member sets a callback (a job breaks with the first).
-MAX_HELD_NOTICES: Final = 16
-Notice = MemberFailed | ServerClosing
-
-
-class ControlChannel:
-    """One member's requests and notices on a (possibly shared) control connection.
-
-    Channel 0 is the connection's own: ``ControlConnection.request`` uses it.
-    """
-
-    def __init__(
-        self,
-        conn: ControlConnection,
-        number: int,
-        on_notice: Callable[[Notice], None] | None = None,
-    ) -> None:
-        self.connection = conn
-        self.number = number
-        self._on_notice = on_notice
-        self._held: list[Notice] | None = None  # notices that came before a callback
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._error: DistError | None = None
-
-    @property
-    def on_notice(self) -> Callable[[Notice], None] | None:
-        """Called with every notice for this channel's member.
-
-        Notices that arrive while it is None (a member failed in the same read as
-        the ``Welcome``, before the session exists) are held, and handed to the
-        callback when it is set.
-        """
-        return self._on_notice
-
-    @on_notice.setter
-    def on_notice(self, callback: Callable[[Notice], None] | None) -> None:
-        self._on_notice = callback
-        held, self._held = self._held, None
-        if callback is not None and held:
-            for notice in held:
-                callback(notice)
-
-    def _notice(self, notice: Notice) -> None:
-        if self._on_notice is not None:
-            self._on_notice(notice)
-        elif self._held is None:
-            self._held = [notice]
-        elif len(self._held) < MAX_HELD_NOTICES:
-            self._held.append(notice)
-
-    @property
-    def server(self) -> str:
-        return self.connection.server
-
-    @property
-    def local_host(self) -> str:
-        """The numeric address this host reaches the server from."""
-        return self.connection.local_host
-
-    @property
-    def closed(self) -> bool:
-        return self._error is not None or self.connection.closed
-
-    @property
-    def error(self) -> DistError | None:
-        """Why the channel is unusable, or None while it works."""
-        return self._error or self.connection.error
-
-    async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
-        """Send the message ``build(req_id)`` and return the reply's value.
-
-        Raises:
-            DistError: The server's error, rebuilt with its class and attributes.
-            AuthenticationError: The server requires a token and this connection's
-                was missing or wrong (never retried).
-            RendezvousError: The server shut down.
-            GroupBrokenError: The connection was lost.
-            ClosedError: The channel was closed.
-            DistTimeoutError: No reply within ``timeout`` (a safety net; the server
-                enforces the operation's own timeout).
-
-        Cancellation:
-            The request stays sent; its reply is dropped.
-        """
-        conn = self.connection
-        error = self._error or conn.error
-        if error is not None:
-            raise error
-        req_id = next(conn._ids)
-        future: asyncio.Future[Any] = conn._loop.create_future()
-        self._pending[req_id] = future
-        conn._routes[req_id] = self
-        # A timer, not a cancel scope: requests are the hot path of a big rendezvous.
-        timer = (
-            None
-            if timeout is None
-            else conn._loop.call_later(timeout, self._expire, future, timeout)
-        )
-        try:
-            conn._send_on(self.number, build(req_id))
-            return await future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            del self._pending[req_id]
-            conn._routes.pop(req_id, None)
-
-    def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
-        if not future.done():
-            future.set_exception(
-                DistTimeoutError(
-                    f"the rendezvous server at {self.server} did not answer within "
-                    f"{timeout:.1f} s; check that it is running and not overloaded"
-                )
-            )
-
-    def send(self, msg: Any) -> None:
-        """Send a message that expects no reply."""
-        error = self._error or self.connection.error
-        if error is not None:
-            raise error
-        self.connection._send_on(self.number, msg)
-
-    def start_heartbeats(self, interval: float) -> None:
-        """Make the connection send a heartbeat at least every ``interval`` seconds.
-
-        Heartbeats are the connection's: one keeps every member on it alive.
-        """
-        self.connection.start_heartbeats(interval)
-
-    def close(self) -> None:
-        """Fail this channel's requests; the server treats its member as disconnected.
-
-        The connection closes with its last channel (channel 0 closes it at once).
-        """
-        if self._error is None:
-            self._fail(ClosedError("the control connection was closed"))
-        self.connection._channel_closed(self)
-
-    def _resolve(self, req_id: int, value: Any) -> None:
-        future = self._pending.get(req_id)
-        if future is None or future.done():
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-    def _fail(self, exc: DistError) -> None:
-        if self._error is None:
-            self._error = exc
-        self._fail_pending(exc)
-
-    def _fail_pending(self, exc: DistError) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(exc)
 
 
 class ControlConnection(asyncio.Protocol):
@@ -261,6 +103,8 @@ class ControlConnection(asyncio.Protocol):
         self.local_host = "127.0.0.1"
         self._heartbeat: asyncio.TimerHandle | None = None
         self._heartbeat_interval = 0.0
+        # Called once when the connection fails or its last member leaves (the shared table).
+        self.on_retired: Callable[[ControlConnection], None] | None = None
 
     # --- asyncio.Protocol ------------------------------------------------------------
 
@@ -408,7 +252,7 @@ class ControlConnection(asyncio.Protocol):
         if self._error is None:
             self._send_on(channel.number, CloseChannel(channel.number))
             if len(self._channels) == 1:  # its last member left
-                _forget(self)
+                self._retire()
                 self.close()
 
     # --- internals ---------------------------------------------------------------------
@@ -512,6 +356,12 @@ class ControlConnection(asyncio.Protocol):
         else:
             self._fail(ProtocolError(f"the server sent an unexpected {type(msg).__name__}"))
 
+    def _retire(self) -> None:
+        # Failed, or its last member left: no member may open a channel on it again.
+        retired, self.on_retired = self.on_retired, None
+        if retired is not None:
+            retired(self)
+
     def _resolve(self, req_id: int, value: Any) -> None:
         channel = self._routes.get(req_id)
         if channel is not None:
@@ -520,7 +370,7 @@ class ControlConnection(asyncio.Protocol):
     def _fail(self, exc: DistError) -> None:
         if self._error is None:
             self._error = exc
-            _forget(self)
+            self._retire()
         if not self._challenge.done():
             self._challenge.set_exception(exc)
             self._challenge.exception()  # retrieved: authenticate() re-raises it
@@ -582,111 +432,3 @@ async def connect_control(
                 protocol.close()
                 raise
         return protocol
-
-
-# --- one connection per server per process ------------------------------------------------
-
-_Key = tuple[str, int, str]
-# Per event loop: the shared connection to each (host, port, token), or its connect in progress.
-_shared: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[_Key, asyncio.Future[ControlConnection]]
-] = weakref.WeakKeyDictionary()
-# Shared connects that give up at once when refused (a rank that may embed the server).
-_probes: weakref.WeakSet[asyncio.Future[ControlConnection]] = weakref.WeakSet()
-
-
-def _forget(conn: ControlConnection) -> None:
-    """Take a failed or emptied connection out of the shared table: the next member reconnects."""
-    table = _shared.get(conn._loop)
-    if table is None:
-        return
-    for key, future in list(table.items()):
-        if future.done() and not future.cancelled() and future.exception() is None:
-            if future.result() is conn:
-                del table[key]
-
-
-def sharing_enabled() -> bool:
-    """Whether members of this process share a control connection (``AIODIST_SHARED_CONTROL``)."""
-    return os.environ.get("AIODIST_SHARED_CONTROL", "1") != "0"
-
-
-async def open_channel(
-    host: str,
-    port: int,
-    *,
-    timeout: float,
-    on_notice: Callable[[Notice], None] | None = None,
-    retry_refused: bool = True,
-    token: str | None = None,
-) -> ControlChannel:
-    """A new member's channel to the server at ``host:port``.
-
-    Members of one process share the connection to a server (one per token):
-    the first connects, the others wait for that connect and open their
-    channels on it. Arguments and errors are ``connect_control``'s.
-    """
-    if token is None:
-        token = os.environ.get("AIODIST_TOKEN", "")
-    if not sharing_enabled():
-        conn = await connect_control(
-            host, port, timeout=timeout, retry_refused=retry_refused, token=token
-        )
-        return conn.open_channel(on_notice)
-    loop = asyncio.get_running_loop()
-    table = _shared.setdefault(loop, {})
-    key = (host, port, token)
-    deadline = loop.time() + timeout
-    while True:
-        future = table.get(key)
-        if future is None or (future.done() and _unusable(future)):
-            future = table[key] = asyncio.ensure_future(
-                connect_control(
-                    host, port, timeout=timeout, retry_refused=retry_refused, token=token
-                )
-            )
-            future.add_done_callback(lambda f: _drop_failed(loop, key, f))
-            if not retry_refused:
-                _probes.add(future)
-        elif not retry_refused and not future.done() and future not in _probes:
-            # A connect that keeps retrying cannot tell this caller that nothing listens
-            # (it must know at once, to embed the server): it connects by itself.
-            conn = await connect_control(
-                host, port, timeout=timeout, retry_refused=False, token=token
-            )
-            return conn.open_channel(on_notice)
-        try:
-            conn = (
-                future.result()  # the usual case: a member before us connected
-                if future.done()
-                else await asyncio.wait_for(asyncio.shield(future), deadline - loop.time())
-            )
-        except TimeoutError:
-            raise RendezvousTimeout(
-                f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s; start "
-                f"one with `aiodist serve --port {port}` or let rank 0 embed it"
-            ) from None
-        except ConnectionRefusedError:
-            if not retry_refused:
-                raise
-            continue  # another member's probe found nothing listening: keep trying
-        if not conn.closed:
-            return conn.open_channel(on_notice)
-        # It closed while we waited (its last member left, or it was lost): connect anew,
-        # unless it was refused, which a new connection would be too.
-        if isinstance(conn.error, AuthenticationError) or loop.time() >= deadline:
-            assert conn.error is not None
-            raise conn.error
-
-
-def _unusable(future: asyncio.Future[ControlConnection]) -> bool:
-    return future.cancelled() or future.exception() is not None or future.result().closed
-
-
-def _drop_failed(
-    loop: asyncio.AbstractEventLoop, key: _Key, future: asyncio.Future[ControlConnection]
-) -> None:
-    if future.cancelled() or future.exception() is not None:
-        table = _shared.get(loop)
-        if table is not None and table.get(key) is future:
-            del table[key]

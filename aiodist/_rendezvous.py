@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 
-from aiodist._control import ControlChannel, Notice, open_channel
+from aiodist._control_shared import open_channel
 from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskGroup
 
+    from aiodist._control_channel import ControlChannel, Notice
     from aiodist._server.serve import RendezvousServer
 
 __all__ = ["RendezvousSpec", "connect_rendezvous", "may_embed", "parse_init_method"]

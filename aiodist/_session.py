@@ -32,7 +32,7 @@ from aiodist._store import REPLY_GRACE, Store
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersRequest
 
 if TYPE_CHECKING:
-    from aiodist._control import ControlChannel, Notice
+    from aiodist._control_channel import ControlChannel, Notice
     from aiodist._peers import DataPlane
     from aiodist._server.serve import RendezvousServer
     from aiodist._wire.messages import Welcome

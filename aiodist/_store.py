@@ -20,7 +20,7 @@ from aiodist._wire.messages import (
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from aiodist._control import ControlChannel
+    from aiodist._control_channel import ControlChannel
 
 __all__ = ["Store", "as_seconds"]
 
