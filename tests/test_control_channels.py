@@ -28,7 +28,9 @@ from aiodist._wire.messages import (
     Reply,
     StatusRequest,
     StoreAdd,
+    StoreCheck,
     StoreGet,
+    StoreSet,
     Welcome,
 )
 
@@ -196,3 +198,18 @@ async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
             await hung_up.wait()
     finally:
         srv.close()
+
+
+async def test_a_member_leaving_keeps_the_order_of_what_it_sent(server: RendezvousServer) -> None:
+    # Several members on a connection: their messages wait for the end of the loop
+    # iteration. A member that sends and closes in one go must have its message read
+    # first, even though its close leaves one member (whose writes go out at once).
+    conn = await connect_control(*server.address, timeout=5)
+    try:
+        with anyio.fail_after(10):
+            a, b = await _members(conn, "order", _Notices(expected=1), "ab")
+            b.send(StoreSet(9001, "x", b"1"))  # its reply answers no pending request
+            b.close()
+            assert await a.request(lambda r: StoreCheck(r, ["x"]), timeout=5) is True
+    finally:
+        conn.close()
