@@ -16,7 +16,7 @@ and C accepts no reply before a valid ``Authenticated``.
 
 Data plane (connector C of rank c, acceptor A of rank a, job J)::
 
-    C -> A  PEER_HELLO [J, c, pid, nonce_c]
+    C -> A  PEER_HELLO [J, c, pid, member, nonce_c]
     A -> C  PEER_AUTH  [nonce_a, HMAC(token, "accept" | J | c | a | nonce_c | nonce_a)]
     C -> A  PEER_AUTH  [b"", HMAC(token, "connect" | J | c | a | nonce_a | nonce_c)]
 

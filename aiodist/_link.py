@@ -79,6 +79,7 @@ class Link:
         self.plane = plane
         self.src = src
         self.said_bye = False
+        self.member = 0  # connecting side: the member the hello names on a shared listener
         self._posted: Posted | None = None
         self._buffer: memoryview | None = None
         self._meta: Any = None
@@ -134,7 +135,7 @@ class Link:
     def _hello_received(self, channel: DataChannel, header: Any) -> None:
         if self.src is not None or self._claim is not None:
             raise ProtocolError("a second PEER_HELLO on one data channel")
-        if not isinstance(header, list) or len(header) not in (3, 4):
+        if not isinstance(header, list) or len(header) not in (4, 5):
             raise ProtocolError("malformed PEER_HELLO header")
         job, rank = header[0], header[1]
         # A peer that got its Welcome first may say hello before this rank got its
@@ -148,7 +149,7 @@ class Link:
         if job != self.plane.job or type(rank) is not int or not 0 <= rank < (known or rank + 1):
             raise ProtocolError(f"peer hello from job {job!r} rank {rank!r} does not belong here")
         token = self.plane.token
-        nonce = header[3] if len(header) == 4 else None
+        nonce = header[4] if len(header) == 5 else None
         if token is None:
             if nonce is not None:  # the peer holds a token we lack: let it say so
                 self.plane._spawn(channel.send(MessageKind.PEER_AUTH, [b"", b""]))

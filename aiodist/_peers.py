@@ -1,12 +1,16 @@
 """The data plane of one session: listeners, lazy peer channels, matching.
 
-Wire use: a channel opens with ``PEER_HELLO [job, rank, pid]`` from the side
-that connected; every message after it is ``DATA [kind, group, a, b, meta]``
+Wire use: a channel opens with ``PEER_HELLO [job, rank, pid, member]`` from
+the side that connected; every message after it is ``DATA [kind, group, a, b, meta]``
 with a raw payload. ``(kind, group, a, b)`` is the match key: kind 0 for
 tensor point-to-point (``a`` = tag), 1 for collectives (``a`` = sequence
 number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
 that breaks a group on every member; ``PEER_BYE`` precedes a clean close.
+
+The data planes of one process share one Unix-socket listener (per event loop):
+each publishes ``uds:NAME#MEMBER``, and ``member`` in the hello says which
+plane an accepted channel belongs to (0 on a plane's own TCP listener).
 
 With a job token (``$AIODIST_TOKEN``), ``PEER_HELLO`` carries a fresh nonce
 and both ends prove the token with ``PEER_AUTH`` before either accepts a
@@ -27,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import itertools
 import logging
 import os
 import types
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist import _auth
@@ -44,7 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 
     from aiodist._transport.base import DataChannel, Listener
-    from aiodist._wire.frame import Buffer
+    from aiodist._wire.frame import Buffer, Frame
 
 __all__ = ["DataPlane", "Key", "Received"]
 
@@ -93,6 +99,100 @@ async def _no_verdict(rank: int, reason: str) -> BaseException | None:
     return None  # until a session takes over the plane's peer failures
 
 
+class _SharedListener:
+    """The Unix-socket listener of every data plane of this process (one loop, one kind).
+
+    Each plane that listens gets a member number and publishes ``uds:NAME#MEMBER``;
+    an accepted channel belongs to the plane its hello names. A process of many
+    ranks then holds one listening socket, not one per rank.
+    """
+
+    def __init__(self) -> None:
+        self.listener: Listener | None = None
+        self.planes: dict[int, DataPlane] = {}
+        self._members = itertools.count(1)
+        self.closed = False
+
+    def add(self, plane: DataPlane) -> tuple[int, str]:
+        assert self.listener is not None
+        assert not self.closed
+        member = next(self._members)
+        self.planes[member] = plane
+        return member, f"{self.listener.address}#{member}"
+
+    def remove(self, member: int) -> None:
+        self.planes.pop(member, None)
+        if not self.planes and self.listener is not None:
+            self.closed = True  # a plane that listens later opens a new one
+            self.listener.close()
+
+
+# Per event loop: the shared listener with rings (True) or plain (False), or its start.
+_shared_listeners: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[bool, asyncio.Future[_SharedListener]]
+] = weakref.WeakKeyDictionary()
+
+
+async def _shared_listener(rings: bool) -> _SharedListener:
+    loop = asyncio.get_running_loop()
+    table = _shared_listeners.setdefault(loop, {})
+    while True:
+        future = table.get(rings)
+        if future is None or (
+            future.done() and (future.exception() is not None or future.result().closed)
+        ):
+            future = table[rings] = asyncio.ensure_future(_start_shared_listener(rings))
+        shared = await asyncio.shield(future)
+        if not shared.closed:  # it may have closed while we waited: start another
+            return shared
+
+
+async def _start_shared_listener(rings: bool) -> _SharedListener:
+    shared = _SharedListener()
+    transport = shmring if rings else uds
+    shared.listener = await transport.listen("", lambda: _Router(shared))
+    return shared
+
+
+class _Router:
+    """The frame sink of a channel accepted on the shared listener, until its hello.
+
+    The hello names the member (plane) the peer wants; from then on the frames go
+    to that plane's ``Link``.
+    """
+
+    __slots__ = ("_link", "_shared")
+
+    def __init__(self, shared: _SharedListener) -> None:
+        self._shared = shared
+        self._link: Link | None = None
+
+    def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
+        link = self._link
+        if link is None:
+            header = frame.header
+            if (
+                frame.kind != MessageKind.PEER_HELLO
+                or not isinstance(header, list)
+                or len(header) < 4
+                or type(header[3]) is not int
+            ):
+                raise ProtocolError("a data channel must open with PEER_HELLO naming a member")
+            plane = self._shared.planes.get(header[3])
+            if plane is None:
+                raise ProtocolError(f"no member {header[3]} listens here (it left, or never was)")
+            link = self._link = Link(plane)
+        return link.frame_received(channel, frame)
+
+    def payload_received(self, channel: DataChannel, frame: Frame) -> None:
+        assert self._link is not None  # a payload follows a frame, which made the link
+        self._link.payload_received(channel, frame)
+
+    def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
+        if self._link is not None:
+            self._link.channel_closed(channel, exc)
+
+
 class DataPlane:
     """Channels to every peer of a session, and the receives waiting on them."""
 
@@ -113,7 +213,9 @@ class DataPlane:
         self.matcher: Matcher[Posted, Received] = Matcher()
         self.on_peer_lost = on_peer_lost or _no_verdict
         self.on_peer_error = on_peer_error or (lambda src, header: None)
-        self._listeners: list[Listener] = []
+        self._listeners: list[Listener] = []  # this plane's own (TCP)
+        self._shared: _SharedListener | None = None  # the process's Unix-socket listener
+        self._member = 0  # this plane's number on it
         self._lookup: Callable[[], Awaitable[PeerTable]] | None = None
         self._table: PeerTable | None = None
         self._host_ids: Sequence[int] = ()
@@ -139,14 +241,18 @@ class DataPlane:
         ``host`` is the numeric address this rank reaches the rendezvous server
         from. A loopback address means that every member is on this host (no other
         host reaches the server there), so a Unix socket is then all a rank listens
-        on: one listener per member, not two.
+        on. That socket is the process's, shared by all its data planes: this one
+        publishes it with its own member number.
         """
+        addresses = []
         if self.use_uds:  # with shared memory on, the Unix socket channels carry rings
-            transport = shmring if self.use_shm else uds
-            self._listeners.append(await transport.listen(host, lambda: Link(self)))
+            shared = await _shared_listener(self.use_shm)
+            self._member, address = shared.add(self)
+            self._shared = shared
+            addresses.append(address)
         if not (self.use_uds and _is_loopback(host)):
             self._listeners.append(await tcp.listen(host, lambda: Link(self)))
-        addresses = [lst.address for lst in self._listeners]
+        addresses += [lst.address for lst in self._listeners]
         if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
             addresses.append(shm.capability())
         return addresses
@@ -308,7 +414,7 @@ class DataPlane:
         return self._out[dst]
 
     async def _handshake(self, dst: int, channel: DataChannel, link: Link) -> None:
-        hello: list[Any] = [self.job, self.rank, os.getpid()]
+        hello: list[Any] = [self.job, self.rank, os.getpid(), link.member]
         token = self.token
         if token is None:
             await channel.send(MessageKind.PEER_HELLO, hello)
@@ -357,6 +463,7 @@ class DataPlane:
         # its Unix socket is the way, whatever this rank's AIODIST_UDS or host name says.
         if uds_addr and (not tcp_addr or (self.use_uds and local)):
             rings = local and self.use_shm and shm.capability() in addresses
+            link.member = uds.member_of(uds_addr[0])  # the hello names it
             try:
                 if rings:
                     return await shmring.connect(uds_addr[0], link)
@@ -367,6 +474,7 @@ class DataPlane:
                 logger.debug("falling back to TCP for rank %d", dst)
         if not tcp_addr:
             raise ConnectionError(f"rank {dst} published no reachable data-plane address")
+        link.member = 0  # a plane's own TCP listener: no member to name
         return await tcp.connect(tcp_addr[0], link)
 
     def _adopt(self, src: int, channel: DataChannel) -> None:
@@ -474,6 +582,9 @@ class DataPlane:
             channel.close()
         for listener in self._listeners:
             listener.close()
+        if self._shared is not None:
+            self._shared.remove(self._member)
+            self._shared = None
         for task in list(self._tasks):
             task.cancel()
         self._channels.clear()

@@ -89,7 +89,7 @@ async def test_a_failure_reaches_a_receive_whose_payload_is_still_arriving(
     try:
         with anyio.fail_after(10):
             async with await anyio.connect_tcp(host, int(port)) as dead_rank:
-                hello = encode_frame(MessageKind.PEER_HELLO, ["job", 0, 1234], None)
+                hello = encode_frame(MessageKind.PEER_HELLO, ["job", 0, 1234, 0], None)
                 data = encode_frame(MessageKind.DATA, [*key, None], dest)
                 wire = b"".join(bytes(p) for p in hello + data)
                 await dead_rank.send(wire[: len(wire) - dest.nbytes // 2])  # half the payload

@@ -20,6 +20,7 @@ from aiodist import (
     open_process_group,
 )
 from aiodist._errors import ProtocolError
+from aiodist._transport import uds
 from aiodist._wire.frame import (
     NEED_DATA,
     PREFIX,
@@ -150,6 +151,23 @@ async def test_ranks_of_other_hosts_on_a_loopback_server_talk_over_unix_sockets(
     for families, gathered in results:
         assert families == {socket.AF_UNIX}
         assert gathered == [0.0, 1.0]
+
+
+async def test_ranks_of_one_process_share_one_unix_listener(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> tuple[str, list[int]]:
+        members = await g.session.members()
+        (address,) = [a for a in members[g.rank].addresses if a.startswith("uds:")]
+        gathered = await aiodist.all_gather_object(g.rank, group=g)  # through that listener
+        return address, gathered
+
+    with anyio.fail_after(10):
+        results = await run_ranks(server.address, 3, body)
+    addresses = [address for address, _ in results]
+    assert len({uds.socket_name(a) for a in addresses}) == 1  # one listening socket
+    members = [uds.member_of(a) for a in addresses]
+    assert len(set(members)) == 3  # each rank its own member on it
+    assert min(members) > 0
+    assert [gathered for _, gathered in results] == [[0, 1, 2]] * 3
 
 
 async def _append(out: list[Any], coro: Awaitable[Any]) -> None:

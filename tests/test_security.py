@@ -27,6 +27,7 @@ from aiodist._auth import client_proof, new_nonce, server_proof, verify
 from aiodist._control import ControlConnection, connect_control
 from aiodist._peers import P2P, DataPlane
 from aiodist._server import serve
+from aiodist._transport import uds
 from aiodist._wire.frame import NEED_DATA, Frame, FrameDecoder, Limits, encode_frame, encode_message
 from aiodist._wire.messages import (
     Authenticated,
@@ -74,7 +75,7 @@ class RawPeer:
         loop = asyncio.get_running_loop()
         if address.startswith("uds:"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            target: Any = "\0" + address.removeprefix("uds:")
+            target: Any = "\0" + uds.socket_name(address)
         else:
             host, _, port = address.removeprefix("tcp://").rpartition(":")
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -252,8 +253,11 @@ async def test_silent_connection_is_closed_after_the_auth_timeout(
 FORGED = [666.0] * 4
 
 
-def _attacks(job: str, group_id: int) -> dict[str, list[bytes]]:
-    """Byte sequences a stranger sends to a rank's listener, claiming to be rank 0."""
+def _attacks(job: str, group_id: int, member: int = 0) -> dict[str, list[bytes]]:
+    """Byte sequences a stranger sends to a rank's listener, claiming to be rank 0.
+
+    ``member`` is the rank's number on its process's shared listener (0 on TCP).
+    """
     data = _frame(
         MessageKind.DATA,
         [P2P, group_id, 0, 0, ["float32", [4]]],
@@ -262,14 +266,18 @@ def _attacks(job: str, group_id: int) -> dict[str, list[bytes]]:
     pid = os.getpid()
     return {
         "data without hello": [data],
-        "hello without proof": [_frame(MessageKind.PEER_HELLO, [job, 0, pid]), data],
+        "hello without proof": [_frame(MessageKind.PEER_HELLO, [job, 0, pid, member]), data],
         "wrong proof": [
-            _frame(MessageKind.PEER_HELLO, [job, 0, pid, new_nonce()]),
+            _frame(MessageKind.PEER_HELLO, [job, 0, pid, member, new_nonce()]),
             b"await",  # read the acceptor's challenge first
             _frame(MessageKind.PEER_AUTH, [b"", b"\0" * 32]) + data,
         ],
         "data right after hello": [
-            _frame(MessageKind.PEER_HELLO, [job, 0, pid, new_nonce()]) + data
+            _frame(MessageKind.PEER_HELLO, [job, 0, pid, member, new_nonce()]) + data
+        ],
+        # On a process's shared Unix-socket listener: a member that does not exist.
+        "hello to no member": [
+            _frame(MessageKind.PEER_HELLO, [job, 0, pid, member + 1000, new_nonce()]) + data
         ],
     }
 
@@ -289,7 +297,8 @@ async def test_stranger_cannot_deliver_data_to_a_rank(
         else:
             members = await g.session.members()
             (address,) = [a for a in members[1].addresses if a.startswith(scheme)]
-            for name, steps in _attacks("stranger-job", g.group_id).items():
+            member = uds.member_of(address) if scheme == "uds" else 0
+            for name, steps in _attacks("stranger-job", g.group_id, member).items():
                 peer = await RawPeer.connect(address)
                 got: list[int] = []
                 for step in steps:

@@ -22,7 +22,16 @@ if TYPE_CHECKING:
 
     from aiodist._transport.base import FrameSink
 
-__all__ = ["LISTEN_BACKLOG", "UdsListener", "available", "connect", "listen", "scheme"]
+__all__ = [
+    "LISTEN_BACKLOG",
+    "UdsListener",
+    "available",
+    "connect",
+    "listen",
+    "member_of",
+    "scheme",
+    "socket_name",
+]
 
 scheme: Final = "uds"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
@@ -71,6 +80,17 @@ async def listen(
     return UdsListener(f"uds:{name}", server)
 
 
+def socket_name(address: str) -> str:
+    """The abstract name of a ``uds:NAME`` or ``uds:NAME#MEMBER`` address."""
+    return address.removeprefix("uds:").partition("#")[0]
+
+
+def member_of(address: str) -> int:
+    """The member a ``uds:NAME#MEMBER`` address names on a shared listener (0: none)."""
+    _, _, member = address.partition("#")
+    return int(member) if member.isdigit() else 0
+
+
 async def connect(
     address: str,
     sink: FrameSink,
@@ -82,7 +102,7 @@ async def connect(
     try:
         _tune(sock)
         sock.setblocking(False)
-        await loop.sock_connect(sock, "\0" + address.removeprefix("uds:"))
+        await loop.sock_connect(sock, "\0" + socket_name(address))
         _, channel = await loop.create_unix_connection(lambda: make_channel(sink), sock=sock)
     except BaseException:
         sock.close()
