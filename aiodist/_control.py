@@ -60,6 +60,7 @@ from aiodist._wire.messages import (
     Heartbeat,
     Hello,
     MemberFailed,
+    MessageKind,
     Reply,
     ServerClosing,
     Welcome,
@@ -92,6 +93,7 @@ class ControlConnection(asyncio.Protocol):
         self._channels: dict[int, ControlChannel] = {0: self._own}
         self._channel_numbers = itertools.count(1)
         self._out_channel = 0  # the channel the server reads our next message for
+        self._switches: dict[int, bytes] = {}  # each channel's encoded Channel message
         self._in_channel = 0  # the channel the server's next notice is for
         self._outbox: list[Buffer] = []
         self._transport: asyncio.Transport | None = None
@@ -126,6 +128,17 @@ class ControlConnection(asyncio.Protocol):
             dec.receive_data(data)
             while (event := dec.next_event()) is not NEED_DATA and event is not CLOSED:
                 assert isinstance(event, Frame)
+                header = event.header
+                if (
+                    event.kind == MessageKind.REPLY
+                    and self._expected_proof is None
+                    and type(header) is list
+                    and len(header) == 2
+                    and type(header[0]) is int
+                ):
+                    # Most of what a member hears: resolve it without building a Reply.
+                    self._resolve(header[0], header[1])
+                    continue
                 self._dispatch(frame_message(event))
         except ProtocolError as exc:
             self._fail(exc)
@@ -190,7 +203,10 @@ class ControlConnection(asyncio.Protocol):
         parts = encode_message(msg)
         if channel != self._out_channel:
             self._out_channel = channel
-            parts = [*encode_message(Channel(channel)), *parts]
+            switch = self._switches.get(channel)
+            if switch is None:  # encoded once per channel: it precedes most of its messages
+                switch = self._switches[channel] = b"".join(encode_message(Channel(channel)))
+            parts = [switch, *parts]
         self._write(parts)
 
     def _write(self, parts: list[Buffer]) -> None:
@@ -251,9 +267,10 @@ class ControlConnection(asyncio.Protocol):
             return
         if self._error is None:
             self._send_on(channel.number, CloseChannel(channel.number))
-            if len(self._channels) == 1:  # its last member left
-                self._retire()
-                self.close()
+        self._switches.pop(channel.number, None)
+        if self._error is None and len(self._channels) == 1:  # its last member left
+            self._retire()
+            self.close()
 
     # --- internals ---------------------------------------------------------------------
 
