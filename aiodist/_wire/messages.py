@@ -315,7 +315,8 @@ class Welcome:
             raise ValueError(
                 f"Welcome.host_runs covers {covered} ranks, world_size is {self.world_size}"
             )
-        return HostIds(hosts, starts, covered)
+        # Tuples of ints: the garbage collector stops tracking them.
+        return HostIds(tuple(hosts), tuple(starts), covered)
 
 
 class HostIds(Sequence[int]):
@@ -324,7 +325,7 @@ class HostIds(Sequence[int]):
 
     __slots__ = ("_hosts", "_len", "_starts")
 
-    def __init__(self, hosts: list[int], starts: list[int], length: int) -> None:
+    def __init__(self, hosts: tuple[int, ...], starts: tuple[int, ...], length: int) -> None:
         self._hosts, self._starts, self._len = hosts, starts, length
 
     def __len__(self) -> int:
