@@ -173,7 +173,7 @@ async def _joined(
             plane=plane,
             heartbeat_timeout=hb_timeout,
         )
-        del welcome, published  # held by this frame for the whole membership otherwise
+        del welcome  # held by this frame for the whole membership otherwise
     except BaseException:
         conn.close()
         with anyio.CancelScope(shield=True):
