@@ -44,7 +44,7 @@ from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._link import Link, Posted, Received
 from aiodist._matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import HostIds, MessageKind
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
@@ -287,7 +287,10 @@ class DataPlane:
 
     def all_local(self, ranks: Sequence[int]) -> bool:
         """True if every one of ``ranks`` (global) runs on this host."""
-        ids, mine = self._host_ids, self._host_ids[self.rank]
+        ids = self._host_ids
+        if isinstance(ids, HostIds) and ids.runs == 1:
+            return True  # the usual case: one host for the whole job
+        mine = ids[self.rank]
         return all(ids[r] == mine for r in ranks)
 
     async def shared_memory_agreed(self, ranks: Sequence[int]) -> bool:

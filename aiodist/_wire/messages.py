@@ -331,6 +331,11 @@ class HostIds(Sequence[int]):
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def runs(self) -> int:
+        """How many runs of ranks on one host there are (1: every rank on one host)."""
+        return len(self._hosts)
+
     @overload
     def __getitem__(self, rank: int) -> int: ...
     @overload
