@@ -31,17 +31,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
-import itertools
 import logging
 import os
 import types
-import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist import _auth
 from aiodist._bulk import BULK, BULK_MIN_BYTES, CLEAR, BulkTransfers
 from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._link import Link, Posted, Received
+from aiodist._listener import SharedListener, shared_listener
 from aiodist._matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
 from aiodist._wire.messages import HostIds, MessageKind
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 
     from aiodist._transport.base import DataChannel, Listener
-    from aiodist._wire.frame import Buffer, Frame
+    from aiodist._wire.frame import Buffer
 
 __all__ = ["DataPlane", "Key", "Received"]
 
@@ -99,100 +98,6 @@ async def _no_verdict(rank: int, reason: str) -> BaseException | None:
     return None  # until a session takes over the plane's peer failures
 
 
-class _SharedListener:
-    """The Unix-socket listener of every data plane of this process (one loop, one kind).
-
-    Each plane that listens gets a member number and publishes ``uds:NAME#MEMBER``;
-    an accepted channel belongs to the plane its hello names. A process of many
-    ranks then holds one listening socket, not one per rank.
-    """
-
-    def __init__(self) -> None:
-        self.listener: Listener | None = None
-        self.planes: dict[int, DataPlane] = {}
-        self._members = itertools.count(1)
-        self.closed = False
-
-    def add(self, plane: DataPlane) -> tuple[int, str]:
-        assert self.listener is not None
-        assert not self.closed
-        member = next(self._members)
-        self.planes[member] = plane
-        return member, f"{self.listener.address}#{member}"
-
-    def remove(self, member: int) -> None:
-        self.planes.pop(member, None)
-        if not self.planes and self.listener is not None:
-            self.closed = True  # a plane that listens later opens a new one
-            self.listener.close()
-
-
-# Per event loop: the shared listener with rings (True) or plain (False), or its start.
-_shared_listeners: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[bool, asyncio.Future[_SharedListener]]
-] = weakref.WeakKeyDictionary()
-
-
-async def _shared_listener(rings: bool) -> _SharedListener:
-    loop = asyncio.get_running_loop()
-    table = _shared_listeners.setdefault(loop, {})
-    while True:
-        future = table.get(rings)
-        if future is None or (
-            future.done() and (future.exception() is not None or future.result().closed)
-        ):
-            future = table[rings] = asyncio.ensure_future(_start_shared_listener(rings))
-        shared = await asyncio.shield(future)
-        if not shared.closed:  # it may have closed while we waited: start another
-            return shared
-
-
-async def _start_shared_listener(rings: bool) -> _SharedListener:
-    shared = _SharedListener()
-    transport = shmring if rings else uds
-    shared.listener = await transport.listen("", lambda: _Router(shared))
-    return shared
-
-
-class _Router:
-    """The frame sink of a channel accepted on the shared listener, until its hello.
-
-    The hello names the member (plane) the peer wants; from then on the frames go
-    to that plane's ``Link``.
-    """
-
-    __slots__ = ("_link", "_shared")
-
-    def __init__(self, shared: _SharedListener) -> None:
-        self._shared = shared
-        self._link: Link | None = None
-
-    def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
-        link = self._link
-        if link is None:
-            header = frame.header
-            if (
-                frame.kind != MessageKind.PEER_HELLO
-                or not isinstance(header, list)
-                or len(header) < 4
-                or type(header[3]) is not int
-            ):
-                raise ProtocolError("a data channel must open with PEER_HELLO naming a member")
-            plane = self._shared.planes.get(header[3])
-            if plane is None:
-                raise ProtocolError(f"no member {header[3]} listens here (it left, or never was)")
-            link = self._link = Link(plane)
-        return link.frame_received(channel, frame)
-
-    def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        assert self._link is not None  # a payload follows a frame, which made the link
-        self._link.payload_received(channel, frame)
-
-    def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
-        if self._link is not None:
-            self._link.channel_closed(channel, exc)
-
-
 class DataPlane:
     """Channels to every peer of a session, and the receives waiting on them."""
 
@@ -214,7 +119,7 @@ class DataPlane:
         self.on_peer_lost = on_peer_lost or _no_verdict
         self.on_peer_error = on_peer_error or (lambda src, header: None)
         self._listeners: list[Listener] = []  # this plane's own (TCP)
-        self._shared: _SharedListener | None = None  # the process's Unix-socket listener
+        self._shared: SharedListener | None = None  # the process's Unix-socket listener
         self._member = 0  # this plane's number on it
         self._lookup: Callable[[], Awaitable[PeerTable]] | None = None
         self._table: PeerTable | None = None
@@ -246,7 +151,7 @@ class DataPlane:
         """
         addresses = []
         if self.use_uds:  # with shared memory on, the Unix socket channels carry rings
-            shared = await _shared_listener(self.use_shm)
+            shared = await shared_listener(self.use_shm)
             self._member, address = shared.add(self)
             self._shared = shared
             addresses.append(address)
