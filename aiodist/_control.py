@@ -176,11 +176,6 @@ class ControlConnection(asyncio.Protocol):
         """Why the connection is unusable, or None while it works."""
         return self._error
 
-    @property
-    def channels(self) -> int:
-        """Members' channels open on this connection (channel 0 not counted)."""
-        return len(self._channels) - 1
-
     def open_channel(self, on_notice: Callable[[Notice], None] | None = None) -> ControlChannel:
         """A new member's channel on this connection."""
         if self._error is not None:

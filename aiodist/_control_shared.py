@@ -10,6 +10,7 @@ dropped from the table, and the next member connects anew.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import weakref
 from typing import TYPE_CHECKING
@@ -33,15 +34,15 @@ _shared: weakref.WeakKeyDictionary[
 _probes: weakref.WeakSet[asyncio.Future[ControlConnection]] = weakref.WeakSet()
 
 
-def _forget(conn: ControlConnection) -> None:
+def _forget(loop: asyncio.AbstractEventLoop, key: _Key, conn: ControlConnection) -> None:
     """Take a failed or emptied connection out of the shared table: the next member reconnects."""
-    table = _shared.get(conn._loop)
+    table = _shared.get(loop)
     if table is None:
         return
-    for key, future in list(table.items()):
-        if future.done() and not future.cancelled() and future.exception() is None:
-            if future.result() is conn:
-                del table[key]
+    future = table.get(key)
+    if future is not None and future.done() and not future.cancelled():
+        if future.exception() is None and future.result() is conn:
+            del table[key]
 
 
 def sharing_enabled() -> bool:
@@ -125,7 +126,8 @@ def _connected(
     loop: asyncio.AbstractEventLoop, key: _Key, future: asyncio.Future[ControlConnection]
 ) -> None:
     if not future.cancelled() and future.exception() is None:
-        future.result().on_retired = _forget  # the table lets go of it when it retires
+        # The table lets go of it when it retires.
+        future.result().on_retired = functools.partial(_forget, loop, key)
         return
     table = _shared.get(loop)
     if table is not None and table.get(key) is future:

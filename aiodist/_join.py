@@ -151,7 +151,7 @@ async def _joined(
     addresses: list[str] | None,
 ) -> AsyncIterator[ProcessGroup]:
     # Notices that come before the session exists are held by the channel until then.
-    conn, server = await connect_rendezvous(spec, tg, timeout=timeout, on_notice=None)
+    conn, server = await connect_rendezvous(spec, tg, timeout=timeout)
     plane = DataPlane(name)
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]

@@ -29,11 +29,11 @@ from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
     from anyio.abc import TaskGroup
 
-    from aiodist._control_channel import ControlChannel, Notice
+    from aiodist._control_channel import ControlChannel
     from aiodist._server.serve import RendezvousServer
 
 __all__ = ["RendezvousSpec", "connect_rendezvous", "may_embed", "parse_init_method"]
@@ -142,7 +142,6 @@ async def connect_rendezvous(
     tg: TaskGroup | None,
     *,
     timeout: float,
-    on_notice: Callable[[Notice], None] | None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[ControlChannel, RendezvousServer | None]:
     """Open the control connection for ``spec``, embedding a server in ``tg`` if needed.
@@ -154,15 +153,13 @@ async def connect_rendezvous(
     """
     env = os.environ if environ is None else environ
     if not may_embed(spec, env):
-        conn = await open_channel(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
+        conn = await open_channel(spec.host, spec.port, timeout=timeout)
         return conn, None
     assert tg is not None, "a process that may embed the server needs a task group"
     if spec.scheme == "file":
-        return await _connect_file(spec.path, tg, timeout=timeout, on_notice=on_notice, env=env)
+        return await _connect_file(spec.path, tg, timeout=timeout, env=env)
     try:
-        conn = await open_channel(
-            spec.host, spec.port, timeout=timeout, on_notice=on_notice, retry_refused=False
-        )
+        conn = await open_channel(spec.host, spec.port, timeout=timeout, retry_refused=False)
         return conn, None
     except ConnectionRefusedError:
         try:
@@ -174,9 +171,9 @@ async def connect_rendezvous(
         except OSError:
             pass  # another process won the race to embed it; connect to theirs
         else:
-            conn = await open_channel(*server.address, timeout=timeout, on_notice=on_notice)
+            conn = await open_channel(*server.address, timeout=timeout)
             return conn, server
-    conn = await open_channel(spec.host, spec.port, timeout=timeout, on_notice=on_notice)
+    conn = await open_channel(spec.host, spec.port, timeout=timeout)
     return conn, None
 
 
@@ -185,7 +182,6 @@ async def _connect_file(
     tg: TaskGroup,
     *,
     timeout: float,
-    on_notice: Callable[[Notice], None] | None,
     env: Mapping[str, str],
 ) -> tuple[ControlChannel, RendezvousServer | None]:
     lock = _file_locks.setdefault(path, asyncio.Lock())
@@ -203,7 +199,6 @@ async def _connect_file(
                                 host.strip("[]"),
                                 int(port),
                                 timeout=FILE_PROBE_TIMEOUT,
-                                on_notice=on_notice,
                                 retry_refused=False,
                             )
                             return conn, None
@@ -222,7 +217,7 @@ async def _connect_file(
                     f.write(f"{server.address[0]}:{server.address[1]}\n")
                     f.flush()
                     os.fsync(f.fileno())
-                conn = await open_channel(*server.address, timeout=timeout, on_notice=on_notice)
+                conn = await open_channel(*server.address, timeout=timeout)
                 return conn, server
             finally:
                 os.close(fd)  # releases the fcntl lock
