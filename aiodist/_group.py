@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ClosedError, DistError
@@ -58,6 +59,7 @@ class ProcessGroup:
         self._seq_lock = threading.Lock()
         self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
+        self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
 
     def check_usable(self) -> None:
         """Raise the error that broke this group (or its session), if any."""
@@ -69,10 +71,26 @@ class ProcessGroup:
         if self.rank < 0:
             raise ValueError(f"this process (rank {self._session.rank}) is not in {self!r}")
 
+    def on_close(self, method: Callable[[], object]) -> None:
+        """Call the bound ``method`` (held weakly) when this group or its session closes.
+
+        Before anything fails: what an operation left to do on this side (metric
+        records queued on a shared board) still gets done, for the peers' sake.
+        """
+        self._on_close.append(weakref.WeakMethod(method))
+
+    def run_close_hooks(self) -> None:
+        hooks, self._on_close = self._on_close, []
+        for ref in hooks:
+            method = ref()
+            if method is not None:
+                method()
+
     def close(self) -> None:
         """Destroy this group (not the session): its pending receives fail, later calls raise."""
         if self.closed:
             return
+        self.run_close_hooks()
         self.closed = True
         self._session.groups.pop(self.group_id, None)
         self._session.plane.fail(ClosedError(f"{self!r} was destroyed"), self.group_id)

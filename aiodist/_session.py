@@ -239,6 +239,8 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        for g in list(self.groups.values()):
+            g.run_close_hooks()
         # A receive that no one may ever match would hold the close for the whole
         # timeout: fail point-to-point receives now, as torch's destroy does.
         self.plane.fail_p2p(ClosedError(f"process group {self.group_name!r} was destroyed"))

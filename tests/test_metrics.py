@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -287,6 +288,27 @@ def test_not_initialised_resolves_to_local_values() -> None:
     results = work.wait()
     assert results.to_dict() == {"loss": (2 * 1.0 + 4.0 + 7.0) / 4, "n": 4.0, "lr": 0.25}
     assert results.counts == {"loss": 4.0, "n": 3.0, "lr": 2.0}  # weight 2, then 1
+    assert agg.pending == []
+    assert agg.sync().wait().to_dict() == {}
+
+
+def test_a_lone_update_keeps_numbers_not_tensors_and_folds_into_later_ones() -> None:
+    agg = MetricAggregator({"n": "sum"})
+    loss = torch.tensor(2.0)
+    alive = weakref.ref(loss)
+    agg.update(4, loss=loss, n=3)
+    del loss
+    assert alive() is None  # read when updated; nothing keeps the tensor
+    assert agg.pending == ["loss", "n"]
+    with pytest.raises(TypeError, match="metric 'name' must be a number or a tensor"):
+        agg.update(loss=1.0, name="x")
+    assert agg.pending == ["loss", "n"]  # the first update is neither lost nor added twice
+    agg.update(loss=torch.tensor([5.0, 8.0]), n=1)
+    results = agg.sync().wait()
+    assert results.to_dict() == {"loss": (4 * 2.0 + 5.0 + 8.0) / 6, "n": 4.0}
+    assert results.counts == {"loss": 6.0, "n": 5.0}
+    agg.update(x=1.0)
+    agg.reset()
     assert agg.pending == []
     assert agg.sync().wait().to_dict() == {}
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 import pytest
+import torch
 
 import aiodist
 from aiodist._metrics import board
@@ -73,6 +74,84 @@ async def test_board_and_sockets_give_bitwise_the_same_results(
     assert on_board[0][5]["nonfinite"] == {"grad": 2}  # ranks 0 and 2 send NaN
 
 
+def _single_update(agg: MetricAggregator, rank: int, step: int) -> None:
+    """One update per sync, the per-step case: numbers and one-element tensors of any dtype."""
+    bad = math.inf if (rank + step) % 4 == 0 else math.nan if (rank + step) % 5 == 0 else 0.5
+    agg.update(
+        rank + step,
+        loss=torch.tensor(0.25 * rank - step, dtype=torch.float32),
+        norm=torch.tensor([float(step * rank)], dtype=torch.float64),
+        tokens=torch.tensor(rank + 7 * step),  # an integer tensor
+        peak=float(rank * step) - 3,
+        low=bad,
+        lr=1e-3 * (step + 1),
+        **({"rare": float(rank)} if step % 3 == rank % 3 else {}),  # keys that come and go
+    )
+
+
+async def _run_single(server: RendezvousServer, world: int, steps: int) -> list[list[str]]:
+    async def body(g: ProcessGroup) -> list[str]:
+        agg = MetricAggregator(
+            {"tokens": "sum", "peak": "max", "low": "min", "lr": "last"}, group=g
+        )
+        works = []
+        for step in range(steps):
+            _single_update(agg, g.rank, step)
+            works.append(agg.sync())
+            if step == 0:
+                await works[0]  # the board is set up: later syncs write from here
+        out = []
+        for w in works:
+            r = await w
+            # NaN != NaN: compare the JSON text, where NaN is spelled out.
+            out.append(json.dumps([r.to_dict(), r.counts, r.nonfinite], sort_keys=True))
+        assert bool(agg._singles) == (agg._board is not None)  # the single records were used
+        return out
+
+    with anyio.fail_after(60):
+        return await run_ranks(server.address, world, body)
+
+
+async def test_one_update_per_sync_gives_bitwise_what_sockets_give(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync every step writes its update as it came (``record.Single``): same values."""
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "1")
+    on_board = await _run_single(server, 3, 2 * board.BATCH + 3)
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "0")
+    on_sockets = await _run_single(server, 3, 2 * board.BATCH + 3)
+    assert on_board == [on_board[0]] * 3
+    assert on_board == on_sockets
+    values, counts, nonfinite = json.loads(on_board[0][4])
+    assert values["tokens"] == 0 + 28 + 1 + 28 + 2 + 28  # ranks 0-2 at step 4
+    assert counts["loss"] == 4 + 5 + 6  # rank + step, summed
+    assert values["lr"] == pytest.approx(5e-3)  # rank 0's
+    assert nonfinite == {"low": 2}  # ranks 0 (inf) and 1 (NaN) at step 4
+
+
+async def test_records_a_rank_left_queued_reach_the_others(server: RendezvousServer) -> None:
+    """Ranks 1 and 2 sync and then only wait for rank 0, which awaits the sync's values."""
+    got_them = anyio.Event()
+
+    async def body(g: ProcessGroup) -> float | None:
+        agg = MetricAggregator({"x": "sum"}, group=g)
+        agg.update(x=0.0)
+        await agg.sync()  # the board is set up
+        agg.update(x=float(g.rank + 1))
+        work = agg.sync()
+        if g.rank:
+            await got_them.wait()
+            return None
+        assert agg._board is not None
+        value = (await work)["x"]  # the others' pollers write what they left queued
+        got_them.set()
+        return value
+
+    with anyio.fail_after(30):
+        outs = await run_ranks(server.address, 3, body, timeout=20)
+    assert outs == [6.0, None, None]
+
+
 async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServer) -> None:
     """Fast ranks run 3 x DEPTH syncs ahead of a slow one: their writes queue, none is lost."""
     n = 3 * board.DEPTH
@@ -90,7 +169,8 @@ async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServe
             works.append(agg.sync())
         if g.rank == 0:
             assert agg._board is not None
-            assert len(agg._board._backlog) >= n - board.DEPTH  # the slow rank holds slots
+            b = agg._board
+            assert len(b._backlog) + len(b._queued) >= n - board.DEPTH  # the slow rank holds slots
             slow_may_go.set()
         return [(await w)["step"] for w in works]
 
@@ -219,6 +299,55 @@ async def test_a_rank_dying_fails_the_others_pending_syncs(
         assert out["board"], out
         assert out["error"] == "RankFailedError", out
         assert f"rank {victim}" in out["message"], out
+
+
+LEAVER = textwrap.dedent(
+    """
+    import json, sys
+    import anyio
+    import aiodist
+    from aiodist.metrics import MetricAggregator
+
+    async def main() -> None:
+        url, rank = sys.argv[1], int(sys.argv[2])
+        await aiodist.init_process_group(init_method=url, world_size=2, rank=rank,
+                                         group_name="leaver", timeout=20)
+        agg = MetricAggregator({"n": "sum"})
+        agg.update(n=0.0)
+        await agg.sync()  # the board is set up
+        await aiodist.barrier()
+        agg.update(n=float(rank + 10))
+        work = agg.sync()  # queued on rank 1, which leaves at once
+        out = {"rank": rank, "board": agg._board is not None}
+        if rank == 0:
+            out["n"] = (await work)["n"]
+        await aiodist.destroy_process_group()
+        print(json.dumps(out), flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the ranks run their own loops
+async def test_a_rank_that_leaves_right_after_a_sync_writes_it_first(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        outs[rank] = await run_worker(script, [url, str(rank)], {"AIODIST_METRICS_SHM": "1"})
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for rank in range(2):
+                tg.start_soon(one, rank)
+    assert outs[1]["returncode"] == 0, outs[1]
+    assert outs[0] == {"rank": 0, "board": True, "n": 21.0, "returncode": 0}
 
 
 async def test_with_checksums_a_torn_slot_is_not_read(

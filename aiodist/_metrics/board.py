@@ -6,31 +6,44 @@ segment instead of the data plane. Sync ``i`` of the aggregator (its place
 among the aggregator's syncs, the same on every rank) has one slot per rank;
 rank ``r`` writes its records into slot ``(i % DEPTH, r)`` and stamps it, and the
 sync is complete once every rank's slot carries the stamp. Nothing is sent
-and no thread is woken: in plain code ``sync()`` writes from the training
-loop's own thread and returns.
+and no thread is woken: in plain code ``sync()`` queues its records from the
+training loop's own thread and returns.
+
+Records are written in batches: a training step pays for every cold line of
+Python it runs, and sixteen writes in one warm pass cost it far less than one
+in each step. A rank's queued records are written
+
+- by the sync that makes ``BATCH`` of them;
+- by a look at one of its handles (``is_completed()``, ``result()``, ``wait()``,
+  ``await``), which writes before it looks;
+- by the poller, once they have sat queued for a whole ``POLL_QUEUED`` period
+  (a rank that stopped syncing: at most twice that late);
+- when the group or its session closes, before anything fails.
 
 Completion is noticed rather than announced:
 
-- a ``post`` (a ``sync()``) looks at the syncs in flight once ``_COPY_EVERY`` of
-  them are (a few loads from shared memory per sync, in one warm pass);
+- each batch written also copies out the syncs that completed (a few loads
+  from shared memory per sync, in the same warm pass);
 - ``is_completed()``, ``result()`` and ``wait()`` look too;
-- a handle someone waits on (``await``, ``wait()``, ``on_done``) starts a poller
-  on the event loop, which looks every ``POLL_MIN``..``POLL_MAX`` seconds while
-  such a handle is pending, and fails pending syncs when the group breaks or
-  the oldest one passes the group's timeout.
+- a handle someone waits on (``await``, ``wait()``, ``on_done``) makes the poller
+  on the event loop look every ``POLL_MIN``..``POLL_MAX`` seconds while such a
+  handle is pending. The poller also fails pending syncs when the group breaks
+  or the oldest one passes the group's timeout; with nobody waiting it looks
+  every ``POLL_QUEUED`` seconds while syncs are in flight, and only writes
+  what sat queued.
 
 A slot is ``[stamp u64 | seq u64 | nbytes u32 | crc u32 | records]``, the stamp
 written last. x86 keeps stores in program order, so a stamp seen means the bytes
 it stamps are there. Elsewhere the CRC (of the sync's index and the records)
-catches a stamp seen before its bytes, and the slot is read again later. The records are msgpack,
-copied out when the sync completes and decoded only when someone reads the
-results; the reduction is the fused path's own (``Layout``), so both paths
-give bitwise the same values.
+catches a stamp seen before its bytes, and the slot is read again later. The
+records (``_metrics.record``) are copied out when the sync completes and
+decoded only when someone reads the results; the reduction is the fused
+path's own (``Layout``), so both paths give bitwise the same values.
 
 Flow control: each rank publishes how many syncs it has copied out; a slot is
 written again only once every rank copied its previous sync, so a rank
-``DEPTH`` syncs ahead of the slowest queues its writes (its next ``post`` or
-the poller writes them).
+``DEPTH`` syncs ahead of the slowest keeps its writes on a backlog (its next
+batch or the poller writes them).
 
 ``sync()`` still takes the group's next sequence number, as every collective
 does (``ProcessGroup.next_seq``): ranks whose first syncs went through the
@@ -56,6 +69,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._collectives import common, shared
@@ -65,6 +79,7 @@ from aiodist._transport import shm
 
 if TYPE_CHECKING:
     from aiodist._group import ProcessGroup
+    from aiodist._metrics.record import Record
 
 __all__ = ["DEPTH", "MAX_RECORD_BYTES", "Board", "enabled", "open_board"]
 
@@ -80,11 +95,11 @@ _COUNTER_BYTES: Final = 64  # each rank's "copied out" count, alone on a cache l
 #: The largest encoded record a rank may write per sync (about five hundred metrics).
 MAX_RECORD_BYTES: Final = SLOT_BYTES - _HEAD.size
 _OVERSIZE: Final = 0xFFFFFFFF
-# A post copies out finished syncs once this many are in flight (waiters look at once).
-_COPY_EVERY: Final = 8
+#: A sync writes its rank's queued records once this many are queued.
+BATCH: Final = 16
 POLL_MIN: Final = 0.0002
 POLL_MAX: Final = 0.004
-POLL_QUEUED: Final = 0.02  # only writes queued, nobody waiting
+POLL_QUEUED: Final = 0.05  # nobody waiting: records may sit queued up to twice this
 _STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases
 # Total store order: no checksum needed to trust a stamped slot.
 _CHECKSUM: Final = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}
@@ -107,12 +122,17 @@ class Board:
         self._mem = memoryview(segment.memory)
         self._rank, self._size = g.rank, g.world_size
         self._slots_at = self._size * _COUNTER_BYTES
-        self._pending: dict[int, BoardWork] = {}  # posted, not copied out, by index
+        self._queued: deque[tuple[BoardWork, Record]] = deque()  # not written yet
+        self._pending: dict[int, BoardWork] = {}  # written (or backlogged), not copied out
         self._backlog: list[tuple[int, int, bytes | None]] = []  # waiting for a slot
         self._copied = 0  # syncs [0, copied) are copied out here
         self._writable_below = DEPTH  # indices below this may be written (cached)
-        self._polling = False
+        self._polling = False  # the poller runs; ``_delay`` is its current period
         self._delay = POLL_MIN
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0  # loop time it fires at (uvloop's handles do not say)
+        self._stale: BoardWork | None = None  # the queue's head at the last poll
+        g.on_close(self.check)  # records still queued are written before the group goes
         self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
         self._draining = False
 
@@ -125,28 +145,51 @@ class Board:
 
     # --- posting -----------------------------------------------------------------------------
 
-    def post(self, index: int, seq: int, record: bytes) -> BoardWork:
-        """Write this rank's ``record`` of sync ``index`` (or queue it); return its handle."""
-        data = record if len(record) <= MAX_RECORD_BYTES else None
-        work = BoardWork(self, index, seq, time.monotonic() + self.group.timeout)
-        with self.lock:
-            if index < self._copied or index in self._pending:
-                raise RuntimeError(f"metrics sync {index} was posted already")
-            self._pending[index] = work
-            drain = None
-            if not self._backlog and self._writable(index):
-                self._write_locked(index, seq, data)
-            else:
-                self._backlog.append((index, seq, data))
-            # Copying out finished syncs waits for a few of them: one warm pass over
-            # several costs a training step less than a cold one each step.
-            if self._backlog or index - self._copied >= _COPY_EVERY:
-                drain = self.queue_wake_locked(self._check_locked())
-            queued = bool(self._backlog)
-        self.run_wake(drain)
-        if queued:
-            self.watch(soon=False)  # the slowest rank will free a slot; write it then
+    def queue(self, index: int, seq: int, record: Record) -> BoardWork:
+        """Queue this rank's ``record`` of sync ``index``; return its handle.
+
+        Nothing is written yet: the sync that fills a batch of ``BATCH`` writes
+        them all (and copies out what completed), as do a look at a handle
+        (``check``) and the poller, within ``POLL_QUEUED`` seconds.
+        """
+        work = BoardWork(self, index, seq)
+        queued = self._queued
+        queued.append((work, record))  # atomic: the poller may be taking from the other end
+        if len(queued) >= BATCH:
+            self.check()
+        elif not self._polling:
+            self.watch(soon=False)
         return work
+
+    def post(self, index: int, seq: int, record: Record) -> BoardWork:
+        """``queue`` and write at once (the loop's own syncs, which are not per step)."""
+        work = self.queue(index, seq, record)
+        self.check()
+        return work
+
+    def _flush_locked(self) -> None:
+        """Write (or put on the backlog) every queued record, in the order they came."""
+        queued = self._queued
+        if not queued:
+            return
+        deadline = time.monotonic() + self.group.timeout
+        pending, backlog = self._pending, self._backlog
+        while queued:
+            work, record = queued.popleft()
+            index = work.index
+            if index < self._copied or index in pending:
+                work._settle_locked(None, RuntimeError(f"metrics sync {index} was posted twice"))
+                continue
+            work.deadline = deadline
+            pending[index] = work
+            if not isinstance(record, bytes):
+                single, weight, values = record
+                record = single.encode(weight, values)
+            data = record if len(record) <= MAX_RECORD_BYTES else None
+            if not backlog and self._writable(index):
+                self._write_locked(index, work.seq, data)
+            else:
+                backlog.append((index, work.seq, data))
 
     def _write_locked(self, index: int, seq: int, data: bytes | None) -> None:
         off = self._slots_at + ((index % DEPTH) * self._size + self._rank) * SLOT_BYTES
@@ -177,6 +220,7 @@ class Board:
         self.run_wake(drain)
 
     def _check_locked(self) -> list[list[Any]]:
+        self._flush_locked()
         backlog = self._backlog
         if backlog:
             # Posts may come out of order (the loop's and the caller's thread); slots
@@ -276,22 +320,43 @@ class Board:
     # --- the poller (the loop's thread) ------------------------------------------------------
 
     def watch(self, *, soon: bool = True) -> None:
-        """Make sure the poller runs: someone waits on a pending sync (``soon``), or
-        writes are queued (then a slow look is enough: the next ``sync()`` writes them
-        too, and ranks that drift apart would otherwise wake the loop all the time)."""
+        """Make sure the poller runs: someone waits on a pending sync (``soon``: within
+        ``POLL_MIN``), or records are queued or in flight (a slow look is enough: the
+        caller's next syncs write and look too, and ranks that drift apart would
+        otherwise wake the loop all the time)."""
+        delay = POLL_MIN if soon else POLL_QUEUED
         with self.lock:
-            if self._polling:
+            if self._polling and self._delay <= delay:
                 return
             self._polling = True
-            self._delay = delay = POLL_MIN if soon else POLL_QUEUED
+            self._delay = delay
         if self.on_loop_thread():
-            self.loop.call_later(delay, self._poll)
+            self._arm(delay)
         elif not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.call_later, delay, self._poll)
+            self.loop.call_soon_threadsafe(self._arm, delay)
+
+    def _arm(self, delay: float) -> None:
+        """Poll within ``delay`` seconds (sooner if it already would)."""
+        timer, when = self._timer, self.loop.time() + delay
+        if timer is not None:
+            if self._timer_when <= when:
+                return
+            timer.cancel()
+        self._timer, self._timer_when = self.loop.call_at(when, self._poll), when
 
     def _poll(self) -> None:
+        self._timer = None
+        with self.lock:
+            period = self._delay
+            queued = self._queued
+            head = queued[0][0] if queued else None
+            # Records the caller queued a whole period ago and did not write since.
+            stale, self._stale = head is not None and head is self._stale, head
         before = len(self._pending)
-        self.check()
+        # Nobody waits: only write what a caller that stopped syncing left queued (one
+        # that still syncs writes its own), and retry the backlog.
+        if period < POLL_QUEUED or stale or self._backlog:
+            self.check()
         error = self._failure()
         with self.lock:
             drain = None
@@ -305,18 +370,23 @@ class Board:
                 self._backlog.clear()
                 drain = self.queue_wake_locked(woken)
             watched = any(w._waiters or w._listeners for w in self._pending.values())
-            keep = watched or bool(self._backlog)
-            if not keep:
+            # Syncs in flight keep it looking (slowly when nobody waits): it writes what
+            # a caller left queued, and fails them all if the group breaks or times out.
+            keep = watched or bool(self._backlog or self._queued or self._pending)
+            if self._delay < period:
+                pass  # someone started waiting meanwhile (``watch``): keep their period
+            elif not keep:
                 self._polling = False
             elif not watched:
                 self._delay = POLL_QUEUED
-            elif len(self._pending) < before:
-                self._delay = POLL_MIN  # progress: look again soon
+            elif len(self._pending) < before or period >= POLL_QUEUED:
+                self._delay = POLL_MIN  # progress, or someone started waiting: look soon
             else:
-                self._delay = min(POLL_MAX, self._delay * 2)
+                self._delay = min(POLL_MAX, period * 2)
+            delay = self._delay
         self.run_wake(drain)
         if keep:
-            self.loop.call_later(self._delay, self._poll)
+            self._arm(delay)
 
     def _failure(self) -> BaseException | None:
         g = self.group

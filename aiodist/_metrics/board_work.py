@@ -9,61 +9,26 @@ raw records (``Rows``), decoded on first read.
 
 from __future__ import annotations
 
-import threading
+import math
 from array import array
 from typing import TYPE_CHECKING, Any, Final
 
-import msgpack
-
 from aiodist._errors import CollectiveMismatchError, DistError
+from aiodist._metrics import record
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.state import Reduction, layout_of
 from aiodist._work import Work
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable, Generator, Mapping
+    from collections.abc import Callable, Generator
 
     from aiodist._metrics.board import Board
-    from aiodist._metrics.state import Accumulator, Snapshot
 
-__all__ = ["BoardWork", "Rows", "encode", "encode_host", "wake"]
+__all__ = ["BoardWork", "Rows", "wake"]
 
 # Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
 _DELIVERY_WAIT: Final = 5.0
-
-
-_packers = threading.local()  # one reusable msgpack buffer per thread
-
-
-def _pack(records: list[list[Any]]) -> bytes:
-    packer: msgpack.Packer | None = getattr(_packers, "packer", None)
-    if packer is None:
-        packer = _packers.packer = msgpack.Packer()
-    return packer.pack(records)
-
-
-def encode(snapshot: Snapshot) -> bytes:
-    """This rank's records of one sync, as written into its slot."""
-    reductions = snapshot.reductions
-    records = snapshot.records()
-    return _pack([[name, reductions[name], *rec] for name, rec in records.items()])
-
-
-def encode_host(accumulators: Mapping[str, Accumulator]) -> bytes | None:
-    """``encode(take_snapshot(accumulators))`` without the snapshot; None if one is on a device.
-
-    The per-step path: a training loop pays for every object it builds here.
-    """
-    records = []
-    for name, a in accumulators.items():
-        if a.record is not None:
-            return None
-        updates, seen = float(a.updates), float(a.seen)
-        records.append(
-            [name, a.reduction, a.total, a.count, a.nonfinite, a.extreme, a.last, updates, seen]
-        )
-    return _pack(records)
 
 
 class Rows:
@@ -86,7 +51,7 @@ class Rows:
                     f"({self.limit} bytes encoded); sync fewer metrics at a time, or "
                     "set AIODIST_METRICS_SHM=0 on every rank"
                 )
-            decoded.append(msgpack.unpackb(row))
+            decoded.append(record.decode(row))
         table: dict[str, tuple[Reduction, int]] = {}
         for r, records in enumerate(decoded):
             for name, red, *_ in records:
@@ -113,12 +78,12 @@ class BoardWork(Work[MetricResults]):
 
     __slots__ = ("_board", "deadline", "index", "seq")
 
-    def __init__(self, board: Board, index: int, seq: int, deadline: float) -> None:
+    def __init__(self, board: Board, index: int, seq: int) -> None:
         super().__init__(None, f"metrics.sync#{seq}", loop=board.loop)
         self._board = board
         self.index = index
         self.seq = seq
-        self.deadline = deadline
+        self.deadline = math.inf  # set when the record is written
 
     # Waiters and listeners register under the board's lock: another thread may settle.
 
