@@ -26,9 +26,11 @@ from aiodist.testing import run_ranks
 from tests._workers import run_worker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
-    from aiodist import ProcessGroup, RendezvousServer
+    from aiodist import ProcessGroup, RendezvousServer, Work
+    from aiodist.metrics import MetricResults
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux and a writable /dev/shm")
 
@@ -150,6 +152,45 @@ async def test_records_a_rank_left_queued_reach_the_others(server: RendezvousSer
     with anyio.fail_after(30):
         outs = await run_ranks(server.address, 3, body, timeout=20)
     assert outs == [6.0, None, None]
+
+
+async def test_handles_nobody_holds_are_skipped_and_their_callbacks_still_run(
+    server: RendezvousServer,
+) -> None:
+    """Most handles are dropped at once (a rank that only logs); rank 0 keeps a few and
+    gives others only an on_done callback: the board holds those until they ran."""
+    n = 3 * board.DEPTH
+
+    async def body(g: ProcessGroup) -> tuple[dict[int, float], list[tuple[int, float]]]:
+        agg = MetricAggregator({"x": "sum"}, group=g)
+        agg.update(x=0.0)
+        await agg.sync()  # the board is set up
+        held: dict[int, Work[MetricResults]] = {}
+        called: list[tuple[int, float]] = []
+        last_ran = anyio.Event()
+
+        def log(step: int) -> Callable[[MetricResults], None]:
+            return lambda r: called.append((step, r["x"]))
+
+        for step in range(n):
+            agg.update(x=float(step))
+            if step % 10 == 0:
+                held[step] = agg.sync()
+            elif step % 7 == 0 and g.rank == 0:
+                agg.sync(on_done=log(step))
+            else:
+                agg.sync()
+        agg.update(x=0.0)
+        agg.sync(on_done=lambda _: last_ran.set())  # callbacks run in call order
+        await last_ran.wait()
+        return {step: (await w)["x"] for step, w in held.items()}, called
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 3, body)
+    for values, _ in outs:
+        assert values == {step: 3.0 * step for step in range(0, n, 10)}
+    assert outs[0][1] == [(s, 3.0 * s) for s in range(n) if s % 7 == 0 and s % 10]
+    assert outs[1][1] == outs[2][1] == []
 
 
 async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServer) -> None:

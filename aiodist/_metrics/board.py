@@ -23,7 +23,10 @@ in each step. A rank's queued records are written
 Completion is noticed rather than announced:
 
 - each batch written also copies out the syncs that completed (a few loads
-  from shared memory per sync, in the same warm pass);
+  from shared memory per sync, in the same warm pass). The board holds handles
+  weakly: a sync whose handle nobody holds any more (a rank that only logs
+  drops them) is never read, only counted as copied out. A handle with an
+  ``on_done`` listener is held until it ran;
 - ``is_completed()``, ``result()`` and ``wait()`` look too;
 - a handle someone waits on (``await``, ``wait()``, ``on_done``) makes the poller
   on the event loop look every ``POLL_MIN``..``POLL_MAX`` seconds while such a
@@ -68,6 +71,7 @@ import platform
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final
@@ -123,7 +127,10 @@ class Board:
         self._rank, self._size = g.rank, g.world_size
         self._slots_at = self._size * _COUNTER_BYTES
         self._queued: deque[tuple[BoardWork, Record]] = deque()  # not written yet
-        self._pending: dict[int, BoardWork] = {}  # written (or backlogged), not copied out
+        # Written (or backlogged), not copied out: held weakly, so that a handle nobody
+        # holds any more is not copied out at all. Handles with listeners are kept.
+        self._pending: dict[int, weakref.ref[BoardWork]] = {}
+        self._kept: dict[int, BoardWork] = {}
         self._backlog: list[tuple[int, int, bytes | None]] = []  # waiting for a slot
         self._copied = 0  # syncs [0, copied) are copied out here
         self._writable_below = DEPTH  # indices below this may be written (cached)
@@ -173,20 +180,20 @@ class Board:
         if not queued:
             return
         deadline = time.monotonic() + self.group.timeout
-        pending, backlog = self._pending, self._backlog
+        pending, backlog, copied, ref = self._pending, self._backlog, self._copied, weakref.ref
         while queued:
             work, record = queued.popleft()
             index = work.index
-            if index < self._copied or index in pending:
+            if index < copied or index in pending:
                 work._settle_locked(None, RuntimeError(f"metrics sync {index} was posted twice"))
                 continue
             work.deadline = deadline
-            pending[index] = work
+            pending[index] = ref(work)
             if not isinstance(record, bytes):
                 single, weight, values = record
                 record = single.encode(weight, values)
             data = record if len(record) <= MAX_RECORD_BYTES else None
-            if not backlog and self._writable(index):
+            if not backlog and (index < self._writable_below or self._writable(index)):
                 self._write_locked(index, work.seq, data)
             else:
                 backlog.append((index, work.seq, data))
@@ -236,13 +243,22 @@ class Board:
             del backlog[:written]
         woken: list[list[Any]] = []
         pending = self._pending
-        start = self._copied
-        while self._copied in pending:  # in index order: an index not posted yet stops it
-            rows = self._read(self._copied)
+        copied = start = self._copied
+        while True:  # in index order: an index not posted yet stops it
+            ref = pending.get(copied)
+            if ref is None:
+                break
+            work = ref()
+            if work is None:  # nobody can look at this sync any more: skip its slots
+                del pending[copied]
+                copied += 1
+                continue
+            rows = self._read(copied)
             if rows is None:
                 break
-            work = pending.pop(self._copied)
-            self._copied += 1
+            del pending[copied]
+            self._kept.pop(copied, None)
+            copied += 1
             seqs = {seq for seq, _ in rows}
             if len(seqs) > 1:
                 by_rank = {r: seq for r, (seq, _) in enumerate(rows)}
@@ -262,9 +278,18 @@ class Board:
             wake = work._settle_locked(value, error)
             if wake is not None:
                 woken.append(wake)
-        if self._copied != start:
-            _STAMP.pack_into(self._mem, self._rank * _COUNTER_BYTES, self._copied)
+        if copied != start:
+            self._copied = copied
+            _STAMP.pack_into(self._mem, self._rank * _COUNTER_BYTES, copied)
         return woken
+
+    def keep_locked(self, work: BoardWork) -> None:
+        """Hold ``work`` until it settles (it has listeners, and maybe no other holder)."""
+        self._kept[work.index] = work
+
+    def _live_locked(self) -> list[BoardWork]:
+        """The pending handles someone still holds, oldest first."""
+        return [w for w in (ref() for ref in self._pending.values()) if w is not None]
 
     def _read(self, index: int) -> list[tuple[int, bytes | None]] | None:
         """Every rank's (seq, record) of sync ``index``, or None while one is missing."""
@@ -360,16 +385,15 @@ class Board:
         error = self._failure()
         with self.lock:
             drain = None
+            live = self._live_locked()
             if error is not None:
-                woken = [
-                    w
-                    for w in (work._settle_locked(None, error) for work in self._pending.values())
-                    if w
-                ]
+                woken = [w for w in (work._settle_locked(None, error) for work in live) if w]
                 self._pending.clear()
+                self._kept.clear()
                 self._backlog.clear()
                 drain = self.queue_wake_locked(woken)
-            watched = any(w._waiters or w._listeners for w in self._pending.values())
+                live = []
+            watched = bool(self._kept) or any(w._waiters for w in live)
             # Syncs in flight keep it looking (slowly when nobody waits): it writes what
             # a caller left queued, and fails them all if the group breaks or times out.
             keep = watched or bool(self._backlog or self._queued or self._pending)
@@ -394,7 +418,9 @@ class Board:
             g.check_usable()
         except Exception as exc:
             return exc
-        oldest = self._pending.get(self._copied)
+        with self.lock:
+            live = self._live_locked()
+        oldest = live[0] if live else None
         if oldest is not None and oldest.deadline <= time.monotonic():
             timed_out = DistTimeoutError(
                 f"{oldest.description} on group {g.name!r} timed out after "

@@ -76,7 +76,7 @@ class Rows:
 class BoardWork(Work[MetricResults]):
     """A sync on the board: settled by whichever thread notices it complete."""
 
-    __slots__ = ("_board", "deadline", "index", "seq")
+    __slots__ = ("__weakref__", "_board", "deadline", "index", "seq")
 
     def __init__(self, board: Board, index: int, seq: int) -> None:
         super().__init__(None, f"metrics.sync#{seq}", loop=board.loop)
@@ -95,6 +95,7 @@ class BoardWork(Work[MetricResults]):
             if not self._done:
                 if self._listeners is None:
                     self._listeners = [fn]
+                    board.keep_locked(self)
                 else:
                     self._listeners.append(fn)
                 drain = None
