@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import numbers
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from aiodist import _portal, _world
@@ -295,15 +296,25 @@ class MetricAggregator:
             >>> work = agg.sync(on_done=lambda r: print(r.summary()))
         """
         single, self._single = self._single, None
-        accs, self._accs = self._accs, {}
+        accs = self._accs
+        if accs:
+            self._accs = {}
         number = self._syncs
-        self._syncs += 1
+        self._syncs = number + 1
         board = self._board
         if board is not None and self._may_write(board):
-            # None: a value lives on a GPU, the loop waits for it
-            record = encode_host(accs) if single is None else self._single_record(*single)
+            record: Record | None
+            if single is not None:  # the per-step case, in as few steps as it takes
+                weight, names, xs = single
+                encoding = self._singles.get(names) or self._single_encoding(names)
+                record = (encoding, weight, xs)
+            else:
+                record = encode_host(accs)  # None: a value lives on a GPU, the loop waits
             if record is not None:
-                return self._write(board, number, record, on_done)
+                work = board.queue(number - self._first, board.group.next_seq(), record)
+                if on_done is not None:
+                    _deliver_when_done(work, on_done, board.loop)
+                return work
         if single is not None:
             self._single = single
             self._fold_single()
@@ -331,13 +342,11 @@ class MetricAggregator:
             return None
         return self.sync(on_done=on_done or self.on_done)
 
-    def _single_record(self, weight: float, names: tuple[str, ...], xs: list[float]) -> Record:
-        single = self._singles.get(names)
-        if single is None:
-            if len(self._singles) >= _MAX_KEY_SETS:
-                self._singles.clear()
-            single = self._singles[names] = Single(names, [self.reduction(n) for n in names])
-        return single, weight, xs
+    def _single_encoding(self, names: tuple[str, ...]) -> Single:
+        if len(self._singles) >= _MAX_KEY_SETS:
+            self._singles.clear()
+        single = self._singles[names] = Single(names, [self.reduction(n) for n in names])
+        return single
 
     def _may_write(self, board: Board) -> bool:
         """Whether this sync may go straight onto ``board`` from this thread.
@@ -348,23 +357,12 @@ class MetricAggregator:
         belongs to. (Once per step: kept to a few attribute reads.)
         """
         g = board.group
-        if g.error is not None or g.closed or g.session.error is not None:
+        if g.error is not None or g.closed or board.session.error is not None:
             return False
-        if (self._group if self._group is not None else _world.get_default_group()) is not g:
+        group = self._group
+        if (group if group is not None else _world.get_default_group()) is not g:
             return False
-        return board.on_loop_thread() or _portal.quiet()
-
-    def _write(
-        self,
-        board: Board,
-        number: int,
-        record: Record,
-        on_done: Callable[[MetricResults], object] | None,
-    ) -> Work[MetricResults]:
-        work = board.queue(number - self._first, board.group.next_seq(), record)
-        if on_done is not None:
-            _deliver_when_done(work, on_done, board.loop)
-        return work
+        return get_ident() == board.loop_thread or _portal.quiet()
 
     def _start(
         self,

@@ -121,7 +121,8 @@ class Board:
         self.group = g
         self.loop = asyncio.get_running_loop()
         self.lock = threading.Lock()
-        self._loop_thread = threading.get_ident()
+        self.loop_thread = threading.get_ident()
+        self.session = g.session
         self._segment = segment  # holds the mapping
         self._mem = memoryview(segment.memory)
         self._rank, self._size = g.rank, g.world_size
@@ -148,7 +149,7 @@ class Board:
         return world_size * (_COUNTER_BYTES + DEPTH * SLOT_BYTES)
 
     def on_loop_thread(self) -> bool:
-        return threading.get_ident() == self._loop_thread
+        return threading.get_ident() == self.loop_thread
 
     # --- posting -----------------------------------------------------------------------------
 

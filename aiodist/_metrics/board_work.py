@@ -79,7 +79,11 @@ class BoardWork(Work[MetricResults]):
     __slots__ = ("__weakref__", "_board", "deadline", "index", "seq")
 
     def __init__(self, board: Board, index: int, seq: int) -> None:
-        super().__init__(None, f"metrics.sync#{seq}", loop=board.loop)
+        # Work.pending(), spelled out: one per training step.
+        self.description = f"metrics.sync#{seq}"
+        self._loop = board.loop
+        self._value = self._error = self._waiters = self._listeners = None
+        self._done = False
         self._board = board
         self.index = index
         self.seq = seq
