@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -55,8 +55,10 @@ class ProcessGroup:
         self.bridge: GroupBridge | None = None  # torch.distributed's side of this group, if any
         self.error: DistError | None = None
         self.closed = False
-        self._seq = 0
-        self._seq_lock = threading.Lock()
+        # next() of a count is one step under the GIL: metric syncs on the shared board
+        # take their numbers from the training loop's thread, everything else here.
+        self._seqs = itertools.count(1)
+        self._seq = 0  # the latest number taken (descriptions of point-to-point operations)
         self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
         self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
@@ -157,11 +159,9 @@ class ProcessGroup:
         return loop, work, seq
 
     def next_seq(self) -> int:
-        """Take the group's next sequence number (under a lock: metric syncs on the
-        shared board take theirs from the training loop's thread)."""
-        with self._seq_lock:
-            self._seq += 1
-            return self._seq
+        """Take the group's next sequence number (from any thread)."""
+        seq = self._seq = next(self._seqs)
+        return seq
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]

@@ -82,8 +82,10 @@ from aiodist._metrics.board_work import BoardWork, Rows, wake
 from aiodist._transport import shm
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from aiodist._group import ProcessGroup
-    from aiodist._metrics.record import Record
+    from aiodist._metrics.record import Record, Single
 
 __all__ = ["DEPTH", "MAX_RECORD_BYTES", "Board", "enabled", "open_board"]
 
@@ -190,11 +192,15 @@ class Board:
                 continue
             work.deadline = deadline
             pending[index] = ref(work)
+            writable = not backlog and (index < self._writable_below or self._writable(index))
             if not isinstance(record, bytes):
                 single, weight, values = record
+                if writable and single.nbytes <= MAX_RECORD_BYTES and not _CHECKSUM:
+                    self._write_single_locked(index, work.seq, single, weight, values)
+                    continue
                 record = single.encode(weight, values)
             data = record if len(record) <= MAX_RECORD_BYTES else None
-            if not backlog and (index < self._writable_below or self._writable(index)):
+            if writable:
                 self._write_locked(index, work.seq, data)
             else:
                 backlog.append((index, work.seq, data))
@@ -210,6 +216,21 @@ class Board:
             crc = zlib.crc32(data, index & 0xFFFFFFFF) if _CHECKSUM else 0
         _TAIL.pack_into(mem, off + _STAMP.size, seq, nbytes, crc)
         _STAMP.pack_into(mem, off, index + 1)  # last: the slot is whole once stamped
+
+    def _write_single_locked(
+        self, index: int, seq: int, single: Single, weight: float, values: Sequence[float]
+    ) -> None:
+        """``_write_locked`` of ``single.encode(weight, values)``, in one packing."""
+        off = self._slots_at + ((index % DEPTH) * self._size + self._rank) * SLOT_BYTES
+        packer = single.slot
+        if packer is None:  # the slot's head after the stamp, then the record
+            packer = single.slot = struct.Struct(
+                f"{_TAIL.format}{len(single.prefix)}s{single.count + 1}d"
+            )
+        packer.pack_into(
+            self._mem, off + _STAMP.size, seq, single.nbytes, 0, single.prefix, weight, *values
+        )
+        _STAMP.pack_into(self._mem, off, index + 1)  # last: the slot is whole once stamped
 
     def _writable(self, index: int) -> bool:
         if index < self._writable_below:

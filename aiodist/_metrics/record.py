@@ -68,18 +68,22 @@ def encode_host(accumulators: Mapping[str, Accumulator]) -> bytes | None:
 class Single:
     """The single encoding for one key set (names in ``update``'s order)."""
 
-    __slots__ = ("_prefix", "_values")
+    __slots__ = ("_values", "count", "nbytes", "prefix", "slot")
 
     def __init__(self, names: Sequence[str], reductions: Sequence[Reduction]) -> None:
         schema = _pack([list(names), list(reductions)])
         if len(schema) > 0xFFFF:
             raise ValueError(f"{len(names)} metric names do not fit in one record")
-        self._prefix = _SCHEMA_LEN.pack(SINGLE, len(schema)) + schema
-        self._values = struct.Struct(f"<{len(names) + 1}d")  # the weight, then the values
+        self.prefix = _SCHEMA_LEN.pack(SINGLE, len(schema)) + schema
+        self.count = len(names)
+        self._values = struct.Struct(f"<{self.count + 1}d")  # the weight, then the values
+        self.nbytes = len(self.prefix) + self._values.size
+        # The board's own packing of a slot with this record in it (``Board.slot_packer``).
+        self.slot: struct.Struct | None = None
 
     def encode(self, weight: float, values: Sequence[float]) -> bytes:
         """The record of one update: ``weight`` and one host number per name."""
-        return self._prefix + self._values.pack(weight, *values)
+        return self.prefix + self._values.pack(weight, *values)
 
 
 #: What a sync hands the board: an encoded record, or one update to encode when written.
