@@ -58,7 +58,7 @@ import numbers
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from aiodist import _portal, _world
+from aiodist import _portal
 from aiodist._collectives.common import resolve_group
 from aiodist._metrics.board import Board
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
@@ -353,14 +353,13 @@ class MetricAggregator:
 
         Only when its sequence number comes next in call order: on the loop's
         thread, or from plain code with no earlier operation still on its way to
-        the loop. And only while the group is usable and the one the board
-        belongs to. (Once per step: kept to a few attribute reads.)
+        the loop. And only while the group and its session are usable.
+        (Once per step: kept to a few attribute reads.)
         """
-        g = board.group
-        if g.error is not None or g.closed or board.session.error is not None:
-            return False
-        group = self._group
-        if (group if group is not None else _world.get_default_group()) is not g:
+        g, session = board.group, board.session
+        # A default group that was destroyed went with its session; a new one takes
+        # the loop path, which agrees afresh.
+        if g.error is not None or g.closed or session.error is not None or session.closed:
             return False
         return get_ident() == board.loop_thread or _portal.quiet()
 

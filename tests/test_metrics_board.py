@@ -391,6 +391,55 @@ async def test_a_rank_that_leaves_right_after_a_sync_writes_it_first(
     assert outs[0] == {"rank": 0, "board": True, "n": 21.0, "returncode": 0}
 
 
+AGAIN = textwrap.dedent(
+    """
+    import json, sys
+    import anyio
+    import aiodist
+    from aiodist._world import get_default_group
+    from aiodist.metrics import MetricAggregator
+
+    async def main() -> None:
+        url, rank = sys.argv[1], int(sys.argv[2])
+        agg = MetricAggregator({"n": "sum"})  # on the default group, whichever it is
+        out = []
+        for round_ in range(2):
+            await aiodist.init_process_group(init_method=url, world_size=2, rank=rank,
+                                             group_name=f"again{round_}", timeout=20)
+            for step in range(3):
+                agg.update(n=float(rank + step + 10 * round_))
+                out.append((await agg.sync())["n"])
+            out.append(agg._board is not None and agg._board.group is get_default_group())
+            await aiodist.destroy_process_group()
+        print(json.dumps({"out": out}), flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the ranks run their own loops
+async def test_an_aggregator_moves_to_a_new_default_group(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "again.py"
+    script.write_text(AGAIN)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        outs[rank] = await run_worker(script, [url, str(rank)], {"AIODIST_METRICS_SHM": "1"})
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for rank in range(2):
+                tg.start_soon(one, rank)
+    expected = [1.0, 3.0, 5.0, True, 21.0, 23.0, 25.0, True]
+    assert outs[0] == {"out": expected, "returncode": 0}
+    assert outs[1] == {"out": expected, "returncode": 0}
+
+
 async def test_with_checksums_a_torn_slot_is_not_read(
     server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

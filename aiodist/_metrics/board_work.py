@@ -79,8 +79,8 @@ class BoardWork(Work[MetricResults]):
     __slots__ = ("__weakref__", "_board", "deadline", "index", "seq")
 
     def __init__(self, board: Board, index: int, seq: int) -> None:
-        # Work.pending(), spelled out: one per training step.
-        self.description = f"metrics.sync#{seq}"
+        # Work.pending(), spelled out (one per training step); the description is
+        # made when someone reads it.
         self._loop = board.loop
         self._value = self._error = self._waiters = self._listeners = None
         self._done = False
@@ -88,6 +88,10 @@ class BoardWork(Work[MetricResults]):
         self.index = index
         self.seq = seq
         self.deadline = math.inf  # set when the record is written
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"metrics.sync#{self.seq}"
 
     # Waiters and listeners register under the board's lock: another thread may settle.
 
