@@ -187,7 +187,7 @@ def bench(
     batch: int = 64,
     large: tuple[int, int] | None = (2048, 256),
     timeout: float = 600,
-    pairs: int = 20,
+    pairs: int = 40,
     block: int = 20,
 ) -> dict[str, Any]:
     """Run the four variants on ``ranks`` processes, for the small step and ``large``.
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large-batch", type=int, default=256)
     parser.add_argument("--no-large", action="store_true", help="only the small step")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--pairs", type=int, default=20, help="ABBA pairs of none/aiodist")
+    parser.add_argument("--pairs", type=int, default=40, help="ABBA pairs of none/aiodist")
     parser.add_argument("--block", type=int, default=20, help="steps per paired block")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)

@@ -433,6 +433,10 @@ class Board:
         self.run_wake(drain)
         if keep:
             self._arm(delay)
+        elif self._queued:
+            # A sync queued (without the lock) after the look above may have seen the
+            # poller still running and left it to us: look at its record in time.
+            self.watch(soon=False)
 
     def _failure(self) -> BaseException | None:
         g = self.group
