@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import aiodist
-from aiodist._metrics import board
+from aiodist._metrics import board, slots
 from aiodist._transport import shm
 from aiodist.metrics import MetricAggregator
 from aiodist.testing import run_ranks
@@ -444,7 +444,7 @@ async def test_with_checksums_a_torn_slot_is_not_read(
     server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where stores may be seen out of order (not x86), each slot carries a CRC."""
-    monkeypatch.setattr(board, "_CHECKSUM", True)
+    monkeypatch.setattr(slots, "CHECKSUM", True)
 
     async def body(g: ProcessGroup) -> list[float]:
         agg = MetricAggregator({"x": "sum"}, group=g)
@@ -454,14 +454,14 @@ async def test_with_checksums_a_torn_slot_is_not_read(
             sums.append((await agg.sync())["x"])
         b = agg._board
         assert b is not None
-        assert b._read(4) is not None  # sync 4, complete: every slot checks out
-        off = b._slots_at + ((4 % board.DEPTH) * b._size + 1) * board.SLOT_BYTES
-        data = off + board._HEAD.size
-        b._mem[data] ^= 0xFF  # rank 1's record of sync 4, torn
-        torn = b._read(4)
-        b._mem[data] ^= 0xFF
+        memory = b._slots
+        assert memory.read(4) is not None  # sync 4, complete: every slot checks out
+        data = memory.offset(4, 1) + slots.HEAD.size
+        memory._mem[data] ^= 0xFF  # rank 1's record of sync 4, torn
+        torn = memory.read(4)
+        memory._mem[data] ^= 0xFF
         assert torn is None
-        assert b._read(4) is not None
+        assert memory.read(4) is not None
         return sums
 
     with anyio.fail_after(60):

@@ -35,11 +35,8 @@ Completion is noticed rather than announced:
   every ``POLL_QUEUED`` seconds while syncs are in flight, and only writes
   what sat queued.
 
-A slot is ``[stamp u64 | seq u64 | nbytes u32 | crc u32 | records]``, the stamp
-written last. x86 keeps stores in program order, so a stamp seen means the bytes
-it stamps are there. Elsewhere the CRC (of the sync's index and the records)
-catches a stamp seen before its bytes, and the slot is read again later. The
-records (``_metrics.record``) are copied out when the sync completes and
+The segment's layout, and writing and reading a slot, are ``_metrics.slots``'s.
+The records (``_metrics.record``) are copied out when the sync completes and
 decoded only when someone reads the results; the reduction is the fused
 path's own (``Layout``), so both paths give bitwise the same values.
 
@@ -54,66 +51,34 @@ event loop and ranks that wrote at once keep numbering the group's
 operations alike. Each slot carries it; ranks that disagree get
 ``CollectiveMismatchError``.
 
-Set-up (``open_board``) runs inside the aggregator's first sync on the group:
-group rank 0 creates the segment (``shm.create_segment``: ``0600``, named after
-its pid, so a crashed creator's file is removed by the others) and sends its
-name; each rank maps it and answers whether it could (and whether
-``AIODIST_METRICS_SHM`` lets it); rank 0 unlinks the file and tells everyone
-the outcome. Any "no" sends every rank down the socket path, together.
+Set-up is ``_metrics.board_setup``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import platform
-import struct
 import threading
 import time
 import weakref
-import zlib
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
-from aiodist._collectives import common, shared
 from aiodist._errors import CollectiveMismatchError, DistTimeoutError
 from aiodist._metrics.board_work import BoardWork, Rows, wake
-from aiodist._transport import shm
+from aiodist._metrics.slots import DEPTH, MAX_RECORD_BYTES, Slots
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from aiodist._group import ProcessGroup
-    from aiodist._metrics.record import Record, Single
+    from aiodist._metrics.record import Record
+    from aiodist._transport import shm
 
-__all__ = ["DEPTH", "MAX_RECORD_BYTES", "Board", "enabled", "open_board"]
+__all__ = ["BATCH", "DEPTH", "MAX_RECORD_BYTES", "Board"]
 
-logger = logging.getLogger(__name__)
-
-#: Syncs a rank may be ahead of the slowest before its writes queue.
-DEPTH: Final = 64
-SLOT_BYTES: Final = 16 * 1024
-_HEAD: Final = struct.Struct("<QQII")  # stamp (index + 1), seq, nbytes, crc
-_TAIL: Final = struct.Struct("<QII")  # the head without its stamp: written first
-_STAMP: Final = struct.Struct("<Q")
-_COUNTER_BYTES: Final = 64  # each rank's "copied out" count, alone on a cache line
-#: The largest encoded record a rank may write per sync (about five hundred metrics).
-MAX_RECORD_BYTES: Final = SLOT_BYTES - _HEAD.size
-_OVERSIZE: Final = 0xFFFFFFFF
 #: A sync writes its rank's queued records once this many are queued.
 BATCH: Final = 16
 POLL_MIN: Final = 0.0002
 POLL_MAX: Final = 0.004
 POLL_QUEUED: Final = 0.05  # nobody waiting: records may sit queued up to twice this
-_STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases
-# Total store order: no checksum needed to trust a stamped slot.
-_CHECKSUM: Final = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}
-
-
-def enabled() -> bool:
-    """``AIODIST_METRICS_SHM`` (default on): whether this rank offers the shared board."""
-    return os.environ.get("AIODIST_METRICS_SHM", "1") != "0"
 
 
 class Board:
@@ -126,9 +91,7 @@ class Board:
         self.loop_thread = threading.get_ident()
         self.session = g.session
         self._segment = segment  # holds the mapping
-        self._mem = memoryview(segment.memory)
-        self._rank, self._size = g.rank, g.world_size
-        self._slots_at = self._size * _COUNTER_BYTES
+        self._slots = Slots(memoryview(segment.memory), g.rank, g.world_size)
         self._queued: deque[tuple[BoardWork, Record]] = deque()  # not written yet
         # Written (or backlogged), not copied out: held weakly, so that a handle nobody
         # holds any more is not copied out at all. Handles with listeners are kept.
@@ -145,10 +108,6 @@ class Board:
         g.on_close(self.check)  # records still queued are written before the group goes
         self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
         self._draining = False
-
-    @staticmethod
-    def nbytes(world_size: int) -> int:
-        return world_size * (_COUNTER_BYTES + DEPTH * SLOT_BYTES)
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self.loop_thread
@@ -195,49 +154,20 @@ class Board:
             writable = not backlog and (index < self._writable_below or self._writable(index))
             if not isinstance(record, bytes):
                 single, weight, values = record
-                if writable and single.nbytes <= MAX_RECORD_BYTES and not _CHECKSUM:
-                    self._write_single_locked(index, work.seq, single, weight, values)
+                if writable and single.nbytes <= MAX_RECORD_BYTES:
+                    self._slots.write_single(index, work.seq, single, weight, values)
                     continue
                 record = single.encode(weight, values)
             data = record if len(record) <= MAX_RECORD_BYTES else None
             if writable:
-                self._write_locked(index, work.seq, data)
+                self._slots.write(index, work.seq, data)
             else:
                 backlog.append((index, work.seq, data))
-
-    def _write_locked(self, index: int, seq: int, data: bytes | None) -> None:
-        off = self._slots_at + ((index % DEPTH) * self._size + self._rank) * SLOT_BYTES
-        mem = self._mem
-        if data is None:
-            nbytes, crc = _OVERSIZE, 0
-        else:
-            nbytes = len(data)
-            mem[off + _HEAD.size : off + _HEAD.size + nbytes] = data
-            crc = zlib.crc32(data, index & 0xFFFFFFFF) if _CHECKSUM else 0
-        _TAIL.pack_into(mem, off + _STAMP.size, seq, nbytes, crc)
-        _STAMP.pack_into(mem, off, index + 1)  # last: the slot is whole once stamped
-
-    def _write_single_locked(
-        self, index: int, seq: int, single: Single, weight: float, values: Sequence[float]
-    ) -> None:
-        """``_write_locked`` of ``single.encode(weight, values)``, in one packing."""
-        off = self._slots_at + ((index % DEPTH) * self._size + self._rank) * SLOT_BYTES
-        packer = single.slot
-        if packer is None:  # the slot's head after the stamp, then the record
-            packer = single.slot = struct.Struct(
-                f"{_TAIL.format}{len(single.prefix)}s{single.count + 1}d"
-            )
-        packer.pack_into(
-            self._mem, off + _STAMP.size, seq, single.nbytes, 0, single.prefix, weight, *values
-        )
-        _STAMP.pack_into(self._mem, off, index + 1)  # last: the slot is whole once stamped
 
     def _writable(self, index: int) -> bool:
         if index < self._writable_below:
             return True
-        mem = self._mem
-        copied = min(_STAMP.unpack_from(mem, r * _COUNTER_BYTES)[0] for r in range(self._size))
-        self._writable_below = copied + DEPTH
+        self._writable_below = self._slots.slowest_copied() + DEPTH
         return index < self._writable_below
 
     # --- noticing completion -----------------------------------------------------------------
@@ -260,7 +190,7 @@ class Board:
             for entry in backlog:
                 if not self._writable(entry[0]):
                     break
-                self._write_locked(*entry)
+                self._slots.write(*entry)
                 written += 1
             del backlog[:written]
         woken: list[list[Any]] = []
@@ -275,7 +205,7 @@ class Board:
                 del pending[copied]
                 copied += 1
                 continue
-            rows = self._read(copied)
+            rows = self._slots.read(copied)
             if rows is None:
                 break
             del pending[copied]
@@ -302,7 +232,7 @@ class Board:
                 woken.append(wake)
         if copied != start:
             self._copied = copied
-            _STAMP.pack_into(self._mem, self._rank * _COUNTER_BYTES, copied)
+            self._slots.publish_copied(copied)
         return woken
 
     def keep_locked(self, work: BoardWork) -> None:
@@ -312,29 +242,6 @@ class Board:
     def _live_locked(self) -> list[BoardWork]:
         """The pending handles someone still holds, oldest first."""
         return [w for w in (ref() for ref in self._pending.values()) if w is not None]
-
-    def _read(self, index: int) -> list[tuple[int, bytes | None]] | None:
-        """Every rank's (seq, record) of sync ``index``, or None while one is missing."""
-        mem = self._mem
-        stamp = index + 1
-        base = self._slots_at + (index % DEPTH) * self._size * SLOT_BYTES
-        offsets = range(base, base + self._size * SLOT_BYTES, SLOT_BYTES)
-        for off in offsets:
-            if _STAMP.unpack_from(mem, off)[0] != stamp:
-                return None
-        rows: list[tuple[int, bytes | None]] = []
-        for off in offsets:
-            _, seq, nbytes, crc = _HEAD.unpack_from(mem, off)
-            if nbytes == _OVERSIZE:
-                rows.append((seq, None))
-                continue
-            if nbytes > MAX_RECORD_BYTES:
-                return None  # a torn head: read again later
-            data = bytes(mem[off + _HEAD.size : off + _HEAD.size + nbytes])
-            if _CHECKSUM and zlib.crc32(data, index & 0xFFFFFFFF) != crc:
-                return None  # being written, or not visible yet: read again later
-            rows.append((seq, data))
-        return rows
 
     # Handles wake on the loop's thread in the order they settled (which is index
     # order), whichever thread settled them: one queue, drained by one callback.
@@ -456,57 +363,3 @@ class Board:
             g.break_(timed_out)
             return timed_out
         return None
-
-
-async def open_board(g: ProcessGroup, seq: int) -> Board | None:
-    """Set up the shared board inside sync ``seq`` (the aggregator's first on ``g``).
-
-    Returns the same kind of answer on every rank: a board each, or None each.
-    """
-    if g.world_size < 2 or not await shared.agreed(g):
-        return None
-    mine = common.signature("metrics.board")
-    nbytes = Board.nbytes(g.world_size)
-    others = range(1, g.world_size)
-    segment: shm.Segment | None = None
-    try:
-        if g.rank == 0:
-            if enabled():
-                try:
-                    segment = shm.create_segment(nbytes)
-                except OSError as exc:
-                    logger.warning("metrics sync falls back to sockets: %s", exc)
-            offer = segment.name.encode() if segment is not None else b""
-            for r in others:
-                await common.send(g, r, seq, _STEP, mine, offer)
-            answers = [await common.recv(g, r, seq, _STEP + 1) for r in others]
-            for msg in answers:
-                common.check_signature(g, mine, msg)
-            ok = segment is not None and all(bytes(m.data) == b"1" for m in answers)
-            if segment is not None:
-                segment.unlink()  # every rank mapped it, or none will use it
-            for r in others:
-                await common.send(g, r, seq, _STEP + 2, mine, b"1" if ok else b"0")
-        else:
-            msg = await common.recv(g, 0, seq, _STEP)
-            common.check_signature(g, mine, msg)
-            name = bytes(msg.data).decode()
-            if name and enabled():
-                try:
-                    segment = shm.map_segment(name, nbytes)
-                except (OSError, ValueError) as exc:
-                    logger.warning("metrics sync falls back to sockets: %s", exc)
-            await common.send(g, 0, seq, _STEP + 1, mine, b"1" if segment is not None else b"0")
-            go = await common.recv(g, 0, seq, _STEP + 2)
-            common.check_signature(g, mine, go)
-            ok = segment is not None and bytes(go.data) == b"1"
-    except BaseException:
-        if segment is not None:
-            segment.close()
-        raise
-    if not ok:
-        if segment is not None:
-            segment.close()
-        return None
-    assert segment is not None
-    return Board(g, segment)

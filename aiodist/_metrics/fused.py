@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 from aiodist._collectives import common, schedules
 from aiodist._errors import CollectiveMismatchError
 from aiodist._inflight import fail, start_task
-from aiodist._metrics.board import Board, open_board
+from aiodist._metrics.board import Board
+from aiodist._metrics.board_setup import open_board
 from aiodist._metrics.record import encode
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of

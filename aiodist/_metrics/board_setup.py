@@ -1,0 +1,88 @@
+"""Setting up a shared board (``_metrics.board``) inside an aggregator's first sync.
+
+Set-up (``open_board``) runs inside the aggregator's first sync on the group:
+group rank 0 creates the segment (``shm.create_segment``: ``0600``, named after
+its pid, so a crashed creator's file is removed by the others) and sends its
+name; each rank maps it and answers whether it could (and whether
+``AIODIST_METRICS_SHM`` lets it); rank 0 unlinks the file and tells everyone
+the outcome. Any "no" sends every rank down the socket path, together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Final
+
+from aiodist._collectives import common, shared
+from aiodist._metrics import slots
+from aiodist._metrics.board import Board
+from aiodist._transport import shm
+
+if TYPE_CHECKING:
+    from aiodist._group import ProcessGroup
+
+__all__ = ["enabled", "open_board"]
+
+logger = logging.getLogger(__name__)
+
+_STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases
+
+
+def enabled() -> bool:
+    """``AIODIST_METRICS_SHM`` (default on): whether this rank offers the shared board."""
+    return os.environ.get("AIODIST_METRICS_SHM", "1") != "0"
+
+
+async def open_board(g: ProcessGroup, seq: int) -> Board | None:
+    """Set up the shared board inside sync ``seq`` (the aggregator's first on ``g``).
+
+    Returns the same kind of answer on every rank: a board each, or None each.
+    """
+    if g.world_size < 2 or not await shared.agreed(g):
+        return None
+    mine = common.signature("metrics.board")
+    nbytes = slots.nbytes(g.world_size)
+    others = range(1, g.world_size)
+    segment: shm.Segment | None = None
+    try:
+        if g.rank == 0:
+            if enabled():
+                try:
+                    segment = shm.create_segment(nbytes)
+                except OSError as exc:
+                    logger.warning("metrics sync falls back to sockets: %s", exc)
+            offer = segment.name.encode() if segment is not None else b""
+            for r in others:
+                await common.send(g, r, seq, _STEP, mine, offer)
+            answers = [await common.recv(g, r, seq, _STEP + 1) for r in others]
+            for msg in answers:
+                common.check_signature(g, mine, msg)
+            ok = segment is not None and all(bytes(m.data) == b"1" for m in answers)
+            if segment is not None:
+                segment.unlink()  # every rank mapped it, or none will use it
+            for r in others:
+                await common.send(g, r, seq, _STEP + 2, mine, b"1" if ok else b"0")
+        else:
+            msg = await common.recv(g, 0, seq, _STEP)
+            common.check_signature(g, mine, msg)
+            name = bytes(msg.data).decode()
+            if name and enabled():
+                try:
+                    segment = shm.map_segment(name, nbytes)
+                except (OSError, ValueError) as exc:
+                    logger.warning("metrics sync falls back to sockets: %s", exc)
+            await common.send(g, 0, seq, _STEP + 1, mine, b"1" if segment is not None else b"0")
+            go = await common.recv(g, 0, seq, _STEP + 2)
+            common.check_signature(g, mine, go)
+            ok = segment is not None and bytes(go.data) == b"1"
+    except BaseException:
+        if segment is not None:
+            segment.close()
+        raise
+    if not ok:
+        if segment is not None:
+            segment.close()
+        return None
+    assert segment is not None
+    return Board(g, segment)
