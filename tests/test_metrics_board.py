@@ -342,6 +342,25 @@ async def test_a_rank_dying_fails_the_others_pending_syncs(
         assert f"rank {victim}" in out["message"], out
 
 
+async def _two_ranks(
+    server: RendezvousServer, tmp_path: Path, source: str
+) -> dict[int, dict[str, Any]]:
+    """Run ``source`` as ranks 0 and 1 (url and rank as arguments); their last lines."""
+    script = tmp_path / "worker2.py"
+    script.write_text(source)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        outs[rank] = await run_worker(script, [url, str(rank)], {"AIODIST_METRICS_SHM": "1"})
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for rank in range(2):
+                tg.start_soon(one, rank)
+    return outs
+
+
 LEAVER = textwrap.dedent(
     """
     import json, sys
@@ -375,18 +394,7 @@ LEAVER = textwrap.dedent(
 async def test_a_rank_that_leaves_right_after_a_sync_writes_it_first(
     server: RendezvousServer, tmp_path: Path
 ) -> None:
-    script = tmp_path / "leaver.py"
-    script.write_text(LEAVER)
-    url = f"tcp://{server.address[0]}:{server.address[1]}"
-    outs: dict[int, dict[str, Any]] = {}
-
-    async def one(rank: int) -> None:
-        outs[rank] = await run_worker(script, [url, str(rank)], {"AIODIST_METRICS_SHM": "1"})
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for rank in range(2):
-                tg.start_soon(one, rank)
+    outs = await _two_ranks(server, tmp_path, LEAVER)
     assert outs[1]["returncode"] == 0, outs[1]
     assert outs[0] == {"rank": 0, "board": True, "n": 21.0, "returncode": 0}
 
@@ -423,18 +431,7 @@ AGAIN = textwrap.dedent(
 async def test_an_aggregator_moves_to_a_new_default_group(
     server: RendezvousServer, tmp_path: Path
 ) -> None:
-    script = tmp_path / "again.py"
-    script.write_text(AGAIN)
-    url = f"tcp://{server.address[0]}:{server.address[1]}"
-    outs: dict[int, dict[str, Any]] = {}
-
-    async def one(rank: int) -> None:
-        outs[rank] = await run_worker(script, [url, str(rank)], {"AIODIST_METRICS_SHM": "1"})
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for rank in range(2):
-                tg.start_soon(one, rank)
+    outs = await _two_ranks(server, tmp_path, AGAIN)
     expected = [1.0, 3.0, 5.0, True, 21.0, 23.0, 25.0, True]
     assert outs[0] == {"out": expected, "returncode": 0}
     assert outs[1] == {"out": expected, "returncode": 0}
