@@ -20,7 +20,9 @@ import torch
 
 import aiodist
 from aiodist._metrics import board, slots
+from aiodist._metrics.board_work import BoardWork
 from aiodist._transport import shm
+from aiodist._work import Work
 from aiodist.metrics import MetricAggregator
 from aiodist.testing import run_ranks
 from tests._workers import run_worker
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-    from aiodist import ProcessGroup, RendezvousServer, Work
+    from aiodist import ProcessGroup, RendezvousServer
     from aiodist.metrics import MetricResults
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux and a writable /dev/shm")
@@ -108,6 +110,11 @@ async def _run_single(server: RendezvousServer, world: int, steps: int) -> list[
             # NaN != NaN: compare the JSON text, where NaN is spelled out.
             out.append(json.dumps([r.to_dict(), r.counts, r.nonfinite], sort_keys=True))
         assert bool(agg._singles) == (agg._board is not None)  # the single records were used
+        if agg._board is not None:  # a board's handle sets every field a Work has itself
+            work = agg.sync()
+            assert isinstance(work, BoardWork)
+            assert all(hasattr(work, name) for name in Work.__slots__)
+            await work
         return out
 
     with anyio.fail_after(60):
