@@ -33,7 +33,9 @@ Completion is noticed rather than announced:
   handle is pending. The poller also fails pending syncs when the group breaks
   or the oldest one passes the group's timeout; with nobody waiting it looks
   every ``POLL_QUEUED`` seconds while syncs are in flight, and only writes
-  what sat queued.
+  what sat queued. It goes on for ``IDLE_POLLS`` looks after the last one: a
+  ``sync()`` that had to start it would wake the loop's thread, and a training
+  step pays for that wake-up far more than for a timer's.
 
 The segment's layout, and writing and reading a slot, are ``_metrics.slots``'s.
 The records (``_metrics.record``) are copied out when the sync completes and
@@ -79,6 +81,7 @@ BATCH: Final = 16
 POLL_MIN: Final = 0.0002
 POLL_MAX: Final = 0.004
 POLL_QUEUED: Final = 0.05  # nobody waiting: records may sit queued up to twice this
+IDLE_POLLS: Final = 5  # slow looks with nothing in flight before the poller stops
 
 
 class Board:
@@ -105,6 +108,7 @@ class Board:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0  # loop time it fires at (uvloop's handles do not say)
         self._stale: BoardWork | None = None  # the queue's head at the last poll
+        self._idle = 0  # slow looks in a row that found nothing in flight
         g.on_close(self.check)  # records still queued are written before the group goes
         self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
         self._draining = False
@@ -325,10 +329,13 @@ class Board:
             watched = bool(self._kept) or any(w._waiters for w in live)
             # Syncs in flight keep it looking (slowly when nobody waits): it writes what
             # a caller left queued, and fails them all if the group breaks or times out.
-            keep = watched or bool(self._backlog or self._queued or self._pending)
+            busy = watched or bool(self._backlog or self._queued or self._pending)
+            # It goes on a while after the last sync in flight: a caller that syncs again
+            # soon finds it running, rather than waking the loop to start it.
+            self._idle = 0 if busy else self._idle + 1
             if self._delay < period:
                 pass  # someone started waiting meanwhile (``watch``): keep their period
-            elif not keep:
+            elif not busy and self._idle > IDLE_POLLS:
                 self._polling = False
             elif not watched:
                 self._delay = POLL_QUEUED
@@ -336,9 +343,9 @@ class Board:
                 self._delay = POLL_MIN  # progress, or someone started waiting: look soon
             else:
                 self._delay = min(POLL_MAX, period * 2)
-            delay = self._delay
+            delay, polling = self._delay, self._polling
         self.run_wake(drain)
-        if keep:
+        if polling:
             self._arm(delay)
         elif self._queued:
             # A sync queued (without the lock) after the look above may have seen the
