@@ -26,7 +26,7 @@ from aiodist import AuthenticationError, serve_rendezvous
 from aiodist._auth import client_proof, new_nonce, server_proof, verify
 from aiodist._control import ControlConnection, connect_control
 from aiodist._peers import P2P, DataPlane
-from aiodist._server import serve
+from aiodist._server import connection
 from aiodist._transport import uds
 from aiodist._wire.frame import NEED_DATA, Frame, FrameDecoder, Limits, encode_frame, encode_message
 from aiodist._wire.messages import (
@@ -237,7 +237,7 @@ async def test_client_refuses_a_server_that_cannot_prove_the_token() -> None:
 async def test_silent_connection_is_closed_after_the_auth_timeout(
     token_server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(serve, "AUTH_TIMEOUT", 0.2)
+    monkeypatch.setattr(connection, "AUTH_TIMEOUT", 0.2)
     with anyio.fail_after(10):
         peer = await RawPeer.connect(f"tcp://{token_server.address[0]}:{token_server.address[1]}")
         frames = await peer.frames_until_closed()  # it sends nothing; the server gives up

@@ -1,0 +1,285 @@
+"""The rendezvous server's side of one client connection (see ``serve``).
+
+One ``asyncio.Protocol`` per connection feeds a ``FrameDecoder``; a protocol
+error closes that one connection with a log line. A connection carries the
+members of one client process on *channels* (``Channel`` names the channel of
+the messages after it): the job table sees each channel as a connection of its
+own. A heartbeat counts for every channel of its connection.
+
+A server started with a token authenticates each connection before anything it
+sends reaches the job table: it sends a fresh nonce (``Challenge``) as soon as
+the client connects, and the client's first message must be a ``Hello`` whose
+HMAC answers that nonce (checked in constant time, see ``_auth.py``); anything
+else gets one AUTHENTICATION error and the connection is closed, as is one that
+has not authenticated within ``AUTH_TIMEOUT`` seconds. The token never crosses
+the wire and is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from aiodist._auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
+from aiodist._errors import ProtocolError
+from aiodist._wire.frame import (
+    CLOSED,
+    NEED_DATA,
+    Frame,
+    FrameDecoder,
+    Limits,
+    MiB,
+    encode_message,
+    frame_message,
+)
+from aiodist._wire.messages import (
+    Authenticated,
+    AuthStart,
+    Challenge,
+    Channel,
+    CloseChannel,
+    ErrorCode,
+    ErrorReply,
+    Heartbeat,
+    Hello,
+    MessageKind,
+    Reply,
+    Welcome,
+)
+
+if TYPE_CHECKING:
+    from aiodist._server.jobs import ConnId
+    from aiodist._server.serve import RendezvousServer
+    from aiodist._wire.frame import Buffer
+
+__all__ = ["AUTH_TIMEOUT", "MAX_CHANNELS", "ServerConnection"]
+
+logger = logging.getLogger("aiodist._server.serve")  # one logger for the whole server
+
+# The server never relays bulk data: any payload is a protocol error.
+SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
+# A client that stops reading its replies is cut off rather than buffered forever.
+MAX_WRITE_BUFFER_BYTES: Final = 64 * MiB
+# A connection that has not proved the token by then is closed: it holds no slot forever.
+AUTH_TIMEOUT: Final = 10.0
+# How long a refused connection is drained after its error went out (see ``_close_after``).
+LINGER_TIMEOUT: Final = 5.0
+# Members' channels one connection may open: a process's ranks, with room to spare.
+MAX_CHANNELS: Final = 65536
+
+
+class ServerConnection(asyncio.Protocol):
+    """One client connection: its channels, its authentication, its writes."""
+
+    def __init__(self, server: RendezvousServer, conn_id: int) -> None:
+        self._server = server
+        self._id = conn_id
+        self._decoder = FrameDecoder(SERVER_LIMITS)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.authenticated = server.token is None
+        self._nonce = b""
+        self._auth_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        # The client's channel numbers and the server's ids for them; channel 0 is ours.
+        self.channels: dict[int, ConnId] = {0: conn_id}
+        self._channel_of: dict[ConnId, int] = {conn_id: 0}
+        self._current = conn_id  # where the client's next message goes
+        self._named = 0  # the channel our last notice went to
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast("asyncio.Transport", transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "local")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._server._connection_made(self)
+        if not self.authenticated:
+            self._nonce = new_nonce()
+            self.write(Challenge(self._nonce))
+            self._auth_timer = self._server._loop.call_later(AUTH_TIMEOUT, self._auth_expired)
+
+    def data_received(self, data: bytes) -> None:
+        self._server.bytes_received += len(data)
+        if self.transport is None or self.transport.is_closing() or self._linger_timer:
+            return  # refused or cut off: nothing more it sends is read
+        dec = self._decoder
+        try:
+            dec.receive_data(data)
+            while (event := dec.next_event()) is not NEED_DATA:
+                if event is CLOSED:
+                    break
+                assert isinstance(event, Frame)  # payloads are refused by SERVER_LIMITS
+                if event.kind == MessageKind.CHANNEL and self.authenticated:
+                    # Before nearly every request of a shared connection: read it here.
+                    header = event.header
+                    if type(header) is not list or len(header) != 1 or type(header[0]) is not int:
+                        raise ProtocolError(f"malformed CHANNEL message: {header!r:.80}")
+                    self._select(header[0])
+                    continue
+                msg = frame_message(event)
+                if not self.authenticated or isinstance(msg, AuthStart | Hello):
+                    if not self._authenticate(msg):
+                        break
+                    continue
+                kind = type(msg)
+                if kind is Heartbeat:
+                    for conn_id in self.channels.values():
+                        self._server._receive(conn_id, msg)
+                elif kind is CloseChannel:
+                    self._close_channel(msg.channel)
+                else:
+                    self._server._receive(self._current, msg)
+        except ProtocolError as exc:
+            logger.warning("closing connection from %s: %s", self.peer, exc)
+            self._close_after(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
+        self._server._flush()
+
+    def _select(self, channel: int) -> None:
+        conn_id = self.channels.get(channel)
+        if conn_id is None:
+            if channel < 0 or len(self.channels) >= MAX_CHANNELS:
+                raise ProtocolError(
+                    f"channel {channel} refused: channels are numbered from 0, at most "
+                    f"{MAX_CHANNELS} per connection"
+                )
+            conn_id = self._server._channel_opened(self)
+            self.channels[channel] = conn_id
+            self._channel_of[conn_id] = channel
+        self._current = conn_id
+
+    def _close_channel(self, channel: int) -> None:
+        conn_id = self.channels.get(channel)
+        if conn_id is None or channel == 0:
+            return  # already gone; channel 0 closes with the connection
+        del self.channels[channel], self._channel_of[conn_id]
+        if self._current == conn_id:
+            self._current = self._id
+        self._server._channel_lost(conn_id, "its channel was closed")
+
+    def queue(self, conn_id: ConnId, msg: Any, out: list[Buffer]) -> None:
+        """Add ``msg`` for channel ``conn_id`` to ``out``, naming the channel before a notice."""
+        kind = type(msg)
+        if not (kind is Reply or kind is Welcome or (kind is ErrorReply and msg.req_id)):
+            channel = self._channel_of.get(conn_id)
+            if channel is None:
+                return  # that channel closed
+            if channel != self._named:
+                self._named = channel
+                out += encode_message(Channel(channel))
+        out += encode_message(msg)
+
+    def end_channel(self, conn_id: ConnId) -> None:
+        """The server closes channel ``conn_id``; channel 0 closes the whole connection."""
+        if conn_id == self._id:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        channel = self._channel_of.pop(conn_id, None)
+        if channel is not None:
+            del self.channels[channel]
+            if self._current == conn_id:
+                self._current = self._id
+            self._server._channel_lost(conn_id, "closed by the server")
+
+    def _authenticate(self, msg: Any) -> bool:
+        token = self._server.token
+        if isinstance(msg, AuthStart):
+            if token is None:
+                self.write(Challenge(b""))  # nothing to prove: the client goes on
+            return True  # with a token, the challenge went out on connect
+        if token is None or self.authenticated:
+            return True  # a proof sent to a server that requires none is accepted
+        if isinstance(msg, Hello):
+            nonce = msg.nonce
+            if len(nonce) == NONCE_BYTES and verify(
+                client_proof(token, self._nonce, nonce), msg.proof
+            ):
+                self.authenticated = True
+                server_nonce, self._nonce = self._nonce, b""  # one answer per challenge
+                self._cancel_auth_timer()
+                self.write(Authenticated(server_proof(token, nonce, server_nonce)))
+                return True
+            why = "its proof of the token does not match the server's token"
+            message = (
+                "the rendezvous server refused this connection: AIODIST_TOKEN does not match "
+                "the server's token; set it to the contents of the server's --token-file"
+            )
+        else:
+            why = f"it sent {type(msg).__name__} without proving the token"
+            message = (
+                "the rendezvous server requires a token; set AIODIST_TOKEN to the contents "
+                "of the server's --token-file"
+            )
+        self._refuse(why, message)
+        return False
+
+    def _cancel_auth_timer(self) -> None:
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
+
+    def _refuse(self, why: str, message: str) -> None:
+        self._cancel_auth_timer()
+        self._server.auth_failures += 1
+        logger.warning("refused a connection from %s: %s", self.peer, why)
+        self._close_after(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
+
+    def _close_after(self, error: ErrorReply) -> None:
+        """Send `error` last, then close without letting the peer lose it.
+
+        Closing a socket with unread input makes the kernel answer with a reset,
+        and a reset can discard the error still on its way to the client (whose
+        next request was already in flight). So the write side is shut first and
+        whatever still arrives is read and dropped, until the client closes or
+        ``LINGER_TIMEOUT`` passes.
+        """
+        transport = self.transport
+        assert transport is not None
+        self.write(error)
+        if self._linger_timer is not None or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._linger_timer = self._server._loop.call_later(LINGER_TIMEOUT, transport.close)
+
+    def _auth_expired(self) -> None:
+        self._auth_timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self._refuse(
+                f"it did not prove the token within {AUTH_TIMEOUT:.0f} s",
+                "the rendezvous server requires a token and got no proof of it in time; set "
+                "AIODIST_TOKEN to the contents of the server's --token-file",
+            )
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        if self._auth_timer is not None:
+            # It left before proving the token (a client without one gives up at the challenge).
+            self._cancel_auth_timer()
+            self._server.auth_failures += 1
+            logger.warning(
+                "refused a connection from %s: it left without proving the token", self.peer
+            )
+        self._server._connection_lost(self, "connection lost" if exc is None else str(exc))
+
+    def write(self, msg: Any) -> None:
+        self.write_parts(encode_message(msg))
+
+    def write_parts(self, parts: list[Buffer]) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._linger_timer is not None:
+            return  # gone, or refused: its error was the last thing it is sent
+        self._server.bytes_sent += sum(map(len, parts))
+        transport.writelines(parts)
+        if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
+            logger.warning("closing connection from %s: it stopped reading replies", self.peer)
+            transport.abort()
