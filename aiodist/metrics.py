@@ -86,6 +86,7 @@ __all__ = ["REDUCTIONS", "MetricAggregator", "MetricResults", "MetricsWriter", "
 logger = logging.getLogger(__name__)
 
 _MAX_KEY_SETS = 64  # single encodings an aggregator keeps
+_INT_LIMIT = 2**1023  # a float holds every integer below this (to within rounding)
 _tensor: type | None = None  # torch.Tensor, once torch is imported here
 
 
@@ -115,8 +116,10 @@ def _host_values(values: Mapping[str, object]) -> list[float] | None:
                 return None
             if type(x) is not float and type(x) is not int:
                 return None
-        elif kind is float or kind is int:
+        elif kind is float:
             x = value
+        elif kind is int and -_INT_LIMIT < value < _INT_LIMIT:  # type: ignore[operator]
+            x = value  # a float holds it (the general path raises for one it cannot)
         else:
             return None
         xs.append(x)
@@ -202,7 +205,11 @@ class MetricAggregator:
             ValueError: A negative weight, or a weight tensor with several elements.
         """
         kind = type(weight)
-        if (kind is int or kind is float) and weight >= 0 and self._single is None:
+        if (
+            (kind is float or (kind is int and weight < _INT_LIMIT))
+            and weight >= 0
+            and (self._single is None)
+        ):
             if not self._accs:  # the interval's first update: keep it as it came
                 xs = _host_values(values)
                 if xs is not None:
@@ -226,7 +233,10 @@ class MetricAggregator:
         elif isinstance(weight, numbers.Real) and not isinstance(weight, bool):
             if weight < 0:
                 raise ValueError(f"weight must be >= 0, got {weight}")
-            host_weight = float(weight)
+            try:
+                host_weight = float(weight)
+            except OverflowError:
+                raise ValueError("weight is an integer too large for a float") from None
         else:
             raise TypeError(f"weight must be a number or a tensor, got {type(weight).__name__}")
         for name, value in values.items():  # check all first: no partial update
@@ -236,6 +246,13 @@ class MetricAggregator:
                     raise TypeError(
                         f"metric {name!r} must be a number or a tensor, got {kind.__name__}"
                     )
+            if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
+                try:
+                    float(value)
+                except OverflowError:
+                    raise ValueError(
+                        f"metric {name!r} is an integer too large for a float"
+                    ) from None
         accs = self._accs
         for name, value in values.items():
             acc = accs.get(name)

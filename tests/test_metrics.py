@@ -322,6 +322,15 @@ def test_bad_input_raises_before_accumulating() -> None:
         agg.update(-1, loss=1.0)
     with pytest.raises(ValueError, match="weight must be one number"):
         agg.update(torch.ones(2), loss=1.0)
+    with pytest.raises(ValueError, match="metric 'big' is an integer too large for a float"):
+        agg.update(loss=1.0, big=10**400)  # a lone update, as a sync every step makes
+    with pytest.raises(ValueError, match="weight is an integer too large for a float"):
+        agg.update(10**400, loss=1.0)
+    assert agg.pending == []
+    agg.update(big=2**1023)  # past the quick range check, but a float holds it
+    assert agg.sync().wait().to_dict() == {"big": 2.0**1023}
+    agg.update(2**62, big=-(2**900))
+    assert agg.sync().wait().to_dict() == {"big": -(2.0**900)}
     with pytest.raises(ValueError, match="unknown reduction 'median'"):
         MetricAggregator({"x": "median"})
     with pytest.raises(ValueError, match="every must be a positive"):
