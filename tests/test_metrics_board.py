@@ -257,6 +257,13 @@ async def test_too_many_metrics_for_one_slot_fail_on_every_rank(server: Rendezvo
             await agg.sync()
         agg.update(x=3.0)  # the board goes on
         assert (await agg.sync())["x"] == 3.0
+        # Names alone longer than a slot (and than 64 KiB): the same error, on every rank.
+        n = 1 if g.rank else 700
+        agg.update(**{f"{'long_name_' * 10}{i:08d}": float(i) for i in range(n)})
+        with pytest.raises(ValueError, match=r"rank 0 synced more metrics than fit"):
+            await agg.sync()
+        agg.update(x=4.0)
+        assert (await agg.sync())["x"] == 4.0
         return str(caught.value)
 
     with anyio.fail_after(60):

@@ -33,7 +33,7 @@ __all__ = ["SINGLE", "Record", "Single", "decode", "encode", "encode_host"]
 
 #: First byte of a single-update record (a msgpack list starts with 0x90-0x9F or 0xDC-0xDD).
 SINGLE: Final = 0x01
-_SCHEMA_LEN: Final = struct.Struct("<BH")  # SINGLE, then the schema's length
+_SCHEMA_LEN: Final = struct.Struct("<BI")  # SINGLE, then the schema's length
 
 _packers = threading.local()  # one reusable msgpack buffer per thread
 
@@ -72,8 +72,6 @@ class Single:
 
     def __init__(self, names: Sequence[str], reductions: Sequence[Reduction]) -> None:
         schema = _pack([list(names), list(reductions)])
-        if len(schema) > 0xFFFF:
-            raise ValueError(f"{len(names)} metric names do not fit in one record")
         self.prefix = _SCHEMA_LEN.pack(SINGLE, len(schema)) + schema
         self.count = len(names)
         self._values = struct.Struct(f"<{self.count + 1}d")  # the weight, then the values
