@@ -90,40 +90,12 @@ _INT_LIMIT = 2**1023  # a float holds every integer below this (to within roundi
 _tensor: type | None = None  # torch.Tensor, once torch is imported here
 
 
-def _host_values(values: Mapping[str, object]) -> list[float] | None:
-    """Each value as a host number, in order; None if one is anything else.
-
-    Numbers and one-element CPU tensors of a real type (a loss, a norm): the
-    common case, in as few calls as possible. Anything else (a tensor of several
-    elements, a GPU tensor, a bool, a complex value) takes ``update``'s general
-    path, which checks it.
-    """
+def _torch_tensor() -> type:
     global _tensor
-    tensor = _tensor
-    if tensor is None:
-        import torch
+    import torch
 
-        tensor = _tensor = torch.Tensor
-    xs: list[float] = []
-    for value in values.values():
-        kind = type(value)
-        if kind is tensor:
-            if not value.is_cpu:  # type: ignore[attr-defined]
-                return None
-            try:
-                x = value.item()  # type: ignore[attr-defined]
-            except RuntimeError:  # not one element
-                return None
-            if type(x) is not float and type(x) is not int:
-                return None
-        elif kind is float:
-            x = value
-        elif kind is int and -_INT_LIMIT < value < _INT_LIMIT:  # type: ignore[operator]
-            x = value  # a float holds it (the general path raises for one it cannot)
-        else:
-            return None
-        xs.append(x)
-    return xs
+    _tensor = torch.Tensor
+    return _tensor
 
 
 class MetricAggregator:
@@ -206,16 +178,36 @@ class MetricAggregator:
         """
         kind = type(weight)
         if (
-            (kind is float or (kind is int and weight < _INT_LIMIT))
-            and weight >= 0
-            and (self._single is None)
+            self._single is None
+            and not self._accs
+            and (kind is float or kind is int)
+            and 0 <= weight < _INT_LIMIT
         ):
-            if not self._accs:  # the interval's first update: keep it as it came
-                xs = _host_values(values)
-                if xs is not None:
-                    # The names, not the values: no tensor is kept alive.
-                    self._single = (weight, tuple(values), xs)
-                    return
+            # The interval's first update, of host numbers: kept as it came (the names,
+            # not the values: no tensor is kept alive). Inlined: it runs every step.
+            tensor = _tensor or _torch_tensor()
+            xs: list[float] = []
+            for value in values.values():
+                vkind = type(value)
+                if vkind is tensor:
+                    if not value.is_cpu:
+                        break
+                    try:
+                        x = value.item()
+                    except RuntimeError:  # not one element
+                        break
+                    if type(x) is not float and type(x) is not int:
+                        break  # a bool or complex tensor
+                elif vkind is float:
+                    x = value
+                elif vkind is int and -_INT_LIMIT < value < _INT_LIMIT:
+                    x = value  # a float holds it (the general path raises for one it cannot)
+                else:
+                    break  # anything else takes the general path, which checks it
+                xs.append(x)
+            else:
+                self._single = (weight, tuple(values), xs)
+                return
         else:
             self._fold_single()
         self._update(weight, values)
@@ -312,26 +304,40 @@ class MetricAggregator:
         Example:
             >>> work = agg.sync(on_done=lambda r: print(r.summary()))
         """
+        number = self._syncs
+        self._syncs = number + 1
+        board = self._board
+        if board is not None:
+            # Straight onto the board from this thread: only while the group and its
+            # session are usable (a destroyed default group went with its session; a
+            # new one takes the loop path, which agrees afresh), and only when this
+            # sync's sequence number comes next in call order: on the loop's thread,
+            # or from plain code with no earlier operation still on its way to the loop.
+            # Every step: a few attribute reads, no helper calls.
+            g, session = board.group, board.session
+            if (
+                g.error is None
+                and not g.closed
+                and session.error is None
+                and not session.closed
+                and (get_ident() == board.loop_thread or _portal.quiet())
+            ):
+                record: Record | None = self._single  # one update: encoded when written
+                if record is not None:
+                    self._single = None
+                else:
+                    record = encode_host(self._accs)  # None: a value lives on a GPU
+                    if record is not None:
+                        self._accs = {}
+                if record is not None:
+                    work = board.queue(number - self._first, g.next_seq(), record)
+                    if on_done is not None:
+                        _deliver_when_done(work, on_done, board.loop)
+                    return work
         single, self._single = self._single, None
         accs = self._accs
         if accs:
             self._accs = {}
-        number = self._syncs
-        self._syncs = number + 1
-        board = self._board
-        if board is not None and self._may_write(board):
-            record: Record | None
-            if single is not None:  # the per-step case, in as few steps as it takes
-                weight, names, xs = single
-                encoding = self._singles.get(names) or self._single_encoding(names)
-                record = (encoding, weight, xs)
-            else:
-                record = encode_host(accs)  # None: a value lives on a GPU, the loop waits
-            if record is not None:
-                work = board.queue(number - self._first, board.group.next_seq(), record)
-                if on_done is not None:
-                    _deliver_when_done(work, on_done, board.loop)
-                return work
         if single is not None:
             self._single = single
             self._fold_single()
@@ -340,8 +346,6 @@ class MetricAggregator:
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # plain code: start it on aiodist.sync's loop thread
-            from aiodist import _portal
-
             # No round trip to the loop thread: a training step must not wait for it.
             return _portal.start_soon(self._start, snapshot, on_done, number)
         return self._start(snapshot, on_done, number)
@@ -360,25 +364,13 @@ class MetricAggregator:
         return self.sync(on_done=on_done or self.on_done)
 
     def _single_encoding(self, names: tuple[str, ...]) -> Single:
-        if len(self._singles) >= _MAX_KEY_SETS:
-            self._singles.clear()
-        single = self._singles[names] = Single(names, [self.reduction(n) for n in names])
+        """The single encoding of ``names`` (the board's, when it writes a lone update)."""
+        single = self._singles.get(names)
+        if single is None:
+            if len(self._singles) >= _MAX_KEY_SETS:
+                self._singles.clear()
+            single = self._singles[names] = Single(names, [self.reduction(n) for n in names])
         return single
-
-    def _may_write(self, board: Board) -> bool:
-        """Whether this sync may go straight onto ``board`` from this thread.
-
-        Only when its sequence number comes next in call order: on the loop's
-        thread, or from plain code with no earlier operation still on its way to
-        the loop. And only while the group and its session are usable.
-        (Once per step: kept to a few attribute reads.)
-        """
-        g, session = board.group, board.session
-        # A default group that was destroyed went with its session; a new one takes
-        # the loop path, which agrees afresh.
-        if g.error is not None or g.closed or session.error is not None or session.closed:
-            return False
-        return get_ident() == board.loop_thread or _portal.quiet()
 
     def _start(
         self,
@@ -414,6 +406,7 @@ class MetricAggregator:
         if not agreed.cancelled() and agreed.exception() is None:
             route = agreed.result()
             if isinstance(route, Board) and route.group is self._agreed_group:
+                route.single_encoding = self._single_encoding
                 self._board = route
 
 

@@ -467,7 +467,7 @@ async def test_with_checksums_a_torn_slot_is_not_read(
         assert b is not None
         memory = b._slots
         assert memory.read(4) is not None  # sync 4, complete: every slot checks out
-        data = memory.offset(4, 1) + slots.HEAD.size
+        data = memory.record_at(4, 1)
         memory._mem[data] ^= 0xFF  # rank 1's record of sync 4, torn
         torn = memory.read(4)
         memory._mem[data] ^= 0xFF

@@ -3,54 +3,58 @@
 When every rank of a group runs on one host and they agreed on shared memory
 (``_collectives.shared.agreed``), an aggregator's syncs go through one shared
 segment instead of the data plane. Sync ``i`` of the aggregator (its place
-among the aggregator's syncs, the same on every rank) has one slot per rank;
-rank ``r`` writes its records into slot ``(i % DEPTH, r)`` and stamps it, and the
-sync is complete once every rank's slot carries the stamp. Nothing is sent
-and no thread is woken: in plain code ``sync()`` queues its records from the
-training loop's own thread and returns.
+among the aggregator's syncs, the same on every rank) has one record per rank;
+each rank writes its records into its own region and then counts them
+written, and sync ``i`` is complete once every rank's count is past ``i``.
+Nothing is sent and no thread is woken: in plain code ``sync()`` queues its
+record from the training loop's own thread and returns.
 
 Records are written in batches: a training step pays for every cold line of
-Python it runs, and sixteen writes in one warm pass cost it far less than one
-in each step. A rank's queued records are written
+Python it runs, and a bucket of ``GROUP`` records written side by side in one
+warm pass costs it far less than one record in each step. A rank's queued
+records are written
 
-- by the sync that makes ``BATCH`` of them;
+- by the sync that ends a bucket (or makes ``GROUP`` of them queued);
 - by a look at one of its handles (``is_completed()``, ``result()``, ``wait()``,
   ``await``), which writes before it looks;
 - by the poller, once they have sat queued for a whole ``POLL_QUEUED`` period
   (a rank that stopped syncing: at most twice that late);
 - when the group or its session closes, before anything fails.
 
-Completion is noticed rather than announced:
+Completion is noticed rather than announced, and handles are settled lazily:
 
-- each batch written also copies out the syncs that completed (a few loads
-  from shared memory per sync, in the same warm pass). The board holds handles
-  weakly: a sync whose handle nobody holds any more (a rank that only logs
-  drops them) is never read, only counted as copied out. A handle with an
-  ``on_done`` listener is held until it ran;
-- ``is_completed()``, ``result()`` and ``wait()`` look too;
-- a handle someone waits on (``await``, ``wait()``, ``on_done``) makes the poller
-  on the event loop look every ``POLL_MIN``..``POLL_MAX`` seconds while such a
-  handle is pending. The poller also fails pending syncs when the group breaks
-  or the oldest one passes the group's timeout; with nobody waiting it looks
-  every ``POLL_QUEUED`` seconds while syncs are in flight, and only writes
-  what sat queued. It goes on for ``IDLE_POLLS`` looks after the last one: a
-  ``sync()`` that had to start it would wake the loop's thread, and a training
-  step pays for that wake-up far more than for a timer's.
+- each batch written also copies out what completed since the last look,
+  a bucket at a time (two copies per rank, whatever the number of syncs).
+  A bucket whose handles nobody holds any more (a rank that only logs drops
+  them) is not copied at all, only counted as copied out;
+- a handle settles when someone looks at it (``is_completed()``, ``result()``,
+  ``wait()``, ``await``) and its sync is copied out, so a handle nobody
+  looks at costs nothing after ``sync()`` made it;
+- handles someone waits on (``await``, ``wait()``, ``on_done``) are *watched*:
+  the board holds them and settles them, in index order, once copied out, and
+  the poller on the event loop looks every ``POLL_MIN``..``POLL_MAX`` seconds
+  while one is pending. The poller also fails pending syncs when the group
+  breaks or the oldest written one passes the group's timeout; with nobody
+  waiting it looks every ``POLL_QUEUED`` seconds while syncs are in flight,
+  and only writes what sat queued. It goes on for ``IDLE_POLLS`` looks after
+  the last one: a ``sync()`` that had to start it would wake the loop's
+  thread, and a training step pays for that wake-up far more than for a
+  timer's.
 
-The segment's layout, and writing and reading a slot, are ``_metrics.slots``'s.
-The records (``_metrics.record``) are copied out when the sync completes and
-decoded only when someone reads the results; the reduction is the fused
-path's own (``Layout``), so both paths give bitwise the same values.
+The segment's layout, and writing and copying records, are ``_metrics.slots``'s.
+The records (``_metrics.record``) are decoded only when someone reads the
+results; the reduction is the fused path's own (``Layout``), so both paths
+give bitwise the same values.
 
-Flow control: each rank publishes how many syncs it has copied out; a slot is
-written again only once every rank copied its previous sync, so a rank
-``DEPTH`` syncs ahead of the slowest keeps its writes on a backlog (its next
-batch or the poller writes them).
+Flow control: each rank publishes how many syncs it has copied out; a bucket
+slot is written again only once every rank copied the bucket it held, so a
+rank ``DEPTH`` syncs ahead of the slowest keeps its writes on a backlog (its
+next batch or the poller writes them).
 
 ``sync()`` still takes the group's next sequence number, as every collective
 does (``ProcessGroup.next_seq``): ranks whose first syncs went through the
 event loop and ranks that wrote at once keep numbering the group's
-operations alike. Each slot carries it; ranks that disagree get
+operations alike. Each record carries it; ranks that disagree get
 ``CollectiveMismatchError``.
 
 Set-up is ``_metrics.board_setup``'s.
@@ -63,25 +67,32 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
-from aiodist._errors import CollectiveMismatchError, DistTimeoutError
-from aiodist._metrics.board_work import BoardWork, Rows, wake
-from aiodist._metrics.slots import DEPTH, MAX_RECORD_BYTES, Slots
+from aiodist._errors import DistTimeoutError
+from aiodist._metrics.board_work import BoardWork, Bucket, wake
+from aiodist._metrics.slots import BUCKETS, DEPTH, GROUP, MAX_RECORD_BYTES, Slots
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from aiodist._group import ProcessGroup
-    from aiodist._metrics.record import Record
+    from aiodist._metrics.record import Record, Single
     from aiodist._transport import shm
 
 __all__ = ["BATCH", "DEPTH", "MAX_RECORD_BYTES", "Board"]
 
-#: A sync writes its rank's queued records once this many are queued.
-BATCH: Final = 16
+#: A sync writes its rank's queued records once this many are queued (or a bucket ends).
+BATCH: Final = GROUP
 POLL_MIN: Final = 0.0002
 POLL_MAX: Final = 0.004
 POLL_QUEUED: Final = 0.05  # nobody waiting: records may sit queued up to twice this
 IDLE_POLLS: Final = 5  # slow looks with nothing in flight before the poller stops
+
+#: A queued record: (sync index, sequence number, record).
+Entry: TypeAlias = "tuple[int, int, Record]"
+_index = itemgetter(0)
 
 
 class Board:
@@ -93,21 +104,27 @@ class Board:
         self.lock = threading.Lock()
         self.loop_thread = threading.get_ident()
         self.session = g.session
+        #: The aggregator's encoding of one update's key set (``record.Single``).
+        self.single_encoding: Callable[[tuple[str, ...]], Single] | None = None
         self._segment = segment  # holds the mapping
         self._slots = Slots(memoryview(segment.memory), g.rank, g.world_size)
-        self._queued: deque[tuple[BoardWork, Record]] = deque()  # not written yet
-        # Written (or backlogged), not copied out: held weakly, so that a handle nobody
-        # holds any more is not copied out at all. Handles with listeners are kept.
-        self._pending: dict[int, weakref.ref[BoardWork]] = {}
-        self._kept: dict[int, BoardWork] = {}
-        self._backlog: list[tuple[int, int, bytes | None]] = []  # waiting for a slot
+        self._queued: deque[Entry] = deque()  # not written yet
+        self._backlog: list[Entry] = []  # waiting for their bucket slot, in index order
+        self._written = 0  # this rank wrote syncs [0, written) (and published it) ...
+        self._written_above: set[int] = set()  # ... and these, ahead of a gap
+        self._free_below = BUCKETS  # buckets below this may be written (cached)
         self._copied = 0  # syncs [0, copied) are copied out here
-        self._writable_below = DEPTH  # indices below this may be written (cached)
+        # The buckets handles hold, weakly: one nobody holds is not copied out.
+        self._buckets: dict[int, weakref.ref[Bucket]] = {}
+        self._bucket = Bucket(-1)  # the latest one handed out
+        self._watched: dict[int, BoardWork] = {}  # waited on: held until settled
+        self._deadlines: deque[tuple[int, float]] = deque()  # (last index, deadline) a write
+        self._failure: BaseException | None = None  # every sync not copied out fails with it
         self._polling = False  # the poller runs; ``_delay`` is its current period
         self._delay = POLL_MIN
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0  # loop time it fires at (uvloop's handles do not say)
-        self._stale: BoardWork | None = None  # the queue's head at the last poll
+        self._stale: Entry | None = None  # the queue's head at the last poll
         self._idle = 0  # slow looks in a row that found nothing in flight
         g.on_close(self.check)  # records still queued are written before the group goes
         self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
@@ -121,14 +138,17 @@ class Board:
     def queue(self, index: int, seq: int, record: Record) -> BoardWork:
         """Queue this rank's ``record`` of sync ``index``; return its handle.
 
-        Nothing is written yet: the sync that fills a batch of ``BATCH`` writes
-        them all (and copies out what completed), as do a look at a handle
-        (``check``) and the poller, within ``POLL_QUEUED`` seconds.
+        Nothing is written yet: the sync that ends a bucket writes the queue (and
+        copies out what completed), as do a look at a handle (``check``) and the
+        poller, within ``POLL_QUEUED`` seconds.
         """
-        work = BoardWork(self, index, seq)
+        bucket = self._bucket
+        if bucket.number != index // GROUP:
+            bucket = self._bucket_for(index // GROUP)
+        work = BoardWork(self, index, seq, bucket)
         queued = self._queued
-        queued.append((work, record))  # atomic: the poller may be taking from the other end
-        if len(queued) >= BATCH:
+        queued.append((index, seq, record))  # atomic: the poller may be taking from the other end
+        if index % GROUP == GROUP - 1 or len(queued) >= BATCH:
             self.check()
         elif not self._polling:
             self.watch(soon=False)
@@ -140,112 +160,153 @@ class Board:
         self.check()
         return work
 
-    def _flush_locked(self) -> None:
-        """Write (or put on the backlog) every queued record, in the order they came."""
-        queued = self._queued
-        if not queued:
-            return
-        deadline = time.monotonic() + self.group.timeout
-        pending, backlog, copied, ref = self._pending, self._backlog, self._copied, weakref.ref
-        while queued:
-            work, record = queued.popleft()
-            index = work.index
-            if index < copied or index in pending:
-                work._settle_locked(None, RuntimeError(f"metrics sync {index} was posted twice"))
-                continue
-            work.deadline = deadline
-            pending[index] = ref(work)
-            writable = not backlog and (index < self._writable_below or self._writable(index))
-            if not isinstance(record, bytes):
-                single, weight, values = record
-                if writable and single.nbytes <= MAX_RECORD_BYTES:
-                    self._slots.write_single(index, work.seq, single, weight, values)
-                    continue
-                record = single.encode(weight, values)
-            data = record if len(record) <= MAX_RECORD_BYTES else None
-            if writable:
-                self._slots.write(index, work.seq, data)
-            else:
-                backlog.append((index, work.seq, data))
+    def _bucket_for(self, number: int) -> Bucket:
+        with self.lock:
+            ref = self._buckets.get(number)
+            bucket = ref() if ref is not None else None
+            if bucket is None:
+                bucket = Bucket(number)
+                self._buckets[number] = weakref.ref(bucket)
+            if number > self._bucket.number:
+                self._bucket = bucket
+            return bucket
 
-    def _writable(self, index: int) -> bool:
-        if index < self._writable_below:
-            return True
-        self._writable_below = self._slots.slowest_copied() + DEPTH
-        return index < self._writable_below
+    def _flush_locked(self) -> None:
+        """Write (or put on the backlog) every queued record, a bucket's run at a time."""
+        queued, backlog = self._queued, self._backlog
+        n = len(queued)
+        if not n and not backlog:
+            return
+        entries = [queued.popleft() for _ in range(n)]
+        if backlog:
+            entries = backlog + entries
+            self._backlog = []
+        if entries[-1][0] - entries[0][0] != len(entries) - 1:
+            # Posts may come out of order (the loop's and the caller's thread); slots free
+            # up in index order, so records are written lowest index first.
+            entries.sort(key=_index)
+        slots, written = self._slots, self._written
+        i, n = 0, len(entries)
+        while i < n:
+            first = entries[i][0]
+            bucket = first // GROUP
+            if bucket >= self._free_below:
+                self._free_below = slots.slowest_copied() // GROUP + BUCKETS
+                if bucket >= self._free_below:  # a rank has not copied out its slot's last bucket
+                    self._backlog = entries[i:]
+                    break
+            j, end = i + 1, min(n, i + (bucket + 1) * GROUP - first)
+            while j < end and entries[j][0] == first + j - i:
+                j += 1
+            run = entries[i:j]
+            slots.commit(first, [e[1] for e in run], self._pack(run, slots.claim(first)))
+            if first == self._written:
+                self._written = first + j - i
+            else:
+                self._written_above.update(range(first, first + j - i))
+            i = j
+        above = self._written_above
+        while above and self._written in above:
+            above.discard(self._written)
+            self._written += 1
+        if self._written != written:
+            slots.publish_written(self._written)
+        if i:
+            self._deadlines.append((entries[i - 1][0], time.monotonic() + self.group.timeout))
+
+    def _pack(self, run: list[Entry], at: int) -> list[int | None]:
+        """Write the records of ``run`` side by side at ``at``; their sizes (None: too large)."""
+        memory = self._slots.memory
+        first = run[0][2]
+        if type(first) is tuple:  # lone updates, most likely all of one key set: one call
+            assert self.single_encoding is not None
+            names = first[1]
+            single = self.single_encoding(names)
+            if single.nbytes <= MAX_RECORD_BYTES and single.pack_run(
+                memory, at, names, [e[2] for e in run]
+            ):
+                return [single.nbytes] * len(run)
+        records = [self._encode(e[2]) for e in run]
+        data = b"".join(r for r in records if r is not None)
+        memory[at : at + len(data)] = data
+        return [None if r is None else len(r) for r in records]
+
+    def _encode(self, record: Record) -> bytes | None:
+        """``record`` as written; None if it does not fit."""
+        if type(record) is tuple:
+            weight, names, values = record
+            assert self.single_encoding is not None
+            single = self.single_encoding(names)
+            if single.nbytes > MAX_RECORD_BYTES:
+                return None
+            return single.encode(weight, values)
+        assert isinstance(record, bytes)
+        return record if len(record) <= MAX_RECORD_BYTES else None
 
     # --- noticing completion -----------------------------------------------------------------
 
     def check(self) -> None:
-        """Write what may be written, copy out what completed, settle those handles."""
+        """Write what may be written, copy out what completed, settle watched handles."""
         with self.lock:
-            drain = self.queue_wake_locked(self._check_locked())
+            if self._failure is None:
+                self._flush_locked()
+                drain = self.queue_wake_locked(self._copy_locked())
+            else:
+                drain = None
         self.run_wake(drain)
 
-    def _check_locked(self) -> list[list[Any]]:
-        self._flush_locked()
-        backlog = self._backlog
-        if backlog:
-            # Posts may come out of order (the loop's and the caller's thread); slots
-            # free up in index order, so the backlog is written lowest index first.
-            if len(backlog) > 1 and backlog[-1][0] < backlog[-2][0]:
-                backlog.sort(key=lambda entry: entry[0])
-            written = 0
-            for entry in backlog:
-                if not self._writable(entry[0]):
-                    break
-                self._slots.write(*entry)
-                written += 1
-            del backlog[:written]
-        woken: list[list[Any]] = []
-        pending = self._pending
+    def _copy_locked(self) -> list[list[Any]]:
+        """Copy out the syncs every rank wrote since the last look (buckets someone holds)."""
         copied = start = self._copied
-        while True:  # in index order: an index not posted yet stops it
-            ref = pending.get(copied)
-            if ref is None:
-                break
-            work = ref()
-            if work is None:  # nobody can look at this sync any more: skip its slots
-                del pending[copied]
-                copied += 1
-                continue
-            rows = self._slots.read(copied)
-            if rows is None:
-                break
-            del pending[copied]
-            self._kept.pop(copied, None)
-            copied += 1
-            seqs = {seq for seq, _ in rows}
-            if len(seqs) > 1:
-                by_rank = {r: seq for r, (seq, _) in enumerate(rows)}
-                error: BaseException | None = CollectiveMismatchError(
-                    f"ranks reached metrics sync {work.index} of group {self.group.name!r} at "
-                    f"different points among the group's collectives (sequence numbers "
-                    f"{by_rank}); call collectives in the same order on every rank",
-                    field="seq",
-                    values_by_rank=by_rank,
-                )
-                value: Any = None
-            else:
-                error, value = (
-                    None,
-                    Rows(self.group.name, [data for _, data in rows], MAX_RECORD_BYTES),
-                )
-            wake = work._settle_locked(value, error)
-            if wake is not None:
-                woken.append(wake)
-        if copied != start:
-            self._copied = copied
-            self._slots.publish_copied(copied)
+        complete = self._slots.complete()
+        buckets = self._buckets
+        while copied < complete:
+            number = copied // GROUP
+            stop = min(complete, (number + 1) * GROUP)
+            ref = buckets.get(number)
+            bucket = ref() if ref is not None else None
+            if bucket is not None:
+                chunks = self._slots.copy(copied, stop)
+                if chunks is None:
+                    break  # not all visible yet (``CHECKSUM``): again later
+                bucket.add(copied, stop, chunks)
+            if stop == (number + 1) * GROUP:
+                buckets.pop(number, None)
+            copied = stop
+        if copied == start:
+            return []
+        self._copied = copied
+        self._slots.publish_copied(copied)
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] < copied:
+            deadlines.popleft()
+        watched = self._watched
+        if not watched:
+            return []
+        woken = []
+        for index in sorted(i for i in watched if i < copied):
+            settled = self.settle_locked(watched[index])
+            if settled is not None:
+                woken.append(settled)
         return woken
 
-    def keep_locked(self, work: BoardWork) -> None:
-        """Hold ``work`` until it settles (it has listeners, and maybe no other holder)."""
-        self._kept[work.index] = work
+    def settle_locked(self, work: BoardWork) -> list[Any] | None:
+        """Settle ``work`` if its sync is copied out or failed; return what to wake, if anything."""
+        if work._done:
+            return None
+        index = work.index
+        if index < self._copied:
+            value, error = work.bucket.outcome(index, self.group.name)
+        elif self._failure is not None:
+            value, error = None, self._failure
+        else:
+            return None
+        self._watched.pop(index, None)
+        return work._settle_locked(value, error)
 
-    def _live_locked(self) -> list[BoardWork]:
-        """The pending handles someone still holds, oldest first."""
-        return [w for w in (ref() for ref in self._pending.values()) if w is not None]
+    def watch_locked(self, work: BoardWork) -> None:
+        """Hold ``work`` and settle it once its sync is copied out (someone waits for it)."""
+        self._watched[work.index] = work
 
     # Handles wake on the loop's thread in the order they settled (which is index
     # order), whichever thread settled them: one queue, drained by one callback.
@@ -274,6 +335,16 @@ class Board:
                     self._draining = False
                     return
             wake(items)
+
+    def _fail_locked(self, error: BaseException) -> list[list[Any]]:
+        """Fail every sync not copied out yet; nothing more is written."""
+        self._failure = error
+        self._queued.clear()
+        self._backlog = []
+        watched = self._watched
+        woken = [self.settle_locked(watched[index]) for index in sorted(watched)]
+        watched.clear()
+        return [w for w in woken if w is not None]
 
     # --- the poller (the loop's thread) ------------------------------------------------------
 
@@ -307,29 +378,27 @@ class Board:
         with self.lock:
             period = self._delay
             queued = self._queued
-            head = queued[0][0] if queued else None
+            head = queued[0] if queued else None
             # Records the caller queued a whole period ago and did not write since.
             stale, self._stale = head is not None and head is self._stale, head
-        before = len(self._pending)
+            before = self._copied
         # Nobody waits: only write what a caller that stopped syncing left queued (one
         # that still syncs writes its own), and retry the backlog.
         if period < POLL_QUEUED or stale or self._backlog:
             self.check()
-        error = self._failure()
+        error = self._failure_now()
         with self.lock:
             drain = None
-            live = self._live_locked()
-            if error is not None:
-                woken = [w for w in (work._settle_locked(None, error) for work in live) if w]
-                self._pending.clear()
-                self._kept.clear()
-                self._backlog.clear()
-                drain = self.queue_wake_locked(woken)
-                live = []
-            watched = bool(self._kept) or any(w._waiters for w in live)
+            if error is not None and self._failure is None:
+                drain = self.queue_wake_locked(self._fail_locked(error))
+            watched = bool(self._watched)
             # Syncs in flight keep it looking (slowly when nobody waits): it writes what
             # a caller left queued, and fails them all if the group breaks or times out.
-            busy = watched or bool(self._backlog or self._queued or self._pending)
+            busy = self._failure is None and (
+                watched
+                or bool(self._backlog or self._queued or self._written_above)
+                or self._written > self._copied
+            )
             # It goes on a while after the last sync in flight: a caller that syncs again
             # soon finds it running, rather than waking the loop to start it.
             self._idle = 0 if busy else self._idle + 1
@@ -339,7 +408,7 @@ class Board:
                 self._polling = False
             elif not watched:
                 self._delay = POLL_QUEUED
-            elif len(self._pending) < before or period >= POLL_QUEUED:
+            elif self._copied > before or period >= POLL_QUEUED:
                 self._delay = POLL_MIN  # progress, or someone started waiting: look soon
             else:
                 self._delay = min(POLL_MAX, period * 2)
@@ -352,21 +421,26 @@ class Board:
             # poller still running and left it to us: look at its record in time.
             self.watch(soon=False)
 
-    def _failure(self) -> BaseException | None:
+    def _failure_now(self) -> BaseException | None:
+        """The error pending syncs fail with: the group broke, or the oldest timed out."""
         g = self.group
         try:
             g.check_usable()
         except Exception as exc:
             return exc
         with self.lock:
-            live = self._live_locked()
-        oldest = live[0] if live else None
-        if oldest is not None and oldest.deadline <= time.monotonic():
-            timed_out = DistTimeoutError(
-                f"{oldest.description} on group {g.name!r} timed out after "
-                f"{g.timeout:.1f} s; a rank may not have called it, or may be stuck. The "
-                "group is broken."
+            deadlines = self._deadlines
+            if not deadlines or deadlines[0][1] > time.monotonic():
+                return None
+            index = self._copied
+            what = (
+                f"metrics.sync#{self._slots.seq(index)}"
+                if index < self._written
+                else f"metrics sync {index}"
             )
-            g.break_(timed_out)
-            return timed_out
-        return None
+        timed_out = DistTimeoutError(
+            f"{what} on group {g.name!r} timed out after {g.timeout:.1f} s; a rank may not "
+            "have called it, or may be stuck. The group is broken."
+        )
+        g.break_(timed_out)
+        return timed_out

@@ -1,21 +1,23 @@
 """The shared board's handles and records (see ``_metrics.board``).
 
-``BoardWork`` is a ``Work`` that any thread may settle: the training loop's
-thread when its next ``sync()`` finds a sync complete, or the event loop's
-poller. Waiters and listeners register under the board's lock, and whoever
-settles wakes them on the loop's thread. A completed sync holds every rank's
-raw records (``Rows``), decoded on first read.
+``BoardWork`` is a ``Work`` that settles lazily: when someone looks at it and
+its sync is copied out, or, once someone waits on it, when the board copies
+it out (the training loop's thread in its next batch, or the event loop's
+poller). Waiters and listeners register under the board's lock, and whoever
+settles wakes them on the loop's thread. The handles of one bucket share a
+``Bucket``, which receives every rank's raw records of the bucket's syncs
+when they are copied out; a sync's records (``Rows``) are decoded on first read.
 """
 
 from __future__ import annotations
 
-import math
 from array import array
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import CollectiveMismatchError, DistError
 from aiodist._metrics import record
 from aiodist._metrics.results import MetricResults
+from aiodist._metrics.slots import MAX_RECORD_BYTES
 from aiodist._metrics.state import Reduction, layout_of
 from aiodist._work import Work
 
@@ -24,8 +26,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Generator
 
     from aiodist._metrics.board import Board
+    from aiodist._metrics.slots import Chunk
 
-__all__ = ["BoardWork", "Rows", "wake"]
+__all__ = ["BoardWork", "Bucket", "Rows", "wake"]
 
 # Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
 _DELIVERY_WAIT: Final = 5.0
@@ -73,12 +76,41 @@ class Rows:
         return MetricResults(layout.unpack(vals), layout.reductions)
 
 
+class Bucket:
+    """The records of one bucket's syncs, copied out for the handles that share it."""
+
+    __slots__ = ("__weakref__", "_chunks", "number")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self._chunks: list[tuple[int, int, list[Chunk]]] = []  # (start, stop, one per rank)
+
+    def add(self, start: int, stop: int, chunks: list[Chunk]) -> None:
+        self._chunks.append((start, stop, chunks))
+
+    def outcome(self, index: int, group: str) -> tuple[Rows | None, BaseException | None]:
+        """Sync ``index``'s every-rank records, or the error they make (not one sequence)."""
+        chunks = next(c for start, stop, c in self._chunks if start <= index < stop)
+        rows = [chunk.record(index) for chunk in chunks]
+        seqs = {seq for seq, _ in rows}
+        if len(seqs) > 1:
+            by_rank = {r: seq for r, (seq, _) in enumerate(rows)}
+            return None, CollectiveMismatchError(
+                f"ranks reached metrics sync {index} of group {group!r} at different points "
+                f"among the group's collectives (sequence numbers {by_rank}); call "
+                "collectives in the same order on every rank",
+                field="seq",
+                values_by_rank=by_rank,
+            )
+        return Rows(group, [data for _, data in rows], MAX_RECORD_BYTES), None
+
+
 class BoardWork(Work[MetricResults]):
-    """A sync on the board: settled by whichever thread notices it complete."""
+    """A sync on the board: settled by whoever looks at it once it is copied out."""
 
-    __slots__ = ("__weakref__", "_board", "deadline", "index", "seq")
+    __slots__ = ("_board", "bucket", "index", "seq")
 
-    def __init__(self, board: Board, index: int, seq: int) -> None:
+    def __init__(self, board: Board, index: int, seq: int, bucket: Bucket) -> None:
         # Work.pending(), spelled out (one per training step); the description is
         # made when someone reads it.
         self._loop = board.loop
@@ -87,11 +119,19 @@ class BoardWork(Work[MetricResults]):
         self._board = board
         self.index = index
         self.seq = seq
-        self.deadline = math.inf  # set when the record is written
+        self.bucket = bucket  # holding it keeps the bucket's records copied out
 
     @property
     def description(self) -> str:  # type: ignore[override]
         return f"metrics.sync#{self.seq}"
+
+    def _look(self) -> None:
+        """Write what this rank queued, copy out what completed; settle if it can."""
+        board = self._board
+        board.check()  # settles the watched handles first: they run in index order
+        if not self._done:
+            with board.lock:
+                board.settle_locked(self)  # not watched: nobody to wake
 
     # Waiters and listeners register under the board's lock: another thread may settle.
 
@@ -100,18 +140,19 @@ class BoardWork(Work[MetricResults]):
         # the order handles settled (call order), whichever thread settled them.
         board = self._board
         with board.lock:
+            woken = board.settle_locked(self)
             if not self._done:
                 if self._listeners is None:
                     self._listeners = [fn]
-                    board.keep_locked(self)
+                    board.watch_locked(self)
                 else:
                     self._listeners.append(fn)
                 drain = None
-                registered = True
             else:
-                drain = board.queue_wake_locked([[self, None, [fn]]])
-                registered = False
-        if registered:
+                items = [woken] if woken is not None else []
+                items.append([self, None, [fn]])
+                drain = board.queue_wake_locked(items)
+        if not self._done:
             board.watch()
         else:
             board.run_wake(drain)
@@ -124,36 +165,41 @@ class BoardWork(Work[MetricResults]):
 
     def __await__(self) -> Generator[Any, None, MetricResults]:
         if not self._done:
-            self._board.check()
+            self._look()
         if not self._done:
             assert self._loop is not None
             waiter: asyncio.Future[None] = self._loop.create_future()
-            with self._board.lock:
+            board = self._board
+            with board.lock:
+                woken = board.settle_locked(self)
                 pending = not self._done
                 if pending:
                     if self._waiters is None:
                         self._waiters = [waiter]
                     else:
                         self._waiters.append(waiter)
+                    board.watch_locked(self)
+                drain = board.queue_wake_locked([woken] if woken is not None else [])
+            board.run_wake(drain)
             if pending:
-                self._board.watch()
+                board.watch()
                 yield from waiter.__await__()
         return self.result()
 
     def is_completed(self) -> bool:
         if not self._done:
-            self._board.check()
+            self._look()
         return self._done
 
     def result(self) -> MetricResults:
         if not self._done:
-            self._board.check()
+            self._look()
         self._materialize()
         return super().result()
 
     def exception(self) -> BaseException | None:
         if not self._done:
-            self._board.check()
+            self._look()
         self._materialize()
         return super().exception()
 
@@ -165,6 +211,8 @@ class BoardWork(Work[MetricResults]):
         """
         loop = self._loop
         assert loop is not None
+        if not self._done:
+            self._look()
         if self._done and loop.is_running() and not self._board.on_loop_thread():
             self._done_on_loop(_DELIVERY_WAIT if timeout is None else timeout)
             return self.result()

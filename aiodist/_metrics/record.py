@@ -68,24 +68,50 @@ def encode_host(accumulators: Mapping[str, Accumulator]) -> bytes | None:
 class Single:
     """The single encoding for one key set (names in ``update``'s order)."""
 
-    __slots__ = ("_values", "count", "nbytes", "prefix", "slot")
+    __slots__ = ("_format", "_runs", "_values", "nbytes", "prefix")
 
     def __init__(self, names: Sequence[str], reductions: Sequence[Reduction]) -> None:
         schema = _pack([list(names), list(reductions)])
         self.prefix = _SCHEMA_LEN.pack(SINGLE, len(schema)) + schema
-        self.count = len(names)
-        self._values = struct.Struct(f"<{self.count + 1}d")  # the weight, then the values
+        self._values = struct.Struct(f"<{len(names) + 1}d")  # the weight, then the values
+        self._format = f"{len(self.prefix)}s{len(names) + 1}d"  # the whole record
         self.nbytes = len(self.prefix) + self._values.size
-        # The board's own packing of a slot with this record in it (``Board.slot_packer``).
-        self.slot: struct.Struct | None = None
+        self._runs: dict[int, struct.Struct] = {}  # ``k`` records side by side, by k
 
     def encode(self, weight: float, values: Sequence[float]) -> bytes:
         """The record of one update: ``weight`` and one host number per name."""
         return self.prefix + self._values.pack(weight, *values)
 
 
-#: What a sync hands the board: an encoded record, or one update to encode when written.
-Record: TypeAlias = "bytes | tuple[Single, float, Sequence[float]]"
+    def pack_run(
+        self, memory: memoryview, at: int, names: tuple[str, ...], updates: Sequence[Record]
+    ) -> bool:
+        """Write ``updates`` (lone updates of this key set, ``names``) side by side at ``at``.
+
+        False, writing nothing, if one of them is anything else. One call for
+        all of them: a batch of per-step syncs costs a few list appends each.
+        """
+        prefix, args = self.prefix, list[bytes | float]()
+        for update in updates:
+            if type(update) is not tuple:
+                return False
+            weight, keys, values = update
+            if keys is not names and keys != names:
+                return False
+            args.append(prefix)
+            args.append(weight)
+            args += values
+        k = len(updates)
+        run = self._runs.get(k)
+        if run is None:
+            run = self._runs[k] = struct.Struct("<" + self._format * k)
+        run.pack_into(memory, at, *args)
+        return True
+
+
+#: What a sync hands the board: an encoded record, or one update to encode when written
+#: (weight, names, values: ``MetricAggregator``'s own, with ``Single`` looked up then).
+Record: TypeAlias = "bytes | tuple[float, tuple[str, ...], list[float]]"
 
 
 def decode(row: bytes) -> list[list[Any]]:
