@@ -137,9 +137,9 @@ class MetricAggregator:
         self.on_done = on_done
         self._group = group
         self._accs: dict[str, Accumulator] = {}
-        # The interval's update while it is its only one, all host numbers: (weight,
-        # names, values). A sync every step encodes it as it is (``record.Single``).
-        self._single: tuple[float, tuple[str, ...], list[float]] | None = None
+        # The interval's update while it is its only one, all host numbers: (names,
+        # [weight, *values]). A sync every step writes it as it is (``record.Single``).
+        self._single: tuple[tuple[str, ...], list[float]] | None = None
         self._singles: dict[tuple[str, ...], Single] = {}  # encodings by key set
         self._steps = 0
         self._syncs = 0  # every rank numbers its syncs alike: the shared board's index
@@ -158,7 +158,7 @@ class MetricAggregator:
     @property
     def pending(self) -> list[str]:
         """Metrics updated on this rank since the last sync."""
-        return sorted(self._single[1] if self._single is not None else self._accs)
+        return sorted(self._single[0] if self._single is not None else self._accs)
 
     def update(self, weight: float | Any = 1, /, **values: Any) -> None:
         """Accumulate ``values`` on this rank; no communication, no GPU sync.
@@ -186,7 +186,7 @@ class MetricAggregator:
             # The interval's first update, of host numbers: kept as it came (the names,
             # not the values: no tensor is kept alive). Inlined: it runs every step.
             tensor = _tensor or _torch_tensor()
-            xs: list[float] = []
+            xs: list[float] = [weight]
             for value in values.values():
                 vkind = type(value)
                 if vkind is tensor:
@@ -206,7 +206,7 @@ class MetricAggregator:
                     break  # anything else takes the general path, which checks it
                 xs.append(x)
             else:
-                self._single = (weight, tuple(values), xs)
+                self._single = (tuple(values), xs)
                 return
         else:
             self._fold_single()
@@ -269,9 +269,9 @@ class MetricAggregator:
         if single is None:
             return
         self._single = None
-        weight, names, xs = single
-        w = float(weight)
-        for name, x in zip(names, xs, strict=True):
+        names, xs = single
+        w = float(xs[0])
+        for name, x in zip(names, xs[1:], strict=True):
             acc = self._accs[name] = Accumulator(self.reduction(name))
             acc.add_number(float(x), w)
 

@@ -72,7 +72,13 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from aiodist._errors import DistTimeoutError
 from aiodist._metrics.board_work import BoardWork, Bucket, wake
-from aiodist._metrics.slots import BUCKETS, DEPTH, GROUP, MAX_RECORD_BYTES, Slots
+from aiodist._metrics.slots import (
+    BUCKETS,
+    DEPTH,
+    GROUP,
+    MAX_RECORD_BYTES,
+    Slots,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,7 +98,8 @@ IDLE_POLLS: Final = 5  # slow looks with nothing in flight before the poller sto
 
 #: A queued record: (sync index, sequence number, record).
 Entry: TypeAlias = "tuple[int, int, Record]"
-_index = itemgetter(0)
+_index, _seq, _record = itemgetter(0), itemgetter(1), itemgetter(2)
+_names, _numbers = itemgetter(0), itemgetter(1)  # of a lone update's record
 
 
 class Board:
@@ -177,16 +184,19 @@ class Board:
         n = len(queued)
         if not n and not backlog:
             return
-        entries = [queued.popleft() for _ in range(n)]
+        popleft = queued.popleft
+        entries = [popleft() for _ in range(n)]
         if backlog:
             entries = backlog + entries
             self._backlog = []
-        if entries[-1][0] - entries[0][0] != len(entries) - 1:
+        n = len(entries)
+        contiguous = entries[-1][0] - entries[0][0] == n - 1
+        if not contiguous:
             # Posts may come out of order (the loop's and the caller's thread); slots free
             # up in index order, so records are written lowest index first.
             entries.sort(key=_index)
         slots, written = self._slots, self._written
-        i, n = 0, len(entries)
+        i = 0
         while i < n:
             first = entries[i][0]
             bucket = first // GROUP
@@ -195,11 +205,13 @@ class Board:
                 if bucket >= self._free_below:  # a rank has not copied out its slot's last bucket
                     self._backlog = entries[i:]
                     break
-            j, end = i + 1, min(n, i + (bucket + 1) * GROUP - first)
-            while j < end and entries[j][0] == first + j - i:
-                j += 1
-            run = entries[i:j]
-            slots.commit(first, [e[1] for e in run], self._pack(run, slots.claim(first)))
+            j = min(n, i + (bucket + 1) * GROUP - first)  # the run: to the bucket's end ...
+            if not contiguous:
+                k = i + 1
+                while k < j and entries[k][0] == first + k - i:
+                    k += 1
+                j = k  # ... or to the first gap
+            self._write(first, entries[i:j])
             if first == self._written:
                 self._written = first + j - i
             else:
@@ -214,32 +226,43 @@ class Board:
         if i:
             self._deadlines.append((entries[i - 1][0], time.monotonic() + self.group.timeout))
 
-    def _pack(self, run: list[Entry], at: int) -> list[int | None]:
-        """Write the records of ``run`` side by side at ``at``; their sizes (None: too large)."""
-        memory = self._slots.memory
-        first = run[0][2]
-        if type(first) is tuple:  # lone updates, most likely all of one key set: one call
+    def _write(self, first: int, run: list[Entry]) -> None:
+        """Write the records of ``run`` (syncs ``first, first + 1, ...``, one bucket)."""
+        slots = self._slots
+        memory = slots.memory
+        base, used = slots.claim(first)
+        k = len(run)
+        seqs = list(map(_seq, run))
+        records = list(map(_record, run))
+        head = records[0]
+        if type(head) is tuple:
+            # Lone updates, most likely all of one key set (a sync every step): its prefix
+            # once, then every update's numbers, in a few calls whatever their number.
+            names = head[0]
             assert self.single_encoding is not None
-            names = first[1]
             single = self.single_encoding(names)
-            if single.nbytes <= MAX_RECORD_BYTES and single.pack_run(
-                memory, at, names, [e[2] for e in run]
+            if (
+                single.nbytes <= MAX_RECORD_BYTES
+                and list(map(type, records)).count(tuple) == k
+                and list(map(_names, records)).count(names) == k
             ):
-                return [single.nbytes] * len(run)
-        records = [self._encode(e[2]) for e in run]
-        data = b"".join(r for r in records if r is not None)
-        memory[at : at + len(data)] = data
-        return [None if r is None else len(r) for r in records]
+                at = used + len(single.prefix)
+                memory[base + used : base + at] = single.prefix
+                single.pack_values(memory, base + at, list(map(_numbers, records)))
+                slots.commit_values(first, seqs, used, at, single.values_bytes)
+                return
+        encoded = [self._encode(record) for record in records]
+        data = b"".join(e for e in encoded if e is not None)
+        memory[base + used : base + used + len(data)] = data
+        slots.commit_records(first, seqs, [None if e is None else len(e) for e in encoded], used)
 
     def _encode(self, record: Record) -> bytes | None:
         """``record`` as written; None if it does not fit."""
         if type(record) is tuple:
-            weight, names, values = record
+            names, numbers = record
             assert self.single_encoding is not None
             single = self.single_encoding(names)
-            if single.nbytes > MAX_RECORD_BYTES:
-                return None
-            return single.encode(weight, values)
+            return single.encode(numbers) if single.nbytes <= MAX_RECORD_BYTES else None
         assert isinstance(record, bytes)
         return record if len(record) <= MAX_RECORD_BYTES else None
 

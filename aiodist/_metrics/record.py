@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import msgpack
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from aiodist._metrics.state import Accumulator, Reduction, Snapshot
 
-__all__ = ["SINGLE", "Record", "Single", "decode", "encode", "encode_host"]
+__all__ = ["SINGLE", "Record", "Single", "decode", "encode", "encode_host", "prefix_length"]
 
 #: First byte of a single-update record (a msgpack list starts with 0x90-0x9F or 0xDC-0xDD).
 SINGLE: Final = 0x01
@@ -68,50 +69,47 @@ def encode_host(accumulators: Mapping[str, Accumulator]) -> bytes | None:
 class Single:
     """The single encoding for one key set (names in ``update``'s order)."""
 
-    __slots__ = ("_format", "_runs", "_values", "nbytes", "prefix")
+    __slots__ = ("_runs", "_values", "nbytes", "prefix")
 
     def __init__(self, names: Sequence[str], reductions: Sequence[Reduction]) -> None:
         schema = _pack([list(names), list(reductions)])
         self.prefix = _SCHEMA_LEN.pack(SINGLE, len(schema)) + schema
         self._values = struct.Struct(f"<{len(names) + 1}d")  # the weight, then the values
-        self._format = f"{len(self.prefix)}s{len(names) + 1}d"  # the whole record
         self.nbytes = len(self.prefix) + self._values.size
-        self._runs: dict[int, struct.Struct] = {}  # ``k`` records side by side, by k
+        self._runs: dict[int, struct.Struct] = {}  # ``k`` updates' values side by side, by k
 
-    def encode(self, weight: float, values: Sequence[float]) -> bytes:
-        """The record of one update: ``weight`` and one host number per name."""
-        return self.prefix + self._values.pack(weight, *values)
+    @property
+    def values_bytes(self) -> int:
+        """The size of one update's numbers: the record without its prefix."""
+        return self._values.size
 
+    def encode(self, numbers: Sequence[float]) -> bytes:
+        """The record of one update: ``numbers`` is its weight, then one number per name."""
+        return self.prefix + self._values.pack(*numbers)
 
-    def pack_run(
-        self, memory: memoryview, at: int, names: tuple[str, ...], updates: Sequence[Record]
-    ) -> bool:
-        """Write ``updates`` (lone updates of this key set, ``names``) side by side at ``at``.
+    def pack_values(self, memory: memoryview, at: int, updates: Sequence[Sequence[float]]) -> None:
+        """Write the numbers of ``updates`` (each as ``encode`` takes them) side by side.
 
-        False, writing nothing, if one of them is anything else. One call for
-        all of them: a batch of per-step syncs costs a few list appends each.
+        The prefix goes once before them (``prefix_length`` finds its end): one
+        call for a whole batch of per-step syncs.
         """
-        prefix, args = self.prefix, list[bytes | float]()
-        for update in updates:
-            if type(update) is not tuple:
-                return False
-            weight, keys, values = update
-            if keys is not names and keys != names:
-                return False
-            args.append(prefix)
-            args.append(weight)
-            args += values
         k = len(updates)
         run = self._runs.get(k)
         if run is None:
-            run = self._runs[k] = struct.Struct("<" + self._format * k)
-        run.pack_into(memory, at, *args)
-        return True
+            run = self._runs[k] = struct.Struct(f"<{k * (self._values.size // 8)}d")
+        run.pack_into(memory, at, *chain.from_iterable(updates))
+
+
+def prefix_length(data: bytes, at: int) -> int:
+    """The length of the single encoding's prefix that starts at ``data[at]``."""
+    n: int = _SCHEMA_LEN.unpack_from(data, at)[1]
+    return _SCHEMA_LEN.size + n
 
 
 #: What a sync hands the board: an encoded record, or one update to encode when written
-#: (weight, names, values: ``MetricAggregator``'s own, with ``Single`` looked up then).
-Record: TypeAlias = "bytes | tuple[float, tuple[str, ...], list[float]]"
+#: (names, then the weight and one number per name: ``MetricAggregator``'s own, with
+#: ``Single`` looked up then).
+Record: TypeAlias = "bytes | tuple[tuple[str, ...], list[float]]"
 
 
 def decode(row: bytes) -> list[list[Any]]:

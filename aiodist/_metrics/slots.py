@@ -9,19 +9,29 @@ large stores rather than a few small ones per record::
     [ written: u64 per rank | copied: u64 per rank ]     each row padded to a cache line
     [ rank 0: BUCKETS bucket slots | rank 1: ... ]
 
-    bucket slot: [ used u64 | GROUP entries | data ]
-    entry:       [ seq u64 | offset u32 | nbytes u32 | crc u32 | oversize u32 ]
+    bucket slot: [ used u64 | seqs | runs | crcs | run table | data ]
+        seqs:      GROUP x u64, each sync's sequence number
+        runs:      GROUP x u8, the run each sync's record belongs to
+        crcs:      GROUP x u32, each record's CRC (``CHECKSUM`` only)
+        run table: GROUP x [ kind u32 | first u32 | offset u32 | nbytes u32 | prefix u32 ]
 
-Sync ``i``'s record from rank ``r`` is entry ``i % GROUP`` of that rank's slot:
-``nbytes`` bytes at ``offset`` into its data (``oversize``: it did not fit, and
-every rank fails that sync alike). ``used`` is where the rank's next record
-in that slot goes, so data ``[0, used)`` holds every record written there.
+A *run* is what one write put in the slot's data, by ``kind``:
+
+- ``RECORD``: one sync's record, ``nbytes`` bytes at ``offset``;
+- ``VALUES``: the lone updates of syncs ``first, first + 1, ...``, all of one key
+  set: its single encoding's prefix (``record.Single``) once at ``prefix``,
+  then each update's numbers, ``nbytes`` apiece from ``offset`` on. A bucket
+  of per-step syncs is one such run: a few stores, whatever its length;
+- ``OVERSIZE``: one sync whose record did not fit: every rank fails it alike.
+
+``used`` is where the rank's next run in that slot goes, so data ``[0, used)``
+holds every record written there.
 
 ``written[r]``: rank ``r`` has written every sync below it, stored after the
-records and entries it covers. x86 keeps stores in program order, so a count
-seen means the bytes it counts are there. Elsewhere (``CHECKSUM``) each entry
-carries the CRC of its record, seeded with the sync's index, and a record that
-does not check out is read again later.
+records it counts. x86 keeps stores in program order, so a count seen means
+the bytes it counts are there. Elsewhere (``CHECKSUM``) each record carries its
+CRC, seeded with the sync's index, and one that does not check out is read
+again later.
 
 ``copied[r]``: rank ``r`` has copied out every sync below it. A bucket slot is
 written again only once every rank has copied out the bucket it held.
@@ -34,6 +44,8 @@ import struct
 import zlib
 from typing import TYPE_CHECKING, Final
 
+from aiodist._metrics import record
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -43,6 +55,9 @@ __all__ = [
     "DEPTH",
     "GROUP",
     "MAX_RECORD_BYTES",
+    "OVERSIZE",
+    "RECORD",
+    "VALUES",
     "Chunk",
     "Slots",
     "nbytes",
@@ -56,23 +71,27 @@ BUCKETS: Final = 4
 DEPTH: Final = GROUP * BUCKETS
 #: The largest encoded record a rank may write per sync (about five hundred metrics).
 MAX_RECORD_BYTES: Final = 16 * 1024 - 32
+RECORD, OVERSIZE, VALUES = 0, 1, 2
 LINE: Final = 64
 COUNT: Final = struct.Struct("<Q")
-ENTRY: Final = struct.Struct("<QIIII")  # seq, offset, nbytes, crc, oversize
-_TABLE: Final = COUNT.size
-_DATA: Final = _TABLE + GROUP * ENTRY.size
+RUN: Final = struct.Struct("<5I")  # kind, first, offset, nbytes, prefix
+_SEQS: Final = COUNT.size
+_RUNS: Final = _SEQS + GROUP * 8
+_CRCS: Final = _RUNS + GROUP
+_TABLE: Final = _CRCS + GROUP * 4
+_DATA: Final = _TABLE + GROUP * RUN.size
 SLOT_BYTES: Final = _DATA + GROUP * MAX_RECORD_BYTES
 # Total store order: no checksum needed to trust a record whose count is seen.
 CHECKSUM: Final = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}
 
-_entries: dict[int, struct.Struct] = {}  # ``ENTRY`` repeated k times, by k
+_structs: dict[str, struct.Struct] = {}
 
 
-def _entry_run(k: int) -> struct.Struct:
-    run = _entries.get(k)
-    if run is None:
-        run = _entries[k] = struct.Struct("<" + ENTRY.format[1:] * k)
-    return run
+def _struct(fmt: str) -> struct.Struct:
+    s = _structs.get(fmt)
+    if s is None:
+        s = _structs[fmt] = struct.Struct(fmt)
+    return s
 
 
 def _row_bytes(size: int) -> int:
@@ -87,28 +106,55 @@ def nbytes(world_size: int) -> int:
 class Chunk:
     """One rank's records of syncs ``[start, stop)``, copied out of its bucket slot."""
 
-    __slots__ = ("base", "data", "entries", "start")
+    __slots__ = ("_base", "_data", "_runs", "_table", "crcs", "seqs", "start")
 
-    def __init__(self, start: int, entries: tuple[int, ...], data: bytes, base: int) -> None:
+    def __init__(
+        self,
+        start: int,
+        seqs: tuple[int, ...],
+        runs: bytes,
+        table: bytes,
+        data: bytes,
+        base: int,
+        crcs: tuple[int, ...] = (),
+    ) -> None:
         self.start = start
-        self.entries = entries  # ENTRY's fields, one run per sync
-        self.data = data  # the slot's data from ``base`` on
-        self.base = base
+        self.seqs = seqs
+        self._runs = runs  # the run of each sync from ``start`` on
+        self._table = table  # the slot's whole run table
+        self._data = data  # the slot's data from ``base`` on
+        self._base = base
+        self.crcs = crcs
 
     def record(self, index: int) -> tuple[int, bytes | None]:
         """(seq, record) of sync ``index``; None for a record that did not fit."""
-        e = (index - self.start) * 5
-        seq, offset, size, _, oversize = self.entries[e : e + 5]
-        if oversize:
+        k = index - self.start
+        kind, first, offset, size, prefix = RUN.unpack_from(self._table, self._runs[k] * RUN.size)
+        seq = self.seqs[k]
+        if kind == OVERSIZE:
             return seq, None
-        at = offset - self.base
-        return seq, self.data[at : at + size]
+        data, base = self._data, self._base
+        if kind == VALUES:  # the update's numbers after its key set's prefix
+            at = offset + ((index - first) & 0xFFFFFFFF) * size - base
+            p = prefix - base
+            return seq, data[p : p + record.prefix_length(data, p)] + data[at : at + size]
+        return seq, data[offset - base : offset - base + size]
 
 
 class Slots:
     """A board's segment as one rank writes and reads it."""
 
-    __slots__ = ("_copied", "_counts", "_mem", "_owner", "_rank", "_regions", "_size", "_used")
+    __slots__ = (
+        "_copied",
+        "_counts",
+        "_mem",
+        "_owner",
+        "_rank",
+        "_regions",
+        "_runs",
+        "_size",
+        "_used",
+    )
 
     def __init__(self, memory: memoryview, rank: int, size: int) -> None:
         self._mem = memory
@@ -117,59 +163,77 @@ class Slots:
         self._copied = row
         self._counts = struct.Struct(f"<{size}Q")  # a whole counter row in one call
         self._regions = [2 * row + r * BUCKETS * SLOT_BYTES for r in range(size)]
-        # Which bucket each of this rank's slots holds, and the data it used so far.
+        # Which bucket each of this rank's slots holds, its data used and runs written.
         self._owner = [-1] * BUCKETS
         self._used = [0] * BUCKETS
-
-    def slot(self, index: int, rank: int) -> int:
-        """Where ``rank``'s bucket slot holding sync ``index`` starts."""
-        return self._regions[rank] + (index // GROUP % BUCKETS) * SLOT_BYTES
-
-    def record_at(self, index: int, rank: int) -> int:
-        """Where ``rank``'s record of sync ``index`` starts (once written)."""
-        base = self.slot(index, rank)
-        offset: int = ENTRY.unpack_from(self._mem, base + _TABLE + index % GROUP * ENTRY.size)[1]
-        return base + _DATA + offset
-
-    # --- writing (this rank's region) --------------------------------------------------------
+        self._runs = [0] * BUCKETS
 
     @property
     def memory(self) -> memoryview:
         return self._mem
 
-    def claim(self, first: int) -> int:
-        """Where in ``memory`` this rank's record of sync ``first`` goes; the next ones follow."""
+    def slot(self, index: int, rank: int) -> int:
+        """Where ``rank``'s bucket slot holding sync ``index`` starts."""
+        return self._regions[rank] + (index // GROUP % BUCKETS) * SLOT_BYTES
+
+    # --- writing (this rank's region) --------------------------------------------------------
+
+    def claim(self, first: int) -> tuple[int, int]:
+        """(where the data of sync ``first``'s bucket slot starts, how much of it is used)."""
         bucket = first // GROUP
         j = bucket % BUCKETS
         if self._owner[j] != bucket:  # every rank copied out the bucket it held
-            self._owner[j], self._used[j] = bucket, 0
-        return self._regions[self._rank] + j * SLOT_BYTES + _DATA + self._used[j]
+            self._owner[j], self._used[j], self._runs[j] = bucket, 0, 0
+        return self._regions[self._rank] + j * SLOT_BYTES + _DATA, self._used[j]
 
-    def commit(self, first: int, seqs: Sequence[int], sizes: Sequence[int | None]) -> None:
-        """Enter this rank's records of syncs ``first, first + 1, ...`` (one bucket).
+    def commit_values(
+        self, first: int, seqs: Sequence[int], prefix: int, offset: int, size: int
+    ) -> None:
+        """Enter the lone updates of syncs ``first, first + 1, ...`` (one bucket) as one run.
 
-        Their bytes lie side by side from ``claim(first)`` on, ``sizes`` bytes
-        each (None: a record that did not fit, and has no bytes). The syncs
-        count as written only once ``publish_written`` says so.
+        The data holds the key set's prefix at ``prefix`` and each update's
+        ``size`` bytes of numbers from ``offset`` on (``Single.pack_values``).
         """
+        run = (VALUES, first & 0xFFFFFFFF, offset, size, prefix)
+        self._commit(first, seqs, [run], offset + len(seqs) * size)
+
+    def commit_records(
+        self, first: int, seqs: Sequence[int], sizes: Sequence[int | None], offset: int
+    ) -> None:
+        """Enter the records of syncs ``first, first + 1, ...`` (one bucket), one run each.
+
+        Their bytes lie side by side from ``offset`` on, ``sizes`` bytes each
+        (None: a record that did not fit, and has no bytes).
+        """
+        runs = []
+        for i, size in enumerate(sizes):
+            if size is None:
+                runs.append((OVERSIZE, 0, offset, 0, offset))
+            else:
+                runs.append((RECORD, (first + i) & 0xFFFFFFFF, offset, size, offset))
+                offset += size
+        self._commit(first, seqs, runs, offset)
+
+    def _commit(
+        self, first: int, seqs: Sequence[int], runs: Sequence[tuple[int, ...]], used: int
+    ) -> None:
+        # The syncs count as written only once ``publish_written`` says so.
         j = first // GROUP % BUCKETS
         base = self._regions[self._rank] + j * SLOT_BYTES
-        mem = self._mem
-        used = self._used[j]
-        fields: list[int] = []
-        index = first
-        for seq, size in zip(seqs, sizes, strict=True):
-            if size is None:
-                fields += (seq, used, 0, 0, 1)
-            else:
-                at = base + _DATA + used
-                crc = zlib.crc32(mem[at : at + size], index & 0xFFFFFFFF) if CHECKSUM else 0
-                fields += (seq, used, size, crc, 0)
-                used += size
-            index += 1
-        _entry_run(len(seqs)).pack_into(mem, base + _TABLE + first % GROUP * ENTRY.size, *fields)
+        mem, k, at, rid = self._mem, len(seqs), first % GROUP, self._runs[j]
+        _struct(f"<{len(runs) * 5}I").pack_into(
+            mem, base + _TABLE + rid * RUN.size, *[x for run in runs for x in run]
+        )
+        ids = bytes([rid]) * k if len(runs) == 1 else bytes(range(rid, rid + k))
+        mem[base + _RUNS + at : base + _RUNS + at + k] = ids
+        _struct(f"<{k}Q").pack_into(mem, base + _SEQS + at * 8, *seqs)
         COUNT.pack_into(mem, base, used)
-        self._used[j] = used
+        self._used[j], self._runs[j] = used, rid + len(runs)
+        if CHECKSUM:
+            chunk = self._chunk(first, first + k, self._rank, check=False)
+            assert chunk is not None
+            crcs = [_crc(chunk, index) for index in range(first, first + k)]
+            _struct(f"<{k}I").pack_into(mem, base + _CRCS + at * 4, *crcs)
 
     def publish_written(self, written: int) -> None:
         """Tell every rank that this one wrote syncs ``[0, written)``; after their records."""
@@ -196,21 +260,36 @@ class Slots:
 
         None when a record does not check out yet (``CHECKSUM``): read again later.
         """
-        mem = self._mem
-        run = _entry_run(stop - start)
-        chunks: list[Chunk] = []
+        chunks = []
         for rank in range(self._size):
-            base = self.slot(start, rank)
-            entries = run.unpack_from(mem, base + _TABLE + start % GROUP * ENTRY.size)
-            offsets, sizes = entries[1::5], entries[2::5]
-            low = min(offsets)
-            high = max(map(int.__add__, offsets, sizes))
-            data = bytes(mem[base + _DATA + low : base + _DATA + high])
-            chunk = Chunk(start, entries, data, low)
-            if CHECKSUM and not _checks_out(chunk, start, stop):
+            chunk = self._chunk(start, stop, rank, check=CHECKSUM)
+            if chunk is None:
                 return None
             chunks.append(chunk)
         return chunks
+
+    def _chunk(self, start: int, stop: int, rank: int, *, check: bool) -> Chunk | None:
+        mem, k, at = self._mem, stop - start, start % GROUP
+        base = self.slot(start, rank)
+        seqs = _struct(f"<{k}Q").unpack_from(mem, base + _SEQS + at * 8)
+        runs = bytes(mem[base + _RUNS + at : base + _RUNS + at + k])
+        table = bytes(mem[base + _TABLE : base + _DATA])
+        low, high = SLOT_BYTES, 0
+        for rid in set(runs):  # the data of every run these syncs belong to
+            kind, first, offset, size, prefix = RUN.unpack_from(table, rid * RUN.size)
+            if kind == VALUES:
+                # Only the updates of [start, stop): the run may reach beyond.
+                low = min(low, prefix)
+                end = offset + ((stop - first) & 0xFFFFFFFF) * size
+            else:
+                low, end = min(low, offset), offset + size
+            high = max(high, end)
+        data = bytes(mem[base + _DATA + low : base + _DATA + high])
+        crcs = _struct(f"<{k}I").unpack_from(mem, base + _CRCS + at * 4) if check else ()
+        chunk = Chunk(start, seqs, runs, table, data, low, crcs)
+        if check and any(_crc(chunk, i) != crcs[i - start] for i in range(start, stop)):
+            return None  # being written, or not visible yet: read again later
+        return chunk
 
     def read(self, index: int) -> list[tuple[int, bytes | None]] | None:
         """Every rank's (seq, record) of sync ``index``, or None while one is missing."""
@@ -221,15 +300,19 @@ class Slots:
 
     def seq(self, index: int) -> int:
         """The sequence number this rank wrote with sync ``index``."""
-        base = self.slot(index, self._rank)
-        return int(ENTRY.unpack_from(self._mem, base + _TABLE + index % GROUP * ENTRY.size)[0])
+        at = self.slot(index, self._rank) + _SEQS + index % GROUP * 8
+        return int(COUNT.unpack_from(self._mem, at)[0])
+
+    def record_at(self, index: int, rank: int) -> int:
+        """Where ``rank``'s record of sync ``index`` (or its numbers) starts, once written."""
+        base = self.slot(index, rank)
+        rid = self._mem[base + _RUNS + index % GROUP]
+        kind, first, offset, size, _ = RUN.unpack_from(self._mem, base + _TABLE + rid * RUN.size)
+        if kind == VALUES:
+            offset += ((index - first) & 0xFFFFFFFF) * size
+        return base + _DATA + int(offset)
 
 
-def _checks_out(chunk: Chunk, start: int, stop: int) -> bool:
-    entries = chunk.entries
-    for index in range(start, stop):
-        e = (index - start) * 5
-        data = chunk.record(index)[1]
-        if data is not None and zlib.crc32(data, index & 0xFFFFFFFF) != entries[e + 3]:
-            return False
-    return True
+def _crc(chunk: Chunk, index: int) -> int:
+    data = chunk.record(index)[1]
+    return 0 if data is None else zlib.crc32(data, index & 0xFFFFFFFF)
