@@ -95,11 +95,11 @@ POLL_MIN: Final = 0.0002
 POLL_MAX: Final = 0.004
 POLL_QUEUED: Final = 0.05  # nobody waiting: records may sit queued up to twice this
 IDLE_POLLS: Final = 5  # slow looks with nothing in flight before the poller stops
+LAG: Final = 2  # buckets a batch leaves complete before copying them out
 
 #: A queued record: (sync index, sequence number, record).
 Entry: TypeAlias = "tuple[int, int, Record]"
-_index, _seq, _record = itemgetter(0), itemgetter(1), itemgetter(2)
-_names, _numbers = itemgetter(0), itemgetter(1)  # of a lone update's record
+_index = itemgetter(0)
 
 
 class Board:
@@ -120,6 +120,7 @@ class Board:
         self._written = 0  # this rank wrote syncs [0, written) (and published it) ...
         self._written_above: set[int] = set()  # ... and these, ahead of a gap
         self._free_below = BUCKETS  # buckets below this may be written (cached)
+        self._complete = 0  # every rank wrote syncs [0, complete), at the last look
         self._copied = 0  # syncs [0, copied) are copied out here
         # The buckets handles hold, weakly: one nobody holds is not copied out.
         self._buckets: dict[int, weakref.ref[Bucket]] = {}
@@ -156,7 +157,7 @@ class Board:
         queued = self._queued
         queued.append((index, seq, record))  # atomic: the poller may be taking from the other end
         if index % GROUP == GROUP - 1 or len(queued) >= BATCH:
-            self.check()
+            self.check(eager=False)
         elif not self._polling:
             self.watch(soon=False)
         return work
@@ -231,24 +232,20 @@ class Board:
         slots = self._slots
         memory = slots.memory
         base, used = slots.claim(first)
+        _, seqs, records = zip(*run, strict=True)
         k = len(run)
-        seqs = list(map(_seq, run))
-        records = list(map(_record, run))
         head = records[0]
-        if type(head) is tuple:
+        if type(head) is tuple and list(map(type, records)).count(tuple) == k:
             # Lone updates, most likely all of one key set (a sync every step): its prefix
             # once, then every update's numbers, in a few calls whatever their number.
+            keys, numbers = zip(*records, strict=True)
             names = head[0]
             assert self.single_encoding is not None
             single = self.single_encoding(names)
-            if (
-                single.nbytes <= MAX_RECORD_BYTES
-                and list(map(type, records)).count(tuple) == k
-                and list(map(_names, records)).count(names) == k
-            ):
+            if single.nbytes <= MAX_RECORD_BYTES and keys.count(names) == k:
                 at = used + len(single.prefix)
                 memory[base + used : base + at] = single.prefix
-                single.pack_values(memory, base + at, list(map(_numbers, records)))
+                single.pack_values(memory, base + at, numbers)
                 slots.commit_values(first, seqs, used, at, single.values_bytes)
                 return
         encoded = [self._encode(record) for record in records]
@@ -268,20 +265,33 @@ class Board:
 
     # --- noticing completion -----------------------------------------------------------------
 
-    def check(self) -> None:
-        """Write what may be written, copy out what completed, settle watched handles."""
+    def check(self, *, eager: bool = True) -> None:
+        """Write what may be written, copy out what completed, settle watched handles.
+
+        Not ``eager`` (a batch of syncs writing), completed buckets are copied out
+        only once they are ``LAG`` buckets old, or while someone waits: by then
+        the handles of a loop that keeps only its latest are gone, and their
+        bucket is skipped.
+        """
         with self.lock:
             if self._failure is None:
                 self._flush_locked()
-                drain = self.queue_wake_locked(self._copy_locked())
+                drain = self.queue_wake_locked(self._copy_locked(eager))
             else:
                 drain = None
         self.run_wake(drain)
 
-    def _copy_locked(self) -> list[list[Any]]:
+    def _copy_locked(self, eager: bool) -> list[list[Any]]:
         """Copy out the syncs every rank wrote since the last look (buckets someone holds)."""
-        copied = start = self._copied
         complete = self._slots.complete()
+        if complete != self._complete:
+            self._complete = complete
+            deadlines = self._deadlines
+            while deadlines and deadlines[0][0] < complete:
+                deadlines.popleft()
+        if not (eager or self._watched or self._backlog):
+            complete = (complete // GROUP - LAG) * GROUP
+        copied = start = self._copied
         buckets = self._buckets
         while copied < complete:
             number = copied // GROUP
@@ -296,13 +306,10 @@ class Board:
             if stop == (number + 1) * GROUP:
                 buckets.pop(number, None)
             copied = stop
-        if copied == start:
+        if copied <= start:
             return []
         self._copied = copied
         self._slots.publish_copied(copied)
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] < copied:
-            deadlines.popleft()
         watched = self._watched
         if not watched:
             return []
@@ -360,14 +367,18 @@ class Board:
             wake(items)
 
     def _fail_locked(self, error: BaseException) -> list[list[Any]]:
-        """Fail every sync not copied out yet; nothing more is written."""
+        """Fail every sync not complete yet; nothing more is written."""
+        woken = self._copy_locked(eager=True)
         self._failure = error
         self._queued.clear()
         self._backlog = []
         watched = self._watched
-        woken = [self.settle_locked(watched[index]) for index in sorted(watched)]
+        for index in sorted(watched):
+            settled = self.settle_locked(watched[index])
+            if settled is not None:
+                woken.append(settled)
         watched.clear()
-        return [w for w in woken if w is not None]
+        return woken
 
     # --- the poller (the loop's thread) ------------------------------------------------------
 
@@ -406,8 +417,8 @@ class Board:
             stale, self._stale = head is not None and head is self._stale, head
             before = self._copied
         # Nobody waits: only write what a caller that stopped syncing left queued (one
-        # that still syncs writes its own), and retry the backlog.
-        if period < POLL_QUEUED or stale or self._backlog:
+        # that still syncs writes its own), and retry the backlog; copy out what is done.
+        if period < POLL_QUEUED or stale or self._backlog or self._complete > self._copied:
             self.check()
         error = self._failure_now()
         with self.lock:
@@ -420,7 +431,7 @@ class Board:
             busy = self._failure is None and (
                 watched
                 or bool(self._backlog or self._queued or self._written_above)
-                or self._written > self._copied
+                or self._written > self._complete
             )
             # It goes on a while after the last sync in flight: a caller that syncs again
             # soon finds it running, rather than waking the loop to start it.
@@ -455,7 +466,7 @@ class Board:
             deadlines = self._deadlines
             if not deadlines or deadlines[0][1] > time.monotonic():
                 return None
-            index = self._copied
+            index = self._complete
             what = (
                 f"metrics.sync#{self._slots.seq(index)}"
                 if index < self._written

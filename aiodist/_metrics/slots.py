@@ -42,6 +42,7 @@ from __future__ import annotations
 import platform
 import struct
 import zlib
+from itertools import chain
 from typing import TYPE_CHECKING, Final
 
 from aiodist._metrics import record
@@ -66,7 +67,7 @@ __all__ = [
 #: Syncs per bucket.
 GROUP: Final = 16
 #: Bucket slots per rank.
-BUCKETS: Final = 4
+BUCKETS: Final = 8
 #: Syncs a rank may be ahead of the slowest before its writes wait on a backlog.
 DEPTH: Final = GROUP * BUCKETS
 #: The largest encoded record a rank may write per sync (about five hundred metrics).
@@ -84,14 +85,10 @@ SLOT_BYTES: Final = _DATA + GROUP * MAX_RECORD_BYTES
 # Total store order: no checksum needed to trust a record whose count is seen.
 CHECKSUM: Final = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}
 
-_structs: dict[str, struct.Struct] = {}
-
-
-def _struct(fmt: str) -> struct.Struct:
-    s = _structs.get(fmt)
-    if s is None:
-        s = _structs[fmt] = struct.Struct(fmt)
-    return s
+# Packings of k sequence numbers, CRCs and runs, by k (0 unused).
+_SEQ_RUNS: Final = [struct.Struct(f"<{k}Q") for k in range(GROUP + 1)]
+_CRC_RUNS: Final = [struct.Struct(f"<{k}I") for k in range(GROUP + 1)]
+_RUN_RUNS: Final = [struct.Struct("<" + RUN.format[1:] * k) for k in range(GROUP + 1)]
 
 
 def _row_bytes(size: int) -> int:
@@ -221,19 +218,17 @@ class Slots:
         j = first // GROUP % BUCKETS
         base = self._regions[self._rank] + j * SLOT_BYTES
         mem, k, at, rid = self._mem, len(seqs), first % GROUP, self._runs[j]
-        _struct(f"<{len(runs) * 5}I").pack_into(
-            mem, base + _TABLE + rid * RUN.size, *[x for run in runs for x in run]
-        )
+        _RUN_RUNS[len(runs)].pack_into(mem, base + _TABLE + rid * RUN.size, *chain(*runs))
         ids = bytes([rid]) * k if len(runs) == 1 else bytes(range(rid, rid + k))
         mem[base + _RUNS + at : base + _RUNS + at + k] = ids
-        _struct(f"<{k}Q").pack_into(mem, base + _SEQS + at * 8, *seqs)
+        _SEQ_RUNS[k].pack_into(mem, base + _SEQS + at * 8, *seqs)
         COUNT.pack_into(mem, base, used)
         self._used[j], self._runs[j] = used, rid + len(runs)
         if CHECKSUM:
             chunk = self._chunk(first, first + k, self._rank, check=False)
             assert chunk is not None
             crcs = [_crc(chunk, index) for index in range(first, first + k)]
-            _struct(f"<{k}I").pack_into(mem, base + _CRCS + at * 4, *crcs)
+            _CRC_RUNS[k].pack_into(mem, base + _CRCS + at * 4, *crcs)
 
     def publish_written(self, written: int) -> None:
         """Tell every rank that this one wrote syncs ``[0, written)``; after their records."""
@@ -271,7 +266,7 @@ class Slots:
     def _chunk(self, start: int, stop: int, rank: int, *, check: bool) -> Chunk | None:
         mem, k, at = self._mem, stop - start, start % GROUP
         base = self.slot(start, rank)
-        seqs = _struct(f"<{k}Q").unpack_from(mem, base + _SEQS + at * 8)
+        seqs = _SEQ_RUNS[k].unpack_from(mem, base + _SEQS + at * 8)
         runs = bytes(mem[base + _RUNS + at : base + _RUNS + at + k])
         table = bytes(mem[base + _TABLE : base + _DATA])
         low, high = SLOT_BYTES, 0
@@ -285,7 +280,7 @@ class Slots:
                 low, end = min(low, offset), offset + size
             high = max(high, end)
         data = bytes(mem[base + _DATA + low : base + _DATA + high])
-        crcs = _struct(f"<{k}I").unpack_from(mem, base + _CRCS + at * 4) if check else ()
+        crcs = _CRC_RUNS[k].unpack_from(mem, base + _CRCS + at * 4) if check else ()
         chunk = Chunk(start, seqs, runs, table, data, low, crcs)
         if check and any(_crc(chunk, i) != crcs[i - start] for i in range(start, stop)):
             return None  # being written, or not visible yet: read again later
