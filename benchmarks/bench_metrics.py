@@ -12,6 +12,22 @@ interleaved over ``--repeats`` rounds:
 - ``aiodist``: ``MetricAggregator.update`` then ``sync()`` every step, never waited
   for inside the loop (plain code, through ``aiodist.sync``'s loop thread).
 
+The 2% goal is judged on paired blocks: short blocks of ``none`` and
+``aiodist`` taken in turn, so that the machine's drift over seconds hits both
+alike (its speed moves by more than 2% over the seconds a round takes). Two
+reference variants run in the same rotation, to show what any per-step API
+costs on this machine before it communicates at all:
+
+- ``read``: the six values read with ``.item()``, nothing else;
+- ``local``: a minimal local aggregator, ``update()`` reading the values into a
+  list and ``sync()`` returning a handle, with no communication: the floor of
+  an ``update``/``sync`` pair in Python.
+
+Each variant's figure is the median over pairs of its block's step time over
+``none``'s in the same pair (the slowest rank's, as everywhere here), with a
+bootstrap 95% interval of that median: per-pair ratios spread by tens of
+percent on shared cores, so a few hundred pairs are what tell 1.02 from 1.03.
+
 Two step sizes run, one after the other, each with all four variants:
 ``small`` (MLP 128-512-10, batch 64: about 1.6 ms a step with four ranks on
 two cores, where every microsecond of the sync shows) and ``large`` (MLP
@@ -43,6 +59,7 @@ import argparse
 import json
 import math
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -52,7 +69,6 @@ from typing import Any, Final
 
 from benchmarks._common import (
     Goal,
-    as_summary,
     format_table,
     goal_table,
     summarize,
@@ -60,13 +76,38 @@ from benchmarks._common import (
 )
 
 VARIANTS: Final = ("none", "torch_each", "torch_fused", "aiodist")
-PAIRED: Final = ("none", "aiodist")  # compared again in short alternating blocks
+PAIRED: Final = ("none", "aiodist", "read", "local")  # in short blocks taken in turn
 ENV: Final = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "RES_OPTIONS": "use-vc",
     "TORCH_CPP_LOG_LEVEL": "ERROR",
 }
+
+
+class _LocalOnly:
+    """The ``local`` reference: an update/sync pair that keeps the values and sends nothing."""
+
+    def __init__(self, tensor: Any) -> None:
+        self._tensor = tensor  # torch.Tensor
+        self._kept: list[Any] = []
+        self._single: tuple[tuple[str, ...], list[float]] | None = None
+
+    def update(self, weight: float, /, **values: Any) -> None:
+        xs = [weight]
+        for value in values.values():
+            if type(value) is self._tensor and not value.is_cpu:
+                return  # (a GPU value would need another path, as in aiodist)
+            xs.append(value.item())
+        self._single = (tuple(values), xs)
+
+    def sync(self) -> object:
+        handle = (self._single, len(self._kept))
+        self._single = None
+        self._kept.append(handle)
+        if len(self._kept) >= 16:
+            self._kept.clear()
+        return handle
 
 
 def _free_port() -> int:
@@ -124,6 +165,7 @@ def _measure(
     x = torch.randn(batch, 128)
     y = torch.randint(0, 10, (batch,))
     agg = aggregator()
+    local = _LocalOnly(torch.Tensor)
 
     def train_step() -> dict[str, Any]:
         out = model(x)
@@ -154,13 +196,19 @@ def _measure(
             elif variant == "aiodist":
                 agg.update(batch, **metrics)
                 last = agg.sync()
+            elif variant == "read":
+                for t in metrics.values():
+                    t.item()
+            elif variant == "local":
+                local.update(batch, **metrics)
+                local.sync()
         elapsed = time.perf_counter() - start
         if last is not None:
             last.wait(timeout=60)
         # CPU of every thread (the loop thread's too), up to the last sync's end.
         return elapsed / steps, (time.process_time() - cpu) / steps
 
-    for variant in VARIANTS:  # warm up every path
+    for variant in (*VARIANTS, *PAIRED[2:]):  # warm up every path
         run(variant, max(5, args.steps // 10))
     times: dict[str, dict[str, list[float]]] = {v: {"wall": [], "cpu": []} for v in VARIANTS}
     for _ in range(args.repeats):
@@ -168,11 +216,15 @@ def _measure(
             wall, cpu = run(variant, args.steps)
             times[variant]["wall"].append(wall)
             times[variant]["cpu"].append(cpu)
-    # Short blocks of none and aiodist in turn, ABBA: the machine's speed drifts by
-    # more than 2% over the seconds a round takes, less over a pair of short blocks.
+    # Short blocks of every paired variant in turn: the machine's speed drifts by more
+    # than 2% over the seconds a round takes, less over one turn. The order rotates and
+    # reverses, so that each variant takes every place in a turn equally often.
     paired: dict[str, list[float]] = {v: [] for v in PAIRED}
-    for k in range(args.pairs):
-        for variant in PAIRED if k % 2 == 0 else PAIRED[::-1]:
+    pairs = args.pairs if hidden == args.hidden else args.large_pairs
+    for k in range(pairs):
+        shift = k % len(PAIRED)
+        order = PAIRED[shift:] + PAIRED[:shift]
+        for variant in order if (k // len(PAIRED)) % 2 == 0 else order[::-1]:
             paired[variant].append(run(variant, args.block)[0])
     times["paired"] = paired
     return times
@@ -186,8 +238,9 @@ def bench(
     hidden: int = 512,
     batch: int = 64,
     large: tuple[int, int] | None = (2048, 256),
-    timeout: float = 600,
-    pairs: int = 40,
+    timeout: float = 900,
+    pairs: int = 300,
+    large_pairs: int = 40,
     block: int = 20,
 ) -> dict[str, Any]:
     """Run the four variants on ``ranks`` processes, for the small step and ``large``.
@@ -197,9 +250,10 @@ def bench(
     the median over rounds, with the min and max. The small step's figures are
     also at the top level (``step_seconds``, ``ratio_to_none``).
 
-    Then ``pairs`` pairs of ``block``-step blocks of ``none`` and ``aiodist``, in
-    ABBA order: the goal is judged on the median of the per-pair ratios, which
-    a machine whose speed drifts over seconds disturbs far less.
+    Then ``pairs`` turns (``large_pairs`` for the large step) of ``block``-step
+    blocks of each ``PAIRED`` variant: the goal is judged on the median of the
+    per-turn ratios of aiodist to none, which a machine whose speed drifts over
+    seconds disturbs far less.
     """
     torch_port, aiodist_port = _free_port(), _free_port()
     env = {**os.environ, **ENV}
@@ -210,6 +264,7 @@ def bench(
         "hidden": hidden,
         "batch": batch,
         "pairs": pairs,
+        "large_pairs": large_pairs,
         "block": block,
     }
     rank_args = [f"--{k}={v}" for k, v in config.items()]
@@ -265,13 +320,16 @@ def _summarize(
         v: statistics.median(statistics.mean(r[v]["cpu"][i] for r in per_rank) for i in rounds)
         for v in VARIANTS
     }
-    # Per pair of blocks, the slowest rank's mean step of each; the ratio per pair.
+    # Per turn, the slowest rank's mean step of each variant; its ratio to none's.
     pairs = range(len(per_rank[0]["paired"]["none"]))
-    paired = [
-        max(r["paired"]["aiodist"][k] for r in per_rank)
-        / max(r["paired"]["none"][k] for r in per_rank)
-        for k in pairs
-    ]
+    ratios = {
+        v: [
+            max(r["paired"][v][k] for r in per_rank) / max(r["paired"]["none"][k] for r in per_rank)
+            for k in pairs
+        ]
+        for v in PAIRED[1:]
+    }
+    paired = ratios["aiodist"]
     return {
         "hidden": hidden,
         "batch": batch,
@@ -282,7 +340,22 @@ def _summarize(
         "paired_ratios": paired,
         "paired_ratio": statistics.median(paired) if paired else math.nan,
         "paired_summary": summarize(paired) if paired else None,
+        "paired_interval": median_interval(paired) if paired else None,
+        "reference_ratios": {v: ratios[v] for v in PAIRED[2:]},
+        "reference": {
+            v: [statistics.median(ratios[v]), *median_interval(ratios[v])] if paired else None
+            for v in PAIRED[2:]
+        },
     }
+
+
+def median_interval(samples: list[float], resamples: int = 1000) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of ``samples`` (seeded: the same every time)."""
+    rng = random.Random(6)
+    medians = sorted(
+        statistics.median(rng.choices(samples, k=len(samples))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def render(data: dict[str, Any]) -> str:
@@ -317,15 +390,21 @@ def render(data: dict[str, Any]) -> str:
             "cpu ms/step",
             "cpu us vs none",
         ]
-        paired = as_summary(c.get("paired_summary"))
-        note = (
-            f"\npaired: {len(c['paired_ratios'])} ABBA pairs of {cfg['block']}-step blocks, "
-            f"aiodist/none median {c['paired_ratio']:.3f} ({paired.spread(1, 3)})"
-            if paired is not None
-            else ""
-        )
-        tables.append(title + "\n" + format_table(headers, rows) + note)
+        tables.append(title + "\n" + format_table(headers, rows) + _paired_note(c, cfg["block"]))
     return "\n\n".join(tables)
+
+
+def _paired_note(c: dict[str, Any], block: int) -> str:
+    if c.get("paired_interval") is None:
+        return ""
+    low, high = c["paired_interval"]
+    lines = [
+        f"\npaired: {len(c['paired_ratios'])} turns of {block}-step blocks, "
+        f"aiodist/none median {c['paired_ratio']:.3f} (95% interval {low:.3f}-{high:.3f})"
+    ]
+    for v, (median, low, high) in c["reference"].items():
+        lines.append(f"  reference {v}/none: median {median:.3f} ({low:.3f}-{high:.3f})")
+    return "\n".join(lines)
 
 
 def goal_list(data: dict[str, Any]) -> list[Goal]:
@@ -354,8 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large-hidden", type=int, default=2048)
     parser.add_argument("--large-batch", type=int, default=256)
     parser.add_argument("--no-large", action="store_true", help="only the small step")
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--pairs", type=int, default=40, help="ABBA pairs of none/aiodist")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--pairs", type=int, default=300, help="turns of paired blocks, small")
+    parser.add_argument("--large-pairs", type=int, default=40, help="the same, large step")
     parser.add_argument("--block", type=int, default=20, help="steps per paired block")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--torch-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -373,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         large=None if args.no_large else (args.large_hidden, args.large_batch),
         timeout=args.timeout,
         pairs=args.pairs,
+        large_pairs=args.large_pairs,
         block=args.block,
     )
     print(render(data))

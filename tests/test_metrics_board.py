@@ -246,6 +246,57 @@ async def test_a_rank_that_stops_syncing_times_the_others_out(server: Rendezvous
     assert outs == ["timed out", "DistTimeoutError"]
 
 
+async def test_a_sync_nobody_holds_still_times_out(server: RendezvousServer) -> None:
+    """Rank 0 drops every handle; rank 1 stops syncing: the group still breaks, on both."""
+
+    async def body(g: ProcessGroup) -> str:
+        agg = MetricAggregator(group=g)
+        agg.update(x=1.0)
+        await agg.sync()
+        if g.rank == 0:
+            for step in range(3):
+                agg.update(x=float(step))
+                agg.sync()  # dropped at once: only the poller writes it, and times it out
+        with anyio.fail_after(30):
+            await g.session.trouble()
+        return type(g.error).__name__
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body, timeout=1.5)
+    assert outs == ["DistTimeoutError", "DistTimeoutError"]
+
+
+async def test_ranks_at_different_points_among_collectives_get_a_mismatch(
+    server: RendezvousServer,
+) -> None:
+    """An all_reduce before the sync on rank 0 and after it on rank 1: both learn it."""
+
+    async def body(g: ProcessGroup) -> tuple[str, dict[int, Any]]:
+        agg = MetricAggregator({"x": "sum"}, group=g)
+        agg.update(x=1.0)
+        await agg.sync()  # the board is set up
+        t = torch.ones(1)
+        agg.update(x=2.0)
+        if g.rank == 0:
+            other = aiodist.all_reduce(t, group=g)  # takes a number before the sync ...
+            work = agg.sync()
+        else:
+            work = agg.sync()
+            other = aiodist.all_reduce(t, group=g)  # ... and after it here
+        with pytest.raises(aiodist.CollectiveMismatchError, match="metrics sync") as caught:
+            await work
+        with pytest.raises(aiodist.DistError):
+            await other  # never matched: it times out
+        return caught.value.field, caught.value.values_by_rank
+
+    with anyio.fail_after(60):
+        outs = await run_ranks(server.address, 2, body, timeout=1.5)
+    assert outs[0] == outs[1]
+    field, by_rank = outs[0]
+    assert field == "seq"
+    assert by_rank[0] == by_rank[1] + 1
+
+
 async def test_too_many_metrics_for_one_slot_fail_on_every_rank(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> str:
         agg = MetricAggregator(group=g)
