@@ -267,7 +267,7 @@ def bench(
         "large_pairs": large_pairs,
         "block": block,
     }
-    rank_args = [f"--{k}={v}" for k, v in config.items()]
+    rank_args = [f"--{k.replace('_', '-')}={v}" for k, v in config.items()]
     rank_args += [f"--torch-port={torch_port}", f"--aiodist-port={aiodist_port}"]
     if large is None:
         rank_args.append("--no-large")
