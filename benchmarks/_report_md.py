@@ -334,14 +334,19 @@ def _metrics(data: dict[str, Any]) -> list[str]:
             f"**{name} step** (MLP 128-{c['hidden']}-10, batch {c['batch']}):",
             _table(["variant", "step", "vs none", "aiodist/this", "CPU vs none"], rows),
         ]
-        paired = c.get("paired_summary")
-        if paired is not None:
-            s = as_summary(paired)
-            assert s is not None
+        if c.get("paired_interval") is not None:
+            low, high = c["paired_interval"]
+            refs = "; ".join(
+                f"{v}/none {_num(median)} ({_num(lo)}-{_num(hi)})"
+                for v, (median, lo, hi) in c["reference"].items()
+            )
             out.append(
-                f"Paired blocks ({len(c['paired_ratios'])} ABBA pairs of {cfg['block']} steps of "
-                f"none and aiodist): aiodist/none median {_num(c['paired_ratio'])} "
-                f"(min {_num(s.min)}, max {_num(s.max)}); the goal is judged on this."
+                f"Paired blocks ({len(c['paired_ratios'])} turns of {cfg['block']}-step blocks "
+                f"of none, aiodist and two references): aiodist/none median "
+                f"{_num(c['paired_ratio'])} (95% interval {_num(low)}-{_num(high)}); the goal "
+                f"is judged on this. References, what any per-step API costs here before it "
+                f"communicates: {refs} (`read`: the values read alone; `local`: an "
+                "update/sync pair that keeps them and sends nothing)."
             )
     return out
 

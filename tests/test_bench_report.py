@@ -138,3 +138,21 @@ def test_goal_judges_both_senses_and_a_missing_value() -> None:
     assert Goal.judge("x", "m", "<=", 0.5, 0.4).met is True
     assert Goal.judge("x", "m", ">=", 2.0, 1.9).verdict == "MISSED"
     assert Goal.judge("x", "m", "<", 2.0, None).verdict == "not measured"
+
+
+@pytest.mark.slow
+def test_metrics_bench_runs_every_variant_and_reports_intervals() -> None:
+    """A few steps of each metrics variant on two ranks: every figure the report reads."""
+    from benchmarks import bench_metrics
+
+    data = bench_metrics.bench(2, 4, 1, large=None, pairs=4, block=2, timeout=SMOKE_TIMEOUT)
+    small = data["configs"]["small"]
+    assert set(small["step_seconds"]) == set(bench_metrics.VARIANTS)
+    assert len(small["paired_ratios"]) == 4
+    low, high = small["paired_interval"]
+    assert low <= small["paired_ratio"] <= high
+    assert set(small["reference"]) == {"read", "local"}
+    assert all(len(r) == 4 for r in small["reference_ratios"].values())
+    assert "reference local/none" in bench_metrics.render(data)
+    [goal] = bench_metrics.goal_list(data)
+    assert goal.value == small["paired_ratio"]

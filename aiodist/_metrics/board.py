@@ -23,13 +23,14 @@ records are written
 
 Completion is noticed rather than announced, and handles are settled lazily:
 
-- each batch written also copies out what completed since the last look,
-  a bucket at a time (two copies per rank, whatever the number of syncs).
-  A bucket whose handles nobody holds any more (a rank that only logs drops
-  them) is not copied at all, only counted as copied out;
-- a handle settles when someone looks at it (``is_completed()``, ``result()``,
-  ``wait()``, ``await``) and its sync is copied out, so a handle nobody
-  looks at costs nothing after ``sync()`` made it;
+- each batch written also copies out the buckets every rank finished at least
+  ``LAG`` buckets ago (a few copies per rank and bucket, whatever the number of
+  syncs). A bucket whose handles nobody holds any more is not copied at all,
+  only counted as copied out; a loop that keeps only its latest handle (or
+  none: a rank that only logs) has dropped them all by then;
+- a look at a handle (``is_completed()``, ``result()``, ``wait()``,
+  ``await``) copies out everything complete and settles it, so a handle
+  nobody looks at costs nothing after ``sync()`` made it;
 - handles someone waits on (``await``, ``wait()``, ``on_done``) are *watched*:
   the board holds them and settles them, in index order, once copied out, and
   the poller on the event loop looks every ``POLL_MIN``..``POLL_MAX`` seconds
@@ -200,13 +201,13 @@ class Board:
         i = 0
         while i < n:
             first = entries[i][0]
-            bucket = first // GROUP
-            if bucket >= self._free_below:
+            number = first // GROUP
+            if number >= self._free_below:
                 self._free_below = slots.slowest_copied() // GROUP + BUCKETS
-                if bucket >= self._free_below:  # a rank has not copied out its slot's last bucket
+                if number >= self._free_below:  # a rank has not copied out its slot's last bucket
                     self._backlog = entries[i:]
                     break
-            j = min(n, i + (bucket + 1) * GROUP - first)  # the run: to the bucket's end ...
+            j = min(n, i + (number + 1) * GROUP - first)  # the run: to the bucket's end ...
             if not contiguous:
                 k = i + 1
                 while k < j and entries[k][0] == first + k - i:

@@ -90,7 +90,9 @@ class Bucket:
 
     def outcome(self, index: int, group: str) -> tuple[Rows | None, BaseException | None]:
         """Sync ``index``'s every-rank records, or the error they make (not one sequence)."""
-        chunks = next(c for start, stop, c in self._chunks if start <= index < stop)
+        chunks = next((c for start, stop, c in self._chunks if start <= index < stop), None)
+        if chunks is None:  # the board copies out every bucket a handle holds: not expected
+            return None, RuntimeError(f"metrics sync {index} was not copied out")
         rows = [chunk.record(index) for chunk in chunks]
         seqs = {seq for seq, _ in rows}
         if len(seqs) > 1:
