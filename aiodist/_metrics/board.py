@@ -86,7 +86,9 @@ if TYPE_CHECKING:
 
     from aiodist._group import ProcessGroup
     from aiodist._metrics.record import Record, Single
+    from aiodist._metrics.results import MetricResults
     from aiodist._transport import shm
+    from aiodist._work import Work
 
 __all__ = ["BATCH", "DEPTH", "MAX_RECORD_BYTES", "Board"]
 
@@ -151,10 +153,7 @@ class Board:
         copies out what completed), as do a look at a handle (``check``) and the
         poller, within ``POLL_QUEUED`` seconds.
         """
-        bucket = self._bucket
-        if bucket.number != index // GROUP:
-            bucket = self._bucket_for(index // GROUP)
-        work = BoardWork(self, index, seq, bucket)
+        work = self._handle(index, seq)
         queued = self._queued
         queued.append((index, seq, record))  # atomic: the poller may be taking from the other end
         if index % GROUP == GROUP - 1 or len(queued) >= BATCH:
@@ -163,11 +162,30 @@ class Board:
             self.watch(soon=False)
         return work
 
-    def post(self, index: int, seq: int, record: Record) -> BoardWork:
-        """``queue`` and write at once (the loop's own syncs, which are not per step)."""
-        work = self.queue(index, seq, record)
+    def post(
+        self,
+        index: int,
+        seq: int,
+        record: Record,
+        listener: Callable[[Work[MetricResults]], object],
+    ) -> BoardWork:
+        """Queue and write at once (the loop's own syncs, which are not per step).
+
+        ``listener`` listens from the start (``Work._on_done``): a sync posted after
+        later ones were queued must not settle after them, or listeners would run
+        out of call order.
+        """
+        work = self._handle(index, seq)
+        work._on_done(listener)
+        self._queued.append((index, seq, record))
         self.check()
         return work
+
+    def _handle(self, index: int, seq: int) -> BoardWork:
+        bucket = self._bucket
+        if bucket.number != index // GROUP:
+            bucket = self._bucket_for(index // GROUP)
+        return BoardWork(self, index, seq, bucket)
 
     def _bucket_for(self, number: int) -> Bucket:
         with self.lock:

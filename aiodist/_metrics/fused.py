@@ -147,9 +147,8 @@ def _post(
     work: Work[MetricResults],
 ) -> Work[MetricResults]:
     """Sync ``index`` goes onto the board; ``work`` settles with it, in call order."""
-    board_work = board.post(index, seq, encode(snapshot))
+    board_work = board.post(index, seq, encode(snapshot), work._settle_as)
     agreed.set_result(board)  # at once: later syncs need not wait for this one's values
-    board_work._on_done(work._settle_as)
     return board_work
 
 
