@@ -227,36 +227,25 @@ async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServe
     assert outs == [[3.0 * step for step in range(n)]] * 3
 
 
-async def test_a_rank_that_stops_syncing_times_the_others_out(server: RendezvousServer) -> None:
-    async def body(g: ProcessGroup) -> str:
-        agg = MetricAggregator(group=g)
-        agg.update(x=1.0)
-        await agg.sync()
-        if g.rank == 1:
-            with anyio.fail_after(30):
-                await g.session.trouble()  # rank 0 breaks the group when its sync times out
-            return type(g.error).__name__
-        agg.update(x=2.0)
-        with pytest.raises(aiodist.DistTimeoutError, match=r"metrics\.sync.*timed out"):
-            await agg.sync()
-        return "timed out"
-
-    with anyio.fail_after(60):
-        outs = await run_ranks(server.address, 2, body, timeout=1.5)
-    assert outs == ["timed out", "DistTimeoutError"]
-
-
-async def test_a_sync_nobody_holds_still_times_out(server: RendezvousServer) -> None:
-    """Rank 0 drops every handle; rank 1 stops syncing: the group still breaks, on both."""
+@pytest.mark.parametrize("held", [True, False], ids=["awaited", "dropped"])
+async def test_a_rank_that_stops_syncing_times_the_others_out(
+    server: RendezvousServer, held: bool
+) -> None:
+    """Rank 1 stops syncing: rank 0's sync times out and breaks the group on both ranks,
+    whether rank 0 awaits it or dropped its handle at once (then only its poller writes
+    the record, and times it out)."""
 
     async def body(g: ProcessGroup) -> str:
         agg = MetricAggregator(group=g)
         agg.update(x=1.0)
         await agg.sync()
         if g.rank == 0:
-            for step in range(3):
-                agg.update(x=float(step))
-                agg.sync()  # dropped at once: only the poller writes it, and times it out
+            agg.update(x=2.0)
+            work = agg.sync()
+            if held:
+                with pytest.raises(aiodist.DistTimeoutError, match=r"metrics\.sync.*timed out"):
+                    await work
+            del work
         with anyio.fail_after(30):
             await g.session.trouble()
         return type(g.error).__name__
