@@ -153,7 +153,11 @@ class Board:
         copies out what completed), as do a look at a handle (``check``) and the
         poller, within ``POLL_QUEUED`` seconds.
         """
-        work = self._handle(index, seq)
+        # Every step, so no helper calls (each costs a cold step more than its work).
+        bucket = self._bucket
+        if bucket.number != index // GROUP:
+            bucket = self._bucket_for(index // GROUP)
+        work = BoardWork(self, index, seq, bucket)
         queued = self._queued
         queued.append((index, seq, record))  # atomic: the poller may be taking from the other end
         if index % GROUP == GROUP - 1 or len(queued) >= BATCH:
@@ -175,17 +179,11 @@ class Board:
         later ones were queued must not settle after them, or listeners would run
         out of call order.
         """
-        work = self._handle(index, seq)
+        work = BoardWork(self, index, seq, self._bucket_for(index // GROUP))
         work._on_done(listener)
         self._queued.append((index, seq, record))
         self.check()
         return work
-
-    def _handle(self, index: int, seq: int) -> BoardWork:
-        bucket = self._bucket
-        if bucket.number != index // GROUP:
-            bucket = self._bucket_for(index // GROUP)
-        return BoardWork(self, index, seq, bucket)
 
     def _bucket_for(self, number: int) -> Bucket:
         with self.lock:
