@@ -21,6 +21,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) aiodist/_tools/layers.py
 	@if [ -f aiodist/_tools/gen_sync.py ]; then $(PY) -m aiodist._tools.gen_sync --check; fi
 
 format: install

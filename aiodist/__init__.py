@@ -8,18 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from aiodist._collectives.movement import all_gather, all_to_all, barrier
-from aiodist._collectives.objects import (
-    all_gather_object,
-    broadcast_object_list,
-    collect_results,
-    gather_object,
-    scatter_object_list,
-    sync_random_seed,
-)
-from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
-from aiodist._collectives.rooted import broadcast, gather, scatter
-from aiodist._collectives.tensor_groups import all_reduce_dict, all_reduce_params
+from aiodist._control.store import Store
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -32,15 +21,11 @@ from aiodist._errors import (
     RendezvousError,
     RendezvousTimeout,
 )
-from aiodist._group import ProcessGroup
-from aiodist._join import open_process_group
-from aiodist._p2p import irecv, irecv_object, isend, isend_object, recv, send
-from aiodist._server.serve import RendezvousServer, serve_rendezvous
-from aiodist._session import MemberInfo
-from aiodist._store import Store
-from aiodist._work import Work
-from aiodist._world import (
-    destroy_process_group,
+from aiodist._group.group import ProcessGroup
+from aiodist._group.join import open_process_group
+from aiodist._group.session import MemberInfo
+from aiodist._group.work import Work
+from aiodist._group.world import (
     get_backend,
     get_default_group,
     get_dist_info,
@@ -49,15 +34,28 @@ from aiodist._world import (
     get_rank,
     get_store,
     get_world_size,
-    infer_launcher,
-    init_dist,
-    init_process_group,
     is_distributed,
     is_initialized,
     is_main_process,
     master_only,
-    new_group,
 )
+from aiodist._launch.init import destroy_process_group, init_dist, init_process_group
+from aiodist._launch.launchers import infer_launcher
+from aiodist._ops.groups import new_group
+from aiodist._ops.movement import all_gather, all_to_all, barrier
+from aiodist._ops.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    collect_results,
+    gather_object,
+    scatter_object_list,
+    sync_random_seed,
+)
+from aiodist._ops.p2p import irecv, irecv_object, isend, isend_object, recv, send
+from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter
+from aiodist._ops.rooted import broadcast, gather, scatter
+from aiodist._ops.tensor_groups import all_reduce_dict, all_reduce_params
+from aiodist._server.serve import RendezvousServer, serve_rendezvous
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from aiodist._cli import main
+from aiodist._launch.cli import main
 
 sys.exit(main())

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, ClassVar
-
-from aiodist._wire.messages import ErrorCode
 
 __all__ = [
     "AuthenticationError",
@@ -12,6 +11,7 @@ __all__ = [
     "CollectiveMismatchError",
     "DistError",
     "DistTimeoutError",
+    "ErrorCode",
     "GroupBrokenError",
     "ProtocolError",
     "RankFailedError",
@@ -19,6 +19,27 @@ __all__ = [
     "RendezvousTimeout",
     "from_wire",
 ]
+
+
+class ErrorCode(enum.IntEnum):
+    """How an error crosses the wire: the server's refusals and the peers' failures."""
+
+    INTERNAL = 1
+    PROTOCOL = 2
+    RENDEZVOUS = 3
+    AUTHENTICATION = 4
+    TIMEOUT = 5
+    RENDEZVOUS_TIMEOUT = 6
+    GROUP_BROKEN = 7
+    RANK_FAILED = 8
+    MISMATCH = 9
+    CLOSED = 10
+    DUPLICATE_RANK = 11
+    WORLD_SIZE_MISMATCH = 12
+    JOB_FULL = 13
+    BAD_REQUEST = 14
+    NOT_JOINED = 15
+    SERVER_CLOSING = 16
 
 
 class DistError(Exception):

@@ -41,7 +41,7 @@ when it has one). NaN and infinities propagate as torch would propagate them
 and are counted in ``MetricResults.nonfinite``.
 
 From plain code the data-plane route starts on ``aiodist.sync``'s loop thread
-(through ``aiodist._portal``, as every ``aiodist.sync`` operation does); with
+(through ``aiodist._sync.portal``, as every ``aiodist.sync`` operation does); with
 nothing initialised a sync resolves at once to this process's own values.
 
 Example:
@@ -60,8 +60,7 @@ import numbers
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from aiodist import _portal
-from aiodist._collectives.common import resolve_group
+from aiodist._group.work import Work
 from aiodist._metrics.board import Board
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.record import Single, encode_host
@@ -74,12 +73,13 @@ from aiodist._metrics.state import (
     host_number,
 )
 from aiodist._metrics.state import take_snapshot as _take_snapshot
-from aiodist._work import Work
+from aiodist._ops.common import resolve_group
+from aiodist._sync import portal
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from aiodist._group import ProcessGroup
+    from aiodist._group.group import ProcessGroup
     from aiodist._metrics.record import Record
     from aiodist._metrics.state import Snapshot
 
@@ -322,7 +322,7 @@ class MetricAggregator:
                 and not g.closed
                 and session.error is None
                 and not session.closed
-                and (get_ident() == board.loop_thread or _portal.quiet())
+                and (get_ident() == board.loop_thread or portal.quiet())
             ):
                 record: Record | None = self._single  # one update: encoded when written
                 if record is not None:
@@ -349,7 +349,7 @@ class MetricAggregator:
             asyncio.get_running_loop()
         except RuntimeError:  # plain code: start it on aiodist.sync's loop thread
             # No round trip to the loop thread: a training step must not wait for it.
-            return _portal.start_soon(self._start, snapshot, on_done, number)
+            return portal.start_soon(self._start, snapshot, on_done, number)
         return self._start(snapshot, on_done, number)
 
     def step(

@@ -42,7 +42,6 @@ from aiodist import (
     Store,
     Work,
     __version__,
-    _portal,
     get_backend,
     get_default_group,
     get_dist_info,
@@ -56,7 +55,8 @@ from aiodist import (
     is_main_process,
     master_only,
 )
-from aiodist._blocking import get_store
+from aiodist._sync import portal as _portal
+from aiodist._sync.blocking import get_store
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from aiodist._join import open_process_group
+from aiodist._group.join import open_process_group
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from aiodist._group import ProcessGroup
+    from aiodist._group.group import ProcessGroup
     from aiodist._transport.base import DataChannel, Transport
     from aiodist._wire.frame import Frame
 

@@ -1,6 +1,6 @@
 """Small helpers shared by the benchmark scripts: clocks, summaries, tables, JSON results.
 
-Benchmarks print their own tables (unlike the library, where only ``_cli.py``
+Benchmarks print their own tables (unlike the library, where only ``_launch/cli.py``
 prints) and write machine-readable results to ``benchmarks/results/``, which git
 ignores.
 """

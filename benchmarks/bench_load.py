@@ -31,7 +31,7 @@ from typing import Any, Final
 import anyio
 import uvloop
 
-from aiodist._control import connect_control
+from aiodist._control.connection import connect_control
 from aiodist._wire.messages import (
     Barrier,
     Join,

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import aiodist
-from aiodist._bulk import BULK_MIN_BYTES
 from aiodist._errors import CollectiveMismatchError
+from aiodist._plane.bulk import BULK_MIN_BYTES
 from aiodist._transport import shm
 from aiodist.testing import run_ranks
 

@@ -19,8 +19,8 @@ import pytest
 
 import aiodist
 from aiodist import RendezvousError, open_process_group
-from aiodist._cli import format_status, main
-from aiodist._daemon import is_loopback, sd_notify
+from aiodist._launch.cli import format_status, main
+from aiodist._launch.daemon import is_loopback, sd_notify
 from aiodist._wire.messages import StoreGet
 from aiodist.testing import run_ranks
 from tests._daemon import asyncio_only, run_cli, serve
@@ -296,8 +296,8 @@ async def test_status_without_server_fails_clearly() -> None:
 
 def test_daemon_never_imports_torch() -> None:
     code = (
-        "import sys; import aiodist._cli, aiodist._daemon, aiodist._server.serve, "
-        "aiodist._server.metrics, aiodist._launch; print('torch' in sys.modules)"
+        "import sys; import aiodist._launch.cli, aiodist._launch.daemon, aiodist._server.serve, "
+        "aiodist._server.metrics, aiodist._launch.run; print('torch' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60

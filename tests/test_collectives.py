@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
-from aiodist._collectives import schedules
-from aiodist._collectives.movement import all_gather, all_to_all, barrier
-from aiodist._collectives.reductions import all_reduce, reduce, reduce_scatter
-from aiodist._collectives.rooted import broadcast, gather, scatter
+from aiodist._ops import schedules
+from aiodist._ops.movement import all_gather, all_to_all, barrier
+from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter
+from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._transport import shm
 from aiodist.testing import run_ranks
 

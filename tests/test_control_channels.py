@@ -17,7 +17,7 @@ from aiodist import (
     RendezvousServer,
     open_process_group,
 )
-from aiodist._control import ControlChannel, ControlConnection, connect_control
+from aiodist._control.connection import ControlChannel, ControlConnection, connect_control
 from aiodist._errors import ProtocolError
 from aiodist._wire.frame import NEED_DATA, FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
@@ -35,7 +35,7 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from aiodist._control import Notice
+    from aiodist._control.connection import Notice
 
 
 def _join(rank: int, job: str, world_size: int) -> Any:

@@ -16,7 +16,7 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from aiodist._launch import LaunchSpec, rank_env
+from aiodist._launch.run import LaunchSpec, rank_env
 
 if TYPE_CHECKING:
     from anyio.abc import Process

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from aiodist import _launchers, _slurm_hostlist
 from aiodist._errors import RendezvousError
-from aiodist._launchers import DEFAULT_MASTER_PORT, infer_launcher, launcher_env
-from aiodist._slurm_hostlist import expand_slurm_hostlist, first_slurm_host
+from aiodist._launch import launchers, slurm_hostlist
+from aiodist._launch.launchers import DEFAULT_MASTER_PORT, infer_launcher, launcher_env
+from aiodist._launch.slurm_hostlist import expand_slurm_hostlist, first_slurm_host
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -540,7 +540,7 @@ def test_malformed_slurm_hostlist_raises_value_error(nodelist: str, why: str) ->
 # --- the module itself ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [_launchers, _slurm_hostlist])
+@pytest.mark.parametrize("module", [launchers, slurm_hostlist])
 def test_module_imports_no_torch_asyncio_or_subprocess(module: ModuleType) -> None:
     assert module.__file__ is not None
     tree = ast.parse(Path(module.__file__).read_text())

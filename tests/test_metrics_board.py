@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import aiodist
+from aiodist._group.work import Work
 from aiodist._metrics import board, slots
 from aiodist._metrics.board_work import BoardWork
 from aiodist._transport import shm
-from aiodist._work import Work
 from aiodist.metrics import MetricAggregator
 from aiodist.testing import run_ranks
 from tests._workers import run_worker
@@ -458,7 +458,7 @@ AGAIN = textwrap.dedent(
     import json, sys
     import anyio
     import aiodist
-    from aiodist._world import get_default_group
+    from aiodist._group.world import get_default_group
     from aiodist.metrics import MetricAggregator
 
     async def main() -> None:

@@ -32,7 +32,7 @@ WORKER = textwrap.dedent(
     import json, os, sys
     import anyio, torch
     import aiodist
-    from aiodist._p2p import recv, send
+    from aiodist._ops.p2p import recv, send
 
     async def main() -> None:
         url, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -44,7 +44,7 @@ WORKER = textwrap.dedent(
         if mode == "ring":
             right, left = (rank + 1) % world, (rank - 1) % world
             t = torch.zeros(3)
-            w = aiodist._p2p.isend(torch.full((3,), float(rank)), dst=right)
+            w = aiodist._ops.p2p.isend(torch.full((3,), float(rank)), dst=right)
             out["from"] = await recv(t, src=left)
             await w
             out["got"] = t.tolist()
@@ -208,7 +208,7 @@ async def test_in_process_member_and_subprocess_members_share_a_job(
             async with open_process_group(url, world_size=3, rank=0, group_name="mp") as g:
                 import torch
 
-                from aiodist._p2p import isend, recv
+                from aiodist._ops.p2p import isend, recv
 
                 t = torch.zeros(3)
                 w = isend(torch.zeros(3), dst=1, group=g)

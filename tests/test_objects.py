@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
-from aiodist._collectives.objects import (
+from aiodist._ops.objects import (
     all_gather_object,
     broadcast_object_list,
     collect_results,
@@ -19,11 +19,11 @@ from aiodist._collectives.objects import (
     scatter_object_list,
     sync_random_seed,
 )
-from aiodist._collectives.tensor_groups import all_reduce_dict, all_reduce_params
+from aiodist._ops.tensor_groups import all_reduce_dict, all_reduce_params
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
-    from aiodist._work import Work
+    from aiodist._group.work import Work
 
 
 class Point:

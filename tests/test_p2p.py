@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aiodist import ClosedError, CollectiveMismatchError, ProcessGroup, RendezvousServer, Work
-from aiodist._p2p import irecv, irecv_object, isend, isend_object, recv, send
+from aiodist._ops.p2p import irecv, irecv_object, isend, isend_object, recv, send
 from aiodist.testing import run_ranks
 
 

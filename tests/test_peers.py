@@ -8,12 +8,12 @@ import anyio
 import pytest
 
 from aiodist import RankFailedError
-from aiodist._peers import COLLECTIVE, DataPlane
+from aiodist._plane.peers import COLLECTIVE, DataPlane
 from aiodist._wire.frame import encode_frame
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from aiodist._peers import Key
+    from aiodist._plane.peers import Key
 
 
 def _plane(lost: list[tuple[int, str]]) -> DataPlane:

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from aiodist._collectives.schedules import (
+from aiodist._ops.schedules import (
     DIRECT_MAX_BYTES,
     DIRECT_MAX_RANKS,
     RING_MIN_BYTES,

@@ -23,16 +23,16 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiodist
 from aiodist import AuthenticationError, serve_rendezvous
-from aiodist._auth import client_proof, new_nonce, server_proof, verify
-from aiodist._control import ControlConnection, connect_control
-from aiodist._peers import P2P, DataPlane
+from aiodist._control.connection import ControlConnection, connect_control
+from aiodist._errors import ErrorCode
+from aiodist._plane.peers import P2P, DataPlane
 from aiodist._server import connection
 from aiodist._transport import uds
+from aiodist._wire.auth import client_proof, new_nonce, server_proof, verify
 from aiodist._wire.frame import NEED_DATA, Frame, FrameDecoder, Limits, encode_frame, encode_message
 from aiodist._wire.messages import (
     Authenticated,
     Challenge,
-    ErrorCode,
     ErrorReply,
     Hello,
     MessageKind,

@@ -10,12 +10,12 @@ from typing import Any, cast
 import msgpack
 import pytest
 
+from aiodist._errors import ErrorCode
 from aiodist._server.jobs import Close, ConnId, Send
 from aiodist._server.state import ServerState
 from aiodist._wire.frame import FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Barrier,
-    ErrorCode,
     ErrorReply,
     Heartbeat,
     Join,

@@ -32,7 +32,7 @@ MIXED_WORKER = textwrap.dedent(
     import json, os, sys
     import anyio, torch
     import aiodist
-    from aiodist._world import get_default_group
+    from aiodist._group.world import get_default_group
 
     async def main() -> None:
         url, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -122,7 +122,7 @@ LEAKER = textwrap.dedent(
 @needs_shm
 @one_backend
 async def test_next_start_removes_segments_of_dead_processes_only(tmp_path: Path) -> None:
-    from aiodist._peers import DataPlane
+    from aiodist._plane.peers import DataPlane
 
     script = tmp_path / "leaker.py"
     script.write_text(LEAKER)

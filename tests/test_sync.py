@@ -19,7 +19,7 @@ import torch
 
 import aiodist
 import aiodist.sync as dist
-from aiodist import _portal
+from aiodist._sync import portal
 from aiodist._tools import gen_sync
 from aiodist._tools.gen_sync import ASYNC_ONLY, TWINS, GenerateError, Kind, classify, render
 
@@ -35,13 +35,13 @@ def _free_port() -> int:
 
 @pytest.fixture(autouse=True)
 def _no_loop_thread_left() -> Iterator[None]:
-    assert not _portal.is_running(), "a previous test left the loop thread running"
+    assert not portal.is_running(), "a previous test left the loop thread running"
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        _portal.stop()
+        portal.stop()
 
 
 @pytest.fixture
@@ -202,8 +202,8 @@ def test_generator_picks_up_a_new_async_operation(
 
     assert fakesync.__all__ == ["ProcessGroup", "Work", "echo", "new_group"]
     assert inspect.signature(fakesync.new_group) == inspect.signature(fakeapi.new_group)
-    assert fakesync.new_group([0, 1]) == ([0, 1], _portal.THREAD_NAME)  # ran on the loop
-    assert not _portal.is_running()  # nothing initialised: the loop thread stopped again
+    assert fakesync.new_group([0, 1]) == ([0, 1], portal.THREAD_NAME)  # ran on the loop
+    assert not portal.is_running()  # nothing initialised: the loop thread stopped again
     assert fakesync.echo(3, tag=1) == 4
     work = fakesync.echo(3, async_op=True)
     assert isinstance(work, aiodist.Work)
@@ -265,15 +265,15 @@ def test_facade_without_init_answers_as_one_process_without_a_thread() -> None:
     assert work.is_completed()
     assert work.wait() is t
     assert dist.master_only(lambda: "ran")() == "ran"
-    assert _portal.loop_thread() is None  # nothing above needed the loop thread
+    assert portal.loop_thread() is None  # nothing above needed the loop thread
 
 
 def test_facade_send_without_init_fails_clearly_and_stops_the_thread() -> None:
     with pytest.raises(RuntimeError, match="call init_process_group"):
         dist.send(torch.ones(1), dst=0)
-    assert not _portal.is_running()
+    assert not portal.is_running()
     dist.destroy_process_group()  # a no-op when not initialised
-    assert not _portal.is_running()
+    assert not portal.is_running()
 
 
 # --- the loop thread -----------------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_facade_send_without_init_fails_clearly_and_stops_the_thread() -> None:
 
 @pytest.mark.usefixtures("world_of_one")
 def test_facade_runs_operations_on_one_named_loop_thread() -> None:
-    thread = _portal.loop_thread()
+    thread = portal.loop_thread()
     assert thread is not None
     assert thread.name == "aiodist-loop"
     assert thread.daemon
@@ -295,7 +295,7 @@ def test_facade_runs_operations_on_one_named_loop_thread() -> None:
     assert work.is_completed()
     assert dist.all_reduce_dict({"a": torch.ones(1)})["a"].item() == 1.0
     dist.barrier()
-    assert _portal.loop_thread() is thread
+    assert portal.loop_thread() is thread
 
 
 def test_destroy_stops_the_loop_thread_and_init_works_again() -> None:
@@ -303,13 +303,13 @@ def test_destroy_stops_the_loop_thread_and_init_works_again() -> None:
         dist.init_process_group(
             init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0, timeout=30
         )
-        thread = _portal.loop_thread()
+        thread = portal.loop_thread()
         assert thread is not None
         assert thread.is_alive()
         assert dist.all_gather_object(1) == [1]
         dist.destroy_process_group()
         assert not thread.is_alive()
-        assert _portal.loop_thread() is None
+        assert portal.loop_thread() is None
         assert not dist.is_initialized()
 
 
@@ -334,7 +334,7 @@ def test_blocking_calls_on_the_loop_thread_raise_instead_of_deadlocking() -> Non
         assert dist.get_rank() == 0  # queries never block
         return errors
 
-    errors = _portal.run_sync(on_loop)
+    errors = portal.run_sync(on_loop)
     assert len(errors) == 4
     assert "aiodist.sync.barrier() blocks" in errors[0]
     assert "await aiodist.barrier(...)" in errors[0]
@@ -353,7 +353,7 @@ async def test_facade_refuses_a_group_initialised_on_another_loop() -> None:
             dist.all_gather_object(1)
         with pytest.raises(RuntimeError, match="belongs to another event loop"):
             dist.send(torch.ones(1), dst=0)
-        assert not _portal.is_running()
+        assert not portal.is_running()
         assert dist.get_world_size() == 1
         assert dist.is_initialized()
     finally:

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import aiodist
 from aiodist import AuthenticationError, open_process_group
-from aiodist._control import connect_control
-from aiodist._daemon import read_token_file
+from aiodist._control.connection import connect_control
+from aiodist._launch.daemon import read_token_file
 from aiodist._wire.messages import StatusRequest
 from aiodist.testing import run_ranks
 from tests._daemon import TOKEN, asyncio_only, run_cli, serve, token_file

@@ -1,1 +1,9 @@
-"""Internals of ``aiodist.metrics``: local accumulation, the fused buffer, results."""
+"""Layer ``_metrics``: the internals of ``aiodist.metrics``.
+
+Owns local accumulation and the fused buffer's layout (``state``), the fused
+reduction on the data plane (``fused``), the same-host shared-memory board
+(``board``, ``board_setup``, ``board_work``, ``slots``, ``record``) and what a
+sync resolves to (``results``).
+
+May import: every layer below: ``_errors`` up to ``_launch``.
+"""

@@ -1,7 +1,7 @@
 """Metric syncs between ranks of one host through shared memory: the ``Board``.
 
 When every rank of a group runs on one host and they agreed on shared memory
-(``_collectives.shared.agreed``), an aggregator's syncs go through one shared
+(``_ops.shared.agreed``), an aggregator's syncs go through one shared
 segment instead of the data plane. Sync ``i`` of the aggregator (its place
 among the aggregator's syncs, the same on every rank) has one record per rank;
 each rank writes its records into its own region and then counts them
@@ -84,11 +84,11 @@ from aiodist._metrics.slots import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from aiodist._group import ProcessGroup
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
     from aiodist._metrics.record import Record, Single
     from aiodist._metrics.results import MetricResults
     from aiodist._transport import shm
-    from aiodist._work import Work
 
 __all__ = ["BATCH", "DEPTH", "MAX_RECORD_BYTES", "Board"]
 

@@ -14,13 +14,13 @@ import logging
 import os
 from typing import TYPE_CHECKING, Final
 
-from aiodist._collectives import common, shared
 from aiodist._metrics import slots
 from aiodist._metrics.board import Board
+from aiodist._ops import common, shared
 from aiodist._transport import shm
 
 if TYPE_CHECKING:
-    from aiodist._group import ProcessGroup
+    from aiodist._group.group import ProcessGroup
 
 __all__ = ["enabled", "open_board"]
 

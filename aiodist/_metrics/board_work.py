@@ -15,11 +15,11 @@ from array import array
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import CollectiveMismatchError, DistError
+from aiodist._group.work import Work
 from aiodist._metrics import record
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.slots import MAX_RECORD_BYTES
 from aiodist._metrics.state import Reduction, layout_of
-from aiodist._work import Work
 
 if TYPE_CHECKING:
     import asyncio

@@ -32,23 +32,23 @@ import asyncio
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from aiodist._collectives import common, schedules
 from aiodist._errors import CollectiveMismatchError
-from aiodist._inflight import fail, start_task
+from aiodist._group.inflight import fail, start_task
+from aiodist._group.work import Work
 from aiodist._metrics.board import Board
 from aiodist._metrics.board_setup import open_board
 from aiodist._metrics.record import encode
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of
+from aiodist._ops import common, schedules
 from aiodist._wire import codec
-from aiodist._work import Work
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     import anyio
 
-    from aiodist._group import ProcessGroup
+    from aiodist._group.group import ProcessGroup
 
 __all__ = ["Schema", "reduce_locally", "start_sync"]
 

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+from aiodist._group.world import get_rank
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from types import TracebackType
@@ -115,8 +117,6 @@ class MetricsWriter:
             raise ValueError(f"format must be 'jsonl' or 'csv', got {format!r}")
         self.format: Format = fmt
         if rank is None:
-            from aiodist._world import get_rank
-
             rank = get_rank()
         self.enabled = rank == 0
         self._fields = list(fields) if fields is not None else None

@@ -9,7 +9,7 @@ own. A heartbeat counts for every channel of its connection.
 A server started with a token authenticates each connection before anything it
 sends reaches the job table: it sends a fresh nonce (``Challenge``) as soon as
 the client connects, and the client's first message must be a ``Hello`` whose
-HMAC answers that nonce (checked in constant time, see ``_auth.py``); anything
+HMAC answers that nonce (checked in constant time, see ``_wire/auth.py``); anything
 else gets one AUTHENTICATION error and the connection is closed, as is one that
 has not authenticated within ``AUTH_TIMEOUT`` seconds. The token never crosses
 the wire and is never logged.
@@ -22,8 +22,8 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from aiodist._auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
-from aiodist._errors import ProtocolError
+from aiodist._errors import ErrorCode, ProtocolError
+from aiodist._wire.auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
 from aiodist._wire.frame import (
     CLOSED,
     NEED_DATA,
@@ -40,7 +40,6 @@ from aiodist._wire.messages import (
     Challenge,
     Channel,
     CloseChannel,
-    ErrorCode,
     ErrorReply,
     Heartbeat,
     Hello,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 
-from aiodist._wire.messages import ErrorCode, Packed, unpack_keys
+from aiodist._wire.messages import Packed, unpack_keys
+
+if TYPE_CHECKING:
+    from aiodist._errors import ErrorCode
 
 __all__ = [
     "BadRequest",

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgpack
 
+from aiodist._errors import ErrorCode
 from aiodist._server.jobs import BadRequest, Close, Job, Member, assign_ranks
 from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers
 from aiodist._wire.messages import (
     Barrier,
-    ErrorCode,
     ErrorReply,
     Heartbeat,
     Join,

@@ -18,10 +18,10 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from aiodist._errors import ErrorCode
 from aiodist._server.jobs import BadRequest, Send, Timer, Waiter
 from aiodist._wire.messages import (
     Barrier,
-    ErrorCode,
     ErrorReply,
     Reply,
     StoreAdd,

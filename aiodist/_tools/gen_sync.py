@@ -54,7 +54,7 @@ ASYNC_ONLY: Final[dict[str, str]] = {
 
 # Queries that hand back objects with coroutine methods: their blocking twins are
 # written by hand in this module and imported by the facade instead.
-TWINS: Final[dict[str, str]] = {"get_store": "aiodist._blocking"}
+TWINS: Final[dict[str, str]] = {"get_store": "aiodist._sync.blocking"}
 
 _TOOL = "aiodist/_tools/gen_sync.py"
 _HEADER = f"""\

@@ -1,1 +1,10 @@
-"""The data plane's transports. The rest of the package imports ``base`` only."""
+"""Layer ``_transport``: moving bytes between two processes.
+
+Owns the transport interface (``base``: ``DataChannel``, ``Listener``), the
+``asyncio.BufferedProtocol`` glue that feeds ``_wire`` and reads payloads
+straight into the caller's memory (``stream``), and one module per transport:
+TCP (``tcp``), Unix sockets (``uds``), shared memory (``shm`` segments and the
+``shmring`` transport). A new transport is a new module here.
+
+May import: ``_errors``, ``_wire``.
+"""

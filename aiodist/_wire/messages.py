@@ -1,4 +1,4 @@
-"""Message kinds, error codes, and one frozen dataclass per message.
+"""Message kinds and one frozen dataclass per message (error codes: ``aiodist._errors``).
 
 A message's header travels as a msgpack *array* of its fields in declaration
 order (compact, and cheap to decode on the hot path); ``headers.py`` turns a
@@ -24,7 +24,6 @@ __all__ = [
     "Challenge",
     "Channel",
     "CloseChannel",
-    "ErrorCode",
     "ErrorReply",
     "Heartbeat",
     "Hello",
@@ -86,26 +85,7 @@ class MessageKind(enum.IntEnum):
     DATA = 65
     PEER_ERROR = 66
     PEER_BYE = 67
-    PEER_AUTH = 68  # [nonce, proof]: the data plane's token handshake (see _auth.py)
-
-
-class ErrorCode(enum.IntEnum):
-    INTERNAL = 1
-    PROTOCOL = 2
-    RENDEZVOUS = 3
-    AUTHENTICATION = 4
-    TIMEOUT = 5
-    RENDEZVOUS_TIMEOUT = 6
-    GROUP_BROKEN = 7
-    RANK_FAILED = 8
-    MISMATCH = 9
-    CLOSED = 10
-    DUPLICATE_RANK = 11
-    WORLD_SIZE_MISMATCH = 12
-    JOB_FULL = 13
-    BAD_REQUEST = 14
-    NOT_JOINED = 15
-    SERVER_CLOSING = 16
+    PEER_AUTH = 68  # [nonce, proof]: the data plane's token handshake (see auth.py)
 
 
 # --- control plane: client -> server ------------------------------------------------

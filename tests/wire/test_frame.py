@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodist._errors import ProtocolError
+from aiodist._errors import ErrorCode, ProtocolError
 from aiodist._wire.frame import (
     CLOSED,
     NEED_DATA,
@@ -28,7 +28,6 @@ from aiodist._wire.frame import (
 from aiodist._wire.headers import message_header
 from aiodist._wire.messages import (
     Barrier,
-    ErrorCode,
     ErrorReply,
     Heartbeat,
     Join,

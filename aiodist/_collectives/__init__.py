@@ -1,1 +1,0 @@
-"""Collective operations on tensors and on Python objects, over the data plane."""

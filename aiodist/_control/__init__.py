@@ -1,0 +1,10 @@
+"""Layer ``_control``: a rank's connection to the rendezvous server.
+
+Owns the control connection (``connection``), a member's channel on it
+(``channel``), the table that lets a process's members share one connection
+(``shared``), the job's key-value store as a client sees it (``store``), and
+turning an ``init_method`` into a connection, starting an embedded server when
+none listens (``rendezvous``).
+
+May import: ``_errors``, ``_wire``, ``_transport``, ``_server`` (to embed one).
+"""

@@ -1,0 +1,180 @@
+"""A member's channel on a control connection: its requests, its notices, its end.
+
+Members of one process share one connection to a server (``connection.py``);
+each holds a ``ControlChannel``. Its requests carry request ids unique on the
+connection, so replies find their channel without naming it; notices arrive
+after the server named the channel. Channel 0 is the connection's own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._errors import ClosedError, DistError, DistTimeoutError
+from aiodist._wire.messages import MemberFailed, ServerClosing
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable
+
+    from aiodist._control.connection import ControlConnection
+
+__all__ = ["MAX_HELD_NOTICES", "ControlChannel", "Notice"]
+
+# Notices a channel keeps until its member sets a callback (a job breaks with the first).
+MAX_HELD_NOTICES: Final = 16
+Notice = MemberFailed | ServerClosing
+
+
+class ControlChannel:
+    """One member's requests and notices on a (possibly shared) control connection.
+
+    Channel 0 is the connection's own: ``ControlConnection.request`` uses it.
+    """
+
+    def __init__(
+        self,
+        conn: ControlConnection,
+        number: int,
+        on_notice: Callable[[Notice], None] | None = None,
+    ) -> None:
+        self.connection = conn
+        self.number = number
+        self._on_notice = on_notice
+        self._held: list[Notice] | None = None  # notices that came before a callback
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._error: DistError | None = None
+
+    @property
+    def on_notice(self) -> Callable[[Notice], None] | None:
+        """Called with every notice for this channel's member.
+
+        Notices that arrive while it is None (a member failed in the same read as
+        the ``Welcome``, before the session exists) are held, and handed to the
+        callback when it is set.
+        """
+        return self._on_notice
+
+    @on_notice.setter
+    def on_notice(self, callback: Callable[[Notice], None] | None) -> None:
+        self._on_notice = callback
+        held, self._held = self._held, None
+        if callback is not None and held:
+            for notice in held:
+                callback(notice)
+
+    def _notice(self, notice: Notice) -> None:
+        if self._on_notice is not None:
+            self._on_notice(notice)
+        elif self._held is None:
+            self._held = [notice]
+        elif len(self._held) < MAX_HELD_NOTICES:
+            self._held.append(notice)
+
+    @property
+    def server(self) -> str:
+        return self.connection.server
+
+    @property
+    def local_host(self) -> str:
+        """The numeric address this host reaches the server from."""
+        return self.connection.local_host
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None or self.connection.closed
+
+    @property
+    def error(self) -> DistError | None:
+        """Why the channel is unusable, or None while it works."""
+        return self._error or self.connection.error
+
+    async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
+        """Send the message ``build(req_id)`` and return the reply's value.
+
+        Raises:
+            DistError: The server's error, rebuilt with its class and attributes.
+            AuthenticationError: The server requires a token and this connection's
+                was missing or wrong (never retried).
+            RendezvousError: The server shut down.
+            GroupBrokenError: The connection was lost.
+            ClosedError: The channel was closed.
+            DistTimeoutError: No reply within ``timeout`` (a safety net; the server
+                enforces the operation's own timeout).
+
+        Cancellation:
+            The request stays sent; its reply is dropped.
+        """
+        conn = self.connection
+        error = self._error or conn.error
+        if error is not None:
+            raise error
+        req_id = next(conn._ids)
+        future: asyncio.Future[Any] = conn._loop.create_future()
+        self._pending[req_id] = future
+        conn._routes[req_id] = self
+        # A timer, not a cancel scope: requests are the hot path of a big rendezvous.
+        timer = (
+            None
+            if timeout is None
+            else conn._loop.call_later(timeout, self._expire, future, timeout)
+        )
+        try:
+            conn._send_on(self.number, build(req_id))
+            return await future
+        finally:
+            if timer is not None:
+                timer.cancel()
+            del self._pending[req_id]
+            conn._routes.pop(req_id, None)
+
+    def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
+        if not future.done():
+            future.set_exception(
+                DistTimeoutError(
+                    f"the rendezvous server at {self.server} did not answer within "
+                    f"{timeout:.1f} s; check that it is running and not overloaded"
+                )
+            )
+
+    def send(self, msg: Any) -> None:
+        """Send a message that expects no reply."""
+        error = self._error or self.connection.error
+        if error is not None:
+            raise error
+        self.connection._send_on(self.number, msg)
+
+    def start_heartbeats(self, interval: float) -> None:
+        """Make the connection send a heartbeat at least every ``interval`` seconds.
+
+        Heartbeats are the connection's: one keeps every member on it alive.
+        """
+        self.connection.start_heartbeats(interval)
+
+    def close(self) -> None:
+        """Fail this channel's requests; the server treats its member as disconnected.
+
+        The connection closes with its last channel (channel 0 closes it at once).
+        """
+        if self._error is None:
+            self._fail(ClosedError("the control connection was closed"))
+        self.connection._channel_closed(self)
+
+    def _resolve(self, req_id: int, value: Any) -> None:
+        future = self._pending.get(req_id)
+        if future is None or future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def _fail(self, exc: DistError) -> None:
+        if self._error is None:
+            self._error = exc
+        self._fail_pending(exc)
+
+    def _fail_pending(self, exc: DistError) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)

@@ -1,0 +1,223 @@
+"""Turning ``init_method`` into a control connection: ``tcp://``, ``env://``, ``file://``.
+
+- ``tcp://HOST:PORT`` connects there. If nothing listens and this process is
+  rank 0 (or ``AIODIST_EMBED=1``), it starts the server embedded in itself.
+  Other ranks retry until the rendezvous timeout, as TCPStore clients do.
+- ``env://`` reads torchrun's variables and then behaves as ``tcp://``.
+- ``file:///shared/path`` needs no address: under an fcntl lock on the file,
+  the first process starts an embedded server on a free port and writes its
+  address there; the others read it and connect. The file is the only thing
+  the processes must share, so no port has to be agreed on beforehand.
+
+An embedded server requires ``$AIODIST_TOKEN`` from its clients when it is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import functools
+import os
+import urllib.parse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Literal
+
+import anyio
+
+from aiodist._control.shared import open_channel
+from aiodist._errors import AuthenticationError, RendezvousError
+from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from anyio.abc import TaskGroup
+
+    from aiodist._control.channel import ControlChannel
+    from aiodist._server.serve import RendezvousServer
+
+__all__ = ["RendezvousSpec", "connect_rendezvous", "may_embed", "parse_init_method"]
+
+FILE_PROBE_TIMEOUT: Final = 2.0
+_file_locks: dict[str, asyncio.Lock] = {}  # fcntl locks are per process: also lock in-process
+
+
+@dataclass(frozen=True, slots=True)
+class RendezvousSpec:
+    """Where and how to rendezvous, resolved from ``init_method`` and the environment."""
+
+    scheme: Literal["tcp", "file"]
+    host: str = ""
+    port: int = 0
+    path: str = ""
+    rank: int = -1
+    world_size: int = -1
+    local_rank: int | None = None
+    local_world_size: int | None = None
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def parse_init_method(
+    init_method: str | None,
+    *,
+    rank: int = -1,
+    world_size: int = -1,
+    environ: Mapping[str, str] | None = None,
+) -> RendezvousSpec:
+    """Resolve ``init_method`` (default ``env://``) and explicit arguments into a spec.
+
+    Explicit ``rank``/``world_size`` win over the environment, as in torch.
+
+    Raises:
+        ValueError: An unknown scheme or a malformed address.
+        RendezvousError: ``env://`` without the variables it needs.
+    """
+    env = os.environ if environ is None else environ
+    method = init_method or "env://"
+    url = urllib.parse.urlsplit(method)
+    if url.scheme == "env":  # only a launcher's environment says which local rank we are
+        local_rank = _env_int(env, "LOCAL_RANK")
+        local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
+        if rank < 0:
+            rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
+        if world_size < 0:
+            world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
+        port = _env_int(env, "MASTER_PORT")
+        host = env.get("MASTER_ADDR", "")
+        if port is None or not host:
+            missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+            raise RendezvousError(
+                f"init_method 'env://' needs {' and '.join(missing)}: export MASTER_ADDR=<rank 0's "
+                f"address> MASTER_PORT=<free port, e.g. {DEFAULT_PORT}>, launch with "
+                "`aiodist run`/torchrun, or pass init_method='tcp://HOST:PORT'"
+            )
+        return RendezvousSpec(
+            "tcp",
+            host,
+            port,
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+        )
+    if url.scheme == "tcp":
+        try:
+            tcp_host, tcp_port = url.hostname, url.port
+        except ValueError as exc:
+            raise ValueError(f"malformed init_method {method!r}: {exc}") from None
+        if not tcp_host or tcp_port is None:
+            raise ValueError(f"init_method {method!r} needs a host and a port: tcp://HOST:PORT")
+        return RendezvousSpec("tcp", tcp_host, tcp_port, rank=rank, world_size=world_size)
+    if url.scheme == "file":
+        path = urllib.parse.unquote(url.path)
+        if not path:
+            raise ValueError(f"init_method {method!r} needs a path: file:///shared/path")
+        return RendezvousSpec("file", path=path, rank=rank, world_size=world_size)
+    raise ValueError(
+        f"init_method {method!r} has an unknown scheme; use tcp://HOST:PORT, env:// or file:///path"
+    )
+
+
+def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) -> bool:
+    """True if joining with ``spec`` may start an embedded server in this process.
+
+    ``file://`` always may; ``tcp://`` (and ``env://``) only as rank 0 or with
+    ``AIODIST_EMBED=1``.
+    """
+    env = os.environ if environ is None else environ
+    return spec.scheme == "file" or spec.rank == 0 or env.get("AIODIST_EMBED", "") == "1"
+
+
+async def connect_rendezvous(
+    spec: RendezvousSpec,
+    tg: TaskGroup | None,
+    *,
+    timeout: float,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[ControlChannel, RendezvousServer | None]:
+    """Open the control connection for ``spec``, embedding a server in ``tg`` if needed.
+
+    ``tg`` may be None only where ``may_embed(spec)`` is false.
+
+    Returns:
+        The connection and the embedded server, if this process started one.
+    """
+    env = os.environ if environ is None else environ
+    if not may_embed(spec, env):
+        conn = await open_channel(spec.host, spec.port, timeout=timeout)
+        return conn, None
+    assert tg is not None, "a process that may embed the server needs a task group"
+    if spec.scheme == "file":
+        return await _connect_file(spec.path, tg, timeout=timeout, env=env)
+    try:
+        conn = await open_channel(spec.host, spec.port, timeout=timeout, retry_refused=False)
+        return conn, None
+    except ConnectionRefusedError:
+        try:
+            server: RendezvousServer = await tg.start(
+                functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                spec.host,
+                spec.port,
+            )
+        except OSError:
+            pass  # another process won the race to embed it; connect to theirs
+        else:
+            conn = await open_channel(*server.address, timeout=timeout)
+            return conn, server
+    conn = await open_channel(spec.host, spec.port, timeout=timeout)
+    return conn, None
+
+
+async def _connect_file(
+    path: str,
+    tg: TaskGroup,
+    *,
+    timeout: float,
+    env: Mapping[str, str],
+) -> tuple[ControlChannel, RendezvousServer | None]:
+    lock = _file_locks.setdefault(path, asyncio.Lock())
+    with anyio.fail_after(timeout):
+        async with lock:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                await anyio.to_thread.run_sync(fcntl.lockf, fd, fcntl.LOCK_EX)
+                with os.fdopen(os.dup(fd), "r+") as f:
+                    content = f.read().strip()
+                    if content:
+                        host, _, port = content.rpartition(":")
+                        try:
+                            conn = await open_channel(
+                                host.strip("[]"),
+                                int(port),
+                                timeout=FILE_PROBE_TIMEOUT,
+                                retry_refused=False,
+                            )
+                            return conn, None
+                        except AuthenticationError:
+                            raise  # a live server refused our token: final, not stale
+                        except (OSError, ValueError, RendezvousError):
+                            pass  # a stale address from a job that ended: replace it
+                    bind = env.get("AIODIST_HOST", "127.0.0.1")
+                    server: RendezvousServer = await tg.start(
+                        functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                        bind,
+                        0,
+                    )
+                    f.seek(0)
+                    f.truncate()
+                    f.write(f"{server.address[0]}:{server.address[1]}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                conn = await open_channel(*server.address, timeout=timeout)
+                return conn, server
+            finally:
+                os.close(fd)  # releases the fcntl lock

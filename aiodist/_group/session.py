@@ -1,0 +1,268 @@
+"""A rank's membership in a job: the session that all its groups share.
+
+A *session* is this process's membership in one job: its control connection,
+the job's store, heartbeats, the member table, and (once the data plane joins
+in) the channels to its peers. It hears of failed members from the server and
+of lost connections from the data plane, decides who failed, and breaks its
+groups (``group.py``) with the same error on every rank. Closing it lets
+started operations finish, leaves the job, and keeps an embedded server up
+while other members still use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+from aiodist._control.store import REPLY_GRACE, Store
+from aiodist._errors import (
+    ClosedError,
+    DistError,
+    ProtocolError,
+    RankFailedError,
+    from_wire,
+)
+from aiodist._group.group import ProcessGroup
+from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersRequest
+
+if TYPE_CHECKING:
+    from aiodist._control.channel import ControlChannel, Notice
+    from aiodist._plane.peers import DataPlane
+    from aiodist._server.serve import RendezvousServer
+    from aiodist._wire.messages import Welcome
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "MemberInfo",
+    "Session",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
+DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
+# How long closing waits for operations already started (peers may need our part).
+CLOSE_GRACE: Final = 30.0
+# How long closing waits for the server to take note that this member left.
+LEAVE_TIMEOUT: Final = 5.0
+# How long a process that embeds the server keeps it up for the other members.
+EMBEDDED_SERVER_LINGER: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """One member of the job, as the rendezvous server reported it."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    addresses: tuple[str, ...]
+
+
+class Session:
+    """This process's membership in a job (shared by all its groups)."""
+
+    def __init__(
+        self,
+        conn: ControlChannel,
+        welcome: Welcome,
+        *,
+        group_name: str,
+        timeout: float,
+        backend: str | None,
+        server: RendezvousServer | None,
+        plane: DataPlane,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+    ) -> None:
+        self.conn = conn
+        self.plane = plane
+        self.group_name = group_name
+        self.timeout = timeout
+        self.backend = backend
+        self.server = server
+        self.rank = welcome.rank
+        self.world_size = welcome.world_size
+        self.local_rank = welcome.local_rank
+        self.local_size = welcome.local_size
+        self.store = Store(conn, timeout)
+        self.error: DistError | None = None
+        self.closed = False
+        self._barrier_seq = 0
+        self._group_ids = itertools.count(1)
+        self.inflight: set[asyncio.Task[None]] = set()
+        self._members: list[MemberInfo] | None = None
+        self.heartbeat_timeout = heartbeat_timeout
+        self._trouble = asyncio.Event()  # set with the first error of the session or a group
+        self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
+        try:
+            host_ids = welcome.host_ids()
+        except ValueError as exc:
+            raise ProtocolError(f"the rendezvous server sent a malformed Welcome: {exc}") from None
+        plane.set_members(self.rank, self.world_size, self._peer_table, host_ids)
+        plane.on_peer_lost = self._peer_lost
+        plane.on_peer_error = self._peer_error
+        self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
+        self.groups: dict[int, ProcessGroup] = {0: self.world}
+
+    def next_group_id(self) -> int:
+        return next(self._group_ids)
+
+    async def members(self) -> list[MemberInfo]:
+        """Every member of the job in rank order: host, pid and data-plane addresses.
+
+        Fetched from the server on first use and kept: joining does not hand the
+        whole table to every rank, which would cost O(N^2) for N ranks.
+
+        Cancellation:
+            Cancelling the caller leaves the fetch running for other callers.
+        """
+        if self._members is not None:
+            return self._members
+        if self._members_loading is None:
+            self._members_loading = asyncio.ensure_future(self._load_members())
+        return await asyncio.shield(self._members_loading)
+
+    async def _load_members(self) -> list[MemberInfo]:
+        try:
+            table: Any = await self.conn.request(MembersRequest, timeout=self.timeout + REPLY_GRACE)
+            members = [
+                MemberInfo(int(r), int(lr), str(h), int(p), tuple(a)) for r, lr, h, p, a in table
+            ]
+        except BaseException:
+            self._members_loading = None  # the next caller tries again
+            raise
+        self._members = members
+        return members
+
+    async def _peer_table(self) -> dict[int, tuple[str, ...]]:
+        return {m.rank: m.addresses for m in await self.members()}
+
+    async def _peer_lost(self, rank: int, reason: str) -> DistError | None:
+        """Decide who failed when the data connection to ``rank`` broke; return the error.
+
+        A broken connection is a symptom: ``rank`` may have died, or left because
+        another rank died (it then told us, but its notice may be lost with the
+        connection). The server is the authority: its notice of a failed member
+        usually arrives within milliseconds, so wait for it (up to the heartbeat
+        timeout) before blaming ``rank`` on the data plane's evidence alone.
+        """
+        if self.error is None:
+            with anyio.move_on_after(self.heartbeat_timeout):
+                await self._trouble.wait()
+        broken = next((g.error for g in self.groups.values() if g.error is not None), None)
+        if self.error is None and broken is not None:
+            # A member's notice explained it (say, a mismatch made everyone leave):
+            # the peer did not fail, and the session stays as usable as it was.
+            return broken
+        if self.error is None:
+            # A peer that connected to us may be lost before we ever fetched the table.
+            m = self._members[rank] if self._members is not None else None
+            where = f" (host {m.host}, pid {m.pid})" if m is not None else ""
+            self.fail(
+                RankFailedError(
+                    f"rank {rank}{where} failed: {reason}; group "
+                    f"{self.group_name!r} is broken on all ranks. Restart the job.",
+                    rank=rank,
+                    host=m.host if m is not None else "",
+                    pid=m.pid if m is not None else 0,
+                    reason=reason,
+                )
+            )
+        return self.error
+
+    def _peer_error(self, src: int, header: Any) -> None:
+        try:
+            group_id, code, message, details = header
+            group = self.groups[group_id]
+        except (ValueError, TypeError, KeyError):
+            logger.warning("ignoring a malformed error notice from rank %d", src)
+            return
+        group.break_(from_wire(code, message, details), notify=False)
+
+    def on_notice(self, notice: Notice) -> None:
+        if isinstance(notice, MemberFailed):
+            self.fail(
+                RankFailedError(
+                    f"rank {notice.rank} (host {notice.host}, pid {notice.pid}) failed: "
+                    f"{notice.reason}; group {self.group_name!r} is broken on all ranks. "
+                    "Restart the job.",
+                    rank=notice.rank,
+                    host=notice.host,
+                    pid=notice.pid,
+                    reason=notice.reason,
+                )
+            )
+
+    def note_trouble(self) -> None:
+        """A group of this session broke: wake whoever waits for the first sign of trouble."""
+        self._trouble.set()
+
+    async def trouble(self) -> None:
+        """Return once this session or one of its groups has had an error."""
+        await self._trouble.wait()
+
+    def fail(self, exc: DistError) -> None:
+        """Mark every group of this session broken with ``exc`` (the first error wins)."""
+        if self.error is None:
+            self.error = exc
+            logger.error("%s", exc)
+            self._trouble.set()
+        self.plane.fail(self.error)
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise ClosedError(
+                f"process group {self.group_name!r} was destroyed; call init_process_group again"
+            )
+        if self.error is not None:
+            raise self.error
+
+    async def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every member reached this barrier (server-side)."""
+        self.check_usable()
+        self._barrier_seq += 1
+        seq = self._barrier_seq
+        seconds = self.timeout if timeout is None else timeout
+        await self.conn.request(lambda r: Barrier(r, seq, seconds), timeout=seconds + REPLY_GRACE)
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for g in list(self.groups.values()):
+            g.run_close_hooks()
+        # A receive that no one may ever match would hold the close for the whole
+        # timeout: fail point-to-point receives now, as torch's destroy does.
+        self.plane.fail_p2p(ClosedError(f"process group {self.group_name!r} was destroyed"))
+        running = [w for g in self.groups.values() for w in g.deadlines.running()]
+        if self.inflight or running:
+            # Sends and collectives already started complete for the peers' sake (bounded).
+            with anyio.move_on_after(min(self.timeout, CLOSE_GRACE)):
+                await asyncio.gather(*self.inflight, *running, return_exceptions=True)
+        for g in self.groups.values():
+            g.deadlines.close()
+        await self.plane.aclose()
+        if not self.conn.closed:
+            with contextlib.suppress(DistError):  # DistTimeoutError included
+                await self.conn.request(Leave, timeout=LEAVE_TIMEOUT)
+        self.conn.close()
+        if self.server is not None:
+            # Others may still be using the server this process embeds: wait for them.
+            server = self.server
+            with anyio.move_on_after(EMBEDDED_SERVER_LINGER) as scope:
+                await server.wait_until(lambda s: not s.state.jobs)
+            if scope.cancelled_caught:
+                logger.warning(
+                    "stopping the embedded rendezvous server while %d jobs still use it",
+                    len(server.state.jobs),
+                )

@@ -1,0 +1,341 @@
+"""The ``aiodist`` command: ``serve``, ``status`` and ``run``. The only module that prints.
+
+Every ``serve`` flag can also come from an ``AIODIST_*`` environment variable
+(``--token-file`` from ``AIODIST_TOKEN_FILE``, ...); a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine, Sequence
+
+    from aiodist._server.serve import RendezvousServer
+
+__all__ = ["main"]
+
+logger = logging.getLogger("aiodist")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(f"AIODIST_{name}", default)
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aiodist", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the rendezvous server in the foreground",
+        description="Run the rendezvous server in the foreground until SIGTERM or SIGINT. "
+        "Each flag defaults to its AIODIST_* environment variable (--port: AIODIST_PORT).",
+    )
+    serve.add_argument(
+        "--host", default=_env("HOST", "127.0.0.1"), help="address to bind (AIODIST_HOST)"
+    )
+    serve.add_argument("--port", type=int, default=_env("PORT", str(DEFAULT_PORT)))
+    serve.add_argument(
+        "--token-file",
+        default=_env("TOKEN_FILE", None),
+        help="require clients to send this file's token as AIODIST_TOKEN",
+    )
+    serve.add_argument(
+        "--metrics-port", type=int, default=_env("METRICS_PORT", None), help="Prometheus port"
+    )
+    serve.add_argument("--metrics-host", default=_env("METRICS_HOST", None), help="default: --host")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_env("SHUTDOWN_TIMEOUT", str(DEFAULT_SHUTDOWN_TIMEOUT)),
+        help="seconds to let clients take the closing notice",
+    )
+    serve.add_argument(
+        "--log-level", type=str.lower, choices=LOG_LEVELS, default=_env("LOG_LEVEL", "info")
+    )
+    serve.add_argument("--log-format", choices=LOG_FORMATS, default=_env("LOG_FORMAT", "text"))
+
+    status = sub.add_parser("status", help="show the jobs a rendezvous server holds")
+    status.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    status.add_argument("--port", type=int, default=_env("PORT", str(DEFAULT_PORT)))
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument(
+        "--token-file", default=None, help="the server's token (default: $AIODIST_TOKEN)"
+    )
+
+    run = sub.add_parser(
+        "run",
+        help="start the ranks of a script on this node (like torchrun)",
+        description="Start N ranks of a script with torchrun's environment, prefix their "
+        "output with the rank, and stop them all when one fails.",
+    )
+    run.add_argument("-n", "--nproc-per-node", type=int, default=1, dest="nproc")
+    run.add_argument("--nnodes", type=int, default=1, help="nodes, one launcher each")
+    run.add_argument("--node-rank", type=int, default=0, help="node 0 hosts the server")
+    run.add_argument("--master-addr", default="127.0.0.1", help="the server's address")
+    run.add_argument("--master-port", type=int, default=0, help="0: node 0 picks a free port")
+    run.add_argument("--job-id", default="", help="the job's name (default: run-<port>)")
+    run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    run.add_argument("-m", "--module", action="store_true", help="run script as a module")
+    run.add_argument(
+        "--log-level", type=str.lower, choices=LOG_LEVELS, default=_env("LOG_LEVEL", "warning")
+    )
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``aiodist`` and ``python -m aiodist``; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # Defaults from the environment skip argparse's choices check: check them here.
+    for name, choices in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        value = getattr(args, name, choices[0])
+        if value not in choices:
+            parser.error(f"AIODIST_{name.upper()}={value!r} is not one of {', '.join(choices)}")
+    _configure_logging(
+        args.log_level if hasattr(args, "log_level") else "warning",
+        getattr(args, "log_format", "text"),
+    )
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        return _status(args)
+    return _run(args)
+
+
+def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but optional at runtime
+        return anyio.run(lambda: coro)
+    return anyio.run(lambda: coro, backend_options={"loop_factory": uvloop.new_event_loop})
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError in ``exc``, unwrapping the groups task groups raise."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _os_error(inner)) is not None:
+                return found
+    return None
+
+
+def _fail(command: str, message: str, code: int = 1) -> int:
+    print(f"aiodist {command}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The token in ``--token-file``, if given. Raises ``ValueError`` for a bad file."""
+    if not args.token_file:
+        return None
+    from aiodist._launch.daemon import read_token_file
+
+    return read_token_file(args.token_file)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiodist._launch.daemon import run_daemon
+
+    try:
+        token = _token(args)
+    except ValueError as exc:
+        return _fail("serve", str(exc), 2)
+
+    def on_ready(server: RendezvousServer, metrics: tuple[str, int] | None) -> None:
+        host, port = server.address
+        line: dict[str, Any] = {"event": "listening", "host": host, "port": port}
+        text = f"aiodist rendezvous server listening on {host}:{port}"
+        if metrics is not None:
+            line["metrics"] = f"http://{metrics[0]}:{metrics[1]}/metrics"
+            text += f", metrics on {line['metrics']}"
+        if token is not None:
+            text += ", token required"
+        line["token_required"] = token is not None
+        print(json.dumps(line) if args.log_format == "json" else text, flush=True)
+
+    try:
+        return int(
+            _run_async(
+                run_daemon(
+                    args.host,
+                    args.port,
+                    token=token,
+                    metrics_host=args.metrics_host,
+                    metrics_port=args.metrics_port,
+                    shutdown_timeout=args.shutdown_timeout,
+                    on_ready=on_ready,
+                )
+            )
+        )
+    except (OSError, BaseExceptionGroup) as exc:
+        if (error := _os_error(exc)) is None:
+            raise
+        return _fail("serve", f"cannot listen: {error}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        token = _token(args)
+    except ValueError as exc:
+        return _fail("status", str(exc), 2)
+    return int(_run_async(_status_async(args, token)))
+
+
+async def _status_async(args: argparse.Namespace, token: str | None) -> int:
+    from aiodist._control.connection import connect_control
+    from aiodist._errors import AuthenticationError, DistError
+    from aiodist._wire.messages import StatusRequest
+
+    where = f"{args.host}:{args.port}"
+    try:
+        conn = await connect_control(
+            args.host, args.port, timeout=args.timeout, retry_refused=False, token=token
+        )
+    except (OSError, DistError) as exc:
+        return _fail("status", f"no rendezvous server answers at {where} ({exc})")
+    try:
+        snap = await conn.request(StatusRequest, timeout=args.timeout)
+    except AuthenticationError as exc:
+        return _fail("status", f"the server at {where} refused us: {exc}")
+    except DistError as exc:
+        return _fail("status", f"the server at {where} did not report its status ({exc})")
+    finally:
+        conn.close()
+    if args.json:
+        print(json.dumps({"server": where, **snap}, indent=2, sort_keys=True))
+    else:
+        print(format_status(where, snap))
+    return 0
+
+
+def _age(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def format_status(where: str, snap: dict[str, Any]) -> str:
+    """The human-readable ``aiodist status`` report of a server's snapshot."""
+    lines = [
+        f"aiodist {snap.get('version') or '?'} at {where}: up {_age(snap['uptime'])}, "
+        f"{snap['connections']} connections, {len(snap['jobs'])} jobs"
+    ]
+    if not snap["jobs"]:
+        lines.append("no jobs")
+    for job in snap["jobs"]:
+        lines.append("")
+        lines.append(
+            f"job {job['name']!r}: {job['state']}, {job['joined']}/{job['world_size']} joined, "
+            f"age {_age(job['age'])}, {job['keys']} keys"
+        )
+        hosts = [m["host"] for m in job["members"]]
+        host_width = max([len("HOST"), *(len(h) for h in hosts)])
+        lines.append(
+            f"  {'RANK':>4}  {'LOCAL':>5}  {'HOST':<{host_width}}  {'PID':>8}  {'STATUS':<7}  "
+            "HEARTBEAT"
+        )
+        for m in job["members"]:
+            rank = "?" if m["rank"] < 0 else m["rank"]
+            local = "?" if m["local_rank"] < 0 else m["local_rank"]
+            lines.append(
+                f"  {rank:>4}  {local:>5}  {m['host']:<{host_width}}  {m['pid']:>8}  "
+                f"{m['status']:<7}  {_age(m['heartbeat_age'])} ago"
+            )
+        lines.extend(
+            f"  FAILED rank {f['rank']} ({f['host']}, pid {f['pid']}): {f['reason']}"
+            for f in job["failures"]
+        )
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from aiodist._launch.run import LaunchSpec, launch
+
+    cmd = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
+    try:
+        spec = LaunchSpec(
+            cmd,
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            job_id=args.job_id,
+            prefix=not args.no_prefix,
+        )
+    except ValueError as exc:
+        return _fail("run", str(exc), 2)
+
+    def on_server(address: tuple[str, int]) -> None:
+        if spec.nnodes > 1:
+            print(
+                f"aiodist run: rendezvous server for {spec.nnodes} nodes on "
+                f"{address[0]}:{address[1]}; start the other nodes with --master-addr "
+                f"{address[0]} --master-port {address[1]}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    try:
+        result = _run_async(launch(spec, on_server=on_server))
+    except (OSError, BaseExceptionGroup) as exc:
+        if (error := _os_error(exc)) is None:
+            raise
+        return _fail("run", f"cannot start: {error}")
+    if result.summary:
+        print(result.summary, file=sys.stderr, flush=True)
+    return int(result.exit_code)

@@ -1,0 +1,178 @@
+"""Starting and ending a job in a rank: ``init_process_group``, ``init_dist``, ``destroy``.
+
+``init_process_group`` joins the job (``aiodist._group.join``), installs the
+default group (``aiodist._group.world``) and, for a torch backend, brings up
+torch.distributed through the torch bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import TYPE_CHECKING, Any
+
+from aiodist._control.store import as_seconds
+from aiodist._group.join import open_process_group
+from aiodist._group.session import DEFAULT_TIMEOUT
+from aiodist._group.world import (
+    DefaultGroup,
+    get_default_group,
+    install_default,
+    is_initialized,
+    take_default,
+)
+from aiodist._launch.launchers import launcher_env
+from aiodist._torch.bridge import bring_up, parse_backend, tear_down
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from aiodist._group.group import ProcessGroup
+
+__all__ = ["destroy_process_group", "init_dist", "init_process_group"]
+
+
+async def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    *,
+    world_size: int = -1,
+    rank: int = -1,
+    group_name: str = "",
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    heartbeat_interval: float | None = None,
+    heartbeat_timeout: float | None = None,
+    hostname: str | None = None,
+) -> None:
+    """Join the job and make it the default process group.
+
+    Args:
+        backend: ``None`` for aiodist's own data plane; ``"gloo"`` or ``"nccl"`` also
+            bring up torch.distributed (see the torch bridge).
+        init_method: ``tcp://HOST:PORT``, ``env://`` (default, torchrun's variables)
+            or ``file:///shared/path``. With ``tcp://``, rank 0 (or any process with
+            ``AIODIST_EMBED=1``) starts the server itself if none listens there.
+        world_size: Number of ranks (default: ``$WORLD_SIZE``).
+        rank: This rank (default: ``$RANK``); -1 lets the server assign one, keeping
+            the ranks of each host contiguous.
+        group_name: The job's name on a shared server.
+        timeout: Seconds (or a ``timedelta``) to wait for the job to form, and the
+            default timeout of every operation.
+        heartbeat_interval: Seconds between heartbeats.
+        heartbeat_timeout: Silence after which a rank is declared failed.
+        hostname: The host this rank counts as when computing local ranks.
+
+    With ``backend="gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``, torch.distributed's
+    default group is brought up too, through this job's store (no second port):
+    tensor collectives on that backend's device then run on torch.distributed.
+
+    Raises:
+        RuntimeError: Already initialised; ``backend="nccl"`` without CUDA; or
+            torch.distributed already initialised by other code.
+        GroupBrokenError: torch.distributed could not bring its group up.
+        RendezvousError: The job refused this process; the message says why.
+        RendezvousTimeout: The job did not form within ``timeout``.
+
+    Cancellation:
+        Cancelling the caller abandons the join; nothing stays initialised.
+
+    Example:
+        >>> await aiodist.init_process_group(init_method="tcp://127.0.0.1:29500",
+        ...                                  world_size=4, rank=rank)
+    """
+    if is_initialized():
+        raise RuntimeError(
+            "the default process group is already initialised; call destroy_process_group() first"
+        )
+    seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
+    devices = parse_backend(backend)  # before joining: NCCL without CUDA fails here
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[ProcessGroup] = loop.create_future()
+    stop = asyncio.Event()
+
+    async def hold_open() -> None:
+        try:
+            async with open_process_group(
+                init_method,
+                world_size=world_size,
+                rank=rank,
+                group_name=group_name,
+                timeout=seconds,
+                backend=backend,
+                heartbeat_interval=heartbeat_interval,
+                heartbeat_timeout=heartbeat_timeout,
+                hostname=hostname,
+            ) as group:
+                started.set_result(group)
+                await stop.wait()
+        except BaseException as exc:
+            if not started.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    started.cancel()
+                else:
+                    started.set_exception(exc)
+                    return
+            raise
+
+    task = loop.create_task(hold_open(), name="aiodist-default-group")
+    try:
+        group = await started
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    install_default(DefaultGroup(group, task, stop))
+    if devices is not None:
+        assert backend is not None
+        try:
+            await bring_up(group, backend, devices)
+        except BaseException:
+            await destroy_process_group()
+            raise
+
+
+async def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> None:
+    """Initialise from a launcher's environment, as ``mmengine.dist.init_dist`` does.
+
+    Args:
+        launcher: ``"pytorch"`` (torchrun, ``aiodist run``), ``"slurm"`` or ``"mpi"``;
+            see ``infer_launcher``.
+        backend: As for ``init_process_group``.
+        **kwargs: ``port`` (Slurm) and any ``init_process_group`` keyword.
+
+    Raises:
+        ValueError: An unknown launcher.
+        RendezvousError: The launcher's environment lacks a variable it needs.
+    """
+    port = kwargs.pop("port", None)
+    num_gpus = 0
+    if launcher == "slurm" and "SLURM_LOCALID" not in os.environ:
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+    os.environ.update(launcher_env(launcher, os.environ, port=port, num_gpus=num_gpus))
+    await init_process_group(backend, "env://", **kwargs)
+
+
+async def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Leave the job and tear the default group down; a no-op when not initialised.
+
+    With a group made by ``new_group``, only that group is destroyed: later
+    operations on it raise ``ClosedError``. torch.distributed's groups brought
+    up by the torch bridge go with them.
+
+    Cancellation:
+        Shielded: once called, the group is torn down even if the caller is cancelled.
+    """
+    if group is not None and group.group_id != 0:  # a group made by new_group
+        await tear_down(group)
+        group.close()
+        return
+    if group is not None and group is not get_default_group():
+        return
+    default = take_default()
+    if default is None:
+        return
+    await asyncio.shield(tear_down(default.group))
+    default.stop.set()
+    await asyncio.shield(asyncio.gather(default.task, return_exceptions=True))

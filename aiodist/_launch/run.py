@@ -1,0 +1,358 @@
+"""``aiodist run``: host the rendezvous server, start the ranks, supervise them.
+
+Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) so that ``init_process_group()`` with no
+arguments just works. With ``nnodes > 1`` node 0's launcher hosts the server
+and the others point their ranks at it.
+
+Rules the supervisor keeps:
+
+- Each output line of a rank is written whole, prefixed with its rank unless
+  prefixes are off; stdout goes to stdout, stderr to stderr.
+- The first rank to exit non-zero fails the run: the others are stopped
+  (SIGTERM, then SIGKILL after ``STOP_GRACE``) and the launcher exits with
+  that rank's code (128 + N for signal N) and a one-line summary.
+- SIGINT and SIGTERM are forwarded to every rank (each runs in its own process
+  group, so a terminal's Ctrl-C reaches it once); a second one kills them.
+- Node 0 keeps the server up after its own ranks succeed until the other
+  nodes' ranks have left the job (at most ``SERVER_LINGER``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Final
+
+import anyio
+
+from aiodist._launch.daemon import is_loopback
+from aiodist._server.serve import serve_rendezvous
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from aiodist._server.serve import RendezvousServer
+
+__all__ = ["LaunchResult", "LaunchSpec", "launch", "rank_env"]
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE: Final = 5.0
+SERVER_LINGER: Final = 60.0
+PUMP_DRAIN: Final = 2.0  # after the ranks exit, how long their last output may take
+READ_CHUNK_BYTES: Final = 64 * 1024
+MAX_LINE_BYTES: Final = 1024 * 1024  # a longer "line" is written in pieces
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """What ``aiodist run`` starts.
+
+    Attributes:
+        cmd: The command of one rank (``[python, script, *args]``).
+        nproc: Ranks on this node.
+        nnodes: Nodes in the job; each runs one launcher.
+        node_rank: This node's index; node 0 hosts the rendezvous server.
+        master_addr: Address of the server (node 0 binds it).
+        master_port: Its port; 0 lets node 0's OS pick one (single node, or
+            node 0 of several, which reports it for the others).
+        job_id: The job's name on the server (default ``run-<port>``).
+        prefix: Prefix each output line with the rank.
+    """
+
+    cmd: list[str]
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    job_id: str = ""
+    prefix: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"-n/--nproc-per-node must be >= 1, got {self.nproc}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}")
+        if self.node_rank > 0 and self.master_port == 0:
+            raise ValueError(
+                "--node-rank > 0 needs --master-port: the port node 0's launcher reported"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    """How a run ended: the launcher's exit code and, unless all went well, why."""
+
+    exit_code: int
+    summary: str | None = None
+
+
+def rank_env(
+    spec: LaunchSpec,
+    local_rank: int,
+    master: tuple[str, int],
+    job_id: str,
+    base: Mapping[str, str],
+) -> dict[str, str]:
+    """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables.
+
+    ``OMP_NUM_THREADS`` defaults to 1 when several ranks share the node, as with torchrun.
+    """
+    rank = spec.node_rank * spec.nproc + local_rank
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_WORLD_SIZE=str(spec.nproc),
+        GROUP_RANK=str(spec.node_rank),
+        NODE_RANK=str(spec.node_rank),
+        GROUP_WORLD_SIZE=str(spec.nnodes),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=master[0],
+        MASTER_PORT=str(master[1]),
+        AIODIST_JOB_ID=job_id,
+        PYTHONUNBUFFERED="1",
+    )
+    if spec.nproc > 1:
+        # As torchrun does: N ranks each using every core would oversubscribe the node.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+async def _pump(stream: asyncio.StreamReader, sink: IO[bytes], prefix: bytes) -> None:
+    pending = b""
+    writable = True
+
+    def write(data: bytes) -> None:
+        nonlocal writable
+        if not writable:
+            return
+        try:
+            sink.write(data)
+            sink.flush()
+        except (BrokenPipeError, ValueError):  # our reader went away (`| head`): discard
+            writable = False
+
+    while chunk := await stream.read(READ_CHUNK_BYTES):  # always drain: ranks never block
+        *lines, pending = (pending + chunk).split(b"\n")
+        if len(pending) > MAX_LINE_BYTES:
+            lines.append(pending)
+            pending = b""
+        if lines:
+            write(b"".join(prefix + line + b"\n" for line in lines))
+    if pending:
+        write(prefix + pending + b"\n")
+
+
+class _Ranks:
+    """This node's rank processes and what happened to them."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.signals: list[signal.Signals] = []
+        self.changed = asyncio.Event()
+
+    def global_rank(self, i: int) -> int:
+        return self.spec.node_rank * self.spec.nproc + i
+
+    def running(self) -> list[asyncio.subprocess.Process]:
+        return [p for p in self.procs if p.returncode is None]
+
+    def kill(self, sig: int) -> None:
+        for p in self.running():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)  # the rank's own process group: its children too
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        self.signals.append(sig)
+        if len(self.signals) == 1:
+            logger.info("received %s: forwarding it to %d ranks", sig.name, len(self.running()))
+            self.kill(sig)
+        else:
+            logger.warning("received %s again: killing the ranks", sig.name)
+            self.kill(signal.SIGKILL)
+        self.changed.set()
+
+    async def wait_all(self) -> tuple[int, int] | None:
+        """Wait until all ranks exit 0 (None), one fails ((index, code)), or a signal came."""
+        waiters = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self.procs)}
+        changed = asyncio.ensure_future(self.changed.wait())
+        try:
+            while waiters and not self.signals:
+                done, _ = await asyncio.wait(
+                    [*waiters, changed], return_when=asyncio.FIRST_COMPLETED
+                )
+                for fut in done:
+                    if fut is changed:
+                        continue
+                    i = waiters.pop(fut)
+                    if fut.result() != 0 and not self.signals:
+                        return i, fut.result()
+            return None
+        finally:
+            for fut in [*waiters, changed]:
+                fut.cancel()
+
+    async def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` for ranks that were signalled, then SIGTERM, then SIGKILL."""
+        if not self.signals:
+            self.kill(signal.SIGTERM)
+        with anyio.move_on_after(grace):
+            for p in self.procs:
+                await p.wait()
+        if self.running():
+            if self.signals:
+                self.kill(signal.SIGTERM)
+                with anyio.move_on_after(grace):
+                    for p in self.procs:
+                        await p.wait()
+            self.kill(signal.SIGKILL)
+            for p in self.procs:
+                await p.wait()
+
+
+async def launch(
+    spec: LaunchSpec,
+    *,
+    on_server: Callable[[tuple[str, int]], None] | None = None,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[bytes] | None = None,
+) -> LaunchResult:
+    """Run ``spec.cmd`` as this node's ranks and supervise them.
+
+    Args:
+        spec: What to start.
+        on_server: Called with the server's address once node 0 hosts it.
+        stdout: Where ranks' standard output goes (default: ours).
+        stderr: Where ranks' standard error goes (default: ours).
+
+    Returns:
+        Exit code 0 when every rank exited 0; otherwise the failed rank's code
+        (128 + N for signal N), or 128 + N when this launcher got signal N.
+
+    Raises:
+        OSError: Node 0 cannot bind ``master_addr:master_port``, or the command
+            cannot be started.
+    """
+    out = stdout or sys.stdout.buffer
+    err = stderr or sys.stderr.buffer
+    token = os.environ.get("AIODIST_TOKEN") or None
+    async with anyio.create_task_group() as tg:
+        server: RendezvousServer | None = None
+        master = (spec.master_addr, spec.master_port)
+        if spec.node_rank == 0:
+            if spec.nnodes > 1 and not is_loopback(spec.master_addr) and token is None:
+                logger.warning(
+                    "hosting the job's server on %s without a token; set AIODIST_TOKEN on every "
+                    "node to keep other users out",
+                    spec.master_addr,
+                )
+            server = await tg.start(functools.partial(serve_rendezvous, *master, token=token))
+            master = server.address
+            if on_server is not None:
+                on_server(master)
+        ranks = _Ranks(spec)
+        result = await _run_ranks(spec, ranks, master, out, err)
+        if server is not None and spec.nnodes > 1 and result.exit_code == 0:
+            with anyio.move_on_after(SERVER_LINGER) as linger:
+                await server.wait_until(lambda s: not s.state.jobs)
+            if linger.cancelled_caught:
+                logger.warning("stopping the job's server while other nodes' ranks still use it")
+        tg.cancel_scope.cancel()
+    return result
+
+
+async def _run_ranks(
+    spec: LaunchSpec,
+    ranks: _Ranks,
+    master: tuple[str, int],
+    out: IO[bytes],
+    err: IO[bytes],
+) -> LaunchResult:
+    loop = asyncio.get_running_loop()
+    job_id = spec.job_id or f"run-{master[1]}"
+    width = len(str(spec.world_size - 1))
+    failed: tuple[int, int] | None = None
+    async with anyio.create_task_group() as pumps:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, ranks.on_signal, sig)
+            for i in range(spec.nproc):
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.cmd,
+                    env=rank_env(spec, i, master, job_id, os.environ),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,
+                )
+                ranks.procs.append(proc)
+                tag = f"[rank {ranks.global_rank(i):>{width}}] ".encode() if spec.prefix else b""
+                assert proc.stdout is not None
+                assert proc.stderr is not None
+                pumps.start_soon(_pump, proc.stdout, out, tag)
+                pumps.start_soon(_pump, proc.stderr, err, tag)
+            failed = await ranks.wait_all()
+            running = len(ranks.running())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await ranks.stop(STOP_GRACE)
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+            # A rank's child may hold its pipes open: bound the wait for the last output.
+            pumps.cancel_scope.deadline = anyio.current_time() + PUMP_DRAIN
+    where = f" on node {spec.node_rank}" if spec.nnodes > 1 else ""
+    if ranks.signals:
+        sig = ranks.signals[0]
+        codes = ", ".join(
+            f"rank {ranks.global_rank(i)} {_describe(p.returncode)}"
+            for i, p in enumerate(ranks.procs)
+        )
+        return LaunchResult(
+            128 + sig.value,
+            f"aiodist run: received {sig.name}{where}; forwarded it to the ranks ({codes})",
+        )
+    if failed is None:
+        return LaunchResult(0)
+    i, code = failed
+    rank = ranks.global_rank(i)
+    others = f"; stopped the other {running} ranks{where}" if running else ""
+    return LaunchResult(
+        128 - code if code < 0 else code,
+        f"aiodist run: rank {rank} (pid {ranks.procs[i].pid}){where} {_describe(code)}{others}",
+    )
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        return f"was killed by {_signal_name(-code)}"
+    return f"exited with code {code}"

@@ -1,0 +1,421 @@
+"""What every collective shares: group resolution, tensor views, messages, signatures.
+
+Messages of a collective carry the key ``(COLLECTIVE, group_id, seq, step)``:
+``seq`` is the operation's sequence number in its group, ``step`` tells apart
+the messages one pair exchanges within it. Their ``meta`` is the sender's
+*signature* (operation, dtype, shape, op, root): a receiver that finds it
+different from its own raises ``CollectiveMismatchError``, which breaks the
+group on every member instead of hanging or reducing garbage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from aiodist._errors import CollectiveMismatchError
+from aiodist._group.inflight import fail
+from aiodist._group.world import get_default_group
+from aiodist._ops import schedules
+from aiodist._plane.peers import COLLECTIVE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
+    import torch
+
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
+    from aiodist._plane.peers import Received
+    from aiodist._wire.frame import Buffer
+
+__all__ = [
+    "READY_STEP",
+    "agreed",
+    "bridged",
+    "byte_view",
+    "check_alike",
+    "check_rank",
+    "check_signature",
+    "check_tensor",
+    "check_tensor_list",
+    "clear_to_send",
+    "contiguous",
+    "copy_into",
+    "divide_",
+    "exchange_all",
+    "recv",
+    "recv_tensor",
+    "resolve_group",
+    "send",
+    "signature",
+]
+
+#: The step of a ring's clear-to-send message, sent to the left neighbour before
+#: the right one may send. The shared-memory paths exchange it first too: ranks
+#: that disagree on a tensor's size may pick different algorithms, and one
+#: message they all share makes them meet and report the mismatch rather than
+#: wait for each other until the timeout.
+READY_STEP: Final = 1 << 18
+
+T = TypeVar("T")
+
+_AGREE_STEP = 1 << 20  # steps of the root-agreement check, apart from the data's steps
+
+#: Elements per torch call on large tensors: torch's GRAIN_SIZE, below which it stays serial.
+#: Every rank of a host has its own intra-op thread pool, and when several ranks wake
+#: theirs at once they spin against each other (a 256 KiB add took 28 ms with 4 ranks on
+#: 2 cores), so the data plane keeps its copies and reductions on the loop's thread.
+SLICE_NUMEL = 32768
+
+
+class LazyModule:
+    """Imports a module on first attribute access (keeps ``import aiodist`` torch-free)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only called for names not cached yet: after the first use of ``torch.add``
+        # it is a plain instance attribute (an import per call cost ~10 us on hot paths).
+        import importlib
+
+        value = getattr(importlib.import_module(self._name), attr)
+        setattr(self, attr, value)
+        return value
+
+
+SIGNATURE_FIELDS = ("op", "dtype", "shape", "reduce_op", "root")
+
+
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """``group``, else the default group, else None (not initialised: world size 1)."""
+    if group is not None:
+        return group
+    return get_default_group()
+
+
+def bridged(group: ProcessGroup | None, name: str, *args: Any) -> Work[Any] | None:
+    """Start collective ``name`` on torch.distributed, or return None for the data plane.
+
+    It goes to torch when ``group`` is bridged (``ProcessGroup.bridge``) and its
+    tensors live on the bridge's device. ``args`` are the collective's
+    arguments but ``group``.
+    """
+    g = resolve_group(group)
+    if g is None or g.bridge is None:
+        return None
+    first = args[0]
+    if isinstance(first, list | tuple):  # reduce_scatter, all_to_all: a list of tensors
+        first = first[0] if first else None
+    if not g.bridge.crosses(first):
+        return None
+    return g.bridge.start_collective(name, args)
+
+
+def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
+    """Return ``tensor`` if it is a CPU tensor, else raise ``TypeError``/``ValueError``."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {tensor.device}; aiodist's data plane carries CPU tensors. "
+            "Initialise with backend='nccl' to bridge CUDA tensors to torch.distributed"
+        )
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
+    return tensor
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no copy)."""
+    import torch
+
+    assert tensor.is_contiguous()
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    if tensor.dim() == 0:
+        tensor = tensor.view(1)
+    # Viewing the last dimension as bytes keeps the tensor C-contiguous; cast("B") flattens.
+    return tensor.view(torch.uint8).numpy().data.cast("B")
+
+
+def signature(
+    op: str,
+    tensor: torch.Tensor | None = None,
+    *,
+    reduce_op: str | None = None,
+    root: int | None = None,
+) -> list[Any]:
+    """The facts every rank of a collective must agree on, as plain data."""
+    if tensor is None:
+        return [op, None, None, reduce_op, root]
+    return [op, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), reduce_op, root]
+
+
+def check_signature(group: ProcessGroup, mine: list[Any], msg: Received) -> None:
+    """Raise ``CollectiveMismatchError`` if ``msg`` came from a rank that disagrees."""
+    theirs = msg.meta
+    if theirs == mine:
+        return
+    src = group.ranks.index(msg.src) if msg.src in group.ranks else msg.src
+    for name, a, b in zip(SIGNATURE_FIELDS, mine, theirs, strict=False):
+        if a != b:
+            values = {group.rank: a, src: b}
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(values.items()))
+            raise CollectiveMismatchError(
+                f"ranks disagree on the {name} of collective {mine[0]!r} in group "
+                f"{group.name!r}: {shown}. Call collectives in the same order with matching "
+                "arguments on every rank.",
+                field=name,
+                values_by_rank=values,
+            )
+    raise CollectiveMismatchError(
+        f"rank {src} sent {theirs!r} for collective {mine!r}",
+        field="op",
+        values_by_rank={group.rank: mine, src: theirs},
+    )
+
+
+async def send(
+    group: ProcessGroup,
+    dst: int,
+    seq: int,
+    step: int,
+    meta: Any,
+    payload: Buffer | None,
+) -> None:
+    """Send a collective's message to group rank ``dst``.
+
+    A peer that found the group broken (say, a mismatch) tells every member,
+    then may leave while a large payload to it is still being written: report
+    the group's error then, not the closed connection it caused.
+    """
+    key = (COLLECTIVE, group.group_id, seq, step)
+    try:
+        await group.session.plane.send(group.ranks[dst], key, meta, payload)
+    except ConnectionError:
+        group.check_usable()
+        raise
+
+
+def recv(
+    group: ProcessGroup,
+    src: int,
+    seq: int,
+    step: int,
+    dest: memoryview | None = None,
+) -> asyncio.Future[Received]:
+    """Post the receive of a collective's message from group rank ``src``."""
+    group.check_usable()  # a receive posted after break_() would never be failed
+    key = (COLLECTIVE, group.group_id, seq, step)
+    return group.session.plane.recv(group.ranks[src], key, dest)
+
+
+def exchange_all(
+    g: ProcessGroup,
+    work: Work[Any],
+    seq: int,
+    mine: list[Any],
+    data: memoryview,
+    done: Callable[[memoryview], None],
+    *,
+    step: int = 0,
+) -> None:
+    """Swap ``data`` with every other rank of ``g`` in one round, with no task.
+
+    The path of small collectives: every receive is posted and every send
+    written right here; the data plane's callbacks do the rest. Group rank
+    ``r``'s bytes land in row ``r`` of a ``size x data.nbytes`` staging buffer
+    (this rank's row is a copy of ``data``, which may change from now on).
+    Once every row is in and every send was handed to the kernel,
+    ``done(staging)`` runs and settles ``work``. A message with another
+    signature, a failed peer, an error in ``done``: ``work`` fails by the
+    group's rules (``inflight.fail``), which breaks the group on every member.
+    """
+    p, me, n = g.world_size, g.rank, data.nbytes
+    staging = memoryview(bytearray(p * n))
+    own = staging[me * n : (me + 1) * n]
+    own[:] = data
+    plane = g.session.plane
+    ranks = g.ranks
+    key = (COLLECTIVE, g.group_id, seq, step)
+    # Receives still to come, plus one for this rank's sends: however many messages
+    # were waiting already, ``done`` runs only once every send went out.
+    left = [p]
+
+    def one_less() -> None:
+        left[0] -= 1
+        if left[0] == 0 and not work.is_completed():
+            try:
+                done(staging)
+            except Exception as exc:
+                fail(g, work, exc, collective=True)
+
+    def arrived(msg: Received | BaseException) -> None:
+        if work.is_completed():
+            return
+        try:
+            if isinstance(msg, BaseException):
+                raise msg
+            check_signature(g, mine, msg)
+        except Exception as exc:
+            fail(g, work, exc, collective=True)
+            return
+        one_less()
+
+    for r in range(p):
+        if r != me:
+            plane.post(ranks[r], key, staging[r * n : (r + 1) * n], arrived)
+    unsent = []
+    for r in schedules.direct_peers(me, p):
+        if work.is_completed():
+            return  # failed already (a mismatched message was waiting): say no more
+        rest = plane.send_now(ranks[r], key, mine, own)
+        if rest is not None:
+            unsent.append(rest)
+    if unsent:  # a full socket, or a first connection: finish those sends in a task
+        _spawn(g, _finish_sends(g, work, unsent, one_less))
+    else:
+        one_less()
+
+
+async def _finish_sends(
+    g: ProcessGroup,
+    work: Work[Any],
+    unsent: list[Coroutine[Any, Any, None]],
+    then: Callable[[], None],
+) -> None:
+    try:
+        for rest in unsent:
+            try:
+                await rest
+            except ConnectionError:
+                g.check_usable()  # the peer left because the group broke: say why
+                raise
+    except Exception as exc:
+        fail(g, work, exc, collective=True)
+    else:
+        then()
+    finally:
+        for rest in unsent:
+            rest.close()  # those never awaited after a failure
+
+
+def _spawn(g: ProcessGroup, coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    inflight = g.session.inflight
+    inflight.add(task)
+    task.add_done_callback(inflight.discard)
+
+
+def check_rank(g: ProcessGroup, rank: object, name: str) -> int:
+    """The group rank of global ``rank`` (torch's convention), else ``TypeError``/``ValueError``."""
+    return g.group_rank_of(rank, name)
+
+
+def check_tensor_list(tensors: object, name: str, length: int | None) -> list[torch.Tensor]:
+    """Check ``tensors`` is a list of CPU tensors (of ``length``, unless None)."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    out = [check_tensor(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
+    if length is not None and len(out) != length:
+        raise ValueError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
+    return out
+
+
+def check_alike(tensors: list[torch.Tensor], name: str) -> None:
+    """Raise ``ValueError`` unless every tensor has the dtype and shape of the first."""
+    first = tensors[0]
+    for i, x in enumerate(tensors):
+        if x.dtype != first.dtype or x.shape != first.shape:
+            raise ValueError(f"{name}[{i}] differs from {name}[0] in dtype or shape")
+
+
+def recv_tensor(
+    g: ProcessGroup,
+    src: int,
+    seq: int,
+    step: int,
+    dest: torch.Tensor | memoryview | None = None,
+) -> asyncio.Future[Received]:
+    """Post a receive into ``dest`` (or a new buffer); its failure never goes unretrieved."""
+    if dest is not None and not isinstance(dest, memoryview):
+        dest = byte_view(dest)
+    future = recv(g, src, seq, step, dest)  # checks first that the group is usable
+    # A broken group fails every posted receive, including ones an aborted operation no
+    # longer awaits; the operation reports the error, so mark it retrieved here.
+    future.add_done_callback(_retrieve)
+    return future
+
+
+def _retrieve(future: asyncio.Future[Received]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+async def _agree(g: ProcessGroup, seq: int, mine: list[Any]) -> None:
+    """Dissemination exchange of signatures: every rank checks ``log2(size)`` others."""
+    for k, (to, frm) in enumerate(schedules.dissemination_partners(g.rank, g.world_size)):
+        future = recv_tensor(g, frm, seq, _AGREE_STEP + k)
+        await send(g, to, seq, _AGREE_STEP + k, mine, None)
+        check_signature(g, mine, await future)
+
+
+async def agreed(g: ProcessGroup, seq: int, mine: list[Any], body: Coroutine[Any, Any, T]) -> T:
+    """Run ``body`` beside the signature check; the first error wins."""
+    agree = asyncio.ensure_future(_agree(g, seq, mine))
+    main = asyncio.ensure_future(body)
+    try:
+        await asyncio.wait({agree, main}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (agree, main):
+            if task.done() and task.exception() is not None:
+                task.result()
+        await agree
+        return await main
+    finally:
+        for task in (agree, main):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on this thread: one memcpy when both are contiguous and alike."""
+    if (
+        dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+        if dst.numel():
+            byte_view(dst)[:] = byte_view(src)
+        return
+    dst.copy_(src)
+
+
+def divide_(t: torch.Tensor, divisor: int) -> None:
+    """``t.div_(divisor)`` in slices below torch's parallel grain (see ``SLICE_NUMEL``)."""
+    if t.numel() <= SLICE_NUMEL or not t.is_contiguous():
+        t.div_(divisor)
+        return
+    flat = t.view(-1)
+    for start in range(0, flat.numel(), SLICE_NUMEL):
+        flat[start : start + SLICE_NUMEL].div_(divisor)
+
+
+async def clear_to_send(g: ProcessGroup, seq: int, mine: list[Any]) -> asyncio.Future[Received]:
+    """Tell the left ring neighbour it may send; return the right one's word (check it)."""
+    left, right = schedules.ring_neighbours(g.rank, g.world_size)
+    ready = recv_tensor(g, right, seq, READY_STEP)
+    await send(g, left, seq, READY_STEP, mine, None)
+    return ready

@@ -1,0 +1,201 @@
+"""mmengine's reductions of many tensors at once: a dict of them, or a model's parameters.
+
+Both flatten the tensors into one buffer per dtype (or per bucket of
+``bucket_size_mb``), start one in-place all-reduce per buffer when called (so
+every rank numbers the operations alike), and copy the results back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiodist._group.work import Work
+from aiodist._ops import reduce_ops
+from aiodist._ops.common import resolve_group
+from aiodist._ops.reductions import all_reduce
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Iterable
+
+    import torch
+
+    from aiodist._group.group import ProcessGroup
+
+__all__ = ["all_reduce_dict", "all_reduce_params"]
+
+
+def _check_reduce_op(op: object, tensors: Iterable[torch.Tensor]) -> str:
+    """Validate ``op`` against every tensor now: a failure after some reductions
+    started would leave ranks numbering their operations differently."""
+    key = reduce_ops.reduce_op(op)
+    for t in tensors:
+        reduce_ops.check_op_dtype(key, t.dtype)
+    return key
+
+
+def _start_reduce(
+    flats: list[torch.Tensor], op: str, g: ProcessGroup
+) -> Callable[[], Awaitable[None]]:
+    """Start one in-place all-reduce per flat tensor now; return what waits for them.
+
+    They start at call time, in order, so that every rank numbers them alike.
+    """
+    reduces = [all_reduce(flat, op=op, group=g) for flat in flats]
+
+    async def wait_all() -> None:
+        for w in reduces:
+            await w
+
+    return wait_all
+
+
+def all_reduce_dict(
+    data: dict[str, torch.Tensor], op: str = "sum", group: ProcessGroup | None = None
+) -> Work[dict[str, torch.Tensor]]:
+    """Reduce every tensor of ``data`` across ranks, in place, with one all-reduce per dtype.
+
+    As ``mmengine.dist.all_reduce_dict``: keys are sorted, tensors are
+    flattened and concatenated (per dtype) into one buffer that is reduced,
+    and the results are copied back into the tensors of ``data``. Every rank
+    must pass the same keys with tensors of the same shapes and dtypes.
+
+    Args:
+        data: Tensors by name.
+        op: ``"sum"``, ``"mean"`` (floating dtypes only), ``"product"``, ``"min"``,
+            ``"max"``, or ``"band"``/``"bor"``/``"bxor"`` (integer and bool dtypes).
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to ``data`` once its tensors hold the reduced values;
+        ``data`` unchanged when not initialised.
+
+    Raises:
+        TypeError: ``data`` is not a dict of tensors, or ``op`` does not suit a
+            tensor's dtype.
+        ValueError: ``op`` is unknown.
+        CollectiveMismatchError: Ranks disagree on dtypes or sizes.
+        RankFailedError: A member died first.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the reduction; ``data`` is
+        still updated when it completes. A timeout marks ``group`` broken.
+
+    Example:
+        >>> losses = {"loss": torch.tensor(0.5), "acc": torch.tensor(0.9)}
+        >>> await aiodist.all_reduce_dict(losses, op="mean")
+    """
+    import torch
+
+    if not isinstance(data, dict):
+        raise TypeError(f"data must be a dict, got {type(data).__name__}")
+    for key, value in data.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+    op = _check_reduce_op(op, data.values())
+    g = resolve_group(group)
+    if g is None or g.world_size == 1:
+        return Work.completed(data)
+    keys = sorted(data)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key in keys:
+        by_dtype.setdefault(data[key].dtype, []).append(key)
+    flats = {
+        dtype: torch.cat([data[k].detach().reshape(-1) for k in ks])
+        for dtype, ks in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))
+    }
+    wait_reduced = _start_reduce(list(flats.values()), op, g)
+
+    async def finish(seq: int) -> dict[str, torch.Tensor]:
+        await wait_reduced()
+        for dtype, flat in flats.items():
+            ks = by_dtype[dtype]
+            parts = torch.split(flat, [data[k].numel() for k in ks])
+            for k, part in zip(ks, parts, strict=True):
+                data[k].copy_(part.view(data[k].shape))
+        return data
+
+    return g.start("all_reduce_dict", finish, collective=False)
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Split ``tensors`` into same-type buckets of at most ``limit`` bytes (``_take_tensors``)."""
+    done: list[list[torch.Tensor]] = []
+    open_: dict[tuple[Any, ...], tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        kind = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        bucket, used = open_.get(kind, ([], 0))
+        if limit > 0 and used > 0 and used + nbytes > limit:
+            done.append(bucket)
+            bucket, used = [], 0
+        bucket.append(t)
+        open_[kind] = (bucket, used + nbytes)
+    done.extend(bucket for bucket, _ in open_.values() if bucket)
+    return done
+
+
+def all_reduce_params(
+    params: Iterable[torch.Tensor],
+    coalesce: bool = True,
+    bucket_size_mb: int = -1,
+    op: str = "sum",
+    group: ProcessGroup | None = None,
+) -> Work[None]:
+    """Reduce parameters (or any tensors) across ranks in place, as mmengine's helper.
+
+    With ``coalesce``, tensors are flattened into buckets (one per dtype, or
+    split every ``bucket_size_mb`` MiB when positive), each bucket is reduced
+    with one all-reduce and copied back; otherwise each tensor is reduced alone.
+
+    Args:
+        params: Tensors or ``nn.Parameter``s; their ``.data`` is updated.
+        coalesce: Reduce in buckets rather than one tensor at a time.
+        bucket_size_mb: Bucket size in MiB; -1 for one bucket per dtype.
+        op: ``"sum"``, ``"mean"`` (floating dtypes only), ``"product"``, ``"min"``,
+            ``"max"``, or ``"band"``/``"bor"``/``"bxor"`` (integer and bool dtypes).
+        group: Defaults to the world group.
+
+    Returns:
+        Work resolving to None once every tensor holds the reduced values.
+
+    Raises:
+        TypeError: An item of ``params`` is not a tensor, or ``op`` does not
+            suit a tensor's dtype.
+        ValueError: ``op`` is unknown.
+        CollectiveMismatchError: Ranks disagree on dtypes or sizes.
+        RankFailedError: A member died first.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the reduction; the tensors
+        are still updated when it completes. A timeout marks ``group`` broken.
+
+    Example:
+        >>> await aiodist.all_reduce_params(model.parameters(), op="mean")
+    """
+    import torch
+
+    tensors: list[torch.Tensor] = []
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params must hold tensors, got {type(p).__name__}")
+        tensors.append(p.data)
+    op = _check_reduce_op(op, tensors)
+    g = resolve_group(group)
+    if g is None or g.world_size == 1:
+        return Work.completed(None)
+    if not coalesce:
+        buckets = [[t] for t in tensors]
+    else:
+        limit = bucket_size_mb * 1024 * 1024 if bucket_size_mb > 0 else -1
+        buckets = _buckets(tensors, limit)
+    flats = [torch.cat([t.reshape(-1) for t in bucket]) for bucket in buckets]
+    wait_reduced = _start_reduce(flats, op, g)
+
+    async def finish(seq: int) -> None:
+        await wait_reduced()
+        for bucket, flat in zip(buckets, flats, strict=True):
+            parts = torch.split(flat, [t.numel() for t in bucket])
+            for t, part in zip(bucket, parts, strict=True):
+                t.copy_(part.view(t.shape))
+
+    return g.start("all_reduce_params", finish, collective=False)

@@ -1,0 +1,121 @@
+"""The Unix-socket listener that every data plane of one process shares.
+
+Each plane that listens on it gets a member number and publishes
+``uds:NAME#MEMBER``; a peer's ``PEER_HELLO`` names the member it wants, and the
+channel's frames go to that plane's ``Link`` from then on (``_Router``). A
+process of many ranks then holds one listening socket, not one per rank. The
+listener closes with its last plane; a plane that listens later opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+from aiodist._errors import ProtocolError
+from aiodist._plane.link import Link
+from aiodist._transport import shmring, uds
+from aiodist._wire.messages import MessageKind
+
+if TYPE_CHECKING:
+    from aiodist._plane.peers import DataPlane
+    from aiodist._transport.base import DataChannel, Listener
+    from aiodist._wire.frame import Frame
+
+__all__ = ["SharedListener", "shared_listener"]
+
+
+class SharedListener:
+    """The Unix-socket listener of every data plane of this process (one loop, one kind).
+
+    Each plane that listens gets a member number and publishes ``uds:NAME#MEMBER``;
+    an accepted channel belongs to the plane its hello names. A process of many
+    ranks then holds one listening socket, not one per rank.
+    """
+
+    def __init__(self) -> None:
+        self.listener: Listener | None = None
+        self.planes: dict[int, DataPlane] = {}
+        self._members = itertools.count(1)
+        self.closed = False
+
+    def add(self, plane: DataPlane) -> tuple[int, str]:
+        assert self.listener is not None
+        assert not self.closed
+        member = next(self._members)
+        self.planes[member] = plane
+        return member, f"{self.listener.address}#{member}"
+
+    def remove(self, member: int) -> None:
+        self.planes.pop(member, None)
+        if not self.planes and self.listener is not None:
+            self.closed = True  # a plane that listens later opens a new one
+            self.listener.close()
+
+
+# Per event loop: the shared listener with rings (True) or plain (False), or its start.
+_shared_listeners: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[bool, asyncio.Future[SharedListener]]
+] = weakref.WeakKeyDictionary()
+
+
+async def shared_listener(rings: bool) -> SharedListener:
+    loop = asyncio.get_running_loop()
+    table = _shared_listeners.setdefault(loop, {})
+    while True:
+        future = table.get(rings)
+        if future is None or (
+            future.done() and (future.exception() is not None or future.result().closed)
+        ):
+            future = table[rings] = asyncio.ensure_future(_start(rings))
+        shared = await asyncio.shield(future)
+        if not shared.closed:  # it may have closed while we waited: start another
+            return shared
+
+
+async def _start(rings: bool) -> SharedListener:
+    shared = SharedListener()
+    transport = shmring if rings else uds
+    shared.listener = await transport.listen("", lambda: _Router(shared))
+    return shared
+
+
+class _Router:
+    """The frame sink of a channel accepted on the shared listener, until its hello.
+
+    The hello names the member (plane) the peer wants; from then on the frames go
+    to that plane's ``Link``.
+    """
+
+    __slots__ = ("_link", "_shared")
+
+    def __init__(self, shared: SharedListener) -> None:
+        self._shared = shared
+        self._link: Link | None = None
+
+    def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
+        link = self._link
+        if link is None:
+            header = frame.header
+            if (
+                frame.kind != MessageKind.PEER_HELLO
+                or not isinstance(header, list)
+                or len(header) < 4
+                or type(header[3]) is not int
+            ):
+                raise ProtocolError("a data channel must open with PEER_HELLO naming a member")
+            plane = self._shared.planes.get(header[3])
+            if plane is None:
+                raise ProtocolError(f"no member {header[3]} listens here (it left, or never was)")
+            link = self._link = Link(plane)
+        return link.frame_received(channel, frame)
+
+    def payload_received(self, channel: DataChannel, frame: Frame) -> None:
+        assert self._link is not None  # a payload follows a frame, which made the link
+        self._link.payload_received(channel, frame)
+
+    def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
+        if self._link is not None:
+            self._link.channel_closed(channel, exc)

@@ -1,0 +1,500 @@
+"""The data plane of one session: listeners, lazy peer channels, matching.
+
+Wire use: a channel opens with ``PEER_HELLO [job, rank, pid, member]`` from
+the side that connected; every message after it is ``DATA [kind, group, a, b, meta]``
+with a raw payload. ``(kind, group, a, b)`` is the match key: kind 0 for
+tensor point-to-point (``a`` = tag), 1 for collectives (``a`` = sequence
+number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
+data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
+that breaks a group on every member; ``PEER_BYE`` precedes a clean close.
+
+The data planes of one process share one Unix-socket listener (per event loop):
+each publishes ``uds:NAME#MEMBER``, and ``member`` in the hello says which
+plane an accepted channel belongs to (0 on a plane's own TCP listener).
+
+With a job token (``$AIODIST_TOKEN``), ``PEER_HELLO`` carries a fresh nonce
+and both ends prove the token with ``PEER_AUTH`` before either accepts a
+frame from the other (``auth.py`` has the exchange): a process that is not a
+member of the job cannot deliver data, claim a rank, or make a rank unpickle.
+
+Each direction of a peer pair uses one channel, so messages from one source
+with one key arrive in send order. A payload whose receive is already posted
+is read straight into the receiver's memory; otherwise it is buffered once.
+Point-to-point tensors from ``_bulk.BULK_MIN_BYTES`` move only once their
+receive is posted (``bulk.py``): announced first (a DATA header of seven
+fields, ``[..., meta, id, nbytes]``), unless the receiver already sent a
+credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+import os
+import types
+from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._errors import AuthenticationError, ProtocolError
+from aiodist._plane.bulk import BULK, BULK_MIN_BYTES, CLEAR, BulkTransfers
+from aiodist._plane.link import Link, Posted, Received
+from aiodist._plane.listener import SharedListener, shared_listener
+from aiodist._plane.matching import Matcher
+from aiodist._transport import shm, shmring, tcp, uds
+from aiodist._wire import auth
+from aiodist._wire.messages import HostIds, MessageKind
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+
+    from aiodist._transport.base import DataChannel, Listener
+    from aiodist._wire.frame import Buffer
+
+__all__ = ["DataPlane", "Key", "Received"]
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, int, int, int]
+# Each rank's data-plane addresses.
+PeerTable = dict[int, tuple[str, ...]]
+P2P: Final = 0
+COLLECTIVE: Final = 1
+OBJECT_P2P: Final = 2
+# How long a connecting rank waits for the accepting rank's proof of the token.
+HANDSHAKE_TIMEOUT: Final = 30.0
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
+    """Go on running ``coro``, which already ran up to yielding ``yielded`` to its driver."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # thrown in by the task (a cancellation): pass it on
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration:
+                return
+
+
+@functools.cache  # asked by every member that joins; a process has few local addresses
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _no_verdict(rank: int, reason: str) -> BaseException | None:
+    return None  # until a session takes over the plane's peer failures
+
+
+class DataPlane:
+    """Channels to every peer of a session, and the receives waiting on them."""
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        on_peer_lost: Callable[[int, str], Awaitable[BaseException | None]] | None = None,
+        on_peer_error: Callable[[int, Any], None] | None = None,
+        token: str | None = None,
+    ) -> None:
+        """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated."""
+        self.job = job
+        self.token = token or os.environ.get("AIODIST_TOKEN") or None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.rank = -1
+        self.world_size = 0
+        self.matcher: Matcher[Posted, Received] = Matcher()
+        self.on_peer_lost = on_peer_lost or _no_verdict
+        self.on_peer_error = on_peer_error or (lambda src, header: None)
+        self._listeners: list[Listener] = []  # this plane's own (TCP)
+        self._shared: SharedListener | None = None  # the process's Unix-socket listener
+        self._member = 0  # this plane's number on it
+        self._lookup: Callable[[], Awaitable[PeerTable]] | None = None
+        self._table: PeerTable | None = None
+        self._host_ids: Sequence[int] = ()
+        self._early_hellos: list[tuple[Link, DataChannel, Any]] = []
+        self._orphans: list[Posted] = []  # receives cut off mid-payload (see Link)
+        self._arriving: set[Link] = set()  # links receiving a payload for a posted receive
+        self._out: dict[int, DataChannel] = {}
+        self._connecting: dict[int, asyncio.Future[DataChannel]] = {}
+        self._channels: set[DataChannel] = set()
+        self._closing = False
+        self.use_uds = uds.available() and os.environ.get("AIODIST_UDS", "1") != "0"
+        self.use_shm = shm.available()
+        self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
+        self.segments = shm.SharedSegments()
+        self._failed = False  # a session-wide failure happened
+        self.bulk = BulkTransfers(self)
+        if self.use_shm:
+            shm.remove_stale(if_changed=True)  # left by earlier jobs' ranks that crashed
+
+    async def listen(self, host: str) -> list[str]:
+        """Start listening; return the addresses to publish.
+
+        ``host`` is the numeric address this rank reaches the rendezvous server
+        from. A loopback address means that every member is on this host (no other
+        host reaches the server there), so a Unix socket is then all a rank listens
+        on. That socket is the process's, shared by all its data planes: this one
+        publishes it with its own member number.
+        """
+        addresses = []
+        if self.use_uds:  # with shared memory on, the Unix socket channels carry rings
+            shared = await shared_listener(self.use_shm)
+            self._member, address = shared.add(self)
+            self._shared = shared
+            addresses.append(address)
+        if not (self.use_uds and _is_loopback(host)):
+            self._listeners.append(await tcp.listen(host, lambda: Link(self)))
+        addresses += [lst.address for lst in self._listeners]
+        if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
+            addresses.append(shm.capability())
+        return addresses
+
+    def set_members(
+        self,
+        rank: int,
+        world_size: int,
+        lookup: Callable[[], Awaitable[PeerTable]],
+        host_ids: Sequence[int],
+    ) -> None:
+        """Join the job as ``rank``; ``lookup`` fetches the peers' addresses on first connect.
+
+        ``host_ids[r]`` tells apart the hosts of the ranks: equal ids, same host.
+        """
+        self.rank = rank
+        self.world_size = world_size
+        self._lookup = lookup
+        self._host_ids = host_ids
+        for src, channel in list(self._out.items()):  # said hello before the table came
+            if not 0 <= src < world_size:
+                logger.warning("closing a data channel from rank %d, not a member", src)
+                del self._out[src]
+                channel.abort()
+        early, self._early_hellos = self._early_hellos, []
+        for link, channel, header in early:  # peers that said hello before our Welcome
+            try:
+                link._hello_received(channel, header)
+            except ProtocolError as exc:
+                logger.warning("closing a data channel: %s", exc)
+                channel.abort()
+
+    def all_local(self, ranks: Sequence[int]) -> bool:
+        """True if every one of ``ranks`` (global) runs on this host."""
+        ids = self._host_ids
+        if isinstance(ids, HostIds) and ids.runs == 1:
+            return True  # the usual case: one host for the whole job
+        mine = ids[self.rank]
+        return all(ids[r] == mine for r in ranks)
+
+    async def shared_memory_agreed(self, ranks: Sequence[int]) -> bool:
+        """True if every one of ``ranks`` runs on this host and published ``shm.capability()``.
+
+        Every rank reads the same member table from the server, so every rank of
+        a group gets the same answer, whatever ``AIODIST_SHM`` says on each.
+        """
+        if not self.use_shm or not self.all_local(ranks):
+            return False
+        mine = shm.capability()
+        table = await self._addresses()
+        return all(mine in table.get(r, ()) for r in ranks)
+
+    async def _addresses(self) -> PeerTable:
+        if self._table is None:
+            assert self._lookup is not None, "set_members() first"
+            self._table = await self._lookup()
+        return self._table
+
+    # --- sending ------------------------------------------------------------------------
+
+    async def send(self, dst: int, key: Key, meta: Any, payload: Buffer | None) -> None:
+        """Send one message to global rank ``dst``; returns when ``payload`` may be reused."""
+        if dst == self.rank:
+            data = memoryview(bytes(payload) if payload is not None else b"")
+            self._deliver_local(key, Received(dst, meta, data))
+            return
+        if key[0] == P2P and payload is not None:
+            view = memoryview(payload).cast("B")
+            if view.nbytes >= BULK_MIN_BYTES:
+                await self.bulk.send(dst, key, meta, view)
+                return
+        await self.send_header(dst, [*key, meta], payload)
+
+    async def send_header(self, dst: int, header: list[Any], payload: Buffer | None = None) -> None:
+        """Send one DATA frame with ``header`` to peer ``dst`` (not this rank)."""
+        try:
+            channel = self._out.get(dst) or await self._connect(dst)
+            await channel.send(MessageKind.DATA, header, payload)
+        except OSError as exc:
+            raise await self._send_failed(dst, exc) from exc
+
+    def send_now(
+        self, dst: int, key: Key, meta: Any, payload: Buffer | None
+    ) -> Coroutine[Any, Any, None] | None:
+        """Send like ``send``, as far as it goes without waiting.
+
+        Returns None once the message is handed to the kernel (the usual case for
+        a small one on a connected channel), else a coroutine that finishes the
+        send as ``send`` would: await it (in a task) before reusing ``payload``.
+        """
+        if dst == self.rank:
+            data = memoryview(bytes(payload) if payload is not None else b"")
+            self._deliver_local(key, Received(dst, meta, data))
+            return None
+        channel = self._out.get(dst)
+        if channel is None or (
+            key[0] == P2P and payload is not None and memoryview(payload).nbytes >= BULK_MIN_BYTES
+        ):
+            return self.send(dst, key, meta, payload)  # connect first, or announce: no shortcut
+        coro = channel.send(MessageKind.DATA, [*key, meta], payload)
+        try:
+            # Run the channel's send up to its first wait, here in the caller: a frame
+            # the kernel took at once needs no task and no loop turn.
+            yielded = coro.send(None)
+        except StopIteration:
+            return None
+        except OSError as exc:
+            return self._raise_send_failed(dst, exc)
+        return self._finish_send(dst, _resume(coro, yielded))
+
+    async def _finish_send(self, dst: int, rest: Awaitable[None]) -> None:
+        try:
+            await rest
+        except OSError as exc:
+            raise await self._send_failed(dst, exc) from exc
+
+    async def _raise_send_failed(self, dst: int, exc: OSError) -> None:
+        raise await self._send_failed(dst, exc) from exc
+
+    async def send_error(self, dst: int, header: Any) -> None:
+        if dst != self.rank:
+            channel = self._out.get(dst) or await self._connect(dst)
+            await channel.send(MessageKind.PEER_ERROR, header)
+
+    async def _send_failed(self, dst: int, exc: OSError) -> BaseException:
+        # A peer we cannot reach or whose connection broke mid-send: the session works
+        # out who failed (the peer, or another rank whose failure made the peer leave).
+        if self._closing:
+            return exc
+        return await self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
+
+    def _deliver_local(self, key: Key, msg: Received) -> None:
+        posted = self.matcher.arrive(self.rank, key)
+        if posted is None:
+            self.matcher.buffer(self.rank, key, msg)
+        else:
+            self._complete(posted, msg)
+
+    async def _connect(self, dst: int) -> DataChannel:
+        pending = self._connecting.get(dst)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[DataChannel] = asyncio.get_running_loop().create_future()
+        self._connecting[dst] = future
+        try:
+            link = Link(self, None if self.token else dst)
+            channel = await self._open(dst, link)
+            try:
+                await self._handshake(dst, channel, link)
+            except BaseException:
+                channel.abort()
+                raise
+            self._channels.add(channel)
+            self._out.setdefault(dst, channel)
+            future.set_result(self._out[dst])
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: the caller re-raises it
+            raise
+        finally:
+            del self._connecting[dst]
+        return self._out[dst]
+
+    async def _handshake(self, dst: int, channel: DataChannel, link: Link) -> None:
+        hello: list[Any] = [self.job, self.rank, os.getpid(), link.member]
+        token = self.token
+        if token is None:
+            await channel.send(MessageKind.PEER_HELLO, hello)
+            return
+        mine = auth.new_nonce()
+        link.challenge = asyncio.get_running_loop().create_future()
+        await channel.send(MessageKind.PEER_HELLO, [*hello, mine])
+        try:
+            theirs, proof = await asyncio.wait_for(
+                asyncio.shield(link.challenge), HANDSHAKE_TIMEOUT
+            )
+        except TimeoutError:
+            raise ConnectionError(
+                f"rank {dst} did not answer the token handshake within {HANDSHAKE_TIMEOUT:.0f} s"
+            ) from None
+        expected = auth.accept_proof(token, self.job, self.rank, dst, mine, theirs)
+        if type(theirs) is not bytes or not auth.verify(expected, proof):
+            raise AuthenticationError(
+                f"the process listening at rank {dst}'s data-plane address ({channel.peer}) "
+                f"could not prove that it knows the token of job {self.job!r}; set the same "
+                "AIODIST_TOKEN on every rank"
+            )
+        link.src = dst  # only now is what arrives on this channel trusted
+        await channel.send(
+            MessageKind.PEER_AUTH,
+            [b"", auth.connect_proof(token, self.job, self.rank, dst, theirs, mine)],
+        )
+
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        # Work started from a frame or close callback (which cannot await).
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[object]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("data-plane background task failed: %s", task.exception())
+
+    async def _open(self, dst: int, link: Link) -> DataChannel:
+        addresses = (await self._addresses()).get(dst, ())
+        uds_addr = [a for a in addresses if a.startswith("uds:")]
+        tcp_addr = [a for a in addresses if a.startswith("tcp://")]
+        local = self.all_local([dst])
+        # A peer that published no TCP address listens on this host only (see listen):
+        # its Unix socket is the way, whatever this rank's AIODIST_UDS or host name says.
+        if uds_addr and (not tcp_addr or (self.use_uds and local)):
+            rings = local and self.use_shm and shm.capability() in addresses
+            link.member = uds.member_of(uds_addr[0])  # the hello names it
+            try:
+                if rings:
+                    return await shmring.connect(uds_addr[0], link)
+                return await uds.connect(uds_addr[0], link)
+            except OSError:
+                if not tcp_addr:
+                    raise
+                logger.debug("falling back to TCP for rank %d", dst)
+        if not tcp_addr:
+            raise ConnectionError(f"rank {dst} published no reachable data-plane address")
+        link.member = 0  # a plane's own TCP listener: no member to name
+        return await tcp.connect(tcp_addr[0], link)
+
+    def _adopt(self, src: int, channel: DataChannel) -> None:
+        # A peer connected to us first: use its channel for our sends to it too.
+        self._channels.add(channel)
+        self._out.setdefault(src, channel)
+
+    # --- receiving ----------------------------------------------------------------------
+
+    def recv(
+        self, src: int | None, key: Key, dest: memoryview | None = None
+    ) -> asyncio.Future[Received]:
+        """Post a receive; the future resolves with the matched message.
+
+        With ``dest``, a payload of the same size is written there directly; the
+        returned ``Received.data`` is then ``dest`` (else a buffer holding it).
+        """
+        future: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
+        posted = Posted(future, dest, key)
+        found = self.matcher.post(src, key, posted)
+        if found is not None:
+            self._complete(posted, found[1])
+        elif key[0] == P2P and src is not None:
+            self.bulk.offer(src, posted)
+        return future
+
+    def post(
+        self,
+        src: int | None,
+        key: Key,
+        dest: memoryview | None,
+        callback: Callable[[Received | BaseException], None],
+    ) -> None:
+        """Post a receive that calls ``callback`` once, with the message or the error.
+
+        ``callback`` runs inside the data plane's own callbacks (or right here, if
+        the message came first), so it must not raise. ``dest`` is as for ``recv``.
+        """
+        posted = Posted(None, dest, key, callback)
+        found = self.matcher.post(src, key, posted)
+        if found is not None:
+            self._complete(posted, found[1])
+        elif key[0] == P2P and src is not None:
+            self.bulk.offer(src, posted)
+
+    def _complete(self, posted: Posted, msg: Received) -> None:
+        if posted.settled:
+            return  # failed while its payload was arriving: the operation reported that
+        if msg.announced is not None:  # a large payload still at its sender
+            self.bulk.deliver(posted, msg)
+            return
+        dest = posted.dest
+        if dest is not None and msg.data is not dest and dest.nbytes == msg.data.nbytes:
+            dest[:] = msg.data  # it was buffered before the receive was posted
+            msg = Received(msg.src, msg.meta, dest)
+        posted.settle(msg)
+
+    def fail(self, exc: BaseException, group_id: int | None = None) -> None:
+        """Fail every posted receive (of ``group_id``, if given) with ``exc``.
+
+        That includes receives whose payload is arriving: they left the matcher, and
+        the connection carrying the rest may outlive the failure (a dead rank's last
+        bytes still being read) or never deliver it.
+        """
+
+        def hit(key: tuple[int, ...]) -> bool:
+            return group_id is None or key[1] == group_id
+
+        if group_id is None and self.use_shm:  # a rank died (or the session broke)
+            self._failed = True
+            shm.remove_stale()  # its segments may linger
+        self.bulk.forget(group_id)  # their senders fail too: never clear them
+        posted_list = self.matcher.take_posted_where(hit)
+        arriving = [link._posted for link in self._arriving if link._posted is not None]
+        posted_list += [p for p in self._orphans + arriving if hit(p.key)]
+        self._orphans = [o for o in self._orphans if not hit(o.key)]
+        for posted in posted_list:
+            posted.settle(exc)
+
+    def fail_p2p(self, exc: BaseException) -> None:
+        """Fail every posted point-to-point receive (tensors and objects) with ``exc``."""
+        kinds = (P2P, OBJECT_P2P, CLEAR, BULK)  # and the large payloads' own messages
+        for posted in self.matcher.take_posted_where(lambda k: k[0] in kinds):
+            posted.settle(exc)
+
+    def _channel_closed(self, link: Link, channel: DataChannel, exc: Exception | None) -> None:
+        self._channels.discard(channel)
+        src = link.src
+        if src is not None and self._out.get(src) is channel:
+            del self._out[src]
+        if self._closing or link.said_bye or src is None:
+            return
+        reason = f"its data connection closed ({exc or 'EOF'})"
+        self._spawn(self.on_peer_lost(src, reason))
+
+    async def aclose(self) -> None:
+        """Say goodbye to every peer, then close channels and listeners."""
+        self._closing = True
+        # Goodbyes first: closing a listener may close its accepted channels too (uvloop).
+        for channel in list(self._channels):
+            try:
+                await asyncio.wait_for(channel.send(MessageKind.PEER_BYE, []), 1.0)
+            except (OSError, TimeoutError):
+                pass
+            channel.close()
+        for listener in self._listeners:
+            listener.close()
+        if self._shared is not None:
+            self._shared.remove(self._member)
+            self._shared = None
+        for task in list(self._tasks):
+            task.cancel()
+        self._channels.clear()
+        self._out.clear()
+        self.segments.close(sweep=self._failed)  # a dead peer's may outlive the sweep at fail

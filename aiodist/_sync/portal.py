@@ -1,0 +1,349 @@
+"""The background event-loop thread that ``aiodist.sync`` drives the async core on.
+
+One loop thread per process (anyio's ``start_blocking_portal`` is the model;
+uvloop's loop factory when installed) runs the one async implementation: the
+default group's reader and heartbeat tasks live there, so they keep running
+while user code computes between calls. Plain code reaches it through three
+doors, each used by the generated ``aiodist/sync.py``:
+
+- ``call(fn, ...)`` runs an ``async def`` operation on the loop and blocks for
+  its result (``init_process_group``, ``send``, ...).
+- ``submit(fn, ..., async_op=...)`` starts a Work-returning operation on the
+  loop (so its sequence number is taken in call order) and either blocks for
+  its result or returns the running ``Work``.
+- ``stop()`` ends the thread; it also runs at interpreter exit, after tearing
+  down a default group that is still initialised.
+
+The thread starts on first use and stops once a blocking call leaves nothing
+initialised (``destroy_process_group``), so a non-distributed script never has
+one running for long: Work-returning operations with nothing initialised run
+in the caller's thread, since they complete at once without a loop.
+
+Blocking on the loop's own thread would deadlock; every door raises
+``RuntimeError`` there instead, as anyio's portal does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from aiodist._group.work import Work
+from aiodist._group.world import default_group_loop, is_initialized
+from aiodist._launch.init import destroy_process_group
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+
+__all__ = [
+    "call",
+    "is_running",
+    "loop_thread",
+    "quiet",
+    "run_sync",
+    "start_soon",
+    "stop",
+    "submit",
+]
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+THREAD_NAME = "aiodist-loop"
+_ASYNC_SIGNALS = {
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGALRM,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+}
+
+
+class _LoopThread:
+    """A started loop thread: the thread, its loop, and the anyio portal into it."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.portal: BlockingPortal | None = None
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self.thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError("aiodist.sync could not start its event loop") from self._error
+
+    def _run(self) -> None:
+        # Keep signals for the main thread, where they interrupt a blocked call
+        # (Ctrl-C, pytest-timeout's SIGALRM): POSIX lets the kernel deliver them to
+        # any thread that does not block them, and Python handles them in the main one.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
+        options: dict[str, Any] = {}
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            pass
+        else:
+            options["loop_factory"] = uvloop.new_event_loop
+        try:
+            anyio.run(self._main, backend="asyncio", backend_options=options)
+        except BaseException as exc:  # pragma: no cover - only if the loop cannot start
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        async with BlockingPortal() as portal:
+            self.loop = asyncio.get_running_loop()
+            self.portal = portal
+            self._ready.set()
+            await portal.sleep_until_stopped()
+
+    def close(self) -> None:
+        assert self.portal is not None
+        if self.thread is not threading.current_thread():
+            # Cancel what is left (a call interrupted by Ctrl-C, say) rather than wait for it.
+            self.portal.call(self.portal.stop, True)
+            self.thread.join()
+
+
+_lock = threading.Lock()
+_current: _LoopThread | None = None
+_unstarted = 0  # start_soon calls whose operation has not started on the loop yet
+_unstarted_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _running() -> _LoopThread:
+    """The loop thread, started if needed, after checking that this call can use it."""
+    global _current, _atexit_registered
+    with _lock:
+        if _current is None:
+            _current = _LoopThread()
+            if not _atexit_registered:
+                atexit.register(_at_exit)
+                _atexit_registered = True
+        return _current
+
+
+def _check_thread(name: str) -> None:
+    current = _current
+    if current is not None and threading.current_thread() is current.thread:
+        raise RuntimeError(
+            f"aiodist.sync.{name}() blocks, and was called on aiodist's event-loop thread where "
+            f"it would deadlock; use the async API there (`await aiodist.{name}(...)`)"
+        )
+
+
+def _check_group_loop() -> None:
+    loop, current = default_group_loop(), _current
+    if loop is not None and (current is None or loop is not current.loop):
+        raise RuntimeError(
+            "the default process group belongs to another event loop (it was initialised with "
+            "`await aiodist.init_process_group()`, or in the parent of this forked process); "
+            "use the async API on that loop, or initialise with aiodist.sync.init_process_group()"
+        )
+
+
+def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run the async operation ``fn(*args, **kwargs)`` on the loop thread; block for its result.
+
+    Once it returns or raises, if no default group is initialised (it was
+    destroyed, or never formed), the loop thread stops; the next call starts it.
+
+    Raises:
+        RuntimeError: Called on the loop thread, or the default group belongs to
+            another event loop.
+    """
+    _check_thread(fn.__name__)
+    _check_group_loop()
+    lt = _running()
+    assert lt.portal is not None
+
+    async def run() -> T:
+        return await fn(*args, **kwargs)
+
+    try:
+        return lt.portal.call(run)
+    finally:
+        if not is_initialized():
+            stop(lt)
+
+
+def submit(
+    fn: Callable[..., Work[T]], /, *args: Any, async_op: bool = False, **kwargs: Any
+) -> Work[T] | T:
+    """Start the operation ``fn(*args, **kwargs)`` on the loop thread.
+
+    It starts there in call order (its sequence number is taken at once), then
+    this returns the running ``Work`` (``async_op=True``) or blocks for its result.
+
+    Raises:
+        RuntimeError: Called on the loop thread, or the default group belongs to
+            another event loop.
+    """
+    _check_thread(fn.__name__)
+    if not is_initialized():
+        # Nothing to talk to: the operation completes at once (the non-distributed
+        # answer) or raises, without a loop; no thread needs to start for it.
+        work = fn(*args, **kwargs)
+        return work if async_op else work.wait()
+    _check_group_loop()
+    lt = _running()
+    assert lt.loop is not None
+    box: Future[Any] = Future()
+
+    def start() -> None:
+        try:
+            started = fn(*args, **kwargs)
+        except BaseException as exc:
+            box.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if async_op:
+            box.set_result(started)
+        else:
+            started.add_done_callback(lambda w: _transfer(w, box))
+
+    lt.loop.call_soon_threadsafe(start)
+    return box.result()  # type: ignore[no-any-return]
+
+
+def run_sync(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run the plain function ``fn(*args, **kwargs)`` on the loop thread; return its result.
+
+    For code that must touch what the loop owns (its futures, its tasks). The
+    loop thread starts if needed and keeps running afterwards.
+
+    Raises:
+        RuntimeError: Called on the loop thread.
+    """
+    _check_thread(fn.__name__)
+    lt = _running()
+    assert lt.portal is not None
+    return lt.portal.call(functools.partial(fn, *args, **kwargs))
+
+
+def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
+    """Start the operation ``fn(*args)`` on the loop thread; return its handle at once.
+
+    ``submit(..., async_op=True)`` without the round trip to the loop thread, for
+    callers that start an operation every training step: the loop runs starts
+    in call order, so sequence numbers still follow call order. An error raised
+    while starting (bad arguments) is the handle's error instead of raised here.
+
+    Raises:
+        RuntimeError: Called on the loop thread, or the default group belongs to
+            another event loop.
+    """
+    global _unstarted
+    _check_thread(fn.__name__)
+    if not is_initialized():
+        return fn(*args)  # the non-distributed answer: no loop needed
+    _check_group_loop()
+    lt = _running()
+    loop = lt.loop
+    assert loop is not None
+    # Made here, but only ever settled (and its callbacks run) on the loop's thread.
+    work: Work[T] = Work.pending(loop, fn.__name__)
+
+    def start() -> None:
+        global _unstarted
+        try:
+            started = fn(*args)
+        except Exception as exc:
+            work._set_exception(exc)  # the caller sees it through the handle
+            return
+        finally:
+            with _unstarted_lock:
+                _unstarted -= 1
+        started._on_done(work._settle_as)  # at once: no extra loop turn
+
+    loop.call_soon_threadsafe(start)
+    with _unstarted_lock:  # after: a loop that is gone leaves no count behind
+        _unstarted += 1
+    return work
+
+
+def quiet() -> bool:
+    """True when every operation ``start_soon`` handed the loop thread has started.
+
+    Then every earlier call from plain code holds its sequence number, and the
+    caller may take the next one itself (``ProcessGroup.next_seq``).
+    """
+    return _unstarted == 0
+
+
+def _transfer(work: Work[Any], box: Future[Any]) -> None:
+    try:
+        result = work.result()
+    except BaseException as exc:  # the operation's error (or cancellation) goes to the caller
+        box.set_exception(exc)
+    else:
+        box.set_result(result)
+
+
+def is_running() -> bool:
+    """True while this process has the loop thread running."""
+    current = _current
+    return current is not None and current.thread.is_alive()
+
+
+def loop_thread() -> threading.Thread | None:
+    """The loop thread, or None when it is not running."""
+    current = _current
+    return None if current is None else current.thread
+
+
+def stop(only: _LoopThread | None = None) -> None:
+    """Stop the loop thread (only ``only``, if given and still current); a no-op when stopped.
+
+    Blocking calls still running on the loop are cancelled. Call
+    ``destroy_process_group`` first: the default group lives on this loop.
+    """
+    global _current
+    with _lock:
+        lt = _current
+        if lt is None or (only is not None and lt is not only):
+            return
+        _current = None
+    lt.close()
+
+
+def _at_exit() -> None:
+    lt = _current
+    if lt is None or lt.pid != os.getpid():
+        return
+    try:
+        if default_group_loop() is lt.loop:
+            call(destroy_process_group)
+    except Exception:
+        logger.exception("destroying the default process group at exit failed")
+    finally:
+        stop()
+
+
+def _forget_after_fork() -> None:
+    # Threads do not survive fork: the child starts its own loop thread on first use.
+    global _current, _lock
+    _current = None
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,9 @@
+"""Layer ``_torch``: the bridge to torch.distributed (gloo, NCCL).
+
+Owns bringing torch's groups up and down through the job's own store
+(``bridge``, ``store``) and each tensor collective as torch.distributed
+issues it (``ops``), from one ordered thread per group. Importing the bridge
+does not import torch.
+
+May import: every layer below: ``_errors`` up to ``_ops``.
+"""

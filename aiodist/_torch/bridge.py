@@ -1,0 +1,380 @@
+"""The torch bridge: tensor collectives on torch.distributed (gloo, NCCL), awaitable.
+
+``init_process_group(backend="gloo" | "nccl")`` also brings up torch's default
+process group, through the job's own store (``LoopStore``): one ``init_method``,
+one port. Each aiodist group then has a ``GroupBridge``: its torch group and
+**one ordered thread** that issues its collectives with ``async_op=True`` in
+call order (NCCL hangs when one group's collectives are issued from several
+threads). Completion comes back without a thread parked per operation: the
+torch work's future calls back (on gloo's or NCCL's thread), which hands the
+result to the loop with ``call_soon_threadsafe``.
+
+Which tensors cross: those on the backend's device (``cuda`` for NCCL, ``cpu``
+for gloo; ``"cpu:gloo,cuda:nccl"`` names both). Objects, point-to-point
+messages and other tensors ride aiodist's data plane.
+
+Torch's blocking calls (``init_process_group``, ``new_group``,
+``destroy_process_group``) run in the group's thread; the loop awaits them
+and keeps serving the store they use. A thread stuck in torch is waited out
+on teardown for at most the group's timeout, then abandoned (daemon thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._torch import ops
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
+
+__all__ = [
+    "STORE_PREFIX",
+    "GroupBridge",
+    "bring_up",
+    "parse_backend",
+    "tear_down",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Prefix of the keys torch.distributed writes to the job's store.
+STORE_PREFIX = "torch/"
+_DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def parse_backend(backend: str | None) -> dict[str, str] | None:
+    """Map device type to torch backend, or None when ``backend`` asks for no bridge.
+
+    ``"gloo"`` bridges CPU tensors, ``"nccl"`` CUDA tensors, and torch's
+    ``"cpu:gloo,cuda:nccl"`` both. Other names are recorded only.
+
+    Raises:
+        RuntimeError: A torch backend this process cannot run (NCCL without CUDA).
+    """
+    if backend is None or (backend.lower() not in _DEVICE_OF and ":" not in backend):
+        return None
+    pairs: dict[str, str] = {}
+    for part in backend.lower().split(","):
+        device, _, name = part.strip().rpartition(":")
+        if name not in _DEVICE_OF or device not in ("", _DEVICE_OF[name]):
+            raise ValueError(
+                f"cannot bridge backend {backend!r}; use 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl'"
+            )
+        pairs[_DEVICE_OF[name]] = name
+    if "cuda" in pairs:
+        import torch
+        import torch.distributed as dist
+
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise RuntimeError(
+                f"backend={backend!r} needs CUDA and a torch build with NCCL, and this process "
+                "has neither; use backend='gloo' (CPU tensors) or None (aiodist's data plane)"
+            )
+    return pairs
+
+
+class GroupBridge:
+    """One process group's torch.distributed counterpart and its ordered issuing thread."""
+
+    def __init__(self, group: ProcessGroup, devices: dict[str, str], backend: str) -> None:
+        self.group = group
+        self.devices = devices
+        self.backend = backend
+        self.torch_group: Any = None  # torch's ProcessGroup; None until brought up
+        # torch holds only the C++ half of a Python store: the Python object must live on.
+        self.store: Any = None
+        self.closed = False
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiodist-torch-{group.name}")
+
+    def __repr__(self) -> str:
+        return f"<GroupBridge {self.group.name!r} {self.backend}>"
+
+    def crosses(self, tensor: object) -> bool:
+        """True if ``tensor`` lives on a device this bridge carries."""
+        device = getattr(tensor, "device", None)
+        return device is not None and getattr(device, "type", None) in self.devices
+
+    def start_collective(self, name: str, args: tuple[Any, ...]) -> Work[Any]:
+        """Start collective ``name`` (``args``: its arguments but ``group``) on torch."""
+        return ops.start(self.group, self, name, args)
+
+    async def new_group(self, group: ProcessGroup, backend: str | None) -> None:
+        """Bring up torch's side of ``group`` (made by ``new_group`` on every rank of ours)."""
+        await _bridge_new_group(self, group, backend)
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking torch call in this group's thread, in order with its collectives.
+
+        Cancellation:
+            Cancelling the caller abandons the wait; the call runs to its end.
+        """
+        loop = asyncio.get_running_loop()
+        return await asyncio.shield(
+            loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        )
+
+    def start(
+        self,
+        description: str,
+        issue: Callable[[], Any],
+        finish: Callable[[], T],
+        stream_of: torch.Tensor,
+    ) -> Work[T]:
+        """Issue ``issue()`` (a torch call with ``async_op=True``) as the group's next operation.
+
+        ``finish()`` turns the finished torch work into the result (copies back,
+        splits outputs); for CPU tensors it runs on torch's completion thread,
+        never on the loop.
+        """
+        if self.closed:
+            raise ClosedError(f"{self.group!r} was destroyed; create a new group with new_group")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        cuda = stream_of.device.type == "cuda"
+        stream = _current_stream(stream_of) if cuda else None
+
+        async def op(seq: int) -> T:
+            try:
+                return await done
+            except DistError:
+                raise
+            except Exception as exc:
+                raise self._translate(description, exc) from exc
+
+        work = self.group.start(description, op)  # raises here, before issuing, if unusable
+        self._pending.add(done)
+        done.add_done_callback(self._retire)
+
+        def settle(result: Any = None, exc: BaseException | None = None) -> None:
+            if done.done():
+                return
+            if exc is not None:
+                done.set_exception(exc)
+            elif cuda:  # on the loop: make the caller's stream wait for the collective
+                # (NCCL's Work.wait() only enqueues that wait; the loop does not block).
+                try:
+                    with _stream_context(stream):
+                        result.wait()
+                        done.set_result(finish())
+                except Exception as error:
+                    done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def to_loop(result: Any = None, exc: BaseException | None = None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(settle, result, exc)
+
+        def issue_in_thread() -> None:  # the group's ordered thread
+            try:
+                with _stream_context(stream):
+                    torch_work = issue()
+                future = torch_work.get_future()
+            except Exception as exc:
+                to_loop(exc=exc)
+                return
+
+            def completed(fut: Any) -> None:  # gloo's or NCCL's thread
+                try:
+                    fut.wait()  # raises torch's error; never blocks once done
+                    result = torch_work if cuda else finish()
+                except Exception as exc:
+                    to_loop(exc=exc)
+                else:
+                    to_loop(result)
+
+            future.add_done_callback(completed)
+
+        self._executor.submit(issue_in_thread)
+        return work
+
+    def _retire(self, done: asyncio.Future[Any]) -> None:
+        self._pending.discard(done)
+        if not done.cancelled():
+            done.exception()  # torch may fail after our own timeout: never "unretrieved"
+
+    def _translate(self, description: str, exc: Exception) -> DistError:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"{description} on group {self.group.name!r} failed in torch.distributed"
+        if (
+            isinstance(exc, TimeoutError)
+            or "timed out" in text.lower()
+            or "timeout" in text.lower()
+        ):
+            return DistTimeoutError(
+                f"{where} ({self.backend}): {text}; a rank may not have called it, or may be "
+                "stuck. The group is broken on every rank."
+            )
+        return GroupBrokenError(
+            f"{where} ({self.backend}): {text}; the group is broken on every rank. "
+            "Check the other ranks' logs, then restart the job."
+        )
+
+    async def aclose(self, destroy: Callable[[], None] | None) -> None:
+        """Wait for operations in flight (bounded), run ``destroy`` in the thread, stop it.
+
+        Cancellation:
+            Shielded: the thread finishes its work even if the caller is cancelled.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        timeout = self.group.timeout
+        if self._pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(asyncio.gather(*self._pending, return_exceptions=True)),
+                    timeout,
+                )
+        if destroy is not None and self.torch_group is not None:
+            try:
+                await asyncio.wait_for(self.call(destroy), timeout)
+            except Exception:
+                logger.exception("tearing down torch's group for %r failed", self.group)
+        self.torch_group = None
+        self._executor.shutdown(wait=False)
+
+
+def _current_stream(t: torch.Tensor) -> Any:
+    import torch
+
+    return torch.cuda.current_stream(t.device)
+
+
+def _stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
+# --- bring-up and teardown -----------------------------------------------------------------
+
+
+async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -> None:
+    """Bring up torch.distributed's default group for ``world``, through the job's store.
+
+    Raises:
+        RuntimeError: torch.distributed is already initialised in this process.
+        GroupBrokenError: torch could not bring its group up (``__cause__`` says why).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from aiodist._torch.store import LoopStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialised in this process; call "
+            "torch.distributed.destroy_process_group() first, or pass backend=None"
+        )
+    loop = asyncio.get_running_loop()
+    store = LoopStore(world.store, loop, STORE_PREFIX, world.timeout)
+    bridge = GroupBridge(world, devices, backend)
+    bridge.store = store
+    if "cuda" in devices:
+        device = world.session.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)  # on the loop's thread, as mmengine's init_dist does
+        await bridge.call(torch.cuda.set_device, device)  # and on the issuing thread
+    try:
+        await bridge.call(
+            dist.init_process_group,
+            backend=backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timedelta(seconds=world.timeout),
+        )
+    except Exception as exc:
+        await bridge.aclose(None)
+        raise GroupBrokenError(
+            f"torch.distributed.init_process_group({backend!r}) failed: {exc}"
+        ) from exc
+    bridge.torch_group = dist.group.WORLD
+    world.bridge = bridge
+
+
+async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: str | None) -> None:
+    """Create torch's group for ``group`` (made by ``new_group`` on every rank of ``parent``).
+
+    torch's ``new_group`` is called in ``parent``'s thread, so every rank calls
+    it in the same order as its other operations on ``parent``.
+    """
+    import torch.distributed as dist
+
+    parent = pbridge.group
+    devices = pbridge.devices
+    name = pbridge.backend
+    if backend is not None:
+        asked = parse_backend(backend)
+        if asked is None:
+            raise ValueError(f"cannot bridge a group with backend {backend!r}")
+        devices, name = asked, backend
+    bridge = GroupBridge(group, devices, name)
+    bridge.store = pbridge.store
+    if parent.group_id == 0:  # every rank of the world calls torch's new_group, as torch wants
+        bridge.torch_group = await pbridge.call(
+            dist.new_group,
+            ranks=list(group.ranks),
+            timeout=timedelta(seconds=group.timeout),
+            backend=name,
+        )
+    elif group.rank >= 0:  # a subgroup of a subgroup: only its members call torch
+        bridge.torch_group = await pbridge.call(
+            dist.new_group,
+            ranks=list(group.ranks),
+            timeout=timedelta(seconds=group.timeout),
+            backend=name,
+            use_local_synchronization=True,
+        )
+    if group.rank < 0:  # not a member: nothing to issue on
+        await bridge.aclose(None)
+        return
+    group.bridge = bridge
+
+
+async def tear_down(group: ProcessGroup) -> None:
+    """Tear down ``group``'s torch group; for the world group, every torch group and torch.
+
+    Cancellation:
+        Shielded: torch is torn down even if the caller is cancelled.
+    """
+    bridge = _bridge_of(group)
+    if bridge is None:
+        return
+    import torch.distributed as dist
+
+    if group.group_id != 0:
+        pg = bridge.torch_group
+        await asyncio.shield(bridge.aclose(lambda: dist.destroy_process_group(pg)))
+        group.bridge = None
+        return
+    for other in list(group.session.groups.values()):
+        other_bridge = _bridge_of(other)
+        if other is not group and other_bridge is not None:
+            await asyncio.shield(other_bridge.aclose(None))
+            other.bridge = None
+    await asyncio.shield(bridge.aclose(dist.destroy_process_group))
+    group.bridge = None
+
+
+def _bridge_of(group: ProcessGroup) -> GroupBridge | None:
+    bridge = group.bridge
+    assert bridge is None or isinstance(bridge, GroupBridge)  # the only Bridge there is
+    return bridge
