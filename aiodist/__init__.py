@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from aiodist._control.store import Store
 from aiodist._errors import (
+    AbortedError,
     AuthenticationError,
     ClosedError,
     CollectiveMismatchError,
@@ -60,6 +61,7 @@ from aiodist._server.serve import RendezvousServer, serve_rendezvous
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbortedError",
     "AuthenticationError",
     "ClosedError",
     "CollectiveMismatchError",

@@ -6,6 +6,7 @@ import enum
 from typing import Any, ClassVar
 
 __all__ = [
+    "AbortedError",
     "AuthenticationError",
     "ClosedError",
     "CollectiveMismatchError",
@@ -40,6 +41,7 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 14
     NOT_JOINED = 15
     SERVER_CLOSING = 16
+    ABORTED = 17
 
 
 class DistError(Exception):
@@ -114,6 +116,26 @@ class CollectiveMismatchError(DistError):
         return {"field": self.field, "values_by_rank": self.values_by_rank}
 
 
+class AbortedError(DistError):
+    """The call failed on another rank before that rank sent its part; the group is still usable.
+
+    Every rank's call with that place in the group's order raises it (the
+    failing rank raises its own error instead), so no call ever receives
+    another call's data. ``rank`` is the global rank where it failed and
+    ``reason`` its error, as ``"TypeError: cannot pickle ..."``.
+    """
+
+    code = ErrorCode.ABORTED
+
+    def __init__(self, message: str, *, rank: int, reason: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
+
+    def wire_details(self) -> dict[str, Any]:
+        return {"rank": self.rank, "reason": self.reason}
+
+
 class ProtocolError(DistError):
     """A malformed or oversized frame; only that connection is closed."""
 
@@ -137,6 +159,7 @@ _BY_CODE: dict[ErrorCode, type[DistError]] = {
         GroupBrokenError,
         RankFailedError,
         CollectiveMismatchError,
+        AbortedError,
         ProtocolError,
         ClosedError,
     )
@@ -168,6 +191,10 @@ def from_wire(code: int, message: str, details: dict[str, Any] | None = None) ->
             host=str(details.get("host", "")),
             pid=int(details.get("pid", 0)),
             reason=str(details.get("reason", "")),
+        )
+    if cls is AbortedError:
+        return AbortedError(
+            message, rank=int(details.get("rank", -1)), reason=str(details.get("reason", ""))
         )
     if cls is CollectiveMismatchError:
         raw = details.get("values_by_rank", {})

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import aiodist as _api
 from aiodist import (
+    AbortedError,
     AuthenticationError,
     ClosedError,
     CollectiveMismatchError,
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "AbortedError",
     "AuthenticationError",
     "ClosedError",
     "CollectiveMismatchError",

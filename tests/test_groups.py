@@ -113,13 +113,15 @@ async def test_new_group_bad_ranks_raise_before_sending(
     async def body(world: ProcessGroup) -> int:
         with pytest.raises(error, match=match):
             await aiodist.new_group(ranks, parent=world)
-        # Nothing was sent and no group id was taken: the next group still agrees.
+        # No data was sent; every rank took its place (a group id and a sequence
+        # number) and aborted it, so the next group still agrees on both.
         g = await aiodist.new_group([0, 1], parent=world)
+        await aiodist.all_reduce(torch.ones(1), group=g)
         return g.group_id
 
     with anyio.fail_after(20):
         outs = await run_ranks(server.address, 2, body)
-    assert outs == [1, 1]
+    assert outs == [2, 2]
 
 
 async def test_destroyed_subgroup_raises_closed_and_world_keeps_working(

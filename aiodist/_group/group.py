@@ -5,6 +5,15 @@ subsets that share the session (``session.py``). A group numbers its
 collectives at call time (so every rank agrees on their order), starts each
 as a ``Work`` handle with a deadline, maps global ranks to its own, and breaks
 on every member when one of its operations cannot complete.
+
+**Every call settles its place in the order.** A collective takes its
+sequence number first, before it checks or encodes anything, so a call that
+fails on one rank (a bad argument, an object that cannot be pickled) still
+holds its place there: that rank aborts it (``abort``), which tells every member,
+and their call with that number fails with ``AbortedError`` naming the rank
+and the reason (``abort_remote``), now if it runs or as soon as it is made.
+Nothing is left waiting and no later call can take that call's data; the
+group stays usable.
 """
 
 from __future__ import annotations
@@ -16,9 +25,11 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from aiodist._errors import ClosedError, DistError
+from aiodist._errors import AbortedError, ClosedError, DistError, ErrorCode, GroupBrokenError
 from aiodist._group.inflight import Deadlines, start_task
 from aiodist._group.work import Work
+from aiodist._plane.peers import call_of
+from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -84,6 +95,8 @@ class ProcessGroup:
         self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
         self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
+        # Calls a member aborted before this rank made them: they fail when made.
+        self._aborted: dict[int, AbortedError] = session.early_aborts.pop(group_id, {})
 
     def check_usable(self) -> None:
         """Raise the error that broke this group (or its session), if any."""
@@ -125,6 +138,7 @@ class ProcessGroup:
         if self.error is not None:
             return
         self.error = exc
+        self._aborted.clear()
         logger.error("group %r broken: %s", self.name, exc)
         self._session.note_trouble()
         plane = self._session.plane
@@ -145,25 +159,42 @@ class ProcessGroup:
         task.add_done_callback(self._session.inflight.discard)
 
     def start(
-        self, description: str, op: Callable[[int], Awaitable[T]], *, collective: bool = True
+        self,
+        description: str,
+        op: Callable[[int], Awaitable[T]],
+        *,
+        collective: bool = True,
+        seq: int | None = None,
     ) -> Work[T]:
-        """Run ``op(seq)`` as this group's next operation and return its handle.
+        """Run ``op(seq)`` as this group's operation ``seq`` and return its handle.
 
-        The sequence number is taken now, at call time, so every rank numbers its
-        operations in the same order however tasks are scheduled. A timeout or an
-        error that makes the operation impossible breaks the group for every member.
+        ``seq`` is what the call took with ``take_seq`` when it was made (or a
+        ``sub_seq`` of it); None takes the next one now. Either way it is taken at
+        call time, so every rank numbers its operations in the same order however
+        tasks are scheduled. A timeout or an error that makes the operation
+        impossible breaks the group for every member. A call a member aborted
+        (``abort_remote``) returns its handle failed, without running ``op``.
         """
-        loop, work, seq = self.begin(description, collective=collective, timed=False)
-        start_task(self, loop, work, op, seq, collective)
+        loop, work, seq = self.begin(description, collective=collective, timed=False, seq=seq)
+        if not work.is_completed():
+            start_task(self, loop, work, op, seq, collective)
         return work
 
     def begin(
-        self, description: str, *, collective: bool = True, timed: bool = True
+        self,
+        description: str,
+        *,
+        collective: bool = True,
+        timed: bool = True,
+        seq: int | None = None,
     ) -> tuple[asyncio.AbstractEventLoop, Work[Any], int]:
-        """Take the next operation's handle and sequence number, for a callback-driven op.
+        """Take the operation's handle (and, without ``seq``, the next sequence number).
 
-        The caller settles the handle itself (``inflight.fail`` on errors); with
-        ``timed`` it fails with ``DistTimeoutError`` after the group's timeout.
+        For a callback-driven op: the caller settles the handle itself
+        (``inflight.fail`` on errors); with ``timed`` it fails with
+        ``DistTimeoutError`` after the group's timeout. The handle comes back
+        already failed when a member aborted the call: the caller then sends and
+        posts nothing.
         """
         try:
             loop = asyncio.get_running_loop()
@@ -172,13 +203,83 @@ class ProcessGroup:
                 f"{description} must be called from the event loop that joined the job; "
                 "from plain code use aiodist.sync"
             ) from None
-        self.check_usable()
-        # Point-to-point takes no sequence number: not every rank calls it.
-        seq = self.next_seq() if collective else self._seq
+        if seq is None:
+            self.check_usable()
+            # Point-to-point takes no sequence number: not every rank calls it.
+            seq = self.next_seq() if collective else self._seq
         work: Work[Any] = Work.pending(loop, f"{description}#{seq}")
+        if self._aborted and collective:
+            call = call_of(seq)
+            aborted = self._aborted.get(call)
+            if aborted is not None:
+                if call == seq:  # the call itself: its parts (sub_seq) started before it
+                    del self._aborted[call]
+                work._set_exception(aborted)
+                return loop, work, seq
         if timed:
-            self.deadlines.add(loop, work, None)
+            self.deadlines.add(loop, work, None, seq)
         return loop, work, seq
+
+    def take_seq(self) -> int:
+        """Take this call's place in the group's order, before checking anything else.
+
+        Whatever happens next on this rank, the call must then either start an
+        operation with that number or ``abort`` it, so that every rank keeps the
+        same numbering (see the module's docstring).
+
+        Raises:
+            DistError, ValueError: The group is unusable here (broken, closed, or
+                this rank is no member); no number was taken.
+        """
+        self.check_usable()
+        return self.next_seq()
+
+    def abort(self, seq: int, description: str, exc: BaseException, *, torch: bool = False) -> None:
+        """This rank's call ``seq`` failed before it sent anything: fail it on every member.
+
+        The caller re-raises ``exc`` on this rank; the other members' call
+        ``seq`` fails with ``AbortedError`` naming this rank and ``exc``. With
+        ``torch`` (the others may have issued their part to torch.distributed,
+        which cannot leave one rank's part out), the group breaks instead.
+        """
+        if self.error is not None or self.closed:
+            return  # every member fails its calls with the group's error anyway
+        me = self._session.rank
+        reason = f"{type(exc).__name__}: {exc}"
+        if torch:
+            self.break_(
+                GroupBrokenError(
+                    f"{description} failed on rank {me} before it was issued ({reason}); "
+                    "torch.distributed cannot leave out one rank's part of a collective, so "
+                    f"group {self.name!r} is broken on every rank. Fix that rank's call and "
+                    "restart the job."
+                )
+            )
+            return
+        aborted = AbortedError(
+            f"{description} failed on rank {me} before that rank sent its part ({reason}); "
+            f"this call (number {seq} of group {self.name!r}) fails on every rank and the "
+            "group stays usable. Fix that rank's call.",
+            rank=me,
+            reason=reason,
+        )
+        self._session.plane.drop_call(self.group_id, seq, aborted)
+        details = {**aborted.wire_details(), "seq": seq}
+        header = [self.group_id, ErrorCode.ABORTED, str(aborted), details]
+        plane = self._session.plane
+        for rank in self.ranks:
+            if rank != me:  # written now: this rank's next messages cannot overtake it
+                plane.send_notice(rank, MessageKind.PEER_ERROR, header)
+
+    def abort_remote(self, seq: int, exc: AbortedError) -> None:
+        """A member aborted call ``seq``: fail it here, now if it runs, else when it is made."""
+        if seq > self._seq:
+            self._aborted[seq] = exc  # not made here yet
+        for work, task in self.deadlines.running_call(seq):
+            work._set_exception(exc)  # first: the operation's own callbacks then stand down
+            if task is not None:
+                task.cancel()
+        self._session.plane.drop_call(self.group_id, seq, exc)
 
     def next_seq(self) -> int:
         """Take the group's next sequence number (from any thread)."""

@@ -27,7 +27,8 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from aiodist._errors import DistError, DistTimeoutError, GroupBrokenError
+from aiodist._errors import AbortedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._plane.peers import call_of
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -50,19 +51,23 @@ class Deadlines:
 
     def __init__(self, group: ProcessGroup) -> None:
         self._group = group
-        self._entries: deque[tuple[float, Work[Any], asyncio.Task[None] | None]] = deque()
+        self._entries: deque[tuple[float, Work[Any], asyncio.Task[None] | None, int]] = deque()
         self._handle: asyncio.TimerHandle | None = None
         self._limit = _COMPACT_AT
 
     def add(
-        self, loop: asyncio.AbstractEventLoop, work: Work[Any], task: asyncio.Task[None] | None
+        self,
+        loop: asyncio.AbstractEventLoop,
+        work: Work[Any],
+        task: asyncio.Task[None] | None,
+        seq: int,
     ) -> None:
-        """Time ``work`` out after the group's timeout (cancelling ``task``, if any)."""
+        """Time ``work`` (operation ``seq``) out after the group's timeout, cancelling ``task``."""
         entries = self._entries
         while entries and entries[0][1].is_completed():
             entries.popleft()
         deadline = loop.time() + self._group.timeout
-        entries.append((deadline, work, task))
+        entries.append((deadline, work, task, seq))
         if len(entries) > self._limit:
             # A long-running operation holds finished ones behind it: drop those.
             kept = [e for e in entries if not e[1].is_completed()]
@@ -75,11 +80,19 @@ class Deadlines:
         """The operations not finished yet, in start order."""
         return [e[1] for e in self._entries if not e[1].is_completed()]
 
+    def running_call(self, call: int) -> list[tuple[Work[Any], asyncio.Task[None] | None]]:
+        """The operations of call ``call`` (itself and its parts) not finished yet."""
+        return [
+            (w, task)
+            for _, w, task, seq in self._entries
+            if call_of(seq) == call and not w.is_completed()
+        ]
+
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         self._handle = None
         now = loop.time()
         while self._entries:  # re-read: expiring may start or compact
-            deadline, work, task = self._entries[0]
+            deadline, work, task, _ = self._entries[0]
             if work.is_completed():
                 self._entries.popleft()
                 continue
@@ -112,6 +125,9 @@ def fail(g: ProcessGroup, work: Work[Any], exc: BaseException, *, collective: bo
     """End ``work`` with ``exc`` by the group's rules (a failed collective breaks the group)."""
     if work.is_completed():
         return  # timed out, or failed by the group's error already
+    if isinstance(exc, AbortedError):  # a member aborted this call: the group stays usable
+        work._set_exception(exc)
+        return
     if isinstance(exc, DistError):  # before TimeoutError: DistTimeoutError is one too
         if collective:
             # Tell the group's members why (a rank dying breaks a ring in several
@@ -169,4 +185,4 @@ def start_task(
     inflight = g.session.inflight
     inflight.add(task)
     task.add_done_callback(inflight.discard)
-    g.deadlines.add(loop, work, task)
+    g.deadlines.add(loop, work, task, seq)

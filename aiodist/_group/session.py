@@ -22,6 +22,7 @@ import anyio
 
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
+    AbortedError,
     ClosedError,
     DistError,
     ProtocolError,
@@ -111,6 +112,8 @@ class Session:
         plane.set_members(self.rank, self.world_size, self._peer_table, host_ids)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
+        # Calls aborted by a member in groups this rank has yet to make (by group id).
+        self.early_aborts: dict[int, dict[int, AbortedError]] = {}
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
@@ -183,11 +186,23 @@ class Session:
     def _peer_error(self, src: int, header: Any) -> None:
         try:
             group_id, code, message, details = header
-            group = self.groups[group_id]
+            error = from_wire(code, message, details)
+            seq = int(details["seq"]) if isinstance(error, AbortedError) else 0
         except (ValueError, TypeError, KeyError):
             logger.warning("ignoring a malformed error notice from rank %d", src)
             return
-        group.break_(from_wire(code, message, details), notify=False)
+        group = self.groups.get(group_id)
+        if isinstance(error, AbortedError):
+            if group is None:  # a group this rank has yet to make (new_group comes later)
+                self.early_aborts.setdefault(group_id, {})[seq] = error
+            else:
+                group.abort_remote(seq, error)
+        elif group is not None:
+            group.break_(error, notify=False)
+        else:
+            logger.warning(
+                "ignoring an error notice from rank %d for unknown group %r", src, group_id
+            )
 
     def on_notice(self, notice: Notice) -> None:
         if isinstance(notice, MemberFailed):

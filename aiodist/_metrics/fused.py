@@ -83,6 +83,9 @@ def start_sync(
     after it never waits forever.
     """
     loop, work, seq = g.begin("metrics.sync", timed=False)
+    if work.is_completed() and (aborted := work.exception()) is not None:  # aborted by a member
+        _fail_agreed(agreed, aborted)
+        return work
     if previous is None or snapshot.event is not None or g.world_size > _direct_max():
 
         async def op(s: int) -> MetricResults:
@@ -91,7 +94,7 @@ def start_sync(
         start_task(g, loop, work, op, seq, True)
         return work
 
-    g.deadlines.add(loop, work, None)
+    g.deadlines.add(loop, work, None, seq)
 
     def failed(w: Work[Any]) -> None:
         if (exc := w.exception()) is not None:

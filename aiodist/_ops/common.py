@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "READY_STEP",
+    "Slot",
     "agreed",
     "bridged",
     "byte_view",
@@ -94,6 +95,35 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
     if group is not None:
         return group
     return get_default_group()
+
+
+class Slot:
+    """A call's place in its group's order, taken first; an error before the op starts aborts it.
+
+    ``with Slot(g, "all_gather_object") as seq:`` takes the next sequence number
+    (``ProcessGroup.take_seq``; 0 when ``g`` is None, not initialised), then runs
+    the call's checks and encoding. If they raise, the call is aborted on every
+    member (``ProcessGroup.abort``) and the error goes on to the caller: a call
+    that fails on one rank neither leaves the others waiting nor hands its
+    number to this rank's next call. Start the operation with ``seq`` after the
+    block. With ``torch`` (the call may issue collectives to torch.distributed,
+    which cannot leave out one rank's part), a failure breaks the group instead.
+    """
+
+    __slots__ = ("description", "g", "seq", "torch")
+
+    def __init__(self, g: ProcessGroup | None, description: str, *, torch: bool = False) -> None:
+        self.g = g
+        self.description = description
+        self.torch = torch
+        self.seq = 0 if g is None else g.take_seq()
+
+    def __enter__(self) -> int:
+        return self.seq
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self.g is not None:
+            self.g.abort(self.seq, self.description, exc, torch=self.torch)
 
 
 def bridged(group: ProcessGroup | None, name: str, *args: Any) -> Work[Any] | None:
@@ -387,6 +417,8 @@ async def agreed(g: ProcessGroup, seq: int, mine: list[Any], body: Coroutine[Any
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            elif not task.cancelled():
+                task.exception()  # retrieved: ended on its own while this call was cancelled
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -8,7 +8,9 @@ from aiodist._control.store import as_seconds
 from aiodist._errors import CollectiveMismatchError
 from aiodist._group.group import ProcessGroup
 from aiodist._group.world import get_default_group
-from aiodist._ops.objects import all_gather_object
+from aiodist._ops.common import Slot
+from aiodist._ops.objects import start_all_gather_object
+from aiodist._wire import codec
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -60,18 +62,21 @@ async def new_group(
     world = parent if parent is not None else get_default_group()
     if world is None:
         raise RuntimeError("new_group needs init_process_group first")
-    world.check_usable()
-    members = _check_group_ranks(ranks, world)
     session = world.session
-    group_id = session.next_group_id()  # every rank numbers its groups in call order
+    with Slot(world, "new_group") as seq:
+        # Every rank numbers its groups in call order, whatever fails next.
+        group_id = session.next_group_id()
+        members = _check_group_ranks(ranks, world)
+        group_timeout = as_seconds(timeout, world.timeout)
+        payload = codec.dumps(members)
     group = ProcessGroup(
         session, members, name=f"{session.group_name}/{group_id}", group_id=group_id
     )
-    group.timeout = as_seconds(timeout, world.timeout)
+    group.timeout = group_timeout
     group.group_backend = backend
     session.groups[group_id] = group
     try:
-        seen = await all_gather_object(members, group=world)
+        seen = await start_all_gather_object(world, seq, payload)
     except BaseException:
         del session.groups[group_id]
         raise

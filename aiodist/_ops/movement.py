@@ -17,6 +17,7 @@ from aiodist._group.work import Work
 from aiodist._ops import schedules, shared
 from aiodist._ops.common import (
     LazyModule,
+    Slot,
     bridged,
     byte_view,
     check_signature,
@@ -70,10 +71,11 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
     """
     if (w := bridged(group, "all_gather", data)) is not None:
         return w
-    t = check_tensor(data, "data")
     g = resolve_group(group)
-    if g is None:
-        return Work.completed([t])
+    with Slot(g, "all_gather") as seq:
+        t = check_tensor(data, "data")
+        if g is None:
+            return Work.completed([t])
     mine = signature("all_gather", t)
 
     nbytes = t.numel() * t.element_size() * g.world_size
@@ -90,7 +92,7 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
         await _ring_all_gather(g, seq, t, out, mine)
         return out
 
-    work = g.start("all_gather", run)
+    work = g.start("all_gather", run, seq=seq)
     if use_shm:
         turns.append(shared.take_turn(g))
     return work
@@ -143,17 +145,18 @@ def all_to_all(
     """
     if (w := bridged(group, "all_to_all", inputs)) is not None:
         return w
-    tensors = check_tensor_list(inputs, "inputs", None)
-    dtypes = {x.dtype for x in tensors}
-    if len(dtypes) > 1:
-        raise ValueError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(tensors)
-    if len(tensors) != g.world_size:
-        raise ValueError(
-            f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
-        )
+    with Slot(g, "all_to_all") as seq:
+        tensors = check_tensor_list(inputs, "inputs", None)
+        dtypes = {x.dtype for x in tensors}
+        if len(dtypes) > 1:
+            raise ValueError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
+        if g is None:
+            return Work.completed(tensors)
+        if len(tensors) != g.world_size:
+            raise ValueError(
+                f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
+            )
     dtype = tensors[0].dtype
     mine = ["all_to_all", str(dtype).removeprefix("torch."), None, None, None]
 
@@ -174,7 +177,7 @@ def all_to_all(
             out[r] = received
         return out
 
-    return g.start("all_to_all", run)
+    return g.start("all_to_all", run, seq=seq)
 
 
 def _came(future: asyncio.Future[Received]) -> bool:
@@ -208,11 +211,12 @@ def barrier(group: ProcessGroup | None = None, timeout: float | None = None) -> 
     Example:
         >>> await aiodist.barrier(timeout=30)   # names the ranks that never came
     """
-    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(None)
+    with Slot(g, "barrier") as seq:
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if g is None:
+            return Work.completed(None)
     mine = signature("barrier")
 
     async def direct(seq: int, seconds: float | None) -> None:
@@ -248,4 +252,4 @@ def barrier(group: ProcessGroup | None = None, timeout: float | None = None) -> 
             await send(g, to, seq, k, mine, None)
             check_signature(g, mine, await future)
 
-    return g.start("barrier", run)
+    return g.start("barrier", run, seq=seq)

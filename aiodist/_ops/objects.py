@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiodist._errors import CollectiveMismatchError
 from aiodist._group.work import Work
 from aiodist._ops import common
-from aiodist._ops.common import check_signature, resolve_group, signature
+from aiodist._ops.common import Slot, check_signature, resolve_group, signature
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 __all__ = [
     "all_gather_object",
     "broadcast_object_list",
+    "broadcast_object_list_at",
     "collect_results",
     "gather_object",
     "scatter_object_list",
+    "start_all_gather_object",
     "sync_random_seed",
 ]
 
@@ -133,7 +135,13 @@ def all_gather_object(data: object, group: ProcessGroup | None = None) -> Work[l
     g = resolve_group(group)
     if g is None:
         return Work.completed([data])
-    payload = codec.dumps(data)
+    with Slot(g, "all_gather_object") as seq:
+        payload = codec.dumps(data)
+    return start_all_gather_object(g, seq, payload)
+
+
+def start_all_gather_object(g: ProcessGroup, seq: int, payload: bytes) -> Work[list[Any]]:
+    """``all_gather_object`` of the encoded ``payload`` as ``g``'s operation ``seq``."""
     mine = signature("all_gather_object")
 
     async def op(seq: int) -> list[Any]:
@@ -147,7 +155,7 @@ def all_gather_object(data: object, group: ProcessGroup | None = None) -> Work[l
             out[r] = codec.loads(buf)
         return out
 
-    return g.start("all_gather_object", op)
+    return g.start("all_gather_object", op, seq=seq)
 
 
 def gather_object(
@@ -178,10 +186,17 @@ def gather_object(
         >>> objs = await aiodist.gather_object(len(my_shard), dst=0)
     """
     g = resolve_group(group)
-    dst = _check_root(g, dst, "dst")  # from here on a group rank
-    if g is None:
-        return Work.completed([data])
-    payload = codec.dumps(data)
+    with Slot(g, "gather_object") as seq:
+        dst = _check_root(g, dst, "dst")  # from here on a group rank
+        if g is None:
+            return Work.completed([data])
+        payload = codec.dumps(data)
+    return _start_gather_object(g, seq, payload, dst)
+
+
+def _start_gather_object(
+    g: ProcessGroup, seq: int, payload: bytes, dst: int
+) -> Work[list[Any] | None]:
     mine = signature("gather_object", root=dst)
 
     async def op(seq: int) -> list[Any] | None:
@@ -196,7 +211,7 @@ def gather_object(
             out[r] = codec.loads(buf)
         return out
 
-    return g.start(f"gather_object(dst={dst})", op)
+    return g.start(f"gather_object(dst={dst})", op, seq=seq)
 
 
 def broadcast_object_list(
@@ -230,13 +245,21 @@ def broadcast_object_list(
         >>> cfg = [load_config() if rank == 0 else None]
         >>> await aiodist.broadcast_object_list(cfg, src=0)
     """
-    if not isinstance(data, list):
-        raise TypeError(f"data must be a list, got {type(data).__name__}")
     g = resolve_group(group)
-    src = _check_root(g, src, "src")  # from here on a group rank
-    if g is None:
-        return Work.completed(data)
-    payload = codec.dumps(data) if g.rank == src else None
+    with Slot(g, "broadcast_object_list") as seq:
+        if not isinstance(data, list):
+            raise TypeError(f"data must be a list, got {type(data).__name__}")
+        src = _check_root(g, src, "src")  # from here on a group rank
+        if g is None:
+            return Work.completed(data)
+        payload = codec.dumps(data) if g.rank == src else None
+    return broadcast_object_list_at(g, seq, data, src, payload)
+
+
+def broadcast_object_list_at(
+    g: ProcessGroup, seq: int, data: list[Any], src: int, payload: bytes | None
+) -> Work[list[Any]]:
+    """``broadcast_object_list`` as ``g``'s operation ``seq`` (``src``: a group rank)."""
     # The length must match on every rank: it rides in the signature's shape field.
     mine = ["broadcast_object_list", None, [len(data)], None, src]
 
@@ -249,7 +272,7 @@ def broadcast_object_list(
         data[:] = codec.loads(buf)
         return data
 
-    return g.start(f"broadcast_object_list(src={src})", op)
+    return g.start(f"broadcast_object_list(src={src})", op, seq=seq)
 
 
 def scatter_object_list(
@@ -283,23 +306,25 @@ def scatter_object_list(
         >>> shard = await aiodist.scatter_object_list(shards if rank == 0 else None)
     """
     g = resolve_group(group)
-    src = _check_root(g, src, "src")  # from here on a group rank
-    size = 1 if g is None else g.world_size
-    is_src = g is None or g.rank == src
-    if is_src:
-        if not isinstance(scatter_list, (list, tuple)):
-            raise TypeError(
-                f"scatter_list must be a list on the src rank, got {type(scatter_list).__name__}"
-            )
-        if len(scatter_list) != size:
-            raise ValueError(
-                f"scatter_list has {len(scatter_list)} items but the group has {size} ranks; "
-                "pass one object per rank"
-            )
-    if g is None:
-        assert scatter_list is not None
-        return Work.completed(scatter_list[0])
-    payloads = [codec.dumps(x) for x in scatter_list] if is_src and scatter_list else []
+    with Slot(g, "scatter_object_list") as seq:
+        src = _check_root(g, src, "src")  # from here on a group rank
+        size = 1 if g is None else g.world_size
+        is_src = g is None or g.rank == src
+        if is_src:
+            if not isinstance(scatter_list, (list, tuple)):
+                raise TypeError(
+                    "scatter_list must be a list on the src rank, got "
+                    f"{type(scatter_list).__name__}"
+                )
+            if len(scatter_list) != size:
+                raise ValueError(
+                    f"scatter_list has {len(scatter_list)} items but the group has {size} "
+                    "ranks; pass one object per rank"
+                )
+        if g is None:
+            assert scatter_list is not None
+            return Work.completed(scatter_list[0])
+        payloads = [codec.dumps(x) for x in scatter_list] if is_src and scatter_list else []
     mine = signature("scatter_object_list", root=src)
 
     async def op(seq: int) -> Any:
@@ -310,7 +335,7 @@ def scatter_object_list(
         (buf,) = await _exchange(g, seq, mine, [], [(src, _DATA)], ring_check=True)
         return codec.loads(buf)
 
-    return g.start(f"scatter_object_list(src={src})", op)
+    return g.start(f"scatter_object_list(src={src})", op, seq=seq)
 
 
 def collect_results(
@@ -351,18 +376,20 @@ def collect_results(
     Example:
         >>> ordered = await aiodist.collect_results(preds, len(dataset))
     """
-    if not isinstance(results, list):
-        raise TypeError(f"results must be a list, got {type(results).__name__}")
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"size must be an int, got {type(size).__name__}")
-    if size < 0:
-        raise ValueError(f"size must be >= 0, got {size}")
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(results[:size])
-    parts = gather_object(results, dst=0, group=g)
+    with Slot(g, "collect_results") as seq:
+        if not isinstance(results, list):
+            raise TypeError(f"results must be a list, got {type(results).__name__}")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"size must be an int, got {type(size).__name__}")
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+        if g is None:
+            return Work.completed(results[:size])
+        payload = codec.dumps(results)
+    parts = _start_gather_object(g, seq, payload, 0)
 
     async def finish(seq: int) -> list[Any] | None:
         part_list = await parts
@@ -403,7 +430,9 @@ def sync_random_seed(group: ProcessGroup | None = None) -> Work[int]:
     seed = int(np.random.randint(2**31)) if g is None or g.rank == 0 else 0
     if g is None:
         return Work.completed(seed)
-    box = broadcast_object_list([seed], src=0, group=g)
+    with Slot(g, "sync_random_seed") as seq:
+        payload = codec.dumps([seed]) if g.rank == 0 else None
+    box = broadcast_object_list_at(g, seq, [seed], 0, payload)
 
     async def finish(seq: int) -> int:
         (value,) = await box

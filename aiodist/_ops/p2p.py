@@ -7,6 +7,13 @@ after that lands straight in the receiving tensor's memory.
 Neither side runs a task per message: ``isend`` writes the frame when called
 (its handle is done once the kernel took it), and ``irecv``'s handle is
 settled by the data plane's callback when the message is in.
+
+Sends and receives pair call for call, even when one fails on its own rank.
+A send that fails once its destination and tag are known (a tensor it cannot
+send, an object it cannot pickle) sends ``PEER_ABORT`` in its message's place,
+so the receive it would have matched fails with ``AbortedError`` instead of
+taking this rank's next message. A receive that fails its checks likewise
+still takes (and drops) the message it would have matched.
 """
 
 from __future__ import annotations
@@ -49,6 +56,23 @@ def _meta(t: torch.Tensor) -> list[Any]:
     return [str(t.dtype).removeprefix("torch."), list(t.shape)]
 
 
+def _abort_send(g: ProcessGroup, dst: int, key: Key, description: str, exc: BaseException) -> None:
+    # The message will never come: send what fails its receive in its place.
+    if g.error is None and not g.closed and g.rank >= 0:
+        reason = f"{type(exc).__name__}: {exc}"
+        g.session.plane.send_abort(dst, key, [g.session.rank, reason, description])
+
+
+def _drop_next(g: ProcessGroup, src: int | None, key: Key) -> None:
+    # This receive failed here: it still takes the message it would have matched.
+    if g.error is None and not g.closed and g.rank >= 0:
+        g.session.plane.post(src, key, None, _dropped)
+
+
+def _dropped(msg: Received | BaseException) -> None:
+    pass
+
+
 def isend(
     tensor: torch.Tensor, dst: int, tag: int = 0, group: ProcessGroup | None = None
 ) -> Work[None]:
@@ -76,17 +100,15 @@ def isend(
         >>> await aiodist.isend(torch.ones(4), dst=1)
     """
     g = _p2p_group(group, "isend")
-    t = check_tensor(tensor)
     _check_peer(g, dst, "dst", tag)
-    src = t if t.is_contiguous() else t.contiguous()
-    return _send(
-        g,
-        f"isend(dst={dst}, tag={tag})",
-        dst,
-        (P2P, g.group_id, tag, 0),
-        _meta(src),
-        byte_view(src),
-    )
+    description, key = f"isend(dst={dst}, tag={tag})", (P2P, g.group_id, tag, 0)
+    try:
+        t = check_tensor(tensor)
+        src = t if t.is_contiguous() else t.contiguous()
+    except BaseException as exc:
+        _abort_send(g, dst, key, description, exc)
+        raise
+    return _send(g, description, dst, key, _meta(src), byte_view(src))
 
 
 def _send(
@@ -121,8 +143,13 @@ def irecv(
         Cancelling the awaiting task does not cancel the receive.
     """
     g = _p2p_group(group, "irecv")
-    t = check_tensor(tensor)
     _check_peer(g, src, "src", tag)
+    key = (P2P, g.group_id, tag, 0)
+    try:
+        t = check_tensor(tensor)
+    except BaseException:
+        _drop_next(g, src, key)
+        raise
     _, work, _ = g.begin(f"irecv(src={src}, tag={tag})", collective=False)
     dest = t if t.is_contiguous() else t.contiguous()
     mine = _meta(dest)
@@ -149,7 +176,7 @@ def irecv(
         else:
             work._set_result(sender)
 
-    g.session.plane.post(src, (P2P, g.group_id, tag, 0), byte_view(dest), arrived)
+    g.session.plane.post(src, key, byte_view(dest), arrived)
     return work
 
 
@@ -180,9 +207,13 @@ def isend_object(
     """
     g = _p2p_group(group, "isend_object")
     _check_peer(g, dst, "dst", tag)
-    data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
-    key = (OBJECT_P2P, g.group_id, tag, 0)
-    return _send(g, f"isend_object(dst={dst}, tag={tag})", dst, key, None, data)
+    description, key = f"isend_object(dst={dst}, tag={tag})", (OBJECT_P2P, g.group_id, tag, 0)
+    try:
+        data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
+    except BaseException as exc:
+        _abort_send(g, dst, key, description, exc)
+        raise
+    return _send(g, description, dst, key, None, data)
 
 
 def irecv_object(

@@ -15,6 +15,7 @@ from aiodist._group.work import Work
 from aiodist._ops import reduce_ops, schedules, shared
 from aiodist._ops.common import (
     LazyModule,
+    Slot,
     agreed,
     bridged,
     byte_view,
@@ -44,14 +45,14 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._transport.shm import Turn
 
-__all__ = ["all_reduce", "reduce", "reduce_scatter"]
+__all__ = ["all_reduce", "reduce", "reduce_scatter", "start_all_reduce"]
 
 _FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
 # --- all_reduce ----------------------------------------------------------------------------
 
 
 def _direct_all_reduce_now(
-    g: ProcessGroup, t: torch.Tensor, op: str, mine: list[Any]
+    g: ProcessGroup, seq: int, t: torch.Tensor, op: str, mine: list[Any]
 ) -> Work[torch.Tensor]:
     """Send ``t`` to every rank, then reduce all parts in rank order (one round).
 
@@ -60,7 +61,9 @@ def _direct_all_reduce_now(
     as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
     Driven by the data plane's callbacks: no task, no coroutine.
     """
-    _, work, seq = g.begin(f"all_reduce(op={op})")
+    _, work, seq = g.begin(f"all_reduce(op={op})", seq=seq)
+    if work.is_completed():
+        return work  # a member aborted this call: send and post nothing
     buf = contiguous(t)
     flat = buf.view(-1)
     p = g.world_size
@@ -209,20 +212,31 @@ def all_reduce(
     """
     if (w := bridged(group, "all_reduce", data, op)) is not None:
         return w
-    t = check_tensor(data, "data")
-    reduce_op = reduce_ops.reduce_op(op)
-    reduce_ops.check_op_dtype(reduce_op, t.dtype)
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(t)
-    mine = signature("all_reduce", t, reduce_op=reduce_op)
+    with Slot(g, "all_reduce") as seq:
+        t = check_tensor(data, "data")
+        reduce_op = reduce_ops.reduce_op(op)
+        reduce_ops.check_op_dtype(reduce_op, t.dtype)
+        if g is None:
+            return Work.completed(t)
+    return start_all_reduce(g, seq, t, reduce_op)
 
+
+def start_all_reduce(
+    g: ProcessGroup, seq: int, t: torch.Tensor, reduce_op: str, *, label: str = "all_reduce"
+) -> Work[torch.Tensor]:
+    """``all_reduce`` of checked ``t`` as ``g``'s operation ``seq``.
+
+    ``label`` is the name in its signature: a call that reduces several tensors
+    puts what every rank must agree on there (see ``tensor_groups``).
+    """
+    mine = signature(label, t, reduce_op=reduce_op)
     p = g.world_size
     algorithm = schedules.all_reduce_algorithm(
         t.numel() * t.element_size(), t.numel(), p, shared_memory=p > 1 and shared.usable(g)
     )
     if algorithm == "direct":
-        return _direct_all_reduce_now(g, t, reduce_op, mine)
+        return _direct_all_reduce_now(g, seq, t, reduce_op, mine)
     turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
 
     async def run(seq: int) -> torch.Tensor:
@@ -243,7 +257,7 @@ def all_reduce(
             copy_into(t, buf)
         return t
 
-    work = g.start(f"all_reduce(op={reduce_op})", run)
+    work = g.start(f"all_reduce(op={reduce_op})", run, seq=seq)
     if algorithm == "shared_memory":
         turns.append(shared.take_turn(g))
     return work
@@ -279,13 +293,14 @@ def reduce(
     """
     if (w := bridged(group, "reduce", data, dst, op)) is not None:
         return w
-    t = check_tensor(data, "data")
-    reduce_op = reduce_ops.reduce_op(op)
-    reduce_ops.check_op_dtype(reduce_op, t.dtype)
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(t)
-    root = check_rank(g, dst, "dst")
+    with Slot(g, "reduce") as seq:
+        t = check_tensor(data, "data")
+        reduce_op = reduce_ops.reduce_op(op)
+        reduce_ops.check_op_dtype(reduce_op, t.dtype)
+        if g is None:
+            return Work.completed(t)
+        root = check_rank(g, dst, "dst")
     mine = signature("reduce", t, reduce_op=reduce_op, root=root)
 
     async def tree(seq: int) -> torch.Tensor:
@@ -312,7 +327,7 @@ def reduce(
     async def run(seq: int) -> torch.Tensor:
         return await agreed(g, seq, mine, tree(seq))
 
-    return g.start(f"reduce(dst={root}, op={reduce_op})", run)
+    return g.start(f"reduce(dst={root}, op={reduce_op})", run, seq=seq)
 
 
 def reduce_scatter(
@@ -345,20 +360,21 @@ def reduce_scatter(
     """
     if (w := bridged(group, "reduce_scatter", inputs, op)) is not None:
         return w
-    tensors = check_tensor_list(inputs, "inputs", None)
-    if not tensors:
-        raise ValueError("inputs must hold one tensor per rank, got an empty list")
-    reduce_op = reduce_ops.reduce_op(op)
-    check_alike(tensors, "inputs")
-    first = tensors[0]
-    reduce_ops.check_op_dtype(reduce_op, first.dtype)
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(first)
-    if len(tensors) != g.world_size:
-        raise ValueError(
-            f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
-        )
+    with Slot(g, "reduce_scatter") as seq:
+        tensors = check_tensor_list(inputs, "inputs", None)
+        if not tensors:
+            raise ValueError("inputs must hold one tensor per rank, got an empty list")
+        reduce_op = reduce_ops.reduce_op(op)
+        check_alike(tensors, "inputs")
+        first = tensors[0]
+        reduce_ops.check_op_dtype(reduce_op, first.dtype)
+        if g is None:
+            return Work.completed(first)
+        if len(tensors) != g.world_size:
+            raise ValueError(
+                f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
+            )
     mine = signature("reduce_scatter", first, reduce_op=reduce_op)
     nbytes = first.numel() * first.element_size() * g.world_size
     use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
@@ -394,7 +410,7 @@ def reduce_scatter(
             divide_(out, p)
         return out
 
-    work = g.start(f"reduce_scatter(op={reduce_op})", run)
+    work = g.start(f"reduce_scatter(op={reduce_op})", run, seq=seq)
     if use_shm:
         turns.append(shared.take_turn(g))
     return work

@@ -16,6 +16,7 @@ from aiodist._group.work import Work
 from aiodist._ops import schedules, shared
 from aiodist._ops.common import (
     LazyModule,
+    Slot,
     agreed,
     bridged,
     byte_view,
@@ -72,11 +73,12 @@ def broadcast(
     """
     if (w := bridged(group, "broadcast", data, src)) is not None:
         return w
-    t = check_tensor(data, "data")
     g = resolve_group(group)
-    if g is None:
-        return Work.completed(t)
-    root = check_rank(g, src, "src")
+    with Slot(g, "broadcast") as seq:
+        t = check_tensor(data, "data")
+        if g is None:
+            return Work.completed(t)
+        root = check_rank(g, src, "src")
     mine = signature("broadcast", t, root=root)
 
     async def tree(seq: int) -> torch.Tensor:
@@ -108,7 +110,7 @@ def broadcast(
                     return await agreed(g, seq, mine, through_shared_memory(seq))
         return await agreed(g, seq, mine, tree(seq))
 
-    work = g.start(f"broadcast(src={root})", run)
+    work = g.start(f"broadcast(src={root})", run, seq=seq)
     if use_shm:
         turns.append(shared.take_turn(g))
     return work
@@ -141,11 +143,12 @@ def gather(
     """
     if (w := bridged(group, "gather", data, dst)) is not None:
         return w
-    t = check_tensor(data, "data")
     g = resolve_group(group)
-    if g is None:
-        return Work.completed([t])
-    root = check_rank(g, dst, "dst")
+    with Slot(g, "gather") as seq:
+        t = check_tensor(data, "data")
+        if g is None:
+            return Work.completed([t])
+        root = check_rank(g, dst, "dst")
     mine = signature("gather", t, root=root)
 
     async def direct(seq: int) -> list[torch.Tensor]:
@@ -162,7 +165,7 @@ def gather(
     async def run(seq: int) -> list[torch.Tensor]:
         return await agreed(g, seq, mine, direct(seq))
 
-    return g.start(f"gather(dst={root})", run)
+    return g.start(f"gather(dst={root})", run, seq=seq)
 
 
 def scatter(
@@ -198,24 +201,25 @@ def scatter(
     """
     if (w := bridged(group, "scatter", data, scatter_list, src)) is not None:
         return w
-    t = check_tensor(data, "data")
     g = resolve_group(group)
-    if g is None:
-        if scatter_list:
-            t.copy_(check_tensor(scatter_list[0], "scatter_list[0]"))
-        return Work.completed(t)
-    root = check_rank(g, src, "src")
-    parts: list[torch.Tensor] = []
-    if g.rank == root:
-        if scatter_list is None:
-            raise ValueError(f"scatter_list is required on the source rank {root}")
-        parts = check_tensor_list(scatter_list, "scatter_list", g.world_size)
-        for i, part in enumerate(parts):
-            if part.dtype != t.dtype or part.shape != t.shape:
-                raise ValueError(
-                    f"scatter_list[{i}] is {part.dtype} {list(part.shape)}, but data is "
-                    f"{t.dtype} {list(t.shape)}"
-                )
+    with Slot(g, "scatter") as seq:
+        t = check_tensor(data, "data")
+        if g is None:
+            if scatter_list:
+                t.copy_(check_tensor(scatter_list[0], "scatter_list[0]"))
+            return Work.completed(t)
+        root = check_rank(g, src, "src")
+        parts: list[torch.Tensor] = []
+        if g.rank == root:
+            if scatter_list is None:
+                raise ValueError(f"scatter_list is required on the source rank {root}")
+            parts = check_tensor_list(scatter_list, "scatter_list", g.world_size)
+            for i, part in enumerate(parts):
+                if part.dtype != t.dtype or part.shape != t.shape:
+                    raise ValueError(
+                        f"scatter_list[{i}] is {part.dtype} {list(part.shape)}, but data is "
+                        f"{t.dtype} {list(t.shape)}"
+                    )
     mine = signature("scatter", t, root=root)
 
     async def direct(seq: int) -> torch.Tensor:
@@ -234,4 +238,4 @@ def scatter(
     async def run(seq: int) -> torch.Tensor:
         return await agreed(g, seq, mine, direct(seq))
 
-    return g.start(f"scatter(src={root})", run)
+    return g.start(f"scatter(src={root})", run, seq=seq)

@@ -1,18 +1,27 @@
 """mmengine's reductions of many tensors at once: a dict of them, or a model's parameters.
 
 Both flatten the tensors into one buffer per dtype (or per bucket of
-``bucket_size_mb``), start one in-place all-reduce per buffer when called (so
-every rank numbers the operations alike), and copy the results back.
+``bucket_size_mb``), start one in-place all-reduce per buffer when called, and
+copy the results back.
+
+How many buffers there are depends on each rank's tensors, so the buffers'
+reductions are the *parts* of one call: the call takes one place in the
+group's order, and part ``i`` runs as ``sub_seq(call, i)``. Every part's
+signature carries a digest of what all ranks must agree on (keys, dtypes,
+shapes, op, buckets): ranks that disagree get ``CollectiveMismatchError`` on
+the first part, which every rank has, instead of numbering later calls apart.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from aiodist._group.work import Work
 from aiodist._ops import reduce_ops
-from aiodist._ops.common import resolve_group
-from aiodist._ops.reductions import all_reduce
+from aiodist._ops.common import Slot, check_tensor, resolve_group
+from aiodist._ops.reductions import all_reduce, start_all_reduce
+from aiodist._plane.peers import sub_seq
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable
@@ -33,14 +42,36 @@ def _check_reduce_op(op: object, tensors: Iterable[torch.Tensor]) -> str:
     return key
 
 
-def _start_reduce(
-    flats: list[torch.Tensor], op: str, g: ProcessGroup
-) -> Callable[[], Awaitable[None]]:
-    """Start one in-place all-reduce per flat tensor now; return what waits for them.
+def _digest(name: str, *facts: object) -> str:
+    """``name`` and a short digest of ``facts``: equal on ranks that agree on them."""
+    return f"{name}:{hashlib.blake2b(repr(facts).encode(), digest_size=8).hexdigest()}"
 
-    They start at call time, in order, so that every rank numbers them alike.
+
+def _check_flats(g: ProcessGroup, flats: list[torch.Tensor]) -> None:
+    """Every buffer must go somewhere: aiodist's data plane (CPU) or the group's torch bridge."""
+    for i, flat in enumerate(flats):
+        if g.bridge is None or not g.bridge.crosses(flat):
+            check_tensor(flat, f"tensors of buffer {i}")
+
+
+def _start_reduce(
+    flats: list[torch.Tensor], op: str, g: ProcessGroup, call: int, label: str
+) -> Callable[[], Awaitable[None]]:
+    """Start one in-place all-reduce per flat tensor now, as parts of ``call``; return the wait.
+
+    Buffers on the torch bridge's device go to torch.distributed (which orders
+    them itself); the others run on aiodist's data plane as ``sub_seq(call, i)``.
     """
-    reduces = [all_reduce(flat, op=op, group=g) for flat in flats]
+    import torch
+
+    if not flats:  # still one part: the signature every rank must check
+        flats = [torch.empty(0)]
+    reduces = [
+        all_reduce(flat, op=op, group=g)
+        if g.bridge is not None and g.bridge.crosses(flat)
+        else start_all_reduce(g, sub_seq(call, i), flat, op, label=label)
+        for i, flat in enumerate(flats)
+    ]
 
     async def wait_all() -> None:
         for w in reduces:
@@ -86,24 +117,29 @@ def all_reduce_dict(
     """
     import torch
 
-    if not isinstance(data, dict):
-        raise TypeError(f"data must be a dict, got {type(data).__name__}")
-    for key, value in data.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
-    op = _check_reduce_op(op, data.values())
     g = resolve_group(group)
-    if g is None or g.world_size == 1:
-        return Work.completed(data)
-    keys = sorted(data)
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for key in keys:
-        by_dtype.setdefault(data[key].dtype, []).append(key)
-    flats = {
-        dtype: torch.cat([data[k].detach().reshape(-1) for k in ks])
-        for dtype, ks in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))
-    }
-    wait_reduced = _start_reduce(list(flats.values()), op, g)
+    with Slot(g, "all_reduce_dict", torch=g is not None and g.bridge is not None) as seq:
+        if not isinstance(data, dict):
+            raise TypeError(f"data must be a dict, got {type(data).__name__}")
+        for key, value in data.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+        op = _check_reduce_op(op, data.values())
+        if g is None or g.world_size == 1:
+            return Work.completed(data)
+        keys = sorted(data)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for key in keys:
+            by_dtype.setdefault(data[key].dtype, []).append(key)
+        flats = {
+            dtype: torch.cat([data[k].detach().reshape(-1) for k in ks])
+            for dtype, ks in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))
+        }
+        _check_flats(g, list(flats.values()))
+        label = _digest(
+            "all_reduce_dict", op, [(k, str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+        )
+    wait_reduced = _start_reduce(list(flats.values()), op, g, seq, label)
 
     async def finish(seq: int) -> dict[str, torch.Tensor]:
         await wait_reduced()
@@ -114,7 +150,7 @@ def all_reduce_dict(
                 data[k].copy_(part.view(data[k].shape))
         return data
 
-    return g.start("all_reduce_dict", finish, collective=False)
+    return g.start("all_reduce_dict", finish, collective=False, seq=seq)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -174,22 +210,29 @@ def all_reduce_params(
     """
     import torch
 
-    tensors: list[torch.Tensor] = []
-    for p in params:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params must hold tensors, got {type(p).__name__}")
-        tensors.append(p.data)
-    op = _check_reduce_op(op, tensors)
     g = resolve_group(group)
-    if g is None or g.world_size == 1:
-        return Work.completed(None)
-    if not coalesce:
-        buckets = [[t] for t in tensors]
-    else:
-        limit = bucket_size_mb * 1024 * 1024 if bucket_size_mb > 0 else -1
-        buckets = _buckets(tensors, limit)
-    flats = [torch.cat([t.reshape(-1) for t in bucket]) for bucket in buckets]
-    wait_reduced = _start_reduce(flats, op, g)
+    with Slot(g, "all_reduce_params", torch=g is not None and g.bridge is not None) as seq:
+        tensors: list[torch.Tensor] = []
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must hold tensors, got {type(p).__name__}")
+            tensors.append(p.data)
+        op = _check_reduce_op(op, tensors)
+        if g is None or g.world_size == 1:
+            return Work.completed(None)
+        if not coalesce:
+            buckets = [[t] for t in tensors]
+        else:
+            limit = bucket_size_mb * 1024 * 1024 if bucket_size_mb > 0 else -1
+            buckets = _buckets(tensors, limit)
+        flats = [torch.cat([t.reshape(-1) for t in bucket]) for bucket in buckets]
+        _check_flats(g, flats)
+        label = _digest(
+            "all_reduce_params",
+            op,
+            [(str(f.dtype), f.numel(), len(b)) for f, b in zip(flats, buckets, strict=True)],
+        )
+    wait_reduced = _start_reduce(flats, op, g, seq, label)
 
     async def finish(seq: int) -> None:
         await wait_reduced()
@@ -198,4 +241,4 @@ def all_reduce_params(
             for t, part in zip(bucket, parts, strict=True):
                 t.copy_(part.view(t.shape))
 
-    return g.start("all_reduce_params", finish, collective=False)
+    return g.start("all_reduce_params", finish, collective=False, seq=seq)

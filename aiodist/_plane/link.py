@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiodist._errors import ProtocolError
+from aiodist._errors import AbortedError, ProtocolError
 from aiodist._plane.bulk import CREDIT, Announced
 from aiodist._wire import auth
 from aiodist._wire.messages import MessageKind
@@ -26,20 +26,23 @@ if TYPE_CHECKING:
     from aiodist._transport.base import DataChannel
     from aiodist._wire.frame import Frame
 
-__all__ = ["Link", "Posted", "Received"]
+__all__ = ["Link", "Posted", "Received", "aborted_message"]
 
 
 @dataclass(slots=True)
 class Received:
     """A matched message: who sent it, its metadata, and where its payload is.
 
-    ``announced`` marks a large payload still at its sender (see ``bulk.py``).
+    ``announced`` marks a large payload still at its sender (see ``bulk.py``);
+    ``error`` a send that failed at its sender before its data left: the
+    receive it matches fails with it.
     """
 
     src: int
     meta: Any
     data: memoryview
     announced: Announced | None = None
+    error: BaseException | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +73,19 @@ class Posted:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def aborted_message(src: int, header: list[Any]) -> Received:
+    """The message a ``PEER_ABORT`` from ``src`` stands for: one that fails its receive."""
+    rank, reason, what = [*header[4], None, None, None][:3]
+    rank = rank if type(rank) is int else src
+    error = AbortedError(
+        f"{what} on rank {rank} failed before its data left ({reason}), so the receive it "
+        "matched fails too; fix the sender's call",
+        rank=rank,
+        reason=str(reason),
+    )
+    return Received(src, None, memoryview(b""), error=error)
 
 
 class Link:
@@ -123,6 +139,8 @@ class Link:
             self._hello_received(channel, header)
         elif kind == MessageKind.PEER_AUTH:
             self._auth_received(channel, header)
+        elif kind == MessageKind.PEER_ABORT:
+            self._abort_received(header)
         elif kind == MessageKind.PEER_ERROR:
             if self.src is not None:
                 self.plane.on_peer_error(self.src, header)
@@ -131,6 +149,14 @@ class Link:
         else:
             raise ProtocolError(f"unexpected frame kind {kind} on a data channel")
         return None
+
+    def _abort_received(self, header: Any) -> None:
+        if self.src is None:
+            raise ProtocolError("PEER_ABORT before PEER_HELLO")
+        if not isinstance(header, list) or len(header) != 5 or not isinstance(header[4], list):
+            raise ProtocolError("malformed PEER_ABORT header")
+        key: Key = (header[0], header[1], header[2], header[3])
+        self.plane.arrived(self.src, key, aborted_message(self.src, header))
 
     def _hello_received(self, channel: DataChannel, header: Any) -> None:
         if self.src is not None or self._claim is not None:
@@ -194,9 +220,7 @@ class Link:
         self.plane._arriving.discard(self)
         if posted is None:
             # A receive may have been posted while this payload was in flight.
-            posted = self.plane.matcher.arrive(self.src, self._key)
-        if posted is None:
-            self.plane.matcher.buffer(self.src, self._key, msg)
+            self.plane.arrived(self.src, self._key, msg)
         else:
             self.plane._complete(posted, msg)
 

@@ -90,6 +90,11 @@ class Matcher(Generic[R, M]):
         """Keep a message nobody has asked for yet."""
         self._unexpected.setdefault(key, deque()).append((src, msg))
 
+    def drop_unexpected_where(self, drop: Callable[[Key], bool]) -> int:
+        """Forget the buffered messages whose key satisfies ``drop``; return how many."""
+        keys = [k for k in self._unexpected if drop(k)]
+        return sum(len(self._unexpected.pop(k)) for k in keys)
+
     def take_posted_where(self, keep: Callable[[Key], bool]) -> list[R]:
         """Remove and return the posted receives whose key satisfies ``keep``."""
         out: list[tuple[int, R]] = []

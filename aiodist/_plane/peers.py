@@ -6,7 +6,14 @@ with a raw payload. ``(kind, group, a, b)`` is the match key: kind 0 for
 tensor point-to-point (``a`` = tag), 1 for collectives (``a`` = sequence
 number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
-that breaks a group on every member; ``PEER_BYE`` precedes a clean close.
+that breaks a group on every member (or aborts one call of it, see
+``drop_call``); ``PEER_ABORT`` takes the place of a message whose send failed
+before its data left, so the receive it matches fails instead of taking a later
+message; ``PEER_BYE`` precedes a clean close.
+
+A collective's sequence number ``a`` is the call's place in its group's order,
+or, for the parts of a call that runs several collectives inside (see
+``sub_seq``), a negative number that encodes the call and the part.
 
 The data planes of one process share one Unix-socket listener (per event loop):
 each publishes ``uds:NAME#MEMBER``, and ``member`` in the hello says which
@@ -36,9 +43,9 @@ import os
 import types
 from typing import TYPE_CHECKING, Any, Final
 
-from aiodist._errors import AuthenticationError, ProtocolError
+from aiodist._errors import AuthenticationError, DistError, ProtocolError
 from aiodist._plane.bulk import BULK, BULK_MIN_BYTES, CLEAR, BulkTransfers
-from aiodist._plane.link import Link, Posted, Received
+from aiodist._plane.link import Link, Posted, Received, aborted_message
 from aiodist._plane.listener import SharedListener, shared_listener
 from aiodist._plane.matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
@@ -51,7 +58,7 @@ if TYPE_CHECKING:
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DataPlane", "Key", "Received"]
+__all__ = ["DataPlane", "Key", "Received", "call_of", "sub_seq"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,22 @@ COLLECTIVE: Final = 1
 OBJECT_P2P: Final = 2
 # How long a connecting rank waits for the accepting rank's proof of the token.
 HANDSHAKE_TIMEOUT: Final = 30.0
+# Parts of one call (see sub_seq): at most 2**20 collectives inside one call.
+_PART_BITS: Final = 20
+# Aborted calls whose late messages are still dropped (see drop_call).
+_DEAD_CALLS_KEPT: Final = 4096
+
+
+def sub_seq(call: int, part: int) -> int:
+    """The sequence number of part ``part`` of call ``call``: negative, unique to the pair."""
+    assert call > 0
+    assert 0 <= part < 1 << _PART_BITS
+    return -((call << _PART_BITS) | part)
+
+
+def call_of(seq: int) -> int:
+    """The call a collective's sequence number belongs to (itself, unless a ``sub_seq``)."""
+    return seq if seq >= 0 else (-seq) >> _PART_BITS
 
 
 @types.coroutine
@@ -116,6 +139,7 @@ class DataPlane:
         self.rank = -1
         self.world_size = 0
         self.matcher: Matcher[Posted, Received] = Matcher()
+        self._dead_calls: dict[tuple[int, int], None] = {}  # (group, call): ordered, bounded
         self.on_peer_lost = on_peer_lost or _no_verdict
         self.on_peer_error = on_peer_error or (lambda src, header: None)
         self._listeners: list[Listener] = []  # this plane's own (TCP)
@@ -222,7 +246,7 @@ class DataPlane:
         """Send one message to global rank ``dst``; returns when ``payload`` may be reused."""
         if dst == self.rank:
             data = memoryview(bytes(payload) if payload is not None else b"")
-            self._deliver_local(key, Received(dst, meta, data))
+            self.arrived(dst, key, Received(dst, meta, data))
             return
         if key[0] == P2P and payload is not None:
             view = memoryview(payload).cast("B")
@@ -250,7 +274,7 @@ class DataPlane:
         """
         if dst == self.rank:
             data = memoryview(bytes(payload) if payload is not None else b"")
-            self._deliver_local(key, Received(dst, meta, data))
+            self.arrived(dst, key, Received(dst, meta, data))
             return None
         channel = self._out.get(dst)
         if channel is None or (
@@ -289,12 +313,83 @@ class DataPlane:
             return exc
         return await self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
 
-    def _deliver_local(self, key: Key, msg: Received) -> None:
-        posted = self.matcher.arrive(self.rank, key)
-        if posted is None:
-            self.matcher.buffer(self.rank, key, msg)
-        else:
+    def arrived(self, src: int, key: Key, msg: Received) -> None:
+        """A whole message from ``src``: settle the receive it matches, or keep it for one.
+
+        A message of a call that was aborted (``drop_call``) is dropped instead:
+        its sender had not heard of the abort yet, and no receive will ask for it.
+        """
+        posted = self.matcher.arrive(src, key)
+        if posted is not None:
             self._complete(posted, msg)
+        elif not (
+            self._dead_calls
+            and key[0] == COLLECTIVE
+            and (key[1], call_of(key[2])) in self._dead_calls
+        ):
+            self.matcher.buffer(src, key, msg)
+
+    def drop_call(self, group_id: int, call: int, exc: BaseException) -> None:
+        """Abort call ``call`` of group ``group_id`` here: it will never complete.
+
+        Its posted receives fail with ``exc``, its buffered messages are dropped,
+        and so are its messages that arrive later (from peers that sent before
+        they heard of the abort). Nothing else of the group changes.
+        """
+        dead = self._dead_calls
+        dead[(group_id, call)] = None
+        if len(dead) > _DEAD_CALLS_KEPT:
+            del dead[next(iter(dead))]
+
+        def hit(key: tuple[int, ...]) -> bool:
+            return key[0] == COLLECTIVE and key[1] == group_id and call_of(key[2]) == call
+
+        self.matcher.drop_unexpected_where(hit)
+        for posted in self.matcher.take_posted_where(hit):
+            posted.settle(exc)
+            if posted.future is not None and not posted.future.cancelled():
+                posted.future.exception()  # retrieved: the call reports exc itself
+
+    def send_abort(self, dst: int, key: Key, info: list[Any]) -> None:
+        """Send ``PEER_ABORT`` for ``key`` to ``dst``, in order with this rank's DATA to it.
+
+        ``info`` is ``[rank, reason, what]``. Best effort: a peer that cannot be
+        reached learns of the failure as it learns of any other.
+        """
+        header: list[Any] = [*key, info]
+        if dst == self.rank:
+            self.arrived(dst, key, aborted_message(dst, header))
+        else:
+            self.send_notice(dst, MessageKind.PEER_ABORT, header)
+
+    def send_notice(self, dst: int, kind: MessageKind, header: list[Any]) -> None:
+        """Send a header-only frame to peer ``dst`` now, in order with what follows it.
+
+        On a connected channel it is written right here (as ``send_now`` writes
+        data), so the caller's next message to ``dst`` cannot overtake it; else
+        it goes once connected. Best effort: a peer that cannot be reached
+        learns of what it says as it learns of any failure.
+        """
+        channel = self._out.get(dst)
+        if channel is None:
+            self._spawn(self._send_notice_later(dst, kind, header))
+            return
+        coro = channel.send(kind, header)
+        try:
+            yielded = coro.send(None)  # a frame the kernel took needs no task
+        except StopIteration:
+            return
+        except OSError as exc:
+            logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
+            return
+        self._spawn(_resume(coro, yielded))
+
+    async def _send_notice_later(self, dst: int, kind: MessageKind, header: list[Any]) -> None:
+        try:
+            channel = self._out.get(dst) or await self._connect(dst)
+            await channel.send(kind, header)
+        except (OSError, DistError) as exc:
+            logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
 
     async def _connect(self, dst: int) -> DataChannel:
         pending = self._connecting.get(dst)
@@ -431,6 +526,9 @@ class DataPlane:
     def _complete(self, posted: Posted, msg: Received) -> None:
         if posted.settled:
             return  # failed while its payload was arriving: the operation reported that
+        if msg.error is not None:  # its send failed at the sender (PEER_ABORT)
+            posted.settle(msg.error)
+            return
         if msg.announced is not None:  # a large payload still at its sender
             self.bulk.deliver(posted, msg)
             return

@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._ops.common import Slot
 from aiodist._torch import ops
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class GroupBridge:
         self.store: Any = None
         self.closed = False
         self._pending: set[asyncio.Future[Any]] = set()
+        self._call_seq: int | None = None  # the place start_collective took for its call
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiodist-torch-{group.name}")
 
     def __repr__(self) -> str:
@@ -110,8 +112,18 @@ class GroupBridge:
         return device is not None and getattr(device, "type", None) in self.devices
 
     def start_collective(self, name: str, args: tuple[Any, ...]) -> Work[Any]:
-        """Start collective ``name`` (``args``: its arguments but ``group``) on torch."""
-        return ops.start(self.group, self, name, args)
+        """Start collective ``name`` (``args``: its arguments but ``group``) on torch.
+
+        The call takes its place in the group's order before its arguments are
+        checked; one that fails its checks breaks the group on every member,
+        since the others may have issued their part to torch already.
+        """
+        with Slot(self.group, name, torch=True) as seq:
+            self._call_seq = seq
+            try:
+                return ops.start(self.group, self, name, args)
+            finally:
+                self._call_seq = None
 
     async def new_group(self, group: ProcessGroup, backend: str | None) -> None:
         """Bring up torch's side of ``group`` (made by ``new_group`` on every rank of ours)."""
@@ -156,7 +168,8 @@ class GroupBridge:
             except Exception as exc:
                 raise self._translate(description, exc) from exc
 
-        work = self.group.start(description, op)  # raises here, before issuing, if unusable
+        # Raises here, before issuing, if unusable.
+        work = self.group.start(description, op, seq=self._call_seq)
         self._pending.add(done)
         done.add_done_callback(self._retire)
 

@@ -86,6 +86,9 @@ class MessageKind(enum.IntEnum):
     PEER_ERROR = 66
     PEER_BYE = 67
     PEER_AUTH = 68  # [nonce, proof]: the data plane's token handshake (see auth.py)
+    # [kind, group, a, b, [rank, reason, what]]: a send that failed before its data left;
+    # it takes the place of that message, so the receive it matches fails instead.
+    PEER_ABORT = 69
 
 
 # --- control plane: client -> server ------------------------------------------------
