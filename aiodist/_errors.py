@@ -61,9 +61,19 @@ class RendezvousError(DistError):
 
 
 class AuthenticationError(RendezvousError):
-    """The job's token was refused; never retried."""
+    """The job's token was refused, or the other side could not prove it; never retried.
+
+    ``rank`` names the peer that failed the data plane's handshake (None for the server).
+    """
 
     code = ErrorCode.AUTHENTICATION
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def wire_details(self) -> dict[str, Any]:
+        return {} if self.rank is None else {"rank": self.rank}
 
 
 class DistTimeoutError(DistError, TimeoutError):
@@ -196,6 +206,9 @@ def from_wire(code: int, message: str, details: dict[str, Any] | None = None) ->
         return AbortedError(
             message, rank=int(details.get("rank", -1)), reason=str(details.get("reason", ""))
         )
+    if cls is AuthenticationError:
+        rank = details.get("rank")
+        return AuthenticationError(message, rank=rank if type(rank) is int else None)
     if cls is CollectiveMismatchError:
         raw = details.get("values_by_rank", {})
         values = {int(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}

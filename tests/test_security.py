@@ -355,9 +355,13 @@ async def test_connecting_rank_checks_the_acceptor_knows_the_token(
                 msg = await received
                 assert (msg.src, msg.meta, bytes(msg.data)) == (0, "meta", b"hello")
             else:
-                with pytest.raises(AuthenticationError, match="could not prove"):
+                with pytest.raises(AuthenticationError, match="could not prove") as refused:
                     await a.send(1, key, "meta", b"hello")
-                assert not received.done()
+                assert refused.value.rank == 1
+                # The impostor refuses rank 0 in turn: nothing reached its receive.
+                with pytest.raises(AuthenticationError) as refused_back:
+                    await received
+                assert refused_back.value.rank == 0
                 assert not a._out
                 assert not b._out
     finally:

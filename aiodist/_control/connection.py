@@ -14,6 +14,9 @@ member a connection of its own.
 
 With a token, the connection first answers the server's challenge (see
 ``_wire/auth.py``) and accepts no reply until the server has proved the token too.
+The handshake is mutual: a client holding a token refuses a server that requires
+none (its challenge carries no nonce) or cannot prove the token, so a token
+never silently downgrades to an open server.
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ class ControlConnection(asyncio.Protocol):
         self.token = token  # set before connecting: the challenge may come at once
         self._challenge: asyncio.Future[bytes] = self._loop.create_future()
         self._expected_proof: bytes | None = None
+        # With a token, nothing the server says is believed before it proved the token.
+        self._trusted = not token
         self.server = "?"
         self.local_host = "127.0.0.1"
         self._heartbeat: asyncio.TimerHandle | None = None
@@ -131,7 +136,7 @@ class ControlConnection(asyncio.Protocol):
                 header = event.header
                 if (
                     event.kind == MessageKind.REPLY
-                    and self._expected_proof is None
+                    and self._trusted
                     and type(header) is list
                     and len(header) == 2
                     and type(header[0]) is int
@@ -277,13 +282,15 @@ class ControlConnection(asyncio.Protocol):
         arrives, before any reply is accepted.
 
         Raises:
-            AuthenticationError: The server refused the connection.
+            AuthenticationError: The server refused the connection, or requires
+                no token (it could never prove ours).
             RendezvousTimeout: No challenge within ``timeout``.
 
         Cancellation:
             The connection is left unauthenticated; close it.
         """
         self.token = token
+        self._trusted = False
         self.send(AuthStart())
         try:
             server_nonce = await asyncio.wait_for(asyncio.shield(self._challenge), timeout)
@@ -292,49 +299,53 @@ class ControlConnection(asyncio.Protocol):
                 f"the rendezvous server at {self.server} sent no challenge within "
                 f"{timeout:.1f} s; is it an aiodist server?"
             ) from None
-        if not server_nonce:
-            logger.debug("the rendezvous server at %s requires no token", self.server)
-            return
         client_nonce = new_nonce()
         self._expected_proof = server_proof(token, client_nonce, server_nonce)
         self.send(Hello(client_nonce, client_proof(token, server_nonce, client_nonce)))
 
     def _on_auth_message(self, msg: Challenge | Authenticated) -> None:
         if isinstance(msg, Challenge):
-            if not self._challenge.done():
-                self._challenge.set_result(msg.nonce)
             if msg.nonce and not self.token:
-                self._fail(
-                    AuthenticationError(
-                        f"the rendezvous server at {self.server} requires a token; set "
-                        "AIODIST_TOKEN to the contents of the server's --token-file"
-                    )
+                self._refuse(
+                    f"the rendezvous server at {self.server} requires a token; set "
+                    "AIODIST_TOKEN to the contents of the server's --token-file"
                 )
-                self.close()
+            elif not msg.nonce and self.token:
+                # A server without a token answers AuthStart with an empty challenge:
+                # no proof of ours can come back, so refuse now, not at a timeout.
+                self._refuse(
+                    f"the rendezvous server at {self.server} did not prove the job token (it "
+                    "requires none); refusing to use it. Start the server with the same token "
+                    "(--token-file or AIODIST_TOKEN)"
+                )
+            elif not self._challenge.done():
+                self._challenge.set_result(msg.nonce)
         elif self._expected_proof is not None and verify(self._expected_proof, msg.proof):
             self._expected_proof = None
+            self._trusted = True
         else:
-            self._fail(
-                AuthenticationError(
-                    f"the rendezvous server at {self.server} could not prove that it knows "
-                    "AIODIST_TOKEN; check that you are talking to the server you meant to"
-                )
+            self._refuse(
+                f"the rendezvous server at {self.server} could not prove that it knows "
+                "AIODIST_TOKEN; check that you are talking to the server you meant to"
             )
-            self.close()
+
+    def _refuse(self, message: str) -> None:
+        self._fail(AuthenticationError(message))
+        self.close()
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, Challenge | Authenticated):
             self._on_auth_message(msg)
             return
-        if self._expected_proof is not None and not isinstance(msg, ErrorReply | ServerClosing):
-            self._fail(
-                AuthenticationError(
+        if not self._trusted:
+            if isinstance(msg, ErrorReply) and msg.req_id not in self._routes:
+                pass  # the server's refusal (req_id 0): handled below
+            elif not isinstance(msg, ServerClosing):
+                self._refuse(
                     f"the rendezvous server at {self.server} answered before proving that it "
                     "knows AIODIST_TOKEN; check that you are talking to the server you meant to"
                 )
-            )
-            self.close()
-            return
+                return
         if isinstance(msg, Reply | Welcome):
             self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
         elif isinstance(msg, Channel):
@@ -409,12 +420,14 @@ async def connect_control(
         retry_refused: Retry while the connection is refused.
         token: The job's shared token; ``None`` reads ``$AIODIST_TOKEN``. The
             connection answers the server's challenge with a proof of it (the
-            token itself is never sent) before it returns.
+            token itself is never sent) before it returns, and believes no
+            reply before the server proved the token in turn.
 
     Raises:
         ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
         RendezvousTimeout: Nothing answered within ``timeout``.
-        AuthenticationError: The server refused the token (never retried).
+        AuthenticationError: The server refused the token, or requires none
+            (never retried).
     """
     if token is None:
         token = os.environ.get("AIODIST_TOKEN", "")

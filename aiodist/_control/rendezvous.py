@@ -9,7 +9,9 @@
   address there; the others read it and connect. The file is the only thing
   the processes must share, so no port has to be agreed on beforehand.
 
-An embedded server requires ``$AIODIST_TOKEN`` from its clients when it is set.
+The token is the process's ``$AIODIST_TOKEN``: an embedded server requires it
+from its clients when it is set, and this process's clients insist that the
+server they reach proves it (one that requires no token is refused).
 """
 
 from __future__ import annotations
@@ -152,28 +154,32 @@ async def connect_rendezvous(
         The connection and the embedded server, if this process started one.
     """
     env = os.environ if environ is None else environ
+    # One token for the server this process may embed and for its own clients.
+    token = env.get("AIODIST_TOKEN", "")
     if not may_embed(spec, env):
-        conn = await open_channel(spec.host, spec.port, timeout=timeout)
+        conn = await open_channel(spec.host, spec.port, timeout=timeout, token=token)
         return conn, None
     assert tg is not None, "a process that may embed the server needs a task group"
     if spec.scheme == "file":
-        return await _connect_file(spec.path, tg, timeout=timeout, env=env)
+        return await _connect_file(spec.path, tg, timeout=timeout, token=token, env=env)
     try:
-        conn = await open_channel(spec.host, spec.port, timeout=timeout, retry_refused=False)
+        conn = await open_channel(
+            spec.host, spec.port, timeout=timeout, retry_refused=False, token=token
+        )
         return conn, None
     except ConnectionRefusedError:
         try:
             server: RendezvousServer = await tg.start(
-                functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                functools.partial(serve_rendezvous, token=token or None),
                 spec.host,
                 spec.port,
             )
         except OSError:
             pass  # another process won the race to embed it; connect to theirs
         else:
-            conn = await open_channel(*server.address, timeout=timeout)
+            conn = await open_channel(*server.address, timeout=timeout, token=token)
             return conn, server
-    conn = await open_channel(spec.host, spec.port, timeout=timeout)
+    conn = await open_channel(spec.host, spec.port, timeout=timeout, token=token)
     return conn, None
 
 
@@ -182,6 +188,7 @@ async def _connect_file(
     tg: TaskGroup,
     *,
     timeout: float,
+    token: str,
     env: Mapping[str, str],
 ) -> tuple[ControlChannel, RendezvousServer | None]:
     lock = _file_locks.setdefault(path, asyncio.Lock())
@@ -200,15 +207,18 @@ async def _connect_file(
                                 int(port),
                                 timeout=FILE_PROBE_TIMEOUT,
                                 retry_refused=False,
+                                token=token,
                             )
                             return conn, None
                         except AuthenticationError:
-                            raise  # a live server refused our token: final, not stale
+                            # A live server refused our token, or requires none: final,
+                            # not stale (replacing it would cut off the job it serves).
+                            raise
                         except (OSError, ValueError, RendezvousError):
                             pass  # a stale address from a job that ended: replace it
                     bind = env.get("AIODIST_HOST", "127.0.0.1")
                     server: RendezvousServer = await tg.start(
-                        functools.partial(serve_rendezvous, token=env.get("AIODIST_TOKEN") or None),
+                        functools.partial(serve_rendezvous, token=token or None),
                         bind,
                         0,
                     )
@@ -217,7 +227,7 @@ async def _connect_file(
                     f.write(f"{server.address[0]}:{server.address[1]}\n")
                     f.flush()
                     os.fsync(f.fileno())
-                conn = await open_channel(*server.address, timeout=timeout)
+                conn = await open_channel(*server.address, timeout=timeout, token=token)
                 return conn, server
             finally:
                 os.close(fd)  # releases the fcntl lock

@@ -23,6 +23,7 @@ import anyio
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
     AbortedError,
+    AuthenticationError,
     ClosedError,
     DistError,
     ProtocolError,
@@ -114,6 +115,7 @@ class Session:
         plane.on_peer_error = self._peer_error
         # Calls aborted by a member in groups this rank has yet to make (by group id).
         self.early_aborts: dict[int, dict[int, AbortedError]] = {}
+        plane.on_peer_refused = self._peer_refused
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
@@ -182,6 +184,16 @@ class Session:
                 )
             )
         return self.error
+
+    def _peer_refused(self, exc: AuthenticationError) -> None:
+        """A peer failed the data plane's token handshake: break every group it is in.
+
+        The peer lives, so no server notice will come: the groups' members hear it
+        from this rank, as from a failed collective.
+        """
+        for group in list(self.groups.values()):
+            if exc.rank in group.ranks:
+                group.break_(exc)
 
     def _peer_error(self, src: int, header: Any) -> None:
         try:

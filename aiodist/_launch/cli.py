@@ -2,6 +2,8 @@
 
 Every ``serve`` flag can also come from an ``AIODIST_*`` environment variable
 (``--token-file`` from ``AIODIST_TOKEN_FILE``, ...); a flag on the command line wins.
+Without a token file, ``serve`` requires ``$AIODIST_TOKEN`` when it is set, the
+token clients send: one exported token configures both ends.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--token-file",
         default=_env("TOKEN_FILE", None),
-        help="require clients to send this file's token as AIODIST_TOKEN",
+        help="require clients to prove this file's token (AIODIST_TOKEN_FILE; without it, "
+        "the token is $AIODIST_TOKEN, if set)",
     )
     serve.add_argument(
         "--metrics-port", type=int, default=_env("METRICS_PORT", None), help="Prometheus port"
@@ -181,11 +184,23 @@ def _token(args: argparse.Namespace) -> str | None:
     return read_token_file(args.token_file)
 
 
+def _serve_token(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The server's token and where it came from: ``--token-file``, else ``$AIODIST_TOKEN``.
+
+    The same variable clients read, so one exported token serves both ends.
+    Raises ``ValueError`` for a bad file.
+    """
+    if args.token_file:
+        return _token(args), f"from the token file {args.token_file}"
+    token = os.environ.get("AIODIST_TOKEN") or None
+    return token, "from AIODIST_TOKEN"
+
+
 def _serve(args: argparse.Namespace) -> int:
     from aiodist._launch.daemon import run_daemon
 
     try:
-        token = _token(args)
+        token, token_source = _serve_token(args)
     except ValueError as exc:
         return _fail("serve", str(exc), 2)
 
@@ -208,6 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
                     args.host,
                     args.port,
                     token=token,
+                    token_source=token_source,
                     metrics_host=args.metrics_host,
                     metrics_port=args.metrics_port,
                     shutdown_timeout=args.shutdown_timeout,
@@ -239,6 +255,8 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
         conn = await connect_control(
             args.host, args.port, timeout=args.timeout, retry_refused=False, token=token
         )
+    except AuthenticationError as exc:  # refused us, or could not prove our token
+        return _fail("status", str(exc))
     except (OSError, DistError) as exc:
         return _fail("status", f"no rendezvous server answers at {where} ({exc})")
     try:

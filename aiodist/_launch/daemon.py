@@ -101,6 +101,7 @@ async def run_daemon(
     port: int,
     *,
     token: str | None = None,
+    token_source: str = "",
     metrics_host: str | None = None,
     metrics_port: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
@@ -111,7 +112,8 @@ async def run_daemon(
     Args:
         host: Address to bind; a non-loopback one without a token logs a warning.
         port: Port to bind (0: the OS picks one; ``on_ready`` learns it).
-        token: When given, clients must send it (``AIODIST_TOKEN``).
+        token: When given, clients must prove it (``AIODIST_TOKEN``).
+        token_source: Where the token came from, for the log (never the token).
         metrics_host: Address of the metrics endpoint (default: ``host``).
         metrics_port: Port of the Prometheus endpoint; None serves no metrics.
         shutdown_timeout: Seconds a shutdown waits for clients to take the notice.
@@ -120,11 +122,19 @@ async def run_daemon(
     Raises:
         OSError: An address cannot be bound.
     """
-    if not is_loopback(host) and token is None:
+    if token is not None:
+        logger.info("a token is required (%s)", token_source or "given by the caller")
+    elif not is_loopback(host):
         logger.warning(
             "listening on %s without a token: anyone who reaches this port can join jobs and "
-            "read or write their stores; pass --token-file (and set AIODIST_TOKEN on clients)",
+            "read or write their stores; pass --token-file or set AIODIST_TOKEN (and set "
+            "AIODIST_TOKEN on clients)",
             host,
+        )
+    else:
+        logger.info(
+            "no token is required; clients holding one will refuse this server (pass "
+            "--token-file or set AIODIST_TOKEN to require one)"
         )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -183,6 +183,7 @@ class Link:
             self.plane._adopt(rank, channel)
             return
         if type(nonce) is not bytes or len(nonce) != auth.NONCE_BYTES:
+            self.plane._doubt(rank, "it offered no proof of the job's token")
             raise ProtocolError(
                 f"a peer claiming rank {rank} offered no proof of the job's token; "
                 "set the same AIODIST_TOKEN on every rank"
@@ -204,9 +205,10 @@ class Link:
             raise ProtocolError("unexpected PEER_AUTH on a data channel")
         rank, theirs, mine = claim
         expected = auth.connect_proof(token, self.plane.job, rank, self.plane.rank, mine, theirs)
-        if not auth.verify(expected, header[1]):
-            raise ProtocolError(f"a peer claiming rank {rank} failed to prove the job's token")
         self._claim = None
+        if not auth.verify(expected, header[1]):
+            self.plane._doubt(rank, "its proof does not match the job's token")
+            raise ProtocolError(f"a peer claiming rank {rank} failed to prove the job's token")
         self.src = rank
         self.plane._adopt(rank, channel)
 
@@ -225,6 +227,11 @@ class Link:
             self.plane._complete(posted, msg)
 
     def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
+        if self._claim is not None:
+            # It left (or broke the exchange) after our proof, before its own: it may be
+            # a rank that could not check our proof, one holding another token.
+            claim, self._claim = self._claim, None
+            self.plane._doubt(claim[0], "it left the token handshake unfinished")
         if self.challenge is not None and not self.challenge.done():
             self.challenge.set_exception(
                 ConnectionResetError(f"data connection to {channel.peer} closed ({exc or 'EOF'})")

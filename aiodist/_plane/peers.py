@@ -23,6 +23,13 @@ With a job token (``$AIODIST_TOKEN``), ``PEER_HELLO`` carries a fresh nonce
 and both ends prove the token with ``PEER_AUTH`` before either accepts a
 frame from the other (``auth.py`` has the exchange): a process that is not a
 member of the job cannot deliver data, claim a rank, or make a rank unpickle.
+A rank with a token refuses a peer that cannot prove it, whichever side
+connected: as the connecting side at once; as the accepting side by
+connecting to the rank the refused hello claimed to be (a stranger may claim
+any rank, so the claim alone breaks nothing). A refused rank stays refused:
+``AuthenticationError`` (naming it) goes to ``on_peer_refused``, which
+breaks the groups that need it, and later sends to it and receives from it
+fail at once.
 
 Each direction of a peer pair uses one channel, so messages from one source
 with one key arrive in send order. A payload whose receive is already posted
@@ -130,11 +137,18 @@ class DataPlane:
         *,
         on_peer_lost: Callable[[int, str], Awaitable[BaseException | None]] | None = None,
         on_peer_error: Callable[[int, Any], None] | None = None,
+        on_peer_refused: Callable[[AuthenticationError], None] | None = None,
         token: str | None = None,
     ) -> None:
-        """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated."""
+        """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated.
+
+        ``on_peer_refused`` hears of a peer that failed the token handshake
+        (default: fail every posted receive with the error).
+        """
         self.job = job
         self.token = token or os.environ.get("AIODIST_TOKEN") or None
+        self.on_peer_refused = on_peer_refused or self.fail
+        self._refused: dict[int, AuthenticationError] = {}  # peers that failed the handshake
         self._tasks: set[asyncio.Task[object]] = set()
         self.rank = -1
         self.world_size = 0
@@ -395,6 +409,9 @@ class DataPlane:
         pending = self._connecting.get(dst)
         if pending is not None:
             return await asyncio.shield(pending)
+        refused = self._refused.get(dst)
+        if refused is not None:
+            raise refused  # never retried: it would be refused again
         future: asyncio.Future[DataChannel] = asyncio.get_running_loop().create_future()
         self._connecting[dst] = future
         try:
@@ -435,16 +452,57 @@ class DataPlane:
             ) from None
         expected = auth.accept_proof(token, self.job, self.rank, dst, mine, theirs)
         if type(theirs) is not bytes or not auth.verify(expected, proof):
-            raise AuthenticationError(
+            # An empty nonce is how a rank without a token answers (see Link).
+            holds = "it holds no token" if theirs == b"" else "it holds another one"
+            raise self._refuse(
+                dst,
                 f"the process listening at rank {dst}'s data-plane address ({channel.peer}) "
-                f"could not prove that it knows the token of job {self.job!r}; set the same "
-                "AIODIST_TOKEN on every rank"
+                f"could not prove that it knows the token of job {self.job!r} ({holds}); "
+                "refusing to exchange data with it. Set the same AIODIST_TOKEN on every rank",
             )
         link.src = dst  # only now is what arrives on this channel trusted
         await channel.send(
             MessageKind.PEER_AUTH,
             [b"", auth.connect_proof(token, self.job, self.rank, dst, theirs, mine)],
         )
+
+    def _refuse(self, rank: int, message: str) -> AuthenticationError:
+        """Refuse ``rank`` for good and report it; returns the error to raise."""
+        exc = self._refused.get(rank)
+        if exc is None:
+            exc = self._refused[rank] = AuthenticationError(message, rank=rank)
+            logger.error("%s", exc)
+            self.on_peer_refused(exc)
+        return exc
+
+    def _doubt(self, rank: int, why: str) -> None:
+        """A connection claiming to be ``rank`` failed the token handshake: ask ``rank``.
+
+        Anyone can claim a rank, so the claim breaks nothing by itself. Connecting
+        to the address ``rank`` published settles it: the genuine rank proves the
+        token (the claim was a stranger's), or it is refused like any peer that
+        cannot, and the operations waiting on it fail now instead of timing out.
+        """
+        if self._closing:
+            return
+        logger.warning("refused a data connection claiming to be rank %d: %s", rank, why)
+        if (
+            rank == self.rank
+            or not 0 <= rank < self.world_size
+            or rank in self._out
+            or rank in self._connecting
+            or rank in self._refused
+        ):
+            return
+        self._spawn(self._probe(rank))
+
+    async def _probe(self, rank: int) -> None:
+        try:
+            await self._connect(rank)
+        except (OSError, DistError) as exc:
+            # A refusal was reported by _connect; a rank that cannot be reached is for
+            # liveness (the server's heartbeats) to judge, not this probe.
+            logger.debug("checking rank %d's token: %s", rank, exc)
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         # Work started from a frame or close callback (which cannot await).
@@ -496,6 +554,9 @@ class DataPlane:
         returned ``Received.data`` is then ``dest`` (else a buffer holding it).
         """
         future: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
+        if self._refused and src in self._refused:
+            future.set_exception(self._refused[src])
+            return future
         posted = Posted(future, dest, key)
         found = self.matcher.post(src, key, posted)
         if found is not None:
@@ -516,6 +577,9 @@ class DataPlane:
         ``callback`` runs inside the data plane's own callbacks (or right here, if
         the message came first), so it must not raise. ``dest`` is as for ``recv``.
         """
+        if self._refused and src in self._refused:
+            callback(self._refused[src])
+            return
         posted = Posted(None, dest, key, callback)
         found = self.matcher.post(src, key, posted)
         if found is not None:

@@ -12,7 +12,9 @@ the client connects, and the client's first message must be a ``Hello`` whose
 HMAC answers that nonce (checked in constant time, see ``_wire/auth.py``); anything
 else gets one AUTHENTICATION error and the connection is closed, as is one that
 has not authenticated within ``AUTH_TIMEOUT`` seconds. The token never crosses
-the wire and is never logged.
+the wire and is never logged. A server without a token answers a client's
+``AuthStart`` with an empty ``Challenge``: that client holds a token, and
+refuses a server that cannot prove it.
 """
 
 from __future__ import annotations
@@ -189,7 +191,14 @@ class ServerConnection(asyncio.Protocol):
         token = self._server.token
         if isinstance(msg, AuthStart):
             if token is None:
-                self.write(Challenge(b""))  # nothing to prove: the client goes on
+                # Only a client holding a token asks. An empty challenge tells it at once
+                # that no proof will come, and it refuses this server (no downgrade).
+                logger.warning(
+                    "a client at %s holds a token but this server requires none: it will "
+                    "refuse to use this server; start it with --token-file or AIODIST_TOKEN",
+                    self.peer,
+                )
+                self.write(Challenge(b""))
             return True  # with a token, the challenge went out on connect
         if token is None or self.authenticated:
             return True  # a proof sent to a server that requires none is accepted

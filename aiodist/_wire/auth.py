@@ -12,7 +12,12 @@ Control plane (client C, server S; the server requires a token)::
     S -> C  Authenticated(server_proof)        HMAC(token, "server" | nonce_c | nonce_s)
 
 C pipelines its requests right after ``Hello``; S reads nothing else first,
-and C accepts no reply before a valid ``Authenticated``.
+and C accepts no reply before a valid ``Authenticated``. The handshake is
+mutual: a C that holds a token always sends ``AuthStart``, and a server that
+requires none answers ``Challenge(b"")``, which C takes as "no proof will
+come" and refuses at once (a token never downgrades to an open server). A C
+without a token sends nothing of this: to it, a non-empty ``Challenge`` says
+that a token is required.
 
 Data plane (connector C of rank c, acceptor A of rank a, job J)::
 
@@ -21,7 +26,11 @@ Data plane (connector C of rank c, acceptor A of rank a, job J)::
     C -> A  PEER_AUTH  [b"", HMAC(token, "connect" | J | c | a | nonce_a | nonce_c)]
 
 Both proofs name the job and both ranks, so a proof for one job, pair or
-direction cannot be replayed for another. Proofs are compared with
+direction cannot be replayed for another. An A without a token answers a
+nonce with ``PEER_AUTH [b"", b""]``: C refuses it. An A with a token refuses
+a ``PEER_HELLO`` without a nonce, or a wrong proof, and then connects to the
+rank that hello claimed to be: the genuine rank proves the token (the hello
+came from a stranger) or is refused in turn. Proofs are compared with
 ``hmac.compare_digest`` (constant time).
 """
 
