@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -223,7 +224,8 @@ async def scenarios(rank: int) -> dict[str, Any]:
             task = asyncio.ensure_future(_await(work))
             await asyncio.sleep(0)
             task.cancel()
-            first = ["cancelled", task.cancelled() or None]
+            await asyncio.gather(task, return_exceptions=True)
+            first = ["cancelled", task.cancelled()]
         else:
             first = await settle(work)
         return {"first": first, "second": await settle(aiodist.all_gather_object(f"second-{rank}"))}
@@ -338,6 +340,11 @@ def main_sync(url: str, rank: int, world: int) -> None:
 if __name__ == "__main__":
     mode, url, rank_, world_ = sys.argv[1:5]
     if mode == "async":
-        anyio.run(main_async, url, int(rank_), int(world_))
+        options: dict[str, Any] = {}
+        if os.environ.get("WORKER_LOOP") == "uvloop":
+            import uvloop
+
+            options["loop_factory"] = uvloop.new_event_loop
+        anyio.run(main_async, url, int(rank_), int(world_), backend_options=options)
     else:
         main_sync(url, int(rank_), int(world_))

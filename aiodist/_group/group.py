@@ -96,7 +96,7 @@ class ProcessGroup:
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
         self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
         # Calls a member aborted before this rank made them: they fail when made.
-        self._aborted: dict[int, AbortedError] = session.early_aborts.pop(group_id, {})
+        self._aborted: dict[int, AbortedError] = {}
 
     def check_usable(self) -> None:
         """Raise the error that broke this group (or its session), if any."""
@@ -165,6 +165,7 @@ class ProcessGroup:
         *,
         collective: bool = True,
         seq: int | None = None,
+        on_end: Callable[[], object] | None = None,
     ) -> Work[T]:
         """Run ``op(seq)`` as this group's operation ``seq`` and return its handle.
 
@@ -174,10 +175,15 @@ class ProcessGroup:
         tasks are scheduled. A timeout or an error that makes the operation
         impossible breaks the group for every member. A call a member aborted
         (``abort_remote``) returns its handle failed, without running ``op``.
+        ``on_end()`` runs once the operation is over, however it ended (even if
+        ``op`` never ran): what it holds, such as a turn on shared memory, is
+        released there.
         """
         loop, work, seq = self.begin(description, collective=collective, timed=False, seq=seq)
         if not work.is_completed():
-            start_task(self, loop, work, op, seq, collective)
+            start_task(self, loop, work, op, seq, collective, on_end)
+        elif on_end is not None:
+            on_end()
         return work
 
     def begin(

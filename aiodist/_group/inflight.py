@@ -179,10 +179,18 @@ def start_task(
     op: Callable[[int], Awaitable[T]],
     seq: int,
     collective: bool,
+    on_end: Callable[[], object] | None = None,
 ) -> None:
-    """Run ``op(seq)`` as a task that settles ``work``, under the group's deadline."""
+    """Run ``op(seq)`` as a task that settles ``work``, under the group's deadline.
+
+    ``on_end()`` runs when the task is done, also when it was cancelled before
+    ``op`` ever ran (an aborted call): the task's end, not the handle's, since
+    ``op`` may still be unwinding when its handle fails.
+    """
     task = loop.create_task(run_task(g, work, op, seq, collective))
     inflight = g.session.inflight
     inflight.add(task)
     task.add_done_callback(inflight.discard)
+    if on_end is not None:
+        task.add_done_callback(lambda _: on_end())
     g.deadlines.add(loop, work, task, seq)

@@ -113,8 +113,6 @@ class Session:
         plane.set_members(self.rank, self.world_size, self._peer_table, host_ids)
         plane.on_peer_lost = self._peer_lost
         plane.on_peer_error = self._peer_error
-        # Calls aborted by a member in groups this rank has yet to make (by group id).
-        self.early_aborts: dict[int, dict[int, AbortedError]] = {}
         plane.on_peer_refused = self._peer_refused
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
@@ -203,18 +201,15 @@ class Session:
         except (ValueError, TypeError, KeyError):
             logger.warning("ignoring a malformed error notice from rank %d", src)
             return
+        # A member registers a new group before any rank can finish making it, so
+        # a notice for a group unknown here is for one this rank destroyed already.
         group = self.groups.get(group_id)
-        if isinstance(error, AbortedError):
-            if group is None:  # a group this rank has yet to make (new_group comes later)
-                self.early_aborts.setdefault(group_id, {})[seq] = error
-            else:
-                group.abort_remote(seq, error)
-        elif group is not None:
-            group.break_(error, notify=False)
+        if group is None:
+            logger.debug("ignoring an error notice from rank %d: no group %r", src, group_id)
+        elif isinstance(error, AbortedError):
+            group.abort_remote(seq, error)
         else:
-            logger.warning(
-                "ignoring an error notice from rank %d for unknown group %r", src, group_id
-            )
+            group.break_(error, notify=False)
 
     def on_notice(self, notice: Notice) -> None:
         if isinstance(notice, MemberFailed):

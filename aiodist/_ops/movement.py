@@ -41,7 +41,6 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
-    from aiodist._transport.shm import Turn
 
 __all__ = ["all_gather", "all_to_all", "barrier"]
 
@@ -80,22 +79,19 @@ def all_gather(data: torch.Tensor, group: ProcessGroup | None = None) -> Work[li
 
     nbytes = t.numel() * t.element_size() * g.world_size
     use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
-    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+    turn = shared.take_turn(g) if use_shm else None  # taken now: call order
 
     async def run(seq: int) -> list[torch.Tensor]:
         out = new_outputs(g, t, g.world_size, "all_gather")
-        if use_shm:
-            async with turns[0]:
+        if turn is not None:
+            async with turn:
                 if await shared.agreed(g):  # else some rank has it off: all take the ring
                     await shared.shared_memory_all_gather(g, seq, contiguous(t), out, mine)
                     return out
         await _ring_all_gather(g, seq, t, out, mine)
         return out
 
-    work = g.start("all_gather", run, seq=seq)
-    if use_shm:
-        turns.append(shared.take_turn(g))
-    return work
+    return g.start("all_gather", run, seq=seq, on_end=None if turn is None else turn.release)
 
 
 async def _ring_all_gather(

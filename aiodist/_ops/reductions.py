@@ -43,7 +43,6 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
-    from aiodist._transport.shm import Turn
 
 __all__ = ["all_reduce", "reduce", "reduce_scatter", "start_all_reduce"]
 
@@ -237,12 +236,12 @@ def start_all_reduce(
     )
     if algorithm == "direct":
         return _direct_all_reduce_now(g, seq, t, reduce_op, mine)
-    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+    turn = shared.take_turn(g) if algorithm == "shared_memory" else None  # now: call order
 
     async def run(seq: int) -> torch.Tensor:
         buf = contiguous(t)
-        if algorithm == "shared_memory":
-            async with turns[0]:
+        if turn is not None:
+            async with turn:
                 if await shared.agreed(g):
                     await shared.shared_memory_all_reduce(
                         g, seq, buf, reduce_op, mine, reduce_ops.combine
@@ -257,10 +256,9 @@ def start_all_reduce(
             copy_into(t, buf)
         return t
 
-    work = g.start(f"all_reduce(op={reduce_op})", run, seq=seq)
-    if algorithm == "shared_memory":
-        turns.append(shared.take_turn(g))
-    return work
+    return g.start(
+        f"all_reduce(op={reduce_op})", run, seq=seq, on_end=None if turn is None else turn.release
+    )
 
 
 # --- rooted operations ---------------------------------------------------------------------
@@ -378,11 +376,11 @@ def reduce_scatter(
     mine = signature("reduce_scatter", first, reduce_op=reduce_op)
     nbytes = first.numel() * first.element_size() * g.world_size
     use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
-    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+    turn = shared.take_turn(g) if use_shm else None  # taken now: call order
 
     async def run(seq: int) -> torch.Tensor:
-        if use_shm:
-            async with turns[0]:
+        if turn is not None:
+            async with turn:
                 if await shared.agreed(g):  # else some rank has it off: all take the sockets
                     out = new_outputs(g, first, 1, "reduce_scatter")[0]
                     parts = [contiguous(x) for x in tensors]
@@ -410,7 +408,9 @@ def reduce_scatter(
             divide_(out, p)
         return out
 
-    work = g.start(f"reduce_scatter(op={reduce_op})", run, seq=seq)
-    if use_shm:
-        turns.append(shared.take_turn(g))
-    return work
+    return g.start(
+        f"reduce_scatter(op={reduce_op})",
+        run,
+        seq=seq,
+        on_end=None if turn is None else turn.release,
+    )

@@ -39,7 +39,6 @@ else:
 
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
-    from aiodist._transport.shm import Turn
 
 __all__ = ["broadcast", "gather", "scatter"]
 
@@ -101,19 +100,18 @@ def broadcast(
 
     nbytes = t.numel() * t.element_size()
     use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
-    turns: list[Turn] = []  # the shared-memory turn, taken right after start(): call order
+    turn = shared.take_turn(g) if use_shm else None  # taken now: call order
 
     async def run(seq: int) -> torch.Tensor:
-        if use_shm:
-            async with turns[0]:
+        if turn is not None:
+            async with turn:
                 if await shared.agreed(g):  # else some rank has it off: all take the tree
                     return await agreed(g, seq, mine, through_shared_memory(seq))
         return await agreed(g, seq, mine, tree(seq))
 
-    work = g.start(f"broadcast(src={root})", run, seq=seq)
-    if use_shm:
-        turns.append(shared.take_turn(g))
-    return work
+    return g.start(
+        f"broadcast(src={root})", run, seq=seq, on_end=None if turn is None else turn.release
+    )
 
 
 def gather(

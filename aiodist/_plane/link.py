@@ -80,8 +80,8 @@ def aborted_message(src: int, header: list[Any]) -> Received:
     rank, reason, what = [*header[4], None, None, None][:3]
     rank = rank if type(rank) is int else src
     error = AbortedError(
-        f"{what} on rank {rank} failed before its data left ({reason}), so the receive it "
-        "matched fails too; fix the sender's call",
+        f"{what} failed on rank {rank} before its data left ({reason}), so the receive it "
+        "matched fails too. Fix that rank's call.",
         rank=rank,
         reason=str(reason),
     )

@@ -406,32 +406,40 @@ class DataPlane:
             logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
 
     async def _connect(self, dst: int) -> DataChannel:
+        """The channel to ``dst``: the one there is, or one attempt shared by every caller.
+
+        The attempt runs in a task of its own: a caller cancelled while it waits
+        (an operation that was aborted) leaves it to the others, which would
+        otherwise fail with that caller's cancellation.
+        """
         pending = self._connecting.get(dst)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        refused = self._refused.get(dst)
-        if refused is not None:
-            raise refused  # never retried: it would be refused again
-        future: asyncio.Future[DataChannel] = asyncio.get_running_loop().create_future()
-        self._connecting[dst] = future
-        try:
-            link = Link(self, None if self.token else dst)
-            channel = await self._open(dst, link)
-            try:
-                await self._handshake(dst, channel, link)
-            except BaseException:
-                channel.abort()
-                raise
-            self._channels.add(channel)
-            self._out.setdefault(dst, channel)
-            future.set_result(self._out[dst])
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: the caller re-raises it
-            raise
-        finally:
+        if pending is None:
+            refused = self._refused.get(dst)
+            if refused is not None:
+                raise refused  # never retried: it would be refused again
+            pending = asyncio.ensure_future(self._open_channel(dst))
+            self._connecting[dst] = pending
+            self._tasks.add(pending)
+            pending.add_done_callback(functools.partial(self._attempt_done, dst))
+        return await asyncio.shield(pending)
+
+    def _attempt_done(self, dst: int, task: asyncio.Future[DataChannel]) -> None:
+        self._tasks.discard(task)
+        if self._connecting.get(dst) is task:
             del self._connecting[dst]
-        return self._out[dst]
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller re-raises it
+
+    async def _open_channel(self, dst: int) -> DataChannel:
+        link = Link(self, None if self.token else dst)
+        channel = await self._open(dst, link)
+        try:
+            await self._handshake(dst, channel, link)
+        except BaseException:
+            channel.abort()
+            raise
+        self._channels.add(channel)
+        return self._out.setdefault(dst, channel)
 
     async def _handshake(self, dst: int, channel: DataChannel, link: Link) -> None:
         hello: list[Any] = [self.job, self.rank, os.getpid(), link.member]

@@ -230,6 +230,10 @@ class Turn:
             await asyncio.shield(self._before)
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """End this turn (again is fine): for an operation that ends without entering it."""
         if not self._done.done():
             self._done.set_result(None)
 
