@@ -331,7 +331,9 @@ async def test_accepting_rank_refuses_a_connector_without_the_token(
             try:
                 await b.send(0, key, "meta", b"forged?")
                 sent.append(None)
-            except AuthenticationError as exc:
+            except (AuthenticationError, ConnectionError) as exc:
+                # Without a token, rank 1 is bound by no rule: it may just see rank 0
+                # drop the connection before (or after) its frame went out.
                 sent.append(exc)
             with pytest.raises(AuthenticationError) as info:
                 await waiting

@@ -179,8 +179,13 @@ def daemon() -> Iterator[str]:
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # the bound address, printed once listening
-        assert "listening on" in line, line
+        seen = []
+        for _ in range(20):  # log lines (stderr, merged) may come before the address
+            line = proc.stdout.readline()  # the bound address, printed once listening
+            seen.append(line)
+            if "listening on" in line or not line:
+                break
+        assert "listening on" in line, seen
         yield "tcp://" + line.rsplit(" ", 1)[1].strip()
     finally:
         proc.send_signal(signal.SIGTERM)
