@@ -28,6 +28,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiodist._errors import DistError, DistTimeoutError, GroupBrokenError
+from aiodist._group.lingering import LingeringTask
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -165,7 +166,8 @@ def start_task(
     collective: bool,
 ) -> None:
     """Run ``op(seq)`` as a task that settles ``work``, under the group's deadline."""
-    task = loop.create_task(run_task(g, work, op, seq, collective))
+    # Lingering: the end of asyncio.run does not stop it halfway through (peers take part).
+    task = LingeringTask(run_task(g, work, op, seq, collective), loop=loop)
     inflight = g.session.inflight
     inflight.add(task)
     task.add_done_callback(inflight.discard)
