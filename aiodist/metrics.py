@@ -42,7 +42,14 @@ and are counted in ``MetricResults.nonfinite``.
 
 From plain code the data-plane route starts on ``aiodist.sync``'s loop thread
 (through ``aiodist._sync.portal``, as every ``aiodist.sync`` operation does); with
-nothing initialised a sync resolves at once to this process's own values.
+nothing initialised a sync resolves at once to this process's own values (and
+``on_done`` runs at once, in the caller's thread).
+
+The end: each aggregator registers a close hook on the group it syncs on (the
+board registers its own), so ``destroy_process_group``, and a process that
+ends without it, push out every sync still queued and wait (bounded) until it
+completed on every rank and its ``on_done`` ran. ``flush()`` pushes them out
+earlier, without waiting for the other ranks.
 
 Example:
     >>> agg = MetricAggregator({"tokens": "sum", "grad_norm": "max"}, every=10)

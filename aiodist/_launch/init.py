@@ -3,6 +3,13 @@
 ``init_process_group`` joins the job (``aiodist._group.join``), installs the
 default group (``aiodist._group.world``) and, for a torch backend, brings up
 torch.distributed through the torch bridge.
+
+One task holds the default group open, on the loop that joined. Whatever ends
+it ends it the same way (torch's groups torn down, then the job left as
+``join`` leaves it): ``destroy_process_group``; the end of that loop
+(``asyncio.run`` returning: the task is a ``LingeringTask``, which leaves
+instead of being cancelled); or interpreter exit, for a loop still open (an
+exit handler; ``aiodist.sync``'s loop thread has its own).
 """
 
 from __future__ import annotations
@@ -209,25 +216,22 @@ def _forget_default(default: DefaultGroup) -> None:
         take_default()
 
 
-_exit_registered = False
 _installed_by = 0  # the pid of the process that installed the default group
 
 
 def _leave_at_exit_of_this_process() -> None:
-    global _exit_registered, _installed_by
+    global _installed_by
     _installed_by = os.getpid()
-    if not _exit_registered:
-        atexit.register(_leave_at_exit)
-        _exit_registered = True
 
 
+@atexit.register  # at import: it runs after the exit handlers registered later
 def _leave_at_exit() -> None:
     """Leave the job at interpreter exit if the default group is still up.
 
     Async code whose loop is still open (``loop.run_until_complete(main())``
-    without closing it) gets here; ``asyncio.run`` leaves at its own end, and
-    ``aiodist.sync`` at its loop thread's exit handler. A forked child never
-    leaves its parent's job.
+    without closing it) gets here, as does a loop running in a thread of its
+    own; ``asyncio.run`` leaves at its own end, and ``aiodist.sync`` in its
+    loop thread's exit handler. A forked child never leaves its parent's job.
     """
     loop = default_group_loop()
     if loop is None or loop.is_closed() or _installed_by != os.getpid():
