@@ -42,7 +42,14 @@ and are counted in ``MetricResults.nonfinite``.
 
 From plain code the data-plane route starts on ``aiodist.sync``'s loop thread
 (through ``aiodist._sync.portal``, as every ``aiodist.sync`` operation does); with
-nothing initialised a sync resolves at once to this process's own values.
+nothing initialised a sync resolves at once to this process's own values (and
+``on_done`` runs at once, in the caller's thread).
+
+The end: each aggregator registers a close hook on the group it syncs on (the
+board registers its own), so ``destroy_process_group``, and a process that
+ends without it, push out every sync still queued and wait (bounded) until it
+completed on every rank and its ``on_done`` ran. ``flush()`` pushes them out
+earlier, without waiting for the other ranks.
 
 Example:
     >>> agg = MetricAggregator({"tokens": "sum", "grad_norm": "max"}, every=10)
@@ -60,7 +67,9 @@ import numbers
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
+from aiodist._group.lingering import linger
 from aiodist._group.work import Work
+from aiodist._group.world import is_initialized
 from aiodist._metrics.board import Board
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.record import Single, encode_host
@@ -390,6 +399,7 @@ class MetricAggregator:
             if g is not self._agreed_group:  # a new default group: agree afresh
                 self._agreed, self._agreed_group, self._first = None, g, number
                 self._board = None
+                g.on_close(self._group_closing)
             previous = self._agreed
             agreed: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
             work = start_sync(g, snapshot, previous, agreed, number - self._first)
@@ -399,8 +409,97 @@ class MetricAggregator:
             else:
                 agreed.add_done_callback(self._route_known)
         if on_done is not None:
-            _deliver_when_done(work, on_done, asyncio.get_running_loop())
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # plain code, not initialised: no loop, and done already
+                _deliver(work, on_done)
+            else:
+                _deliver_when_done(work, on_done, loop)
         return work
+
+    def flush(self) -> Work[None]:
+        """Push out every sync this rank started; return once they are handed to the peers.
+
+        Syncs between ranks of one host are queued and written to the shared
+        board a bucket at a time: ``flush`` writes what is queued now. A sync
+        on the data plane goes out when the one before it has agreed on the
+        key set, and that agreement is part of its exchange: ``flush`` waits
+        for the latest sync started from the event loop to complete. A sync
+        from plain code that is still on its way to the loop thread is started
+        first. Nothing waits for the other ranks' syncs (that is what awaiting
+        a sync's ``Work`` does).
+
+        ``destroy_process_group`` and the end of the process (the end of
+        ``asyncio.run``, interpreter exit) flush every aggregator and wait,
+        bounded, until its syncs are complete on every rank and their
+        ``on_done`` callbacks have run: call ``flush`` to hand syncs over
+        earlier, say before a long pause of this rank.
+
+        Returns:
+            On the event loop, a running ``Work`` to await. From plain code
+            (``aiodist.sync``'s loop thread runs the group), it blocks until
+            flushed and returns a done ``Work``. Done at once when nothing is
+            pending (or nothing is initialised).
+
+        Raises:
+            RuntimeError: Called from plain code while the group lives on an
+                event loop of your own (flush there with ``await agg.flush()``).
+
+        Cancellation:
+            Cancelling a task that awaits the Work does not stop the flush.
+
+        Example:
+            >>> agg.sync(on_done=log)
+            >>> await agg.flush()      # from plain code: agg.flush()
+        """
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # plain code
+            if self._syncs and is_initialized():
+                # Through the loop thread, after the syncs still on their way there.
+                portal.call(self._flushed, False)
+            return Work.completed(None, "metrics.flush")
+        loop = self._pending_loop()
+        if loop is None:
+            return Work.completed(None, "metrics.flush")
+        if running is not loop:
+            raise RuntimeError(
+                "MetricAggregator.flush() was called on an event loop other than its group's; "
+                "call it on the loop that joined the job"
+            )
+        return Work(linger(self._flushed(complete=False)), "metrics.flush")
+
+    def _pending_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop that runs this aggregator's syncs, or None when none can be pending."""
+        g = self._agreed_group
+        if g is None or g.closed or g.session.closed:
+            return None  # never synced on a group, or its close settled every sync
+        if self._agreed is not None:
+            return self._agreed.get_loop()
+        return self._board.loop if self._board is not None else None
+
+    async def _flushed(self, complete: bool) -> None:
+        """Wait until the syncs started on the loop took their route; drain the board's."""
+        while (agreed := self._agreed) is not None and not agreed.done():
+            await asyncio.wait([agreed])  # the latest one: syncs take their routes in order
+        board = self._board
+        if agreed is not None and not agreed.cancelled() and agreed.exception() is None:
+            route = agreed.result()
+            if isinstance(route, Board):
+                board = route
+        if board is not None:
+            await board.drain(complete=complete)
+
+    def _group_closing(self) -> asyncio.Task[None] | None:
+        """Close hook of the group syncs run on: every sync completes on every rank first."""
+        g, agreed = self._agreed_group, self._agreed
+        if g is None or agreed is None or agreed.done():
+            return None  # the board's own close hook drains what it holds
+        task = linger(self._flushed(complete=True), name="aiodist-metrics-flush")
+        inflight = g.session.inflight  # the session's close waits for it too
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+        return task
 
     def _route_known(self, agreed: asyncio.Future[Route]) -> None:
         # Syncs go through the board: later ones may write directly (posts may

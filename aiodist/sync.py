@@ -667,7 +667,13 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
     With a group made by ``new_group``, only that group is destroyed: later
     operations on it raise ``ClosedError``. torch.distributed's groups brought
-    up by the torch bridge go with them.
+    up by the torch bridge go with them. Metric syncs still queued are pushed
+    out first and complete on every rank (bounded by 30 s), as do operations
+    already started.
+
+    A process that never calls it leaves the same way when the event loop the
+    group lives on ends (``asyncio.run`` / ``anyio.run`` returning) or, failing
+    that, at interpreter exit: its peers see it leave, not fail.
 
     Cancellation:
         Shielded: once called, the group is torn down even if the caller is cancelled.

@@ -25,6 +25,7 @@ import torch
 import aiodist
 
 LOCK = threading.Lock()  # cannot be pickled
+NOT_A_TENSOR: Any = "not a tensor"  # a bad argument, passed where a tensor belongs
 LARGE = 1 << 20  # float32 elements: 4 MiB, the shared-memory path on one host
 
 
@@ -116,7 +117,7 @@ async def scenarios(rank: int) -> dict[str, Any]:
     await run(
         "tensor_small",
         lambda: pair(
-            lambda: aiodist.all_reduce("not a tensor" if bad else torch.full((4,), 1.0 + rank)),
+            lambda: aiodist.all_reduce(NOT_A_TENSOR if bad else torch.full((4,), 1.0 + rank)),
             lambda: aiodist.all_reduce(torch.full((4,), 100.0 + rank)),
         ),
     )
@@ -149,7 +150,7 @@ async def scenarios(rank: int) -> dict[str, Any]:
 
     async def p2p_tensor() -> dict[str, Any]:
         if rank == 1:
-            first = ended(start(lambda: aiodist.isend("not a tensor", dst=0)))  # type: ignore[arg-type]
+            first = ended(start(lambda: aiodist.isend(NOT_A_TENSOR, dst=0)))
             second = await settle(aiodist.isend(torch.full((3,), 7.0), dst=0))
             return {"first": first, "second": second}
         if rank == 0:
@@ -170,7 +171,7 @@ async def scenarios(rank: int) -> dict[str, Any]:
         if rank == 0:
             t = torch.zeros(2)
             out = await pair(
-                lambda: aiodist.irecv("not a tensor", src=1),  # type: ignore[arg-type]
+                lambda: aiodist.irecv(NOT_A_TENSOR, src=1),
                 lambda: aiodist.irecv(t, src=1),
             )
             out["second_tensor"] = t.tolist()
@@ -209,9 +210,9 @@ async def scenarios(rank: int) -> dict[str, Any]:
         "composite",
         lambda: pair(
             lambda: aiodist.all_reduce_dict(
-                {"a": "not a tensor"}
+                {"a": NOT_A_TENSOR}
                 if bad
-                else {"a": torch.ones(2), "n": torch.ones(1, dtype=torch.int64)}  # type: ignore[dict-item]
+                else {"a": torch.ones(2), "n": torch.ones(1, dtype=torch.int64)}
             ),
             lambda: aiodist.all_reduce_dict({"a": torch.full((2,), 1.0 + rank)}),
         ),
@@ -311,7 +312,7 @@ def main_sync(url: str, rank: int, world: int) -> None:
     dist.barrier()
     run(
         "tensor_small",
-        lambda: dist.all_reduce("not a tensor" if bad else torch.full((4,), 1.0 + rank)),
+        lambda: dist.all_reduce(NOT_A_TENSOR if bad else torch.full((4,), 1.0 + rank)),
         lambda: dist.all_reduce(torch.full((4,), 100.0 + rank)),
     )
     if rank in (0, 1):

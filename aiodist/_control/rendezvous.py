@@ -22,7 +22,7 @@ import functools
 import os
 import urllib.parse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import anyio
 
@@ -31,17 +31,23 @@ from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from anyio.abc import TaskGroup
+    from collections.abc import Callable, Coroutine, Mapping
 
     from aiodist._control.channel import ControlChannel
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["RendezvousSpec", "connect_rendezvous", "may_embed", "parse_init_method"]
+__all__ = ["RendezvousSpec", "ServerHost", "connect_rendezvous", "may_embed", "parse_init_method"]
 
 FILE_PROBE_TIMEOUT: Final = 2.0
 _file_locks: dict[str, asyncio.Lock] = {}  # fcntl locks are per process: also lock in-process
+
+
+class ServerHost(Protocol):
+    """Where an embedded server's task runs: ``start`` as an anyio task group has it."""
+
+    async def start(
+        self, func: Callable[..., Coroutine[Any, Any, Any]], *args: object, name: object = None
+    ) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +147,7 @@ def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) ->
 
 async def connect_rendezvous(
     spec: RendezvousSpec,
-    tg: TaskGroup | None,
+    tg: ServerHost | None,
     *,
     timeout: float,
     environ: Mapping[str, str] | None = None,
@@ -185,7 +191,7 @@ async def connect_rendezvous(
 
 async def _connect_file(
     path: str,
-    tg: TaskGroup,
+    tg: ServerHost,
     *,
     timeout: float,
     token: str,

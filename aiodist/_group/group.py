@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiodist._errors import AbortedError, ClosedError, DistError, ErrorCode, GroupBrokenError
 from aiodist._group.inflight import Deadlines, start_task
+from aiodist._group.lingering import linger
 from aiodist._group.work import Work
 from aiodist._plane.peers import call_of
 from aiodist._wire.messages import MessageKind
@@ -113,15 +114,22 @@ class ProcessGroup:
 
         Before anything fails: what an operation left to do on this side (metric
         records queued on a shared board) still gets done, for the peers' sake.
+        A method may return a future (a task it started): leaving the job waits
+        for it, bounded (``join.run_close_hooks``).
         """
         self._on_close.append(weakref.WeakMethod(method))
 
-    def run_close_hooks(self) -> None:
+    def run_close_hooks(self) -> list[asyncio.Future[Any]]:
+        """Run the close hooks registered so far; return the futures they returned."""
         hooks, self._on_close = self._on_close, []
+        started: list[asyncio.Future[Any]] = []
         for ref in hooks:
             method = ref()
             if method is not None:
-                method()
+                result = method()
+                if isinstance(result, asyncio.Future):
+                    started.append(result)
+        return started
 
     def close(self) -> None:
         """Destroy this group (not the session): its pending receives fail, later calls raise."""
@@ -154,7 +162,7 @@ class ProcessGroup:
             await self._session.plane.send_error(rank, header)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        task = linger(coro)  # peers learn why even when the loop is ending
         self._session.inflight.add(task)
         task.add_done_callback(self._session.inflight.discard)
 

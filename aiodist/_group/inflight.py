@@ -28,6 +28,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiodist._errors import AbortedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._group.lingering import LingeringTask
 from aiodist._plane.peers import call_of
 
 if TYPE_CHECKING:
@@ -187,7 +188,8 @@ def start_task(
     ``op`` ever ran (an aborted call): the task's end, not the handle's, since
     ``op`` may still be unwinding when its handle fails.
     """
-    task = loop.create_task(run_task(g, work, op, seq, collective))
+    # Lingering: the end of asyncio.run does not stop it halfway through (peers take part).
+    task = LingeringTask(run_task(g, work, op, seq, collective), loop=loop)
     inflight = g.session.inflight
     inflight.add(task)
     task.add_done_callback(inflight.discard)

@@ -2,17 +2,28 @@
 
 Joining parses the init method, listens on the data plane, starts heartbeats
 (a timer of the control connection, stopped when it closes) and sends the
-``Join``; the server's ``Welcome`` makes the session. An embedded server lives
-in an anyio task group owned by ``open_process_group`` (made only when this
-process may embed one). Nothing outlives the ``async with``.
+``Join``; the server's ``Welcome`` makes the session. An embedded server runs
+in a task owned by ``open_process_group`` (made only when this process embeds
+one). Nothing outlives the ``async with``.
+
+Leaving is one path, whatever ends the ``async with`` (``destroy_process_group``,
+the end of ``asyncio.run``, interpreter exit): the groups' close hooks run while
+the groups are still usable and what they start finishes, bounded (metric
+syncs still queued reach every rank); then the session closes, which lets
+started operations finish, says goodbye to the peers and leaves the job; an
+embedded server stays up while other members use it. Neither the embedded
+server's task nor an operation's is cancelled by its loop's shutdown
+(``lingering``): the end of ``asyncio.run`` is a clean leave.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -23,7 +34,9 @@ from aiodist._control.rendezvous import (
     parse_init_method,
 )
 from aiodist._control.store import REPLY_GRACE
+from aiodist._group.lingering import LingeringTask
 from aiodist._group.session import (
+    CLOSE_GRACE,
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -33,13 +46,17 @@ from aiodist._plane.peers import DataPlane
 from aiodist._wire.messages import Join
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
-
-    from anyio.abc import TaskGroup
+    from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 
     from aiodist._group.group import ProcessGroup
+    from aiodist._server.serve import RendezvousServer
 
-__all__ = ["open_process_group"]
+__all__ = ["open_process_group", "run_close_hooks"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds an embedded server waits for its clients to hang up before it shuts down.
+HANG_UP_GRACE: Final = 2.0
 
 
 def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
@@ -108,39 +125,114 @@ async def open_process_group(
     name = group_name or _default_group_name(env)
     args = (spec, name, timeout, backend, interval, hb_timeout, hostname, addresses)
     if not may_embed(spec, env):
-        # Nothing to run beside the member (heartbeats are a timer): no task group.
+        # Nothing to run beside the member (heartbeats are a timer): no server task.
         async with _joined(None, *args) as group:
             yield group
         return
-    with _unwrap_single_error():
-        async with anyio.create_task_group() as tg:
-            async with _joined(tg, *args) as group:
-                yield group
-
-
-@contextlib.contextmanager
-def _unwrap_single_error() -> Iterator[None]:
-    # Task groups wrap every error in an ExceptionGroup; a caller that gets one
-    # error (RendezvousError, or its own) should see it plainly.
+    servers = _EmbeddedServer()
     try:
-        yield
-    except BaseExceptionGroup as group:
-        errors = _flatten(group)
-        if len(errors) == 1:
-            raise errors[0] from errors[0].__cause__
-        raise
+        async with _joined(servers, *args) as group:
+            yield group
+    finally:
+        with anyio.CancelScope(shield=True):
+            await servers.aclose()
 
 
-def _flatten(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_flatten(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
+async def run_close_hooks(groups: Iterable[ProcessGroup], grace: float) -> None:
+    """Run the close hooks of ``groups`` while they are usable; wait for what they started.
+
+    A hook may return a future (the metric board's: its syncs reaching every
+    rank); the wait is bounded by ``grace`` seconds, then those are cancelled.
+
+    Cancellation:
+        Cancelling the caller cancels what the hooks started.
+    """
+    pending = [future for g in list(groups) for future in g.run_close_hooks()]
+    if pending:
+        with anyio.move_on_after(grace):
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+class _Status:
+    """The ``task_status`` handed to a server's task: reports the server once it listens."""
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        self._future = future
+
+    def started(self, value: Any = None) -> None:
+        if not self._future.done():
+            self._future.set_result(value)
+
+
+class _EmbeddedServer:
+    """Runs the embedded rendezvous server's task (``ServerHost``); stops it on ``aclose``.
+
+    Not a task group: the server's task must outlive its loop's shutdown
+    (``LingeringTask``) while the session keeps it up for the other members.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: list[LingeringTask[Any]] = []
+        self._servers: list[RendezvousServer] = []
+
+    async def start(
+        self, func: Callable[..., Coroutine[Any, Any, Any]], *args: object, name: object = None
+    ) -> Any:
+        """Start ``func(*args, task_status=...)``; return what it reports once started.
+
+        Raises:
+            Exception: What ``func`` raised before it started (``OSError``: the
+                address is taken).
+        """
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[Any] = loop.create_future()
+        task: LingeringTask[Any] = LingeringTask(
+            func(*args, task_status=_Status(started)),
+            loop=loop,
+            name=str(name or "aiodist-rendezvous-server"),
+        )
+        self._tasks.append(task)
+        try:
+            await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not started.done():
+                started.cancel()
+                task.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(task, return_exceptions=True)
+                self._tasks.remove(task)
+        if started.cancelled():
+            task.result()  # what stopped it
+            raise RuntimeError(f"{func!r} returned without starting")
+        self._servers.append(started.result())
+        return started.result()
+
+    async def aclose(self) -> None:
+        """Stop every server started here (each tells its clients first).
+
+        Clients still connected hear that the server shuts down, which they
+        report: members that just left get a moment to hang up first.
+        """
+        servers, self._servers = self._servers, []
+        tasks, self._tasks = self._tasks, []
+        try:
+            for server in servers:
+                with anyio.move_on_after(HANG_UP_GRACE):
+                    await server.wait_until(lambda s: s.num_connections == 0)
+        finally:
+            for task in tasks:  # even if that wait was cancelled: the loop's end waits for them
+                task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await task
+                except Exception:
+                    logger.exception("the embedded rendezvous server failed")
 
 
 @contextlib.asynccontextmanager
 async def _joined(
-    tg: TaskGroup | None,
+    servers: _EmbeddedServer | None,
     spec: RendezvousSpec,
     name: str,
     timeout: float,
@@ -151,7 +243,7 @@ async def _joined(
     addresses: list[str] | None,
 ) -> AsyncIterator[ProcessGroup]:
     # Notices that come before the session exists are held by the channel until then.
-    conn, server = await connect_rendezvous(spec, tg, timeout=timeout)
+    conn, server = await connect_rendezvous(spec, servers, timeout=timeout)
     plane = DataPlane(name)
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]
@@ -188,6 +280,8 @@ async def _joined(
         yield session.world
     finally:
         with anyio.CancelScope(shield=True):
+            await run_close_hooks(session.groups.values(), min(timeout, CLOSE_GRACE))
             await session.aclose()
-        if tg is not None:
-            tg.cancel_scope.cancel()  # the embedded server, if this process started one
+        if servers is not None:
+            with anyio.CancelScope(shield=True):
+                await servers.aclose()  # the embedded server, if this process started one

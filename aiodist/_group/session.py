@@ -31,6 +31,7 @@ from aiodist._errors import (
     from_wire,
 )
 from aiodist._group.group import ProcessGroup
+from aiodist._group.lingering import linger
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersRequest
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class Session:
         if self._members is not None:
             return self._members
         if self._members_loading is None:
-            self._members_loading = asyncio.ensure_future(self._load_members())
+            self._members_loading = linger(self._load_members())  # an operation waits on it
         return await asyncio.shield(self._members_loading)
 
     async def _load_members(self) -> list[MemberInfo]:

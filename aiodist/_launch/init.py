@@ -3,19 +3,31 @@
 ``init_process_group`` joins the job (``aiodist._group.join``), installs the
 default group (``aiodist._group.world``) and, for a torch backend, brings up
 torch.distributed through the torch bridge.
+
+One task holds the default group open, on the loop that joined. Whatever ends
+it ends it the same way (torch's groups torn down, then the job left as
+``join`` leaves it): ``destroy_process_group``; the end of that loop
+(``asyncio.run`` returning: the task is a ``LingeringTask``, which leaves
+instead of being cancelled); or interpreter exit, for a loop still open (an
+exit handler; ``aiodist.sync``'s loop thread has its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from aiodist._control.store import as_seconds
-from aiodist._group.join import open_process_group
-from aiodist._group.session import DEFAULT_TIMEOUT
+from aiodist._group.join import open_process_group, run_close_hooks
+from aiodist._group.lingering import LingeringTask
+from aiodist._group.session import CLOSE_GRACE, DEFAULT_TIMEOUT
 from aiodist._group.world import (
     DefaultGroup,
+    default_group_loop,
     get_default_group,
     install_default,
     is_initialized,
@@ -89,6 +101,7 @@ async def init_process_group(
     loop = asyncio.get_running_loop()
     started: asyncio.Future[ProcessGroup] = loop.create_future()
     stop = asyncio.Event()
+    default: DefaultGroup | None = None
 
     async def hold_open() -> None:
         try:
@@ -104,7 +117,14 @@ async def init_process_group(
                 hostname=hostname,
             ) as group:
                 started.set_result(group)
-                await stop.wait()
+                try:
+                    await stop.wait()
+                finally:
+                    # destroy_process_group, the loop's end, or interpreter exit: one way out.
+                    if default is not None:
+                        _forget_default(default)
+                    with anyio.CancelScope(shield=True):
+                        await tear_down(group)
         except BaseException as exc:
             if not started.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -114,14 +134,18 @@ async def init_process_group(
                     return
             raise
 
-    task = loop.create_task(hold_open(), name="aiodist-default-group")
+    # The loop's shutdown (asyncio.run returning without destroy_process_group) leaves
+    # the job the way destroy_process_group does, rather than cancelling the holder.
+    task = LingeringTask(hold_open(), loop=loop, name="aiodist-default-group", on_shutdown=stop.set)
     try:
         group = await started
     except BaseException:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise
-    install_default(DefaultGroup(group, task, stop))
+    default = DefaultGroup(group, task, stop)
+    install_default(default)
+    _leave_at_exit_of_this_process()
     if devices is not None:
         assert backend is not None
         try:
@@ -159,12 +183,20 @@ async def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
     With a group made by ``new_group``, only that group is destroyed: later
     operations on it raise ``ClosedError``. torch.distributed's groups brought
-    up by the torch bridge go with them.
+    up by the torch bridge go with them. Metric syncs still queued are pushed
+    out first and complete on every rank (bounded by 30 s), as do operations
+    already started.
+
+    A process that never calls it leaves the same way when the event loop the
+    group lives on ends (``asyncio.run`` / ``anyio.run`` returning) or, failing
+    that, at interpreter exit: its peers see it leave, not fail.
 
     Cancellation:
         Shielded: once called, the group is torn down even if the caller is cancelled.
     """
     if group is not None and group.group_id != 0:  # a group made by new_group
+        # Its metric syncs still queued reach every member first (its close hooks).
+        await asyncio.shield(run_close_hooks([group], min(group.timeout, CLOSE_GRACE)))
         await tear_down(group)
         group.close()
         return
@@ -173,6 +205,38 @@ async def destroy_process_group(group: ProcessGroup | None = None) -> None:
     default = take_default()
     if default is None:
         return
-    await asyncio.shield(tear_down(default.group))
+    # The holder tears torch's group down, then leaves the job (``hold_open``).
     default.stop.set()
     await asyncio.shield(asyncio.gather(default.task, return_exceptions=True))
+
+
+def _forget_default(default: DefaultGroup) -> None:
+    """Forget ``default`` if it is still the default group (its holder is ending)."""
+    if get_default_group() is default.group:
+        take_default()
+
+
+_installed_by = 0  # the pid of the process that installed the default group
+
+
+def _leave_at_exit_of_this_process() -> None:
+    global _installed_by
+    _installed_by = os.getpid()
+
+
+@atexit.register  # at import: it runs after the exit handlers registered later
+def _leave_at_exit() -> None:
+    """Leave the job at interpreter exit if the default group is still up.
+
+    Async code whose loop is still open (``loop.run_until_complete(main())``
+    without closing it) gets here, as does a loop running in a thread of its
+    own; ``asyncio.run`` leaves at its own end, and ``aiodist.sync`` in its
+    loop thread's exit handler. A forked child never leaves its parent's job.
+    """
+    loop = default_group_loop()
+    if loop is None or loop.is_closed() or _installed_by != os.getpid():
+        return
+    if loop.is_running():  # another thread's loop
+        asyncio.run_coroutine_threadsafe(destroy_process_group(), loop).result()
+    else:
+        loop.run_until_complete(destroy_process_group())

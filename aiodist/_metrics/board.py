@@ -19,7 +19,10 @@ records are written
   ``await``), which writes before it looks;
 - by the poller, once they have sat queued for a whole ``POLL_QUEUED`` period
   (a rank that stopped syncing: at most twice that late);
-- when the group or its session closes, before anything fails.
+- by ``drain`` (``MetricAggregator.flush()``);
+- when the group or its session closes, before anything fails: leaving the
+  job then waits (bounded) until every sync posted here is complete on every
+  rank and its waiters and callbacks are woken (``drain(complete=True)``).
 
 Completion is noticed rather than announced, and handles are settled lazily:
 
@@ -72,6 +75,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from aiodist._errors import DistTimeoutError
+from aiodist._group.lingering import linger
 from aiodist._metrics.board_work import BoardWork, Bucket, wake
 from aiodist._metrics.slots import (
     BUCKETS,
@@ -137,7 +141,7 @@ class Board:
         self._timer_when = 0.0  # loop time it fires at (uvloop's handles do not say)
         self._stale: Entry | None = None  # the queue's head at the last poll
         self._idle = 0  # slow looks in a row that found nothing in flight
-        g.on_close(self.check)  # records still queued are written before the group goes
+        g.on_close(self._closing)  # queued records reach every rank before the group goes
         self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
         self._draining = False
 
@@ -396,6 +400,59 @@ class Board:
                 woken.append(settled)
         watched.clear()
         return woken
+
+    # --- draining (the loop's thread) --------------------------------------------------------
+
+    async def drain(self, *, complete: bool = False) -> None:
+        """Write every record queued here; with ``complete``, wait until every rank wrote them.
+
+        Returns once none is left queued (a full bucket slot may hold records
+        back until the slowest rank copied it out); with ``complete``, once every
+        sync posted here is complete on every rank and copied out, its watched
+        handles settled. Returns early if they fail (the group broke, or the
+        oldest timed out): they then hold the error.
+
+        Cancellation:
+            Cancelling the caller stops the wait; what was written stays written.
+        """
+        delay = POLL_MIN
+        while True:
+            self.check()
+            with self.lock:
+                if self._failure is not None:
+                    return
+                pending = bool(self._queued or self._backlog or self._written_above)
+                if complete and not pending:
+                    pending = self._copied < self._written
+            if not pending:
+                return
+            error = self._failure_now()
+            if error is not None:
+                with self.lock:
+                    drain = (
+                        self.queue_wake_locked(self._fail_locked(error))
+                        if self._failure is None
+                        else None
+                    )
+                self.run_wake(drain)
+                return
+            await asyncio.sleep(delay)  # the other ranks' progress is only seen by looking
+            delay = min(POLL_MAX, delay * 2)
+
+    def _closing(self) -> asyncio.Task[None] | None:
+        """Close hook: write what is queued; return a task draining the rest, if any is left."""
+        self.check()
+        with self.lock:
+            done = self._failure is not None or not (
+                self._queued or self._backlog or self._written_above or self._copied < self._written
+            )
+        if done:
+            return None
+        task = linger(self.drain(complete=True), name="aiodist-metrics-drain")
+        inflight = self.session.inflight  # the session's close waits for it too
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+        return task
 
     # --- the poller (the loop's thread) ------------------------------------------------------
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import CollectiveMismatchError
 from aiodist._group.inflight import fail, start_task
+from aiodist._group.lingering import linger
 from aiodist._group.work import Work
 from aiodist._metrics.board import Board
 from aiodist._metrics.board_setup import open_board
@@ -282,7 +283,7 @@ async def _union(g: ProcessGroup, seq: int, table: dict[str, Reduction]) -> Sche
         merge(other, src)
 
     async def exchange(partner: int, step: int) -> None:
-        future = asyncio.ensure_future(get(partner, step))
+        future = linger(get(partner, step))  # as the sync's own task
         try:
             await send_only(partner, step)
             other = await future

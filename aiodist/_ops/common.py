@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiodist._errors import CollectiveMismatchError
 from aiodist._group.inflight import fail
+from aiodist._group.lingering import linger
 from aiodist._group.world import get_default_group
 from aiodist._ops import schedules
 from aiodist._plane.peers import COLLECTIVE
@@ -336,7 +337,7 @@ async def _finish_sends(
 
 
 def _spawn(g: ProcessGroup, coro: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.get_running_loop().create_task(coro)
+    task = linger(coro)
     inflight = g.session.inflight
     inflight.add(task)
     task.add_done_callback(inflight.discard)
@@ -402,17 +403,17 @@ async def _agree(g: ProcessGroup, seq: int, mine: list[Any]) -> None:
 
 async def agreed(g: ProcessGroup, seq: int, mine: list[Any], body: Coroutine[Any, Any, T]) -> T:
     """Run ``body`` beside the signature check; the first error wins."""
-    agree = asyncio.ensure_future(_agree(g, seq, mine))
-    main = asyncio.ensure_future(body)
+    agree, main = linger(_agree(g, seq, mine)), linger(body)  # as the operation's own task
+    tasks: tuple[asyncio.Task[Any], ...] = (agree, main)
     try:
-        await asyncio.wait({agree, main}, return_when=asyncio.FIRST_EXCEPTION)
-        for task in (agree, main):
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
             if task.done() and task.exception() is not None:
                 task.result()
         await agree
         return await main
     finally:
-        for task in (agree, main):
+        for task in tasks:
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):

@@ -17,6 +17,10 @@ Torch's blocking calls (``init_process_group``, ``new_group``,
 ``destroy_process_group``) run in the group's thread; the loop awaits them
 and keeps serving the store they use. A thread stuck in torch is waited out
 on teardown for at most the group's timeout, then abandoned (daemon thread).
+The thread is a daemon of our own, not a ``ThreadPoolExecutor``'s: the
+interpreter joins those before its exit handlers run and refuses them work
+from then on, so torch's group could not be destroyed at exit (torch warns
+about a group never destroyed), and a call stuck in torch would hang the exit.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Executor, Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STORE_PREFIX",
     "GroupBridge",
+    "IssuingThread",
     "bring_up",
     "parse_backend",
     "tear_down",
@@ -101,7 +108,7 @@ class GroupBridge:
         self.closed = False
         self._pending: set[asyncio.Future[Any]] = set()
         self._call_seq: int | None = None  # the place start_collective took for its call
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiodist-torch-{group.name}")
+        self._executor = IssuingThread(f"aiodist-torch-{group.name}")
 
     def __repr__(self) -> str:
         return f"<GroupBridge {self.group.name!r} {self.backend}>"
@@ -261,6 +268,52 @@ class GroupBridge:
                 logger.exception("tearing down torch's group for %r failed", self.group)
         self.torch_group = None
         self._executor.shutdown(wait=False)
+
+
+class IssuingThread(Executor):
+    """One daemon thread that runs the calls submitted to it, in order.
+
+    Usable until ``shutdown``, at interpreter exit included (see the module
+    docstring for why it is not a ``ThreadPoolExecutor``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            self._calls.put((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._calls.put(None)
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, call, item  # nothing of a finished call stays alive here
 
 
 def _current_stream(t: torch.Tensor) -> Any:

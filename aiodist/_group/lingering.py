@@ -1,0 +1,93 @@
+"""Tasks that see their work through when the event loop they run on ends.
+
+``asyncio.run`` and ``anyio.run`` end by cancelling every task still pending,
+with the loop stopped, and then running the loop until those tasks are done.
+For aiodist's own tasks that cancellation is the wrong end: a process group's
+holder would drop its members without leaving the job (its peers would see a
+crash), an embedded rendezvous server would go away under the other ranks,
+and an operation in flight would stop halfway through an exchange its peers
+take part in (DESIGN: cancelling the awaiting task never cancels the operation).
+
+A ``LingeringTask`` tells that cancellation apart from every other one: it
+comes while the loop is *not running* (every other cancel comes from code
+running on the loop: a cancel scope, a deadline, ``wait_for``). It then calls
+``on_shutdown`` (the group's holder starts leaving the job, as
+``destroy_process_group`` makes it) instead of cancelling, and the loop's
+shutdown waits for the task to finish. Everything such a task waits for is
+bounded: an operation by its group's deadline and by the close of its
+session (``CLOSE_GRACE``), the group's holder by the close itself. Should
+one still run ``SHUTDOWN_LIMIT`` seconds into the shutdown, it is cancelled
+after all: nothing of aiodist's holds a process's exit longer.
+
+What this cannot protect is the loop's own tasks: asyncio's selector loop
+accepts each incoming connection in a task, and the shutdown cancels those
+too. A connection a peer opens in the last turns of a rank's loop (its first
+message to that rank, sent just as the rank's ``asyncio.run`` ends) can be
+dropped; the peer then sees the rank fail. Ranks that exchanged anything
+before are connected already; uvloop accepts without tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
+__all__ = ["SHUTDOWN_LIMIT", "LingeringTask", "linger"]
+
+T = TypeVar("T")
+
+#: Seconds into its loop's shutdown after which a lingering task is cancelled after all
+#: (above the longest leave: operations' close grace, leaving, an embedded server's linger).
+SHUTDOWN_LIMIT: Final = 120.0
+
+
+class LingeringTask(asyncio.Task[T]):
+    """A task that its loop's shutdown does not cancel (see the module docstring).
+
+    Args:
+        coro: What the task runs.
+        loop: Its event loop.
+        name: The task's name.
+        on_shutdown: Called (on the thread that shuts the loop down) instead of
+            cancelling; None simply lets the task run on.
+    """
+
+    def __init__(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        loop: asyncio.AbstractEventLoop,
+        name: str | None = None,
+        on_shutdown: Callable[[], object] | None = None,
+    ) -> None:
+        super().__init__(coro, loop=loop, name=name)
+        self._on_shutdown = on_shutdown
+        self._lingering = False  # its loop's shutdown asked it to end
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if self.get_loop().is_running() or self.done():
+            return super().cancel(msg)
+        # The loop's shutdown (asyncio.run's end): finish instead; it waits for us.
+        if not self._lingering:
+            self._lingering = True
+            self.get_loop().call_later(SHUTDOWN_LIMIT, self._give_up)
+            if self._on_shutdown is not None:
+                self._on_shutdown()
+        return False
+
+    def _give_up(self) -> None:
+        if not self.done():
+            super().cancel("still running long after its event loop began to shut down")
+
+
+def linger(
+    coro: Coroutine[Any, Any, T],
+    *,
+    name: str | None = None,
+    on_shutdown: Callable[[], object] | None = None,
+) -> LingeringTask[T]:
+    """Run ``coro`` as a ``LingeringTask`` on the running loop (as ``asyncio.ensure_future``)."""
+    return LingeringTask(coro, loop=asyncio.get_running_loop(), name=name, on_shutdown=on_shutdown)

@@ -1,0 +1,99 @@
+"""Running test workers as real processes: to their end, within a limit, none left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+__all__ = ["Finished", "alive", "free_port", "json_lines", "reports_by_rank", "run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; its parent reaps it
+
+
+def json_lines(stdout: str) -> list[dict[str, Any]]:
+    """The lines of ``stdout`` that are JSON objects (workers report on one line each)."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a dict printed by Python, not a report
+    return out
+
+
+def reports_by_rank(stdout: str) -> dict[int, dict[str, Any]]:
+    """The workers' reports by rank (a worker that failed early may report no rank)."""
+    return {r["rank"]: r for r in json_lines(stdout) if "rank" in r}
+
+
+@dataclass
+class Finished:
+    """A process that ran to its end."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+async def run(
+    argv: list[str], limit: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Finished:
+    """Run ``argv`` to its end within ``limit`` s; whatever happens, leave no process behind.
+
+    Workers print ``{"pid": ...}`` lines: ranks that ``aiodist run`` started (each in
+    a session of its own) are killed by pid if they outlive it.
+    """
+    pids: set[int] = set()
+    data = {"stdout": bytearray(), "stderr": bytearray()}
+
+    async def drain(stream: Any, name: str) -> None:
+        async for chunk in stream:
+            data[name] += chunk
+            if name == "stdout":  # complete lines only
+                text = data[name][: data[name].rfind(b"\n") + 1].decode(errors="replace")
+                pids.update(r["pid"] for r in json_lines(text) if "pid" in r)
+
+    proc = await anyio.open_process(argv, env={**os.environ, **(env or {})}, cwd=cwd)
+    try:
+        with anyio.fail_after(limit):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain, proc.stdout, "stdout")
+                tg.start_soon(drain, proc.stderr, "stderr")
+            returncode = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()  # aiodist run passes it on to its ranks
+            with anyio.move_on_after(5, shield=True):
+                await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+        with anyio.CancelScope(shield=True):
+            await proc.aclose()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return Finished(returncode, data["stdout"].decode(), data["stderr"].decode())
