@@ -219,16 +219,19 @@ async def scenarios(rank: int) -> dict[str, Any]:
     )
 
     async def cancelled() -> dict[str, Any]:
-        # Rank 1 cancels the task awaiting its call: the call still runs its course.
-        work = aiodist.all_gather_object(f"first-{rank}")
+        # Rank 1 makes its call first and cancels the task awaiting it while the call
+        # cannot have finished (the others have not made theirs): it still runs its course.
         if bad:
+            work = aiodist.all_gather_object(f"first-{rank}")
             task = asyncio.ensure_future(_await(work))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one loop turn: the task is now awaiting the call
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            first = ["cancelled", task.cancelled()]
+            first: Any = ["cancelled", task.cancelled(), work.is_completed()]
+            await store.set("cancelled/waited", b"1")
         else:
-            first = await settle(work)
+            await store.wait(["cancelled/waited"])
+            first = await settle(aiodist.all_gather_object(f"first-{rank}"))
         return {"first": first, "second": await settle(aiodist.all_gather_object(f"second-{rank}"))}
 
     await run("cancelled", cancelled)

@@ -242,6 +242,18 @@ async def _check_serve(command: str, cwd: Path) -> None:
         # Leaving the block stops it with SIGTERM and checks that it exits 0.
 
 
+async def _check_serve_token_from_env(command: str, cwd: Path) -> None:
+    # The token comes from the environment: status with it is served, without it refused.
+    args = _serve_args(command.split(" ", 1)[1], cwd)
+    async with serve(*args, env={"AIODIST_TOKEN": TOKEN}) as daemon:
+        port = str(daemon.port)
+        served = await run_cli("status", "--port", port, env={"AIODIST_TOKEN": TOKEN})
+        assert served.returncode == 0, served.stderr
+        refused = await run_cli("status", "--port", port)
+        assert refused.returncode == 1
+        assert "AuthenticationError" in refused.stderr or "token" in refused.stderr
+
+
 async def _check_status(command: str, cwd: Path) -> None:
     async with serve("--port", "0") as daemon:
         args = shlex.split(command)[1:]
@@ -262,6 +274,7 @@ BASH: dict[str, Check | str] = {
     "aiodist serve --port 29500": _check_serve,
     "aiodist serve --host 0.0.0.0 --token-file /etc/aiodist/token --metrics-port 9500 "
     "--log-format json": _check_serve,
+    "AIODIST_TOKEN=... aiodist serve --port 29500": _check_serve_token_from_env,
     "aiodist status --port 29500": _check_status,
     "aiodist status --port 29500 --json": _check_status,
     "aiodist run -n 4 train.py --lr 0.1": _check_run,
