@@ -8,6 +8,11 @@ number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
 that breaks a group on every member; ``PEER_BYE`` precedes a clean close.
 
+A peer that said goodbye, or that the server says left the job (``peer_left``),
+has *left*: once no channel from it is open (all it sent has arrived), the
+receives waiting on it fail, and so does every later receive from it that
+nothing already delivered matches, and every send to it.
+
 The data planes of one process share one Unix-socket listener (per event loop):
 each publishes ``uds:NAME#MEMBER``, and ``member`` in the hello says which
 plane an accepted channel belongs to (0 on a plane's own TCP listener).
@@ -98,6 +103,10 @@ async def _no_verdict(rank: int, reason: str) -> BaseException | None:
     return None  # until a session takes over the plane's peer failures
 
 
+async def _left_alone(rank: int) -> BaseException:
+    return ConnectionResetError(f"rank {rank} left")  # until a session names it better
+
+
 class DataPlane:
     """Channels to every peer of a session, and the receives waiting on them."""
 
@@ -108,6 +117,7 @@ class DataPlane:
         on_peer_lost: Callable[[int, str], Awaitable[BaseException | None]] | None = None,
         on_peer_error: Callable[[int, Any], None] | None = None,
         token: str | None = None,
+        on_peer_left: Callable[[int], Awaitable[BaseException]] | None = None,
     ) -> None:
         """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated."""
         self.job = job
@@ -117,7 +127,14 @@ class DataPlane:
         self.world_size = 0
         self.matcher: Matcher[Posted, Received] = Matcher()
         self.on_peer_lost = on_peer_lost or _no_verdict
+        self.on_peer_left = on_peer_left or _left_alone  # the error for a peer that said bye
         self.on_peer_error = on_peer_error or (lambda src, header: None)
+        # Peers that left, and the error of what needs them; those whose channels are all
+        # closed (nothing more can come from them); the open channels of each peer.
+        self.left: dict[int, BaseException] = {}
+        self._gone: set[int] = set()
+        self._by_src: dict[int, set[DataChannel]] = {}
+        self._left_timers: list[asyncio.TimerHandle] = []
         self._listeners: list[Listener] = []  # this plane's own (TCP)
         self._shared: SharedListener | None = None  # the process's Unix-socket listener
         self._member = 0  # this plane's number on it
@@ -220,6 +237,8 @@ class DataPlane:
 
     async def send(self, dst: int, key: Key, meta: Any, payload: Buffer | None) -> None:
         """Send one message to global rank ``dst``; returns when ``payload`` may be reused."""
+        if dst in self.left:
+            raise self.left[dst]
         if dst == self.rank:
             data = memoryview(bytes(payload) if payload is not None else b"")
             self._deliver_local(key, Received(dst, meta, data))
@@ -233,6 +252,8 @@ class DataPlane:
 
     async def send_header(self, dst: int, header: list[Any], payload: Buffer | None = None) -> None:
         """Send one DATA frame with ``header`` to peer ``dst`` (not this rank)."""
+        if dst in self.left:
+            raise self.left[dst]
         try:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.DATA, header, payload)
@@ -253,8 +274,14 @@ class DataPlane:
             self._deliver_local(key, Received(dst, meta, data))
             return None
         channel = self._out.get(dst)
-        if channel is None or (
-            key[0] == P2P and payload is not None and memoryview(payload).nbytes >= BULK_MIN_BYTES
+        if (
+            channel is None
+            or dst in self.left
+            or (
+                key[0] == P2P
+                and payload is not None
+                and memoryview(payload).nbytes >= BULK_MIN_BYTES
+            )
         ):
             return self.send(dst, key, meta, payload)  # connect first, or announce: no shortcut
         coro = channel.send(MessageKind.DATA, [*key, meta], payload)
@@ -278,7 +305,7 @@ class DataPlane:
         raise await self._send_failed(dst, exc) from exc
 
     async def send_error(self, dst: int, header: Any) -> None:
-        if dst != self.rank:
+        if dst != self.rank and dst not in self.left:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.PEER_ERROR, header)
 
@@ -310,8 +337,7 @@ class DataPlane:
             except BaseException:
                 channel.abort()
                 raise
-            self._channels.add(channel)
-            self._out.setdefault(dst, channel)
+            self._opened(dst, channel)
             future.set_result(self._out[dst])
         except BaseException as exc:
             future.set_exception(exc)
@@ -387,8 +413,12 @@ class DataPlane:
 
     def _adopt(self, src: int, channel: DataChannel) -> None:
         # A peer connected to us first: use its channel for our sends to it too.
+        self._opened(src, channel)
+
+    def _opened(self, peer: int, channel: DataChannel) -> None:
         self._channels.add(channel)
-        self._out.setdefault(src, channel)
+        self._by_src.setdefault(peer, set()).add(channel)
+        self._out.setdefault(peer, channel)
 
     # --- receiving ----------------------------------------------------------------------
 
@@ -405,6 +435,8 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif src in self._gone:
+            self._settle_left(src)  # nothing more comes from it: fails at once
         elif key[0] == P2P and src is not None:
             self.bulk.offer(src, posted)
         return future
@@ -425,6 +457,8 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif src in self._gone:
+            self._settle_left(src)  # nothing more comes from it: fails at once
         elif key[0] == P2P and src is not None:
             self.bulk.offer(src, posted)
 
@@ -468,25 +502,69 @@ class DataPlane:
         for posted in self.matcher.take_posted_where(lambda k: k[0] in kinds):
             posted.settle(exc)
 
+    def peer_left(self, rank: int, exc: BaseException, *, grace: float = 0.0) -> None:
+        """``rank`` left the job: what needs it fails with ``exc``, once all it sent is in.
+
+        Sends to it fail at once. Receives from it fail once no channel from it is
+        open (its goodbye and close come after its last message); with none open
+        now, after ``grace`` seconds (a channel it opened just before leaving may
+        not have said hello yet). The first ``exc`` given for a rank stays.
+        """
+        self.left.setdefault(rank, exc)
+        if self._by_src.get(rank):
+            return  # _channel_closed settles it
+        if grace > 0:
+            loop = asyncio.get_running_loop()
+            self._left_timers.append(loop.call_later(grace, self._settle_left, rank))
+        else:
+            self._settle_left(rank)
+
+    def _settle_left(self, rank: int) -> None:
+        if self._closing or self._by_src.get(rank):
+            return
+        self._gone.add(rank)
+        exc = self.left[rank]
+        for posted in self.matcher.take_posted_from(rank):
+            posted.settle(exc)
+
     def _channel_closed(self, link: Link, channel: DataChannel, exc: Exception | None) -> None:
         self._channels.discard(channel)
         src = link.src
-        if src is not None and self._out.get(src) is channel:
-            del self._out[src]
-        if self._closing or link.said_bye or src is None:
+        if src is not None:
+            if self._out.get(src) is channel:
+                del self._out[src]
+            open_channels = self._by_src.get(src)
+            if open_channels is not None:
+                open_channels.discard(channel)
+                if not open_channels:
+                    del self._by_src[src]
+        if self._closing or src is None:
             return
-        reason = f"its data connection closed ({exc or 'EOF'})"
-        self._spawn(self.on_peer_lost(src, reason))
+        if src in self.left:
+            self._settle_left(src)  # it left: fail what waits on it once its last channel closed
+        elif link.said_bye:
+            self._spawn(self._said_bye(src))
+        else:
+            reason = f"its data connection closed ({exc or 'EOF'})"
+            self._spawn(self.on_peer_lost(src, reason))
 
-    async def aclose(self) -> None:
-        """Say goodbye to every peer, then close channels and listeners."""
+    async def _said_bye(self, src: int) -> None:
+        self.peer_left(src, await self.on_peer_left(src))
+
+    async def aclose(self, *, bye: bool = True) -> None:
+        """Say goodbye to every peer (unless not ``bye``), then close channels and listeners.
+
+        A goodbye tells a peer that this rank left the job cleanly; without one, a
+        peer finds out why the channel closed some other way (from the server).
+        """
         self._closing = True
         # Goodbyes first: closing a listener may close its accepted channels too (uvloop).
         for channel in list(self._channels):
-            try:
-                await asyncio.wait_for(channel.send(MessageKind.PEER_BYE, []), 1.0)
-            except (OSError, TimeoutError):
-                pass
+            if bye:
+                try:
+                    await asyncio.wait_for(channel.send(MessageKind.PEER_BYE, []), 1.0)
+                except (OSError, TimeoutError):
+                    pass
             channel.close()
         for listener in self._listeners:
             listener.close()
@@ -495,6 +573,9 @@ class DataPlane:
             self._shared = None
         for task in list(self._tasks):
             task.cancel()
+        for timer in self._left_timers:
+            timer.cancel()
         self._channels.clear()
+        self._by_src.clear()
         self._out.clear()
         self.segments.close(sweep=self._failed)  # a dead peer's may outlive the sweep at fail
