@@ -67,10 +67,6 @@ CLOSE_GRACE: Final = 30.0
 LEAVE_TIMEOUT: Final = 5.0
 # How long a process that embeds the server keeps it up for the other members.
 EMBEDDED_SERVER_LINGER: Final = 60.0
-# How long the server's word that a rank left waits, when no data channel from that rank
-# is open, before receives from it fail: bytes it sent just before leaving, on a channel
-# this rank has not read a hello from yet, are read by then.
-LEFT_GRACE: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +231,7 @@ class Session:
             if rank == self.rank or not 0 <= rank < self.world_size:
                 continue
             self._left_info[rank] = (host, pid)
-            self.plane.peer_left(rank, rank_left_error(rank, host, pid), grace=LEFT_GRACE)
+            self.plane.peer_left(rank, rank_left_error(rank, host, pid))
         self._wake()
 
     def _wake(self) -> None:

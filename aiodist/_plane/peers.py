@@ -8,10 +8,14 @@ number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
 that breaks a group on every member; ``PEER_BYE`` precedes a clean close.
 
-A peer that said goodbye, or that the server says left the job (``peer_left``),
-has *left*: once no channel from it is open (all it sent has arrived), the
-receives waiting on it fail, and so does every later receive from it that
-nothing already delivered matches, and every send to it.
+A plane that closes says ``PEER_BYE`` on every channel and waits (briefly) for
+each peer to answer with its own before it closes them: once answered, a peer
+has read everything this rank sent it, so the server's word that this rank
+left (sent after the close) cannot overtake any of it. A peer that said
+goodbye, or that the server says left the job (``peer_left``), has *left*:
+once no channel from it is open, the receives waiting on it fail, and so does
+every later receive from it that nothing already delivered matches, and every
+send to it.
 
 The data planes of one process share one Unix-socket listener (per event loop):
 each publishes ``uds:NAME#MEMBER``, and ``member`` in the hello says which
@@ -34,6 +38,7 @@ credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -68,6 +73,8 @@ COLLECTIVE: Final = 1
 OBJECT_P2P: Final = 2
 # How long a connecting rank waits for the accepting rank's proof of the token.
 HANDSHAKE_TIMEOUT: Final = 30.0
+# How long a closing plane waits for its peers to answer its goodbyes.
+BYE_TIMEOUT: Final = 1.0
 
 
 @types.coroutine
@@ -134,7 +141,8 @@ class DataPlane:
         self.left: dict[int, BaseException] = {}
         self._gone: set[int] = set()
         self._by_src: dict[int, set[DataChannel]] = {}
-        self._left_timers: list[asyncio.TimerHandle] = []
+        self._byes: set[DataChannel] = set()  # channels whose peer said (or answered) goodbye
+        self._bye_news: asyncio.Event | None = None  # set when a goodbye or a close comes
         self._listeners: list[Listener] = []  # this plane's own (TCP)
         self._shared: SharedListener | None = None  # the process's Unix-socket listener
         self._member = 0  # this plane's number on it
@@ -502,22 +510,17 @@ class DataPlane:
         for posted in self.matcher.take_posted_where(lambda k: k[0] in kinds):
             posted.settle(exc)
 
-    def peer_left(self, rank: int, exc: BaseException, *, grace: float = 0.0) -> None:
+    def peer_left(self, rank: int, exc: BaseException) -> None:
         """``rank`` left the job: what needs it fails with ``exc``, once all it sent is in.
 
         Sends to it fail at once. Receives from it fail once no channel from it is
-        open (its goodbye and close come after its last message); with none open
-        now, after ``grace`` seconds (a channel it opened just before leaving may
-        not have said hello yet). The first ``exc`` given for a rank stays.
+        open (its goodbye and close come after its last message; and before it told
+        the server, it waited for this rank to answer its goodbye on each channel).
+        The first ``exc`` given for a rank stays.
         """
         self.left.setdefault(rank, exc)
-        if self._by_src.get(rank):
-            return  # _channel_closed settles it
-        if grace > 0:
-            loop = asyncio.get_running_loop()
-            self._left_timers.append(loop.call_later(grace, self._settle_left, rank))
-        else:
-            self._settle_left(rank)
+        if not self._by_src.get(rank):
+            self._settle_left(rank)  # else _channel_closed settles it
 
     def _settle_left(self, rank: int) -> None:
         if self._closing or self._by_src.get(rank):
@@ -527,8 +530,19 @@ class DataPlane:
         for posted in self.matcher.take_posted_from(rank):
             posted.settle(exc)
 
+    def _bye_received(self, channel: DataChannel) -> None:
+        self._byes.add(channel)
+        if self._bye_news is not None:
+            self._bye_news.set()
+        elif not self._closing:
+            # Answer: the peer waits for it before it tells the server that it left.
+            self._spawn(channel.send(MessageKind.PEER_BYE, []))
+
     def _channel_closed(self, link: Link, channel: DataChannel, exc: Exception | None) -> None:
         self._channels.discard(channel)
+        self._byes.discard(channel)
+        if self._bye_news is not None:
+            self._bye_news.set()
         src = link.src
         if src is not None:
             if self._out.get(src) is channel:
@@ -559,12 +573,19 @@ class DataPlane:
         """
         self._closing = True
         # Goodbyes first: closing a listener may close its accepted channels too (uvloop).
-        for channel in list(self._channels):
-            if bye:
-                try:
-                    await asyncio.wait_for(channel.send(MessageKind.PEER_BYE, []), 1.0)
-                except (OSError, TimeoutError):
-                    pass
+        channels = list(self._channels)
+        if bye:
+            self._bye_news = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(BYE_TIMEOUT):
+                    for channel in channels:
+                        with contextlib.suppress(OSError):
+                            await channel.send(MessageKind.PEER_BYE, [])
+                    # Each peer answers once it read all this rank sent it (see above).
+                    while any(c in self._channels and c not in self._byes for c in channels):
+                        self._bye_news.clear()
+                        await self._bye_news.wait()
+        for channel in channels:
             channel.close()
         for listener in self._listeners:
             listener.close()
@@ -573,9 +594,8 @@ class DataPlane:
             self._shared = None
         for task in list(self._tasks):
             task.cancel()
-        for timer in self._left_timers:
-            timer.cancel()
         self._channels.clear()
+        self._byes.clear()
         self._by_src.clear()
         self._out.clear()
         self.segments.close(sweep=self._failed)  # a dead peer's may outlive the sweep at fail
