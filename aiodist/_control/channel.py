@@ -158,7 +158,8 @@ class ControlChannel:
         """Make the connection send a heartbeat at least every ``interval`` seconds.
 
         Heartbeats are the connection's: one keeps every member on it alive.
-        With ``timeout``, a server silent that long counts as gone (see the connection).
+        With ``timeout``, a server that leaves a heartbeat unanswered that long counts
+        as gone (see the connection).
         """
         self.connection.start_heartbeats(interval, timeout)
 

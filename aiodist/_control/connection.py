@@ -16,11 +16,12 @@ With a token, the connection first answers the server's challenge (see
 ``_wire/auth.py``) and accepts no reply until the server has proved the token too.
 
 **Losing the server.** The server echoes every heartbeat. A connection that
-has heard an echo and then hears nothing for its heartbeat timeout counts the
-server as gone, as does one whose socket closes or that the server tells it is
-shutting down. Then every pending request fails, and every channel's member is
-told (``ServerLost``) with the same error: a rank without its server can no
-longer learn that other ranks failed, so its session breaks its groups.
+has heard an echo, and then sends a heartbeat that nothing answers for its
+heartbeat timeout, counts the server as gone, as does one whose socket closes
+or that the server tells it is shutting down. Then every pending request
+fails, and every channel's member is told (``ServerLost``) with the same
+error: a rank without its server can no longer learn that other ranks failed,
+so its session breaks its groups.
 """
 
 from __future__ import annotations
@@ -251,11 +252,11 @@ class ControlConnection(asyncio.Protocol):
         one, so the request sent next (the join) is the first. A timer, not a
         task: a process with many members pays no task per member, and one
         heartbeat keeps every member of the connection alive. With ``timeout``,
-        a server that echoed heartbeats and then stays silent that long counts
-        as gone (the shortest timeout of the connection's members applies); the
-        first call with one sends a heartbeat at once (one per connection), so
-        the server's echo arrives before the join's reply and the watch starts
-        with the membership.
+        a server that echoed heartbeats and then leaves one unanswered that
+        long counts as gone (the shortest timeout of the connection's members
+        applies); the first call with one sends a heartbeat at once (one per
+        connection), so the server's echo arrives before the join's reply and
+        the watch starts with the membership.
         """
         if timeout is not None:
             if self._silence_limit == float("inf") and not self.closed:

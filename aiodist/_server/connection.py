@@ -7,7 +7,7 @@ the messages after it): the job table sees each channel as a connection of its
 own. A heartbeat counts for every channel of its connection.
 
 Each heartbeat a client sends is echoed on its connection: the client counts
-the server as gone once it hears nothing for its heartbeat timeout.
+the server as gone once a heartbeat goes unanswered for its heartbeat timeout.
 
 A server started with a token authenticates each connection before anything it
 sends reaches the job table: it sends a fresh nonce (``Challenge``) as soon as
