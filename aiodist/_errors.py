@@ -19,7 +19,11 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeout",
     "from_wire",
+    "rank_left_error",
 ]
+
+# Why an operation that needed a rank failed when that rank left the job cleanly.
+LEFT_REASON = "left the job (destroy_process_group)"
 
 
 class ErrorCode(enum.IntEnum):
@@ -156,6 +160,19 @@ class ClosedError(DistError):
     """You closed it, then used it."""
 
     code = ErrorCode.CLOSED
+
+
+def rank_left_error(rank: int, host: str = "", pid: int = 0) -> RankFailedError:
+    """The error of an operation that needs ``rank`` after that rank left the job cleanly."""
+    where = f" (host {host}, pid {pid})" if host else ""
+    return RankFailedError(
+        f"rank {rank}{where} {LEFT_REASON} while this operation waited on it; a rank must "
+        "not leave before the operations that need it are done",
+        rank=rank,
+        host=host,
+        pid=pid,
+        reason=LEFT_REASON,
+    )
 
 
 _BY_CODE: dict[ErrorCode, type[DistError]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -17,7 +18,12 @@ from aiodist import (
     RendezvousServer,
     open_process_group,
 )
-from aiodist._control.connection import ControlChannel, ControlConnection, connect_control
+from aiodist._control.connection import (
+    ControlChannel,
+    ControlConnection,
+    ServerLost,
+    connect_control,
+)
 from aiodist._errors import ProtocolError
 from aiodist._wire.frame import NEED_DATA, FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
@@ -211,5 +217,48 @@ async def test_a_member_leaving_keeps_the_order_of_what_it_sent(server: Rendezvo
             b.send(StoreSet(9001, "x", b"1"))  # its reply answers no pending request
             b.close()
             assert await a.request(lambda r: StoreCheck(r, ["x"]), timeout=5) is True
+    finally:
+        conn.close()
+
+
+async def test_the_server_dropping_a_connection_tells_every_member_on_it(
+    server: RendezvousServer,
+) -> None:
+    # Not only pending requests fail: each member hears of it, even one with nothing
+    # pending (a rank inside a collective learns that it lost its server).
+    notices = _Notices(expected=2)
+    conn = await connect_control(*server.address, timeout=5)
+    try:
+        with anyio.fail_after(10):
+            await _members(conn, "dropped", notices, "ab")
+            (server_side,) = server._sockets
+            assert server_side.transport is not None
+            server_side.transport.abort()  # as if the server's process died
+            await notices.all_in.wait()
+    finally:
+        conn.close()
+    assert sorted(name for name, _ in notices.got) == ["a", "b"]
+    errors = [notice.error for _, notice in notices.got if isinstance(notice, ServerLost)]
+    assert len(errors) == 2
+    assert errors[0] is errors[1] is conn.error  # one error, the connection's
+    assert isinstance(errors[0], GroupBrokenError)
+    assert f"rendezvous server at {server.address[0]}:{server.address[1]}" in str(errors[0])
+
+
+async def test_a_busy_loop_does_not_count_as_the_servers_silence(
+    server: RendezvousServer,
+) -> None:
+    # A loop that was busy sent no heartbeat, so the server had none to answer: only a
+    # heartbeat left unanswered for the timeout counts the server as gone.
+    conn = await connect_control(*server.address, timeout=5)
+    try:
+        with anyio.fail_after(10):
+            conn.start_heartbeats(0.05, timeout=0.2)  # the first heartbeat goes now
+            await conn.request(StatusRequest)  # answered after the heartbeat's echo
+            assert conn._echoed
+            # Busy: twice the timeout with no heartbeat sent (blocking the loop is the point).
+            time.sleep(0.4)  # noqa: ASYNC251
+            await conn.request(StatusRequest)  # the overdue heartbeat runs before this
+            assert conn.error is None
     finally:
         conn.close()

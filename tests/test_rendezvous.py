@@ -297,6 +297,25 @@ async def test_duplicate_rank_is_refused_and_job_stays_intact(server: Rendezvous
 async def test_world_size_mismatch_and_full_job_are_refused(server: RendezvousServer) -> None:
     url = _url(server)
     with anyio.fail_after(10):
+        # While the job forms, another world size breaks it for every member waiting.
+        waiting: list[RendezvousError] = []
+
+        async def first() -> None:
+            with pytest.raises(RendezvousError, match="disagree on world_size") as info:
+                async with open_process_group(url, world_size=2, rank=0, group_name="j"):
+                    pass
+            waiting.append(info.value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await server.wait_for_members("j", 1)
+            with pytest.raises(RendezvousError, match=r"1 joined with 2 .* with 3") as info:
+                async with open_process_group(url, world_size=3, group_name="j"):
+                    pass
+        assert [str(e) for e in waiting] == [str(info.value)]
+        assert "j" not in server.state.jobs
+
+        # Once it formed, a stray joiner is refused and the job goes on.
         async with anyio.create_task_group() as tg:
             done = anyio.Event()
 
@@ -305,12 +324,11 @@ async def test_world_size_mismatch_and_full_job_are_refused(server: RendezvousSe
                     await done.wait()
 
             tg.start_soon(member, 0)
-            await server.wait_for_members("j", 1)
-            with pytest.raises(RendezvousError, match="world_size 2 but this process asked for 3"):
+            tg.start_soon(member, 1)
+            await server.wait_until(lambda s: "j" in s.state.jobs and s.state.jobs["j"].complete)
+            with pytest.raises(RendezvousError, match="running with world_size 2, but this"):
                 async with open_process_group(url, world_size=3, group_name="j"):
                     pass
-            tg.start_soon(member, 1)
-            await server.wait_until(lambda s: s.state.jobs["j"].complete)
             with pytest.raises(RendezvousError, match="already has all 2 members"):
                 async with open_process_group(url, world_size=2, group_name="j"):
                     pass

@@ -21,6 +21,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersLeft,
     MembersRequest,
     Packed,
     Reply,
@@ -147,6 +148,12 @@ class FakeServer:
         welcome = frame_message(dec.next_event())  # type: ignore[arg-type]
         assert isinstance(welcome, Welcome)
         return welcome
+
+    def left(self, conn: ConnId) -> list[list[Any]]:
+        """The members named by the one message waiting on ``conn``, a ``MembersLeft``."""
+        notice = self.only(conn, MembersLeft)
+        assert isinstance(notice.members, Packed)  # encoded once for every member
+        return cast("list[list[Any]]", msgpack.unpackb(notice.members.data))
 
     def heartbeat(self, *conns: ConnId) -> None:
         for conn in conns:
@@ -323,19 +330,60 @@ def test_join_duplicate_explicit_rank_rejected_with_holder_details(srv: FakeServ
     assert [srv.only(conn, Welcome).rank for conn in (a, b, c)] == [0, 1, 2]
 
 
-def test_join_world_size_mismatch_rejected_and_job_still_forms(srv: FakeServer) -> None:
-    a = srv.join(world_size=2, rank=0)
+def test_join_world_size_mismatch_fails_every_forming_member_and_drops_the_job(
+    srv: FakeServer,
+) -> None:
+    a = srv.join(world_size=3, rank=0, host="alpha", pid=111)
+    waiting = srv.join(world_size=3, rank=-1, host="alpha", pid=112)
+    a_join = 1  # the first request on the table
+    get = srv.call(waiting, StoreGet, "never-set", LONG)  # a forming member's store wait
     b = srv.connect()
-    req = srv.call(b, Join, "job", 3, 1, "node1", 2, [], LONG, LONG)
+    req = srv.call(b, Join, "job", 2, 1, "beta", 222, [], LONG, LONG)
     err = srv.error(b, req, ErrorCode.WORLD_SIZE_MISMATCH)
-    assert "2" in err.message
-    assert "3" in err.message
-    assert srv.state.jobs["job"].world_size == 2
-    assert len(srv.state.jobs["job"].members) == 1
+    assert err.details == {"world_sizes": [3, 2]}
+    assert "2 joined with 3 (the first: pid 111 on host alpha)" in err.message
+    assert "pid 222 on host beta with 2" in err.message
+    assert "same world size" in err.message
+    # Every member waiting gets the same error, at once, on its join (and its waits).
+    assert srv.error(a, a_join, ErrorCode.WORLD_SIZE_MISMATCH) == ErrorReply(
+        a_join, err.code, err.message, err.details
+    )
+    msgs = srv.take(waiting)
+    assert [(m.req_id, m.message) for m in msgs] == [(2, err.message), (get, err.message)]
+    assert srv.state.jobs == {}
+    srv.advance(2 * LONG)  # no join deadline or wait is left to fire
+    assert srv.quiet()
 
-    srv.join(world_size=2, rank=1, conn=b)
-    assert srv.only(a, Welcome).world_size == 2
-    assert srv.only(b, Welcome).rank == 1
+    # The name is free again: a job of either size can form under it.
+    c, d = srv.join(world_size=2, rank=0), srv.join(world_size=2, rank=1)
+    assert [srv.only(conn, Welcome).world_size for conn in (c, d)] == [2, 2]
+
+
+def test_join_world_size_mismatch_leaves_a_complete_job_untouched(srv: FakeServer) -> None:
+    a, _ = srv.form(2)
+    c = srv.connect()
+    req = srv.call(c, Join, "job", 3, 1, "node9", 9, [], LONG, LONG)
+    err = srv.error(c, req, ErrorCode.WORLD_SIZE_MISMATCH)
+    assert err.details == {"world_sizes": [2, 3]}
+    assert "running with world_size 2" in err.message
+    assert "asked for 3" in err.message
+    assert srv.quiet()
+    req = srv.call(a, StoreSet, "k", b"v")
+    assert srv.reply(a, req) is None
+    assert len(srv.state.jobs["job"].members) == 2
+
+
+def test_join_rank_taken_in_a_complete_job_names_the_rank_and_its_holder(
+    srv: FakeServer,
+) -> None:
+    srv.form(2)
+    c = srv.connect()
+    req = srv.call(c, Join, "job", 2, 1, "node9", 9, [], LONG, LONG)
+    err = srv.error(c, req, ErrorCode.DUPLICATE_RANK)
+    assert err.details == {"rank": 1, "host": host_of(1), "pid": pid_of(1)}
+    assert f"rank 1 of job 'job' is already taken by pid {pid_of(1)} on host {host_of(1)}" in (
+        err.message
+    )
 
 
 def test_join_complete_job_rejected_job_full(srv: FakeServer) -> None:
@@ -438,9 +486,10 @@ def test_store_op_before_join_not_joined(srv: FakeServer, msg: Any) -> None:
 
 
 def test_store_op_after_leave_not_joined(srv: FakeServer) -> None:
-    a, _ = srv.form(2)
+    a, b = srv.form(2)
     req = srv.call(a, Leave)
     assert srv.reply(a, req) is None
+    assert srv.left(b) == [[0, host_of(0), pid_of(0)]]
     req = srv.call(a, StoreSet, "k", b"v")
     srv.error(a, req, ErrorCode.NOT_JOINED)
 
@@ -971,6 +1020,7 @@ def test_leave_is_not_a_failure(srv: FakeServer) -> None:
     a, b, c = srv.form(3)
     req = srv.call(b, Leave)
     assert srv.reply(b, req) is None
+    assert srv.left(a) == srv.left(c) == [[1, host_of(1), pid_of(1)]]
     srv.lose(b)
     srv.advance(30.0)
     assert srv.quiet()
@@ -980,16 +1030,102 @@ def test_leave_is_not_a_failure(srv: FakeServer) -> None:
     assert srv.state.stats.failures == 0
 
 
-def test_leave_while_others_wait_at_barrier_fails_barrier_group_broken(srv: FakeServer) -> None:
+def _left_details(rank: int) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "host": host_of(rank),
+        "pid": pid_of(rank),
+        "reason": "left the job (destroy_process_group)",
+    }
+
+
+def test_leave_while_others_wait_at_barrier_fails_barrier_naming_the_rank_that_left(
+    srv: FakeServer,
+) -> None:
     a, b, c = srv.form(3)
     ra = srv.call(a, Barrier, 0, 30.0)
     srv.call(c, Leave)
     srv.only(c, Reply)
-    err = srv.error(a, ra, ErrorCode.GROUP_BROKEN)
-    assert "rank 2" in err.message
-    rb = srv.call(b, Barrier, 0, 30.0)
-    srv.error(b, rb, ErrorCode.GROUP_BROKEN)
+    notice, err = srv.take(a)
+    assert isinstance(notice, MembersLeft)
+    assert isinstance(notice.members, Packed)
+    assert msgpack.unpackb(notice.members.data) == [[2, host_of(2), pid_of(2)]]
+    assert (err.req_id, err.code, err.details) == (ra, ErrorCode.RANK_FAILED, _left_details(2))
+    assert err.message.startswith(
+        f"rank 2 (host {host_of(2)}, pid {pid_of(2)}) left the job (destroy_process_group) "
+        "while this operation waited on it"
+    )
+    assert err.message.count("left the job") == 1
+    assert srv.only(b, MembersLeft) == notice  # the very same bytes
+    rb = srv.call(b, Barrier, 0, 30.0)  # a late arrival gets the same error
+    assert srv.error(b, rb, ErrorCode.RANK_FAILED).message == err.message
+    rb = srv.call(b, Barrier, 1, 30.0)  # so does a barrier started after the leave, at once
+    assert srv.error(b, rb, ErrorCode.RANK_FAILED).details == _left_details(2)
     assert srv.take(a) == []
+
+
+def test_barrier_reached_before_a_member_left_completes_for_the_others(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    srv.call(c, Barrier, 0, 30.0)
+    srv.call(c, Leave)
+    assert [type(m) for m in srv.take(c)] == [Reply]
+    assert srv.left(a) == srv.left(b) == [[2, host_of(2), pid_of(2)]]
+    ra, rb = srv.call(a, Barrier, 0, 30.0), srv.call(b, Barrier, 0, 30.0)
+    assert srv.reply(a, ra) is None
+    assert srv.reply(b, rb) is None
+
+
+def test_leave_notices_first_at_once_then_at_most_one_per_interval(srv: FakeServer) -> None:
+    conns = srv.form(5)
+    srv.call(conns[4], Leave)
+    for conn in conns[:4]:
+        assert srv.left(conn) == [[4, host_of(4), pid_of(4)]]
+    srv.now = 0.01
+    srv.call(conns[3], Leave)
+    srv.now = 0.05
+    srv.call(conns[2], Leave)
+    assert all(srv.take(conn) == [] for conn in conns[:2])  # held for the interval
+    assert srv.state.next_deadline() == pytest.approx(0.1)
+    srv.advance(0.1)
+    for conn in conns[:2]:
+        assert srv.left(conn) == [[3, host_of(3), pid_of(3)], [2, host_of(2), pid_of(2)]]
+    srv.advance(1.0)
+    srv.call(conns[1], Leave)  # a quiet interval later: at once again
+    assert srv.left(conns[0]) == [[1, host_of(1), pid_of(1)]]
+
+
+def test_job_ending_with_a_notice_planned_leaves_no_timer(srv: FakeServer) -> None:
+    conns = srv.form(3)
+    for conn in conns:
+        srv.call(conn, Leave)
+    assert srv.state.jobs == {}
+    # The first leave was told at once; the second waits for a notice nobody is left for.
+    assert [type(m) for m in srv.take(conns[2])] == [MembersLeft, Reply]
+    srv.take(conns[0])
+    srv.take(conns[1])
+    srv.state.next_deadline()  # drops the timers of the notice nobody is left for
+    assert srv.state._timers == []
+    srv.advance(1.0)
+    assert srv.quiet()
+
+
+def test_leave_after_a_failure_sends_no_notice(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    srv.lose(a)
+    srv.only(b, MemberFailed)
+    srv.only(c, MemberFailed)
+    srv.call(c, Leave)
+    srv.only(c, Reply)
+    assert srv.take(b) == []
+
+
+def test_leave_while_forming_sends_no_notice(srv: FakeServer) -> None:
+    a = srv.join(world_size=3, rank=0)
+    b = srv.join(world_size=3, rank=1)
+    srv.call(b, Leave)
+    srv.only(b, Reply)
+    assert srv.take(a) == []
+    assert srv.state.jobs["job"].left == {}
 
 
 @pytest.mark.parametrize("rank", [1, -1])
@@ -1125,6 +1261,7 @@ def test_job_full_until_every_member_gone(srv: FakeServer) -> None:
     a, b = srv.form(2)
     srv.call(a, Leave)
     srv.only(a, Reply)
+    assert srv.left(b) == [[0, host_of(0), pid_of(0)]]
     c = srv.connect()
     req = srv.call(c, Join, "job", 2, -1, "h", 1, [], LONG, LONG)
     srv.error(c, req, ErrorCode.JOB_FULL)

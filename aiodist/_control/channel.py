@@ -8,10 +8,11 @@ after the server named the channel. Channel 0 is the connection's own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
-from aiodist._wire.messages import MemberFailed, ServerClosing
+from aiodist._wire.messages import MemberFailed, MembersLeft
 
 if TYPE_CHECKING:
     import asyncio
@@ -19,11 +20,20 @@ if TYPE_CHECKING:
 
     from aiodist._control.connection import ControlConnection
 
-__all__ = ["MAX_HELD_NOTICES", "ControlChannel", "Notice"]
+__all__ = ["MAX_HELD_NOTICES", "ControlChannel", "Notice", "ServerLost"]
 
 # Notices a channel keeps until its member sets a callback (a job breaks with the first).
 MAX_HELD_NOTICES: Final = 16
-Notice = MemberFailed | ServerClosing
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLost:
+    """This member's connection to the server failed (not closed by its members): why."""
+
+    error: DistError
+
+
+Notice = MemberFailed | MembersLeft | ServerLost
 
 
 class ControlChannel:
@@ -144,12 +154,14 @@ class ControlChannel:
             raise error
         self.connection._send_on(self.number, msg)
 
-    def start_heartbeats(self, interval: float) -> None:
+    def start_heartbeats(self, interval: float, timeout: float | None = None) -> None:
         """Make the connection send a heartbeat at least every ``interval`` seconds.
 
         Heartbeats are the connection's: one keeps every member on it alive.
+        With ``timeout``, a server that leaves a heartbeat unanswered that long counts
+        as gone (see the connection).
         """
-        self.connection.start_heartbeats(interval)
+        self.connection.start_heartbeats(interval, timeout)
 
     def close(self) -> None:
         """Fail this channel's requests; the server treats its member as disconnected.

@@ -17,6 +17,14 @@ With a token, the connection first answers the server's challenge (see
 The handshake is mutual: a client holding a token refuses a server that requires
 none (its challenge carries no nonce) or cannot prove the token, so a token
 never silently downgrades to an open server.
+
+**Losing the server.** The server echoes every heartbeat. A connection that
+has heard an echo, and then sends a heartbeat that nothing answers for its
+heartbeat timeout, counts the server as gone, as does one whose socket closes
+or that the server tells it is shutting down. Then every pending request
+fails, and every channel's member is told (``ServerLost``) with the same
+error: a rank without its server can no longer learn that other ranks failed,
+so its session breaks its groups.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
-from aiodist._control.channel import ControlChannel, Notice
+from aiodist._control.channel import ControlChannel, Notice, ServerLost
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -63,6 +71,7 @@ from aiodist._wire.messages import (
     Heartbeat,
     Hello,
     MemberFailed,
+    MembersLeft,
     MessageKind,
     Reply,
     ServerClosing,
@@ -74,12 +83,17 @@ if TYPE_CHECKING:
 
     from aiodist._wire.frame import Buffer
 
-__all__ = ["ControlChannel", "ControlConnection", "Notice", "connect_control"]
+__all__ = ["ControlChannel", "ControlConnection", "Notice", "ServerLost", "connect_control"]
 
 logger = logging.getLogger(__name__)
 
 CLIENT_LIMITS: Final = Limits(max_header_bytes=64 * MiB, max_payload_bytes=0)
 CONNECT_RETRY_INTERVAL: Final = 0.05
+# What losing the server means for a member; said once, in every such error.
+_WITHOUT_SERVER: Final = (
+    "without it this rank can no longer learn that other ranks failed, so its process "
+    "groups are broken. Restart the server, then the job."
+)
 # The least time given to a server's challenge, even when the connect timeout is nearly spent.
 AUTH_WAIT: Final = 5.0
 
@@ -110,6 +124,15 @@ class ControlConnection(asyncio.Protocol):
         self.local_host = "127.0.0.1"
         self._heartbeat: asyncio.TimerHandle | None = None
         self._heartbeat_interval = 0.0
+        # How long a heartbeat may go unanswered before the server counts as gone, once it
+        # has echoed one (a server that never echoes is never counted as gone for silence).
+        self._silence_limit = float("inf")
+        self._echoed = False
+        self._last_heard = self._loop.time()
+        # When the oldest heartbeat that nothing was heard after went out (None: none such).
+        # Counted from a heartbeat, not from the last thing heard: a loop that was busy
+        # sent none, and the server had nothing to answer.
+        self._unanswered_since: float | None = None
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
 
@@ -128,6 +151,7 @@ class ControlConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self._last_heard = self._loop.time()
         dec = self._decoder
         try:
             dec.receive_data(data)
@@ -154,10 +178,11 @@ class ControlConnection(asyncio.Protocol):
         self._transport = None
         self._stop_heartbeats()
         if self._error is None:
+            why = "it closed" if exc is None else str(exc)
             self._fail(
                 GroupBrokenError(
-                    f"lost the connection to the rendezvous server at {self.server}; "
-                    "check that it is still running"
+                    f"lost the connection to the rendezvous server at {self.server} ({why}); "
+                    f"{_WITHOUT_SERVER}"
                 )
             )
 
@@ -225,14 +250,23 @@ class ControlConnection(asyncio.Protocol):
         if self._transport is not None and parts:
             self._transport.writelines(parts)
 
-    def start_heartbeats(self, interval: float) -> None:
+    def start_heartbeats(self, interval: float, timeout: float | None = None) -> None:
         """Send a heartbeat at least every ``interval`` seconds until the connection closes.
 
         The first goes one interval from now: the server counts any message as
         one, so the request sent next (the join) is the first. A timer, not a
         task: a process with many members pays no task per member, and one
-        heartbeat keeps every member of the connection alive.
+        heartbeat keeps every member of the connection alive. With ``timeout``,
+        a server that echoed heartbeats and then leaves one unanswered that
+        long counts as gone (the shortest timeout of the connection's members
+        applies); the first call with one sends a heartbeat at once (one per
+        connection), so the server's echo arrives before the join's reply and
+        the watch starts with the membership.
         """
+        if timeout is not None:
+            if self._silence_limit == float("inf") and not self.closed:
+                self._send_heartbeat()
+            self._silence_limit = min(self._silence_limit, timeout)
         if self._heartbeat is not None and self._heartbeat_interval <= interval:
             return
         self._stop_heartbeats()
@@ -243,8 +277,29 @@ class ControlConnection(asyncio.Protocol):
         if self.closed:
             self._heartbeat = None
             return
-        self._send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
+        since = self._unanswered_since
+        if since is not None and self._last_heard >= since:
+            since = self._unanswered_since = None  # answered
+        silent = 0.0 if since is None else self._loop.time() - since
+        if self._echoed and silent > self._silence_limit:
+            self._heartbeat = None
+            self._fail(
+                GroupBrokenError(
+                    f"the rendezvous server at {self.server} did not answer heartbeats for "
+                    f"{silent:.1f} s (heartbeat timeout {self._silence_limit:.1f} s); "
+                    f"{_WITHOUT_SERVER}"
+                )
+            )
+            assert self._transport is not None
+            self._transport.abort()  # the server, if it still runs, sees this member go
+            return
+        self._send_heartbeat()
         self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
+
+    def _send_heartbeat(self) -> None:
+        self._send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
+        if self._unanswered_since is None:
+            self._unanswered_since = self._loop.time()
 
     def _stop_heartbeats(self) -> None:
         if self._heartbeat is not None:
@@ -348,6 +403,8 @@ class ControlConnection(asyncio.Protocol):
                 return
         if isinstance(msg, Reply | Welcome):
             self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
+        elif isinstance(msg, Heartbeat):
+            self._echoed = True  # from now on, its silence means it is gone
         elif isinstance(msg, Channel):
             self._in_channel = msg.channel
         elif isinstance(msg, ErrorReply):
@@ -362,20 +419,18 @@ class ControlConnection(asyncio.Protocol):
                     channel._fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed):
+        elif isinstance(msg, MemberFailed | MembersLeft):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel._notice(msg)
         elif isinstance(msg, ServerClosing):
-            logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
+            if self._error is None:
+                logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
             self._fail(
                 RendezvousError(
                     f"the rendezvous server at {self.server} shut down ({msg.reason}); "
-                    "store, barrier and join requests can no longer be served. Restart "
-                    "the server, then the job."
+                    f"{_WITHOUT_SERVER}"
                 )
             )
-            if (channel := self._channels.get(self._in_channel)) is not None:
-                channel._notice(msg)
         else:
             self._fail(ProtocolError(f"the server sent an unexpected {type(msg).__name__}"))
 
@@ -391,7 +446,8 @@ class ControlConnection(asyncio.Protocol):
             channel._resolve(req_id, value)
 
     def _fail(self, exc: DistError) -> None:
-        if self._error is None:
+        first = self._error is None
+        if first:
             self._error = exc
             self._retire()
         if not self._challenge.done():
@@ -399,6 +455,11 @@ class ControlConnection(asyncio.Protocol):
             self._challenge.exception()  # retrieved: authenticate() re-raises it
         for channel in list(self._channels.values()):
             channel._fail_pending(exc)
+        if first and not isinstance(exc, ClosedError):
+            # Not closed by its members: they lost their server, and must hear of it
+            # even when no request of theirs is pending (a rank inside a collective).
+            for channel in list(self._channels.values()):
+                channel._notice(ServerLost(exc))
 
 
 async def connect_control(

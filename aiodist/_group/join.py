@@ -248,7 +248,7 @@ async def _joined(
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]
         host, pid = hostname or socket.gethostname(), os.getpid()
-        conn.start_heartbeats(interval)
+        conn.start_heartbeats(interval, hb_timeout)
         welcome: Any = await conn.request(
             lambda r: Join(
                 r, name, spec.world_size, spec.rank, host, pid, published, hb_timeout, timeout

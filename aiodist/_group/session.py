@@ -7,6 +7,15 @@ of lost connections from the data plane, decides who failed, and breaks its
 groups (``group.py``) with the same error on every rank. Closing it lets
 started operations finish, leaves the job, and keeps an embedded server up
 while other members still use it.
+
+A member that *left* (closed its session: ``destroy_process_group``) has not
+failed: the server tells the others (``MembersLeft``), and so does its goodbye
+on the data channels it had. Nothing breaks for the ranks that do not need it;
+an operation that waits on it, or starts later and needs it, fails at once with
+``RankFailedError`` naming it (``rank_left_error``). A session that loses its
+rendezvous server (the server's process died, or went silent for the heartbeat
+timeout) can no longer learn that other ranks failed: it breaks every group
+with the control connection's error, which names the server.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist._control.channel import ServerLost
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
     AbortedError,
@@ -29,10 +39,11 @@ from aiodist._errors import (
     ProtocolError,
     RankFailedError,
     from_wire,
+    rank_left_error,
 )
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
-from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersRequest
+from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
 
 if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel, Notice
@@ -106,6 +117,9 @@ class Session:
         self._members: list[MemberInfo] | None = None
         self.heartbeat_timeout = heartbeat_timeout
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
+        self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
+        self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
+        self.abandoned = False  # close without waiting for operations in flight
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
         try:
             host_ids = welcome.host_ids()
@@ -113,6 +127,7 @@ class Session:
             raise ProtocolError(f"the rendezvous server sent a malformed Welcome: {exc}") from None
         plane.set_members(self.rank, self.world_size, self._peer_table, host_ids)
         plane.on_peer_lost = self._peer_lost
+        plane.on_peer_left = self._peer_left
         plane.on_peer_error = self._peer_error
         plane.on_peer_refused = self._peer_refused
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
@@ -151,7 +166,7 @@ class Session:
     async def _peer_table(self) -> dict[int, tuple[str, ...]]:
         return {m.rank: m.addresses for m in await self.members()}
 
-    async def _peer_lost(self, rank: int, reason: str) -> DistError | None:
+    async def _peer_lost(self, rank: int, reason: str) -> BaseException | None:
         """Decide who failed when the data connection to ``rank`` broke; return the error.
 
         A broken connection is a symptom: ``rank`` may have died, or left because
@@ -160,9 +175,15 @@ class Session:
         usually arrives within milliseconds, so wait for it (up to the heartbeat
         timeout) before blaming ``rank`` on the data plane's evidence alone.
         """
-        if self.error is None:
-            with anyio.move_on_after(self.heartbeat_timeout):
-                await self._trouble.wait()
+        with anyio.move_on_after(self.heartbeat_timeout):
+            while self.error is None and rank not in self.plane.left and not self._trouble.is_set():
+                await self._news.wait()
+        left = self.plane.left.get(rank)
+        if self.error is None and left is not None:
+            # It left the job (its goodbye may have been lost with a reset connection):
+            # only what needs it fails.
+            self.plane.peer_left(rank, left)
+            return left
         broken = next((g.error for g in self.groups.values() if g.error is not None), None)
         if self.error is None and broken is not None:
             # A member's notice explained it (say, a mismatch made everyone leave):
@@ -212,8 +233,41 @@ class Session:
         else:
             group.break_(error, notify=False)
 
+    async def _peer_left(self, rank: int) -> BaseException:
+        """The error of operations that need ``rank``, which said goodbye on a data channel."""
+        if rank not in self._left_info:
+            with contextlib.suppress(DistError):  # without the table, the rank is named alone
+                m = (await self.members())[rank]
+                self._left_info.setdefault(rank, (m.host, m.pid))
+        host, pid = self._left_info.get(rank, ("", 0))
+        return rank_left_error(rank, host, pid)
+
+    def _members_left(self, members: list[Any]) -> None:
+        for entry in members:
+            try:
+                rank, host, pid = entry
+                if type(rank) is not int or type(host) is not str or type(pid) is not int:
+                    raise TypeError
+            except (TypeError, ValueError):
+                logger.warning("ignoring a malformed notice of a member that left: %r", entry)
+                continue
+            if rank == self.rank or not 0 <= rank < self.world_size:
+                continue
+            self._left_info[rank] = (host, pid)
+            self.plane.peer_left(rank, rank_left_error(rank, host, pid))
+        self._wake()
+
+    def _wake(self) -> None:
+        news, self._news = self._news, asyncio.Event()
+        news.set()
+
     def on_notice(self, notice: Notice) -> None:
-        if isinstance(notice, MemberFailed):
+        if isinstance(notice, MembersLeft):
+            self._members_left(notice.members)
+        elif isinstance(notice, ServerLost):
+            if not self.closed:
+                self.fail(notice.error)  # it names the server, and says what it means
+        elif isinstance(notice, MemberFailed):
             self.fail(
                 RankFailedError(
                     f"rank {notice.rank} (host {notice.host}, pid {notice.pid}) failed: "
@@ -229,6 +283,7 @@ class Session:
     def note_trouble(self) -> None:
         """A group of this session broke: wake whoever waits for the first sign of trouble."""
         self._trouble.set()
+        self._wake()
 
     async def trouble(self) -> None:
         """Return once this session or one of its groups has had an error."""
@@ -240,6 +295,7 @@ class Session:
             self.error = exc
             logger.error("%s", exc)
             self._trouble.set()
+            self._wake()
         self.plane.fail(self.error)
 
     def check_usable(self) -> None:
@@ -258,6 +314,14 @@ class Session:
         seconds = self.timeout if timeout is None else timeout
         await self.conn.request(lambda r: Barrier(r, seq, seconds), timeout=seconds + REPLY_GRACE)
 
+    def abandon(self) -> None:
+        """Make closing fail the operations in flight at once, instead of letting them finish.
+
+        For a process being interrupted (Ctrl-C in a blocking call): it will not wait
+        for peers that may never come. The peers learn that this rank left.
+        """
+        self.abandoned = True
+
     async def aclose(self) -> None:
         if self.closed:
             return
@@ -268,18 +332,33 @@ class Session:
         # timeout: fail point-to-point receives now, as torch's destroy does.
         self.plane.fail_p2p(ClosedError(f"process group {self.group_name!r} was destroyed"))
         running = [w for g in self.groups.values() for w in g.deadlines.running()]
-        if self.inflight or running:
+        if self.abandoned:
+            closed = ClosedError(
+                f"process group {self.group_name!r} was destroyed while this operation ran "
+                "(the process was interrupted)"
+            )
+            for g in self.groups.values():
+                # Broken quietly: the peers hear that this rank left, not this.
+                g.error = g.error or closed
+            self.plane.fail(closed)
+            for w in running:
+                w._set_exception(closed)
+            for task in list(self.inflight):
+                task.cancel()
+        elif self.inflight or running:
             # Sends and collectives already started complete for the peers' sake (bounded).
             with anyio.move_on_after(min(self.timeout, CLOSE_GRACE)):
                 await asyncio.gather(*self.inflight, *running, return_exceptions=True)
         for g in self.groups.values():
             g.deadlines.close()
-        await self.plane.aclose()
+        # A rank that lost its server does not leave cleanly (the server cannot hear it):
+        # no goodbye, so that its peers learn why from their own server connection.
+        await self.plane.aclose(bye=self.conn.error is None)
         if not self.conn.closed:
             with contextlib.suppress(DistError):  # DistTimeoutError included
                 await self.conn.request(Leave, timeout=LEAVE_TIMEOUT)
         self.conn.close()
-        if self.server is not None:
+        if self.server is not None and not self.abandoned:
             # Others may still be using the server this process embeds: wait for them.
             server = self.server
             with anyio.move_on_after(EMBEDDED_SERVER_LINGER) as scope:

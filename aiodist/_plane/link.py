@@ -146,6 +146,7 @@ class Link:
                 self.plane.on_peer_error(self.src, header)
         elif kind == MessageKind.PEER_BYE:
             self.said_bye = True
+            self.plane._bye_received(channel)
         else:
             raise ProtocolError(f"unexpected frame kind {kind} on a data channel")
         return None

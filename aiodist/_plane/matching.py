@@ -95,6 +95,13 @@ class Matcher(Generic[R, M]):
         keys = [k for k in self._unexpected if drop(k)]
         return sum(len(self._unexpected.pop(k)) for k in keys)
 
+    def take_posted_from(self, src: int) -> list[R]:
+        """Remove and return the receives posted for ``src`` by name (not any-source ones)."""
+        out: list[tuple[int, R]] = []
+        for src_key in [k for k in self._posted if k[0] == src]:
+            out.extend(self._posted.pop(src_key))
+        return [recv for _, recv in sorted(out, key=lambda e: e[0])]
+
     def take_posted_where(self, keep: Callable[[Key], bool]) -> list[R]:
         """Remove and return the posted receives whose key satisfies ``keep``."""
         out: list[tuple[int, R]] = []

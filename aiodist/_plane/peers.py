@@ -15,6 +15,15 @@ A collective's sequence number ``a`` is the call's place in its group's order,
 or, for the parts of a call that runs several collectives inside (see
 ``sub_seq``), a negative number that encodes the call and the part.
 
+A plane that closes says ``PEER_BYE`` on every channel and waits (briefly) for
+each peer to answer with its own before it closes them: once answered, a peer
+has read everything this rank sent it, so the server's word that this rank
+left (sent after the close) cannot overtake any of it. A peer that said
+goodbye, or that the server says left the job (``peer_left``), has *left*:
+once no channel from it is open, the receives waiting on it fail, and so does
+every later receive from it that nothing already delivered matches, and every
+send to it.
+
 The data planes of one process share one Unix-socket listener (per event loop):
 each publishes ``uds:NAME#MEMBER``, and ``member`` in the hello says which
 plane an accepted channel belongs to (0 on a plane's own TCP listener).
@@ -43,6 +52,7 @@ credit for them (a DATA message of kind ``CREDIT``, handled on arrival).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -95,6 +105,10 @@ def call_of(seq: int) -> int:
     return seq if seq >= 0 else (-seq) >> _PART_BITS
 
 
+# How long a closing plane waits for its peers to answer its goodbyes.
+BYE_TIMEOUT: Final = 1.0
+
+
 @types.coroutine
 def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
     """Go on running ``coro``, which already ran up to yielding ``yielded`` to its driver."""
@@ -128,6 +142,10 @@ async def _no_verdict(rank: int, reason: str) -> BaseException | None:
     return None  # until a session takes over the plane's peer failures
 
 
+async def _left_alone(rank: int) -> BaseException:
+    return ConnectionResetError(f"rank {rank} left")  # until a session names it better
+
+
 class DataPlane:
     """Channels to every peer of a session, and the receives waiting on them."""
 
@@ -139,6 +157,7 @@ class DataPlane:
         on_peer_error: Callable[[int, Any], None] | None = None,
         on_peer_refused: Callable[[AuthenticationError], None] | None = None,
         token: str | None = None,
+        on_peer_left: Callable[[int], Awaitable[BaseException]] | None = None,
     ) -> None:
         """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated.
 
@@ -155,7 +174,15 @@ class DataPlane:
         self.matcher: Matcher[Posted, Received] = Matcher()
         self._dead_calls: dict[tuple[int, int], None] = {}  # (group, call): ordered, bounded
         self.on_peer_lost = on_peer_lost or _no_verdict
+        self.on_peer_left = on_peer_left or _left_alone  # the error for a peer that said bye
         self.on_peer_error = on_peer_error or (lambda src, header: None)
+        # Peers that left, and the error of what needs them; those whose channels are all
+        # closed (nothing more can come from them); the open channels of each peer.
+        self.left: dict[int, BaseException] = {}
+        self._gone: set[int] = set()
+        self._by_src: dict[int, set[DataChannel]] = {}
+        self._byes: set[DataChannel] = set()  # channels whose peer said (or answered) goodbye
+        self._bye_news: asyncio.Event | None = None  # set when a goodbye or a close comes
         self._listeners: list[Listener] = []  # this plane's own (TCP)
         self._shared: SharedListener | None = None  # the process's Unix-socket listener
         self._member = 0  # this plane's number on it
@@ -258,6 +285,8 @@ class DataPlane:
 
     async def send(self, dst: int, key: Key, meta: Any, payload: Buffer | None) -> None:
         """Send one message to global rank ``dst``; returns when ``payload`` may be reused."""
+        if dst in self.left:
+            raise self.left[dst]
         if dst == self.rank:
             data = memoryview(bytes(payload) if payload is not None else b"")
             self.arrived(dst, key, Received(dst, meta, data))
@@ -271,6 +300,8 @@ class DataPlane:
 
     async def send_header(self, dst: int, header: list[Any], payload: Buffer | None = None) -> None:
         """Send one DATA frame with ``header`` to peer ``dst`` (not this rank)."""
+        if dst in self.left:
+            raise self.left[dst]
         try:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.DATA, header, payload)
@@ -291,8 +322,14 @@ class DataPlane:
             self.arrived(dst, key, Received(dst, meta, data))
             return None
         channel = self._out.get(dst)
-        if channel is None or (
-            key[0] == P2P and payload is not None and memoryview(payload).nbytes >= BULK_MIN_BYTES
+        if (
+            channel is None
+            or dst in self.left
+            or (
+                key[0] == P2P
+                and payload is not None
+                and memoryview(payload).nbytes >= BULK_MIN_BYTES
+            )
         ):
             return self.send(dst, key, meta, payload)  # connect first, or announce: no shortcut
         coro = channel.send(MessageKind.DATA, [*key, meta], payload)
@@ -316,7 +353,7 @@ class DataPlane:
         raise await self._send_failed(dst, exc) from exc
 
     async def send_error(self, dst: int, header: Any) -> None:
-        if dst != self.rank:
+        if dst != self.rank and dst not in self.left:
             channel = self._out.get(dst) or await self._connect(dst)
             await channel.send(MessageKind.PEER_ERROR, header)
 
@@ -438,8 +475,8 @@ class DataPlane:
         except BaseException:
             channel.abort()
             raise
-        self._channels.add(channel)
-        return self._out.setdefault(dst, channel)
+        self._opened(dst, channel)
+        return self._out[dst]
 
     async def _handshake(self, dst: int, channel: DataChannel, link: Link) -> None:
         hello: list[Any] = [self.job, self.rank, os.getpid(), link.member]
@@ -548,8 +585,12 @@ class DataPlane:
 
     def _adopt(self, src: int, channel: DataChannel) -> None:
         # A peer connected to us first: use its channel for our sends to it too.
+        self._opened(src, channel)
+
+    def _opened(self, peer: int, channel: DataChannel) -> None:
         self._channels.add(channel)
-        self._out.setdefault(src, channel)
+        self._by_src.setdefault(peer, set()).add(channel)
+        self._out.setdefault(peer, channel)
 
     # --- receiving ----------------------------------------------------------------------
 
@@ -569,6 +610,8 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif src in self._gone:
+            self._settle_left(src)  # nothing more comes from it: fails at once
         elif key[0] == P2P and src is not None:
             self.bulk.offer(src, posted)
         return future
@@ -592,6 +635,8 @@ class DataPlane:
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self._complete(posted, found[1])
+        elif src in self._gone:
+            self._settle_left(src)  # nothing more comes from it: fails at once
         elif key[0] == P2P and src is not None:
             self.bulk.offer(src, posted)
 
@@ -638,25 +683,82 @@ class DataPlane:
         for posted in self.matcher.take_posted_where(lambda k: k[0] in kinds):
             posted.settle(exc)
 
+    def peer_left(self, rank: int, exc: BaseException) -> None:
+        """``rank`` left the job: what needs it fails with ``exc``, once all it sent is in.
+
+        Sends to it fail at once. Receives from it fail once no channel from it is
+        open (its goodbye and close come after its last message; and before it told
+        the server, it waited for this rank to answer its goodbye on each channel).
+        The first ``exc`` given for a rank stays.
+        """
+        self.left.setdefault(rank, exc)
+        if not self._by_src.get(rank):
+            self._settle_left(rank)  # else _channel_closed settles it
+
+    def _settle_left(self, rank: int) -> None:
+        if self._closing or self._by_src.get(rank):
+            return
+        self._gone.add(rank)
+        exc = self.left[rank]
+        for posted in self.matcher.take_posted_from(rank):
+            posted.settle(exc)
+
+    def _bye_received(self, channel: DataChannel) -> None:
+        self._byes.add(channel)
+        if self._bye_news is not None:
+            self._bye_news.set()
+        elif not self._closing:
+            # Answer: the peer waits for it before it tells the server that it left.
+            self._spawn(channel.send(MessageKind.PEER_BYE, []))
+
     def _channel_closed(self, link: Link, channel: DataChannel, exc: Exception | None) -> None:
         self._channels.discard(channel)
+        self._byes.discard(channel)
+        if self._bye_news is not None:
+            self._bye_news.set()
         src = link.src
-        if src is not None and self._out.get(src) is channel:
-            del self._out[src]
-        if self._closing or link.said_bye or src is None:
+        if src is not None:
+            if self._out.get(src) is channel:
+                del self._out[src]
+            open_channels = self._by_src.get(src)
+            if open_channels is not None:
+                open_channels.discard(channel)
+                if not open_channels:
+                    del self._by_src[src]
+        if self._closing or src is None:
             return
-        reason = f"its data connection closed ({exc or 'EOF'})"
-        self._spawn(self.on_peer_lost(src, reason))
+        if src in self.left:
+            self._settle_left(src)  # it left: fail what waits on it once its last channel closed
+        elif link.said_bye:
+            self._spawn(self._said_bye(src))
+        else:
+            reason = f"its data connection closed ({exc or 'EOF'})"
+            self._spawn(self.on_peer_lost(src, reason))
 
-    async def aclose(self) -> None:
-        """Say goodbye to every peer, then close channels and listeners."""
+    async def _said_bye(self, src: int) -> None:
+        self.peer_left(src, await self.on_peer_left(src))
+
+    async def aclose(self, *, bye: bool = True) -> None:
+        """Say goodbye to every peer (unless not ``bye``), then close channels and listeners.
+
+        A goodbye tells a peer that this rank left the job cleanly; without one, a
+        peer finds out why the channel closed some other way (from the server).
+        """
         self._closing = True
         # Goodbyes first: closing a listener may close its accepted channels too (uvloop).
-        for channel in list(self._channels):
-            try:
-                await asyncio.wait_for(channel.send(MessageKind.PEER_BYE, []), 1.0)
-            except (OSError, TimeoutError):
-                pass
+        channels = list(self._channels)
+        if bye:
+            self._bye_news = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(BYE_TIMEOUT):
+                    for channel in channels:
+                        with contextlib.suppress(OSError):
+                            await channel.send(MessageKind.PEER_BYE, [])
+                    # Each peer answers once it read all this rank sent it (see above).
+                    while any(c in self._channels and c not in self._byes for c in channels):
+                        self._bye_news.clear()
+                        await self._bye_news.wait()
+        for channel in channels:
             channel.close()
         for listener in self._listeners:
             listener.close()
@@ -666,5 +768,7 @@ class DataPlane:
         for task in list(self._tasks):
             task.cancel()
         self._channels.clear()
+        self._byes.clear()
+        self._by_src.clear()
         self._out.clear()
         self.segments.close(sweep=self._failed)  # a dead peer's may outlive the sweep at fail

@@ -6,6 +6,9 @@ members of one client process on *channels* (``Channel`` names the channel of
 the messages after it): the job table sees each channel as a connection of its
 own. A heartbeat counts for every channel of its connection.
 
+Each heartbeat a client sends is echoed on its connection: the client counts
+the server as gone once a heartbeat goes unanswered for its heartbeat timeout.
+
 A server started with a token authenticates each connection before anything it
 sends reaches the job table: it sends a fresh nonce (``Challenge``) as soon as
 the client connects, and the client's first message must be a ``Hello`` whose
@@ -69,6 +72,7 @@ AUTH_TIMEOUT: Final = 10.0
 LINGER_TIMEOUT: Final = 5.0
 # Members' channels one connection may open: a process's ranks, with room to spare.
 MAX_CHANNELS: Final = 65536
+HEARTBEAT_ECHO: Final = b"".join(encode_message(Heartbeat()))
 
 
 class ServerConnection(asyncio.Protocol):
@@ -131,6 +135,8 @@ class ServerConnection(asyncio.Protocol):
                 if kind is Heartbeat:
                     for conn_id in self.channels.values():
                         self._server._receive(conn_id, msg)
+                    # Echoed, so that a client can tell a dead server from a quiet one.
+                    self.write_parts([HEARTBEAT_ECHO])
                 elif kind is CloseChannel:
                     self._close_channel(msg.channel)
                 else:

@@ -18,6 +18,7 @@ __all__ = [
     "Close",
     "ConnId",
     "Job",
+    "LeaveNotice",
     "Member",
     "Send",
     "Timer",
@@ -72,6 +73,14 @@ class BarrierState:
 
 
 @dataclass(eq=False, slots=True)
+class LeaveNotice:
+    """A planned notice to a job's members of the members that left it since the last one."""
+
+    job: Job
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class Job:
     name: str
     world_size: int
@@ -88,6 +97,13 @@ class Job:
     barriers: dict[int, BarrierState] = field(default_factory=dict)
     failed_barriers: dict[int, tuple[Any, str, dict[str, Any]]] = field(default_factory=dict)
     deletions: int = 0  # keys deleted so far: a set of keys once all set stays so until one is
+    # Members that left the formed job cleanly: rank -> (host, pid). Barriers need them all.
+    left: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # ``[rank, host, pid]`` of leaves not announced yet, the planned notice, and when the
+    # next notice may go (one notice per interval: a job of N ending costs O(N) notices).
+    unannounced: list[list[Any]] = field(default_factory=list)
+    leave_notice: LeaveNotice | None = None
+    next_leave_notice: float = 0.0
     _packed_table: Packed | None = None
     # The keys of the latest wait, decoded, and the value of ``deletions`` when they were
     # last seen all set (-1: not known to be).
@@ -224,4 +240,4 @@ class BadRequest(Exception):
 class Timer:
     when: float
     seq: int
-    target: Any = field(compare=False)  # Member (join deadline) | Waiter
+    target: Any = field(compare=False)  # Member (join deadline) | Waiter | LeaveNotice

@@ -5,15 +5,22 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
 - A job is keyed by ``group_name``. It is *forming* until ``world_size``
   members have joined, then *complete*: ranks are assigned and every member
   gets the same ``Welcome`` with the table of all members' addresses.
-- A join that conflicts with the job (duplicate rank, another world size, a
-  job already complete) gets an error; the job itself is left untouched.
+- A join that conflicts with the job (a rank already taken, a job already
+  complete) gets an error naming the conflict; the job itself is left untouched.
+  A join with another world size than a *forming* job's breaks that job: no
+  world size can be right for all of them, so the newcomer and every member
+  waiting get the same WORLD_SIZE_MISMATCH error naming both sizes, and the
+  job is dropped. A complete job is not affected by such a stray joiner.
 - Automatic ranks fill the ranks no member asked for, grouped by host in the
   order hosts first joined, so ranks on one host are contiguous and
   ``local_rank`` means what torchrun means.
 - A member of a complete job whose connection drops, or who misses heartbeats,
   has *failed*: every other member is told once, pending waits of the job fail
   with RANK_FAILED, and the job is broken for good. A member that leaves
-  cleanly has not failed. A forming member that disconnects simply drops out.
+  cleanly has not failed: the others are told (``MembersLeft``, at most one
+  notice per ``LEAVE_NOTICE_INTERVAL``, so a job of N members ending costs
+  O(N) notices, not O(N^2)), and the barriers it will not reach fail. A
+  forming member that disconnects simply drops out.
 - A job's state is dropped when its last member is gone.
 - Store operations and barriers, and the waits they park, are the job
   table's other half (``store.py``).
@@ -31,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgpack
 
 from aiodist._errors import ErrorCode
-from aiodist._server.jobs import BadRequest, Close, Job, Member, assign_ranks
-from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers
+from aiodist._server.jobs import BadRequest, Close, Job, LeaveNotice, Member, assign_ranks
+from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers, left_error
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
@@ -40,6 +47,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersLeft,
     MembersRequest,
     Packed,
     Reply,
@@ -56,6 +64,8 @@ __all__ = ["ServerState"]
 MAX_GROUP_NAME_CHARS: Final = 256
 MAX_ADDRESSES: Final = 64
 MAX_SWEEP_INTERVAL: Final = 1.0
+# The least time between two notices of members that left one job (the first goes at once).
+LEAVE_NOTICE_INTERVAL: Final = 0.1
 
 
 @dataclass(slots=True)
@@ -132,6 +142,8 @@ class ServerState(StoreAndBarriers):
                 continue
             if isinstance(timer.target, Member):
                 self._join_timed_out(timer.target)
+            elif isinstance(timer.target, LeaveNotice):
+                self._send_leave_notice(timer.target.job, now)
             else:
                 self._waiter_timed_out(timer.target)
         if self._next_sweep is not None and self._next_sweep <= now:
@@ -166,7 +178,12 @@ class ServerState(StoreAndBarriers):
             )
         job = member.job
         if isinstance(msg, Leave):
+            was_active = member.status == "active"  # a member of a formed job, not failed
             member.status = "left"
+            if was_active:
+                job.left[member.rank] = (member.host, member.pid)
+                if not job.failures:  # after a failure, every member knows the job is broken
+                    self._announce_leave(member, now)
             self._send(conn, Reply(msg.req_id, None))
             self._remove(member)
             state.member = None
@@ -198,24 +215,25 @@ class ServerState(StoreAndBarriers):
         if job is None:
             job = self.jobs[msg.group_name] = Job(msg.group_name, msg.world_size, created_at=now)
         elif job.world_size != msg.world_size:
+            if not job.complete:
+                self._break_forming_job(job, msg)  # raises for the newcomer
             raise BadRequest(
                 ErrorCode.WORLD_SIZE_MISMATCH,
-                f"job {job.name!r} has world_size {job.world_size} but this process asked for "
-                f"{msg.world_size}; start every rank with the same world size",
+                f"job {job.name!r} is running with world_size {job.world_size}, but this "
+                f"process asked for {msg.world_size}; start every rank with the same world "
+                "size, or use another group_name",
+                {"world_sizes": [job.world_size, msg.world_size]},
             )
         elif job.complete:
+            if msg.rank >= 0 and (taken := job.by_rank[msg.rank]) in job.members:
+                raise _rank_taken(job, msg.rank, taken)
             raise BadRequest(
                 ErrorCode.JOB_FULL,
                 f"job {job.name!r} already has all {job.world_size} members; use another "
                 "group_name, or wait until that job ends",
             )
         if msg.rank >= 0 and (holder := job.requested.get(msg.rank)) is not None:
-            raise BadRequest(
-                ErrorCode.DUPLICATE_RANK,
-                f"rank {msg.rank} of job {job.name!r} is already taken by pid {holder.pid} on "
-                f"host {holder.host}; give every process its own rank",
-                {"rank": msg.rank, "host": holder.host, "pid": holder.pid},
-            )
+            raise _rank_taken(job, msg.rank, holder)
         self.stats.joins += 1
         member = Member(
             conn=conn,
@@ -270,6 +288,37 @@ class ServerState(StoreAndBarriers):
                 ),
             )
 
+    def _break_forming_job(self, job: Job, msg: Join) -> None:
+        """Fail every member of forming ``job`` and the joiner ``msg``: they disagree on its size.
+
+        Raises:
+            BadRequest: Always: the joiner's error, the same as every member's.
+        """
+        first = next(iter(job.members))
+        message = (
+            f"the processes of job {job.name!r} disagree on world_size: {len(job.members)} "
+            f"joined with {job.world_size} (the first: pid {first.pid} on host {first.host}), "
+            f"pid {msg.pid} on host {msg.host} with {msg.world_size}; the job cannot form and "
+            "was dropped. Start every rank with the same world size, then start them all again"
+        )
+        details = {"world_sizes": [job.world_size, msg.world_size]}
+        for member in list(job.members):
+            self._send(
+                member.conn,
+                ErrorReply(member.join_req_id, ErrorCode.WORLD_SIZE_MISMATCH, message, details),
+            )
+        for waiter in job.all_waiters():  # store waits of members still forming
+            if not waiter.done:
+                waiter.done = True
+                self._send(
+                    waiter.conn,
+                    ErrorReply(waiter.req_id, ErrorCode.WORLD_SIZE_MISMATCH, message, details),
+                )
+        for member in list(job.members):
+            self._remove(member)  # the last one drops the job
+            self._conns[member.conn].member = None
+        raise BadRequest(ErrorCode.WORLD_SIZE_MISMATCH, message, details)
+
     def _join_timed_out(self, member: Member) -> None:
         job = member.job
         present = sorted(
@@ -294,20 +343,40 @@ class ServerState(StoreAndBarriers):
         member.done = True
         job = member.job
         job.discard(member)
-        if member.status == "left":
+        if member.status == "left" and member.rank in job.left:
             for barrier in list(job.barriers.values()):
                 if member.rank not in barrier.arrived:
-                    self._fail_barrier(
-                        job,
-                        barrier.seq,
-                        ErrorCode.GROUP_BROKEN,
-                        f"rank {member.rank} left job {job.name!r} while others waited at a "
-                        "barrier",
-                    )
+                    self._fail_barrier(job, barrier.seq, *left_error(job, member.rank))
         if not job.members and self.jobs.get(job.name) is job:
             del self.jobs[job.name]
             for waiter in job.all_waiters():
                 waiter.done = True
+            if job.leave_notice is not None:
+                job.leave_notice.done = True  # nobody is left to tell
+
+    def _announce_leave(self, member: Member, now: float) -> None:
+        """Tell the other members that ``member`` left, now or with the next notice."""
+        job = member.job
+        job.unannounced.append([member.rank, member.host, member.pid])
+        if job.leave_notice is not None:
+            return  # a notice is planned: this leave goes with it
+        if now >= job.next_leave_notice:
+            self._send_leave_notice(job, now)
+        else:
+            job.leave_notice = LeaveNotice(job)
+            self._push_timer(job.next_leave_notice, job.leave_notice)
+
+    def _send_leave_notice(self, job: Job, now: float) -> None:
+        if job.leave_notice is not None:
+            job.leave_notice.done = True
+            job.leave_notice = None
+        entries, job.unannounced = job.unannounced, []
+        job.next_leave_notice = now + LEAVE_NOTICE_INTERVAL
+        # Encoded once for the whole job: every member gets the same bytes.
+        notice = MembersLeft(cast("list[Any]", Packed(msgpack.packb(entries))))
+        for m in job.members:
+            if m.status == "active":
+                self._send(m.conn, notice)
 
     def _fail(self, member: Member, reason: str) -> None:
         job = member.job
@@ -365,6 +434,15 @@ class ServerState(StoreAndBarriers):
             },
             "jobs": [job.snapshot(now) for job in self.jobs.values()],
         }
+
+
+def _rank_taken(job: Job, rank: int, holder: Member) -> BadRequest:
+    return BadRequest(
+        ErrorCode.DUPLICATE_RANK,
+        f"rank {rank} of job {job.name!r} is already taken by pid {holder.pid} on host "
+        f"{holder.host}; give every process its own rank (RANK)",
+        {"rank": rank, "host": holder.host, "pid": holder.pid},
+    )
 
 
 def _validate_join(msg: Join) -> None:

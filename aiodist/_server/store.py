@@ -9,7 +9,8 @@ whole table emits: the actions (``Send``, ``Close``) and the heap of deadlines.
   missing key only; each set moves it along, so a wait on N keys costs O(N) in
   all. Waits on the very same keys ride along with the first one.
 - A barrier completes when every rank of the job arrived; one that timed out,
-  or that a member left while others waited at it, fails for all.
+  or that a member left while others waited at it, fails for all. A barrier
+  that a member which left never reached fails at once: it cannot complete.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from aiodist._errors import ErrorCode
+from aiodist._errors import ErrorCode, rank_left_error
 from aiodist._server.jobs import BadRequest, Send, Timer, Waiter
 from aiodist._wire.messages import (
     Barrier,
@@ -35,9 +36,9 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from aiodist._server.jobs import Close, ConnId, Job, Member
+    from aiodist._server.jobs import Close, ConnId, Job, LeaveNotice, Member
 
-__all__ = ["STORE_REQUESTS", "StoreAndBarriers"]
+__all__ = ["STORE_REQUESTS", "StoreAndBarriers", "left_error"]
 
 # The requests ``StoreAndBarriers._store_op`` answers.
 STORE_REQUESTS: Final = (
@@ -64,6 +65,13 @@ def _check_not_failed(job: Job) -> None:
         )
 
 
+def left_error(job: Job, rank: int) -> tuple[ErrorCode, str, dict[str, Any]]:
+    """The (code, message, details) an operation gets that needs ``rank``, which left ``job``."""
+    host, pid = job.left[rank]
+    exc = rank_left_error(rank, host, pid)
+    return exc.code, str(exc), exc.wire_details()
+
+
 def _wait_keys(job: Job, packed: bytes) -> list[str]:
     try:
         return job.wait_keys(packed)
@@ -86,6 +94,14 @@ class StoreAndBarriers:
         _check_not_failed(job)
         if (failed := job.failed_barriers.get(msg.seq)) is not None:
             raise BadRequest(*failed)
+        if job.left:
+            # A member that left and did not reach this barrier never will.
+            barrier = job.barriers.get(msg.seq)
+            gone = next((r for r in job.left if barrier is None or r not in barrier.arrived), None)
+            if gone is not None:
+                code, message, details = left_error(job, gone)
+                self._fail_barrier(job, msg.seq, code, message, details)
+                raise BadRequest(code, message, details)
         barrier = job.barrier(msg.seq)
         waiter = Waiter(member.conn, msg.req_id, [], "barrier", job, seq=msg.seq)
         barrier.arrived[member.rank] = waiter
@@ -256,5 +272,5 @@ class StoreAndBarriers:
     def _send(self, conn: ConnId, msg: Any) -> None:
         self._actions.append(Send(conn, msg))
 
-    def _push_timer(self, when: float, target: Member | Waiter) -> None:
+    def _push_timer(self, when: float, target: Member | Waiter | LeaveNotice) -> None:
         heapq.heappush(self._timers, Timer(when, next(self._timer_seq), target))

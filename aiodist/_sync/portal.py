@@ -21,6 +21,16 @@ in the caller's thread, since they complete at once without a loop.
 
 Blocking on the loop's own thread would deadlock; every door raises
 ``RuntimeError`` there instead, as anyio's portal does.
+
+**Interrupts.** Signals are handled by the main thread, so Ctrl-C interrupts a
+blocking call at once. The operation it waited for may never complete (its
+peers never come), and waiting for it at exit would hold the program for the
+close grace: so a blocking call interrupted by ``KeyboardInterrupt`` (or any
+other exception that is not an ``Exception``, such as a signal handler's
+``SystemExit``) closes the default group at once, failing the operations in
+flight instead of waiting for them, and then re-raises. Its peers learn that
+this rank left the job. The same happens at exit after an uncaught
+``KeyboardInterrupt`` (a ``Work.wait()`` that was interrupted).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -39,7 +50,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from aiodist._group.work import Work
-from aiodist._group.world import default_group_loop, is_initialized
+from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
 
 if TYPE_CHECKING:
@@ -178,8 +189,16 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
     async def run() -> T:
         return await fn(*args, **kwargs)
 
+    future: Future[T] | None = None
     try:
-        return lt.portal.call(run)
+        future = lt.portal.start_task_soon(run)
+        return future.result()
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
+            if future is not None:
+                future.cancel()  # a join still under way is abandoned
+            _abandon(lt)
+        raise
     finally:
         if not is_initialized():
             stop(lt)
@@ -221,8 +240,15 @@ def submit(
         else:
             started.add_done_callback(lambda w: _transfer(w, box))
 
-    lt.loop.call_soon_threadsafe(start)
-    return box.result()  # type: ignore[no-any-return]
+    try:
+        lt.loop.call_soon_threadsafe(start)
+        return box.result()  # type: ignore[no-any-return]
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
+            _abandon(lt)
+            if not is_initialized():
+                stop(lt)
+        raise
 
 
 def run_sync(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -326,11 +352,30 @@ def stop(only: _LoopThread | None = None) -> None:
     lt.close()
 
 
+async def _destroy_abandoned() -> None:
+    group = get_default_group()
+    if group is not None:
+        group.session.abandon()
+    await destroy_process_group()
+
+
+def _abandon(lt: _LoopThread) -> None:
+    """Close the default group at once, failing what is in flight (the caller was interrupted)."""
+    if default_group_loop() is not lt.loop or lt.portal is None:
+        return
+    try:
+        lt.portal.call(_destroy_abandoned)
+    except Exception:
+        logger.exception("closing the default process group after an interrupt failed")
+
+
 def _at_exit() -> None:
     lt = _current
     if lt is None or lt.pid != os.getpid():
         return
     try:
+        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            _abandon(lt)  # a Work.wait() was interrupted: do not wait for what it waited on
         if default_group_loop() is lt.loop:
             call(destroy_process_group)
     except Exception:

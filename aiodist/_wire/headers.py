@@ -29,6 +29,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersLeft,
     MembersRequest,
     MessageKind,
     Reply,
@@ -77,6 +78,7 @@ MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
         Welcome,
         ErrorReply,
         MemberFailed,
+        MembersLeft,
         ServerClosing,
     )
 }

@@ -31,6 +31,7 @@ __all__ = [
     "Join",
     "Leave",
     "MemberFailed",
+    "MembersLeft",
     "MembersRequest",
     "Message",
     "MessageKind",
@@ -80,6 +81,7 @@ class MessageKind(enum.IntEnum):
     SERVER_CLOSING = 36
     CHALLENGE = 37
     AUTHENTICATED = 38
+    MEMBERS_LEFT = 39
     # rank <-> rank (data plane)
     PEER_HELLO = 64
     DATA = 65
@@ -364,6 +366,14 @@ class MemberFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class MembersLeft:
+    """Members that left a formed job cleanly: ``[rank, host, pid]`` each."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_LEFT
+    members: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Challenge:
     """The server's nonce; empty when the server requires no token."""
 
@@ -410,6 +420,7 @@ Message = (
     | Welcome
     | ErrorReply
     | MemberFailed
+    | MembersLeft
     | ServerClosing
 )
 
