@@ -213,11 +213,6 @@ PEER_WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="peers learn at once that a rank left the job only with the leave-detection "
-    "change to _group/session.py and _plane/peers.py; remove this mark once merged with it",
-)
 async def test_peer_waiting_on_a_rank_that_exited_without_destroy_gets_rank_failed_error(
     server: RendezvousServer, tmp_path: Path
 ) -> None:
