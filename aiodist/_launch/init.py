@@ -22,6 +22,7 @@ from aiodist._group.world import (
     take_default,
 )
 from aiodist._launch.launchers import launcher_env
+from aiodist._ops.rpc import agent_for
 from aiodist._torch.bridge import bring_up, parse_backend, tear_down
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ async def init_process_group(
         await asyncio.gather(task, return_exceptions=True)
         raise
     install_default(DefaultGroup(group, task, stop))
+    agent_for(group.session)  # every rank serves remote calls from now on (aiodist.rpc)
     if devices is not None:
         assert backend is not None
         try:
