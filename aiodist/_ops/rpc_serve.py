@@ -221,11 +221,12 @@ class Server:
         serving = self.running.get((src, call))
         if serving is None:
             return  # answered already
+        job, task = serving.job, serving.task
         self._finish(serving, Status.CANCELLED, "cancelled by its caller")
-        if serving.job is not None:
-            serving.job.cancelled = True
-        if serving.task is not None:
-            serving.task.cancel()
+        if job is not None:
+            job.cancelled = True
+        if task is not None:
+            task.cancel()
 
     # --- running a call -----------------------------------------------------------------
 
@@ -359,6 +360,7 @@ class Server:
         if serving.finished:
             return
         serving.finished = True
+        serving.job = serving.task = None  # no cycle through the job's callback: freed at once
         del self.running[(serving.src, serving.call)]
         made = serving.made
         if made is not None:
@@ -425,11 +427,12 @@ class Server:
         self.stopped = True
         if answer:
             for serving in list(self.running.values()):
+                job, task = serving.job, serving.task
                 self._finish(serving, Status.CLOSED, reason)
-                if serving.job is not None:
-                    serving.job.cancelled = True
-                if serving.task is not None:
-                    serving.task.cancel()
+                if job is not None:
+                    job.cancelled = True
+                if task is not None:
+                    task.cancel()
         self.owned.clear(reason)
         if self._threads is not None:
             self._threads.close()

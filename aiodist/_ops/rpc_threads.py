@@ -74,9 +74,15 @@ class Threads:
 
     def _work(self) -> None:
         jobs, outcomes = self._jobs, self._outcomes
-        while (job := jobs.get()) is not None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
             ok, value = (True, None) if job.cancelled else job.run()
             outcomes.append((job, ok, value))
+            # Waiting for the next job must not keep this one's arguments or result alive
+            # (an RRef among them would keep its object alive on its owner).
+            del job, value
             if not self._signalled:
                 self._signalled = True
                 try:
