@@ -202,7 +202,7 @@ def test_rrefs_keep_objects_while_referenced_and_release_them() -> None:
 def test_worker_death_fails_every_pending_call_with_its_rank(how: str) -> None:
     # "exit": the process dies (its connections drop); "stop": it freezes (SIGSTOP),
     # so only its missed heartbeats tell. Either way within the heartbeat timeout.
-    reports = _run("death", env=dict.fromkeys(range(3), {"RPC_DEATH": how}), victim=2)
+    reports = _run("death", env={r: {"RPC_DEATH": how} for r in range(3)}, victim=2)
     out = reports[0]
     assert out["returncode"] == 0, out
     assert reports[2]["returncode"] == (17 if how == "exit" else -9)
