@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import importlib
 import os
+import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Final
 
@@ -118,32 +119,33 @@ def empty_tensors(meta: Any) -> list[torch.Tensor]:
 
 
 def encode_error(exc: BaseException) -> bytes:
-    """The error a call raised, for its reply: type, message, traceback, itself if it pickles."""
+    """The error a call raised, for its reply: type, message, traceback, attributes."""
     cls = type(exc)
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _SERVING_FILES:
         tb = tb.tb_next
     text = "".join(traceback.format_exception(cls, exc, tb)).rstrip()
     try:
-        pickled: bytes | None = codec.dumps(exc)
-    except Exception:  # an attribute that cannot be pickled: its type and text still travel
-        pickled = None
-    return codec.dumps([cls.__module__, cls.__qualname__, str(exc), text, pickled])
+        state: bytes | None = codec.dumps(dict(vars(exc))) if vars(exc) else None
+    except Exception:  # an attribute that cannot be pickled: type and text still travel
+        state = None
+    return codec.dumps([cls.__module__, cls.__qualname__, str(exc), text, state])
 
 
 def rebuild_error(data: Any, rank: int, what: str) -> Exception:
     """The exception to raise on the caller for an error reply from ``rank``.
 
     Its message is the remote one, then the rank and the remote traceback. It
-    has the remote exception's type (and attributes) when that type exists
-    here and takes that message; otherwise it is a ``RemoteError``. Either way
-    its ``__cause__`` is a ``RemoteError`` whose attributes say where it
-    came from (``rank``, ``exc_type``, ``remote_traceback``). Exceptions that
-    are not ``Exception``s there (``SystemExit``, ``KeyboardInterrupt``)
-    become ``RemoteError``: they must not stop the caller.
+    has the remote exception's type and attributes when that type can be
+    imported here (made without calling its ``__init__``, which may take
+    other arguments); otherwise it is a ``RemoteError``. Either way its
+    ``__cause__`` is a ``RemoteError`` whose attributes say where it came from
+    (``rank``, ``exc_type``, ``remote_traceback``). Exceptions that are not
+    ``Exception``s there (``SystemExit``, ``KeyboardInterrupt``) become
+    ``RemoteError``: they must not stop the caller.
     """
     try:
-        module, qualname, text, tb, pickled = codec.loads(data)
+        module, qualname, text, tb, state = codec.loads(data)
         name = f"{module}.{qualname}" if module != "builtins" else qualname
     except Exception as exc:
         return RemoteError(
@@ -154,32 +156,27 @@ def rebuild_error(data: Any, rank: int, what: str) -> Exception:
     origin = RemoteError(
         f"{what} raised {name} on rank {rank}", rank=rank, exc_type=name, remote_traceback=tb
     )
-    rebuilt = _same_type(pickled, module, qualname, message)
+    rebuilt = _same_type(module, qualname, message, state)
     if rebuilt is None:
         rebuilt = RemoteError(message, rank=rank, exc_type=name, remote_traceback=tb)
     rebuilt.__cause__ = origin
     return rebuilt
 
 
-def _same_type(pickled: Any, module: str, qualname: str, message: str) -> Exception | None:
-    """The remote exception with ``message``, of its own type; None if it cannot be made here."""
-    if isinstance(pickled, bytes):
-        try:
-            exc = codec.loads(pickled)
-        except Exception:
-            exc = None
-        if isinstance(exc, Exception):
-            exc.args = (message,)  # its attributes stay; str() now says where it came from
-            exc.__traceback__ = None
-            return exc
+def _same_type(module: str, qualname: str, message: str, state: Any) -> Exception | None:
+    """An exception of the remote type with ``message``; None if it cannot be made here."""
     try:
-        cls: Any = importlib.import_module(module)
+        cls: Any = sys.modules.get(module) or importlib.import_module(module)
         for part in qualname.split("."):
-            cls = getattr(cls, part)
-        if isinstance(cls, type) and issubclass(cls, Exception):
-            made = cls(message)
-            if type(made) is cls:
-                return made
+            cls = getattr(cls, part)  # a class local to a function has no path: fails here
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            return None
+        exc: Exception = cls.__new__(cls)
+        exc.args = (message,)
+        if isinstance(state, bytes):
+            attributes = codec.loads(state)
+            if isinstance(attributes, dict):
+                exc.__dict__.update(attributes)
     except Exception:
-        pass
-    return None
+        return None
+    return exc

@@ -53,18 +53,29 @@ class _NotPlain(Exception):
 class _Encoder:
     """msgpack's ``default`` hook; with a ``split`` list, large CPU tensors go there."""
 
-    __slots__ = ("split",)
+    __slots__ = ("index", "split")
 
     def __init__(self, split: list[Any] | None) -> None:
         self.split = split
+        self.index: dict[int, int] = {}  # id(tensor) -> its place in split: each goes once
 
     def __call__(self, obj: Any) -> msgpack.ExtType:
         if type(obj) is tuple:
             return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj), self))
         if self.split is not None and _splittable(obj):
-            self.split.append(obj)
-            return msgpack.ExtType(_EXT_TENSOR_REF, _pack(len(self.split) - 1, self))
+            return msgpack.ExtType(_EXT_TENSOR_REF, _pack(_set_aside(obj, self), _PLAIN))
         return _default(obj)
+
+
+def _set_aside(t: Any, owner: _Encoder | _SplitPickler) -> int:
+    """``t``'s index in ``owner.split``, appended on first sight (then shared, not repeated)."""
+    split = owner.split
+    assert split is not None
+    index = owner.index.get(id(t))
+    if index is None:
+        index = owner.index[id(t)] = len(split)
+        split.append(t)
+    return index
 
 
 def _splittable(obj: Any) -> bool:
@@ -154,13 +165,11 @@ class _SplitPickler(pickle.Pickler):
 
     def __init__(self, file: io.BytesIO, split: list[Any]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.split = split
+        self.split: list[Any] | None = split
+        self.index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if _splittable(obj):
-            self.split.append(obj)
-            return len(self.split) - 1
-        return None
+        return _set_aside(obj, self) if _splittable(obj) else None
 
 
 def dumps_split(obj: object, tensors: list[Any]) -> bytes:
