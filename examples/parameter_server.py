@@ -55,7 +55,7 @@ class Shard:
                 p.copy_(value)
         self.model.zero_grad()
         loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         grads = [p.grad.detach().clone() for p in self.model.parameters() if p.grad is not None]
         return float(loss.detach()), grads
 
