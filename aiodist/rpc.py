@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
 from aiodist._group.work import Work
-from aiodist._ops.rpc import Agent, default_agent, describe, make_remote, prepare
+from aiodist._ops.rpc import Agent, default_agent, make_remote, prepare
 from aiodist._ops.rpc_rref import RRef
 from aiodist._ops.rpc_wire import Op
 
@@ -140,7 +140,7 @@ def rpc_async(
         >>> loss = await aiodist.rpc.rpc_async(1, train_step, (batch,))
     """
     agent = default_agent("rpc_async")
-    request = prepare(agent, Op.CALL, to, fn, args, kwargs, timeout, _what("rpc_async", to, fn))
+    request = prepare(agent, Op.CALL, to, fn, args, kwargs, timeout, _what("rpc_async", to))
     return agent.launch(request)
 
 
@@ -180,7 +180,7 @@ def rpc_sync(
     """
     agent = default_agent("rpc_sync")
     _check_blocking(agent, "rpc_sync", "await aiodist.rpc.rpc_async(...)")
-    request = prepare(agent, Op.CALL, to, fn, args, kwargs, timeout, _what("rpc_sync", to, fn))
+    request = prepare(agent, Op.CALL, to, fn, args, kwargs, timeout, _what("rpc_sync", to))
     return agent.launch(request).wait()
 
 
@@ -265,8 +265,8 @@ async def _shutdown(agent: Agent, graceful: bool, timeout: float | None) -> None
     await agent.shutdown(graceful, timeout)
 
 
-def _what(name: str, to: object, fn: object) -> str:
-    return f"{name}(to={to}, {describe(fn)})"
+def _what(name: str, to: object) -> str:
+    return f"{name}(to={to}, {{fn}})"  # prepare() puts the function's name in
 
 
 def _on_loop(agent: Agent) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from anyio import fail_after as anyio_fail_after
 
 from aiodist import DistError, RankFailedError
 from aiodist._errors import RemoteError
@@ -225,3 +226,36 @@ def test_rref_cannot_be_unpickled_outside_a_job() -> None:
 
     with pytest.raises(RuntimeError, match="only be unpickled in a rank"):
         pickle.loads(pickle.dumps((_rebuild, (1, (0, 1), 1))))[0](1, (0, 1), 1)
+
+
+async def sleep_forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any) -> None:
+    # Two ranks as tasks of this loop (one process): the job's timeout is 1 s, and a call
+    # without its own timeout gets that one (one timer for all such calls).
+    from aiodist._ops.rpc import agent_for, prepare
+    from aiodist._ops.rpc_wire import Op
+    from aiodist.testing import run_ranks
+
+    async def body(g: Any) -> Any:
+        agent = agent_for(g.session)
+        out = None
+        if g.rank == 0:
+            request = prepare(agent, Op.CALL, 1, sleep_forever, (), None, None, "f({fn})")
+            assert request.timeout == 1.0
+            started = asyncio.get_running_loop().time()
+            try:
+                await agent.start(request)
+            except DistError as exc:
+                out = [type(exc).__name__, asyncio.get_running_loop().time() - started, str(exc)]
+        await agent.shutdown(True, 10.0)
+        return out
+
+    with anyio_fail_after(20):
+        outs = await run_ranks(server.address, 2, body, ranks=[0, 1], timeout=1.0)
+    kind, elapsed, message = outs[0]
+    assert kind == "DistTimeoutError"
+    assert 1.0 <= elapsed < 3.0
+    assert "f(tests.test_rpc_parts.sleep_forever) did not complete within 1.0 s" in message

@@ -19,6 +19,7 @@ loop with ``call_soon_threadsafe`` and the handle returned at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
 import threading
@@ -57,7 +58,9 @@ __all__ = ["Agent", "Request", "agent_for", "default_agent", "describe", "prepar
 
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
-_encoded_functions: dict[Any, bytes] = {}
+_encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name
+# Deadlines kept behind a long call before the finished ones are dropped (see _Deadlines).
+_COMPACT_AT: Final = 1024
 _rref_numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
 
 
@@ -82,7 +85,8 @@ def describe(fn: object) -> str:
     return f"{module}.{name}" if module and module != "builtins" else str(name)
 
 
-def _encode_function(fn: object) -> bytes:
+def _encode_function(fn: object) -> tuple[bytes, str]:
+    """``fn``'s encoding (by reference) and its name; cached for plain functions."""
     try:
         hit = _encoded_functions.get(fn)
     except TypeError:  # unhashable: encoded every time
@@ -99,11 +103,12 @@ def _encode_function(fn: object) -> bytes:
             "reference (its module and name), so define it at the top level of a module that "
             f"every rank imports, not as a lambda or inside a function ({exc})"
         ) from exc
+    hit = (data, describe(fn))
     if isinstance(fn, _CACHEABLE):
         if len(_encoded_functions) >= _FUNCTIONS_KEPT:
             _encoded_functions.clear()
-        _encoded_functions[fn] = data
-    return data
+        _encoded_functions[fn] = hit
+    return hit
 
 
 def prepare(
@@ -118,6 +123,9 @@ def prepare(
     extra: Any = None,
 ) -> Request:
     """Check and encode a call (in the caller's thread).
+
+    ``what`` names the call in messages; for ``CALL`` and ``REMOTE`` (whose
+    ``target`` is the function), ``"{fn}"`` in it stands for the function's name.
 
     Raises:
         TypeError: ``to`` is not an int, ``fn`` or an argument cannot be pickled.
@@ -134,7 +142,8 @@ def prepare(
     else:
         seconds = float(timeout) or None
     if op is Op.CALL or op is Op.REMOTE:
-        target = _encode_function(target)
+        target, name = _encode_function(target)
+        what = what.replace("{fn}", name)
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
@@ -161,6 +170,50 @@ class _Call:
     sending: asyncio.Task[None] | None = None  # the rest of its request, if not sent at once
 
 
+class _Deadlines:
+    """Calls with the job's default timeout, in start order, under one timer.
+
+    Their deadlines come in start order (as ``inflight.Deadlines`` does for a
+    group's operations): a timer per call would cost every call a heap push
+    and a cancel, for a timeout that almost never fires.
+    """
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._entries: collections.deque[tuple[float, int]] = collections.deque()
+        self._handle: asyncio.TimerHandle | None = None
+        self._limit = _COMPACT_AT
+
+    def add(self, call: int, timeout: float) -> None:
+        entries, calls = self._entries, self._agent.calls
+        while entries and entries[0][1] not in calls:  # finished: most calls, soon
+            entries.popleft()
+        deadline = self._agent.loop.time() + timeout
+        entries.append((deadline, call))
+        if len(entries) > self._limit:  # a long call holds finished ones behind it
+            self._entries = collections.deque(e for e in entries if e[1] in calls)
+            self._limit = max(_COMPACT_AT, 2 * len(self._entries))
+        if self._handle is None:
+            self._handle = self._agent.loop.call_at(deadline, self._sweep)
+
+    def _sweep(self) -> None:
+        self._handle = None
+        agent, entries = self._agent, self._entries
+        now = agent.loop.time()
+        while entries and (entries[0][0] <= now or entries[0][1] not in agent.calls):
+            _, call = entries.popleft()
+            if call in agent.calls:
+                agent.expired(call)
+        if entries:
+            self._handle = agent.loop.call_at(entries[0][0], self._sweep)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._entries.clear()
+
+
 class Agent:
     """Remote calls of one session: made, served, shut down."""
 
@@ -176,6 +229,8 @@ class Agent:
         self.closed = False  # the session closed
         self.shut_down = False  # rpc.shutdown completed (or was forced) here
         self.error: BaseException | None = None  # the session's failure
+        self.default_timeout = session.timeout
+        self._deadlines = _Deadlines(self)
         self._ids = itertools.count(1)
         self._idle: list[asyncio.Future[None]] = []
         self.server = Server(self)
@@ -256,8 +311,11 @@ class Agent:
             return work
         if rest is not None or request.tensors:
             record.sending = self.loop.create_task(self._send_rest(call, rest, request.tensors))
-        if request.timeout is not None:
-            record.timer = self.loop.call_later(request.timeout, self._expired, call)
+        if request.timeout is not None and call in self.calls:  # (a self-call may be done)
+            if request.timeout == self.default_timeout:
+                self._deadlines.add(call, request.timeout)
+            else:
+                record.timer = self.loop.call_later(request.timeout, self.expired, call)
         return work
 
     async def _send_rest(self, call: int, rest: Any, tensors: list[torch.Tensor]) -> None:
@@ -283,7 +341,8 @@ class Agent:
             record.work._set_exception(exc)
         self.maybe_idle()
 
-    def _expired(self, call: int) -> None:
+    def expired(self, call: int) -> None:
+        """Call ``call`` is past its timeout: fail it here and cancel it on its callee."""
         record = self.calls.get(call)
         if record is None or record.work.is_completed():
             return
@@ -464,6 +523,7 @@ class Agent:
         ):
             posted.settle(reason)
         self._fail_calls(reason)
+        self._deadlines.close()
         self.broken(reason)
 
 
@@ -495,12 +555,13 @@ def default_agent(what: str) -> Agent:
         DistError: The default group's session is closed or broken.
     """
     g = get_default_group()
+    if g is not None:
+        agent = cast("Agent | None", AGENTS.get(g.session))
+        if agent is not None:
+            return agent
     loop = default_group_loop()
     if g is None or loop is None:
         raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
-    agent = cast("Agent | None", AGENTS.get(g.session))
-    if agent is not None:
-        return agent
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
@@ -526,6 +587,6 @@ def make_remote(
 ) -> RRef[Any]:
     """``rpc.remote``: run ``fn`` on ``to``, which keeps the result; an RRef to it."""
     rid = agent.new_rref_id()
-    what = f"remote(to={to}, {describe(fn)})"
+    what = f"remote(to={to}, {{fn}})"
     request = prepare(agent, Op.REMOTE, to, fn, args, kwargs, timeout, what, list(rid))
     return remote_rref(agent, request, rid)
