@@ -10,6 +10,7 @@ script, so they are ``__main__.<name>`` everywhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import os
@@ -359,6 +360,7 @@ async def errors(world: int) -> dict[str, Any]:
         ("lambda", lambda: rpc.rpc_async(1, lambda: 1)),
         ("argument", lambda: rpc.rpc_async(1, echo, (threading.Lock(),))),
         ("not_callable", lambda: rpc.rpc_async(1, 42, ())),  # type: ignore[call-overload]
+        ("huge_callable", lambda: rpc.rpc_async(1, functools.partial(echo, b"x" * (2 << 20)))),
     ):
         t0 = time.monotonic()
         try:

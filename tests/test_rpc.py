@@ -159,6 +159,8 @@ def test_remote_errors_are_raised_on_the_caller_with_rank_and_traceback() -> Non
     assert "lambda" in refused["lambda"][1]
     assert refused["argument"][0] == "TypeError"
     assert refused["not_callable"][0] == "TypeError"
+    assert refused["huge_callable"][0] == "TypeError"
+    assert "pass large data as arguments" in refused["huge_callable"][1]
     assert all(r[2] < 1.0 for r in refused.values())  # at once, not after a round trip
     assert out["usable_after"] == 3
     # A timeout: DistTimeoutError naming the rank, within the timeout, cancelled there.

@@ -47,7 +47,7 @@ from aiodist._wire import codec
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Coroutine, Mapping, Sequence
 
     import torch
 
@@ -61,6 +61,8 @@ _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
 _encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name
 # Deadlines kept behind a long call before the finished ones are dropped (see _Deadlines).
 _COMPACT_AT: Final = 1024
+# A function's encoding travels in the request's header, which receivers bound (16 MiB).
+MAX_FUNCTION_BYTES: Final = 1024 * 1024
 _rref_numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
 
 
@@ -103,6 +105,11 @@ def _encode_function(fn: object) -> tuple[bytes, str]:
             "reference (its module and name), so define it at the top level of a module that "
             f"every rank imports, not as a lambda or inside a function ({exc})"
         ) from exc
+    if len(data) > MAX_FUNCTION_BYTES:
+        raise TypeError(
+            f"{describe(fn)} pickles to {len(data)} bytes (at most {MAX_FUNCTION_BYTES}): pass "
+            "large data as arguments, not inside the callable"
+        )
     hit = (data, describe(fn))
     if isinstance(fn, _CACHEABLE):
         if len(_encoded_functions) >= _FUNCTIONS_KEPT:
@@ -271,6 +278,14 @@ class Agent:
         self._idle.append(waiter)
         await waiter
 
+    def spawn_send(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Finish a send in a task the session owns: closing it lets the send complete."""
+        task = self.loop.create_task(coro)
+        inflight = self.session.inflight
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+        return task
+
     # --- making calls -------------------------------------------------------------------
 
     def launch(self, request: Request) -> Work[Any]:
@@ -310,7 +325,7 @@ class Agent:
             self._abandon(call, exc)
             return work
         if rest is not None or request.tensors:
-            record.sending = self.loop.create_task(self._send_rest(call, rest, request.tensors))
+            record.sending = self.spawn_send(self._send_rest(call, rest, request.tensors))
         if request.timeout is not None and call in self.calls:  # (a self-call may be done)
             if request.timeout == self.default_timeout:
                 self._deadlines.add(call, request.timeout)
@@ -458,7 +473,9 @@ class Agent:
         self.plane.send_notice(owner, MessageKind.DATA, header)
 
     def owned_value(self, rid: RRefId) -> Any:
-        future = self.server.owned.value(rid)
+        future = self.server.owned.peek(rid)
+        if future is None:
+            raise RuntimeError(f"this rank owns no object for RRef {rid} (any more)")
         if not future.done():
             raise RuntimeError(f"the object of RRef {rid} is still being made; await to_here()")
         return future.result()

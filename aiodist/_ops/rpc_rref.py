@@ -238,6 +238,11 @@ class OwnedTable:
         self._drop_if_unused(rid, entry)
         return entry.value
 
+    def peek(self, rid: RRefId) -> asyncio.Future[Any] | None:
+        """The future of ``rid``'s value if this rank holds it, else None."""
+        entry = self._entries.get(rid)
+        return None if entry is None else entry.value
+
     def value(self, rid: RRefId) -> asyncio.Future[Any]:
         """The future of ``rid``'s value (it may be asked for before its creation arrives)."""
         return self._entry(rid).value

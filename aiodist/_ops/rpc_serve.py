@@ -141,7 +141,6 @@ class Server:
         self.stopped = False  # rpc shut down here: later requests get a CLOSED reply
         self._functions: dict[bytes, tuple[Callable[..., Any], bool]] = {}
         self._threads: Threads | None = None
-        self._sending: set[asyncio.Task[None]] = set()  # replies' rest, not written at once
         self._posting = False
         self._early: Received | BaseException | None = None
         self._listening = False
@@ -401,9 +400,7 @@ class Server:
             logger.exception("replying to rank %d's call %d failed", src, call)
             return
         if rest is not None or tensors:
-            task = self.loop.create_task(self._reply_rest(src, call, rest, tensors))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            self.agent.spawn_send(self._reply_rest(src, call, rest, tensors))
 
     async def _reply_rest(
         self, src: int, call: int, rest: Any, tensors: list[torch.Tensor]
@@ -439,10 +436,8 @@ class Server:
             self._threads = None
 
     def close(self) -> None:
-        """The session is closing: stop listening; replies still being sent are abandoned."""
+        """The session is closing: stop listening (replies being sent go on, the session's)."""
         self._listening = False
-        for task in list(self._sending):
-            task.cancel()
 
 
 def _settle_with(future: asyncio.Future[list[torch.Tensor]]) -> Callable[[Any], None]:
