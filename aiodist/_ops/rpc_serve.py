@@ -200,14 +200,16 @@ class Server:
         if op is Op.SHUTDOWN:
             self.agent.termination.on_message(src, extra)
             return
+        made: tuple[int, int] | None = None  # the RRef id of the object it makes
+        if op is Op.REMOTE:
+            made = (int(extra[0]), int(extra[1]))
+        elif op is Op.METHOD_REMOTE:
+            made = (int(extra[1][0]), int(extra[1][1]))
+        serving = _Serving(src, int(call), op, target, extra)  # parsed: nothing raises below
         self.served += 1
-        serving = _Serving(src, int(call), op, target, extra)
         self.running[(src, serving.call)] = serving
-        if not self.stopped:
-            if op is Op.REMOTE:
-                serving.made = self.owned.created((int(extra[0]), int(extra[1])))
-            elif op is Op.METHOD_REMOTE:
-                serving.made = self.owned.created((int(extra[1][0]), int(extra[1][1])))
+        if made is not None and not self.stopped:
+            serving.made = self.owned.created(made)
         data = msg.data
         if meta:
             ready = functools.partial(self._ready, serving, data)
