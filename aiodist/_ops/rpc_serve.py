@@ -54,12 +54,12 @@ if TYPE_CHECKING:
     from aiodist._plane.peers import DataPlane, Received
     from aiodist._wire.frame import Buffer
 
-__all__ = ["RPC_THREADS", "Server", "receive_parts", "send_parts"]
+__all__ = ["DEFAULT_RPC_THREADS", "Server", "receive_parts", "send_parts"]
 
 logger = logging.getLogger(__name__)
 
-#: Threads that run plain functions; more calls than this wait for one.
-RPC_THREADS: Final = int(os.environ.get("AIODIST_RPC_THREADS", "16"))
+#: Threads that run plain functions (``AIODIST_RPC_THREADS``); more calls wait for one.
+DEFAULT_RPC_THREADS: Final = 16
 # Decoded functions kept by their encoding (a program calls few distinct ones).
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
@@ -302,7 +302,8 @@ class Server:
             return
         serving.job = Job(fn, args, kwargs, functools.partial(self._ran, serving))
         if self._threads is None:
-            self._threads = Threads(self.loop, RPC_THREADS, "aiodist-rpc")
+            most = int(os.environ.get("AIODIST_RPC_THREADS") or DEFAULT_RPC_THREADS)
+            self._threads = Threads(self.loop, most, "aiodist-rpc")
         self._threads.submit(serving.job)
 
     def _ran(self, serving: _Serving, ok: bool, value: Any) -> None:
