@@ -226,6 +226,12 @@ class Tracked:
         return self.name * 2
 
 
+class SlowTracked(Tracked):
+    def __init__(self, name: str) -> None:
+        time.sleep(0.3)  # still being made when the method call arrives
+        super().__init__(name)
+
+
 async def deleted(name: str) -> bool:
     # Releases travel on their own: give one a moment to arrive (no fixed sleep decides it).
     for _ in range(200):
@@ -416,6 +422,13 @@ async def rrefs(world: int) -> dict[str, Any]:
     out["forwarded_use"] = await rpc.rpc_async(2, use_kept, (10,))
     await rpc.rpc_async(2, drop_kept)
     out["released_forwarded"] = await rpc.rpc_async(1, deleted, ("b",))
+    # A call on an RRef keeps it alive until it completes, even if dropped meanwhile.
+    slow = rpc.remote(1, SlowTracked, ("slow",))
+    pending = slow.rpc_async().add(4)
+    del slow
+    gc.collect()
+    out["method_after_drop"] = await pending
+    out["released_slow"] = await rpc.rpc_async(1, deleted, ("slow",))
     out["owned_left"] = await rpc.rpc_async(1, owned_count)
     # Owned here; an error while making one; one still held when the job ends.
     mine = rpc.remote(0, Tracked, ("mine",))

@@ -167,7 +167,7 @@ def test_remote_errors_are_raised_on_the_caller_with_rank_and_traceback() -> Non
     kind, rank, message, _ = out["timeout"]
     assert kind == "DistTimeoutError"
     assert "cancelled on rank 2" in message
-    assert 0.5 <= out["timeout_s"] < 3.0
+    assert 0.45 <= out["timeout_s"] < 3.0  # (uvloop may fire a timer a hair early)
     assert out["cancelled_there"] is True
     assert out["queued_timeout"][0] == "DistTimeoutError"
     assert out["blocked"] == "released"
@@ -190,6 +190,8 @@ def test_rrefs_keep_objects_while_referenced_and_release_them() -> None:
     assert out["alive_while_forwarded"] is True
     assert out["forwarded_use"] == 10
     assert out["released_forwarded"] is True
+    assert out["method_after_drop"] == 4
+    assert out["released_slow"] is True
     assert out["owned_left"] == 0
     assert out["local_value"] == "mine"
     assert out["local_value_direct"] == "mine"

@@ -257,5 +257,5 @@ async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any
         outs = await run_ranks(server.address, 2, body, ranks=[0, 1], timeout=1.0)
     kind, elapsed, message = outs[0]
     assert kind == "DistTimeoutError"
-    assert 1.0 <= elapsed < 3.0
+    assert 0.95 <= elapsed < 3.0
     assert "f(tests.test_rpc_parts.sleep_forever) did not complete within 1.0 s" in message

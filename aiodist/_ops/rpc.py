@@ -78,6 +78,7 @@ class Request:
     extra: Any
     timeout: float | None  # None: no timeout
     what: str  # the call, as error messages name it
+    keep: object = None  # kept alive until the call completes (the RRef a method call is on)
 
 
 def describe(fn: object) -> str:
@@ -175,6 +176,9 @@ class _Call:
     timeout: float | None
     timer: asyncio.TimerHandle | None = None
     sending: asyncio.Task[None] | None = None  # the rest of its request, if not sent at once
+    # An RRef whose object the call uses: dropping it only after the reply means its
+    # release reaches the owner after the call is served there.
+    keep: object = None
 
 
 class _Deadlines:
@@ -313,7 +317,7 @@ class Agent:
             work = Work.pending(self.loop, request.what)
         call = next(self._ids)
         to = request.to
-        record = _Call(work, to, request.what, request.timeout)
+        record = _Call(work, to, request.what, request.timeout, keep=request.keep)
         self.calls[call] = record
         self.sent += 1
         plane = self.plane
@@ -457,6 +461,7 @@ class Agent:
             made = self.new_rref_id()
             what, extra = f"{rref!r}.remote().{name}()", [rid, list(made)]
         request = prepare(self, operation, rref.owner(), name, args, kwargs, timeout, what, extra)
+        request.keep = rref
         work = self.launch(request)
         if operation is Op.METHOD_REMOTE:
             return RRef(self, rref.owner(), made)
