@@ -74,8 +74,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
 from aiodist._group.work import Work
-from aiodist._ops.rpc import Agent, default_agent, make_remote, prepare
-from aiodist._ops.rpc_rref import RRef
+from aiodist._ops.rpc import Agent, default_agent
+from aiodist._ops.rpc_calls import prepare
+from aiodist._ops.rpc_rref import RRef, make_remote
 from aiodist._ops.rpc_wire import Op
 
 if TYPE_CHECKING:

@@ -235,7 +235,8 @@ async def sleep_forever() -> None:
 async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any) -> None:
     # Two ranks as tasks of this loop (one process): the job's timeout is 1 s, and a call
     # without its own timeout gets that one (one timer for all such calls).
-    from aiodist._ops.rpc import agent_for, prepare
+    from aiodist._ops.rpc import agent_for
+    from aiodist._ops.rpc_calls import prepare
     from aiodist._ops.rpc_wire import Op
     from aiodist.testing import run_ranks
 

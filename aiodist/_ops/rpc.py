@@ -1,6 +1,6 @@
 """A rank's rpc agent: remote calls over the job's data plane (``aiodist.rpc``'s internals).
 
-One ``Agent`` per session makes calls (here) and serves them (``rpc_serve``),
+One ``Agent`` per session makes calls (here and ``rpc_calls``) and serves them (``rpc_serve``),
 keeps the objects RRefs name (``rpc_rref``) and runs ``rpc.shutdown``
 (``rpc_shutdown``); ``rpc_wire`` has the messages. It starts with the
 session's default group (``init_process_group``), or on first use for a group
@@ -19,19 +19,17 @@ loop with ``call_soon_threadsafe`` and the handle returned at once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import itertools
 import threading
-import types
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group
-from aiodist._ops.rpc_rref import AGENTS, DECODING, RRef, RRefId
-from aiodist._ops.rpc_serve import Server, receive_parts, send_parts
+from aiodist._ops.rpc_calls import Call, Deadlines, Request
+from aiodist._ops.rpc_rref import AGENTS, DECODING, RRefId
+from aiodist._ops.rpc_serve import Server
 from aiodist._ops.rpc_shutdown import Termination
 from aiodist._ops.rpc_wire import (
     REQUEST_KEY,
@@ -39,7 +37,9 @@ from aiodist._ops.rpc_wire import (
     Op,
     Status,
     rebuild_error,
+    receive_parts,
     reply_key,
+    send_parts,
     tensor_meta,
 )
 from aiodist._plane.peers import RPC
@@ -47,182 +47,14 @@ from aiodist._wire import codec
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Mapping, Sequence
+    from collections.abc import Coroutine
 
     import torch
 
     from aiodist._group.session import Session
     from aiodist._plane.peers import Received
 
-__all__ = ["Agent", "Request", "agent_for", "default_agent", "describe", "prepare"]
-
-_FUNCTIONS_KEPT: Final = 1024
-_CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
-_encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name
-# Deadlines kept behind a long call before the finished ones are dropped (see _Deadlines).
-_COMPACT_AT: Final = 1024
-# A function's encoding travels in the request's header, which receivers bound (16 MiB).
-MAX_FUNCTION_BYTES: Final = 1024 * 1024
-_rref_numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
-
-
-@dataclass(slots=True)
-class Request:
-    """A call prepared in the caller's thread: checked and encoded, not sent yet."""
-
-    to: int
-    op: Op
-    target: Any  # the function's encoding, or a method name
-    payload: bytes | None  # the arguments
-    tensors: list[torch.Tensor]  # set aside by the arguments' encoding
-    extra: Any
-    timeout: float | None  # None: no timeout
-    what: str  # the call, as error messages name it
-    keep: object = None  # kept alive until the call completes (the RRef a method call is on)
-
-
-def describe(fn: object) -> str:
-    """``module.qualname`` of a function, for messages."""
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    module = getattr(fn, "__module__", None)
-    return f"{module}.{name}" if module and module != "builtins" else str(name)
-
-
-def _encode_function(fn: object) -> tuple[bytes, str]:
-    """``fn``'s encoding (by reference) and its name; cached for plain functions."""
-    try:
-        hit = _encoded_functions.get(fn)
-    except TypeError:  # unhashable: encoded every time
-        hit = None
-    if hit is not None:
-        return hit
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    try:
-        data = codec.dumps(fn)
-    except Exception as exc:
-        raise TypeError(
-            f"{describe(fn)} cannot be sent to another rank: rpc pickles a function by "
-            "reference (its module and name), so define it at the top level of a module that "
-            f"every rank imports, not as a lambda or inside a function ({exc})"
-        ) from exc
-    if len(data) > MAX_FUNCTION_BYTES:
-        raise TypeError(
-            f"{describe(fn)} pickles to {len(data)} bytes (at most {MAX_FUNCTION_BYTES}): pass "
-            "large data as arguments, not inside the callable"
-        )
-    hit = (data, describe(fn))
-    if isinstance(fn, _CACHEABLE):
-        if len(_encoded_functions) >= _FUNCTIONS_KEPT:
-            _encoded_functions.clear()
-        _encoded_functions[fn] = hit
-    return hit
-
-
-def prepare(
-    agent: Agent,
-    op: Op,
-    to: object,
-    target: Any,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any] | None,
-    timeout: float | None,
-    what: str,
-    extra: Any = None,
-) -> Request:
-    """Check and encode a call (in the caller's thread).
-
-    ``what`` names the call in messages; for ``CALL`` and ``REMOTE`` (whose
-    ``target`` is the function), ``"{fn}"`` in it stands for the function's name.
-
-    Raises:
-        TypeError: ``to`` is not an int, ``fn`` or an argument cannot be pickled.
-        ValueError: ``to`` is not a rank of the job, or ``timeout`` is negative.
-    """
-    if not isinstance(to, int) or isinstance(to, bool):
-        raise TypeError(f"to must be an int rank, got {type(to).__name__}")
-    if not 0 <= to < agent.world_size:
-        raise ValueError(f"to={to} is not a rank of the job (its ranks: 0-{agent.world_size - 1})")
-    if timeout is None:
-        seconds: float | None = agent.session.timeout
-    elif timeout < 0:
-        raise ValueError(f"timeout must be >= 0 (0: none), got {timeout!r}")
-    else:
-        seconds = float(timeout) or None
-    if op is Op.CALL or op is Op.REMOTE:
-        target, name = _encode_function(target)
-        what = what.replace("{fn}", name)
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
-    tensors: list[torch.Tensor] = []
-    payload = None
-    if args or kwargs:
-        try:
-            payload = codec.dumps_split([tuple(args), kwargs or None], tensors)
-        except Exception as exc:
-            raise TypeError(f"the arguments of {what} cannot be pickled: {exc}") from exc
-    return Request(to, op, target, payload, tensors, extra, seconds, what)
-
-
-@dataclass(slots=True, eq=False)
-class _Call:
-    """A call this rank made, until its reply came (even after it timed out)."""
-
-    work: Work[Any]
-    to: int
-    what: str
-    timeout: float | None
-    timer: asyncio.TimerHandle | None = None
-    sending: asyncio.Task[None] | None = None  # the rest of its request, if not sent at once
-    # An RRef whose object the call uses: dropping it only after the reply means its
-    # release reaches the owner after the call is served there.
-    keep: object = None
-
-
-class _Deadlines:
-    """Calls with the job's default timeout, in start order, under one timer.
-
-    Their deadlines come in start order (as ``inflight.Deadlines`` does for a
-    group's operations): a timer per call would cost every call a heap push
-    and a cancel, for a timeout that almost never fires.
-    """
-
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
-        self._entries: collections.deque[tuple[float, int]] = collections.deque()
-        self._handle: asyncio.TimerHandle | None = None
-        self._limit = _COMPACT_AT
-
-    def add(self, call: int, timeout: float) -> None:
-        entries, calls = self._entries, self._agent.calls
-        while entries and entries[0][1] not in calls:  # finished: most calls, soon
-            entries.popleft()
-        deadline = self._agent.loop.time() + timeout
-        entries.append((deadline, call))
-        if len(entries) > self._limit:  # a long call holds finished ones behind it
-            self._entries = collections.deque(e for e in entries if e[1] in calls)
-            self._limit = max(_COMPACT_AT, 2 * len(self._entries))
-        if self._handle is None:
-            self._handle = self._agent.loop.call_at(deadline, self._sweep)
-
-    def _sweep(self) -> None:
-        self._handle = None
-        agent, entries = self._agent, self._entries
-        now = agent.loop.time()
-        while entries and (entries[0][0] <= now or entries[0][1] not in agent.calls):
-            _, call = entries.popleft()
-            if call in agent.calls:
-                agent.expired(call)
-        if entries:
-            self._handle = agent.loop.call_at(entries[0][0], self._sweep)
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        self._entries.clear()
+__all__ = ["Agent", "agent_for", "default_agent"]
 
 
 class Agent:
@@ -235,13 +67,13 @@ class Agent:
         self.world_size = session.world_size
         self.loop = asyncio.get_running_loop()
         self.thread = threading.get_ident()
-        self.calls: dict[int, _Call] = {}
+        self.calls: dict[int, Call] = {}
         self.sent = 0  # calls made: rpc.shutdown's waves compare it
         self.closed = False  # the session closed
         self.shut_down = False  # rpc.shutdown completed (or was forced) here
         self.error: BaseException | None = None  # the session's failure
         self.default_timeout = session.timeout
-        self._deadlines = _Deadlines(self)
+        self._deadlines = Deadlines(self)
         self._ids = itertools.count(1)
         self._idle: list[asyncio.Future[None]] = []
         self.server = Server(self)
@@ -317,7 +149,7 @@ class Agent:
             work = Work.pending(self.loop, request.what)
         call = next(self._ids)
         to = request.to
-        record = _Call(work, to, request.what, request.timeout, keep=request.keep)
+        record = Call(work, to, request.what, request.timeout, keep=request.keep)
         self.calls[call] = record
         self.sent += 1
         plane = self.plane
@@ -437,35 +269,6 @@ class Agent:
             work._set_exception(exc)
 
     # --- remote references --------------------------------------------------------------
-
-    def new_rref_id(self) -> RRefId:
-        return (self.rank, next(_rref_numbers))
-
-    def start_rref_op(
-        self,
-        rref: RRef[Any],
-        op: int,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: Any,
-        timeout: float | None,
-    ) -> Work[Any] | RRef[Any]:
-        """``to_here`` or a method call of ``rref``'s object, from any thread."""
-        rid: list[Any] = list(rref._id)
-        operation = Op(op)
-        if operation is Op.TO_HERE:
-            what, extra = f"{rref!r}.to_here()", rid
-        elif operation is Op.METHOD:
-            what, extra = f"{rref!r}.{name}()", rid
-        else:
-            made = self.new_rref_id()
-            what, extra = f"{rref!r}.remote().{name}()", [rid, list(made)]
-        request = prepare(self, operation, rref.owner(), name, args, kwargs, timeout, what, extra)
-        request.keep = rref
-        work = self.launch(request)
-        if operation is Op.METHOD_REMOTE:
-            return RRef(self, rref.owner(), made)
-        return work
 
     def release(self, owner: int, rid: RRefId, exp: int) -> None:
         """A reference of weight ``2**-exp`` was dropped here: tell its owner (on the loop)."""
@@ -591,24 +394,3 @@ def default_agent(what: str) -> Agent:
     if running is loop:
         return agent_for(g.session)
     return asyncio.run_coroutine_threadsafe(_agent_for(g.session), loop).result()
-
-
-def remote_rref(agent: Agent, request: Request, rid: RRefId) -> RRef[Any]:
-    """Start a ``remote`` request made by ``prepare`` with ``extra = rid``; the RRef."""
-    agent.launch(request)
-    return RRef(agent, request.to, rid)
-
-
-def make_remote(
-    agent: Agent,
-    to: object,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any] | None,
-    timeout: float | None,
-) -> RRef[Any]:
-    """``rpc.remote``: run ``fn`` on ``to``, which keeps the result; an RRef to it."""
-    rid = agent.new_rref_id()
-    what = f"remote(to={to}, {{fn}})"
-    request = prepare(agent, Op.REMOTE, to, fn, args, kwargs, timeout, what, list(rid))
-    return remote_rref(agent, request, rid)

@@ -23,32 +23,37 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import threading
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from aiodist._group.world import get_default_group
+from aiodist._ops.rpc_calls import Request, prepare
 from aiodist._ops.rpc_wire import Op
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping, Sequence
 
     from aiodist._group.session import Session
     from aiodist._group.work import Work
 
-__all__ = ["AGENTS", "DECODING", "OwnedTable", "RRef", "RRefId"]
+__all__ = ["AGENTS", "DECODING", "OwnedTable", "RRef", "RRefId", "make_remote", "start_op"]
 
 T = TypeVar("T")
 RRefId = tuple[int, int]  # (creator's rank, its number there)
 # Deeper copy chains than this would make weights no message should carry.
 _MAX_EXPONENT = 1 << 16
+_numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
 
 
 class _Agent(Protocol):
     """What an RRef needs of its rank's rpc agent (``rpc.Agent``)."""
 
     rank: int
+    world_size: int
+    default_timeout: float
     loop: asyncio.AbstractEventLoop
     thread: int
 
@@ -56,9 +61,7 @@ class _Agent(Protocol):
 
     def owned_value(self, rid: RRefId) -> Any: ...
 
-    def start_rref_op(
-        self, rref: RRef[Any], op: int, name: str, args: tuple[Any, ...], kwargs: Any, timeout: Any
-    ) -> Any: ...
+    def launch(self, request: Request) -> Work[Any]: ...
 
 
 # The agent of the session whose message is being decoded: RRefs unpickled there belong to it.
@@ -124,7 +127,7 @@ class RRef(Generic[T]):
         Raises:
             Exception: (from the Work) the error the object's making raised.
         """
-        return self._agent.start_rref_op(self, Op.TO_HERE, "", (), None, timeout)  # type: ignore[no-any-return]
+        return start_op(self, Op.TO_HERE, "", (), None, timeout)  # type: ignore[return-value]
 
     def rpc_async(self, timeout: float | None = None) -> Any:
         """A proxy whose methods call the object's, on the owner, and return ``Work``.
@@ -197,10 +200,54 @@ class _Methods:
         return functools.partial(self._call, name)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref, agent = self._rref, self._rref._agent
         op = Op.METHOD_REMOTE if self._mode == "remote" else Op.METHOD
-        started = agent.start_rref_op(rref, op, name, args, kwargs, self._timeout)
-        return started.wait() if self._mode == "sync" else started
+        started = start_op(self._rref, op, name, args, kwargs, self._timeout)
+        return started.wait() if self._mode == "sync" else started  # type: ignore[union-attr]
+
+
+def start_op(
+    rref: RRef[Any],
+    op: Op,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: Any,
+    timeout: float | None,
+) -> Work[Any] | RRef[Any]:
+    """Start ``to_here`` or a method call of ``rref``'s object, from any thread.
+
+    Returns the call's handle, or (``METHOD_REMOTE``) an RRef to its result.
+    """
+    agent = rref._agent
+    rid: list[Any] = list(rref._id)
+    if op is Op.TO_HERE:
+        what, extra = f"{rref!r}.to_here()", rid
+    elif op is Op.METHOD:
+        what, extra = f"{rref!r}.{name}()", rid
+    else:
+        made = (agent.rank, next(_numbers))
+        what, extra = f"{rref!r}.remote().{name}()", [rid, list(made)]
+    request = prepare(agent, op, rref.owner(), name, args, kwargs, timeout, what, extra)
+    request.keep = rref  # alive until the call completes: its release comes after
+    work = agent.launch(request)
+    if op is Op.METHOD_REMOTE:
+        return RRef(agent, rref.owner(), made)
+    return work
+
+
+def make_remote(
+    agent: _Agent,
+    to: object,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    timeout: float | None,
+) -> RRef[Any]:
+    """``rpc.remote``: run ``fn`` on ``to``, which keeps the result; an RRef to it."""
+    rid = (agent.rank, next(_numbers))
+    what = f"remote(to={to}, {{fn}})"
+    request = prepare(agent, Op.REMOTE, to, fn, args, kwargs, timeout, what, list(rid))
+    agent.launch(request)
+    return RRef(agent, request.to, rid)
 
 
 class _Owned:

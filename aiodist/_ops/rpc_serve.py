@@ -30,17 +30,16 @@ import types
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import DistError
-from aiodist._ops.common import byte_view
 from aiodist._ops.rpc_rref import DECODING, OwnedTable
 from aiodist._ops.rpc_threads import Job, Threads
 from aiodist._ops.rpc_wire import (
     REQUEST_KEY,
     Op,
     Status,
-    empty_tensors,
     encode_error,
-    part_key,
+    receive_parts,
     reply_key,
+    send_parts,
     tensor_meta,
 )
 from aiodist._wire import codec
@@ -51,10 +50,10 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._ops.rpc import Agent
-    from aiodist._plane.peers import DataPlane, Received
+    from aiodist._plane.peers import Received
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DEFAULT_RPC_THREADS", "Server", "receive_parts", "send_parts"]
+__all__ = ["DEFAULT_RPC_THREADS", "Server"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,56 +62,6 @@ DEFAULT_RPC_THREADS: Final = 16
 # Decoded functions kept by their encoding (a program calls few distinct ones).
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
-
-
-def receive_parts(
-    plane: DataPlane,
-    src: int,
-    call: int,
-    meta: Any,
-    *,
-    request: bool,
-    done: Callable[[list[torch.Tensor] | BaseException], None],
-) -> None:
-    """Post the receives of the tensors a message set aside; ``done`` gets them, or an error.
-
-    ``done`` is called once, from the data plane's callbacks (so it must not raise).
-    """
-    try:
-        tensors = empty_tensors(meta)
-    except (TypeError, ValueError) as exc:
-        done(exc)  # no receives posted: the parts, if any came, stay unmatched
-        return
-    views = [byte_view(t) for t in tensors]
-    left = len(views)
-
-    def arrived(index: int, msg: Received | BaseException) -> None:
-        nonlocal left
-        if left <= 0:
-            return  # already failed
-        if not isinstance(msg, BaseException) and msg.data.nbytes != views[index].nbytes:
-            msg = ValueError(
-                f"tensor {index} came with {msg.data.nbytes} bytes, not {views[index].nbytes}"
-            )
-        if isinstance(msg, BaseException):
-            left = 0
-            done(msg)
-            return
-        left -= 1
-        if not left:
-            done(tensors)
-
-    for i, view in enumerate(views):
-        plane.post(src, part_key(call, i, request=request), view, functools.partial(arrived, i))
-
-
-async def send_parts(
-    plane: DataPlane, dst: int, call: int, tensors: list[torch.Tensor], *, request: bool
-) -> None:
-    """Send the tensors a message set aside, after it, from their own memory."""
-    for i, t in enumerate(tensors):
-        src = t if t.is_contiguous() else t.contiguous()
-        await plane.send(dst, part_key(call, i, request=request), None, byte_view(src))
 
 
 class _Serving:

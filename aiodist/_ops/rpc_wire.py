@@ -26,6 +26,7 @@ comes late: every request gets exactly one reply, which its receive takes.
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import os
 import sys
@@ -33,13 +34,16 @@ import traceback
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import RemoteError
+from aiodist._ops.common import byte_view
 from aiodist._plane.peers import RPC
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
-    from aiodist._plane.peers import Key
+    from aiodist._plane.peers import DataPlane, Key, Received
 
 __all__ = [
     "REQUEST_KEY",
@@ -50,7 +54,9 @@ __all__ = [
     "encode_error",
     "part_key",
     "rebuild_error",
+    "receive_parts",
     "reply_key",
+    "send_parts",
     "tensor_meta",
 ]
 
@@ -116,6 +122,56 @@ def empty_tensors(meta: Any) -> list[torch.Tensor]:
             raise ValueError(f"not a tensor description: {dtype_name!r} {shape!r}")
         out.append(torch.empty(shape, dtype=dtype))
     return out
+
+
+def receive_parts(
+    plane: DataPlane,
+    src: int,
+    call: int,
+    meta: Any,
+    *,
+    request: bool,
+    done: Callable[[list[torch.Tensor] | BaseException], None],
+) -> None:
+    """Post the receives of the tensors a message set aside; ``done`` gets them, or an error.
+
+    ``done`` is called once, from the data plane's callbacks (so it must not raise).
+    """
+    try:
+        tensors = empty_tensors(meta)
+    except (TypeError, ValueError) as exc:
+        done(exc)  # no receives posted: the parts, if any came, stay unmatched
+        return
+    views = [byte_view(t) for t in tensors]
+    left = len(views)
+
+    def arrived(index: int, msg: Received | BaseException) -> None:
+        nonlocal left
+        if left <= 0:
+            return  # already failed
+        if not isinstance(msg, BaseException) and msg.data.nbytes != views[index].nbytes:
+            msg = ValueError(
+                f"tensor {index} came with {msg.data.nbytes} bytes, not {views[index].nbytes}"
+            )
+        if isinstance(msg, BaseException):
+            left = 0
+            done(msg)
+            return
+        left -= 1
+        if not left:
+            done(tensors)
+
+    for i, view in enumerate(views):
+        plane.post(src, part_key(call, i, request=request), view, functools.partial(arrived, i))
+
+
+async def send_parts(
+    plane: DataPlane, dst: int, call: int, tensors: list[torch.Tensor], *, request: bool
+) -> None:
+    """Send the tensors a message set aside, after it, from their own memory."""
+    for i, t in enumerate(tensors):
+        src = t if t.is_contiguous() else t.contiguous()
+        await plane.send(dst, part_key(call, i, request=request), None, byte_view(src))
 
 
 def encode_error(exc: BaseException) -> bytes:
