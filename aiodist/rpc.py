@@ -225,7 +225,9 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
     with it, and every object this rank owns through an RRef is dropped. From
     plain code (not on the job's event-loop thread) it blocks until done, as
     torch's does; on the loop, await it. The process group stays up: collectives
-    still work, and ``destroy_process_group`` still ends the job.
+    still work, and ``destroy_process_group`` still ends the job. Call it on
+    every rank before ``destroy_process_group``: calls made to a rank that left
+    without it wait for their timeout.
 
     Args:
         graceful: False stops at once, without waiting for the other ranks:
