@@ -145,7 +145,7 @@ def test_errors_that_cannot_be_rebuilt_become_remote_errors() -> None:
     assert unreadable.rank == 6
 
 
-def test_remote_error_pickles_and_is_a_dist_error() -> None:
+def test_remote_error_is_a_dist_error_with_wire_details() -> None:
     exc = RemoteError("m", rank=1, exc_type="x.Y", remote_traceback="tb")
     assert isinstance(exc, DistError)
     assert exc.wire_details() == {"rank": 1, "exc_type": "x.Y"}
@@ -228,8 +228,15 @@ def test_rref_cannot_be_unpickled_outside_a_job() -> None:
         pickle.loads(pickle.dumps((_rebuild, (1, (0, 1), 1))))[0](1, (0, 1), 1)
 
 
+_SLEEPERS_CANCELLED: list[str] = []
+
+
 async def sleep_forever() -> None:
-    await asyncio.Event().wait()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        _SLEEPERS_CANCELLED.append("sleep_forever")
+        raise
 
 
 async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any) -> None:
@@ -240,9 +247,11 @@ async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any
     from aiodist._ops.rpc_wire import Op
     from aiodist.testing import run_ranks
 
+    _SLEEPERS_CANCELLED.clear()
+
     async def body(g: Any) -> Any:
         agent = agent_for(g.session)
-        out = None
+        out: Any = None
         if g.rank == 0:
             request = prepare(agent, Op.CALL, 1, sleep_forever, (), None, None, "f({fn})")
             assert request.timeout == 1.0
@@ -251,12 +260,13 @@ async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any
                 await agent.start(request)
             except DistError as exc:
                 out = [type(exc).__name__, asyncio.get_running_loop().time() - started, str(exc)]
-        await agent.shutdown(True, 10.0)
-        return out
+        await agent.shutdown(True, 10.0)  # after the cancelled call was answered
+        return out if g.rank == 0 else list(_SLEEPERS_CANCELLED)
 
     with anyio_fail_after(20):
         outs = await run_ranks(server.address, 2, body, ranks=[0, 1], timeout=1.0)
     kind, elapsed, message = outs[0]
+    assert outs[1] == ["sleep_forever"]  # cancelled on rank 1, the callee
     assert kind == "DistTimeoutError"
     assert 0.95 <= elapsed < 3.0
     assert "f(tests.test_rpc_parts.sleep_forever) did not complete within 1.0 s" in message
