@@ -16,6 +16,7 @@ __all__ = [
     "GroupBrokenError",
     "ProtocolError",
     "RankFailedError",
+    "RemoteError",
     "RendezvousError",
     "RendezvousTimeout",
     "from_wire",
@@ -46,6 +47,7 @@ class ErrorCode(enum.IntEnum):
     NOT_JOINED = 15
     SERVER_CLOSING = 16
     ABORTED = 17
+    REMOTE = 18
 
 
 class DistError(Exception):
@@ -150,6 +152,28 @@ class AbortedError(DistError):
         return {"rank": self.rank, "reason": self.reason}
 
 
+class RemoteError(DistError):
+    """A remote call raised an exception of a type that cannot be rebuilt here.
+
+    ``rank`` ran the call; ``exc_type`` is the remote exception's type
+    (``"mymodule.MyError"``) and ``remote_traceback`` its traceback there. A
+    rebuilt exception of the remote type has one as its ``__cause__``.
+    """
+
+    code = ErrorCode.REMOTE
+
+    def __init__(
+        self, message: str, *, rank: int, exc_type: str = "", remote_traceback: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+    def wire_details(self) -> dict[str, Any]:
+        return {"rank": self.rank, "exc_type": self.exc_type}
+
+
 class ProtocolError(DistError):
     """A malformed or oversized frame; only that connection is closed."""
 
@@ -187,6 +211,7 @@ _BY_CODE: dict[ErrorCode, type[DistError]] = {
         RankFailedError,
         CollectiveMismatchError,
         AbortedError,
+        RemoteError,
         ProtocolError,
         ClosedError,
     )
@@ -222,6 +247,10 @@ def from_wire(code: int, message: str, details: dict[str, Any] | None = None) ->
     if cls is AbortedError:
         return AbortedError(
             message, rank=int(details.get("rank", -1)), reason=str(details.get("reason", ""))
+        )
+    if cls is RemoteError:
+        return RemoteError(
+            message, rank=int(details.get("rank", -1)), exc_type=str(details.get("exc_type", ""))
         )
     if cls is AuthenticationError:
         rank = details.get("rank")

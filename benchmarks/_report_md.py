@@ -25,6 +25,7 @@ SECTION_TITLES: Final = {
     "bridge": "Torch bridge: loop lag and overlap",
     "metrics": "Metric sync step time",
     "load": "Server load",
+    "rpc": "Remote calls vs torch.distributed.rpc (TensorPipe)",
 }
 
 
@@ -373,11 +374,28 @@ def _load(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _rpc(data: dict[str, Any]) -> list[str]:
+    from benchmarks.bench_rpc import rows
+
+    cfg = data["config"]
+    return [
+        "A master and a worker per system, all four processes up; the systems take turns "
+        f"in {_count(cfg['pairs'], 'alternating pair')} of ~{_num(cfg['batch_ms'])} ms batches "
+        "per case (each goes first equally often) while the other system is stopped "
+        "(SIGSTOP: TensorPipe's threads poll even when idle). aiodist: async code on uvloop "
+        "awaiting `rpc.rpc_async`; torch: `rpc_sync` / `rpc_async().wait()`; the same plain "
+        "functions. Each figure is the median over batches (min-max); the ratio is the median "
+        "of the per-pair ratios aiodist/torch (min-max: the spread).",
+        _table(["case", "aiodist", "torch", "aiodist/torch"], rows(data)),
+    ]
+
+
 _RENDER: Final = {
     "rendezvous": _rendezvous,
     "bridge": _bridge,
     "metrics": _metrics,
     "load": _load,
+    "rpc": _rpc,
 }
 
 

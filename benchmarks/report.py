@@ -11,7 +11,9 @@ and servers, and stops them before the next starts):
 - ``bridge``: event-loop lag during a bridged all_reduce vs torch.distributed
   called in the loop, and training overlap (``bench_bridge``);
 - ``metrics``: step time with per-step metric sync (``bench_metrics``);
-- ``load``: thousands of control connections on one server (``bench_load``).
+- ``load``: thousands of control connections on one server (``bench_load``);
+- ``rpc``: remote calls vs torch.distributed.rpc (TensorPipe): no-op round
+  trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``).
 
 Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
 ``report.md`` (header with machine facts and goals met, then every table),
@@ -44,7 +46,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from benchmarks import bench_bridge, bench_collectives, bench_load, bench_metrics, bench_rendezvous
+from benchmarks import (
+    bench_bridge,
+    bench_collectives,
+    bench_load,
+    bench_metrics,
+    bench_rendezvous,
+    bench_rpc,
+)
 from benchmarks._common import (
     RESULTS_DIR,
     environment,
@@ -63,7 +72,7 @@ if TYPE_CHECKING:
     from benchmarks._collective_ranks import Mode
     from benchmarks._common import Goal
 
-SECTIONS: Final = ("collectives", "rendezvous", "bridge", "metrics", "load")
+SECTIONS: Final = ("collectives", "rendezvous", "bridge", "metrics", "load", "rpc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +88,24 @@ class Plan:
     bridge: tuple[int, int, int] | None  # repeats, size in MiB, training steps
     metrics: tuple[int, int] | None  # steps, rounds
     load: tuple[int, int, int]  # connections, jobs, rounds
+    rpc: tuple[int, float]  # alternating pairs per case, batch milliseconds
 
 
 PLANS: Final[dict[Mode, Plan]] = {
-    "full": Plan((2, 4), 7, 40.0, (16, 128, 1024), None, 4, (7, 64, 20), (200, 3), (2000, 100, 3)),
-    "quick": Plan((2, 4), 3, 10.0, (16, 128), 2, 4, (2, 64, 5), (50, 2), (400, 20, 2)),
-    "smoke": Plan((2,), 1, 5.0, (4,), 1, 1, None, None, (20, 2, 1)),
+    "full": Plan(
+        (2, 4),
+        7,
+        40.0,
+        (16, 128, 1024),
+        None,
+        4,
+        (7, 64, 20),
+        (200, 3),
+        (2000, 100, 3),
+        (15, 300.0),
+    ),
+    "quick": Plan((2, 4), 3, 10.0, (16, 128), 2, 4, (2, 64, 5), (50, 2), (400, 20, 2), (7, 120.0)),
+    "smoke": Plan((2,), 1, 5.0, (4,), 1, 1, None, None, (20, 2, 1), (1, 20.0)),
 }
 
 
@@ -115,6 +136,10 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
     if name == "load":
         data = bench_load.bench(*plan.load)
         return data, bench_load.goal_list(data), bench_load.render(data)
+    if name == "rpc":
+        pairs, batch_ms = plan.rpc
+        data = bench_rpc.bench(pairs, batch_ms, mode=mode)
+        return data, bench_rpc.goal_list(data), bench_rpc.render(data)
     raise ValueError(f"unknown section {name!r}")
 
 

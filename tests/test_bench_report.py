@@ -104,6 +104,26 @@ def test_report_smoke_json_holds_every_measurement(smoke: Any) -> None:
 
 
 @pytest.mark.slow
+def test_report_smoke_times_remote_calls_against_tensorpipe(smoke: Any) -> None:
+    out, proc = smoke
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "## Remote calls vs torch.distributed.rpc (TensorPipe)" in (out / "report.md").read_text()
+    )
+    report = json.loads((out / "report.json").read_text())
+    results = report["sections"]["rpc"]["data"]["results"]
+    assert [r["case"] for r in results] == ["noop", "noop_async", "window", "tensor"]
+    for row in results:
+        assert "error" not in row, row
+        for system in ("aiodist", "torch"):
+            assert row["summary_s"][system]["n"] == 1, (row["case"], system)
+            assert row["summary_s"][system]["median"] > 0, (row["case"], system)
+        assert row["time_ratio"] > 0
+    names = {g["name"] for g in report["goals"]}
+    assert {"rpc no-op round trip", "rpc calls/s, 64 in flight"} <= names
+
+
+@pytest.mark.slow
 def test_report_smoke_plots_bus_bandwidth(smoke: Any) -> None:
     pytest.importorskip("matplotlib")
     out, proc = smoke

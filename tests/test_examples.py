@@ -31,3 +31,22 @@ def test_async_pipeline_gathers_every_item(ranks: int, items: int) -> None:
     assert f"progress: {last * ranks} records done across ranks ({[last] * ranks})" in (
         result.stdout
     )
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parameter_server_trains_through_remote_calls(mode: str) -> None:
+    script = ROOT / "examples" / "parameter_server.py"
+    args = ["-n", "4", str(script), "--steps", "40", *(["--async-sgd"] if mode == "async" else [])]
+    result = subprocess.run(
+        [sys.executable, "-m", "aiodist", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(x for x in result.stdout.splitlines() if "parameter server" in x)
+    assert line.startswith(f"[rank 0] parameter server ({mode}): 40 steps, 3 workers, loss ")
+    first, last = (float(x) for x in line.split("loss ")[1].split(",")[0].split(" -> "))
+    assert last < first / 100  # the workers' gradients reached the master's model
+    assert float(line.rsplit(" ", 1)[1]) < 0.05  # close to the weights the data came from
+    assert "Warning" not in result.stderr

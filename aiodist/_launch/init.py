@@ -34,6 +34,7 @@ from aiodist._group.world import (
     take_default,
 )
 from aiodist._launch.launchers import launcher_env
+from aiodist._ops.rpc import agent_for
 from aiodist._torch.bridge import bring_up, parse_backend, tear_down
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ async def init_process_group(
         raise
     default = DefaultGroup(group, task, stop)
     install_default(default)
+    agent_for(group.session)  # every rank serves remote calls from now on (aiodist.rpc)
     _leave_at_exit_of_this_process()
     if devices is not None:
         assert backend is not None

@@ -4,7 +4,8 @@ Wire use: a channel opens with ``PEER_HELLO [job, rank, pid, member]`` from
 the side that connected; every message after it is ``DATA [kind, group, a, b, meta]``
 with a raw payload. ``(kind, group, a, b)`` is the match key: kind 0 for
 tensor point-to-point (``a`` = tag), 1 for collectives (``a`` = sequence
-number, ``b`` = step), 2 for object point-to-point. ``meta`` is small plain
+number, ``b`` = step), 2 for object point-to-point, 6 for remote calls
+(``_ops/rpc_wire.py``). ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
 that breaks a group on every member (or aborts one call of it, see
 ``drop_call``); ``PEER_ABORT`` takes the place of a message whose send failed
@@ -85,6 +86,8 @@ PeerTable = dict[int, tuple[str, ...]]
 P2P: Final = 0
 COLLECTIVE: Final = 1
 OBJECT_P2P: Final = 2
+# Kinds 3-5 are bulk.py's (CLEAR, BULK, CREDIT).
+RPC: Final = 6  # remote calls: requests, replies and their tensors (aiodist._ops.rpc_wire)
 # How long a connecting rank waits for the accepting rank's proof of the token.
 HANDSHAKE_TIMEOUT: Final = 30.0
 # Parts of one call (see sub_seq): at most 2**20 collectives inside one call.

@@ -1,0 +1,396 @@
+"""A rank's rpc agent: remote calls over the job's data plane (``aiodist.rpc``'s internals).
+
+One ``Agent`` per session makes calls (here and ``rpc_calls``) and serves them (``rpc_serve``),
+keeps the objects RRefs name (``rpc_rref``) and runs ``rpc.shutdown``
+(``rpc_shutdown``); ``rpc_wire`` has the messages. It starts with the
+session's default group (``init_process_group``), or on first use for a group
+opened otherwise, and stops when the session closes; nothing of it outlives
+the session: its tasks (calls being served, sends still under way) end there.
+
+A call is **prepared** in the caller's thread (the destination checked, the
+function and arguments encoded: an error there raises at once and sends
+nothing) and **started** on the session's loop: its reply's receive is
+posted, its request written, and a ``Work`` handle returned that the reply
+settles (from the data plane's callback: no task per call on the caller).
+From another thread (plain code, an executor thread) it is started on the
+loop with ``call_soon_threadsafe`` and the handle returned at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, cast
+
+from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
+from aiodist._group.work import Work
+from aiodist._group.world import default_group_loop, get_default_group
+from aiodist._ops.rpc_calls import Call, Deadlines, Request
+from aiodist._ops.rpc_rref import AGENTS, DECODING, RRefId
+from aiodist._ops.rpc_serve import Server
+from aiodist._ops.rpc_shutdown import Termination
+from aiodist._ops.rpc_wire import (
+    REQUEST_KEY,
+    RPC_GROUP,
+    Op,
+    Status,
+    rebuild_error,
+    receive_parts,
+    reply_key,
+    send_parts,
+    tensor_meta,
+)
+from aiodist._plane.peers import RPC
+from aiodist._wire import codec
+from aiodist._wire.messages import MessageKind
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    import torch
+
+    from aiodist._group.session import Session
+    from aiodist._plane.peers import Received
+
+__all__ = ["Agent", "agent_for", "default_agent"]
+
+
+class Agent:
+    """Remote calls of one session: made, served, shut down."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.plane = session.plane
+        self.rank = session.rank
+        self.world_size = session.world_size
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()
+        self.calls: dict[int, Call] = {}
+        self.sent = 0  # calls made: rpc.shutdown's waves compare it
+        self.closed = False  # the session closed
+        self.shut_down = False  # rpc.shutdown completed (or was forced) here
+        self.error: BaseException | None = None  # the session's failure
+        self.default_timeout = session.timeout
+        self._deadlines = Deadlines(self)
+        self._ids = itertools.count(1)
+        self._idle: list[asyncio.Future[None]] = []
+        self.server = Server(self)
+        self.termination = Termination(self)
+
+    # --- state --------------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        """Raise if this rank may not make calls (session broken or closed, rpc shut down)."""
+        if self.closed:
+            raise self.closed_reason()
+        self.session.check_usable()
+        if self.shut_down:
+            raise self.closed_reason()
+
+    def closed_reason(self) -> ClosedError:
+        if self.closed:
+            why = f"its process group {self.session.group_name!r} was destroyed"
+        else:
+            why = "rpc.shutdown() completed there"
+        return ClosedError(f"rank {self.rank} stopped serving remote calls: {why}")
+
+    def maybe_idle(self) -> None:
+        """Wake ``wait_idle`` if no call of this rank is pending and none is being served."""
+        if self._idle and not self.calls and not self.server.running:
+            waiters, self._idle = self._idle, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_idle(self) -> None:
+        """Return once no call of this rank is pending and none is being served here."""
+        if self.error is not None:
+            raise self.error
+        if not self.calls and not self.server.running:
+            return
+        waiter = self.loop.create_future()
+        self._idle.append(waiter)
+        await waiter
+
+    def spawn_send(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Finish a send in a task the session owns: closing it lets the send complete."""
+        task = self.loop.create_task(coro)
+        inflight = self.session.inflight
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+        return task
+
+    # --- making calls -------------------------------------------------------------------
+
+    def launch(self, request: Request) -> Work[Any]:
+        """Start ``request`` from any thread; its handle."""
+        if threading.get_ident() == self.thread:
+            return self.start(request)
+        work: Work[Any] = Work.pending(self.loop, request.what)  # settled on the loop only
+        self.loop.call_soon_threadsafe(self._start_into, request, work)
+        return work
+
+    def _start_into(self, request: Request, work: Work[Any]) -> None:
+        try:
+            self.start(request, work)
+        except Exception as exc:
+            work._set_exception(exc)
+
+    def start(self, request: Request, work: Work[Any] | None = None) -> Work[Any]:
+        """Start ``request`` (on the loop's thread); its handle.
+
+        Raises:
+            DistError: This rank may not make calls (see ``check_usable``).
+        """
+        self.check_usable()
+        if work is None:
+            work = Work.pending(self.loop, request.what)
+        call = next(self._ids)
+        to = request.to
+        record = Call(work, to, request.what, request.timeout, keep=request.keep)
+        self.calls[call] = record
+        self.sent += 1
+        plane = self.plane
+        plane.post(to, reply_key(call), None, functools.partial(self._replied, call))
+        meta = [int(request.op), call, request.target, tensor_meta(request.tensors), request.extra]
+        try:
+            rest = plane.send_now(to, REQUEST_KEY, meta, request.payload)
+        except Exception as exc:  # the request could not even be framed
+            self._abandon(call, exc)
+            return work
+        if rest is not None or request.tensors:
+            record.sending = self.spawn_send(self._send_rest(call, rest, request.tensors))
+        if request.timeout is not None and call in self.calls:  # (a self-call may be done)
+            if request.timeout == self.default_timeout:
+                self._deadlines.add(call, request.timeout)
+            else:
+                record.timer = self.loop.call_later(request.timeout, self.expired, call)
+        return work
+
+    async def _send_rest(self, call: int, rest: Any, tensors: list[torch.Tensor]) -> None:
+        record = self.calls.get(call)
+        to = -1 if record is None else record.to
+        try:
+            if rest is not None:
+                await rest
+            if tensors:
+                await send_parts(self.plane, to, call, tensors, request=True)
+        except (OSError, DistError) as exc:  # the session judged whose fault it was
+            self._abandon(call, exc)
+
+    def _abandon(self, call: int, exc: BaseException) -> None:
+        """The request never (fully) left: fail the call; no reply will come."""
+        record = self.calls.pop(call, None)
+        key = reply_key(call)
+        for posted in self.plane.matcher.take_posted_where(lambda k: k == key):
+            posted.callback = None  # taken back: nobody waits for it
+        if record is not None:
+            if record.timer is not None:
+                record.timer.cancel()
+            record.work._set_exception(exc)
+        self.maybe_idle()
+
+    def expired(self, call: int) -> None:
+        """Call ``call`` is past its timeout: fail it here and cancel it on its callee."""
+        record = self.calls.get(call)
+        if record is None or record.work.is_completed():
+            return
+        record.work._set_exception(
+            DistTimeoutError(
+                f"{record.what} did not complete within {record.timeout} s; it was cancelled on "
+                f"rank {record.to}. Pass a longer timeout (0: none) if it needs more time."
+            )
+        )
+        header = [*REQUEST_KEY, [int(Op.CANCEL), 0, None, None, call]]
+
+        def cancel(_: object = None) -> None:
+            self.plane.send_notice(record.to, MessageKind.DATA, header)
+
+        if record.to == self.rank:
+            self.loop.call_soon(self.server.cancel, self.rank, call)
+        elif record.sending is not None and not record.sending.done():
+            record.sending.add_done_callback(cancel)  # after the request: never overtake it
+        else:
+            cancel()
+
+    def _replied(self, call: int, msg: Received | BaseException) -> None:
+        if isinstance(msg, BaseException):  # the session failed, or closed
+            self._complete(call, Status.ERROR, None, msg)
+            return
+        status, meta = msg.meta
+        if not meta:
+            self._complete(call, status, msg.data, [])
+            return
+        done = functools.partial(self._complete, call, status, msg.data)
+        receive_parts(self.plane, msg.src, call, meta, request=False, done=done)
+
+    def _complete(
+        self,
+        call: int,
+        status: int,
+        data: Any,
+        tensors: list[torch.Tensor] | BaseException,
+    ) -> None:
+        record = self.calls.pop(call, None)
+        if record is None:
+            return  # abandoned, or forced closed: nobody waits for it
+        if record.timer is not None:
+            record.timer.cancel()
+        self.maybe_idle()
+        work = record.work
+        if work.is_completed():
+            return  # it timed out: this is its CANCELLED reply
+        try:
+            if isinstance(tensors, BaseException):
+                raise tensors
+            if status == Status.OK:
+                value = None
+                if data is not None and memoryview(data).nbytes:
+                    token = DECODING.set(self)
+                    try:
+                        value = codec.loads_split(data, tensors)
+                    finally:
+                        DECODING.reset(token)
+                work._set_result(value)
+            elif status == Status.ERROR:
+                work._set_exception(rebuild_error(data, record.to, record.what))
+            else:  # CLOSED (CANCELLED replies come after a timeout: handled above)
+                work._set_exception(ClosedError(f"{record.what} was not run: {codec.loads(data)}"))
+        except Exception as exc:
+            if not isinstance(exc, DistError):
+                exc = RemoteError(
+                    f"the result of {record.what} from rank {record.to} cannot be decoded "
+                    f"here: {type(exc).__name__}: {exc}",
+                    rank=record.to,
+                    exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                )
+            work._set_exception(exc)
+
+    # --- remote references --------------------------------------------------------------
+
+    def release(self, owner: int, rid: RRefId, exp: int) -> None:
+        """A reference of weight ``2**-exp`` was dropped here: tell its owner (on the loop)."""
+        if self.closed or self.shut_down or self.error is not None:
+            return  # the objects went with rpc
+        if owner == self.rank:
+            self.server.owned.release(rid, exp)
+            return
+        header = [*REQUEST_KEY, [int(Op.RELEASE), 0, None, None, [rid[0], rid[1], exp]]]
+        self.plane.send_notice(owner, MessageKind.DATA, header)
+
+    def owned_value(self, rid: RRefId) -> Any:
+        future = self.server.owned.peek(rid)
+        if future is None:
+            raise RuntimeError(f"this rank owns no object for RRef {rid} (any more)")
+        if not future.done():
+            raise RuntimeError(f"the object of RRef {rid} is still being made; await to_here()")
+        return future.result()
+
+    # --- ending -------------------------------------------------------------------------
+
+    def shutdown(self, graceful: bool, timeout: float | None) -> Work[None]:
+        """``rpc.shutdown`` on this rank (see ``rpc_shutdown``); its handle."""
+        if self.closed or self.shut_down:
+            return Work.completed(None, "rpc.shutdown")
+        if self.error is not None:
+            raise self.error
+        self.session.check_usable()
+        if graceful:
+            return self.termination.start(timeout)
+        self.finish_shutdown(force=True)
+        return Work.completed(None, "rpc.shutdown")
+
+    def finish_shutdown(self, *, force: bool = False) -> None:
+        """Stop serving (later requests get ``ClosedError``); drop every owned object.
+
+        ``force`` (``shutdown(graceful=False)``): calls still running here are
+        answered ``ClosedError`` and cancelled; this rank's pending calls fail.
+        """
+        self.shut_down = True
+        reason = self.closed_reason()
+        self.server.stop(reason, answer=force)
+        if force:
+            self._fail_calls(reason)
+        self.maybe_idle()
+
+    def _fail_calls(self, exc: BaseException) -> None:
+        calls, self.calls = self.calls, {}
+        for record in calls.values():
+            if record.timer is not None:
+                record.timer.cancel()
+            record.work._set_exception(exc)
+
+    def broken(self, exc: BaseException) -> None:
+        """The session failed (every posted receive failed with ``exc``) or closed."""
+        if self.error is None:
+            self.error = exc
+        self.termination.fail(exc)
+        waiters, self._idle = self._idle, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(exc)
+                waiter.exception()  # retrieved: the shutdown task re-raises it
+
+    def close(self) -> None:
+        """The session is closing: stop serving, fail what is pending, drop everything."""
+        if self.closed:
+            return
+        self.closed = True
+        AGENTS.pop(self.session, None)
+        reason = self.closed_reason()
+        self.server.stop(reason, answer=True)
+        self.server.close()
+        # Every receive of ours: the requests', the replies', their tensors'.
+        for posted in self.plane.matcher.take_posted_where(
+            lambda k: k[0] == RPC and k[1] == RPC_GROUP
+        ):
+            posted.settle(reason)
+        self._fail_calls(reason)
+        self._deadlines.close()
+        self.broken(reason)
+
+
+def agent_for(session: Session) -> Agent:
+    """The session's agent, started (serving) on first use; call on the session's loop.
+
+    Raises:
+        DistError: The session is closed or broken.
+    """
+    agent = cast("Agent | None", AGENTS.get(session))
+    if agent is None:
+        session.check_usable()
+        agent = Agent(session)
+        AGENTS[session] = agent
+        session.world.on_close(agent.close)
+        agent.server.listen()
+    return agent
+
+
+async def _agent_for(session: Session) -> Agent:
+    return agent_for(session)
+
+
+def default_agent(what: str) -> Agent:
+    """The default group's agent, from any thread (started on its loop if need be).
+
+    Raises:
+        RuntimeError: No process group is initialised.
+        DistError: The default group's session is closed or broken.
+    """
+    g = get_default_group()
+    if g is not None:
+        agent = cast("Agent | None", AGENTS.get(g.session))
+        if agent is not None:
+            return agent
+    loop = default_group_loop()
+    if g is None or loop is None:
+        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        return agent_for(g.session)
+    return asyncio.run_coroutine_threadsafe(_agent_for(g.session), loop).result()

@@ -1,0 +1,203 @@
+"""Calls a rank makes: prepared in the caller's thread, then pending until their reply.
+
+``prepare`` checks a call and encodes it where it is made (plain code's thread
+included): a bad destination, a function that cannot be pickled by reference
+or arguments that cannot be pickled raise there, before anything is sent. The
+agent (``rpc.py``) then starts it on the loop and keeps a ``Call`` record until
+its reply comes; ``Deadlines`` times out the calls that take the job's timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from aiodist._ops.rpc_wire import Op
+from aiodist._wire import codec
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Mapping, Sequence
+
+    import torch
+
+    from aiodist._group.work import Work
+    from aiodist._ops.rpc import Agent
+
+__all__ = ["MAX_FUNCTION_BYTES", "Call", "Deadlines", "Request", "describe", "prepare"]
+
+_FUNCTIONS_KEPT: Final = 1024
+_CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
+_encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name
+# Deadlines kept behind a long call before the finished ones are dropped (see Deadlines).
+_COMPACT_AT: Final = 1024
+# A function's encoding travels in the request's header, which receivers bound (16 MiB).
+MAX_FUNCTION_BYTES: Final = 1024 * 1024
+
+
+@dataclass(slots=True)
+class Request:
+    """A call prepared in the caller's thread: checked and encoded, not sent yet."""
+
+    to: int
+    op: Op
+    target: Any  # the function's encoding, or a method name
+    payload: bytes | None  # the arguments
+    tensors: list[torch.Tensor]  # set aside by the arguments' encoding
+    extra: Any
+    timeout: float | None  # None: no timeout
+    what: str  # the call, as error messages name it
+    keep: object = None  # kept alive until the call completes (the RRef a method call is on)
+
+
+def describe(fn: object) -> str:
+    """``module.qualname`` of a function, for messages."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module and module != "builtins" else str(name)
+
+
+def _encode_function(fn: object) -> tuple[bytes, str]:
+    """``fn``'s encoding (by reference) and its name; cached for plain functions."""
+    try:
+        hit = _encoded_functions.get(fn)
+    except TypeError:  # unhashable: encoded every time
+        hit = None
+    if hit is not None:
+        return hit
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    try:
+        data = codec.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"{describe(fn)} cannot be sent to another rank: rpc pickles a function by "
+            "reference (its module and name), so define it at the top level of a module that "
+            f"every rank imports, not as a lambda or inside a function ({exc})"
+        ) from exc
+    if len(data) > MAX_FUNCTION_BYTES:
+        raise TypeError(
+            f"{describe(fn)} pickles to {len(data)} bytes (at most {MAX_FUNCTION_BYTES}): pass "
+            "large data as arguments, not inside the callable"
+        )
+    hit = (data, describe(fn))
+    if isinstance(fn, _CACHEABLE):
+        if len(_encoded_functions) >= _FUNCTIONS_KEPT:
+            _encoded_functions.clear()
+        _encoded_functions[fn] = hit
+    return hit
+
+
+class Caller(Protocol):
+    """What ``prepare`` needs of the agent a call is for."""
+
+    world_size: int
+    default_timeout: float
+
+
+def prepare(
+    agent: Caller,
+    op: Op,
+    to: object,
+    target: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    timeout: float | None,
+    what: str,
+    extra: Any = None,
+) -> Request:
+    """Check and encode a call (in the caller's thread).
+
+    ``what`` names the call in messages; for ``CALL`` and ``REMOTE`` (whose
+    ``target`` is the function), ``"{fn}"`` in it stands for the function's name.
+
+    Raises:
+        TypeError: ``to`` is not an int, ``fn`` or an argument cannot be pickled.
+        ValueError: ``to`` is not a rank of the job, or ``timeout`` is negative.
+    """
+    if not isinstance(to, int) or isinstance(to, bool):
+        raise TypeError(f"to must be an int rank, got {type(to).__name__}")
+    if not 0 <= to < agent.world_size:
+        raise ValueError(f"to={to} is not a rank of the job (its ranks: 0-{agent.world_size - 1})")
+    if timeout is None:
+        seconds: float | None = agent.default_timeout
+    elif timeout < 0:
+        raise ValueError(f"timeout must be >= 0 (0: none), got {timeout!r}")
+    else:
+        seconds = float(timeout) or None
+    if op is Op.CALL or op is Op.REMOTE:
+        target, name = _encode_function(target)
+        what = what.replace("{fn}", name)
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    tensors: list[torch.Tensor] = []
+    payload = None
+    if args or kwargs:
+        try:
+            payload = codec.dumps_split([tuple(args), kwargs or None], tensors)
+        except Exception as exc:
+            raise TypeError(f"the arguments of {what} cannot be pickled: {exc}") from exc
+    return Request(to, op, target, payload, tensors, extra, seconds, what)
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """A call this rank made, until its reply came (even after it timed out)."""
+
+    work: Work[Any]
+    to: int
+    what: str
+    timeout: float | None
+    timer: asyncio.TimerHandle | None = None
+    sending: asyncio.Task[None] | None = None  # the rest of its request, if not sent at once
+    # An RRef whose object the call uses: dropping it only after the reply means its
+    # release reaches the owner after the call is served there.
+    keep: object = None
+
+
+class Deadlines:
+    """Calls with the job's default timeout, in start order, under one timer.
+
+    Their deadlines come in start order (as ``inflight.Deadlines`` does for a
+    group's operations): a timer per call would cost every call a heap push
+    and a cancel, for a timeout that almost never fires.
+    """
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._entries: collections.deque[tuple[float, int]] = collections.deque()
+        self._handle: asyncio.TimerHandle | None = None
+        self._limit = _COMPACT_AT
+
+    def add(self, call: int, timeout: float) -> None:
+        entries, calls = self._entries, self._agent.calls
+        while entries and entries[0][1] not in calls:  # finished: most calls, soon
+            entries.popleft()
+        deadline = self._agent.loop.time() + timeout
+        entries.append((deadline, call))
+        if len(entries) > self._limit:  # a long call holds finished ones behind it
+            self._entries = collections.deque(e for e in entries if e[1] in calls)
+            self._limit = max(_COMPACT_AT, 2 * len(self._entries))
+        if self._handle is None:
+            self._handle = self._agent.loop.call_at(deadline, self._sweep)
+
+    def _sweep(self) -> None:
+        self._handle = None
+        agent, entries = self._agent, self._entries
+        now = agent.loop.time()
+        while entries and (entries[0][0] <= now or entries[0][1] not in agent.calls):
+            _, call = entries.popleft()
+            if call in agent.calls:
+                agent.expired(call)
+        if entries:
+            self._handle = agent.loop.call_at(entries[0][0], self._sweep)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._entries.clear()

@@ -1,0 +1,319 @@
+"""Remote references: ``RRef`` on every rank, the objects they name on their owner.
+
+``remote(to, fn)`` runs ``fn`` on ``to`` (the *owner*), which keeps the result;
+the caller gets an ``RRef`` naming it by ``(creator rank, number)``. The owner
+keeps the object while any reference to it is alive anywhere, and drops it
+when the last one is gone or rpc shuts down.
+
+**Weighted reference counting.** Each reference carries a weight, a power of
+two ``2**-k``; the owner keeps the sum of the weights of all references alive,
+starting at 1 for the creator's. Copying a reference (pickling it into a
+call's arguments, or ``copy.copy``) halves its weight and gives the copy the
+other half, with no message at all; a reference that is dropped sends its
+weight back (``RELEASE``) and the owner drops the object once the sum is 0
+and its creation has arrived. No message ever adds weight, so no message race
+(a copy's release overtaking the copy's arrival, say) can make the sum reach
+0 while a reference lives: the usual trouble of reference counting across
+processes, which torch.distributed.rpc solves with acknowledged forks. A
+reference whose message is lost (its call failed before it was sent) keeps
+its weight, so its object lives until rpc shuts down.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import itertools
+import threading
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from aiodist._group.world import get_default_group
+from aiodist._ops.rpc_calls import Request, prepare
+from aiodist._ops.rpc_wire import Op
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Mapping, Sequence
+
+    from aiodist._group.session import Session
+    from aiodist._group.work import Work
+
+__all__ = ["AGENTS", "DECODING", "OwnedTable", "RRef", "RRefId", "make_remote", "start_op"]
+
+T = TypeVar("T")
+RRefId = tuple[int, int]  # (creator's rank, its number there)
+# Deeper copy chains than this would make weights no message should carry.
+_MAX_EXPONENT = 1 << 16
+_numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
+
+
+class _Agent(Protocol):
+    """What an RRef needs of its rank's rpc agent (``rpc.Agent``)."""
+
+    rank: int
+    world_size: int
+    default_timeout: float
+    loop: asyncio.AbstractEventLoop
+    thread: int
+
+    def release(self, owner: int, rid: RRefId, exp: int) -> None: ...
+
+    def owned_value(self, rid: RRefId) -> Any: ...
+
+    def launch(self, request: Request) -> Work[Any]: ...
+
+
+# The agent of the session whose message is being decoded: RRefs unpickled there belong to it.
+DECODING: contextvars.ContextVar[_Agent | None] = contextvars.ContextVar(
+    "aiodist_rpc_decoding", default=None
+)
+# Every session's rpc agent (rpc.agent_for); RRefs decoded elsewhere join the default group's.
+AGENTS: dict[Session, _Agent] = {}
+
+
+class RRef(Generic[T]):
+    """A reference to an object kept by its owner, a rank of the job.
+
+    Made by ``aiodist.rpc.remote``; it may be passed to other ranks in the
+    arguments or results of remote calls (it pickles), and each copy keeps
+    the object alive on its owner until it is dropped.
+
+    Example:
+        >>> rref = aiodist.rpc.remote(1, Counter)          # Counter() runs on rank 1
+        >>> await rref.rpc_async().add(5)                  # Counter.add on rank 1
+        >>> counter = await rref.to_here()                 # a copy of it, here
+    """
+
+    __slots__ = ("__weakref__", "_agent", "_exp", "_id", "_owner")
+
+    def __init__(self, agent: _Agent, owner: int, rid: RRefId, exp: int = 0) -> None:
+        self._agent = agent
+        self._owner = owner
+        self._id = rid
+        self._exp = exp  # this reference's weight is 2**-exp (module docstring)
+
+    def owner(self) -> int:
+        """The global rank that keeps the object."""
+        return self._owner
+
+    def is_owner(self) -> bool:
+        """True on the owner."""
+        return self._owner == self._agent.rank
+
+    def local_value(self) -> T:
+        """The object itself, on its owner.
+
+        Raises:
+            RuntimeError: Not the owner, or the object is still being made.
+            Exception: The error its making raised.
+        """
+        if not self.is_owner():
+            raise RuntimeError(
+                f"local_value() is for the owner (rank {self._owner}); use to_here() elsewhere"
+            )
+        return self._agent.owned_value(self._id)  # type: ignore[no-any-return]
+
+    def to_here(self, timeout: float | None = None) -> Work[T]:
+        """Start fetching a copy of the object from its owner.
+
+        Args:
+            timeout: Seconds (None: the job's timeout; 0: none).
+
+        Returns:
+            Work resolving to the object: ``await rref.to_here()``, or
+            ``rref.to_here().wait()`` from plain code.
+
+        Raises:
+            Exception: (from the Work) the error the object's making raised.
+        """
+        return start_op(self, Op.TO_HERE, "", (), None, timeout)  # type: ignore[return-value]
+
+    def rpc_async(self, timeout: float | None = None) -> Any:
+        """A proxy whose methods call the object's, on the owner, and return ``Work``.
+
+        Example:
+            >>> total = await rref.rpc_async().add(5)
+        """
+        return _Methods(self, "async", timeout)
+
+    def rpc_sync(self, timeout: float | None = None) -> Any:
+        """A proxy whose methods call the object's, on the owner, and block (plain code).
+
+        Example:
+            >>> total = rref.rpc_sync().add(5)
+        """
+        return _Methods(self, "sync", timeout)
+
+    def remote(self, timeout: float | None = None) -> Any:
+        """A proxy whose methods call the object's on the owner and keep the result there.
+
+        Each method returns an ``RRef`` (owned by the same rank) to its result.
+        """
+        return _Methods(self, "remote", timeout)
+
+    def __repr__(self) -> str:
+        return f"RRef(owner={self._owner}, id={self._id})"
+
+    def __reduce__(self) -> tuple[Callable[..., RRef[Any]], tuple[int, RRefId, int]]:
+        # The copy takes half of this reference's weight: nothing to tell the owner.
+        if self._exp >= _MAX_EXPONENT:
+            raise ValueError(f"{self!r} was copied from copies {_MAX_EXPONENT} times over")
+        self._exp += 1
+        return _rebuild, (self._owner, self._id, self._exp)
+
+    def __del__(self) -> None:
+        agent = self._agent
+        try:
+            if threading.get_ident() == agent.thread:
+                agent.loop.call_soon(agent.release, self._owner, self._id, self._exp)
+            else:
+                agent.loop.call_soon_threadsafe(agent.release, self._owner, self._id, self._exp)
+        except RuntimeError:  # the loop is closed: the job ended, and the object with it
+            pass
+
+
+def _rebuild(owner: int, rid: RRefId, exp: int) -> RRef[Any]:
+    """Unpickle an RRef: it joins the agent decoding it, or the default group's."""
+    agent = DECODING.get()
+    if agent is None:
+        g = get_default_group()
+        agent = None if g is None else AGENTS.get(g.session)
+    if agent is None:
+        raise RuntimeError(
+            "an RRef can only be unpickled in a rank of the job that made it, with rpc in use"
+        )
+    return RRef(agent, int(owner), (int(rid[0]), int(rid[1])), int(exp))
+
+
+class _Methods:
+    """``rref.rpc_async()``, ``rpc_sync()``, ``remote()``: attribute access names the method."""
+
+    __slots__ = ("_mode", "_rref", "_timeout")
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float | None) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return functools.partial(self._call, name)
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        op = Op.METHOD_REMOTE if self._mode == "remote" else Op.METHOD
+        started = start_op(self._rref, op, name, args, kwargs, self._timeout)
+        return started.wait() if self._mode == "sync" else started  # type: ignore[union-attr]
+
+
+def start_op(
+    rref: RRef[Any],
+    op: Op,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: Any,
+    timeout: float | None,
+) -> Work[Any] | RRef[Any]:
+    """Start ``to_here`` or a method call of ``rref``'s object, from any thread.
+
+    Returns the call's handle, or (``METHOD_REMOTE``) an RRef to its result.
+    """
+    agent = rref._agent
+    rid: list[Any] = list(rref._id)
+    if op is Op.TO_HERE:
+        what, extra = f"{rref!r}.to_here()", rid
+    elif op is Op.METHOD:
+        what, extra = f"{rref!r}.{name}()", rid
+    else:
+        made = (agent.rank, next(_numbers))
+        what, extra = f"{rref!r}.remote().{name}()", [rid, list(made)]
+    request = prepare(agent, op, rref.owner(), name, args, kwargs, timeout, what, extra)
+    request.keep = rref  # alive until the call completes: its release comes after
+    work = agent.launch(request)
+    if op is Op.METHOD_REMOTE:
+        return RRef(agent, rref.owner(), made)
+    return work
+
+
+def make_remote(
+    agent: _Agent,
+    to: object,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    timeout: float | None,
+) -> RRef[Any]:
+    """``rpc.remote``: run ``fn`` on ``to``, which keeps the result; an RRef to it."""
+    rid = (agent.rank, next(_numbers))
+    what = f"remote(to={to}, {{fn}})"
+    request = prepare(agent, Op.REMOTE, to, fn, args, kwargs, timeout, what, list(rid))
+    agent.launch(request)
+    return RRef(agent, request.to, rid)
+
+
+class _Owned:
+    """One object an owner keeps: its value (once made) and the weight of its references."""
+
+    __slots__ = ("created", "value", "weight")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.value: asyncio.Future[Any] = loop.create_future()
+        self.weight = Fraction(0)
+        self.created = False  # the creating request arrived (its weight, 1, counted)
+
+
+class OwnedTable:
+    """The objects this rank owns, by RRef id (the owner's side of the module docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._entries: dict[RRefId, _Owned] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _entry(self, rid: RRefId) -> _Owned:
+        entry = self._entries.get(rid)
+        if entry is None:
+            entry = self._entries[rid] = _Owned(self._loop)
+        return entry
+
+    def created(self, rid: RRefId) -> asyncio.Future[Any]:
+        """A request that makes ``rid`` arrived: count the creator's weight; its value's future."""
+        entry = self._entry(rid)
+        entry.created = True
+        entry.weight += 1
+        self._drop_if_unused(rid, entry)
+        return entry.value
+
+    def peek(self, rid: RRefId) -> asyncio.Future[Any] | None:
+        """The future of ``rid``'s value if this rank holds it, else None."""
+        entry = self._entries.get(rid)
+        return None if entry is None else entry.value
+
+    def value(self, rid: RRefId) -> asyncio.Future[Any]:
+        """The future of ``rid``'s value (it may be asked for before its creation arrives)."""
+        return self._entry(rid).value
+
+    def release(self, rid: RRefId, exp: int) -> None:
+        """A reference of weight ``2**-exp`` went."""
+        if not 0 <= exp <= _MAX_EXPONENT:
+            return  # not a weight any reference could have had
+        entry = self._entry(rid)
+        entry.weight -= Fraction(1, 1 << exp)
+        self._drop_if_unused(rid, entry)
+
+    def _drop_if_unused(self, rid: RRefId, entry: _Owned) -> None:
+        if entry.created and entry.weight == 0:
+            del self._entries[rid]
+            if not entry.value.done():
+                entry.value.cancel()  # nobody can ask for it any more
+            elif not entry.value.cancelled():
+                entry.value.exception()  # retrieved: its error was for references now gone
+
+    def clear(self, exc: BaseException) -> None:
+        """Drop every object (rpc shut down): waiters for one not made yet get ``exc``."""
+        entries, self._entries = self._entries, {}
+        for entry in entries.values():
+            if not entry.value.done():
+                entry.value.set_exception(exc)
+                entry.value.exception()  # retrieved: a waiter, if any, reports it

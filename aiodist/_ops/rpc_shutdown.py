@@ -1,0 +1,166 @@
+"""``rpc.shutdown``: agreeing that every rank called it and no call is left anywhere.
+
+A rank may stop serving only once no other rank can still need it: every
+rank called ``shutdown`` (so none starts a call on its own any more) and no
+call is running or on its way anywhere (a call being served may make
+further calls, even after its caller had nothing left of its own).
+
+Rank 0 coordinates *waves*. In each wave every rank waits until it is idle
+(no call of its own pending, none being served), then reports two counters
+to rank 0: calls it made and requests it accepted, both only ever growing.
+Once rank 0 has every report of a wave it tells every rank whether to stop:
+yes when every rank reported the same counters as in the previous wave,
+else it starts the next wave. Why that suffices (the four-counter method of
+termination detection): between a rank's two reports it was idle at both
+and its counters did not move, so it neither made nor accepted a call in
+between; every wave-2 report comes after every wave-1 report, so at the
+moment between them no rank was running anything and no request or reply was
+on its way (a message in flight means its caller still waits, which is not
+idle). Nothing can start again after that moment but a rank's own code, and
+every rank has called ``shutdown``. Usually two waves: two round trips to rank 0.
+
+Every rank serves calls until the verdict comes, and afterwards answers late
+requests with ``ClosedError`` rather than leave them unanswered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._errors import DistTimeoutError
+from aiodist._group.work import Work
+from aiodist._ops.rpc_wire import REQUEST_KEY, Op
+from aiodist._wire.messages import MessageKind
+
+if TYPE_CHECKING:
+    from aiodist._ops.rpc import Agent
+
+__all__ = ["COORDINATOR", "Termination"]
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR: Final = 0
+
+
+class _Kind(enum.IntEnum):
+    REPORT = 0  # [REPORT, wave, calls made, requests accepted], to the coordinator
+    VERDICT = 1  # [VERDICT, wave, stop], from the coordinator
+
+
+class Termination:
+    """One rank's part in ``rpc.shutdown`` (and rank 0's coordination of it)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.work: Work[None] | None = None  # this rank's shutdown, once called
+        self._task: asyncio.Task[None] | None = None
+        self._wave = 0  # this rank's latest report
+        self._verdicts: dict[int, asyncio.Future[bool]] = {}
+        self._reports: dict[int, dict[int, tuple[int, int]]] = {}  # the coordinator's
+
+    def start(self, timeout: float | None) -> Work[None]:
+        """Begin this rank's shutdown (once); the handle resolves when every rank may stop."""
+        if self.work is not None:
+            return self.work
+        agent = self.agent
+        work: Work[None] = Work.pending(agent.loop, "rpc.shutdown")
+        self.work = work
+        self._task = agent.loop.create_task(self._run(timeout))
+
+        def finished(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                work._set_exception(agent.closed_reason())
+            elif (exc := task.exception()) is not None:
+                work._set_exception(exc)
+            else:
+                work._set_result(None)
+
+        self._task.add_done_callback(finished)
+        return work
+
+    async def _run(self, timeout: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._waves()
+        except TimeoutError:
+            raise DistTimeoutError(self._late_message(timeout)) from None
+        self.agent.finish_shutdown()
+
+    async def _waves(self) -> None:
+        while True:
+            await self.agent.wait_idle()
+            self._wave += 1
+            self._report(self._wave)
+            if await self._verdict(self._wave):
+                return
+
+    def _late_message(self, timeout: float | None) -> str:
+        if self.agent.rank == COORDINATOR:
+            got = self._reports.get(self._wave, {})
+            late = [r for r in range(self.agent.world_size) if r not in got]
+            who = (
+                f"ranks {late} had not called it or were still busy"
+                if late
+                else "calls kept coming"
+            )
+        else:
+            who = "rank 0 had not seen every rank call it with no call running"
+        return (
+            f"rpc.shutdown() did not complete within {timeout} s: {who}. Calls are still "
+            "served; call rpc.shutdown() on every rank, or destroy_process_group() to stop."
+        )
+
+    def _report(self, wave: int) -> None:
+        agent = self.agent
+        counters = (agent.sent, agent.server.served)
+        if agent.rank == COORDINATOR:
+            self._collect(COORDINATOR, wave, counters)
+        else:
+            self._tell(COORDINATOR, [_Kind.REPORT, wave, *counters])
+
+    def _verdict(self, wave: int) -> asyncio.Future[bool]:
+        future = self._verdicts.get(wave)
+        if future is None:
+            future = self._verdicts[wave] = self.agent.loop.create_future()
+        return future
+
+    def on_message(self, src: int, extra: Any) -> None:
+        """A wave's message from ``src`` (a request of op ``SHUTDOWN``)."""
+        kind = _Kind(extra[0])
+        wave = int(extra[1])
+        if kind is _Kind.REPORT:
+            if self.agent.rank == COORDINATOR:
+                self._collect(src, wave, (int(extra[2]), int(extra[3])))
+            return
+        future = self._verdict(wave)
+        if not future.done():
+            future.set_result(bool(extra[2]))
+        self._verdicts.pop(wave - 1, None)
+
+    def _collect(self, src: int, wave: int, counters: tuple[int, int]) -> None:
+        got = self._reports.setdefault(wave, {})
+        got[src] = counters
+        if len(got) < self.agent.world_size:
+            return
+        stop = self._reports.get(wave - 1) == got
+        self._reports.pop(wave - 1, None)
+        logger.debug("rpc.shutdown wave %d complete: %s", wave, "stop" if stop else "again")
+        for rank in range(self.agent.world_size):
+            if rank == self.agent.rank:
+                self.on_message(rank, [_Kind.VERDICT, wave, stop])
+            else:
+                self._tell(rank, [_Kind.VERDICT, wave, stop])
+
+    def _tell(self, dst: int, extra: list[Any]) -> None:
+        header = [*REQUEST_KEY, [int(Op.SHUTDOWN), 0, None, None, [int(x) for x in extra]]]
+        self.agent.plane.send_notice(dst, MessageKind.DATA, header)
+
+    def fail(self, exc: BaseException) -> None:
+        """The session failed or closed: waiting for a verdict is over."""
+        for future in self._verdicts.values():
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # retrieved: the shutdown task re-raises it
