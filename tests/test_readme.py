@@ -100,6 +100,14 @@ def _metrics_written(result: Finished, cwd: Path, world: int) -> None:
     assert len(summaries) == 2 * world, result.stdout  # on_done ran on every rank
 
 
+def _remote_calls_ran(result: Finished, cwd: Path, world: int) -> None:
+    # Each call ran on the rank the master named (the workers print what they run).
+    lines = result.stdout.splitlines()
+    for r in (1, 2, 3):
+        assert f"[rank {r}] train_shard({r})" in lines, result.stdout
+    assert "[rank 2] Counter.add(5) -> 5" in lines, result.stdout
+
+
 PYTHON: dict[str, Harness] = {
     # "Using it": a complete script for env:// (aiodist run).
     "import anyio, torch, aiodist": Harness(runs=(("aiodist run", 1), ("aiodist run", 4))),
@@ -137,6 +145,32 @@ assert objs == [{"loss": 0.5}] * 4, objs
 assert grads.tolist() == [10.0] * 8, grads
 assert results == (list(dataset) if rank == 0 else None), results
 """,
+    ),
+    # Master-worker: the README's main(), with the train_shard and Counter it names.
+    "import aiodist, aiodist.rpc as rpc": Harness(
+        runs=(("aiodist run", 4),),
+        prelude="""
+import anyio
+
+
+def train_shard(r):
+    print(f"train_shard({r})", flush=True)
+    return 0.1 * r
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def add(self, k):
+        self.n += k
+        print(f"Counter.add({k}) -> {self.n}", flush=True)
+        return self.n
+""",
+        epilogue="""
+anyio.run(main)
+""",
+        check=_remote_calls_ran,
     ),
     # Metrics: the on_done snippet, alone (world size 1, nothing initialised) and on 4 ranks.
     "from aiodist.metrics import MetricAggregator, MetricsWriter": Harness(
