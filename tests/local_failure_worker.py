@@ -116,7 +116,9 @@ async def scenarios(rank: int) -> dict[str, Any]:
     await run(
         "tensor_small",
         lambda: pair(
-            lambda: aiodist.all_reduce("not a tensor" if bad else torch.full((4,), 1.0 + rank)),
+            lambda: aiodist.all_reduce(
+                "not a tensor" if bad else torch.full((4,), 1.0 + rank)  # type: ignore[arg-type]
+            ),
             lambda: aiodist.all_reduce(torch.full((4,), 100.0 + rank)),
         ),
     )
@@ -209,9 +211,9 @@ async def scenarios(rank: int) -> dict[str, Any]:
         "composite",
         lambda: pair(
             lambda: aiodist.all_reduce_dict(
-                {"a": "not a tensor"}
+                {"a": "not a tensor"}  # type: ignore[dict-item]
                 if bad
-                else {"a": torch.ones(2), "n": torch.ones(1, dtype=torch.int64)}  # type: ignore[dict-item]
+                else {"a": torch.ones(2), "n": torch.ones(1, dtype=torch.int64)}
             ),
             lambda: aiodist.all_reduce_dict({"a": torch.full((2,), 1.0 + rank)}),
         ),
@@ -311,7 +313,9 @@ def main_sync(url: str, rank: int, world: int) -> None:
     dist.barrier()
     run(
         "tensor_small",
-        lambda: dist.all_reduce("not a tensor" if bad else torch.full((4,), 1.0 + rank)),
+        lambda: dist.all_reduce(
+            "not a tensor" if bad else torch.full((4,), 1.0 + rank)  # type: ignore[arg-type]
+        ),
         lambda: dist.all_reduce(torch.full((4,), 100.0 + rank)),
     )
     if rank in (0, 1):

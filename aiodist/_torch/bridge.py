@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._ops import staging
 from aiodist._ops.common import Slot
 from aiodist._torch import ops
 
@@ -101,6 +103,8 @@ class GroupBridge:
         self.closed = False
         self._pending: set[asyncio.Future[Any]] = set()
         self._call_seq: int | None = None  # the place start_collective took for its call
+        self.cuda_device: int | None = None  # the GPU bring_up put this rank on (NCCL)
+        self.stuck: str | None = None  # the operation the group broke under, if it did
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"aiodist-torch-{group.name}")
 
     def __repr__(self) -> str:
@@ -163,6 +167,10 @@ class GroupBridge:
         async def op(seq: int) -> T:
             try:
                 return await done
+            except asyncio.CancelledError:
+                if self.group.error is not None:  # timed out, or a peer broke the group
+                    self._abort(description)
+                raise
             except DistError:
                 raise
             except Exception as exc:
@@ -216,6 +224,38 @@ class GroupBridge:
         self._executor.submit(issue_in_thread)
         return work
 
+    def _abort(self, description: str) -> None:
+        """The group broke while ``description`` ran in torch: abort NCCL's communicator.
+
+        A collective stuck in NCCL holds its kernels and the issuing thread
+        forever; aborting the communicator (in a thread of its own: abort may
+        block) frees them, so the group's ``DistTimeoutError`` is the end of it.
+        gloo's operations end on their own timeout (the group's), so only the
+        record is kept there.
+        """
+        if self.stuck is not None:
+            return
+        self.stuck = description
+        if self.devices.get("cuda") != "nccl" or self.torch_group is None:
+            return
+        logger.error(
+            "aborting the NCCL communicator of group %r: %s did not complete (%s)",
+            self.group.name,
+            description,
+            self.group.error,
+        )
+        pg = self.torch_group
+
+        def abort() -> None:
+            import torch
+
+            try:
+                pg._get_backend(torch.device("cuda")).abort()
+            except Exception:
+                logger.exception("aborting NCCL's communicator of group %r failed", self.group)
+
+        threading.Thread(target=abort, name=f"aiodist-abort-{self.group.name}", daemon=True).start()
+
     def _retire(self, done: asyncio.Future[Any]) -> None:
         self._pending.discard(done)
         if not done.cancelled():
@@ -264,6 +304,10 @@ class GroupBridge:
 
 
 def _current_stream(t: torch.Tensor) -> Any:
+    """The caller's current stream on ``t``'s device (captured on its thread by aiodist.sync)."""
+    device = staging.device_of(t)
+    if device is not None:
+        return staging.caller_stream(t, device)
     import torch
 
     return torch.cuda.current_stream(t.device)
@@ -305,6 +349,7 @@ async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -
         device = world.session.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(device)  # on the loop's thread, as mmengine's init_dist does
         await bridge.call(torch.cuda.set_device, device)  # and on the issuing thread
+        bridge.cuda_device = device  # and aiodist.sync puts the caller's thread there
     try:
         await bridge.call(
             dist.init_process_group,
