@@ -370,9 +370,9 @@ async def test_non_distributed_results() -> None:
         data = [1, "b"]
         assert await broadcast_object_list(data) is data
         assert data == [1, "b"]
-        out: list[Any] = [None]
-        assert await scatter_object_list(out, [Point(1, "x")]) == Point(1, "x")
-        assert out == [Point(1, "x")]
+        slot: list[Any] = [None]
+        assert await scatter_object_list(slot, [Point(1, "x")]) == Point(1, "x")
+        assert slot == [Point(1, "x")]
         with pytest.raises(ValueError, match="1 ranks"):
             scatter_object_list([None], [1, 2])
         assert await collect_results([1, 2, 3, 4], 3) == [1, 2, 3]

@@ -86,10 +86,35 @@ def check_op_dtype(op: str, dtype: torch.dtype) -> None:
         ArgumentTypeError: A bitwise op on a floating-point or complex tensor.
         ArgumentError: An op torch refuses on complex tensors (``supports_complex``).
     """
-    if op in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
-        raise ArgumentTypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
     if dtype.is_complex and op in _NOT_COMPLEX:
         raise ArgumentError(f"op {op!r} does not support complex tensors (got {dtype})")
+    if op in ("band", "bor", "bxor") and dtype.is_floating_point:
+        raise ArgumentTypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
+    if not _computable(op, dtype):
+        raise ArgumentTypeError(
+            f"op {op!r} cannot reduce {dtype} tensors: torch has no CPU kernel for it"
+        )
+
+
+_computable_cache: dict[tuple[str, object], bool] = {}
+
+
+def _computable(op: str, dtype: torch.dtype) -> bool:
+    """Whether torch's CPU kernels compute ``op`` on ``dtype`` (unsigned 16-64 bit ints
+    and float8 lack most): tried once on one element, then remembered."""
+    key = (op, dtype)
+    known = _computable_cache.get(key)
+    if known is None:
+        a = torch.ones(1, dtype=dtype)
+        try:
+            _kernel(op, a, a, a)
+            if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+                torch.true_divide(a, 2)
+            known = True
+        except (NotImplementedError, RuntimeError, TypeError):
+            known = False
+        _computable_cache[key] = known
+    return known
 
 
 def _kernel(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
