@@ -174,10 +174,15 @@ class GroupBridge:
             except DistError:
                 raise
             except Exception as exc:
-                raise self._translate(description, exc) from exc
+                error = self._translate(description, exc)
+                if isinstance(error, DistTimeoutError):
+                    self._abort(description)
+                raise error from exc
 
         # Raises here, before issuing, if unusable.
         work = self.group.start(description, op, seq=self._call_seq)
+        # Timed out (or failed by the group's error): abort before anyone hears of it.
+        work._on_done(lambda w: self._abort(description) if _given_up(w) else None)
         self._pending.add(done)
         done.add_done_callback(self._retire)
 
@@ -303,6 +308,21 @@ class GroupBridge:
         self._executor.shutdown(wait=False)
 
 
+def _given_up(work: Work[Any]) -> bool:
+    error = work.exception()
+    return isinstance(error, DistTimeoutError | GroupBrokenError)
+
+
+def backstop(seconds: float) -> timedelta:
+    """torch's own timeout for a group whose aiodist timeout is ``seconds``: later.
+
+    aiodist's deadline must end a stuck collective first, so that it names the
+    operation, breaks the group on every rank and aborts NCCL's communicator
+    (``_abort``); torch's (NCCL's watchdog may end the process) stays a backstop.
+    """
+    return timedelta(seconds=2 * seconds + 10)
+
+
 def _current_stream(t: torch.Tensor) -> Any:
     """The caller's current stream on ``t``'s device (captured on its thread by aiodist.sync)."""
     device = staging.device_of(t)
@@ -357,7 +377,7 @@ async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -
             store=store,
             rank=world.rank,
             world_size=world.world_size,
-            timeout=timedelta(seconds=world.timeout),
+            timeout=backstop(world.timeout),
         )
     except Exception as exc:
         await bridge.aclose(None)
@@ -390,14 +410,14 @@ async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: 
         bridge.torch_group = await pbridge.call(
             dist.new_group,
             ranks=list(group.ranks),
-            timeout=timedelta(seconds=group.timeout),
+            timeout=backstop(group.timeout),
             backend=name,
         )
     elif group.rank >= 0:  # a subgroup of a subgroup: only its members call torch
         bridge.torch_group = await pbridge.call(
             dist.new_group,
             ranks=list(group.ranks),
-            timeout=timedelta(seconds=group.timeout),
+            timeout=backstop(group.timeout),
             backend=name,
             use_local_synchronization=True,
         )
