@@ -414,7 +414,15 @@ def mmengine_cases(dist: Any, rank: int) -> list[tuple[str, Any]]:
     add("get_comm_device", lambda: str(dist.get_comm_device()))
     add("cast_data_device", lambda: dist.cast_data_device([torch.ones(2)], torch.device("cpu")))
     add("barrier", lambda: dist.barrier())
+
+    def local_group() -> Any:
+        dist.init_local_group(0, WORLD)  # one node of WORLD ranks
+        local = dist.get_local_group()
+        return [dist.get_local_rank(), dist.get_local_size(), dist.get_world_size(local)]
+
+    add("init_local_group", local_group)
     bad: list[tuple[str, Any]] = [
+        ("init_local_group/twice", lambda: dist.init_local_group(0, WORLD)),
         ("all_reduce_dict/not_a_dict", lambda: dist.all_reduce_dict([torch.ones(1)])),
         ("broadcast_object_list/not_a_list", lambda: dist.broadcast_object_list("abc")),
         ("collect_results/bad_device", lambda: dist.collect_results([1], 1, "tpu")),

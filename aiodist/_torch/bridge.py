@@ -344,7 +344,9 @@ def _stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
 # --- bring-up and teardown -----------------------------------------------------------------
 
 
-async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -> None:
+async def bring_up(
+    world: ProcessGroup, backend: str, devices: dict[str, str], *, device_id: Any = None
+) -> None:
     """Bring up torch.distributed's default group for ``world``, through the job's store.
 
     Raises:
@@ -366,7 +368,11 @@ async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -
     bridge = GroupBridge(world, devices, backend)
     bridge.store = store
     if "cuda" in devices:
-        device = world.session.local_rank % torch.cuda.device_count()
+        if device_id is not None:  # init_process_group(device_id=...), as torch takes it
+            device = device_id if isinstance(device_id, int) else torch.device(device_id).index
+            device = 0 if device is None else device
+        else:
+            device = world.session.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(device)  # on the loop's thread, as mmengine's init_dist does
         await bridge.call(torch.cuda.set_device, device)  # and on the issuing thread
         bridge.cuda_device = device  # and aiodist.sync puts the caller's thread there
