@@ -42,10 +42,15 @@ def _close(a: Any, b: Any, loose: bool) -> bool:
 
 
 def agree(original: Any, ours: Any) -> str:
-    """``"equal"``, ``"same error"`` or ``"extended"`` when they agree, else why not."""
+    """``"equal"``, ``"same error"``, ``"extended"`` or ``"both refuse"`` when they agree.
+
+    Anything else says why they do not.
+    """
     if _is_error(original):
         if any(limit in original["message"] for limit in GLOO_LIMITS):
-            return "extended"
+            # Only gloo refuses: aiodist carries it, or refuses too where torch has no
+            # CPU kernel (sum of uint16, say).
+            return "both refuse" if _is_error(ours) else "extended"
         if not _is_error(ours):
             raised = f"{original['error'][0]} ({original['message']})"
             return f"the original raised {raised}, aiodist returned"

@@ -104,9 +104,9 @@ async def _compare(suite: str) -> tuple[Counter[str], set[str], set[tuple[str, s
         assert original.keys() == ours.keys()
         for case in original:
             verdict = agree(original[case], ours[case])
-            if verdict in ("equal", "same error", "extended"):
+            if verdict in ("equal", "same error", "extended", "both refuse"):
                 verdicts[verdict] += 1
-                if verdict != "extended":
+                if verdict in ("equal", "same error"):
                     functions.add(function_of(case))
                     pairs.add((function_of(case), dtype_of(case) or "-"))
             else:
