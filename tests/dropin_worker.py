@@ -241,6 +241,15 @@ def torch_cases(dist: Any, rank: int) -> list[tuple[str, Any]]:
 
     add("work/async_op", handle)
 
+    def requests() -> Any:
+        got = torch.zeros(2)
+        recv_req = dist.irecv(got, src=peer, tag=3)  # torch's requests: running at once
+        send_req = dist.isend(torch.full((2,), float(rank)), dst=peer, tag=3)
+        send_req.wait()
+        recv_req.wait()
+        return [got, recv_req.is_completed(), send_req.is_completed()]
+
+    add("isend_irecv", requests)
     add("barrier", lambda: dist.barrier())
     add("monitored_barrier", lambda: dist.monitored_barrier(timeout=timedelta(seconds=30)))
 

@@ -98,6 +98,10 @@ def test_sync_twin_has_the_same_parameters(name: str) -> None:
     ours = inspect.signature(sync_fn)
     works = not inspect.iscoroutinefunction(async_fn)
     params = list(ours.parameters.values())
+    if name in gen_sync.HANDLES:  # torch's requests: the running Work, at once
+        assert "async_op" not in ours.parameters
+        assert str(ours.return_annotation) == str(theirs.return_annotation)
+        works = False
     if works:
         async_op = ours.parameters["async_op"]
         assert async_op.default is False

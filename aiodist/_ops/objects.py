@@ -443,13 +443,17 @@ def scatter_object_list(
     if outside(g):
         return Work.completed(None)
     with Slot(g, "scatter_object_list") as seq:
+        root = root_of(g, src, group_src, "src")  # from here on a group rank
+        size = 1 if g is None else g.world_size
+        is_src = g is None or g.rank == root
+        if is_src and inputs is None and isinstance(out, list | tuple) and len(out) == size > 1:
+            # aiodist's older form with src= given by name: the objects first, no output
+            # list (torch's form would raise here: its source passes the objects second).
+            out, inputs = None, out
         if out is not None and (not isinstance(out, list) or len(out) < 1):
             raise ArgumentError(
                 "Expected argument scatter_object_output_list to be a list of size at least 1."
             )
-        root = root_of(g, src, group_src, "src")  # from here on a group rank
-        size = 1 if g is None else g.world_size
-        is_src = g is None or g.rank == root
         if is_src:
             if not isinstance(inputs, (list, tuple)):
                 raise ArgumentTypeError(

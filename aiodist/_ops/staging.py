@@ -195,13 +195,14 @@ _caller: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
 )
 
 
-def _tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
+def _tensors_in(values: Iterable[object], depth: int = -1) -> Iterator[torch.Tensor]:
+    """The tensors in ``values``, looking ``depth`` levels into lists and dicts (-1: all)."""
     for value in values:
-        if isinstance(value, list | tuple):
-            yield from _tensors_in(value)
-        elif isinstance(value, dict):
-            yield from _tensors_in(value.values())
-        elif type(value).__name__ in ("Tensor", "Parameter") or hasattr(value, "device"):
+        if isinstance(value, list | tuple | dict):
+            if depth != 0:
+                inner = value.values() if isinstance(value, dict) else value
+                yield from _tensors_in(inner, depth - 1)
+        elif type(value).__name__ in ("Tensor", "Parameter"):
             yield value  # type: ignore[misc]
 
 
@@ -220,12 +221,19 @@ def capture(args: Sequence[object], kwargs: dict[str, object]) -> dict[Any, Any]
     if "torch" not in sys.modules:
         return None
     found: dict[Any, Any] = {}
-    for t in _tensors_in([*args, *kwargs.values()]):
+    # The arguments and the lists in them (tensor lists, P2POps' tensors): an object's
+    # tensors deeper down are pickled on the loop, after its stream is synchronised.
+    for t in _tensors_in([*args, *kwargs.values(), *_p2p_tensors(args)], depth=2):
         device = device_of(t)
         if device is not None and _key(t) not in found:
             found[_key(t)] = device.current_stream(t)
             found.setdefault("device", device.current_device())
     return found or None
+
+
+def _p2p_tensors(args: Sequence[object]) -> list[object]:
+    ops = args[0] if args and isinstance(args[0], list) else []
+    return [getattr(op, "tensor", None) for op in ops]
 
 
 @contextlib.contextmanager
