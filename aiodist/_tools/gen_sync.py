@@ -54,7 +54,7 @@ ASYNC_ONLY: Final[dict[str, str]] = {
 
 #: Operations whose blocking twin returns the running ``Work`` at once, with no
 #: ``async_op``: torch.distributed's ``isend``/``irecv`` return their request.
-HANDLES: Final[frozenset[str]] = frozenset({"isend", "irecv", "isend_object", "irecv_object"})
+HANDLES: Final[frozenset[str]] = frozenset({"isend", "irecv"})
 
 # Queries that hand back objects with coroutine methods: their blocking twins are
 # written by hand in this module and imported by the facade instead.
