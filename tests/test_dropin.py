@@ -148,3 +148,61 @@ async def _table() -> None:  # pragma: no cover - run by hand for the README
 
 if __name__ == "__main__":  # pragma: no cover
     anyio.run(_table)
+
+
+MONITORED = """
+import json, sys, time
+import aiodist.sync as dist
+
+init, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group(init_method=init, rank=rank, world_size=2, timeout=60)
+store = dist.get_store()
+out = {}
+if rank == 0:
+    began = time.monotonic()
+    try:
+        dist.monitored_barrier(timeout=1.0)  # rank 1 never comes
+    except Exception as exc:
+        out = {"error": [c.__name__ for c in type(exc).__mro__], "ranks": exc.ranks,
+               "seconds": time.monotonic() - began}
+    store.set("reported", "1")
+else:
+    store.wait(["reported"], timeout=60)
+print(json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+async def test_monitored_barrier_in_real_processes_names_the_rank_that_never_came(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "monitored.py"
+    script.write_text(MONITORED)
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = []
+    outs: list[dict[str, Any]] = []
+    try:
+        with anyio.fail_after(60):
+            procs = [
+                await anyio.open_process([sys.executable, str(script), init, str(r)], env=env)
+                for r in range(WORLD)
+            ]
+            for proc in procs:
+                assert proc.stdout is not None
+                stdout = b"".join([chunk async for chunk in proc.stdout])
+                assert await proc.wait() == 0
+                outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    first = outs[0]
+    # torch's monitored_barrier raises RuntimeError; aiodist's error is one, and a timeout.
+    assert first["error"][:2] == ["BarrierTimeoutError", "DistTimeoutError"]
+    assert "RuntimeError" in first["error"]
+    assert first["ranks"] == [1]
+    assert 0.9 < first["seconds"] < 4.0
+    assert outs[1] == {}
+    assert all(proc.returncode == 0 for proc in procs)  # every process exited cleanly
