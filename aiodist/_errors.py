@@ -7,7 +7,12 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AbortedError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "AssertedArgumentError",
+    "AssertedValueError",
     "AuthenticationError",
+    "BarrierTimeoutError",
     "ClosedError",
     "CollectiveMismatchError",
     "DistError",
@@ -86,6 +91,17 @@ class DistTimeoutError(DistError, TimeoutError):
     """An operation did not finish within its timeout."""
 
     code = ErrorCode.TIMEOUT
+
+
+class BarrierTimeoutError(DistTimeoutError, RuntimeError):
+    """A barrier's own timeout passed first on this rank; ``.ranks`` never arrived.
+
+    A ``RuntimeError`` too, as torch's ``monitored_barrier`` raises.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class RendezvousTimeout(RendezvousError, DistTimeoutError):
@@ -197,6 +213,28 @@ def rank_left_error(rank: int, host: str = "", pid: int = 0) -> RankFailedError:
         pid=pid,
         reason=LEFT_REASON,
     )
+
+
+# --- bad arguments, as the originals raise them ----------------------------------------------
+# Bad arguments raise ValueError/TypeError before anything is sent. Code ported from
+# torch.distributed catches what torch raises for the same input (its C++ checks raise
+# RuntimeError), and code from mmengine.dist what mmengine asserts: these are both.
+
+
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument value; a ``RuntimeError`` too, as torch.distributed's checks raise."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """An argument of the wrong type or dtype; a ``RuntimeError`` too, as torch raises."""
+
+
+class AssertedArgumentError(TypeError, AssertionError):
+    """An argument mmengine.dist asserts on (``assert isinstance(data, list)``)."""
+
+
+class AssertedValueError(ValueError, AssertionError):
+    """An argument value mmengine.dist asserts on (``assert tmpdir is None``)."""
 
 
 _BY_CODE: dict[ErrorCode, type[DistError]] = {

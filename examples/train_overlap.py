@@ -1,6 +1,8 @@
 """Data-parallel training in plain (sync) code, gradients all-reduced while backward runs.
 
-Run with ``aiodist run -n 4 examples/train_overlap.py`` (gloo on CPU). Every rank
+Run with ``aiodist run -n 4 examples/train_overlap.py`` (gloo on CPU; ``--device cuda``
+puts rank ``r`` on GPU ``LOCAL_RANK``, with ``--backend nccl``, or ``gloo``/``none``
+to stage the CUDA gradients through host memory). Every rank
 trains the same MLP on its own batches; each parameter's gradient all_reduce is
 started as a handle the moment backward has produced it, so communication of
 the last layers overlaps the backward pass of the first ones. Three modes, side
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -106,17 +109,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--backend", default="gloo")
+    parser.add_argument(
+        "--backend", default="gloo", help="gloo, nccl, or none (aiodist's data plane)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write rank 0's figures here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # One GPU per rank of a host: LOCAL_RANK's (ranks share GPUs when there are fewer),
+        # set before anything touches CUDA.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
-    dist.init_process_group(args.backend)
+    dist.init_process_group(None if args.backend == "none" else args.backend)
     try:
         rank, world = dist.get_dist_info()
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
         torch.set_num_threads(1)  # several ranks share this machine's cores
         figures: dict[str, Any] = {"world_size": world, "backend": args.backend}
         for mode in args.modes:

@@ -61,7 +61,7 @@ def workload(rank: int, world: int) -> dict[str, Any]:
     out["store"] = [store.get("ready/0").decode(), store.add("count", 1) >= 1]
 
     right, left = (rank + 1) % world, (rank - 1) % world
-    send = dist.isend(torch.full((4,), float(rank)), dst=right, async_op=True)
+    send = dist.isend(torch.full((4,), float(rank)), dst=right)  # running, as torch's
     buf = torch.zeros(4)
     out["recv_from"] = dist.recv(buf, src=left)
     send.wait(timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,61 @@ def test_parameter_server_trains_through_remote_calls(mode: str) -> None:
     assert last < first / 100  # the workers' gradients reached the master's model
     assert float(line.rsplit(" ", 1)[1]) < 0.05  # close to the weights the data came from
     assert "Warning" not in result.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_torch_script_ported_by_its_import_prints_what_torch_prints(tmp_path: Path) -> None:
+    ported = ROOT / "examples" / "torch_port.py"
+    source = ported.read_text()
+    assert source.count("import aiodist.sync as dist") == 2  # the docstring's and the import
+    original = tmp_path / "torch_original.py"
+    original.write_text(
+        source.replace("\nimport aiodist.sync as dist\n", "\nimport torch.distributed as dist\n")
+    )
+    assert original.read_text() != source  # the import line, and nothing else, differs
+    ours = subprocess.run(
+        [sys.executable, "-m", "aiodist", "run", "-n", "2", "--no-prefix", str(ported)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    # The original, under torch.distributed, as torchrun would start it (one pipe per rank).
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(original)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    theirs: list[str] = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            theirs.extend(out.splitlines())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    mine = ours.stdout.splitlines()
+    assert len(mine) == 27  # every step printed on both ranks (gather on rank 0 only)
+    assert sorted(mine) == sorted(theirs)
+    assert mine.count("rank 1 train: weights in sync across ranks: True") == 1

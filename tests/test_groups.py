@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -21,8 +22,15 @@ async def test_subgroup_all_reduce_sums_members_only(
     async def body(world: ProcessGroup) -> tuple[int, int, float | None]:
         g = await aiodist.new_group(members, parent=world)
         if world.rank not in members:
-            with pytest.raises(ValueError, match="not in"):
-                aiodist.all_reduce(torch.ones(1), group=g)
+            # As in torch.distributed: a collective on a group this process is not in
+            # does nothing, at once; the group's size is -1 here.
+            t = torch.ones(1)
+            w = aiodist.all_reduce(t, group=g)
+            assert w.is_completed()
+            assert w.result() is t
+            assert t.tolist() == [1.0]
+            assert aiodist.get_world_size(g) == -1
+            assert aiodist.get_rank(g) == -1
             return g.rank, g.world_size, None
         t = torch.full((3,), float(world.rank))
         await aiodist.all_reduce(t, group=g)
@@ -241,3 +249,66 @@ async def test_subgroup_mismatch_breaks_only_that_group(server: RendezvousServer
     assert [o[1] for o in outs] == [4.0] * 4
     assert outs[3][0] is None
     assert {o[0] for o in outs[:3]} == {"op"}
+
+
+async def test_monitored_barrier_names_the_missing_rank_within_its_timeout(
+    server: RendezvousServer,
+) -> None:
+    # As torch's monitored_barrier: a RuntimeError that names the rank that never came.
+    late = anyio.Event()
+    caught: list[BaseException] = []
+
+    async def body(world: ProcessGroup) -> float | None:
+        if world.rank == 1:  # never calls it
+            notice = aiodist.irecv(torch.zeros(1), src=0, group=world)
+            await late.wait()
+            with pytest.raises(aiodist.DistTimeoutError):
+                await notice
+            return None
+        began = anyio.current_time()
+        with pytest.raises(RuntimeError) as info:
+            await aiodist.monitored_barrier(world, timeout=timedelta(seconds=0.5))
+        caught.append(info.value)
+        late.set()
+        return anyio.current_time() - began
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 2, body)
+    (exc,) = caught
+    assert isinstance(exc, aiodist.BarrierTimeoutError)
+    assert isinstance(exc, aiodist.DistTimeoutError)
+    assert exc.ranks == [1]
+    assert "monitored_barrier" in str(exc)
+    seconds = outs[0]
+    assert seconds is not None
+    assert 0.4 < seconds < 3.0
+
+
+async def test_group_queries_as_torch_answers_them(server: RendezvousServer) -> None:
+    async def body(world: ProcessGroup) -> list[object]:
+        odd = await aiodist.new_group([1, 2], parent=world)
+        mine, groups = await aiodist.new_subgroups(1, group=world)
+        split = await aiodist.split_group(world, [[0, 2], [1]])
+        answers: list[object] = [
+            aiodist.get_world_size(odd),
+            aiodist.get_rank(odd),
+            odd.size(),
+            [g.ranks for g in groups],
+            mine.ranks,
+            None if split is None else split.ranks,
+        ]
+        if odd.rank >= 0:
+            answers.append(aiodist.get_group_rank(odd, 2))
+            answers.append(aiodist.get_global_rank(odd, 0))
+            with pytest.raises(ValueError, match="not a member"):
+                aiodist.get_group_rank(odd, 0)
+            with pytest.raises(ValueError, match="not part of group"):
+                aiodist.get_global_rank(odd, 5)
+        return answers
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 3, body)
+    every = [[0], [1], [2]]
+    assert outs[0] == [-1, -1, 2, every, [0], [0, 2]]
+    assert outs[1] == [2, 0, 2, every, [1], [1], 1, 1]
+    assert outs[2] == [2, 1, 2, every, [2], [0, 2], 1, 1]

@@ -127,6 +127,25 @@ WORKER = textwrap.dedent(
             out["cause"] = type(exc.__cause__).__name__
             out["cause_module"] = type(exc.__cause__).__module__
 
+    async def stuck(out):
+        # Rank 1 never makes the call: rank 0's bridged all_reduce hangs in torch until
+        # the group's (short) timeout, which must end it, name it, and mark it stuck.
+        store = aiodist.get_store()
+        g = aiodist.get_default_group()
+        if rank == 1:
+            await store.get("stuck/reported", timeout=60)
+            return
+        import time
+        began = time.monotonic()
+        try:
+            await aiodist.all_reduce(torch.ones(8))
+        except aiodist.DistError as exc:
+            out["error"] = type(exc).__name__
+            out["message"] = str(exc)
+        out["seconds"] = time.monotonic() - began
+        out["stuck"] = g.bridge.stuck
+        await store.set("stuck/reported", b"1")
+
     async def nccl(out):
         t = torch.full((4, 5), float(rank + 1), device="cuda")
         await aiodist.all_reduce(t)
@@ -141,12 +160,13 @@ WORKER = textwrap.dedent(
     async def main():
         backend = "nccl" if mode == "nccl" else "gloo"
         await aiodist.init_process_group(backend, init_method=url, world_size=world, rank=rank,
-                                         group_name="bridge-" + mode, timeout=30,
+                                         group_name="bridge-" + mode,
+                                         timeout=2.0 if mode == "stuck" else 30,
                                          heartbeat_interval=0.2, heartbeat_timeout=5.0)
         out = {"rank": rank, "torch_initialized": dist.is_initialized(),
                "torch_rank": dist.get_rank(), "torch_world": dist.get_world_size()}
         steps = {"all": [collectives, ordered, ticker, subgroups], "failure": [failure],
-                 "nccl": [nccl]}[mode]
+                 "nccl": [nccl], "stuck": [stuck]}[mode]
         for step in steps:
             try:
                 await step(out)
@@ -327,6 +347,17 @@ def test_torch_failure_surfaces_as_dist_error_with_torch_cause(daemon: str, tmp_
     assert "torch.distributed" in out["message"]
     assert out["cause"] in ("RuntimeError", "DistBackendError", "DistNetworkError")
     assert out["torch_initialized_after"] is False
+
+
+def test_a_collective_stuck_in_torch_ends_at_the_group_timeout_naming_it(
+    daemon: str, tmp_path: Path
+) -> None:
+    (out, _) = _run_workers(tmp_path, daemon, "stuck", 2, "asyncio", range(2))
+    assert "stuck_error" not in out, out.get("stuck_error")
+    assert out["error"] == "DistTimeoutError", out
+    assert "all_reduce(op=sum)" in out["message"]
+    assert out["stuck"] == "all_reduce(op=sum)"  # NCCL's communicator is aborted there
+    assert 1.5 < out["seconds"] < 6.0  # the 2 s timeout, not torch's or the default
 
 
 async def test_nccl_without_cuda_fails_before_joining() -> None:

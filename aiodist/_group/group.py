@@ -25,7 +25,15 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from aiodist._errors import AbortedError, ClosedError, DistError, ErrorCode, GroupBrokenError
+from aiodist._errors import (
+    AbortedError,
+    ArgumentError,
+    ArgumentTypeError,
+    ClosedError,
+    DistError,
+    ErrorCode,
+    GroupBrokenError,
+)
 from aiodist._group.inflight import Deadlines, start_task
 from aiodist._group.lingering import linger
 from aiodist._group.work import Work
@@ -311,7 +319,7 @@ class ProcessGroup:
             ValueError: ``rank`` is not a member of this group.
         """
         if not isinstance(rank, int) or isinstance(rank, bool):
-            raise TypeError(f"{name} must be an int rank, got {type(rank).__name__}")
+            raise ArgumentTypeError(f"{name} must be an int rank, got {type(rank).__name__}")
         if isinstance(self.ranks, range):
             if rank in self.ranks:
                 return self.ranks.index(rank)
@@ -320,10 +328,14 @@ class ProcessGroup:
                 self._index = {r: i for i, r in enumerate(self.ranks)}
             if rank in self._index:
                 return self._index[rank]
-        raise ValueError(
+        raise ArgumentError(
             f"{name}={rank} is not a member of {self!r} (its global ranks: "
             f"{_ranges(self.ranks)}); {name} is a global rank, as in torch.distributed"
         )
+
+    def size(self) -> int:
+        """Number of ranks in the group (torch's ``ProcessGroup.size()``)."""
+        return self.world_size
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from aiodist._errors import DistTimeoutError
@@ -70,6 +71,14 @@ class Work(Generic[T]):
     def completed(cls, value: T, description: str = "completed") -> Work[T]:
         """A handle that is already done with ``value`` (the non-distributed answer)."""
         return cls(None, description, value)
+
+    @classmethod
+    def failed(cls, exc: BaseException, description: str = "failed") -> Work[T]:
+        """A handle that is already done with the error ``exc``."""
+        work: Work[T] = cls(None, description)
+        work._value = None
+        work._error = exc
+        return work
 
     @classmethod
     def pending(cls, loop: asyncio.AbstractEventLoop, description: str) -> Work[T]:
@@ -193,8 +202,56 @@ class Work(Generic[T]):
         assert loop is not None
         self._on_done(lambda w: loop.call_soon(fn, w))
 
-    def wait(self, timeout: float | None = None) -> T:
+    def is_success(self) -> bool:
+        """True once the operation completed without an error (torch's ``Work.is_success``)."""
+        return self._done and self._error is None
+
+    def source_rank(self) -> int:
+        """The sender's global rank of a completed receive (torch's ``Work.source_rank``).
+
+        Raises:
+            RuntimeError: Not a completed receive.
+        """
+        value = self._value if self._done and self._error is None else None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RuntimeError(f"{self.description} is not a completed receive")
+        return value
+
+    def synchronize(self) -> None:
+        """Block until done (torch's ``Work.synchronize``); raises the operation's error."""
+        self.wait()
+
+    def get_future(self) -> Any:
+        """A ``torch.futures.Future`` completed with this operation's tensors (as torch's).
+
+        Its value is a list of the output tensors (``[tensor]`` for an
+        all_reduce, ``[]`` for a barrier, the gathered list for a gather), or
+        the result itself when it holds no tensor; an error completes it with
+        that error. ``.then()`` callbacks run on the thread that completes it
+        (aiodist's loop thread): keep them short.
+        """
+        import torch
+
+        future: Any = torch.futures.Future()
+
+        def settle(work: Work[T]) -> None:
+            if work._error is not None:
+                future.set_exception(work._error)
+            else:
+                future.set_result(_torch_value(work._value))
+
+        if self._done:
+            settle(self)
+        else:
+            assert self._loop is not None
+            loop = self._loop
+            loop.call_soon_threadsafe(self._on_done, settle)
+        return future
+
+    def wait(self, timeout: float | timedelta | None = None) -> T:
         """Block this thread until done and return the result (from any thread but the loop's).
+
+        ``timeout`` is in seconds, or a ``timedelta`` (torch's ``Work.wait``).
 
         Raises:
             RuntimeError: Called on the event loop's own thread (it would deadlock;
@@ -210,6 +267,8 @@ class Work(Generic[T]):
                 f"Work.wait() on the event loop's thread would deadlock; use `await` on "
                 f"{self.description}"
             )
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         if self._done:
             return self.result()
         assert loop is not None
@@ -232,6 +291,17 @@ class Work(Generic[T]):
         done = threading.Event()
         loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(done.set))
         return done.wait(timeout)
+
+
+def _torch_value(value: Any) -> Any:
+    """A result as torch's futures carry it: the output tensors, in a list."""
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return list(value)
+    if type(value).__name__ in ("Tensor", "Parameter"):
+        return [value]
+    return value
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, overload
+
+from aiodist._errors import ArgumentError
+from aiodist._group.session import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
     import asyncio
@@ -22,20 +27,41 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
 
 __all__ = [
+    "Backend",
     "DefaultGroup",
+    "GroupMember",
     "default_group_loop",
+    "default_pg_timeout",
     "get_backend",
+    "get_backend_config",
+    "get_default_backend_for_device",
     "get_default_group",
     "get_dist_info",
+    "get_global_rank",
+    "get_group_rank",
+    "get_local_group",
     "get_local_rank",
     "get_local_size",
+    "get_node_local_rank",
+    "get_pg_count",
+    "get_process_group_ranks",
     "get_rank",
     "get_store",
     "get_world_size",
+    "group",
     "install_default",
+    "install_local_group",
+    "is_available",
+    "is_backend_available",
     "is_distributed",
+    "is_gloo_available",
     "is_initialized",
     "is_main_process",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_torchelastic_launched",
+    "is_ucc_available",
+    "is_xccl_available",
     "master_only",
     "take_default",
 ]
@@ -54,6 +80,49 @@ class DefaultGroup:
 
 
 _default: DefaultGroup | None = None
+_local: ProcessGroup | None = None  # mmengine's local group (init_local_group)
+
+#: torch.distributed's default timeout of a group's operations (aiodist's, as a timedelta).
+default_pg_timeout: Final = timedelta(seconds=DEFAULT_TIMEOUT)
+
+
+class _WorldMeta(type):
+    """Gives ``GroupMember.WORLD`` (and ``group.WORLD``) its live value, as torch's does."""
+
+    @property
+    def WORLD(cls) -> ProcessGroup | None:
+        """The default (world) group; None when not initialised."""
+        return get_default_group()
+
+
+class GroupMember(metaclass=_WorldMeta):
+    """torch.distributed's group constants: ``WORLD`` (live), ``NON_GROUP_MEMBER``."""
+
+    NON_GROUP_MEMBER: Final = -100
+
+
+class group(metaclass=_WorldMeta):
+    """``group.WORLD``: the default (world) group, None when not initialised (as in torch).
+
+    Example:
+        >>> aiodist.get_rank(aiodist.group.WORLD)
+    """
+
+
+class Backend(str):
+    """A backend's name, lower case, with torch.distributed's constants (``Backend.GLOO``)."""
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    UCC = "ucc"
+    MPI = "mpi"
+    XCCL = "xccl"
+
+    def __new__(cls, name: str) -> Backend:
+        if not isinstance(name, str):
+            raise ArgumentError(f"Backend name must be a string, but got: {name!r}")
+        return super().__new__(cls, name.lower())
 
 
 def install_default(default: DefaultGroup) -> None:
@@ -68,9 +137,16 @@ def install_default(default: DefaultGroup) -> None:
 
 def take_default() -> DefaultGroup | None:
     """Forget the default group and return it (``destroy_process_group`` tears it down)."""
-    global _default
+    global _default, _local
     default, _default = _default, None
+    _local = None  # a subgroup of it
     return default
+
+
+def install_local_group(local: ProcessGroup) -> None:
+    """Make ``local`` mmengine's local group (``init_local_group`` calls this once)."""
+    global _local
+    _local = local
 
 
 def default_group_loop() -> asyncio.AbstractEventLoop | None:
@@ -104,9 +180,14 @@ def get_rank(group: ProcessGroup | None = None) -> int:
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
-    """Number of ranks in ``group`` (default: world); 1 when not initialised."""
+    """Number of ranks in ``group`` (default: world); 1 when not initialised.
+
+    -1 on a process outside ``group``, as torch.distributed answers.
+    """
     g = _group(group)
-    return 1 if g is None else g.world_size
+    if g is None:
+        return 1
+    return g.world_size if g.rank >= 0 else -1
 
 
 def get_backend(group: ProcessGroup | None = None) -> str | None:
@@ -115,16 +196,188 @@ def get_backend(group: ProcessGroup | None = None) -> str | None:
     return None if g is None else g.backend
 
 
-def get_local_rank() -> int:
-    """This process's rank among the ranks of its host; 0 when not initialised."""
+def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+    """The rank in ``group`` of global rank ``global_rank`` (torch.distributed's query).
+
+    Raises:
+        ValueError: ``group`` is None, or ``global_rank`` is not a member of it.
+    """
+    g = _registered(group)
+    if g is get_default_group():
+        return global_rank  # torch answers the world group without checking
+    return g.group_rank_of(global_rank, "global_rank")
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (torch.distributed's query).
+
+    Raises:
+        ValueError: ``group`` is None, or it has no rank ``group_rank``.
+    """
+    g = _registered(group)
+    if g is get_default_group():
+        return group_rank
+    if not isinstance(group_rank, int) or not 0 <= group_rank < g.world_size:
+        raise ArgumentError(f"Group rank {group_rank} is not part of group {g!r}")
+    return g.global_rank(group_rank)
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group rank order (None: the world).
+
+    Raises:
+        ValueError: Not initialised.
+    """
+    g = _group(group)
+    if g is None:
+        raise ArgumentError(
+            "Default process group has not been initialized, call init_process_group"
+        )
+    return list(g.ranks)
+
+
+def _registered(group: ProcessGroup | None) -> ProcessGroup:
+    if group is None:
+        raise ArgumentError(
+            "Group None is not registered, please create group with new_group (or pass group.WORLD)"
+        )
+    return group
+
+
+def get_pg_count() -> int:
+    """How many process groups this process has (the default one too); 0 when not initialised."""
     g = get_default_group()
-    return 0 if g is None else g.session.local_rank
+    return 0 if g is None else len(g.session.groups)
+
+
+def get_backend_config(group: ProcessGroup | None = None) -> str:
+    """Which backend carries each device's tensors, as ``"cpu:gloo,cuda:aiodist"``.
+
+    ``aiodist`` is aiodist's own data plane (CUDA tensors staged through host
+    memory); ``gloo``/``nccl`` the torch bridge.
+
+    Raises:
+        ValueError: Not initialised.
+    """
+    g = _group(group)
+    if g is None:
+        raise ArgumentError(
+            "Default process group has not been initialized, call init_process_group"
+        )
+    devices = dict.fromkeys(("cpu", "cuda"), "aiodist")
+    carried = getattr(g.bridge, "devices", None)
+    if isinstance(carried, dict):
+        devices.update(carried)
+    return ",".join(f"{device}:{name}" for device, name in devices.items())
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """torch.distributed's default backend for ``device`` (``"cpu"`` -> ``"gloo"``, ...)."""
+    import torch.distributed as dist
+
+    return str(dist.get_default_backend_for_device(device))
+
+
+def is_available() -> bool:
+    """True: aiodist is always available (``torch.distributed.is_available``)."""
+    return True
+
+
+def is_gloo_available() -> bool:
+    """True if torch was built with gloo (the torch bridge's CPU backend)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_gloo_available())
+
+
+def is_nccl_available() -> bool:
+    """True if torch was built with NCCL (the torch bridge's CUDA backend)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_nccl_available())
+
+
+def is_mpi_available() -> bool:
+    """True if torch was built with MPI (aiodist never bridges it)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_mpi_available())
+
+
+def is_ucc_available() -> bool:
+    """True if torch was built with UCC (aiodist never bridges it)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_ucc_available())
+
+
+def is_xccl_available() -> bool:
+    """True if torch was built with XCCL (aiodist never bridges it)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_xccl_available())
+
+
+def is_backend_available(backend: str) -> bool:
+    """True if torch was built with ``backend``."""
+    import torch.distributed as dist
+
+    return bool(dist.is_backend_available(backend))
+
+
+def is_torchelastic_launched() -> bool:
+    """True if this process was started by torchelastic (``TORCHELASTIC_RUN_ID`` is set)."""
+    return os.getenv("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """``$LOCAL_RANK``, else ``fallback_rank`` (torch.distributed's query).
+
+    Raises:
+        RuntimeError: Neither is there.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment; pass fallback_rank to run without a launcher"
+    )
+
+
+def get_local_group() -> ProcessGroup | None:
+    """mmengine's local group (the ranks of this host); None when not initialised.
+
+    Raises:
+        RuntimeError: Initialised, but ``init_local_group`` was not called.
+    """
+    if get_default_group() is None:
+        return None
+    if _local is None:
+        raise RuntimeError(
+            "Local process group is not created, please use `init_local_group` to set it up"
+        )
+    return _local
+
+
+def get_local_rank() -> int:
+    """This process's rank among the ranks of its host; 0 when not initialised.
+
+    Its rank in the local group once ``init_local_group`` made one (as mmengine);
+    before that, from the hosts the ranks joined from (mmengine raises there).
+    """
+    g = get_default_group()
+    if g is None:
+        return 0
+    return _local.rank if _local is not None else g.session.local_rank
 
 
 def get_local_size() -> int:
-    """Number of ranks on this host; 1 when not initialised."""
+    """Number of ranks on this host; 1 when not initialised (see ``get_local_rank``)."""
     g = get_default_group()
-    return 1 if g is None else g.session.local_size
+    if g is None:
+        return 1
+    return _local.world_size if _local is not None else g.session.local_size
 
 
 def get_dist_info(group: ProcessGroup | None = None) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aiodist._control.store import as_seconds
+from aiodist._errors import ArgumentError
 from aiodist._group.join import open_process_group, run_close_hooks
 from aiodist._group.lingering import LingeringTask
 from aiodist._group.session import CLOSE_GRACE, DEFAULT_TIMEOUT
@@ -48,11 +49,14 @@ __all__ = ["destroy_process_group", "init_dist", "init_process_group"]
 async def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
-    *,
+    timeout: float | timedelta | None = None,
     world_size: int = -1,
     rank: int = -1,
+    store: Any = None,
     group_name: str = "",
-    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    pg_options: Any = None,
+    device_id: Any = None,
+    *,
     heartbeat_interval: float | None = None,
     heartbeat_timeout: float | None = None,
     hostname: str | None = None,
@@ -70,7 +74,12 @@ async def init_process_group(
             the ranks of each host contiguous.
         group_name: The job's name on a shared server.
         timeout: Seconds (or a ``timedelta``) to wait for the job to form, and the
-            default timeout of every operation.
+            default timeout of every operation (30 minutes if None, as torch's).
+        store: torch's own store; aiodist meets through its own server instead
+            (pass ``init_method``), so only None is accepted.
+        pg_options: torch's backend options; accepted and not used.
+        device_id: A CUDA device (or its index) for this rank; with NCCL the bridge
+            uses it instead of the rank's local rank.
         heartbeat_interval: Seconds between heartbeats.
         heartbeat_timeout: Silence after which a rank is declared failed.
         hostname: The host this rank counts as when computing local ranks.
@@ -96,6 +105,11 @@ async def init_process_group(
     if is_initialized():
         raise RuntimeError(
             "the default process group is already initialised; call destroy_process_group() first"
+        )
+    if store is not None:
+        raise ArgumentError(
+            "aiodist's ranks meet through its own rendezvous server, not a torch Store: "
+            "pass init_method ('tcp://HOST:PORT', 'env://' or 'file:///path') instead of store"
         )
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
     devices = parse_backend(backend)  # before joining: NCCL without CUDA fails here
@@ -151,25 +165,33 @@ async def init_process_group(
     if devices is not None:
         assert backend is not None
         try:
-            await bring_up(group, backend, devices)
+            await bring_up(group, backend, devices, device_id=device_id)
         except BaseException:
             await destroy_process_group()
             raise
 
 
-async def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> None:
+async def init_dist(
+    launcher: str, backend: str | None = None, init_backend: str = "torch", **kwargs: Any
+) -> None:
     """Initialise from a launcher's environment, as ``mmengine.dist.init_dist`` does.
 
     Args:
         launcher: ``"pytorch"`` (torchrun, ``aiodist run``), ``"slurm"`` or ``"mpi"``;
             see ``infer_launcher``.
-        backend: As for ``init_process_group``.
-        **kwargs: ``port`` (Slurm) and any ``init_process_group`` keyword.
+        backend: As for ``init_process_group`` (mmengine's default is ``"nccl"``;
+            aiodist's is its own data plane, which carries CUDA tensors too).
+        init_backend: mmengine's ``"torch"``; DeepSpeed's and ColossalAI's
+            initialisation are not aiodist's to run.
+        **kwargs: ``port`` (Slurm) and any ``init_process_group`` keyword
+            (``timeout`` in seconds, as mmengine takes it).
 
     Raises:
-        ValueError: An unknown launcher.
+        ValueError: An unknown launcher or ``init_backend``.
         RendezvousError: The launcher's environment lacks a variable it needs.
     """
+    if init_backend != "torch":
+        raise ArgumentError(f'supported "init_backend" is "torch", but got {init_backend}')
     port = kwargs.pop("port", None)
     num_gpus = 0
     if launcher == "slurm" and "SLURM_LOCALID" not in os.environ:

@@ -12,6 +12,7 @@ when they are copied out; a sync's records (``Rows``) are decoded on first read.
 from __future__ import annotations
 
 from array import array
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import CollectiveMismatchError, DistError
@@ -205,12 +206,14 @@ class BoardWork(Work[MetricResults]):
         self._materialize()
         return super().exception()
 
-    def wait(self, timeout: float | None = None) -> MetricResults:
+    def wait(self, timeout: float | timedelta | None = None) -> MetricResults:
         """Block until done; callbacks of syncs that finished before this one have run.
 
         A sync this thread found complete is done before the loop has run the
         callbacks of the syncs before it: the loop gets one turn to deliver them.
         """
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         loop = self._loop
         assert loop is not None
         if not self._done:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from aiodist._errors import CollectiveMismatchError
+from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
 from aiodist._group.inflight import fail
 from aiodist._group.lingering import linger
 from aiodist._group.world import get_default_group
-from aiodist._ops import schedules
+from aiodist._ops import schedules, staging
 from aiodist._plane.peers import COLLECTIVE
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "agreed",
     "bridged",
     "byte_view",
+    "chain",
     "check_alike",
     "check_rank",
     "check_signature",
@@ -47,9 +49,11 @@ __all__ = [
     "copy_into",
     "divide_",
     "exchange_all",
+    "outside",
     "recv",
     "recv_tensor",
     "resolve_group",
+    "root_of",
     "send",
     "signature",
 ]
@@ -62,6 +66,9 @@ __all__ = [
 READY_STEP: Final = 1 << 18
 
 T = TypeVar("T")
+R = TypeVar("R")
+
+logger = logging.getLogger(__name__)
 
 _AGREE_STEP = 1 << 20  # steps of the root-agreement check, apart from the data's steps
 
@@ -117,14 +124,89 @@ class Slot:
         self.g = g
         self.description = description
         self.torch = torch
-        self.seq = 0 if g is None else g.take_seq()
+        # A process outside ``g`` takes no place: torch.distributed skips the call there.
+        self.seq = 0 if g is None or g.rank < 0 else g.take_seq()
 
     def __enter__(self) -> int:
         return self.seq
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None and self.g is not None:
+        if exc is not None and self.g is not None and self.seq:
             self.g.abort(self.seq, self.description, exc, torch=self.torch)
+
+
+def outside(g: ProcessGroup | None) -> bool:
+    """True on a process that is not a member of ``g``.
+
+    There, as in torch.distributed, a collective does nothing: it returns at
+    once with its tensors untouched (torch warns; aiodist logs at debug level).
+    """
+    if g is None or g.rank >= 0:
+        return False
+    logger.debug("skipping a collective of %r on a process outside it", g)
+    return True
+
+
+def chain(work: Work[T], fn: Callable[[T], R], description: str | None = None) -> Work[R]:
+    """A handle that resolves to ``fn(result of work)`` once ``work`` is done (on its loop).
+
+    Takes no place in any order: for calls whose one operation is ``work``
+    (a torch-form call that copies a result into the caller's tensors).
+    """
+    from aiodist._group.work import Work
+
+    name = description or work.description
+    if work.is_completed():
+        try:
+            return Work.completed(fn(work.result()), name)
+        except Exception as exc:
+            return Work.failed(exc, name)
+    loop = work._loop
+    assert loop is not None
+    out: Work[R] = Work.pending(loop, name)
+
+    def done(w: Work[T]) -> None:
+        try:
+            value = fn(w.result())
+        except BaseException as exc:
+            out._set_exception(exc)
+        else:
+            out._set_result(value)
+
+    work._on_done(done)
+    return out
+
+
+def root_of(g: ProcessGroup | None, root: object, group_root: object, name: str) -> int:
+    """The group rank that ``name`` (a global rank) or ``group_name`` (a group rank) names.
+
+    torch.distributed's convention: ``src``/``dst`` are global ranks, and
+    ``group_src``/``group_dst`` the same rank counted within the group; one of them.
+
+    Raises:
+        ValueError: Neither or both given, or not a member of ``g``.
+        TypeError: Not an int.
+    """
+    size = 1 if g is None else g.world_size
+    if root is not None and group_root is not None:
+        raise ArgumentError(f"Can not specify both {name} and group_{name}")
+    if group_root is not None:
+        if not isinstance(group_root, int) or isinstance(group_root, bool):
+            raise ArgumentTypeError(
+                f"group_{name} must be an int rank, got {type(group_root).__name__}"
+            )
+        if not 0 <= group_root < size:
+            raise ArgumentError(f"group_{name}={group_root} is not a rank of a group of {size}")
+        return group_root
+    if root is None:
+        raise ArgumentError(f"Must specify {name} or group_{name}")
+    if g is None:
+        if not isinstance(root, int) or isinstance(root, bool):
+            raise ArgumentTypeError(f"{name} must be an int rank, got {type(root).__name__}")
+        if root != 0:
+            raise ArgumentError(f"{name} must be 0 when not initialised (world size 1), got {root}")
+        return 0
+    return g.group_rank_of(root, name)
 
 
 def bridged(group: ProcessGroup | None, name: str, *args: Any) -> Work[Any] | None:
@@ -146,18 +228,23 @@ def bridged(group: ProcessGroup | None, name: str, *args: Any) -> Work[Any] | No
 
 
 def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
-    """Return ``tensor`` if it is a CPU tensor, else raise ``TypeError``/``ValueError``."""
+    """Return ``tensor`` if the data plane can carry it, else raise ``TypeError``/``ValueError``.
+
+    CPU tensors travel as they are; CUDA tensors are staged through host
+    memory (``staging``). A sparse tensor is refused.
+    """
     import torch
 
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(
-            f"{name} is on {tensor.device}; aiodist's data plane carries CPU tensors. "
-            "Initialise with backend='nccl' to bridge CUDA tensors to torch.distributed"
+        raise ArgumentTypeError(
+            f"Invalid function argument: {name} must be a torch.Tensor, got {type(tensor).__name__}"
+        )
+    if tensor.device.type != "cpu" and not staging.on_device(tensor):
+        raise ArgumentError(
+            f"{name} is on {tensor.device}; aiodist's data plane carries CPU and CUDA tensors"
         )
     if tensor.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
+        raise ArgumentError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
     return tensor
 
 
@@ -349,12 +436,12 @@ def check_rank(g: ProcessGroup, rank: object, name: str) -> int:
 
 
 def check_tensor_list(tensors: object, name: str, length: int | None) -> list[torch.Tensor]:
-    """Check ``tensors`` is a list of CPU tensors (of ``length``, unless None)."""
+    """Check ``tensors`` is a list of tensors (of ``length``, unless None)."""
     if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
     out = [check_tensor(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
     if length is not None and len(out) != length:
-        raise ValueError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
+        raise ArgumentError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
     return out
 
 
@@ -363,7 +450,7 @@ def check_alike(tensors: list[torch.Tensor], name: str) -> None:
     first = tensors[0]
     for i, x in enumerate(tensors):
         if x.dtype != first.dtype or x.shape != first.shape:
-            raise ValueError(f"{name}[{i}] differs from {name}[0] in dtype or shape")
+            raise ArgumentError(f"{name}[{i}] differs from {name}[0] in dtype or shape")
 
 
 def recv_tensor(
@@ -437,13 +524,26 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def divide_(t: torch.Tensor, divisor: int) -> None:
-    """``t.div_(divisor)`` in slices below torch's parallel grain (see ``SLICE_NUMEL``)."""
+    """``t /= divisor`` in slices below torch's parallel grain (see ``SLICE_NUMEL``).
+
+    Floating tensors are divided in place; integer and bool ones get
+    ``true_divide``'s result copied back (truncated), as mmengine's ``op='mean'`` does.
+    """
     if t.numel() <= SLICE_NUMEL or not t.is_contiguous():
-        t.div_(divisor)
+        _divide(t, divisor)
         return
     flat = t.view(-1)
     for start in range(0, flat.numel(), SLICE_NUMEL):
-        flat[start : start + SLICE_NUMEL].div_(divisor)
+        _divide(flat[start : start + SLICE_NUMEL], divisor)
+
+
+def _divide(t: torch.Tensor, divisor: int) -> None:
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.div_(divisor)
+    else:
+        import torch
+
+        t.copy_(torch.true_divide(t, divisor))
 
 
 async def clear_to_send(g: ProcessGroup, seq: int, mine: list[Any]) -> asyncio.Future[Received]:

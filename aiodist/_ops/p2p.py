@@ -18,11 +18,14 @@ still takes (and drops) the message it would have matched.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
-from aiodist._errors import CollectiveMismatchError
+from aiodist._errors import ArgumentError, CollectiveMismatchError
 from aiodist._group.inflight import fail, start_task
-from aiodist._ops.common import byte_view, check_tensor, resolve_group
+from aiodist._group.work import Work
+from aiodist._ops import staging
+from aiodist._ops.common import byte_view, check_tensor, outside, resolve_group
 from aiodist._plane.peers import OBJECT_P2P, P2P
 from aiodist._wire import codec
 
@@ -30,11 +33,22 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import ProcessGroup
-    from aiodist._group.work import Work
     from aiodist._plane.peers import Key, Received
     from aiodist._wire.frame import Buffer
 
-__all__ = ["irecv", "irecv_object", "isend", "isend_object", "recv", "send"]
+__all__ = [
+    "P2POp",
+    "batch_isend_irecv",
+    "irecv",
+    "irecv_object",
+    "isend",
+    "isend_object",
+    "peer_of",
+    "receive_object",
+    "recv",
+    "send",
+    "send_object",
+]
 
 
 def _p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
@@ -44,12 +58,44 @@ def _p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
     return g
 
 
-def _check_peer(g: ProcessGroup, peer: int | None, name: str, tag: int) -> None:
-    # Peers are global ranks that must belong to the group, as in torch.distributed.
-    if peer is not None:
-        g.group_rank_of(peer, name)
-    if not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag must be an int >= 0, got {tag!r}")
+def peer_of(
+    g: ProcessGroup, peer: int | None, group_peer: int | None, name: str, tag: int = 0
+) -> int:
+    """The global rank named by ``peer`` (global) or ``group_peer`` (a rank of ``g``)."""
+    _check_tag(tag)
+    if peer is not None and group_peer is not None:
+        raise ArgumentError(f"Can not specify both {name} and group_{name}")
+    if group_peer is not None:
+        if not isinstance(group_peer, int) or not 0 <= group_peer < g.world_size:
+            raise ArgumentError(f"group_{name}={group_peer!r} is not a rank of {g!r}")
+        return g.global_rank(group_peer)
+    if peer is None:
+        raise ArgumentError(f"Must specify {name} or group_{name}")
+    g.group_rank_of(peer, name)  # a member, as in torch.distributed
+    return peer
+
+
+def _any_peer(
+    g: ProcessGroup, peer: int | None, group_peer: int | None, name: str, tag: int
+) -> int | None:
+    """As ``_peer``, but None (both None) means any rank."""
+    if peer is None and group_peer is None:
+        _check_tag(tag)
+        return None
+    return peer_of(g, peer, group_peer, name, tag)
+
+
+def _check_tag(tag: object) -> None:
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+        raise ArgumentError(f"tag must be an int >= 0, got {tag!r}")
+
+
+def _not_self(g: ProcessGroup, dst: int) -> None:
+    if dst == g.session.rank:
+        raise ArgumentError(
+            "Invalid destination rank: destination rank should not be the same as the rank "
+            "of the current process."
+        )
 
 
 def _meta(t: torch.Tensor) -> list[Any]:
@@ -58,7 +104,7 @@ def _meta(t: torch.Tensor) -> list[Any]:
 
 def _abort_send(g: ProcessGroup, dst: int, key: Key, description: str, exc: BaseException) -> None:
     # The message will never come: send what fails its receive in its place.
-    if g.error is None and not g.closed and g.rank >= 0:
+    if g.error is None and not g.closed and g.rank >= 0 and dst != g.session.rank:
         reason = f"{type(exc).__name__}: {exc}"
         g.session.plane.send_abort(dst, key, [g.session.rank, reason, description])
 
@@ -73,16 +119,28 @@ def _dropped(msg: Received | BaseException) -> None:
     pass
 
 
+# Sends still being staged from a device, per (group, destination, key): a later send
+# to the same place waits for them, so messages are matched in call order.
+_staging_sends: dict[tuple[int, int, Key], asyncio.Future[None]] = {}
+
+
 def isend(
-    tensor: torch.Tensor, dst: int, tag: int = 0, group: ProcessGroup | None = None
+    tensor: torch.Tensor,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_dst: int | None = None,
 ) -> Work[None]:
     """Start sending ``tensor`` to rank ``dst``.
 
     Args:
-        tensor: A CPU tensor; do not modify it until the send completes.
+        tensor: A dense tensor; do not modify it until the send completes. A CUDA
+            tensor is copied to host memory after the work queued on the caller's
+            current stream.
         dst: Global rank of the destination, a member of ``group`` (as in torch).
-        tag: Matches the receive's tag.
         group: Defaults to the world group.
+        tag: Matches the receive's tag.
+        group_dst: ``dst`` as a rank of ``group``.
 
     Returns:
         Work that completes once ``tensor``'s memory may be reused. A small tensor
@@ -93,6 +151,9 @@ def isend(
         waits until the group's timeout: start the send, do the rest, await it
         later, or post the receive first.
 
+    Raises:
+        ValueError: ``dst`` is this rank, not a member, or missing.
+
     Cancellation:
         Cancelling the awaiting task does not cancel the send.
 
@@ -100,14 +161,20 @@ def isend(
         >>> await aiodist.isend(torch.ones(4), dst=1)
     """
     g = _p2p_group(group, "isend")
-    _check_peer(g, dst, "dst", tag)
+    if outside(g):
+        return Work.completed(None)
+    dst = peer_of(g, dst, group_dst, "dst", tag)
     description, key = f"isend(dst={dst}, tag={tag})", (P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
-        src = t if t.is_contiguous() else t.contiguous()
+        _not_self(g, dst)
+        device = staging.device_of(t)
+        src = t if device is not None or t.is_contiguous() else t.contiguous()
     except BaseException as exc:
         _abort_send(g, dst, key, description, exc)
         raise
+    if device is not None:
+        return _staged_send(g, description, dst, key, src)
     return _send(g, description, dst, key, _meta(src), byte_view(src))
 
 
@@ -117,6 +184,15 @@ def _send(
     # Most sends are handed to the kernel right here: the handle is done at once, with
     # no task and no timer. The rest (a first connection, a full socket) finish in a task.
     loop, work, _ = g.begin(description, collective=False, timed=False)
+    before = _staging_sends.get((g.group_id, dst, key))
+    if before is not None and not before.done():
+
+        async def after_staged(_seq: int) -> None:
+            await before
+            await g.session.plane.send(dst, key, meta, payload)
+
+        start_task(g, loop, work, after_staged, 0, False)
+        return work
     rest = g.session.plane.send_now(dst, key, meta, payload)
     if rest is None:
         work._set_result(None)
@@ -125,13 +201,50 @@ def _send(
     return work
 
 
+def _staged_send(
+    g: ProcessGroup, description: str, dst: int, key: Key, t: torch.Tensor
+) -> Work[None]:
+    """Send device tensor ``t`` once its host copy is ready, before any later send there."""
+    loop, work, _ = g.begin(description, collective=False, timed=False)
+    place = (g.group_id, dst, key)
+    before = _staging_sends.get(place)
+    issued: asyncio.Future[None] = loop.create_future()
+    _staging_sends[place] = issued
+    hosts, copied = staging.copy_out([t])
+
+    async def run(_seq: int) -> None:
+        try:
+            if before is not None:
+                await asyncio.shield(before)
+            try:
+                await copied
+            except BaseException as exc:
+                _abort_send(g, dst, key, description, exc)
+                raise
+            host = hosts[0]
+            sending = g.session.plane.send(dst, key, _meta(host), byte_view(host))
+        finally:
+            if not issued.done():
+                issued.set_result(None)
+            if _staging_sends.get(place) is issued:
+                del _staging_sends[place]
+        await sending
+
+    start_task(g, loop, work, run, 0, False)
+    return work
+
+
 def irecv(
     tensor: torch.Tensor,
     src: int | None = None,
-    tag: int = 0,
     group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_src: int | None = None,
 ) -> Work[int]:
     """Start receiving into ``tensor`` from rank ``src`` (any rank when None).
+
+    A CUDA ``tensor`` receives into a host buffer, then is copied on the
+    caller's current stream; the handle completes once the data is on the device.
 
     Returns:
         Work resolving to the sender's global rank (as torch's ``recv`` returns).
@@ -143,7 +256,9 @@ def irecv(
         Cancelling the awaiting task does not cancel the receive.
     """
     g = _p2p_group(group, "irecv")
-    _check_peer(g, src, "src", tag)
+    if outside(g):
+        return Work.completed(-1)
+    src = _any_peer(g, src, group_src, "src", tag)
     key = (P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
@@ -151,7 +266,13 @@ def irecv(
         _drop_next(g, src, key)
         raise
     _, work, _ = g.begin(f"irecv(src={src}, tag={tag})", collective=False)
-    dest = t if t.is_contiguous() else t.contiguous()
+    device = staging.device_of(t)
+    if device is not None:
+        dest = staging.host_buffer(t)
+        back = staging.copy_back_later(t)
+    else:
+        dest = t if t.is_contiguous() else t.contiguous()
+        back = None
     mine = _meta(dest)
 
     def arrived(msg: Received | BaseException) -> None:
@@ -169,6 +290,9 @@ def irecv(
                     field=field,
                     values_by_rank={g.session.rank: mine[index], sender: msg.meta[index]},
                 )
+            if back is not None:
+                back(dest, lambda error: _received(g, work, sender, error))
+                return
             if dest is not t:
                 t.copy_(dest)
         except Exception as exc:
@@ -180,25 +304,37 @@ def irecv(
     return work
 
 
+def _received(g: ProcessGroup, work: Work[int], sender: int, error: BaseException | None) -> None:
+    if error is not None:
+        fail(g, work, error, collective=False)
+    else:
+        work._set_result(sender)
+
+
 async def send(
-    tensor: torch.Tensor, dst: int, tag: int = 0, group: ProcessGroup | None = None
+    tensor: torch.Tensor,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_dst: int | None = None,
 ) -> None:
     """Send ``tensor`` to ``dst`` and wait until its memory may be reused (see ``isend``)."""
-    await isend(tensor, dst, tag, group)
+    await isend(tensor, dst, group, tag, group_dst)
 
 
 async def recv(
     tensor: torch.Tensor,
     src: int | None = None,
-    tag: int = 0,
     group: ProcessGroup | None = None,
+    tag: int = 0,
+    group_src: int | None = None,
 ) -> int:
     """Receive into ``tensor``; return the sender's rank (see ``irecv``)."""
-    return await irecv(tensor, src, tag, group)
+    return await irecv(tensor, src, group, tag, group_src)
 
 
 def isend_object(
-    obj: object, dst: int, tag: int = 0, group: ProcessGroup | None = None
+    obj: object, dst: int, group: ProcessGroup | None = None, tag: int = 0
 ) -> Work[None]:
     """Start sending a Python object to rank ``dst`` (msgpack when plain, else pickle).
 
@@ -206,7 +342,12 @@ def isend_object(
         >>> await aiodist.isend_object({"step": 3}, dst=1)
     """
     g = _p2p_group(group, "isend_object")
-    _check_peer(g, dst, "dst", tag)
+    dst = peer_of(g, dst, None, "dst", tag)
+    return send_object(g, dst, tag, obj)
+
+
+def send_object(g: ProcessGroup, dst: int, tag: int, obj: object) -> Work[None]:
+    """Send ``obj`` to global rank ``dst`` with ``tag`` (checked; negative tags are aiodist's)."""
     description, key = f"isend_object(dst={dst}, tag={tag})", (OBJECT_P2P, g.group_id, tag, 0)
     try:
         data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
@@ -217,7 +358,7 @@ def isend_object(
 
 
 def irecv_object(
-    src: int | None = None, tag: int = 0, group: ProcessGroup | None = None
+    src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
 ) -> Work[Any]:
     """Start receiving a Python object from ``src`` (any rank when None).
 
@@ -225,7 +366,12 @@ def irecv_object(
         Work resolving to the object.
     """
     g = _p2p_group(group, "irecv_object")
-    _check_peer(g, src, "src", tag)
+    src = _any_peer(g, src, None, "src", tag)
+    return receive_object(g, src, tag, with_sender=False)
+
+
+def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool) -> Work[Any]:
+    """Receive an object from ``src`` (None: any) with ``tag``; ``(obj, sender)`` if asked."""
     _, work, _ = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
 
     def arrived(msg: Received | BaseException) -> None:
@@ -236,7 +382,75 @@ def irecv_object(
         except Exception as exc:
             fail(g, work, exc, collective=False)
         else:
-            work._set_result(obj)
+            work._set_result((obj, msg.src) if with_sender else obj)
 
     g.session.plane.post(src, (OBJECT_P2P, g.group_id, tag, 0), None, arrived)
     return work
+
+
+class P2POp:
+    """One point-to-point operation for ``batch_isend_irecv`` (torch's ``P2POp``).
+
+    Args:
+        op: ``isend`` or ``irecv`` (aiodist's, aiodist.sync's or torch.distributed's).
+        tensor: The tensor to send or receive into.
+        peer: The other side's global rank.
+        group: Defaults to the world group.
+        tag: Matches sends with receives.
+        group_peer: ``peer`` as a rank of ``group``.
+
+    Example:
+        >>> ops = [P2POp(aiodist.isend, t, 1), P2POp(aiodist.irecv, r, 1)]
+    """
+
+    def __init__(
+        self,
+        op: Any,
+        tensor: torch.Tensor,
+        peer: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
+        name = getattr(op, "__name__", None)
+        if name not in ("isend", "irecv"):
+            raise ArgumentError(
+                "Invalid ``op``. Expected ``op`` to be of type ``isend`` or ``irecv``."
+            )
+        self.op = name
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
+    """Start every send and receive of ``p2p_op_list``, in order; return their handles.
+
+    As torch's ``batch_isend_irecv``: each operation is started as its
+    ``isend``/``irecv`` would be, in list order, so pairs match in that order.
+
+    Raises:
+        ValueError: An empty list, something that is not a ``P2POp``, or
+            operations on different groups.
+
+    Example:
+        >>> for w in aiodist.batch_isend_irecv(ops): await w
+    """
+    if not isinstance(p2p_op_list, list | tuple) or not p2p_op_list:
+        raise ArgumentError("batch_isend_irecv expects a non-empty list of P2POp")
+    if not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ArgumentError("Invalid ``p2p_op_list``. Each op is expected to be a P2POp.")
+    if len({id(resolve_group(p.group)) for p in p2p_op_list}) > 1:
+        raise ArgumentError("All ops need to use the same group.")
+    works: list[Work[Any]] = []
+    for p in p2p_op_list:
+        if p.op == "isend":
+            works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+        else:
+            works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
+    return works

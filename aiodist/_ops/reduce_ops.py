@@ -7,8 +7,10 @@ way everywhere.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Final
 
+from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._ops.common import SLICE_NUMEL, LazyModule
 
 if TYPE_CHECKING:
@@ -16,10 +18,43 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = ["ALIASES", "OPS", "check_op_dtype", "combine", "reduce_op"]
+__all__ = [
+    "ALIASES",
+    "OPS",
+    "ReduceOp",
+    "check_op_dtype",
+    "combine",
+    "reduce_op",
+    "supports_complex",
+]
 
 OPS: Final = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
 ALIASES: Final = {"prod": "product", "avg": "mean", "average": "mean"}
+# torch.distributed refuses these on complex tensors (``supports_complex``).
+_NOT_COMPLEX: Final = ("product", "min", "max", "band", "bor", "bxor")
+
+
+class ReduceOp(enum.StrEnum):
+    """The reduce ops, under torch.distributed's names (``ReduceOp.SUM``, ``ReduceOp.AVG``).
+
+    Members are strings, so mmengine-style code that passes or compares
+    ``"sum"``/``"mean"`` works with them too (``ReduceOp.AVG == "mean"``).
+    Every operation also accepts torch's own ``torch.distributed.ReduceOp``.
+    """
+
+    SUM = "sum"
+    AVG = "mean"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+
+def supports_complex(reduceOp: object) -> bool:
+    """True if ``reduceOp`` may reduce complex tensors, as torch.distributed decides."""
+    return reduce_op(reduceOp) not in _NOT_COMPLEX
 
 
 def reduce_op(op: object) -> str:
@@ -37,16 +72,49 @@ def reduce_op(op: object) -> str:
     key = name.rsplit(".", 1)[-1].lower()
     key = ALIASES.get(key, key)
     if key not in OPS:
-        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(OPS)}")
+        raise ArgumentError(f"unsupported reduce op {op!r}; use one of {', '.join(OPS)}")
     return key
 
 
 def check_op_dtype(op: str, dtype: torch.dtype) -> None:
-    """Raise ``TypeError`` if reduce op ``op`` (canonical) does not suit ``dtype``."""
-    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"op 'mean' needs a floating-point tensor, got {dtype}")
-    if op in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
+    """Raise as torch.distributed does if reduce op ``op`` (canonical) does not suit ``dtype``.
+
+    ``mean`` suits every dtype: on integers it is mmengine's (sum, true divide,
+    copy back, so truncated), on bool a logical or.
+
+    Raises:
+        ArgumentTypeError: A bitwise op on a floating-point or complex tensor.
+        ArgumentError: An op torch refuses on complex tensors (``supports_complex``).
+    """
+    if dtype.is_complex and op in _NOT_COMPLEX:
+        raise ArgumentError(f"op {op!r} does not support complex tensors (got {dtype})")
+    if op in ("band", "bor", "bxor") and dtype.is_floating_point:
+        raise ArgumentTypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
+    if not _computable(op, dtype):
+        raise ArgumentTypeError(
+            f"op {op!r} cannot reduce {dtype} tensors: torch has no CPU kernel for it"
+        )
+
+
+_computable_cache: dict[tuple[str, object], bool] = {}
+
+
+def _computable(op: str, dtype: torch.dtype) -> bool:
+    """Whether torch's CPU kernels compute ``op`` on ``dtype`` (unsigned 16-64 bit ints
+    and float8 lack most): tried once on one element, then remembered."""
+    key = (op, dtype)
+    known = _computable_cache.get(key)
+    if known is None:
+        a = torch.ones(1, dtype=dtype)
+        try:
+            _kernel(op, a, a, a)
+            if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+                torch.true_divide(a, 2)
+            known = True
+        except (NotImplementedError, RuntimeError, TypeError):
+            known = False
+        _computable_cache[key] = known
+    return known
 
 
 def _kernel(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aiodist._errors import ArgumentError
+from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
-from aiodist._ops import reduce_ops, schedules, shared
+from aiodist._ops import reduce_ops, schedules, shared, staging
 from aiodist._ops.common import (
     LazyModule,
     Slot,
     agreed,
     bridged,
     byte_view,
+    chain,
     check_alike,
-    check_rank,
     check_signature,
     check_tensor,
     check_tensor_list,
@@ -29,8 +31,10 @@ from aiodist._ops.common import (
     copy_into,
     divide_,
     exchange_all,
+    outside,
     recv_tensor,
     resolve_group,
+    root_of,
     send,
     signature,
 )
@@ -38,13 +42,20 @@ from aiodist._ops.outputs import new_outputs
 
 if TYPE_CHECKING:
     import torch
+
+    from aiodist._ops.reduce_ops import ReduceOp
 else:
     torch = LazyModule("torch")
 
-if TYPE_CHECKING:
-    from aiodist._group.group import ProcessGroup
-
-__all__ = ["all_reduce", "reduce", "reduce_scatter", "start_all_reduce"]
+__all__ = [
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "slices",
+    "start_all_reduce",
+    "start_reduce_scatter",
+]
 
 _FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
 # --- all_reduce ----------------------------------------------------------------------------
@@ -173,9 +184,12 @@ async def _socket_all_reduce(
 
 
 def all_reduce(
-    data: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None
+    tensor: torch.Tensor,
+    op: str | ReduceOp = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work[torch.Tensor]:
-    """Reduce ``data`` across all ranks, in place: every rank ends with the same result.
+    """Reduce ``tensor`` across all ranks, in place: every rank ends with the same result.
 
     Small tensors (up to 16 KiB, in groups of up to 8) go straight to every
     rank in one round; others under 64 KiB use recursive doubling; larger ones a
@@ -185,20 +199,24 @@ def all_reduce(
     identical on every rank.
 
     Args:
-        data: A CPU tensor, overwritten with the result.
+        tensor: A dense tensor, overwritten with the result (mmengine calls it ``data``).
         op: ``sum``, ``mean``, ``product``, ``min``, ``max``, ``band``, ``bor`` or
-            ``bxor`` (any case; ``ReduceOp.SUM``-style names work too). ``mean``
-            needs a floating dtype, the bitwise ops integer or bool ones. On bool
-            tensors ``sum``/``max`` are logical or, ``product``/``min`` logical and.
+            ``bxor`` (any case), ``ReduceOp.SUM`` and the like, or torch's own
+            ``torch.distributed.ReduceOp`` (``AVG`` is ``mean``). ``mean`` on an
+            integer tensor is mmengine's: sum, true divide, copy back (truncated).
+            On bool tensors ``sum``/``max`` are logical or, ``product``/``min``
+            logical and. The bitwise ops need integer or bool tensors, and
+            complex tensors take ``sum`` and ``mean`` only, as in torch.
         group: Defaults to the world group.
+        async_op: torch.distributed's flag; the handle is returned either way.
 
     Returns:
-        Work resolving to ``data``; already done with ``data`` unchanged when
-        not initialised.
+        Work resolving to ``tensor``; already done with ``tensor`` unchanged when
+        not initialised, or on a process outside ``group``.
 
     Raises:
-        TypeError: ``data`` is not a tensor, or ``op`` does not suit its dtype.
-        ValueError: Unknown ``op``, or ``data`` is not a dense CPU tensor.
+        TypeError: ``tensor`` is not a tensor, or ``op`` does not suit its dtype.
+        ValueError: Unknown ``op``.
         CollectiveMismatchError: Ranks passed another dtype, shape or op (on every rank).
 
     Cancellation:
@@ -209,30 +227,49 @@ def all_reduce(
         >>> t = torch.ones(4)
         >>> await aiodist.all_reduce(t, op="mean")
     """
-    if (w := bridged(group, "all_reduce", data, op)) is not None:
+    if (w := bridged(group, "all_reduce", tensor, op)) is not None:
         return w
     g = resolve_group(group)
     with Slot(g, "all_reduce") as seq:
-        t = check_tensor(data, "data")
+        t = check_tensor(tensor, "tensor")
         reduce_op = reduce_ops.reduce_op(op)
         reduce_ops.check_op_dtype(reduce_op, t.dtype)
-        if g is None:
+        if g is None or outside(g):
             return Work.completed(t)
+    if staging.on_device(t):
+        return staging.in_place(
+            g,
+            seq,
+            f"all_reduce(op={reduce_op})",
+            t,
+            lambda host: start_all_reduce(g, seq, host, reduce_op, shm=False),
+        )
     return start_all_reduce(g, seq, t, reduce_op)
 
 
 def start_all_reduce(
-    g: ProcessGroup, seq: int, t: torch.Tensor, reduce_op: str, *, label: str = "all_reduce"
+    g: ProcessGroup,
+    seq: int,
+    t: torch.Tensor,
+    reduce_op: str,
+    *,
+    label: str = "all_reduce",
+    shm: bool = True,
 ) -> Work[torch.Tensor]:
     """``all_reduce`` of checked ``t`` as ``g``'s operation ``seq``.
 
     ``label`` is the name in its signature: a call that reduces several tensors
-    puts what every rank must agree on there (see ``tensor_groups``).
+    puts what every rank must agree on there (see ``tensor_groups``). Without
+    ``shm`` it never takes a turn on shared memory (a call staged from a device
+    starts after its copy, too late to take its turn in call order).
     """
     mine = signature(label, t, reduce_op=reduce_op)
     p = g.world_size
     algorithm = schedules.all_reduce_algorithm(
-        t.numel() * t.element_size(), t.numel(), p, shared_memory=p > 1 and shared.usable(g)
+        t.numel() * t.element_size(),
+        t.numel(),
+        p,
+        shared_memory=shm and p > 1 and shared.usable(g),
     )
     if algorithm == "direct":
         return _direct_all_reduce_now(g, seq, t, reduce_op, mine)
@@ -265,22 +302,30 @@ def start_all_reduce(
 
 
 def reduce(
-    data: torch.Tensor, dst: int = 0, op: str = "sum", group: ProcessGroup | None = None
+    tensor: torch.Tensor,
+    dst: int | None = None,
+    op: str | ReduceOp = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
 ) -> Work[torch.Tensor]:
-    """Reduce ``data`` from all ranks into ``data`` on rank ``dst`` (binomial tree).
+    """Reduce ``tensor`` from all ranks into ``tensor`` on rank ``dst`` (binomial tree).
 
     Args:
-        data: A CPU tensor; overwritten with the result on ``dst`` only.
+        tensor: A dense tensor; overwritten with the result on ``dst`` only.
         dst: Global rank that receives the result (torch's convention).
         op: As for ``all_reduce``.
         group: Defaults to the world group.
+        async_op: torch.distributed's flag; the handle is returned either way.
+        group_dst: ``dst`` as a rank of ``group`` (instead of ``dst``).
 
     Returns:
-        Work resolving to ``data`` (the result on ``dst``, unchanged elsewhere).
+        Work resolving to ``tensor`` (the result on ``dst``, unchanged elsewhere).
 
     Raises:
-        TypeError: ``data`` is not a tensor, or ``op`` does not suit its dtype.
-        ValueError: Unknown ``op``, or ``dst`` not a member of ``group``.
+        TypeError: ``tensor`` is not a tensor, or ``op`` does not suit its dtype.
+        ValueError: Unknown ``op``; neither (or both of) ``dst`` and ``group_dst``;
+            ``dst`` not a member of ``group``.
         CollectiveMismatchError: Ranks passed another dtype, shape, op or ``dst``.
 
     Cancellation:
@@ -289,16 +334,29 @@ def reduce(
     Example:
         >>> await aiodist.reduce(t, dst=0, op="max")
     """
-    if (w := bridged(group, "reduce", data, dst, op)) is not None:
+    if (w := bridged(group, "reduce", tensor, dst, op, group_dst)) is not None:
         return w
     g = resolve_group(group)
     with Slot(g, "reduce") as seq:
-        t = check_tensor(data, "data")
+        t = check_tensor(tensor, "tensor")
         reduce_op = reduce_ops.reduce_op(op)
         reduce_ops.check_op_dtype(reduce_op, t.dtype)
+        if outside(g):
+            return Work.completed(t)
+        root = root_of(g, dst, group_dst, "dst")
         if g is None:
             return Work.completed(t)
-        root = check_rank(g, dst, "dst")
+    description = f"reduce(dst={g.global_rank(root)}, op={reduce_op})"
+    if staging.on_device(t):
+        return staging.in_place(
+            g, seq, description, t, lambda host: _start_reduce(g, seq, host, root, reduce_op)
+        )
+    return _start_reduce(g, seq, t, root, reduce_op)
+
+
+def _start_reduce(
+    g: ProcessGroup, seq: int, t: torch.Tensor, root: int, reduce_op: str
+) -> Work[torch.Tensor]:
     mine = signature("reduce", t, reduce_op=reduce_op, root=root)
 
     async def tree(seq: int) -> torch.Tensor:
@@ -325,28 +383,38 @@ def reduce(
     async def run(seq: int) -> torch.Tensor:
         return await agreed(g, seq, mine, tree(seq))
 
-    return g.start(f"reduce(dst={root}, op={reduce_op})", run, seq=seq)
+    return g.start(f"reduce(dst={g.global_rank(root)}, op={reduce_op})", run, seq=seq)
 
 
 def reduce_scatter(
-    inputs: list[torch.Tensor], op: str = "sum", group: ProcessGroup | None = None
+    output: torch.Tensor | list[torch.Tensor],
+    input_list: list[torch.Tensor] | str | ReduceOp | None = None,
+    op: str | ReduceOp | ProcessGroup = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work[torch.Tensor]:
-    """Reduce ``inputs[i]`` over all ranks and leave the result on rank ``i``.
+    """Reduce ``input_list[i]`` over all ranks and leave the result on rank ``i``.
 
-    Every rank sends ``inputs[i]`` straight to rank ``i``, which reduces what
-    it receives in rank order; from 1 MiB of inputs, in a group whose ranks
+    torch.distributed's form, ``reduce_scatter(output, input_list, op, group)``,
+    writes the result into ``output``. aiodist's older form,
+    ``reduce_scatter(inputs, op, group)`` (a list first), returns a new tensor.
+    Every rank sends ``input_list[i]`` straight to rank ``i``, which reduces
+    what it receives in rank order; from 1 MiB of inputs, in a group whose ranks
     share one host, rank ``i`` reduces straight out of the others' shared segments.
 
     Args:
-        inputs: One CPU tensor per rank, all of the same dtype and shape.
+        output: The tensor that receives this rank's result (torch's form).
+        input_list: One tensor per rank, all of ``output``'s dtype and shape.
         op: As for ``all_reduce``.
         group: Defaults to the world group.
+        async_op: torch.distributed's flag; the handle is returned either way.
 
     Returns:
-        Work resolving to a new tensor; ``inputs[0]`` when not initialised.
+        Work resolving to ``output`` (a new tensor in the older form); when not
+        initialised, ``input_list[0]``'s values.
 
     Raises:
-        TypeError: ``inputs`` is not a list of tensors, or ``op`` does not suit the dtype.
+        TypeError: A list that is not all tensors, or ``op`` does not suit the dtype.
         ValueError: Wrong number of tensors, tensors that differ, or unknown ``op``.
         CollectiveMismatchError: Ranks passed another dtype, shape or op.
 
@@ -354,59 +422,211 @@ def reduce_scatter(
         Cancelling the awaiting task does not cancel the operation.
 
     Example:
-        >>> mine = await aiodist.reduce_scatter([a, b], op="sum")
+        >>> await aiodist.reduce_scatter(out, [a, b], op="sum")
     """
-    if (w := bridged(group, "reduce_scatter", inputs, op)) is not None:
-        return w
+    if isinstance(output, list | tuple):  # aiodist's form: (inputs, op, group)
+        inputs: object = output
+        out_tensor: object = None
+        the_op: object = input_list if input_list is not None else op
+        if isinstance(op, ProcessGroup):
+            group = op  # the group, passed third
+    else:
+        inputs, out_tensor, the_op = input_list, output, op
+    if (w := bridged(group, "reduce_scatter", inputs, the_op)) is not None:
+        return w if out_tensor is None else chain(w, lambda r: _copied(out_tensor, r))
     g = resolve_group(group)
     with Slot(g, "reduce_scatter") as seq:
-        tensors = check_tensor_list(inputs, "inputs", None)
+        out = None if out_tensor is None else check_tensor(out_tensor, "output")
+        tensors = check_tensor_list(inputs, "input_list", None)
         if not tensors:
-            raise ValueError("inputs must hold one tensor per rank, got an empty list")
-        reduce_op = reduce_ops.reduce_op(op)
-        check_alike(tensors, "inputs")
+            raise ArgumentError("input_list must hold one tensor per rank, got an empty list")
+        reduce_op = reduce_ops.reduce_op(the_op)
+        check_alike(tensors, "input_list")
         first = tensors[0]
-        reduce_ops.check_op_dtype(reduce_op, first.dtype)
-        if g is None:
-            return Work.completed(first)
-        if len(tensors) != g.world_size:
-            raise ValueError(
-                f"inputs must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
+        if out is not None and (out.dtype != first.dtype or out.shape != first.shape):
+            raise ArgumentError(
+                f"output is {out.dtype} {list(out.shape)} but input_list holds "
+                f"{first.dtype} {list(first.shape)}"
             )
+        reduce_ops.check_op_dtype(reduce_op, first.dtype)
+        if outside(g):
+            return Work.completed(out if out is not None else first)
+        if g is None:
+            if out is None:
+                return Work.completed(first)
+            out.copy_(first)
+            return Work.completed(out)
+        if len(tensors) != g.world_size:
+            raise ArgumentError(
+                f"input_list must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
+            )
+    if staging.on_device(first):
+
+        def finish(hosts: list[torch.Tensor], result: torch.Tensor) -> Any:
+            if out is not None:
+                return [(out, result)], out
+            pairs, (made,) = staging.new_on_device([result], first)
+            return pairs, made
+
+        return staging.staged(
+            g,
+            seq,
+            f"reduce_scatter(op={reduce_op})",
+            tensors,
+            lambda hosts: start_reduce_scatter(g, seq, hosts, reduce_op, shm=False),
+            finish,
+        )
+    return start_reduce_scatter(g, seq, tensors, reduce_op, out=out)
+
+
+def _copied(out: object, result: torch.Tensor) -> torch.Tensor:
+    assert isinstance(out, torch.Tensor)
+    out.copy_(result)
+    return out
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str | ReduceOp = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work[torch.Tensor]:
+    """Reduce ``input`` (one slice per rank) over all ranks; rank ``i`` gets slice ``i``.
+
+    ``input`` holds ``world_size`` slices shaped like ``output``: concatenated
+    along the first dimension (``world_size * n`` rows for ``n`` rows of
+    ``output``) or stacked (``(world_size, *output.shape)``).
+
+    Args:
+        output: Receives this rank's reduced slice.
+        input: ``world_size`` times ``output``'s elements, of its dtype.
+        op: As for ``all_reduce``.
+        group: Defaults to the world group.
+        async_op: torch.distributed's flag; the handle is returned either way.
+
+    Returns:
+        Work resolving to ``output``.
+
+    Raises:
+        TypeError: Not tensors, or ``op`` does not suit the dtype.
+        ValueError: Sizes or dtypes that do not fit, or an unknown ``op``.
+        CollectiveMismatchError: Ranks passed another dtype, shape or op.
+
+    Cancellation:
+        Cancelling the awaiting task does not cancel the operation.
+
+    Example:
+        >>> await aiodist.reduce_scatter_tensor(out, torch.ones(2 * n))
+    """
+    g = resolve_group(group)
+    size = 1 if g is None or g.rank < 0 else g.world_size
+    out, parts = output, None
+    if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+        parts = slices(input, output, size)
+    if parts is not None and (w := bridged(group, "reduce_scatter", parts, op)) is not None:
+        return chain(w, lambda r: _copied(out, r))
+    with Slot(g, "reduce_scatter_tensor") as seq:
+        out = check_tensor(output, "output")
+        t = check_tensor(input, "input")
+        reduce_op = reduce_ops.reduce_op(op)
+        reduce_ops.check_op_dtype(reduce_op, t.dtype)
+        if parts is None or t.dtype != out.dtype:
+            raise ArgumentError(
+                f"input ({t.dtype} {list(t.shape)}) must hold {size} slices of output "
+                f"({out.dtype} {list(out.shape)})"
+            )
+        if outside(g):
+            return Work.completed(out)
+        if g is None:
+            out.copy_(parts[0])
+            return Work.completed(out)
+    if staging.on_device(t):
+        return staging.staged(
+            g,
+            seq,
+            f"reduce_scatter_tensor(op={reduce_op})",
+            [t],
+            lambda hosts: start_reduce_scatter(
+                g, seq, slices(hosts[0], out, size) or [], reduce_op, shm=False
+            ),
+            lambda hosts, result: ([(out, result)], out),
+        )
+    return start_reduce_scatter(g, seq, parts, reduce_op, out=out)
+
+
+def slices(whole: torch.Tensor, part: torch.Tensor, n: int) -> list[torch.Tensor] | None:
+    """``whole`` as ``n`` views shaped like ``part`` (concatenated or stacked), else None."""
+    if whole.numel() != n * part.numel():
+        return None
+    if whole.dim() and whole.shape[0] == n and whole.shape[1:] == part.shape:
+        return list(whole.unbind(0))
+    if part.dim() and whole.shape[0] == n * part.shape[0] and whole.shape[1:] == part.shape[1:]:
+        return list(torch.split(whole, part.shape[0]))
+    if part.dim() == 0 and whole.shape == (n,):
+        return list(whole.unbind(0))
+    return None
+
+
+def start_reduce_scatter(
+    g: ProcessGroup,
+    seq: int,
+    tensors: list[torch.Tensor],
+    reduce_op: str,
+    *,
+    out: torch.Tensor | None = None,
+    shm: bool = True,
+) -> Work[torch.Tensor]:
+    """``reduce_scatter`` of checked ``tensors`` as ``g``'s operation ``seq``.
+
+    The result lands in ``out`` when given (and contiguous), else in a new tensor.
+    """
+    first = tensors[0]
     mine = signature("reduce_scatter", first, reduce_op=reduce_op)
     nbytes = first.numel() * first.element_size() * g.world_size
-    use_shm = g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
+    use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
+
+    def result(made: torch.Tensor) -> torch.Tensor:
+        if out is None:
+            return made
+        if made is not out:
+            copy_into(out, made)
+        return out
 
     async def run(seq: int) -> torch.Tensor:
         if turn is not None:
             async with turn:
                 if await shared.agreed(g):  # else some rank has it off: all take the sockets
-                    out = new_outputs(g, first, 1, "reduce_scatter")[0]
+                    made = new_outputs(g, first, 1, "reduce_scatter")[0]
                     parts = [contiguous(x) for x in tensors]
                     await shared.shared_memory_reduce_scatter(
-                        g, seq, parts, out, reduce_op, mine, reduce_ops.combine
+                        g, seq, parts, made, reduce_op, mine, reduce_ops.combine
                     )
                     if reduce_op == "mean":
-                        divide_(out, g.world_size)
-                    return out
+                        divide_(made, g.world_size)
+                    return result(made)
         p, me = g.world_size, g.rank
         got = [tensors[me] if r == me else torch.empty_like(first) for r in range(p)]
         futures = [None if r == me else recv_tensor(g, r, seq, 0, got[r]) for r in range(p)]
         for k in range(1, p):  # start with the next rank: not everyone sends to rank 0 first
             r = (me + k) % p
             await send(g, r, seq, 0, mine, byte_view(contiguous(tensors[r])))
-        out = torch.empty_like(first, memory_format=torch.contiguous_format)
+        made = (
+            out
+            if out is not None and out.is_contiguous()
+            else torch.empty_like(first, memory_format=torch.contiguous_format)
+        )
         for r, future in enumerate(futures):
             if future is not None:
                 check_signature(g, mine, await future)
             if r == 0:
-                copy_into(out, got[0])
+                copy_into(made, got[0])
             else:
-                reduce_ops.combine(reduce_op, out, out, got[r])
+                reduce_ops.combine(reduce_op, made, made, got[r])
         if reduce_op == "mean":
-            divide_(out, p)
-        return out
+            divide_(made, p)
+        return result(made)
 
     return g.start(
         f"reduce_scatter(op={reduce_op})",

@@ -17,9 +17,10 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
+from aiodist._errors import ArgumentTypeError, AssertedArgumentError
 from aiodist._group.work import Work
-from aiodist._ops import reduce_ops
-from aiodist._ops.common import Slot, check_tensor, resolve_group
+from aiodist._ops import reduce_ops, staging
+from aiodist._ops.common import Slot, chain, check_tensor, outside, resolve_group
 from aiodist._ops.reductions import all_reduce, start_all_reduce
 from aiodist._plane.peers import sub_seq
 
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import ProcessGroup
+    from aiodist._ops.reduce_ops import ReduceOp
 
-__all__ = ["all_reduce_dict", "all_reduce_params"]
+__all__ = ["all_reduce_coalesced", "all_reduce_dict", "all_reduce_params"]
 
 
 def _check_reduce_op(op: object, tensors: Iterable[torch.Tensor]) -> str:
@@ -66,12 +68,7 @@ def _start_reduce(
 
     if not flats:  # still one part: the signature every rank must check
         flats = [torch.empty(0)]
-    reduces = [
-        all_reduce(flat, op=op, group=g)
-        if g.bridge is not None and g.bridge.crosses(flat)
-        else start_all_reduce(g, sub_seq(call, i), flat, op, label=label)
-        for i, flat in enumerate(flats)
-    ]
+    reduces = [_start_part(flat, op, g, sub_seq(call, i), label) for i, flat in enumerate(flats)]
 
     async def wait_all() -> None:
         for w in reduces:
@@ -80,8 +77,22 @@ def _start_reduce(
     return wait_all
 
 
+def _start_part(flat: torch.Tensor, op: str, g: ProcessGroup, part: int, label: str) -> Work[Any]:
+    if g.bridge is not None and g.bridge.crosses(flat):
+        return all_reduce(flat, op=op, group=g)
+    if staging.on_device(flat):
+        return staging.in_place(
+            g,
+            part,
+            "all_reduce",
+            flat,
+            lambda host: start_all_reduce(g, part, host, op, label=label, shm=False),
+        )
+    return start_all_reduce(g, part, flat, op, label=label)
+
+
 def all_reduce_dict(
-    data: dict[str, torch.Tensor], op: str = "sum", group: ProcessGroup | None = None
+    data: dict[str, torch.Tensor], op: str | ReduceOp = "sum", group: ProcessGroup | None = None
 ) -> Work[dict[str, torch.Tensor]]:
     """Reduce every tensor of ``data`` across ranks, in place, with one all-reduce per dtype.
 
@@ -101,8 +112,8 @@ def all_reduce_dict(
         ``data`` unchanged when not initialised.
 
     Raises:
-        TypeError: ``data`` is not a dict of tensors, or ``op`` does not suit a
-            tensor's dtype.
+        AssertionError: ``data`` is not a dict (as mmengine asserts; also a ``TypeError``).
+        TypeError: A value is not a tensor, or ``op`` does not suit a tensor's dtype.
         ValueError: ``op`` is unknown.
         CollectiveMismatchError: Ranks disagree on dtypes or sizes.
         RankFailedError: A member died first.
@@ -119,13 +130,15 @@ def all_reduce_dict(
 
     g = resolve_group(group)
     with Slot(g, "all_reduce_dict", torch=g is not None and g.bridge is not None) as seq:
-        if not isinstance(data, dict):
-            raise TypeError(f"data must be a dict, got {type(data).__name__}")
+        if not isinstance(data, dict):  # mmengine asserts it
+            raise AssertedArgumentError(f"data must be a dict, got {type(data).__name__}")
         for key, value in data.items():
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+                raise ArgumentTypeError(
+                    f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
+                )
         op = _check_reduce_op(op, data.values())
-        if g is None or g.world_size == 1:
+        if g is None or g.world_size == 1 or outside(g):
             return Work.completed(data)
         keys = sorted(data)
         by_dtype: dict[torch.dtype, list[str]] = {}
@@ -174,7 +187,7 @@ def all_reduce_params(
     params: Iterable[torch.Tensor],
     coalesce: bool = True,
     bucket_size_mb: int = -1,
-    op: str = "sum",
+    op: str | ReduceOp = "sum",
     group: ProcessGroup | None = None,
 ) -> Work[None]:
     """Reduce parameters (or any tensors) across ranks in place, as mmengine's helper.
@@ -215,10 +228,10 @@ def all_reduce_params(
         tensors: list[torch.Tensor] = []
         for p in params:
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"params must hold tensors, got {type(p).__name__}")
+                raise ArgumentTypeError(f"params must hold tensors, got {type(p).__name__}")
             tensors.append(p.data)
         op = _check_reduce_op(op, tensors)
-        if g is None or g.world_size == 1:
+        if g is None or g.world_size == 1 or outside(g):
             return Work.completed(None)
         if not coalesce:
             buckets = [[t] for t in tensors]
@@ -242,3 +255,36 @@ def all_reduce_params(
                 t.copy_(part.view(t.shape))
 
     return g.start("all_reduce_params", finish, collective=False, seq=seq)
+
+
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor],
+    op: str | ReduceOp = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work[list[torch.Tensor]]:
+    """Reduce every tensor of ``tensors`` across ranks in place, as one call (torch's).
+
+    The tensors are flattened into one buffer per dtype and each buffer is
+    reduced, as ``all_reduce_params`` does (torch deprecates this name).
+
+    Args:
+        tensors: The tensors, overwritten with the results.
+        op: As for ``all_reduce``.
+        group: Defaults to the world group.
+        async_op: torch.distributed's flag; the handle is returned either way.
+
+    Returns:
+        Work resolving to ``tensors``.
+
+    Raises:
+        TypeError: An item is not a tensor, or ``op`` does not suit its dtype.
+        CollectiveMismatchError: Ranks disagree on dtypes or sizes.
+
+    Example:
+        >>> await aiodist.all_reduce_coalesced([a, b])
+    """
+    if not isinstance(tensors, list | tuple):
+        tensors = [tensors]  # torch accepts one tensor
+    items = list(tensors)
+    return chain(all_reduce_params(items, True, -1, op, group), lambda _: items)

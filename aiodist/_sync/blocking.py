@@ -7,17 +7,21 @@ are coroutines. Those names get a twin here, and ``gen_sync`` imports it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiodist._group.world import get_store as _get_store
+from aiodist._ops import staging
+from aiodist._ops.p2p import batch_isend_irecv as _batch_isend_irecv
 from aiodist._sync import portal
 
 if TYPE_CHECKING:
     from datetime import timedelta
 
     from aiodist._control.store import Store
+    from aiodist._group.work import Work
+    from aiodist._ops.p2p import P2POp
 
-__all__ = ["BlockingStore", "get_store"]
+__all__ = ["BlockingStore", "batch_isend_irecv", "get_store"]
 
 
 class BlockingStore:
@@ -76,3 +80,18 @@ def get_store() -> BlockingStore:
         RuntimeError: Not initialised.
     """
     return BlockingStore(_get_store())
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
+    """Start every send and receive of ``p2p_op_list`` in order; return their running handles.
+
+    The blocking twin of ``aiodist.batch_isend_irecv``: the operations start
+    on aiodist's loop thread (in list order, with this thread's CUDA streams),
+    and each handle's ``.wait()`` works from any thread.
+
+    Example:
+        >>> for w in aiodist.sync.batch_isend_irecv(ops): w.wait()
+    """
+    captured = staging.capture([p2p_op_list], {})
+    with staging.caller_context(captured):
+        return portal.run_sync(_batch_isend_irecv, p2p_op_list)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import ModuleType
 
-__all__ = ["ASYNC_ONLY", "GenerateError", "Kind", "classify", "main", "render"]
+__all__ = ["ASYNC_ONLY", "HANDLES", "GenerateError", "Kind", "classify", "main", "render"]
 
 #: Names of the async API with no blocking twin, and why.
 ASYNC_ONLY: Final[dict[str, str]] = {
@@ -52,9 +52,16 @@ ASYNC_ONLY: Final[dict[str, str]] = {
     "init_process_group embed the server",
 }
 
+#: Operations whose blocking twin returns the running ``Work`` at once, with no
+#: ``async_op``: torch.distributed's ``isend``/``irecv`` return their request.
+HANDLES: Final[frozenset[str]] = frozenset({"isend", "irecv"})
+
 # Queries that hand back objects with coroutine methods: their blocking twins are
 # written by hand in this module and imported by the facade instead.
-TWINS: Final[dict[str, str]] = {"get_store": "aiodist._sync.blocking"}
+TWINS: Final[dict[str, str]] = {
+    "get_store": "aiodist._sync.blocking",
+    "batch_isend_irecv": "aiodist._sync.blocking",
+}
 
 _TOOL = "aiodist/_tools/gen_sync.py"
 _HEADER = f"""\
@@ -101,6 +108,8 @@ def _work_result(fn: Callable[..., Any]) -> str | None:
 
 
 def _default(name: str, param: inspect.Parameter, fn: Callable[..., Any]) -> str:
+    if param.default is Ellipsis:
+        return "..."  # "not given": where torch's and mmengine's forms of a call differ
     text = repr(param.default)
     try:
         same = ast.literal_eval(text) == param.default
@@ -115,9 +124,22 @@ def _default(name: str, param: inspect.Parameter, fn: Callable[..., Any]) -> str
 
 
 def _params(
-    fn: Callable[..., Any], imports: Imports, *, stub: bool, extra: str | None = None
+    fn: Callable[..., Any],
+    imports: Imports,
+    *,
+    stub: bool,
+    extra: str | None = None,
+    literal: str | None = None,
 ) -> tuple[str, list[str]]:
-    """Parameter list text (``extra`` keyword-only param appended) and forwarding arguments."""
+    """Parameter list text (``extra`` keyword-only param appended) and forwarding arguments.
+
+    With ``literal``, an ``async_op`` parameter of ``fn`` is annotated (and
+    defaulted) with it instead: ``"Literal[True]"`` for an overload.
+    """
+    if literal == "Literal[True]":
+        # A required Literal[True] cannot follow defaulted parameters: in that
+        # overload it (and what follows it) is keyword-only.
+        literal = "KW:" + literal
     sig = inspect.signature(fn)
     parts: list[str] = []
     forward: list[str] = []
@@ -147,6 +169,13 @@ def _params(
         text = f"{param.name}: {ann}"
         if param.default is not inspect.Parameter.empty:
             text += " = ..." if stub else f" = {_default(param.name, param, fn)}"
+        if literal is not None and param.name == "async_op":
+            if literal.startswith("KW:"):
+                if not star_done:
+                    parts.append("*")
+                    star_done = True
+                literal = literal.removeprefix("KW:")
+            text = f"async_op: {literal}"
         parts.append(text)
         if param.kind is kinds.POSITIONAL_ONLY:
             following = list(sig.parameters.values())
@@ -183,9 +212,16 @@ def _operation(name: str, fn: Callable[..., Any], imports: Imports) -> str:
     imports.annotation(result, fn)
     imports.runtime.add("Work")
     imports.typing.update({"Literal", "overload"})
-    stub_false, _ = _params(fn, imports, stub=True, extra="async_op: Literal[False] = ...")
-    stub_true, _ = _params(fn, imports, stub=True, extra="async_op: Literal[True]")
-    impl, forward = _params(fn, imports, stub=False, extra="async_op: bool = False")
+    if "async_op" in inspect.signature(fn).parameters:
+        # torch.distributed's own flag, in torch's position: the overloads narrow it there.
+        stub_false, _ = _params(fn, imports, stub=True, literal="Literal[False] = ...")
+        stub_true, _ = _params(fn, imports, stub=True, literal="Literal[True]")
+        impl, forward = _params(fn, imports, stub=False)
+        forward = [a for a in forward if a not in ("async_op", "async_op=async_op")]
+    else:
+        stub_false, _ = _params(fn, imports, stub=True, extra="async_op: Literal[False] = ...")
+        stub_true, _ = _params(fn, imports, stub=True, extra="async_op: Literal[True]")
+        impl, forward = _params(fn, imports, stub=False, extra="async_op: bool = False")
     args = ", ".join([f"_api.{name}", *forward, "async_op=async_op"])
     note = (
         f"Blocking twin of ``aiodist.{name}``: waits, then returns what its Work "
@@ -202,6 +238,29 @@ def _operation(name: str, fn: Callable[..., Any], imports: Imports) -> str:
             f"def {name}({impl}) -> Work[{result}] | {result}:",
             _docstring(name, fn, note),
             f"    return _portal.submit({args})",
+        ]
+    )
+
+
+def _handle(name: str, fn: Callable[..., Any], imports: Imports) -> str:
+    result = _work_result(fn)
+    assert result is not None
+    imports.annotation(result, fn)
+    imports.runtime.add("Work")
+    imports.typing.add("cast")
+    params, forward = _params(fn, imports, stub=False)
+    args = ", ".join([f"_api.{name}", *forward, "async_op=True"])
+    note = (
+        f"Blocking twin of ``aiodist.{name}``, blocking only to start it on aiodist's loop "
+        "thread: it returns the running ``Work`` at once, as torch.distributed's request "
+        "(``.wait()`` from any thread, ``.is_completed()``)."
+    )
+    return "\n".join(
+        [
+            f"# GENERATED by {_TOOL} from aiodist.{name}; do not edit.",
+            f"def {name}({params}) -> Work[{result}]:",
+            _docstring(name, fn, note),
+            f'    return cast("Work[{result}]", _portal.submit({args}))',
         ]
     )
 
@@ -246,6 +305,8 @@ def render(api: ModuleType, *, path: Path | None = None, fmt: bool = True) -> st
         exported.append(name)
         if name in TWINS:
             imports.twins[name] = TWINS[name]
+        elif kind == Kind.OPERATION and name in HANDLES:
+            bodies.append(_handle(name, obj, imports))
         elif kind == Kind.OPERATION:
             bodies.append(_operation(name, obj, imports))
         elif kind == Kind.BLOCKING:

@@ -105,7 +105,7 @@ class Imports:
             "from __future__ import annotations",
             f"from typing import {', '.join(sorted(self.typing))}",
             f"import {self.api.__name__} as _api",
-            "from aiodist._sync import portal as _portal",
+            "from aiodist._sync import handoff as _portal",
         ]
         if self.runtime:
             out.append(f"from {self.api.__name__} import {', '.join(sorted(self.runtime))}")

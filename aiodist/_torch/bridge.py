@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._ops import staging
 from aiodist._ops.common import Slot
 from aiodist._torch import ops
 
@@ -108,6 +109,8 @@ class GroupBridge:
         self.closed = False
         self._pending: set[asyncio.Future[Any]] = set()
         self._call_seq: int | None = None  # the place start_collective took for its call
+        self.cuda_device: int | None = None  # the GPU bring_up put this rank on (NCCL)
+        self.stuck: str | None = None  # the operation the group broke under, if it did
         self._executor = IssuingThread(f"aiodist-torch-{group.name}")
 
     def __repr__(self) -> str:
@@ -170,13 +173,22 @@ class GroupBridge:
         async def op(seq: int) -> T:
             try:
                 return await done
+            except asyncio.CancelledError:
+                if self.group.error is not None:  # timed out, or a peer broke the group
+                    self._abort(description)
+                raise
             except DistError:
                 raise
             except Exception as exc:
-                raise self._translate(description, exc) from exc
+                error = self._translate(description, exc)
+                if isinstance(error, DistTimeoutError):
+                    self._abort(description)
+                raise error from exc
 
         # Raises here, before issuing, if unusable.
         work = self.group.start(description, op, seq=self._call_seq)
+        # Timed out (or failed by the group's error): abort before anyone hears of it.
+        work._on_done(lambda w: self._abort(description) if _given_up(w) else None)
         self._pending.add(done)
         done.add_done_callback(self._retire)
 
@@ -222,6 +234,38 @@ class GroupBridge:
 
         self._executor.submit(issue_in_thread)
         return work
+
+    def _abort(self, description: str) -> None:
+        """The group broke while ``description`` ran in torch: abort NCCL's communicator.
+
+        A collective stuck in NCCL holds its kernels and the issuing thread
+        forever; aborting the communicator (in a thread of its own: abort may
+        block) frees them, so the group's ``DistTimeoutError`` is the end of it.
+        gloo's operations end on their own timeout (the group's), so only the
+        record is kept there.
+        """
+        if self.stuck is not None:
+            return
+        self.stuck = description
+        if self.devices.get("cuda") != "nccl" or self.torch_group is None:
+            return
+        logger.error(
+            "aborting the NCCL communicator of group %r: %s did not complete (%s)",
+            self.group.name,
+            description,
+            self.group.error,
+        )
+        pg = self.torch_group
+
+        def abort() -> None:
+            import torch
+
+            try:
+                pg._get_backend(torch.device("cuda")).abort()
+            except Exception:
+                logger.exception("aborting NCCL's communicator of group %r failed", self.group)
+
+        threading.Thread(target=abort, name=f"aiodist-abort-{self.group.name}", daemon=True).start()
 
     def _retire(self, done: asyncio.Future[Any]) -> None:
         self._pending.discard(done)
@@ -316,7 +360,26 @@ class IssuingThread(Executor):
             del future, call, item  # nothing of a finished call stays alive here
 
 
+def _given_up(work: Work[Any]) -> bool:
+    error = work.exception()
+    return isinstance(error, DistTimeoutError | GroupBrokenError)
+
+
+def backstop(seconds: float) -> timedelta:
+    """torch's own timeout for a group whose aiodist timeout is ``seconds``: later.
+
+    aiodist's deadline must end a stuck collective first, so that it names the
+    operation, breaks the group on every rank and aborts NCCL's communicator
+    (``_abort``); torch's (NCCL's watchdog may end the process) stays a backstop.
+    """
+    return timedelta(seconds=2 * seconds + 10)
+
+
 def _current_stream(t: torch.Tensor) -> Any:
+    """The caller's current stream on ``t``'s device (captured on its thread by aiodist.sync)."""
+    device = staging.device_of(t)
+    if device is not None:
+        return staging.caller_stream(t, device)
     import torch
 
     return torch.cuda.current_stream(t.device)
@@ -333,7 +396,9 @@ def _stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
 # --- bring-up and teardown -----------------------------------------------------------------
 
 
-async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -> None:
+async def bring_up(
+    world: ProcessGroup, backend: str, devices: dict[str, str], *, device_id: Any = None
+) -> None:
     """Bring up torch.distributed's default group for ``world``, through the job's store.
 
     Raises:
@@ -355,9 +420,14 @@ async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -
     bridge = GroupBridge(world, devices, backend)
     bridge.store = store
     if "cuda" in devices:
-        device = world.session.local_rank % torch.cuda.device_count()
+        if device_id is not None:  # init_process_group(device_id=...), as torch takes it
+            device = device_id if isinstance(device_id, int) else torch.device(device_id).index
+            device = 0 if device is None else device
+        else:
+            device = world.session.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(device)  # on the loop's thread, as mmengine's init_dist does
         await bridge.call(torch.cuda.set_device, device)  # and on the issuing thread
+        bridge.cuda_device = device  # and aiodist.sync puts the caller's thread there
     try:
         await bridge.call(
             dist.init_process_group,
@@ -365,7 +435,7 @@ async def bring_up(world: ProcessGroup, backend: str, devices: dict[str, str]) -
             store=store,
             rank=world.rank,
             world_size=world.world_size,
-            timeout=timedelta(seconds=world.timeout),
+            timeout=backstop(world.timeout),
         )
     except Exception as exc:
         await bridge.aclose(None)
@@ -398,14 +468,14 @@ async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: 
         bridge.torch_group = await pbridge.call(
             dist.new_group,
             ranks=list(group.ranks),
-            timeout=timedelta(seconds=group.timeout),
+            timeout=backstop(group.timeout),
             backend=name,
         )
     elif group.rank >= 0:  # a subgroup of a subgroup: only its members call torch
         bridge.torch_group = await pbridge.call(
             dist.new_group,
             ranks=list(group.ranks),
-            timeout=timedelta(seconds=group.timeout),
+            timeout=backstop(group.timeout),
             backend=name,
             use_local_synchronization=True,
         )

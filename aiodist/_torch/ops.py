@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._ops import reduce_ops
-from aiodist._ops.common import LazyModule, check_alike, check_rank
+from aiodist._ops.common import LazyModule, check_alike, divide_, root_of
 from aiodist._ops.objects import all_gather_object
 
 if TYPE_CHECKING:
@@ -55,23 +56,23 @@ def start(g: ProcessGroup, bridge: GroupBridge, name: str, args: tuple[Any, ...]
 
 def _tensor(t: object, name: str, bridge: GroupBridge) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not bridge.crosses(t):
-        raise ValueError(
+        raise ArgumentError(
             f"{name} is on {t.device}, but the other tensors of this collective are on "
             f"{', '.join(bridge.devices)}; put them on one device"
         )
     if t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+        raise ArgumentError(f"{name} must be a dense (strided) tensor, got {t.layout}")
     return t
 
 
 def _tensors(ts: object, name: str, bridge: GroupBridge, length: int | None) -> list[torch.Tensor]:
     if not isinstance(ts, list | tuple):
-        raise TypeError(f"{name} must be a list of tensors, got {type(ts).__name__}")
+        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(ts).__name__}")
     out = [_tensor(t, f"{name}[{i}]", bridge) for i, t in enumerate(ts)]
     if length is not None and len(out) != length:
-        raise ValueError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
+        raise ArgumentError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
     return out
 
 
@@ -93,19 +94,19 @@ def _copy_back(t: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]
 
 
 def _all_reduce(g: ProcessGroup, bridge: GroupBridge, data: object, op: object) -> Work[Any]:
-    t = _tensor(data, "data", bridge)
+    t = _tensor(data, "tensor", bridge)
     reduce_op = reduce_ops.reduce_op(op)
     reduce_ops.check_op_dtype(reduce_op, t.dtype)
     buf = _dense(t)
     pg = bridge.torch_group
     # NCCL averages natively; gloo sums, and the mean is taken on its completion thread.
-    native_mean = reduce_op == "mean" and buf.device.type == "cuda"
+    native_mean = reduce_op == "mean" and buf.device.type == "cuda" and buf.dtype.is_floating_point
     torch_op = dist.ReduceOp.AVG if native_mean else _torch_op(reduce_op.replace("mean", "sum"))
     copy_back = _copy_back(t, buf)
 
     def finish() -> torch.Tensor:
         if reduce_op == "mean" and not native_mean:
-            buf.div_(g.world_size)
+            divide_(buf, g.world_size)
         return copy_back()
 
     return bridge.start(
@@ -116,11 +117,13 @@ def _all_reduce(g: ProcessGroup, bridge: GroupBridge, data: object, op: object) 
     )
 
 
-def _reduce(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op: object) -> Any:
-    t = _tensor(data, "data", bridge)
+def _reduce(
+    g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op: object, group_dst: object
+) -> Any:
+    t = _tensor(data, "tensor", bridge)
     reduce_op = reduce_ops.reduce_op(op)
     reduce_ops.check_op_dtype(reduce_op, t.dtype)
-    root = check_rank(g, dst, "dst")
+    root = root_of(g, dst, group_dst, "dst")
     buf = _dense(t)
     pg = bridge.torch_group
     torch_op = _torch_op(reduce_op.replace("mean", "sum"))
@@ -129,7 +132,7 @@ def _reduce(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op:
     def finish() -> torch.Tensor:
         if g.rank == root:
             if reduce_op == "mean":
-                buf.div_(g.world_size)
+                divide_(buf, g.world_size)
             return copy_back()
         return t
 
@@ -152,11 +155,18 @@ def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: ob
     description = f"reduce_scatter(op={reduce_op})"
     if first.device.type == "cuda":
         out = torch.empty_like(first, memory_format=torch.contiguous_format)
-        torch_op = dist.ReduceOp.AVG if reduce_op == "mean" else _torch_op(reduce_op)
+        native_mean = reduce_op == "mean" and first.dtype.is_floating_point
+        torch_op = dist.ReduceOp.AVG if native_mean else _torch_op(reduce_op.replace("mean", "sum"))
+
+        def finish_cuda() -> torch.Tensor:
+            if reduce_op == "mean" and not native_mean:
+                divide_(out, p)
+            return out
+
         return bridge.start(
             description,
             lambda: dist.reduce_scatter(out, tensors, op=torch_op, group=pg, async_op=True),
-            lambda: out,
+            finish_cuda,
             out,
         )
     sent = torch.cat([x.reshape(-1) for x in tensors])
@@ -168,7 +178,7 @@ def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: ob
         for r in range(1, p):
             reduce_ops.combine(reduce_op, out, out, parts[r])
         if reduce_op == "mean":
-            out.div_(p)
+            divide_(out, p)
         return out.view(first.shape)
 
     return bridge.start(
@@ -179,9 +189,11 @@ def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: ob
     )
 
 
-def _broadcast(g: ProcessGroup, bridge: GroupBridge, data: object, src: object) -> Any:
-    t = _tensor(data, "data", bridge)
-    root = check_rank(g, src, "src")
+def _broadcast(
+    g: ProcessGroup, bridge: GroupBridge, data: object, src: object, group_src: object
+) -> Any:
+    t = _tensor(data, "tensor", bridge)
+    root = root_of(g, src, group_src, "src")
     buf = _dense(t)
     pg = bridge.torch_group
     return bridge.start(
@@ -192,9 +204,11 @@ def _broadcast(g: ProcessGroup, bridge: GroupBridge, data: object, src: object) 
     )
 
 
-def _gather(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object) -> Any:
-    t = _tensor(data, "data", bridge)
-    root = check_rank(g, dst, "dst")
+def _gather(
+    g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, group_dst: object
+) -> Any:
+    t = _tensor(data, "tensor", bridge)
+    root = root_of(g, dst, group_dst, "dst")
     buf = _dense(t)
     pg = bridge.torch_group
     out = (
@@ -210,18 +224,23 @@ def _gather(g: ProcessGroup, bridge: GroupBridge, data: object, dst: object) -> 
 
 
 def _scatter(
-    g: ProcessGroup, bridge: GroupBridge, data: object, scatter_list: object, src: object
+    g: ProcessGroup,
+    bridge: GroupBridge,
+    data: object,
+    scatter_list: object,
+    src: object,
+    group_src: object,
 ) -> Any:
-    t = _tensor(data, "data", bridge)
-    root = check_rank(g, src, "src")
+    t = _tensor(data, "tensor", bridge)
+    root = root_of(g, src, group_src, "src")
     parts: list[torch.Tensor] | None = None
     if g.rank == root:
-        if scatter_list is None:
-            raise ValueError(f"scatter_list is required on the source rank {root}")
+        if not scatter_list:
+            raise ArgumentError("Argument ``scatter_list`` must be specified on source rank.")
         parts = [_dense(x) for x in _tensors(scatter_list, "scatter_list", bridge, g.world_size)]
         for i, part in enumerate(parts):
             if part.dtype != t.dtype or part.shape != t.shape:
-                raise ValueError(
+                raise ArgumentError(
                     f"scatter_list[{i}] is {part.dtype} {list(part.shape)}, but data is "
                     f"{t.dtype} {list(t.shape)}"
                 )
@@ -247,7 +266,7 @@ def _all_to_all(g: ProcessGroup, bridge: GroupBridge, inputs: object) -> Any:
     tensors = _tensors(inputs, "inputs", bridge, g.world_size)
     dtypes = {x.dtype for x in tensors}
     if len(dtypes) > 1:
-        raise ValueError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
+        raise ArgumentError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
     pg = bridge.torch_group
     # Shapes may differ from pair to pair: agree on them first (on the data plane, taking
     # the group's sequence number now), then exchange one flat buffer with split sizes.
