@@ -318,6 +318,9 @@ BASH: dict[str, Check | str] = {
     "aiodist run -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
     "train.py": "two hosts (tests/test_launch.py runs two nodes on one host)",
     "aiodist run -n 4 examples/train_overlap.py": _check_run,
+    "aiodist run -n 2 examples/train_overlap.py --device cuda --backend none": (
+        _check_run if torch.cuda.is_available() else "needs a CUDA GPU"
+    ),
     "aiodist run -n 2 examples/train_nccl.py": (
         _check_run if NCCL_GPUS >= 2 else "needs two CUDA GPUs"
     ),
