@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from tests import _procs
-from tests._daemon import asyncio_only, run_cli, serve
+from tests._daemon import TOKEN, asyncio_only, run_cli, serve, token_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -108,16 +109,20 @@ TORCHRUN_STYLES = {
         ("standalone", ["async", "sync", "init_dist"]),
         ("static", ["sync", "init_dist", "async"]),
         ("c10d", ["init_dist", "async", "sync"]),
+        # Without the agent's store, worker rank 0 hosts torchrun's store, as torch does.
+        ("c10d-own-store", ["async", "sync"]),
     ],
 )
 async def test_torchrun_runs_an_unchanged_script_in_each_rendezvous_style(
     style: str, modes: list[str]
 ) -> None:
-    args = TORCHRUN_STYLES[style](_procs.free_port())
-    result = await _run([*TORCHRUN, *args, "--nproc-per-node", "3", WORKER, ",".join(modes)])
+    args = TORCHRUN_STYLES[style.removesuffix("-own-store")](_procs.free_port())
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if style.endswith("-own-store") else {}
+    argv = [*TORCHRUN, *args, "--nproc-per-node", str(len(modes)), WORKER, ",".join(modes)]
+    result = await _run(argv, env)
     assert result.returncode == 0, result.stderr
     reports = _reports(result.stdout)
-    _assert_gathered(reports, modes, 3)
+    _assert_gathered(reports, modes, len(modes))
     assert {r["generation"] for r in reports.values()} == {0}
 
 
@@ -248,6 +253,58 @@ async def test_max_restarts_starts_every_rank_again_as_a_new_generation() -> Non
             ("generation_restarted", 1, None, "failed"),
             ("job_finished", 1, None, "succeeded"),
         ]
+
+
+async def test_rdzv_endpoint_where_nothing_listens_on_this_host_is_hosted_by_the_launcher() -> None:
+    endpoint = f"127.0.0.1:{_procs.free_port()}"
+    argv = [*AIODIST, "run", "-n", "2", "--rdzv-endpoint", endpoint, WORKER, "sync,async"]
+    result = await _run(argv)
+    assert result.returncode == 0, result.stderr
+    _assert_gathered(_reports(result.stdout), ["sync", "async"], 2)
+
+
+async def test_rdzv_endpoint_with_a_token_file_and_without(tmp_path: Path) -> None:
+    path = str(token_file(tmp_path))
+    async with serve("--port", "0", "--token-file", path) as daemon:
+        endpoint = f"{daemon.host}:{daemon.port}"
+        argv = [*AIODIST, "run", "-n", "2", "--rdzv-endpoint", endpoint]
+        with_token = await _run([*argv, "--token-file", path, WORKER, "async"])
+        started = time.monotonic()
+        without = await _run([*argv, WORKER, "async"])
+        refused_after = time.monotonic() - started
+    assert with_token.returncode == 0, with_token.stderr
+    _assert_gathered(_reports(with_token.stdout), ["async"], 2)
+    # Refused before any rank starts: the launcher proves the token first.
+    assert without.returncode == 1
+    assert without.stderr.strip().splitlines()[-1].startswith("aiodist run: the rendezvous "), (
+        without.stderr
+    )
+    assert "requires a token" in without.stderr
+    assert _reports(without.stdout) == {}
+    assert refused_after < 10
+    assert TOKEN not in with_token.stdout + with_token.stderr + without.stderr
+
+
+async def test_rdzv_endpoint_that_is_not_an_aiodist_server_is_an_error_at_once() -> None:
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+
+        async def hang_up(stream: SocketStream) -> None:  # another protocol's server
+            await stream.aclose()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, hang_up)
+            port = listener.extra(anyio.abc.SocketAttribute.local_port)
+            argv = [*AIODIST, "run", "-n", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+            started = time.monotonic()
+            result = await _run([*argv, WORKER, "async"])
+            tg.cancel_scope.cancel()
+    assert time.monotonic() - started < 10
+    assert result.returncode == 1
+    assert (
+        f"aiodist run: something listens at --rdzv-endpoint 127.0.0.1:{port} but hung up"
+        in result.stderr
+    )
+    assert _reports(result.stdout) == {}
 
 
 # --- output -------------------------------------------------------------------------------
@@ -393,6 +450,7 @@ async def test_aiodist_run_two_nodes_on_two_hosts(hosts: TwoHosts) -> None:
     reports = {**_reports(results["a"].stdout), **_reports(results["b"].stdout)}
     _assert_gathered(reports, ["async", "sync"], 4)
     _assert_two_hosts(reports, ["hosta", "hosta", "hostb", "hostb"])
+    assert f"hosting the job's server on {HOST_A} without a token" in results["a"].stderr
 
 
 async def test_torchrun_two_nodes_on_two_hosts(hosts: TwoHosts) -> None:
@@ -406,6 +464,8 @@ async def test_torchrun_two_nodes_on_two_hosts(hosts: TwoHosts) -> None:
     reports = {**_reports(results["a"].stdout), **_reports(results["b"].stdout)}
     _assert_gathered(reports, ["sync", "async"], 2)
     _assert_two_hosts(reports, ["hosta", "hostb"])
+    # Rank 0 embedded the server on its address toward torchrun's store, not on loopback.
+    assert f"embedded in this process listens on {HOST_A}:" in results["a"].stderr
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "file"])

@@ -22,7 +22,7 @@ import anyio
 
 from aiodist._control.addresses import is_local, is_loopback, reachable_host
 from aiodist._control.connection import connect_control
-from aiodist._errors import DistError, RendezvousError
+from aiodist._errors import AuthenticationError, DistError, DistTimeoutError, RendezvousError
 from aiodist._server.serve import serve_rendezvous
 from aiodist._wire.messages import StatusRequest
 
@@ -36,7 +36,7 @@ __all__ = ["PROBE_TIMEOUT", "parse_endpoint", "place_server"]
 
 logger = logging.getLogger(__name__)
 
-PROBE_TIMEOUT: Final = 10.0
+PROBE_TIMEOUT: Final = 5.0  # an aiodist server answers a status request in milliseconds
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -116,10 +116,13 @@ async def _join_or_host(
         raise RendezvousError(f"cannot reach the rendezvous server at {where}: {exc}") from exc
     try:
         status = await conn.request(StatusRequest, timeout=PROBE_TIMEOUT)
+    except AuthenticationError:
+        raise
     except DistError as exc:
+        why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
         raise RendezvousError(
-            f"something listens at --rdzv-endpoint {where} but does not answer as an aiodist "
-            f"rendezvous server ({exc}); start one there with `aiodist serve --port {port}`, "
+            f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
+            f"request; start a rendezvous server there with `aiodist serve --port {port}`, "
             "or point at one"
         ) from exc
     finally:
