@@ -12,6 +12,7 @@ import logging
 import socket
 from typing import Any
 
+import anyio
 import pytest
 
 from aiodist._control.addresses import interface_address, is_local, reachable_host
@@ -26,12 +27,34 @@ from aiodist._launch.run import LaunchSpec
 # --- output -------------------------------------------------------------------------------
 
 
+class _Recorded(Sink):
+    """A sink whose writes can be awaited."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self.changed = asyncio.Event()
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.changed.set()
+
+    @property
+    def value(self) -> bytes:
+        return self.stream.getvalue()  # type: ignore[attr-defined,no-any-return]
+
+    async def wait_for(self, tail: bytes) -> None:
+        with anyio.fail_after(5):
+            while not self.value.endswith(tail):
+                self.changed.clear()
+                await self.changed.wait()
+
+
 class _Rank:
     """One rank's output stream, fed by the test, pumped into a shared sink."""
 
-    def __init__(self, sink: Sink, prefix: bytes) -> None:
+    def __init__(self, sink: Sink, prefix: bytes, partial_delay: float = 0.01) -> None:
         self.reader = asyncio.StreamReader()
-        self.task = asyncio.ensure_future(pump(self.reader, sink, prefix))
+        self.task = asyncio.ensure_future(pump(self.reader, sink, prefix, partial_delay))
 
     async def write(self, data: bytes) -> None:
         self.reader.feed_data(data)
@@ -44,26 +67,42 @@ class _Rank:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_pump_writes_partial_lines_at_once_and_never_mixes_two_ranks_on_a_line() -> None:
-    out = io.BytesIO()
-    sink = Sink(out)
+async def test_pump_shows_a_partial_line_soon_and_never_mixes_two_ranks_on_a_line() -> None:
+    sink = _Recorded()
     a, b = _Rank(sink, b"[a] "), _Rank(sink, b"[b] ")
     await a.write(b"\r 10%")
-    assert out.getvalue() == b"\r[a]  10%"  # shown before the line ends, prefixed
+    await sink.wait_for(b"\r[a]  10%")  # shown before the line ends, prefixed
     await a.write(b"\r 20%")
-    assert out.getvalue().endswith(b"\r[a]  20%")  # a redrawn bar keeps its prefix
+    await sink.wait_for(b"\r[a]  20%")  # a redrawn bar keeps its prefix
     await b.write(b"hello\nwor")  # a's bar is unfinished: ended before b writes
     await b.write(b"ld\n")
     await a.write(b"\r100%\n")
     await a.write(b"tail without newline")
     await a.close()
     await b.close()
-    assert out.getvalue() == (
+    assert sink.value == (
         b"\r[a]  10%\r[a]  20%\n"
         b"[b] hello\n[b] world\n"
         b"\r[a] 100%\n"
         b"[a] tail without newline\n"  # kept whole at the end
     )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_pump_keeps_a_line_whole_when_its_newline_comes_in_a_write_of_its_own() -> None:
+    # An unbuffered rank's print() writes the text, then the newline; another rank's
+    # line between the two must not split it.
+    sink = _Recorded()
+    a, b = _Rank(sink, b"[a] ", partial_delay=30.0), _Rank(sink, b"[b] ")
+    await a.write(b"hel")
+    await b.write(b"one\n")
+    await sink.wait_for(b"[b] one\n")
+    await a.write(b"lo")
+    await a.write(b"\n")
+    await sink.wait_for(b"[a] hello\n")
+    await a.close()
+    await b.close()
+    assert sink.value == b"[b] one\n[a] hello\n"
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -1,25 +1,28 @@
-"""The ranks' output under ``aiodist run``: each piece as it comes, prefixed with its rank.
+"""The ranks' output under ``aiodist run``: as it comes, each line prefixed with its rank.
 
-Every rank's stdout and stderr are read as they come and written at once, not
-when a line ends, so a progress bar that redraws its line with ``\\r`` (tqdm)
-shows live. The prefix (``[rank 3] ``) goes before the first byte of each
-line, and again after each ``\\r``, so a redrawn bar keeps it. The ranks share
-the launcher's stdout (and stderr): when a rank writes while another rank's
-line is unfinished, that line is ended first, so a line never carries two
-ranks' text; the other rank's next bytes start a line of their own, prefixed.
+Every rank's stdout and stderr are read as they come. Whole lines (and text
+up to a ``\\r``) are written at once; a partial line is written once nothing
+more came for ``PARTIAL_DELAY`` seconds, so a progress bar that redraws its
+line with ``\\r`` (tqdm) shows live, while ``print``'s text and its newline,
+which an unbuffered rank writes separately, still make one line. The prefix
+(``[rank 3] ``) goes before the first byte of each line, and again after each
+``\\r``, so a redrawn bar keeps it. The ranks share the launcher's stdout (and
+stderr): when a rank writes while another rank's partial line is out, that
+line is ended first, so a line never carries two ranks' text; the other
+rank's next bytes start a line of their own, prefixed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, Final
 
-if TYPE_CHECKING:
-    import asyncio
-
-__all__ = ["READ_CHUNK_BYTES", "Sink", "pump"]
+__all__ = ["MAX_PENDING_BYTES", "PARTIAL_DELAY", "READ_CHUNK_BYTES", "Sink", "pump"]
 
 READ_CHUNK_BYTES: Final = 64 * 1024
+PARTIAL_DELAY: Final = 0.05  # how long a partial line waits for the rest of it
+MAX_PENDING_BYTES: Final = 1024 * 1024  # a longer partial line is written at once
 _SEPARATOR: Final = re.compile(rb"([\r\n])")
 
 
@@ -28,7 +31,7 @@ class Sink:
 
     def __init__(self, stream: IO[bytes]) -> None:
         self.stream = stream
-        self.open_by: object | None = None  # the pump whose line has no end yet
+        self.open_by: object | None = None  # the pump whose written line has no end yet
         self._writable = True
 
     def write(self, data: bytes) -> None:
@@ -41,28 +44,68 @@ class Sink:
             self._writable = False
 
 
-async def pump(stream: asyncio.StreamReader, sink: Sink, prefix: bytes) -> None:
-    """Copy ``stream`` to ``sink`` as it comes, ``prefix`` before each line's first byte."""
-    me = object()
-    at_start = True  # the next byte begins a line, or follows a \r
-    while chunk := await stream.read(READ_CHUNK_BYTES):  # always drain: ranks never block
+class _Writer:
+    """One rank's stream into a sink: where its line stands."""
+
+    def __init__(self, sink: Sink, prefix: bytes) -> None:
+        self.sink = sink
+        self.prefix = prefix
+        self.at_start = True  # the next byte begins a line, or follows a \r
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` (text up to a separator, or a partial line) to the sink."""
+        sink = self.sink
         out = bytearray()
-        if sink.open_by is not me:
+        if sink.open_by is not self:
             if sink.open_by is not None:
                 out += b"\n"  # another rank's line is unfinished: end it before ours
-            at_start = True  # and ours, if it was, was ended by another rank's output
-        for piece in _SEPARATOR.split(chunk):
+            self.at_start = True  # and ours, if it was, was ended by another rank's output
+        for piece in _SEPARATOR.split(data):
             if piece == b"\n" or piece == b"\r":
                 out += piece
-                at_start = True
+                self.at_start = True
             elif piece:
-                if at_start:
-                    out += prefix
-                    at_start = False
+                if self.at_start:
+                    out += self.prefix
+                    self.at_start = False
                 out += piece
-        # A line is open unless the chunk ended one; after a \r it is being redrawn.
-        sink.open_by = None if chunk.endswith(b"\n") else me
+        # A line is open unless ``data`` ended one; after a \r it is being redrawn.
+        sink.open_by = None if data.endswith(b"\n") else self
         sink.write(bytes(out))
-    if sink.open_by is me:  # a last line without a newline is kept whole
-        sink.write(b"\n")
-        sink.open_by = None
+
+    def end(self) -> None:
+        """The rank's stream ended: a last line without a newline is kept whole."""
+        if self.sink.open_by is self:
+            self.sink.write(b"\n")
+            self.sink.open_by = None
+
+
+async def pump(
+    stream: asyncio.StreamReader, sink: Sink, prefix: bytes, partial_delay: float = PARTIAL_DELAY
+) -> None:
+    """Copy ``stream`` to ``sink`` as it comes, ``prefix`` before each line's first byte."""
+    writer = _Writer(sink, prefix)
+    pending = b""  # a partial line not written yet
+    while True:  # always drain: ranks never block on a full pipe
+        if pending:
+            try:
+                # StreamReader.read is cancellation-safe: nothing read is lost.
+                chunk = await asyncio.wait_for(stream.read(READ_CHUNK_BYTES), partial_delay)
+            except TimeoutError:
+                writer.write(pending)  # nothing more came: show it as it is
+                pending = b""
+                continue
+        else:
+            chunk = await stream.read(READ_CHUNK_BYTES)
+        if not chunk:
+            break
+        data = pending + chunk
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        if len(data) - cut > MAX_PENDING_BYTES:
+            cut = len(data)
+        if cut:
+            writer.write(data[:cut])
+        pending = data[cut:]
+    if pending:
+        writer.write(pending)
+    writer.end()
