@@ -10,19 +10,21 @@ import io
 import json
 import logging
 import socket
+import time
 from typing import Any
 
 import anyio
 import pytest
 
 from aiodist._control.addresses import interface_address, is_local, reachable_host
-from aiodist._control.rendezvous import parse_init_method
+from aiodist._control.rendezvous import connect_rendezvous, parse_init_method
 from aiodist._control.torchrun import Torchrun, server_key, torchrun_env
-from aiodist._errors import RendezvousError
+from aiodist._errors import RendezvousError, RendezvousTimeout
 from aiodist._launch.cli import _JsonFormatter, _TextFormatter, format_status, main
 from aiodist._launch.output import Sink, pump
 from aiodist._launch.placement import parse_endpoint
 from aiodist._launch.run import LaunchSpec
+from tests._procs import free_port
 
 # --- output -------------------------------------------------------------------------------
 
@@ -257,3 +259,90 @@ def test_format_status_shows_generations_and_recently_finished_jobs() -> None:
         "  job 'old': not_formed after 30.0 s, 1m30s ago "
         "(did not form: 1 of 2 members joined in time)" in text.splitlines()
     )
+
+
+# --- agreeing on the server through torchrun's store (a real TCPStore, in this process) ------
+
+
+def _torchrun_env(rank: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "store-test",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+@pytest.fixture
+def agent_store() -> Any:
+    """torchrun's agent store: a TCPStore server this test hosts, as the agent does."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_torchrun_rank_zero_publishes_its_server_and_rank_one_finds_it(
+    agent_store: Any,
+) -> None:
+    envs = [_torchrun_env(rank, agent_store.port) for rank in (0, 1)]
+    specs = [parse_init_method("env://", environ=env) for env in envs]
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(20):
+            conn0, server = await connect_rendezvous(specs[0], tg, timeout=10, environ=envs[0])
+            assert server is not None
+            assert server.address[0] == "127.0.0.1"  # every rank on this host: loopback
+            published = agent_store.get("aiodist/store-test/3/server").decode()
+            assert published == f"127.0.0.1:{server.address[1]}"
+            conn1, none = await connect_rendezvous(specs[1], None, timeout=10, environ=envs[1])
+            assert none is None
+            await server.wait_until(lambda s: s.num_connections == 1)  # one per process
+        conn0.close()
+        conn1.close()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_torchrun_rank_waiting_for_a_server_never_published_times_out(
+    agent_store: Any,
+) -> None:
+    env = _torchrun_env(1, agent_store.port)
+    spec = parse_init_method("env://", environ=env)
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeout) as info, anyio.fail_after(20):
+        await connect_rendezvous(spec, None, timeout=1.0, environ=env)
+    assert time.monotonic() - started < 5
+    assert "rank 0 of torchrun run 'store-test' (restart 3) published no aiodist server" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_torchrun_rank_cancelled_while_waiting_for_the_server_returns_at_once(
+    agent_store: Any,
+) -> None:
+    env = _torchrun_env(1, agent_store.port)
+    spec = parse_init_method("env://", environ=env)
+    started = time.monotonic()
+    with anyio.move_on_after(0.5) as scope:
+        await connect_rendezvous(spec, None, timeout=600, environ=env)
+    assert scope.cancelled_caught
+    assert time.monotonic() - started < 2  # not the store's 600 s wait
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_torchrun_store_that_does_not_listen_is_a_rendezvous_error() -> None:
+    env = _torchrun_env(1, free_port())
+    spec = parse_init_method("env://", environ=env)
+    started = time.monotonic()
+    with (
+        pytest.raises(RendezvousError, match="cannot reach torchrun's store at MASTER_ADDR"),
+        anyio.fail_after(20),
+    ):
+        await connect_rendezvous(spec, None, timeout=1.0, environ=env)
+    assert time.monotonic() - started < 10

@@ -14,23 +14,26 @@ and connect. No port is guessed, and a restart of the job by torchrun
 outlives the workers, so a key from an earlier start must not be read.
 
 torch is imported here only, when torchrun's environment is found: ``import
-aiodist`` stays free of it. The store's calls block, so they run in a worker
-thread, abandoned if the caller is cancelled (each is bounded by its timeout).
+aiodist`` stays free of it. The store's calls block, so each runs in a daemon
+thread of its own, abandoned if the caller is cancelled: bounded by its
+timeout, it never holds up the loop nor, being a daemon, the process's exit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
-
-import anyio
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiodist._errors import RendezvousError, RendezvousTimeout
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
+
+T = TypeVar("T")
 
 __all__ = ["Torchrun", "find_server", "publish_server", "server_key", "torchrun_env"]
 
@@ -101,14 +104,39 @@ def _open_store(
     return store
 
 
+async def _blocking(func: Callable[..., T], *args: object) -> T:
+    """Run ``func(*args)`` in a daemon thread; abandon it if the caller is cancelled."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return  # the caller was cancelled: nobody waits for it
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (func(*args), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for it
+
+    threading.Thread(target=run, name="aiodist-torchrun-store", daemon=True).start()
+    return await future
+
+
 async def _store(
     host: str, port: int, rank: int, world_size: int, run: Torchrun, timeout: float
 ) -> Any:
     where = f"{host}:{port}"
     try:
-        return await anyio.to_thread.run_sync(
-            _open_store, host, port, rank, world_size, run, timeout, abandon_on_cancel=True
-        )
+        return await _blocking(_open_store, host, port, rank, world_size, run, timeout)
     except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
         raise RendezvousError(
             f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT={where} ({exc}); {_HOW}"
@@ -132,7 +160,7 @@ async def publish_server(
     store = await _store(host, port, 0, world_size, run, timeout)
     value = f"{server[0]}:{server[1]}".encode()
     try:
-        await anyio.to_thread.run_sync(store.set, server_key(run), value, abandon_on_cancel=True)
+        await _blocking(store.set, server_key(run), value)
     except RuntimeError as exc:
         raise RendezvousError(
             f"cannot write to torchrun's store at {host}:{port} ({exc}); {_HOW}"
@@ -156,7 +184,7 @@ async def find_server(
         return bytes(store.get(key))
 
     try:
-        value = await anyio.to_thread.run_sync(wait_and_get, abandon_on_cancel=True)
+        value = await _blocking(wait_and_get)
     except RuntimeError as exc:
         raise RendezvousTimeout(
             f"rank 0 of torchrun run {run.run_id!r} (restart {run.restart_count}) published no "
