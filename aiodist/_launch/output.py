@@ -34,7 +34,14 @@ class Sink:
         self.open_by: object | None = None  # the pump whose written line has no end yet
         self._writable = True
 
-    def write(self, data: bytes) -> None:
+    def line(self, text: str) -> None:
+        """Write ``text`` as a line of the launcher's own, after any rank's unfinished one."""
+        self.write(("\n" if self.open_by is not None else "") + text + "\n")
+        self.open_by = None
+
+    def write(self, data: bytes | str) -> None:
+        if isinstance(data, str):
+            data = data.encode()
         if not self._writable or not data:
             return
         try:

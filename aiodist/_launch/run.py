@@ -295,9 +295,9 @@ async def launch(
             result = await _run_ranks(spec, ranks, master, job_id, restart, out, err)
             if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
                 break
-            err.write(
+            err.line(
                 f"{result.summary}; restarting all {spec.nproc} ranks{_where(spec)} "
-                f"(restart {restart + 1} of {spec.max_restarts})\n".encode()
+                f"(restart {restart + 1} of {spec.max_restarts})"
             )
         if server is not None:
             await _linger(server, job_id, succeeded=result.exit_code == 0)
