@@ -36,12 +36,10 @@ class Sink:
 
     def line(self, text: str) -> None:
         """Write ``text`` as a line of the launcher's own, after any rank's unfinished one."""
-        self.write(("\n" if self.open_by is not None else "") + text + "\n")
+        self.write(("\n" if self.open_by is not None else "").encode() + text.encode() + b"\n")
         self.open_by = None
 
-    def write(self, data: bytes | str) -> None:
-        if isinstance(data, str):
-            data = data.encode()
+    def write(self, data: bytes) -> None:
         if not self._writable or not data:
             return
         try:
