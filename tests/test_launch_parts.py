@@ -108,6 +108,21 @@ async def test_pump_keeps_a_line_whole_when_its_newline_comes_in_a_write_of_its_
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_pump_does_not_end_twice_a_line_that_another_rank_ended() -> None:
+    sink = _Recorded()
+    a, b = _Rank(sink, b"[a] "), _Rank(sink, b"[b] ")
+    await a.write(b"\r 50%")
+    await sink.wait_for(b"[a]  50%")
+    await b.write(b"x\n")  # ends a's line first
+    await sink.wait_for(b"[b] x\n")
+    await a.write(b"\n")  # a ends the line it thinks is open: already done
+    await a.write(b"next\n")
+    await a.close()
+    await b.close()
+    assert sink.value == b"\r[a]  50%\n[b] x\n[a] next\n"  # no empty line
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_pump_into_a_closed_reader_discards_and_keeps_draining() -> None:
     class Closed(io.BytesIO):
         def write(self, data: Any) -> int:

@@ -1,15 +1,16 @@
 """The ranks' output under ``aiodist run``: as it comes, each line prefixed with its rank.
 
-Every rank's stdout and stderr are read as they come. Whole lines (and text
-up to a ``\\r``) are written at once; a partial line is written once nothing
-more came for ``PARTIAL_DELAY`` seconds, so a progress bar that redraws its
-line with ``\\r`` (tqdm) shows live, while ``print``'s text and its newline,
-which an unbuffered rank writes separately, still make one line. The prefix
-(``[rank 3] ``) goes before the first byte of each line, and again after each
-``\\r``, so a redrawn bar keeps it. The ranks share the launcher's stdout (and
-stderr): when a rank writes while another rank's partial line is out, that
-line is ended first, so a line never carries two ranks' text; the other
-rank's next bytes start a line of their own, prefixed.
+Every rank's stdout and stderr are read as they come. Whole lines are written
+at once; a partial line (a progress bar redrawn with ``\\r``, say) is written
+once nothing more came for ``PARTIAL_DELAY`` seconds, so tqdm's bar shows
+live, while ``print``'s text and its newline, which an unbuffered rank writes
+separately, still make one line. The prefix (``[rank 3] ``) goes before the
+first byte of each line, and again after each ``\\r``, so a redrawn bar keeps
+it. The ranks share the launcher's stdout (and stderr): when a rank writes
+while another rank's partial line is out, that line is ended first, so a line
+never carries two ranks' text; the other rank goes on on a line of its own,
+prefixed (the newline that would have ended its interrupted line is then not
+written again).
 """
 
 from __future__ import annotations
@@ -56,15 +57,20 @@ class _Writer:
         self.sink = sink
         self.prefix = prefix
         self.at_start = True  # the next byte begins a line, or follows a \r
+        self.open = False  # our last write left a line unfinished
 
     def write(self, data: bytes) -> None:
-        """Write ``data`` (text up to a separator, or a partial line) to the sink."""
+        """Write ``data`` (whole lines, or a partial line) to the sink."""
         sink = self.sink
+        if self.open and sink.open_by is not self:
+            # Another rank's output ended our unfinished line: its newline was written.
+            self.open, self.at_start = False, True
+            data = data.removeprefix(b"\n")
+        if not data:
+            return
         out = bytearray()
-        if sink.open_by is not self:
-            if sink.open_by is not None:
-                out += b"\n"  # another rank's line is unfinished: end it before ours
-            self.at_start = True  # and ours, if it was, was ended by another rank's output
+        if sink.open_by is not None and sink.open_by is not self:
+            out += b"\n"  # another rank's line is unfinished: end it before ours
         for piece in _SEPARATOR.split(data):
             if piece == b"\n" or piece == b"\r":
                 out += piece
@@ -75,7 +81,8 @@ class _Writer:
                     self.at_start = False
                 out += piece
         # A line is open unless ``data`` ended one; after a \r it is being redrawn.
-        sink.open_by = None if data.endswith(b"\n") else self
+        self.open = not data.endswith(b"\n")
+        sink.open_by = self if self.open else None
         sink.write(bytes(out))
 
     def end(self) -> None:
@@ -83,6 +90,7 @@ class _Writer:
         if self.sink.open_by is self:
             self.sink.write(b"\n")
             self.sink.open_by = None
+        self.open = False
 
 
 async def pump(
@@ -105,7 +113,7 @@ async def pump(
         if not chunk:
             break
         data = pending + chunk
-        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        cut = data.rfind(b"\n") + 1  # a \r's redraw waits with the rest of its line
         if len(data) - cut > MAX_PENDING_BYTES:
             cut = len(data)
         if cut:
