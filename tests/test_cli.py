@@ -297,7 +297,8 @@ async def test_status_without_server_fails_clearly() -> None:
 def test_daemon_never_imports_torch() -> None:
     code = (
         "import sys; import aiodist._launch.cli, aiodist._launch.daemon, aiodist._server.serve, "
-        "aiodist._server.metrics, aiodist._launch.run; print('torch' in sys.modules)"
+        "aiodist._server.metrics, aiodist._launch.run, aiodist._launch.placement, "
+        "aiodist._control.rendezvous, aiodist._control.torchrun; print('torch' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60

@@ -87,8 +87,18 @@ async def _finish(proc: Process, timeout: float = 60) -> tuple[int, str, str]:
 
 
 def test_rank_env_is_torchruns() -> None:
-    spec = LaunchSpec(["python", "x.py"], nproc=4, nnodes=2, node_rank=1, master_port=1234)
-    env = rank_env(spec, 2, ("10.0.0.1", 1234), "job", {"PATH": "/bin", "RANK": "99"})
+    spec = LaunchSpec(
+        ["python", "x.py"],
+        nproc=4,
+        nnodes=2,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=1234,
+        max_restarts=3,
+        token="tok",
+    )
+    base = {"PATH": "/bin", "RANK": "99", "TORCHELASTIC_RUN_ID": "outer", "TORCHELASTIC_X": "1"}
+    env = rank_env(spec, 2, ("10.0.0.1", 1234), "job", base, restart=2)
     assert {k: env[k] for k in env if k != "PATH"} == {
         "RANK": "6",
         "LOCAL_RANK": "2",
@@ -101,10 +111,14 @@ def test_rank_env_is_torchruns() -> None:
         "ROLE_WORLD_SIZE": "8",
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "1234",
+        # torchrun's restart count: the generation of the job the ranks join
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
         "AIODIST_JOB_ID": "job",
+        "AIODIST_TOKEN": "tok",
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
-    }
+    }  # an outer torchrun's variables are dropped: this job's server is not in its store
     assert env["PATH"] == "/bin"
     assert rank_env(spec, 0, ("h", 1), "j", {"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
     single = LaunchSpec(["python", "x.py"], nproc=1)
@@ -117,8 +131,20 @@ def test_rank_env_is_torchruns() -> None:
         ({"nproc": 0}, "-n/--nproc-per-node must be >= 1"),
         ({"nproc": 1, "nnodes": 0}, "--nnodes must be >= 1"),
         ({"nproc": 1, "nnodes": 2, "node_rank": 2}, r"--node-rank must be in \[0, 2\)"),
-        ({"nproc": 1, "nnodes": 2, "node_rank": 1}, "needs --master-port"),
+        ({"nproc": 1, "nnodes": 2, "node_rank": 1}, "needs --master-addr and --master-port"),
+        (
+            {"nproc": 1, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1"},
+            "needs --master-addr and --master-port",
+        ),
         ({"nproc": 1, "master_port": 70000}, "--master-port must be in"),
+        ({"nproc": 1, "max_restarts": -1}, "--max-restarts must be >= 0"),
+        ({"nproc": 1, "rdzv_endpoint": "host"}, "--rdzv-endpoint must be HOST:PORT"),
+        ({"nproc": 1, "rdzv_endpoint": "host:0"}, "--rdzv-endpoint must be HOST:PORT"),
+        (
+            {"nproc": 1, "rdzv_endpoint": "h:1", "master_port": 2},
+            "leave out --master-addr and --master-port",
+        ),
+        ({"nproc": 1, "nnodes": 2, "rdzv_endpoint": "h:1"}, "needs --rdzv-id"),
     ],
 )
 def test_launch_spec_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -> None:

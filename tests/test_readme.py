@@ -254,6 +254,21 @@ async def _check_run(command: str, cwd: Path) -> None:
         assert f"{prefix}rank 0 of 4, lr {lr}" in result.stdout.splitlines(), result.stdout
 
 
+async def _check_run_on_daemon(command: str, cwd: Path) -> None:
+    # The README's endpoint is a deployment's: ours is a daemon on a free port.
+    async with serve("--port", "0") as daemon:
+        endpoint = shlex.split(command)[shlex.split(command).index("--rdzv-endpoint") + 1]
+        await _check_run(command.replace(endpoint, f"127.0.0.1:{daemon.port}"), cwd)
+
+
+async def _check_torchrun(command: str, cwd: Path) -> None:
+    (cwd / "train.py").write_text(TRAIN_PY)
+    argv = [sys.executable, "-m", "torch.distributed.run", *shlex.split(command)[1:]]
+    result = await run(argv, limit=120, env={"PYTHONPATH": str(ROOT)}, cwd=cwd)
+    assert result.returncode == 0, f"`{command}` failed:\n{result.stdout}\n{result.stderr}"
+    assert "rank 0 of 4, lr 0.01" in result.stdout.splitlines(), result.stdout
+
+
 async def _check_make(command: str, cwd: Path) -> None:
     result = await run(shlex.split(command), limit=180, cwd=ROOT)
     assert result.returncode == 0, f"`{command}` failed:\n{result.stdout}\n{result.stderr}"
@@ -313,10 +328,18 @@ BASH: dict[str, Check | str] = {
     "aiodist status --port 29500 --json": _check_status,
     "aiodist run -n 4 train.py --lr 0.1": _check_run,
     "aiodist run -n 4 --no-prefix train.py": _check_run,
+    "aiodist run -n 4 --max-restarts 3 train.py": _check_run,
+    "aiodist run -n 4 --rdzv-endpoint 127.0.0.1:29500 train.py": _check_run_on_daemon,
     "aiodist run -n 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 "
-    "train.py": "two hosts (tests/test_launch.py runs two nodes on one host)",
+    "train.py": "two hosts (tests/test_launch_paths.py runs two nodes on two network namespaces)",
     "aiodist run -n 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
-    "train.py": "two hosts (tests/test_launch.py runs two nodes on one host)",
+    "train.py": "two hosts (tests/test_launch_paths.py runs two nodes on two network namespaces)",
+    "torchrun --standalone --nproc-per-node 4 train.py": _check_torchrun,
+    "torchrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 "
+    "--nproc-per-node 4 train.py": "two hosts (tests/test_launch_paths.py runs torchrun on two "
+    "network namespaces)",
+    "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 "
+    "--rdzv-id job7 train.py": "two hosts (tests/test_launch_paths.py runs c10d on one host)",
     "aiodist run -n 4 examples/train_overlap.py": _check_run,
     "aiodist run -n 2 examples/train_overlap.py --device cuda --backend none": (
         _check_run if torch.cuda.is_available() else "needs a CUDA GPU"

@@ -95,6 +95,7 @@ class FakeServer:
         heartbeat_timeout: float = LONG,
         timeout: float = LONG,
         conn: ConnId | None = None,
+        generation: int = 0,
     ) -> ConnId:
         """Join from a new connection (or ``conn``); return the connection."""
         if conn is None:
@@ -110,6 +111,7 @@ class FakeServer:
             addresses if addresses is not None else [f"tcp://{host}:{pid}"],
             heartbeat_timeout,
             timeout,
+            generation,
         )
         return conn
 
@@ -1269,6 +1271,161 @@ def test_job_full_until_every_member_gone(srv: FakeServer) -> None:
     srv.only(b, Reply)
     srv.join(world_size=1, conn=c)
     assert srv.only(c, Welcome).world_size == 1
+
+
+# --- generations ----------------------------------------------------------------------
+
+
+def test_later_generation_replaces_a_running_job_and_the_earlier_one_goes_on_alone(
+    srv: FakeServer,
+) -> None:
+    old = srv.form(2)
+    srv.call(old[0], StoreSet, "k", b"old")
+    srv.only(old[0], Reply)
+    new0 = srv.join(world_size=2, rank=0, generation=1)
+    job = srv.state.jobs["job"]
+    assert (job.generation, len(job.members)) == (1, 1)
+    req = srv.call(new0, StoreCheck, ["k"])
+    assert srv.reply(new0, req) is False  # a new start: nothing of the old one's store
+    # The earlier generation's members still use the record they hold.
+    srv.lose(old[1])
+    assert srv.only(old[0], MemberFailed).rank == 1
+    srv.call(old[0], Leave)
+    srv.only(old[0], Reply)
+    assert srv.state.jobs["job"] is job
+    assert srv.quiet()
+    new1 = srv.join(world_size=2, rank=1, generation=1)
+    assert [srv.only(c, Welcome).rank for c in (new0, new1)] == [0, 1]
+
+
+def test_earlier_generation_than_the_jobs_is_refused_and_the_job_goes_on(srv: FakeServer) -> None:
+    new0 = srv.join(world_size=2, rank=0, generation=2)
+    stale = srv.connect()
+    req = srv.call(stale, Join, "job", 2, 1, "h", 9, [], LONG, LONG, 1)
+    err = srv.error(stale, req, ErrorCode.RENDEZVOUS)
+    assert "generation 1" in err.message
+    assert "generation 2 is running" in err.message
+    assert err.details == {"generations": [2, 1]}
+    new1 = srv.join(world_size=2, rank=1, generation=2)
+    assert [srv.only(c, Welcome).rank for c in (new0, new1)] == [0, 1]
+
+
+def test_job_of_a_reused_name_may_start_at_generation_zero_after_it_ended(
+    srv: FakeServer,
+) -> None:
+    earlier = srv.join(world_size=1, generation=3)
+    srv.only(earlier, Welcome)
+    srv.lose(earlier)
+    conn = srv.join(world_size=1)  # a launch of its own that reuses the name
+    assert srv.only(conn, Welcome).world_size == 1
+    assert srv.state.jobs["job"].generation == 0
+
+
+# --- job events -----------------------------------------------------------------------
+
+
+def events(srv: FakeServer, *fields: str) -> list[tuple[Any, ...]]:
+    """The events since the last call, each as (event, *fields)."""
+    return [(e["event"], *(e.get(f) for f in fields)) for e in srv.state.take_events()]
+
+
+def test_events_follow_a_job_from_creation_to_success(srv: FakeServer) -> None:
+    srv.now = 10.0
+    a = srv.join(world_size=2, rank=1, host="n1", pid=7)
+    srv.now = 11.5
+    b = srv.join(world_size=2, host="n0", pid=8)
+    evs = srv.state.take_events()
+    assert [e["event"] for e in evs] == ["job_created", "rank_joined", "rank_joined", "job_formed"]
+    assert all((e["job"], e["generation"]) == ("job", 0) for e in evs)
+    assert evs[0]["world_size"] == 2
+    assert [(e["rank"], e["host"], e["pid"], e["joined"]) for e in evs[1:3]] == [
+        (1, "n1", 7, 1),
+        (None, "n0", 8, 2),  # an automatic rank is not known when it joins
+    ]
+    assert (evs[3]["seconds"], evs[3]["hosts"]) == (1.5, 2)
+    srv.now = 20.0
+    for conn in (a, b):
+        srv.call(conn, Leave)
+    srv.lose(a)
+    srv.lose(b)
+    [finished] = srv.state.take_events()
+    assert finished == {
+        "event": "job_finished",
+        "job": "job",
+        "generation": 0,
+        "state": "succeeded",
+        "world_size": 2,
+        "seconds": 10.0,
+        "ran": 8.5,
+        "failures": 0,
+    }
+
+
+def test_events_of_a_failed_rank_and_of_the_next_generation(srv: FakeServer) -> None:
+    conns = srv.form(2)
+    srv.state.take_events()
+    srv.now = 4.0
+    srv.lose(conns[1], "connection reset")
+    assert events(srv, "rank", "host", "ran") == [("rank_failed", 1, host_of(1), 4.0)]
+    srv.now = 5.0
+    srv.call(conns[0], Leave)
+    assert events(srv, "state", "failures", "seconds") == [("job_finished", "failed", 1, 5.0)]
+    srv.join(world_size=2, rank=0, generation=1)
+    assert events(srv, "generation", "previous_generation", "previous_state") == [
+        ("job_created", 1, None, None),
+        ("generation_restarted", 1, 0, "failed"),
+        ("rank_joined", 1, None, None),
+    ]
+
+
+def test_events_when_a_later_generation_replaces_a_running_job(srv: FakeServer) -> None:
+    old = srv.form(2)
+    srv.state.take_events()
+    srv.join(world_size=2, rank=0, generation=1)
+    assert events(srv, "generation", "previous_state")[:2] == [
+        ("job_created", 1, None),
+        ("generation_restarted", 1, "replaced"),
+    ]
+    for conn in old:  # the replaced generation still finishes, once
+        srv.call(conn, Leave)
+        srv.lose(conn)
+    assert events(srv, "generation", "state") == [("job_finished", 0, "succeeded")]
+
+
+@pytest.mark.parametrize("how", ["timeout", "world_size"])
+def test_job_that_never_formed_finishes_not_formed_with_the_reason(
+    srv: FakeServer, how: str
+) -> None:
+    srv.join(world_size=3, rank=0, timeout=5.0)
+    srv.join(world_size=3, rank=1, timeout=5.0)
+    if how == "timeout":
+        srv.advance(6.0)
+    else:
+        srv.join(world_size=2, rank=1, host="hz", pid=99)
+    *_, finished = srv.state.take_events()
+    assert (finished["event"], finished["state"], finished["ran"]) == (
+        "job_finished",
+        "not_formed",
+        None,
+    )
+    expected = "2 of 3 members joined in time" if how == "timeout" else "disagree: 3 and 2"
+    assert expected in finished["reason"]
+    assert srv.state.jobs == {}
+
+
+def test_snapshot_reports_generations_and_recently_finished_jobs(srv: FakeServer) -> None:
+    done = srv.join("done", 1, generation=2)
+    srv.only(done, Welcome)
+    srv.now = 3.0
+    srv.call(done, Leave)
+    srv.join("running", 2, 0, generation=4)
+    srv.now = 10.0
+    snap = srv.state.snapshot(srv.now)
+    [running] = snap["jobs"]
+    assert (running["name"], running["generation"]) == ("running", 4)
+    [finished] = snap["finished"]
+    assert (finished["job"], finished["generation"], finished["state"]) == ("done", 2, "succeeded")
+    assert (finished["seconds"], finished["ago"]) == (3.0, 7.0)
 
 
 # --- close, status --------------------------------------------------------------------

@@ -3,11 +3,21 @@
 - ``tcp://HOST:PORT`` connects there. If nothing listens and this process is
   rank 0 (or ``AIODIST_EMBED=1``), it starts the server embedded in itself.
   Other ranks retry until the rendezvous timeout, as TCPStore clients do.
-- ``env://`` reads torchrun's variables and then behaves as ``tcp://``.
+- ``env://`` reads torchrun's variables and then behaves as ``tcp://``, as
+  under ``aiodist run``, whose server listens at ``MASTER_ADDR:MASTER_PORT``.
+  Under torchrun itself (``TORCHELASTIC_RUN_ID`` set), a torch TCPStore
+  listens there instead: rank 0 embeds a server on a free port and publishes
+  it in that store, the others read it there (``torchrun.py``).
 - ``file:///shared/path`` needs no address: under an fcntl lock on the file,
   the first process starts an embedded server on a free port and writes its
   address there; the others read it and connect. The file is the only thing
   the processes must share, so no port has to be agreed on beforehand.
+
+An embedded server that other hosts may need binds an address they can reach
+(``addresses.py``: ``AIODIST_HOST``, ``AIODIST_SOCKET_IFNAME``, ...), and
+127.0.0.1 when the launcher says every rank runs on this host
+(``LOCAL_WORLD_SIZE == WORLD_SIZE``). One that listens beyond loopback without
+a token logs a warning.
 
 The token is the process's ``$AIODIST_TOKEN``: an embedded server requires it
 from its clients when it is set, and this process's clients insist that the
@@ -19,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import functools
+import logging
 import os
 import urllib.parse
 from dataclasses import dataclass
@@ -26,7 +37,9 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import anyio
 
+from aiodist._control.addresses import is_loopback, reachable_host
 from aiodist._control.shared import open_channel
+from aiodist._control.torchrun import Torchrun, find_server, publish_server, torchrun_env
 from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 
@@ -38,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RendezvousSpec", "ServerHost", "connect_rendezvous", "may_embed", "parse_init_method"]
 
+logger = logging.getLogger(__name__)
 FILE_PROBE_TIMEOUT: Final = 2.0
 _file_locks: dict[str, asyncio.Lock] = {}  # fcntl locks are per process: also lock in-process
 
@@ -54,14 +68,23 @@ class ServerHost(Protocol):
 class RendezvousSpec:
     """Where and how to rendezvous, resolved from ``init_method`` and the environment."""
 
-    scheme: Literal["tcp", "file"]
-    host: str = ""
+    scheme: Literal["tcp", "file", "torchrun"]
+    host: str = ""  # for "torchrun": where torchrun's store listens
     port: int = 0
     path: str = ""
     rank: int = -1
     world_size: int = -1
     local_rank: int | None = None
     local_world_size: int | None = None
+    generation: int = 0  # the launcher's restart count
+    torchrun: Torchrun | None = None
+
+    @property
+    def single_host(self) -> bool:
+        """Whether the launcher said that every rank runs on this host."""
+        return self.world_size == 1 or (
+            self.local_world_size is not None and self.local_world_size == self.world_size
+        )
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -92,6 +115,9 @@ def parse_init_method(
     env = os.environ if environ is None else environ
     method = init_method or "env://"
     url = urllib.parse.urlsplit(method)
+    generation = _env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+    if generation < 0:
+        raise RendezvousError(f"TORCHELASTIC_RESTART_COUNT={generation} must be >= 0")
     if url.scheme == "env":  # only a launcher's environment says which local rank we are
         local_rank = _env_int(env, "LOCAL_RANK")
         local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
@@ -108,14 +134,17 @@ def parse_init_method(
                 f"address> MASTER_PORT=<free port, e.g. {DEFAULT_PORT}>, launch with "
                 "`aiodist run`/torchrun, or pass init_method='tcp://HOST:PORT'"
             )
+        run = torchrun_env(env)
         return RendezvousSpec(
-            "tcp",
+            "tcp" if run is None else "torchrun",
             host,
             port,
             rank=rank,
             world_size=world_size,
             local_rank=local_rank,
             local_world_size=local_world_size,
+            generation=generation,
+            torchrun=run,
         )
     if url.scheme == "tcp":
         try:
@@ -124,12 +153,28 @@ def parse_init_method(
             raise ValueError(f"malformed init_method {method!r}: {exc}") from None
         if not tcp_host or tcp_port is None:
             raise ValueError(f"init_method {method!r} needs a host and a port: tcp://HOST:PORT")
-        return RendezvousSpec("tcp", tcp_host, tcp_port, rank=rank, world_size=world_size)
+        return RendezvousSpec(
+            "tcp", tcp_host, tcp_port, rank=rank, world_size=world_size, generation=generation
+        )
     if url.scheme == "file":
         path = urllib.parse.unquote(url.path)
         if not path:
             raise ValueError(f"init_method {method!r} needs a path: file:///shared/path")
-        return RendezvousSpec("file", path=path, rank=rank, world_size=world_size)
+        # A launcher's word on how many ranks run here decides where the server listens.
+        env_world_size = _env_int(env, "WORLD_SIZE")
+        local_world_size = (
+            _env_int(env, "LOCAL_WORLD_SIZE")
+            if env_world_size is not None and env_world_size == world_size
+            else None
+        )
+        return RendezvousSpec(
+            "file",
+            path=path,
+            rank=rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            generation=generation,
+        )
     raise ValueError(
         f"init_method {method!r} has an unknown scheme; use tcp://HOST:PORT, env:// or file:///path"
     )
@@ -139,9 +184,11 @@ def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) ->
     """True if joining with ``spec`` may start an embedded server in this process.
 
     ``file://`` always may; ``tcp://`` (and ``env://``) only as rank 0 or with
-    ``AIODIST_EMBED=1``.
+    ``AIODIST_EMBED=1``; under torchrun, rank 0 does.
     """
     env = os.environ if environ is None else environ
+    if spec.scheme == "torchrun":
+        return spec.rank == 0
     return spec.scheme == "file" or spec.rank == 0 or env.get("AIODIST_EMBED", "") == "1"
 
 
@@ -162,12 +209,14 @@ async def connect_rendezvous(
     env = os.environ if environ is None else environ
     # One token for the server this process may embed and for its own clients.
     token = env.get("AIODIST_TOKEN", "")
+    if spec.scheme == "torchrun":
+        return await _connect_torchrun(spec, tg, timeout=timeout, token=token, env=env)
     if not may_embed(spec, env):
         conn = await open_channel(spec.host, spec.port, timeout=timeout, token=token)
         return conn, None
     assert tg is not None, "a process that may embed the server needs a task group"
     if spec.scheme == "file":
-        return await _connect_file(spec.path, tg, timeout=timeout, token=token, env=env)
+        return await _connect_file(spec, tg, timeout=timeout, token=token, env=env)
     try:
         conn = await open_channel(
             spec.host, spec.port, timeout=timeout, retry_refused=False, token=token
@@ -175,11 +224,7 @@ async def connect_rendezvous(
         return conn, None
     except ConnectionRefusedError:
         try:
-            server: RendezvousServer = await tg.start(
-                functools.partial(serve_rendezvous, token=token or None),
-                spec.host,
-                spec.port,
-            )
+            server = await _embed(tg, spec.host, spec.port, token)
         except OSError:
             pass  # another process won the race to embed it; connect to theirs
         else:
@@ -189,14 +234,63 @@ async def connect_rendezvous(
     return conn, None
 
 
+async def _embed(tg: ServerHost, host: str, port: int, token: str) -> RendezvousServer:
+    """Start a server in ``tg`` at ``host:port``; warn if it is open beyond loopback."""
+    server: RendezvousServer = await tg.start(
+        functools.partial(serve_rendezvous, token=token or None), host, port
+    )
+    if not token and not is_loopback(server.address[0]):
+        logger.warning(
+            "the rendezvous server embedded in this process listens on %s:%d without a token: "
+            "anyone who reaches it can join the job; set AIODIST_TOKEN on every rank",
+            *server.address,
+        )
+    return server
+
+
+def _embed_host(spec: RendezvousSpec, env: Mapping[str, str], *, toward: str | None) -> str:
+    """Where to embed a server that every rank of ``spec`` must reach."""
+    if host := env.get("AIODIST_HOST", "").strip():
+        return host
+    if spec.single_host:
+        return "127.0.0.1"
+    return reachable_host(toward, env)
+
+
+async def _connect_torchrun(
+    spec: RendezvousSpec,
+    tg: ServerHost | None,
+    *,
+    timeout: float,
+    token: str,
+    env: Mapping[str, str],
+) -> tuple[ControlChannel, RendezvousServer | None]:
+    run = spec.torchrun
+    assert run is not None
+    if spec.rank != 0:
+        address = await find_server(
+            spec.host, spec.port, spec.rank, spec.world_size, run, timeout=timeout
+        )
+        return await open_channel(*address, timeout=timeout, token=token), None
+    assert tg is not None, "rank 0 embeds the server: it needs a task group"
+    # Before the server starts: an address that cannot be found is an error, not a wait.
+    host = _embed_host(spec, env, toward=spec.host)
+    server = await _embed(tg, host, 0, token)
+    await publish_server(
+        spec.host, spec.port, spec.world_size, run, server.address, timeout=timeout
+    )
+    return await open_channel(*server.address, timeout=timeout, token=token), server
+
+
 async def _connect_file(
-    path: str,
+    spec: RendezvousSpec,
     tg: ServerHost,
     *,
     timeout: float,
     token: str,
     env: Mapping[str, str],
 ) -> tuple[ControlChannel, RendezvousServer | None]:
+    path = spec.path
     lock = _file_locks.setdefault(path, asyncio.Lock())
     with anyio.fail_after(timeout):
         async with lock:
@@ -222,12 +316,7 @@ async def _connect_file(
                             raise
                         except (OSError, ValueError, RendezvousError):
                             pass  # a stale address from a job that ended: replace it
-                    bind = env.get("AIODIST_HOST", "127.0.0.1")
-                    server: RendezvousServer = await tg.start(
-                        functools.partial(serve_rendezvous, token=token or None),
-                        bind,
-                        0,
-                    )
+                    server = await _embed(tg, _file_host(spec, env), 0, token)
                     f.seek(0)
                     f.truncate()
                     f.write(f"{server.address[0]}:{server.address[1]}\n")
@@ -237,3 +326,20 @@ async def _connect_file(
                 return conn, server
             finally:
                 os.close(fd)  # releases the fcntl lock
+
+
+def _file_host(spec: RendezvousSpec, env: Mapping[str, str]) -> str:
+    """Where the first process of a ``file://`` job embeds the server.
+
+    Other hosts may share the file, so it is an address they can reach, unless
+    the launcher says every rank runs here; a host whose address cannot be
+    found serves this host only (AIODIST_SOCKET_IFNAME says where, if needed).
+    """
+    configured = any(env.get(name) for name in ("AIODIST_HOST", "AIODIST_SOCKET_IFNAME"))
+    try:
+        return _embed_host(spec, env, toward=None)
+    except RendezvousError as exc:
+        if configured:
+            raise
+        logger.info("serving the file:// job on 127.0.0.1 only: %s", exc)
+        return "127.0.0.1"

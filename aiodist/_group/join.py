@@ -251,7 +251,16 @@ async def _joined(
         conn.start_heartbeats(interval, hb_timeout)
         welcome: Any = await conn.request(
             lambda r: Join(
-                r, name, spec.world_size, spec.rank, host, pid, published, hb_timeout, timeout
+                r,
+                name,
+                spec.world_size,
+                spec.rank,
+                host,
+                pid,
+                published,
+                hb_timeout,
+                timeout,
+                spec.generation,
             ),
             timeout=timeout + REPLY_GRACE,
         )

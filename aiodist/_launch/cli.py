@@ -4,12 +4,16 @@ Every ``serve`` flag can also come from an ``AIODIST_*`` environment variable
 (``--token-file`` from ``AIODIST_TOKEN_FILE``, ...); a flag on the command line wins.
 Without a token file, ``serve`` requires ``$AIODIST_TOKEN`` when it is set, the
 token clients send: one exported token configures both ends.
+
+The server's job events (``aiodist.events``) are logged as JSON lines, one
+object per event, in either log format.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import logging
 import os
@@ -37,14 +41,35 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"AIODIST_{name}", default)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("aiodist")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout
+        return "unknown"
+
+
+def _time(record: logging.LogRecord) -> str:
+    return datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC).isoformat(
+        timespec="milliseconds"
+    )
+
+
+def _event_line(record: logging.LogRecord) -> str | None:
+    """A job event's record as its JSON line: the time, then the event's fields."""
+    event = getattr(record, "aiodist_event", None)
+    if not isinstance(event, dict):
+        return None
+    return json.dumps({"time": _time(record), **event})
+
+
 class _JsonFormatter(logging.Formatter):
     """One JSON object per line, for log collectors."""
 
     def format(self, record: logging.LogRecord) -> str:
+        if (line := _event_line(record)) is not None:
+            return line
         out: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC).isoformat(
-                timespec="milliseconds"
-            ),
+            "time": _time(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -54,12 +79,23 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class _TextFormatter(logging.Formatter):
+    """Plain lines, but job events as JSON lines (for ``grep '"event"'`` and ``jq``)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = _event_line(record)
+        return line if line is not None else super().format(record)
+
+
 def _configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -67,6 +103,7 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiodist", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"aiodist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
@@ -113,14 +150,69 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="start the ranks of a script on this node (like torchrun)",
         description="Start N ranks of a script with torchrun's environment, prefix their "
-        "output with the rank, and stop them all when one fails.",
+        "output with the rank, and stop them all when one fails (or start them all again, "
+        "with --max-restarts). Flags are torchrun's, with - or _.",
     )
-    run.add_argument("-n", "--nproc-per-node", type=int, default=1, dest="nproc")
+    run.add_argument(
+        "-n", "--nproc-per-node", "--nproc_per_node", type=int, default=1, dest="nproc"
+    )
     run.add_argument("--nnodes", type=int, default=1, help="nodes, one launcher each")
-    run.add_argument("--node-rank", type=int, default=0, help="node 0 hosts the server")
-    run.add_argument("--master-addr", default="127.0.0.1", help="the server's address")
-    run.add_argument("--master-port", type=int, default=0, help="0: node 0 picks a free port")
-    run.add_argument("--job-id", default="", help="the job's name (default: run-<port>)")
+    run.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        help="without --rdzv-endpoint, node 0 hosts the server",
+    )
+    run.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default="",
+        help="the address node 0 hosts the server on (default: 127.0.0.1 for one node, else "
+        "this host's address found from AIODIST_SOCKET_IFNAME or its name)",
+    )
+    run.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=0,
+        help="the server's port (0: node 0 picks a free one and prints it)",
+    )
+    run.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default="",
+        metavar="HOST:PORT",
+        help="join the rendezvous server (an `aiodist serve` daemon) there; when nothing "
+        "listens there and HOST is this host's, host one there",
+    )
+    run.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        "--job-id",
+        default="",
+        dest="job_id",
+        help="the job's name on the server (default: a fresh one per launch; "
+        "with --nnodes > 1, run-<port>)",
+    )
+    run.add_argument(
+        "--standalone",
+        action="store_true",
+        help="one node with a server of its own on a free local port (the default)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="when a rank fails, stop the others and start them all again, up to this "
+        "many times (each start is a new generation of the job)",
+    )
+    run.add_argument(
+        "--token-file",
+        default=None,
+        help="the server requires this file's token; the ranks get it (default: $AIODIST_TOKEN)",
+    )
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     run.add_argument("-m", "--module", action="store_true", help="run script as a module")
     run.add_argument(
@@ -166,6 +258,19 @@ def _os_error(exc: BaseException) -> OSError | None:
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
             if (found := _os_error(inner)) is not None:
+                return found
+    return None
+
+
+def _dist_error(exc: BaseException) -> BaseException | None:
+    """The aiodist error in ``exc``, unwrapping the groups task groups raise."""
+    from aiodist._errors import DistError
+
+    if isinstance(exc, DistError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _dist_error(inner)) is not None:
                 return found
     return None
 
@@ -296,9 +401,10 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
         lines.append("no jobs")
     for job in snap["jobs"]:
         lines.append("")
+        generation = f" (generation {job['generation']})" if job.get("generation") else ""
         lines.append(
-            f"job {job['name']!r}: {job['state']}, {job['joined']}/{job['world_size']} joined, "
-            f"age {_age(job['age'])}, {job['keys']} keys"
+            f"job {job['name']!r}{generation}: {job['state']}, {job['joined']}/"
+            f"{job['world_size']} joined, age {_age(job['age'])}, {job['keys']} keys"
         )
         hosts = [m["host"] for m in job["members"]]
         host_width = max([len("HOST"), *(len(h) for h in hosts)])
@@ -317,13 +423,29 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
             f"  FAILED rank {f['rank']} ({f['host']}, pid {f['pid']}): {f['reason']}"
             for f in job["failures"]
         )
+    if finished := snap.get("finished"):
+        lines += ["", "recently finished:"]
+        for f in finished:
+            generation = f" (generation {f['generation']})" if f["generation"] else ""
+            lines.append(
+                f"  job {f['job']!r}{generation}: {f['state']} after {_age(f['seconds'])}, "
+                f"{_age(f['ago'])} ago" + (f" ({f['reason']})" if f.get("reason") else "")
+            )
     return "\n".join(lines)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from aiodist._errors import DistError
     from aiodist._launch.run import LaunchSpec, launch
 
     cmd = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
+    if args.standalone and (args.nnodes != 1 or args.rdzv_endpoint or args.master_addr):
+        return _fail(
+            "run",
+            "--standalone runs one node with a server of its own: leave out --nnodes, "
+            "--rdzv-endpoint and --master-addr",
+            2,
+        )
     try:
         spec = LaunchSpec(
             cmd,
@@ -332,7 +454,10 @@ def _run(args: argparse.Namespace) -> int:
             node_rank=args.node_rank,
             master_addr=args.master_addr,
             master_port=args.master_port,
+            rdzv_endpoint=args.rdzv_endpoint,
             job_id=args.job_id,
+            max_restarts=args.max_restarts,
+            token=_token(args),
             prefix=not args.no_prefix,
         )
     except ValueError as exc:
@@ -350,8 +475,12 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         result = _run_async(launch(spec, on_server=on_server))
+    except DistError as exc:
+        return _fail("run", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
         if (error := _os_error(exc)) is None:
+            if isinstance(exc, BaseExceptionGroup) and (dist := _dist_error(exc)) is not None:
+                return _fail("run", str(dist))
             raise
         return _fail("run", f"cannot start: {error}")
     if result.summary:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 
+from aiodist._control.addresses import is_loopback
 from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
 
 if TYPE_CHECKING:
@@ -32,16 +32,6 @@ __all__ = ["is_loopback", "read_token_file", "run_daemon", "sd_notify"]
 logger = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES: Final = 4096
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` accepts local clients only (never resolves a name)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def read_token_file(path: str) -> str:

@@ -1,40 +1,46 @@
-"""``aiodist run``: host the rendezvous server, start the ranks, supervise them.
+"""``aiodist run``: find or host the rendezvous server, start the ranks, supervise them.
 
 Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``) so that ``init_process_group()`` with no
-arguments just works. With ``nnodes > 1`` node 0's launcher hosts the server
-and the others point their ranks at it.
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``) so that ``init_process_group()`` with no
+arguments just works. Where the server is, see ``placement``: node 0 hosts the
+job's own, or ``--rdzv-endpoint`` joins a shared one (a daemon).
 
 Rules the supervisor keeps:
 
-- Each output line of a rank is written whole, prefixed with its rank unless
-  prefixes are off; stdout goes to stdout, stderr to stderr.
+- Each rank's output is written as it comes, prefixed with its rank unless
+  prefixes are off (``output``); stdout goes to stdout, stderr to stderr.
 - The first rank to exit non-zero fails the run: the others are stopped
-  (SIGTERM, then SIGKILL after ``STOP_GRACE``) and the launcher exits with
-  that rank's code (128 + N for signal N) and a one-line summary.
+  (SIGTERM, then SIGKILL after ``STOP_GRACE``). With ``--max-restarts K`` the
+  launcher then starts all its ranks again, up to K times, each start a new
+  generation of the job (``TORCHELASTIC_RESTART_COUNT``, which the server
+  knows); otherwise, or once the restarts are spent, it exits with that
+  rank's code (128 + N for signal N) and a one-line summary.
 - SIGINT and SIGTERM are forwarded to every rank (each runs in its own process
   group, so a terminal's Ctrl-C reaches it once); a second one kills them.
-- Node 0 keeps the server up after its own ranks succeed until the other
-  nodes' ranks have left the job (at most ``SERVER_LINGER``).
+  A run stopped by a signal is never restarted.
+- A launcher that hosts the server keeps it up after its own ranks end until
+  the other jobs on it (other nodes' ranks, other launches) have left (at most
+  ``SERVER_LINGER``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Final
 
 import anyio
 
-from aiodist._launch.daemon import is_loopback
-from aiodist._server.serve import serve_rendezvous
+from aiodist._launch.output import Sink, pump
+from aiodist._launch.placement import parse_endpoint, place_server
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -48,8 +54,6 @@ logger = logging.getLogger(__name__)
 STOP_GRACE: Final = 5.0
 SERVER_LINGER: Final = 60.0
 PUMP_DRAIN: Final = 2.0  # after the ranks exit, how long their last output may take
-READ_CHUNK_BYTES: Final = 64 * 1024
-MAX_LINE_BYTES: Final = 1024 * 1024  # a longer "line" is written in pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +64,18 @@ class LaunchSpec:
         cmd: The command of one rank (``[python, script, *args]``).
         nproc: Ranks on this node.
         nnodes: Nodes in the job; each runs one launcher.
-        node_rank: This node's index; node 0 hosts the rendezvous server.
-        master_addr: Address of the server (node 0 binds it).
+        node_rank: This node's index; without ``rdzv_endpoint``, node 0 hosts the server.
+        master_addr: Address of the server node 0 hosts ("": 127.0.0.1 for one
+            node, else this host's address that other hosts reach).
         master_port: Its port; 0 lets node 0's OS pick one (single node, or
             node 0 of several, which reports it for the others).
-        job_id: The job's name on the server (default ``run-<port>``).
+        rdzv_endpoint: ``HOST:PORT`` of a shared server to join (hosted here when
+            nothing listens there and HOST is this host's).
+        job_id: The job's name on the server (default: a fresh one per launch
+            for one node, ``run-<port>`` for several).
+        max_restarts: Times the ranks are all started again after a failure.
+        token: The token the server requires (default ``$AIODIST_TOKEN``);
+            the ranks get it as ``AIODIST_TOKEN``.
         prefix: Prefix each output line with the rank.
     """
 
@@ -72,9 +83,12 @@ class LaunchSpec:
     nproc: int
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    master_addr: str = ""
     master_port: int = 0
+    rdzv_endpoint: str = ""
     job_id: str = ""
+    max_restarts: int = 0
+    token: str | None = None
     prefix: bool = True
 
     def __post_init__(self) -> None:
@@ -86,14 +100,36 @@ class LaunchSpec:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}")
-        if self.node_rank > 0 and self.master_port == 0:
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.rdzv_endpoint:
+            parse_endpoint(self.rdzv_endpoint)
+            if self.master_addr or self.master_port:
+                raise ValueError(
+                    "--rdzv-endpoint names the server: leave out --master-addr and --master-port"
+                )
+            if self.nnodes > 1 and not self.job_id:
+                raise ValueError(
+                    "--nnodes > 1 with --rdzv-endpoint needs --rdzv-id: every node must name "
+                    "the same job, and a name of its own keeps it apart from other jobs there"
+                )
+        elif self.node_rank > 0 and (self.master_port == 0 or not self.master_addr):
             raise ValueError(
-                "--node-rank > 0 needs --master-port: the port node 0's launcher reported"
+                "--node-rank > 0 needs --master-addr and --master-port: the address node 0's "
+                "launcher reported"
             )
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc
+
+    def job_name(self, master: tuple[str, int]) -> str:
+        """The job's name: ``job_id``, else one every node derives alike, else a fresh one."""
+        if self.job_id:
+            return self.job_id
+        if self.nnodes > 1:  # node 0's own server: its port names the job on every node
+            return f"run-{master[1]}"
+        return f"run-{uuid.uuid4().hex[:12]}"  # two launches on one daemon never collide
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +146,17 @@ def rank_env(
     master: tuple[str, int],
     job_id: str,
     base: Mapping[str, str],
+    restart: int = 0,
 ) -> dict[str, str]:
     """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables.
 
-    ``OMP_NUM_THREADS`` defaults to 1 when several ranks share the node, as with torchrun.
+    ``OMP_NUM_THREADS`` defaults to 1 when several ranks share the node, as with
+    torchrun. torchrun's own variables from ``base`` (a launcher started inside a
+    torchrun worker) are dropped: this job's server is at ``master``, not in
+    torchrun's store.
     """
     rank = spec.node_rank * spec.nproc + local_rank
-    env = dict(base)
+    env = {k: v for k, v in base.items() if not k.startswith("TORCHELASTIC_")}
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),
@@ -129,9 +169,13 @@ def rank_env(
         ROLE_WORLD_SIZE=str(spec.world_size),
         MASTER_ADDR=master[0],
         MASTER_PORT=str(master[1]),
+        TORCHELASTIC_RESTART_COUNT=str(restart),
+        TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
         AIODIST_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
     )
+    if spec.token is not None:
+        env["AIODIST_TOKEN"] = spec.token
     if spec.nproc > 1:
         # As torchrun does: N ranks each using every core would oversubscribe the node.
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -143,31 +187,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-async def _pump(stream: asyncio.StreamReader, sink: IO[bytes], prefix: bytes) -> None:
-    pending = b""
-    writable = True
-
-    def write(data: bytes) -> None:
-        nonlocal writable
-        if not writable:
-            return
-        try:
-            sink.write(data)
-            sink.flush()
-        except (BrokenPipeError, ValueError):  # our reader went away (`| head`): discard
-            writable = False
-
-    while chunk := await stream.read(READ_CHUNK_BYTES):  # always drain: ranks never block
-        *lines, pending = (pending + chunk).split(b"\n")
-        if len(pending) > MAX_LINE_BYTES:
-            lines.append(pending)
-            pending = b""
-        if lines:
-            write(b"".join(prefix + line + b"\n" for line in lines))
-    if pending:
-        write(prefix + pending + b"\n")
 
 
 class _Ranks:
@@ -249,55 +268,71 @@ async def launch(
 
     Args:
         spec: What to start.
-        on_server: Called with the server's address once node 0 hosts it.
+        on_server: Called with the server's address once this launcher hosts it.
         stdout: Where ranks' standard output goes (default: ours).
-        stderr: Where ranks' standard error goes (default: ours).
+        stderr: Where ranks' standard error goes (default: ours); also where
+            each restart is announced.
 
     Returns:
         Exit code 0 when every rank exited 0; otherwise the failed rank's code
         (128 + N for signal N), or 128 + N when this launcher got signal N.
 
     Raises:
-        OSError: Node 0 cannot bind ``master_addr:master_port``, or the command
-            cannot be started.
+        OSError: The server cannot bind its address, or the command cannot be started.
+        RendezvousError: ``--rdzv-endpoint`` answers, but not as an aiodist
+            server, or refuses the token; or no address other hosts reach was found.
     """
-    out = stdout or sys.stdout.buffer
-    err = stderr or sys.stderr.buffer
-    token = os.environ.get("AIODIST_TOKEN") or None
+    out = Sink(stdout or sys.stdout.buffer)
+    err = Sink(stderr or sys.stderr.buffer)
+    token = spec.token if spec.token is not None else os.environ.get("AIODIST_TOKEN") or None
     async with anyio.create_task_group() as tg:
-        server: RendezvousServer | None = None
-        master = (spec.master_addr, spec.master_port)
-        if spec.node_rank == 0:
-            if spec.nnodes > 1 and not is_loopback(spec.master_addr) and token is None:
-                logger.warning(
-                    "hosting the job's server on %s without a token; set AIODIST_TOKEN on every "
-                    "node to keep other users out",
-                    spec.master_addr,
-                )
-            server = await tg.start(functools.partial(serve_rendezvous, *master, token=token))
-            master = server.address
-            if on_server is not None:
-                on_server(master)
-        ranks = _Ranks(spec)
-        result = await _run_ranks(spec, ranks, master, out, err)
-        if server is not None and spec.nnodes > 1 and result.exit_code == 0:
-            with anyio.move_on_after(SERVER_LINGER) as linger:
-                await server.wait_until(lambda s: not s.state.jobs)
-            if linger.cancelled_caught:
-                logger.warning("stopping the job's server while other nodes' ranks still use it")
+        master, server = await place_server(spec, tg, token)
+        if server is not None and on_server is not None:
+            on_server(master)
+        job_id = spec.job_name(master)
+        for restart in range(spec.max_restarts + 1):
+            ranks = _Ranks(spec)
+            result = await _run_ranks(spec, ranks, master, job_id, restart, out, err)
+            if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
+                break
+            err.line(
+                f"{result.summary}; restarting all {spec.nproc} ranks{_where(spec)} "
+                f"(restart {restart + 1} of {spec.max_restarts})"
+            )
+        if server is not None:
+            await _linger(server, job_id, succeeded=result.exit_code == 0)
         tg.cancel_scope.cancel()
     return result
+
+
+async def _linger(server: RendezvousServer, job_id: str, *, succeeded: bool) -> None:
+    """Keep the server up while other jobs use it (on failure, not for our own job)."""
+
+    def others_gone(s: RendezvousServer) -> bool:
+        return all(name == job_id and not succeeded for name in s.state.jobs)
+
+    if others_gone(server):
+        return
+    with anyio.move_on_after(SERVER_LINGER) as linger:
+        await server.wait_until(others_gone)
+    if linger.cancelled_caught:
+        logger.warning("stopping the rendezvous server while other ranks still use it")
+
+
+def _where(spec: LaunchSpec) -> str:
+    return f" on node {spec.node_rank}" if spec.nnodes > 1 else ""
 
 
 async def _run_ranks(
     spec: LaunchSpec,
     ranks: _Ranks,
     master: tuple[str, int],
-    out: IO[bytes],
-    err: IO[bytes],
+    job_id: str,
+    restart: int,
+    out: Sink,
+    err: Sink,
 ) -> LaunchResult:
     loop = asyncio.get_running_loop()
-    job_id = spec.job_id or f"run-{master[1]}"
     width = len(str(spec.world_size - 1))
     failed: tuple[int, int] | None = None
     async with anyio.create_task_group() as pumps:
@@ -307,7 +342,7 @@ async def _run_ranks(
             for i in range(spec.nproc):
                 proc = await asyncio.create_subprocess_exec(
                     *spec.cmd,
-                    env=rank_env(spec, i, master, job_id, os.environ),
+                    env=rank_env(spec, i, master, job_id, os.environ, restart),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -317,8 +352,8 @@ async def _run_ranks(
                 tag = f"[rank {ranks.global_rank(i):>{width}}] ".encode() if spec.prefix else b""
                 assert proc.stdout is not None
                 assert proc.stderr is not None
-                pumps.start_soon(_pump, proc.stdout, out, tag)
-                pumps.start_soon(_pump, proc.stderr, err, tag)
+                pumps.start_soon(pump, proc.stdout, out, tag)
+                pumps.start_soon(pump, proc.stderr, err, tag)
             failed = await ranks.wait_all()
             running = len(ranks.running())
         finally:
@@ -328,7 +363,7 @@ async def _run_ranks(
                     loop.remove_signal_handler(sig)
             # A rank's child may hold its pipes open: bound the wait for the last output.
             pumps.cancel_scope.deadline = anyio.current_time() + PUMP_DRAIN
-    where = f" on node {spec.node_rank}" if spec.nnodes > 1 else ""
+    where = _where(spec)
     if ranks.signals:
         sig = ranks.signals[0]
         codes = ", ".join(

@@ -85,6 +85,10 @@ class Job:
     name: str
     world_size: int
     created_at: float
+    generation: int = 0  # the how-many-th start of the job under this name
+    formed_at: float | None = None
+    ended: bool = False  # its last member is gone (its ``job_finished`` was recorded)
+    end_reason: str = ""  # why a job that never formed was dropped
     # In join order; a dict as an ordered set: a leave or a lookup is O(1), not O(N).
     members: dict[Member, None] = field(default_factory=dict)
     requested: dict[int, Member] = field(default_factory=dict)
@@ -168,6 +172,7 @@ class Job:
         members = self.by_rank if self.complete else self.members
         return {
             "name": self.name,
+            "generation": self.generation,
             "world_size": self.world_size,
             "joined": len(self.members),
             "state": "failed" if self.failures else "running" if self.complete else "forming",

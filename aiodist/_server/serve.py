@@ -8,12 +8,17 @@ batch of actions leave in one write per connection. Deadlines (store waits, barr
 joins, the heartbeat sweep) are one ``loop.call_at`` timer, re-armed after
 every batch of actions. Peer addresses are logged as the numeric addresses the
 socket reports: the server never resolves a host name.
+
+Job events (``events.py``) go to the ``aiodist.events`` logger at INFO, one
+record each, its message the event as JSON and the event itself in the
+record's ``aiodist_event`` attribute (``aiodist serve`` writes them as JSON lines).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serve_rendezvous"]
 
 logger = logging.getLogger(__name__)
+event_logger = logging.getLogger("aiodist.events")
 
 DEFAULT_PORT: Final = 29500
 # asyncio's default backlog of 100 overflows when a large job connects at once.
@@ -207,6 +213,9 @@ class RendezvousServer:
         for conn, parts in out.items():
             if parts:
                 conn.write_parts(parts)
+        if (events := self.state.take_events()) and event_logger.isEnabledFor(logging.INFO):
+            for event in events:
+                event_logger.info(json.dumps(event), extra={"aiodist_event": event})
         self._arm_timer()
         self._changed.set()
 

@@ -22,6 +22,12 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   O(N) notices, not O(N^2)), and the barriers it will not reach fail. A
   forming member that disconnects simply drops out.
 - A job's state is dropped when its last member is gone.
+- A job is started anew under the same name with a later *generation* (a
+  launcher's restart count, in ``Join``): the first member of the later
+  generation replaces the job (members of the earlier one, if any are left,
+  go on alone in the record they hold) and a member of an earlier generation
+  than the job's is refused.
+- Each turn of a job's life is an event (``events.py``) the shell logs.
 - Store operations and barriers, and the waits they park, are the job
   table's other half (``store.py``).
 - Nothing here blocks or allocates per byte; deadlines live in one heap, and
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgpack
 
 from aiodist._errors import ErrorCode
+from aiodist._server.events import JobLog
 from aiodist._server.jobs import BadRequest, Close, Job, LeaveNotice, Member, assign_ranks
 from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers, left_error
 from aiodist._wire.messages import (
@@ -66,6 +73,7 @@ MAX_ADDRESSES: Final = 64
 MAX_SWEEP_INTERVAL: Final = 1.0
 # The least time between two notices of members that left one job (the first goes at once).
 LEAVE_NOTICE_INTERVAL: Final = 0.1
+RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
 
 
 @dataclass(slots=True)
@@ -93,6 +101,7 @@ class ServerState(StoreAndBarriers):
         self.version = ""  # reported by status; the shell fills it in
         self.closing = False
         self.jobs: dict[str, Job] = {}
+        self.log = JobLog()
         self.stats = Stats()
         self._conns: dict[ConnId, _Conn] = {}
         self._next_sweep: float | None = None
@@ -110,8 +119,8 @@ class ServerState(StoreAndBarriers):
         member = state.member
         # A server shutting down drops its members; that is no failure of theirs.
         if member.job.complete and member.status == "active" and not self.closing:
-            self._fail(member, f"{reason} (control connection from {state.peer})")
-        self._remove(member)
+            self._fail(member, f"{reason} (control connection from {state.peer})", now)
+        self._remove(member, now)
 
     def receive(self, conn: ConnId, msg: Any, now: float) -> None:
         state = self._conns[conn]
@@ -141,7 +150,7 @@ class ServerState(StoreAndBarriers):
             if timer.target.done:
                 continue
             if isinstance(timer.target, Member):
-                self._join_timed_out(timer.target)
+                self._join_timed_out(timer.target, now)
             elif isinstance(timer.target, LeaveNotice):
                 self._send_leave_notice(timer.target.job, now)
             else:
@@ -158,6 +167,10 @@ class ServerState(StoreAndBarriers):
     def take_actions(self) -> list[Send | Close]:
         actions, self._actions = self._actions, []
         return actions
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The job events recorded since the last call (see ``events.py``), oldest first."""
+        return self.log.take()
 
     # --- dispatch ----------------------------------------------------------------
 
@@ -185,7 +198,7 @@ class ServerState(StoreAndBarriers):
                 if not job.failures:  # after a failure, every member knows the job is broken
                     self._announce_leave(member, now)
             self._send(conn, Reply(msg.req_id, None))
-            self._remove(member)
+            self._remove(member, now)
             state.member = None
         elif isinstance(msg, Barrier):
             self._barrier(member, msg, now)
@@ -212,11 +225,25 @@ class ServerState(StoreAndBarriers):
             )
         _validate_join(msg)
         job = self.jobs.get(msg.group_name)
+        previous = None
+        if job is not None and msg.generation != job.generation:
+            if msg.generation < job.generation:
+                raise BadRequest(
+                    ErrorCode.RENDEZVOUS,
+                    f"this process joined generation {msg.generation} of job {job.name!r}, but "
+                    f"the job was started again (generation {job.generation} is running); it "
+                    "is left over from an earlier start: stop it",
+                    {"generations": [job.generation, msg.generation]},
+                )
+            previous, job = job, None
+            del self.jobs[previous.name]  # its members go on in the record they hold
         if job is None:
-            job = self.jobs[msg.group_name] = Job(msg.group_name, msg.world_size, created_at=now)
+            job = Job(msg.group_name, msg.world_size, created_at=now, generation=msg.generation)
+            self.jobs[msg.group_name] = job
+            self.log.job_created(job, previous)
         elif job.world_size != msg.world_size:
             if not job.complete:
-                self._break_forming_job(job, msg)  # raises for the newcomer
+                self._break_forming_job(job, msg, now)  # raises for the newcomer
             raise BadRequest(
                 ErrorCode.WORLD_SIZE_MISMATCH,
                 f"job {job.name!r} is running with world_size {job.world_size}, but this "
@@ -250,6 +277,7 @@ class ServerState(StoreAndBarriers):
         )
         job.add(member)
         state.member = member
+        self.log.rank_joined(member)
         self._sweep_interval = min(self._sweep_interval, member.heartbeat_timeout / 4)
         # A shorter heartbeat timeout than any before must not wait for a sweep planned
         # with the old, longer interval.
@@ -260,7 +288,9 @@ class ServerState(StoreAndBarriers):
             return
         assign_ranks(job)
         job.complete = True
+        job.formed_at = now
         self.stats.jobs_formed += 1
+        self.log.job_formed(job, now)
         local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
         host_index = {host: i for i, host in enumerate(local_sizes)}
         runs: list[list[int]] = []
@@ -288,7 +318,7 @@ class ServerState(StoreAndBarriers):
                 ),
             )
 
-    def _break_forming_job(self, job: Job, msg: Join) -> None:
+    def _break_forming_job(self, job: Job, msg: Join, now: float) -> None:
         """Fail every member of forming ``job`` and the joiner ``msg``: they disagree on its size.
 
         Raises:
@@ -302,6 +332,10 @@ class ServerState(StoreAndBarriers):
             "was dropped. Start every rank with the same world size, then start them all again"
         )
         details = {"world_sizes": [job.world_size, msg.world_size]}
+        job.end_reason = (
+            f"world sizes disagree: {job.world_size} and {msg.world_size} (pid {msg.pid} on "
+            f"host {msg.host})"
+        )
         for member in list(job.members):
             self._send(
                 member.conn,
@@ -315,11 +349,11 @@ class ServerState(StoreAndBarriers):
                     ErrorReply(waiter.req_id, ErrorCode.WORLD_SIZE_MISMATCH, message, details),
                 )
         for member in list(job.members):
-            self._remove(member)  # the last one drops the job
+            self._remove(member, now)  # the last one drops the job
             self._conns[member.conn].member = None
         raise BadRequest(ErrorCode.WORLD_SIZE_MISMATCH, message, details)
 
-    def _join_timed_out(self, member: Member) -> None:
+    def _join_timed_out(self, member: Member, now: float) -> None:
         job = member.job
         present = sorted(
             f"rank {m.requested_rank}" if m.requested_rank >= 0 else f"pid {m.pid}@{m.host}"
@@ -336,10 +370,14 @@ class ServerState(StoreAndBarriers):
                 {},
             ),
         )
-        self._remove(member)
+        if not job.end_reason:
+            job.end_reason = (
+                f"did not form: {len(job.members)} of {job.world_size} members joined in time"
+            )
+        self._remove(member, now)
         self._conns[member.conn].member = None
 
-    def _remove(self, member: Member) -> None:
+    def _remove(self, member: Member, now: float) -> None:
         member.done = True
         job = member.job
         job.discard(member)
@@ -347,12 +385,15 @@ class ServerState(StoreAndBarriers):
             for barrier in list(job.barriers.values()):
                 if member.rank not in barrier.arrived:
                     self._fail_barrier(job, barrier.seq, *left_error(job, member.rank))
-        if not job.members and self.jobs.get(job.name) is job:
-            del self.jobs[job.name]
+        if not job.members and not job.ended:
+            job.ended = True
+            if self.jobs.get(job.name) is job:  # not replaced by a later generation
+                del self.jobs[job.name]
             for waiter in job.all_waiters():
                 waiter.done = True
             if job.leave_notice is not None:
                 job.leave_notice.done = True  # nobody is left to tell
+            self.log.job_finished(job, now)
 
     def _announce_leave(self, member: Member, now: float) -> None:
         """Tell the other members that ``member`` left, now or with the next notice."""
@@ -378,10 +419,11 @@ class ServerState(StoreAndBarriers):
             if m.status == "active":
                 self._send(m.conn, notice)
 
-    def _fail(self, member: Member, reason: str) -> None:
+    def _fail(self, member: Member, reason: str, now: float) -> None:
         job = member.job
         member.status = "failed"
         self.stats.failures += 1
+        self.log.rank_failed(member, reason, now)
         job.failures.append((member.rank, member.host, member.pid, reason))
         notice = MemberFailed(member.rank, member.host, member.pid, reason)
         for other in job.members:
@@ -405,8 +447,8 @@ class ServerState(StoreAndBarriers):
             for member in list(job.members):
                 silent = now - member.last_seen
                 if member.status == "active" and silent > member.heartbeat_timeout:
-                    self._fail(member, f"missed heartbeats for {silent:.1f} s")
-                    self._remove(member)
+                    self._fail(member, f"missed heartbeats for {silent:.1f} s", now)
+                    self._remove(member, now)
                     self._send(
                         member.conn,
                         ErrorReply(
@@ -433,6 +475,7 @@ class ServerState(StoreAndBarriers):
                 "messages": self.stats.messages,
             },
             "jobs": [job.snapshot(now) for job in self.jobs.values()],
+            "finished": self.log.recent(now)[:RECENT_IN_STATUS],
         }
 
 

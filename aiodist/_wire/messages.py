@@ -108,6 +108,9 @@ class Join:
     addresses: list[str]
     heartbeat_timeout: float
     timeout: float
+    # The how-many-th start of the job (a launcher's restart count): a later
+    # generation replaces the job's earlier one, an earlier one is refused.
+    generation: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,200 @@
+"""Agreeing on the rendezvous server under torchrun, through torchrun's own store.
+
+torchrun gives each worker ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` and its ``TORCHELASTIC_*`` variables, but what listens at
+``MASTER_ADDR:MASTER_PORT`` is a torch ``TCPStore``, not an aiodist server:
+with ``TORCHELASTIC_USE_AGENT_STORE=True`` (every rendezvous backend by
+default) torchrun's agent on node 0 hosts it and every worker is a client;
+otherwise worker rank 0 hosts it, as ``torch.distributed`` does
+(``rendezvous._create_c10d_store``). So, under torchrun, rank 0 embeds an
+aiodist server on a free port and publishes ``host:port`` in that store under
+``aiodist/<run id>/<restart count>/server``; the other ranks wait for that key
+and connect. No port is guessed, and a restart of the job by torchrun
+(``--max-restarts``) publishes under a key of its own: the agent's store
+outlives the workers, so a key from an earlier start must not be read.
+
+torch is imported here only, when torchrun's environment is found: ``import
+aiodist`` stays free of it. The store's calls block, so each runs in a daemon
+thread of its own, abandoned if the caller is cancelled: bounded by its
+timeout, it never holds up the loop nor, being a daemon, the process's exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from aiodist._errors import RendezvousError, RendezvousTimeout
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+T = TypeVar("T")
+
+__all__ = ["Torchrun", "find_server", "publish_server", "server_key", "torchrun_env"]
+
+# Stores this process hosts (rank 0 without the agent's store): they must outlive the
+# join, as torch's own do, since the other ranks may still be reading them.
+_hosted: list[Any] = []
+_HOW: Final = (
+    "check that every worker was started by the same torchrun (or torchrun on every "
+    "node with the same --rdzv-endpoint / --master-addr and --master-port)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Torchrun:
+    """What torchrun told a worker about its run."""
+
+    run_id: str
+    restart_count: int
+    use_agent_store: bool
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> Torchrun | None:
+    """torchrun's run, if this process is one of its workers (``TORCHELASTIC_RUN_ID`` set).
+
+    Raises:
+        RendezvousError: ``TORCHELASTIC_RESTART_COUNT`` is not an integer.
+    """
+    env = os.environ if environ is None else environ
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    try:
+        restart_count = int(raw)
+    except ValueError:
+        raise RendezvousError(
+            f"environment variable TORCHELASTIC_RESTART_COUNT={raw!r} is not an integer"
+        ) from None
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", str(True)) == str(True)
+    return Torchrun(run_id or "none", restart_count, agent)
+
+
+def server_key(run: Torchrun) -> str:
+    """The store key under which rank 0 publishes the server of this start of the run."""
+    return f"aiodist/{run.run_id}/{run.restart_count}/server"
+
+
+def _open_store(
+    host: str, port: int, rank: int, world_size: int, run: Torchrun, timeout: float
+) -> Any:
+    # Only under torchrun: `import aiodist` stays torch-free.
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    wait = datetime.timedelta(seconds=timeout)
+    if run.use_agent_store:
+        return TCPStore(host, port, is_master=False, timeout=wait)
+    store = TCPStore(
+        host,
+        port,
+        world_size,
+        rank == 0,
+        wait,
+        wait_for_workers=False,
+        multi_tenant=True,  # torch's own env:// store of this process shares it
+    )
+    if rank == 0:
+        _hosted.append(store)
+    return store
+
+
+async def _blocking(func: Callable[..., T], *args: object) -> T:
+    """Run ``func(*args)`` in a daemon thread; abandon it if the caller is cancelled."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return  # the caller was cancelled: nobody waits for it
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (func(*args), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for it
+
+    threading.Thread(target=run, name="aiodist-torchrun-store", daemon=True).start()
+    return await future
+
+
+async def _store(
+    host: str, port: int, rank: int, world_size: int, run: Torchrun, timeout: float
+) -> Any:
+    where = f"{host}:{port}"
+    try:
+        return await _blocking(_open_store, host, port, rank, world_size, run, timeout)
+    except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+        raise RendezvousError(
+            f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT={where} ({exc}); {_HOW}"
+        ) from exc
+
+
+async def publish_server(
+    host: str,
+    port: int,
+    world_size: int,
+    run: Torchrun,
+    server: tuple[str, int],
+    *,
+    timeout: float,
+) -> None:
+    """As rank 0: publish ``server`` (``host, port``) in torchrun's store at ``host:port``.
+
+    Raises:
+        RendezvousError: The store cannot be reached.
+    """
+    store = await _store(host, port, 0, world_size, run, timeout)
+    value = f"{server[0]}:{server[1]}".encode()
+    try:
+        await _blocking(store.set, server_key(run), value)
+    except RuntimeError as exc:
+        raise RendezvousError(
+            f"cannot write to torchrun's store at {host}:{port} ({exc}); {_HOW}"
+        ) from exc
+
+
+async def find_server(
+    host: str, port: int, rank: int, world_size: int, run: Torchrun, *, timeout: float
+) -> tuple[str, int]:
+    """As a rank other than 0: wait for rank 0's server in torchrun's store.
+
+    Raises:
+        RendezvousTimeout: Rank 0 published no server within ``timeout``.
+        RendezvousError: The store cannot be reached, or holds a malformed address.
+    """
+    store = await _store(host, port, rank, world_size, run, timeout)
+    key = server_key(run)
+
+    def wait_and_get() -> bytes:
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        return bytes(store.get(key))
+
+    try:
+        value = await _blocking(wait_and_get)
+    except RuntimeError as exc:
+        raise RendezvousTimeout(
+            f"rank 0 of torchrun run {run.run_id!r} (restart {run.restart_count}) published no "
+            f"aiodist server in torchrun's store at {host}:{port} within {timeout:.1f} s; check "
+            "that rank 0 runs and calls init_process_group too"
+        ) from exc
+    text = value.decode(errors="replace")
+    server_host, _, server_port = text.rpartition(":")
+    if not server_host or not server_port.isdecimal():
+        raise RendezvousError(
+            f"torchrun's store holds {text!r} under {key!r}, not an aiodist server's host:port"
+        )
+    return server_host.strip("[]"), int(server_port)
