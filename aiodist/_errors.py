@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # Why an operation that needed a rank failed when that rank left the job cleanly.
-LEFT_REASON = "left the job (destroy_process_group)"
+LEFT_REASON = "left the job (destroy_process_group, or its program ended)"
 
 
 class ErrorCode(enum.IntEnum):

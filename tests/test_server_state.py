@@ -1037,7 +1037,7 @@ def _left_details(rank: int) -> dict[str, Any]:
         "rank": rank,
         "host": host_of(rank),
         "pid": pid_of(rank),
-        "reason": "left the job (destroy_process_group)",
+        "reason": "left the job (destroy_process_group, or its program ended)",
     }
 
 
@@ -1054,7 +1054,8 @@ def test_leave_while_others_wait_at_barrier_fails_barrier_naming_the_rank_that_l
     assert msgpack.unpackb(notice.members.data) == [[2, host_of(2), pid_of(2)]]
     assert (err.req_id, err.code, err.details) == (ra, ErrorCode.RANK_FAILED, _left_details(2))
     assert err.message.startswith(
-        f"rank 2 (host {host_of(2)}, pid {pid_of(2)}) left the job (destroy_process_group) "
+        f"rank 2 (host {host_of(2)}, pid {pid_of(2)}) left the job "
+        "(destroy_process_group, or its program ended) "
         "while this operation waited on it"
     )
     assert err.message.count("left the job") == 1

@@ -353,7 +353,8 @@ async def test_rank_leaving_fails_the_rank_waiting_on_it_at_once_saying_it_left(
     assert (error["rank"], error["host"], error["pid"]) == (1, "host-1", left["pid"])
     message = error["message"]
     assert message.startswith(
-        f"rank 1 (host host-1, pid {left['pid']}) left the job (destroy_process_group) "
+        f"rank 1 (host host-1, pid {left['pid']}) left the job "
+        "(destroy_process_group, or its program ended) "
         "while this operation waited on it"
     )
     for fact in ("rank 1", "host-1", str(left["pid"]), "left the job", "destroy_process_group"):
