@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from aiodist._errors import DistTimeoutError
+from aiodist._group.polling import poller
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -164,7 +165,12 @@ class Work(Generic[T]):
                 self._waiters = [waiter]
             else:
                 self._waiters.append(waiter)
-            yield from waiter.__await__()
+            polling = poller(self._loop)
+            polling.wait_started()
+            try:
+                yield from waiter.__await__()
+            finally:
+                polling.wait_ended()
         return self.result()
 
     def is_completed(self) -> bool:

@@ -239,13 +239,18 @@ def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
         raise ArgumentTypeError(
             f"Invalid function argument: {name} must be a torch.Tensor, got {type(tensor).__name__}"
         )
-    if tensor.device.type != "cpu" and not staging.on_device(tensor):
+    if not tensor.is_cpu and not staging.on_device(tensor):
         raise ArgumentError(
             f"{name} is on {tensor.device}; aiodist's data plane carries CPU and CUDA tensors"
         )
     if tensor.layout != torch.strided:
         raise ArgumentError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
     return tensor
+
+
+# Dtypes whose numpy array's memoryview casts to bytes directly (a one-character
+# buffer format); the others (complex, bfloat16, ...) are viewed as uint8 first.
+_NUMPY_VIEWABLE: dict[Any, bool] = {}
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -255,10 +260,24 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     assert tensor.is_contiguous()
     if tensor.numel() == 0:
         return memoryview(bytearray(0))
+    dtype = tensor.dtype
+    direct = _NUMPY_VIEWABLE.get(dtype)
+    if direct is None:
+        direct = _NUMPY_VIEWABLE[dtype] = _casts_directly(tensor)
+    if direct and not tensor.requires_grad:
+        return tensor.numpy().data.cast("B")  # the fast way: half the calls
     if tensor.dim() == 0:
         tensor = tensor.view(1)
     # Viewing the last dimension as bytes keeps the tensor C-contiguous; cast("B") flattens.
     return tensor.view(torch.uint8).numpy().data.cast("B")
+
+
+def _casts_directly(tensor: torch.Tensor) -> bool:
+    try:
+        tensor.detach().numpy().data.cast("B")
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def signature(

@@ -98,8 +98,15 @@ def _not_self(g: ProcessGroup, dst: int) -> None:
         )
 
 
+_dtype_names: dict[Any, str] = {}
+
+
 def _meta(t: torch.Tensor) -> list[Any]:
-    return [str(t.dtype).removeprefix("torch."), list(t.shape)]
+    dtype = t.dtype
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return [name, list(t.shape)]
 
 
 def _abort_send(g: ProcessGroup, dst: int, key: Key, description: str, exc: BaseException) -> None:

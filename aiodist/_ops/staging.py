@@ -171,6 +171,8 @@ def register(device: Device) -> Callable[[], None]:
 
 def device_of(t: object) -> Device | None:
     """The ``Device`` that stages ``t``, or None for host (CPU) tensors and non-tensors."""
+    if len(_devices) == 1 and getattr(t, "is_cpu", False):
+        return None  # the usual case, without making a torch.device
     dev = getattr(t, "device", None)
     if dev is None or (getattr(dev, "type", "cpu") == "cpu" and len(_devices) == 1):
         return None

@@ -26,7 +26,6 @@ from aiodist._wire.frame import (
     KiB,
     Limits,
     MiB,
-    PayloadChunk,
     encode_frame,
 )
 
@@ -119,25 +118,30 @@ class StreamChannel(asyncio.BufferedProtocol):
 
     def _process(self) -> None:
         dec = self._decoder
-        while (event := dec.next_event()) is not NEED_DATA:
-            if isinstance(event, Frame):
-                self._frame = event
-                dest = self._sink.frame_received(self, event)
-                if event.payload_nbytes:
-                    if dest is None or dest.nbytes != event.payload_nbytes:
-                        raise ProtocolError("frame sink gave no buffer of the payload's size")
-                    self._dest, self._dest_offset = dest, 0
-                else:
-                    self._payload_done()
-            elif isinstance(event, PayloadChunk):
-                assert self._dest is not None
-                n = len(event.data)
-                self._dest[self._dest_offset : self._dest_offset + n] = event.data
-                self._dest_offset += n
-                if not dec.payload_remaining:
-                    self._payload_done()
-            else:  # CLOSED: connection_lost follows
+        if self._dest is not None:  # the rest of a payload that began in an earlier read
+            self._take_payload()
+        while dec.buffered_nbytes:
+            event = dec.next_event()
+            if event is NEED_DATA:  # a frame's start, not yet whole
                 return
+            assert isinstance(event, Frame)  # no payload is pending, and EOF is not fed here
+            self._frame = event
+            dest = self._sink.frame_received(self, event)
+            if event.payload_nbytes:
+                if dest is None or dest.nbytes != event.payload_nbytes:
+                    raise ProtocolError("frame sink gave no buffer of the payload's size")
+                self._dest, self._dest_offset = dest, 0
+                self._take_payload()
+            else:
+                self._payload_done()
+
+    def _take_payload(self) -> None:
+        # The payload bytes that came with this read, copied straight into place.
+        dest = self._dest
+        assert dest is not None
+        self._dest_offset += self._decoder.take_payload(dest[self._dest_offset :])
+        if not self._decoder.payload_remaining:
+            self._payload_done()
 
     def _payload_done(self) -> None:
         frame, self._frame, self._dest = self._frame, None, None

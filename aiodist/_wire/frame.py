@@ -230,6 +230,21 @@ class FrameDecoder:
             raise ValueError(f"consume_payload({nbytes}) with {self._payload_left} left")
         self._payload_left -= nbytes
 
+    def take_payload(self, dest: memoryview) -> int:
+        """Copy buffered payload bytes of the current frame into ``dest``; return how many.
+
+        As many as are buffered, up to ``len(dest)`` and the payload's end: what
+        ``PayloadChunk`` events would carry, written where they belong without an
+        event or a copy of their own.
+        """
+        n = min(len(self._buf) - self._pos, self._payload_left, dest.nbytes)
+        if n > 0:
+            pos = self._pos
+            dest[:n] = memoryview(self._buf)[pos : pos + n]
+            self._advance(n)
+            self._payload_left -= n
+        return max(n, 0)
+
     def next_event(self) -> Event:
         """The next ``Frame`` or ``PayloadChunk``, else ``NEED_DATA`` or ``CLOSED``.
 
