@@ -13,14 +13,18 @@ from typing import TYPE_CHECKING, Any, Final
 
 from benchmarks._collective_ranks import TENSOR_OPS, MiB, bus_factor
 from benchmarks._common import Goal, Summary, as_summary
+from benchmarks._small import GROWTH_CASE, goal_list, growth, growth_world_size, in_order
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from benchmarks._collective_ranks import System
 
 __all__ = ["render_report"]
 
 SECTION_TITLES: Final = {
     "collectives": "Collectives vs torch.distributed gloo",
+    "small": "Small messages vs torch.distributed gloo, 2 to 16 ranks",
     "rendezvous": "Rendezvous at scale vs torch TCPStore",
     "bridge": "Torch bridge: loop lag and overlap",
     "metrics": "Metric sync step time",
@@ -237,6 +241,42 @@ def _collectives(data: dict[str, Any], plots: dict[int, str]) -> list[str]:
     return out
 
 
+def _small_messages(data: dict[str, Any]) -> list[str]:
+    systems: tuple[System, ...] = ("aiodist", "gloo")
+    cfg = data["config"]
+    rows = []
+    for row in in_order(data["results"]):
+        n = row["world_size"]
+        cells = [row["case"], str(n)]
+        for system in ("aiodist", "gloo"):
+            res = row[system]
+            cells.append(_failed(res) or _duration(as_summary(res.get("summary_s"))))
+        cells.append(_ratio(row.get("time_ratio"), "lower"))
+        for system in systems:
+            g = growth(data, row["case"], system, n)
+            cells.append("-" if g is None else f"{g:.2f}")
+        rows.append(cells)
+    m = growth_world_size(data)
+    shown = {s: growth(data, GROWTH_CASE, s, m) for s in systems}
+    growths = ", ".join(f"{s} {'-' if g is None else f'{g:.2f}x'}" for s, g in shown.items())
+    return [
+        "Per-call cost where the bytes are nothing (issue 24): an 8-byte round trip between "
+        "ranks 0 and 1, a barrier, a 4-byte all_reduce; every world size's ranks of both "
+        f"systems up together. {_count(cfg['repeats'], 'timed batch', 'es')} per case and "
+        f"system of about {cfg['batch_target_s'] * 1e3:.0f} ms of back-to-back calls after a "
+        "checked warm-up, taken in turns; a batch's time per call is the slowest rank's. "
+        "**Bold**: aiodist faster. `x N=2`: the time over the same case's at world size 2; "
+        "a cost growing as log2(N) gives 2, 3 and 4 at N=4, 8 and 16.",
+        _table(
+            ["case", "N", "aiodist", "gloo", "aiodist/gloo", "aiodist x N=2", "gloo x N=2"],
+            rows,
+        ),
+        f"Barrier growth from N=2 to N={m}: {growths} "
+        f"(log2({m})/log2(2) = {math.log2(m):g}; gloo's for reference).",
+        "Issue 24's goals: " + _goals(goal_list(data)),
+    ]
+
+
 # --- the other sections -------------------------------------------------------------------------
 
 
@@ -309,6 +349,18 @@ def _bridge(data: dict[str, Any]) -> list[str]:
 
 
 def _metrics(data: dict[str, Any]) -> list[str]:
+    two = data.get("world_size_2")
+    if two is None:
+        return _metrics_run(data)
+    return [
+        f"### World size {data['config']['ranks']}",
+        *_metrics_run(data),
+        "### World size 2, small step (issue 24)",
+        *_metrics_run(two),
+    ]
+
+
+def _metrics_run(data: dict[str, Any]) -> list[str]:
     cfg = data["config"]
     out = [
         f"{cfg['ranks']} ranks on CPU each train an MLP and sync 6 metrics every step: not at "
@@ -391,6 +443,7 @@ def _rpc(data: dict[str, Any]) -> list[str]:
 
 
 _RENDER: Final = {
+    "small": _small_messages,
     "rendezvous": _rendezvous,
     "bridge": _bridge,
     "metrics": _metrics,

@@ -24,11 +24,16 @@ and reports how far its RSS peaked above where it started, in tensor sizes,
 and how much its proportional set size (PSS) grew, which counts shared memory
 once across the ranks that map it (RSS counts it in full in each).
 
+``--small`` runs only the small-message set of issue 24 (an 8 B round trip,
+a barrier, a 4 B all_reduce) at world sizes 2 to 16 and judges its goals
+(``benchmarks/_small.py``): per-call overhead and how it grows with the ranks.
+
 Usage::
 
-    python -m benchmarks.bench_collectives [--quick | --smoke] [--world-sizes 2 4] [--repeats K]
+    python -m benchmarks.bench_collectives [--quick | --smoke] [--small] [--world-sizes 2 4]
+        [--repeats K]
 
-Results go to ``benchmarks/results/collectives.json``.
+Results go to ``benchmarks/results/collectives.json`` (``small.json`` with ``--small``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ from benchmarks._collective_ranks import (
 )
 from benchmarks._common import Goal, format_table, goal_table, now, summarize, write_results
 from benchmarks._servers import DNS_WORKAROUND, AiodistServer
+from benchmarks._small import SMALL_CASES, SMALL_WORLD_SIZES
+from benchmarks._small import render as render_small
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -219,11 +226,19 @@ def bench(
     target: float,
     mode: Mode = "full",
     only: Sequence[str] = (),
+    case_list: Sequence[Case] | None = None,
 ) -> dict[str, Any]:
     """Time every case of ``mode`` at each world size, both systems; return plain data.
 
     ``target`` is the wanted duration of one timed batch, in seconds.
+    ``case_list`` runs these cases instead of ``mode``'s (``only`` still
+    filters them by op): ``SMALL_CASES``, for one.
     """
+    chosen = (
+        cases(mode, only)
+        if case_list is None
+        else [c for c in case_list if not only or c.op in only]
+    )
     ctx = multiprocessing.get_context("spawn")
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -242,7 +257,7 @@ def bench(
                 ranks.wait_up()
             print(f"world size {n}: {2 * n} ranks up in {now() - started:.1f} s", flush=True)
             done: set[tuple[str, int]] = set()
-            for i, case in enumerate(cases(mode, only)):
+            for i, case in enumerate(chosen):
                 # Below 4 bytes per rank, all_gather and reduce_scatter sizes collapse into one.
                 if (case.op, moved_bytes(case, n)) in done:
                     continue
@@ -264,6 +279,7 @@ def bench(
             "repeats": repeats,
             "batch_target_s": target,
             "mode": mode,
+            "cases": [c.name for c in chosen],
             "host": HOST,
             "aiodist_loop": "uvloop",
             "environment_overrides": {k: os.environ.get(k) for k in DNS_WORKAROUND},
@@ -413,10 +429,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_collectives", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N")
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="default 2 4; with --small 2 4 8 16 (--quick: 2 4 8, --smoke: 2)",
+    )
     parser.add_argument("--repeats", type=int, default=None, metavar="K")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     parser.add_argument("--smoke", action="store_true", help="two sizes, one repeat: a check")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="only p2p 8 B, barrier and all_reduce 4 B, up to 16 ranks (issue 24's goals)",
+    )
     parser.add_argument(
         "--batch-ms", type=float, default=None, help="target time of one timed batch"
     )
@@ -431,22 +459,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode: Mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     repeats = args.repeats or DEFAULT_REPEATS[mode]
     target = (args.batch_ms or DEFAULT_BATCH_MS[mode]) / 1e3
-    if min(args.world_sizes) < 2 or repeats < 1:
+    world_sizes = args.world_sizes or (SMALL_WORLD_SIZES[mode] if args.small else [2, 4])
+    if min(world_sizes) < 2 or repeats < 1:
         parser.error("--world-sizes must be >= 2 and --repeats >= 1")
     if not args.no_dns_workaround:
         for key, value in DNS_WORKAROUND.items():
             os.environ.setdefault(key, value)  # spawned ranks inherit it (TCPStore's lookups)
     started = now()
     print(
-        f"collectives, aiodist vs gloo, world sizes {args.world_sizes}, {repeats} batches of "
-        f"~{target * 1e3:.0f} ms per case",
+        f"{'small messages' if args.small else 'collectives'}, aiodist vs gloo, world sizes "
+        f"{list(world_sizes)}, {repeats} batches of ~{target * 1e3:.0f} ms per case",
         flush=True,
     )
-    data = bench(args.world_sizes, repeats, target, mode, args.ops)
+    data = bench(world_sizes, repeats, target, mode, args.ops, SMALL_CASES if args.small else None)
     data["config"]["wall_s"] = now() - started
-    path = write_results("collectives", data)
+    path = write_results("small" if args.small else "collectives", data)
     print()
-    print(render(data))
+    print(render_small(data, goals=True) if args.small else render(data))
     print(f"\nresults: {path} ({data['config']['wall_s']:.0f} s)")
     return 0
 

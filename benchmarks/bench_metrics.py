@@ -423,6 +423,19 @@ def goal_list(data: dict[str, Any]) -> list[Goal]:
     ]
 
 
+def small_step_goal(data: dict[str, Any], source: str) -> Goal:
+    """The small step's 2% goal, named by world size: ``metrics small step, N=2``."""
+    small = data["configs"].get("small")
+    return Goal.judge(
+        f"metrics small step, N={data['config']['ranks']}",
+        "step time aiodist/none (paired blocks)",
+        "<=",
+        1.02,
+        None if small is None else small["paired_ratio"],
+        source,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)

@@ -7,10 +7,15 @@ and servers, and stops them before the next starts):
   4 B ... 64 MiB, barrier, object collectives, point-to-point latency and
   bandwidth, memory; aiodist vs gloo at world sizes 2 and 4
   (``bench_collectives``);
+- ``small``: small messages at the loopback ceiling (issue 24): an 8 B
+  round trip, a barrier and a 4 B all_reduce at world sizes 2, 4, 8 and 16,
+  vs gloo, and how the barrier grows with the ranks (``bench_collectives``
+  with ``_small.SMALL_CASES``);
 - ``rendezvous``: N clients joining, up to 1024, vs TCPStore (``bench_rendezvous``);
 - ``bridge``: event-loop lag during a bridged all_reduce vs torch.distributed
   called in the loop, and training overlap (``bench_bridge``);
-- ``metrics``: step time with per-step metric sync (``bench_metrics``);
+- ``metrics``: step time with per-step metric sync, 4 ranks (small and large
+  step) and 2 ranks (small step) (``bench_metrics``);
 - ``load``: thousands of control connections on one server (``bench_load``);
 - ``rpc``: remote calls vs torch.distributed.rpc (TensorPipe): no-op round
   trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``).
@@ -21,7 +26,7 @@ Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
 bandwidth vs message size per world size, needs matplotlib: the ``bench``
 extra), and each section's own JSON.
 
-Modes: the full run (about 4-5 minutes on 2 busy cores), ``--quick`` (under 2),
+Modes: the full run (about 5-7 minutes on 2 busy cores), ``--quick`` (about 2-3),
 ``--smoke`` (a few seconds of measuring: two sizes, world size 2, one repeat,
 no bridge or metrics; plots only when matplotlib is installed), which the
 test suite runs to keep this script working.
@@ -47,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from benchmarks import (
+    _small,
     bench_bridge,
     bench_collectives,
     bench_load,
@@ -72,7 +78,7 @@ if TYPE_CHECKING:
     from benchmarks._collective_ranks import Mode
     from benchmarks._common import Goal
 
-SECTIONS: Final = ("collectives", "rendezvous", "bridge", "metrics", "load", "rpc")
+SECTIONS: Final = ("collectives", "small", "rendezvous", "bridge", "metrics", "load", "rpc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,7 @@ class Plan:
     metrics: tuple[int, int] | None  # steps, rounds
     load: tuple[int, int, int]  # connections, jobs, rounds
     rpc: tuple[int, float]  # alternating pairs per case, batch milliseconds
+    small_world_sizes: tuple[int, ...]  # small messages (same repeats and batches as collectives)
 
 
 PLANS: Final[dict[Mode, Plan]] = {
@@ -103,9 +110,34 @@ PLANS: Final[dict[Mode, Plan]] = {
         (200, 3),
         (2000, 100, 3),
         (15, 300.0),
+        _small.SMALL_WORLD_SIZES["full"],
     ),
-    "quick": Plan((2, 4), 3, 10.0, (16, 128), 2, 4, (2, 64, 5), (50, 2), (400, 20, 2), (7, 120.0)),
-    "smoke": Plan((2,), 1, 5.0, (4,), 1, 1, None, None, (20, 2, 1), (1, 20.0)),
+    "quick": Plan(
+        (2, 4),
+        3,
+        10.0,
+        (16, 128),
+        2,
+        4,
+        (2, 64, 5),
+        (50, 2),
+        (400, 20, 2),
+        (7, 120.0),
+        _small.SMALL_WORLD_SIZES["quick"],
+    ),
+    "smoke": Plan(
+        (2,),
+        1,
+        5.0,
+        (4,),
+        1,
+        1,
+        None,
+        None,
+        (20, 2, 1),
+        (1, 20.0),
+        _small.SMALL_WORLD_SIZES["smoke"],
+    ),
 }
 
 
@@ -116,6 +148,15 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
             plan.world_sizes, plan.collective_repeats, plan.batch_ms / 1e3, mode
         )
         return data, bench_collectives.goal_list(data), bench_collectives.render(data)
+    if name == "small":
+        data = bench_collectives.bench(
+            plan.small_world_sizes,
+            plan.collective_repeats,
+            plan.batch_ms / 1e3,
+            mode,
+            case_list=_small.SMALL_CASES,
+        )
+        return data, _small.goal_list(data), _small.render(data)
     if name == "rendezvous":
         data = bench_rendezvous.bench(
             plan.rendezvous_sizes,
@@ -132,7 +173,11 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         assert plan.metrics is not None
         steps, rounds = plan.metrics
         data = bench_metrics.bench(4, steps, rounds)
-        return data, bench_metrics.goal_list(data), bench_metrics.render(data)
+        # Issue 24 judges the small step at world size 2 as well: a run of its own, small only.
+        two = data["world_size_2"] = bench_metrics.bench(2, steps, rounds, large=None)
+        goals = [*bench_metrics.goal_list(data), bench_metrics.small_step_goal(two, "issue 24")]
+        text = f"{bench_metrics.render(data)}\n\n{bench_metrics.render(two)}"
+        return data, goals, text
     if name == "load":
         data = bench_load.bench(*plan.load)
         return data, bench_load.goal_list(data), bench_load.render(data)

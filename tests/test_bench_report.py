@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
+from benchmarks import _small
 from benchmarks._collective_ranks import SIZES, TENSOR_OPS, Case, cases, moved_bytes
-from benchmarks._common import Goal
+from benchmarks._common import Goal, Summary
+from benchmarks._report_md import render_report
 
 ROOT = Path(__file__).resolve().parent.parent
-SMOKE_TIMEOUT = 100.0  # seconds; the run takes about 20 on two busy cores
+SMOKE_TIMEOUT = 100.0  # seconds; the run takes about 50 on two busy cores
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,25 @@ def test_report_smoke_json_holds_every_measurement(smoke: Any) -> None:
 
 
 @pytest.mark.slow
+def test_report_smoke_times_small_messages_at_world_size_2(smoke: Any) -> None:
+    out, proc = smoke
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (out / "report.md").read_text()
+    assert "## Small messages vs torch.distributed gloo, 2 to 16 ranks" in md
+    report = json.loads((out / "report.json").read_text())
+    results = report["sections"]["small"]["data"]["results"]
+    assert [(r["case"], r["world_size"]) for r in results] == [
+        (c.name, 2) for c in _small.SMALL_CASES
+    ]
+    for row in results:
+        assert row["time_ratio"] > 0, row
+    goals = {g["name"]: g for g in report["goals"] if g["source"] == "issue 24"}
+    assert goals["p2p_round_trip 8 B, N=2"]["value"] == results[0]["time_ratio"]
+    assert goals["barrier growth, N=2 to 16"]["met"] is None  # smoke runs world size 2 only
+    assert (out / "small.json").is_file()
+
+
+@pytest.mark.slow
 def test_report_smoke_times_remote_calls_against_tensorpipe(smoke: Any) -> None:
     out, proc = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -176,3 +197,123 @@ def test_metrics_bench_runs_every_variant_and_reports_intervals() -> None:
     assert "reference local/none" in bench_metrics.render(data)
     [goal] = bench_metrics.goal_list(data)
     assert goal.value == small["paired_ratio"]
+
+
+def _small_row(case: str, n: int, aiodist_s: float, gloo_s: float) -> dict[str, Any]:
+    return {
+        "world_size": n,
+        "case": case,
+        "op": case.split()[0],
+        "aiodist": {"summary_s": Summary(aiodist_s, aiodist_s * 0.9, aiodist_s * 1.2, 5)},
+        "gloo": {"summary_s": Summary(gloo_s, gloo_s, gloo_s * 1.1, 5)},
+        "time_ratio": aiodist_s / gloo_s,
+    }
+
+
+def _small_data() -> dict[str, Any]:
+    """Small-message results as ``bench_collectives.bench`` returns them, made up."""
+    sizes = (2, 4, 8, 16)
+    results = [_small_row("barrier", n, 20e-6 * k, 100e-6 * k * k) for k, n in enumerate(sizes, 1)]
+    results += [_small_row("p2p_round_trip 8 B", n, 60e-6, 120e-6) for n in sizes]
+    results += [_small_row("all_reduce 4 B", n, 50e-6 * n, 90e-6 * n) for n in sizes]
+    # The other way round, as a crashed system leaves it: no summary, an error.
+    results[-1]["aiodist"] = {"error": "RankFailedError: rank 3 died"}
+    results[-1]["time_ratio"] = None
+    return {
+        "config": {"world_sizes": list(sizes), "repeats": 5, "batch_target_s": 0.04},
+        "results": results,
+    }
+
+
+def test_small_goals_judge_ratios_and_barrier_growth() -> None:
+    goals = {g.name: g for g in _small.goal_list(_small_data())}
+    assert set(goals) == {
+        "p2p_round_trip 8 B, N=2",
+        "p2p_round_trip 8 B, N=4",
+        "barrier, N=4",
+        "all_reduce 4 B, N=4",
+        "all_reduce 4 B, N=8",
+        "barrier growth, N=2 to 16",
+    }
+    assert all(g.source == "issue 24" for g in goals.values())
+    assert goals["p2p_round_trip 8 B, N=2"].value == pytest.approx(0.5)
+    assert goals["p2p_round_trip 8 B, N=2"].met is True
+    assert goals["barrier, N=4"].value == pytest.approx(40 / 400)
+    assert goals["all_reduce 4 B, N=8"].verdict == "MISSED"  # 0.556 > 0.5
+    growth = goals["barrier growth, N=2 to 16"]
+    assert growth.value == pytest.approx(4.0)  # 80 µs / 20 µs
+    assert (growth.target, growth.met) == ("<= 4", True)
+    assert _small.growth(_small_data(), "barrier", "gloo", 16) == pytest.approx(16.0)
+
+
+def test_small_goals_grow_to_the_largest_world_size_run() -> None:
+    data = _small_data()
+    data["config"]["world_sizes"] = [2, 4, 8]
+    data["results"] = [r for r in data["results"] if r["world_size"] <= 8]
+    goals = {g.name: g for g in _small.goal_list(data)}
+    assert goals["barrier growth, N=2 to 8"].target == "<= 3"
+    data["results"] = [r for r in data["results"] if r["world_size"] == 2]
+    data["config"]["world_sizes"] = [2]
+    goals = {g.name: g for g in _small.goal_list(data)}
+    assert goals["barrier growth, N=2 to 16"].verdict == "not measured"
+    assert goals["barrier, N=4"].verdict == "not measured"
+
+
+def test_small_section_renders_a_row_per_case_and_world_size() -> None:
+    data = _small_data()
+    report = {
+        "command": "python -m benchmarks.report --sections small",
+        "mode": "full",
+        "environment": {"date": "today", "git_commit": "abc"},
+        "wall_s": 60.0,
+        "sections": {"small": {"data": data, "wall_s": 60.0}},
+    }
+    md = render_report(report, _small.goal_list(data), {})
+    assert "## Small messages vs torch.distributed gloo, 2 to 16 ranks" in md
+    barrier = _rows(md, "barrier")
+    # case, N, aiodist, gloo, aiodist/gloo, aiodist x N=2, gloo x N=2
+    assert [r[1] for r in barrier] == ["2", "4", "8", "16"]
+    assert barrier[3][2:] == [
+        "80.0 µs (72.0-96.0)",
+        "1.60 ms (1.60-1.76)",
+        "**0.05**",
+        "4.00",
+        "16.00",
+    ]
+    assert _rows(md, "all_reduce 4 B")[3][2].startswith("failed: RankFailedError")
+    assert "Barrier growth from N=2 to N=16: aiodist 4.00x, gloo 16.00x" in md
+    # Its goals table, in the section as well as at the top of the report.
+    assert len(_rows(md, "barrier growth, N=2 to 16")) == 2
+    assert "**MISSED**" in _rows(md, "all_reduce 4 B, N=8")[0]
+    # The text tables (bench_collectives --small) hold the same rows.
+    text = _small.render(data, goals=True)
+    assert "barrier growth, N=2 to 16" in text
+    assert "FAILED: RankFailedError" in text
+
+
+def test_small_set_runs_three_cases_up_to_16_ranks() -> None:
+    from benchmarks.report import PLANS
+
+    assert [c.name for c in _small.SMALL_CASES] == [
+        "p2p_round_trip 8 B",
+        "barrier",
+        "all_reduce 4 B",
+    ]
+    assert {m: p.small_world_sizes for m, p in PLANS.items()} == {
+        "full": (2, 4, 8, 16),
+        "quick": (2, 4, 8),
+        "smoke": (2,),
+    }
+
+
+def test_metrics_small_step_goal_at_world_size_2() -> None:
+    from benchmarks import bench_metrics
+
+    data = {"config": {"ranks": 2}, "configs": {"small": {"paired_ratio": 1.015}}}
+    goal = bench_metrics.small_step_goal(data, "issue 24")
+    assert (goal.name, goal.target, goal.met, goal.source) == (
+        "metrics small step, N=2",
+        "<= 1.02",
+        True,
+        "issue 24",
+    )

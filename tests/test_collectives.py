@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
-from aiodist._ops import schedules
+from aiodist._ops import common, schedules
+from aiodist._ops.common import exchange_all
 from aiodist._ops.movement import all_gather, all_to_all, barrier
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter
 from aiodist._ops.rooted import broadcast, gather, scatter
@@ -21,6 +22,8 @@ from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from aiodist._group.work import Work
 
 SMALL, LARGE = 37, 100_003  # LARGE is over the 64 KiB ring threshold for every dtype but bool
 OPS = ["sum", "mean", "product", "min", "max", "band", "bor", "bxor"]
@@ -509,6 +512,61 @@ async def test_barrier_and_small_all_reduce_beyond_the_direct_group_size(
     total = float(sum(range(world_size)))
     for outs in results:
         assert [float(t) for t in outs] == [total, world_size, world_size + 1.0]
+
+
+def _settle_with_bytes(work: Work[bytes], staging: memoryview) -> None:
+    work._set_result(bytes(staging))
+
+
+@pytest.mark.parametrize("world_size", [4, 5, 6, 7, 8])
+async def test_exchange_all_in_rounds_puts_every_rank_row_in_its_place(
+    server: RendezvousServer, world_size: int
+) -> None:
+    # From 4 ranks on, exchange_all forwards rows in log2(size) rounds: each row must
+    # land in its sender's place on every rank, whatever the size.
+    assert world_size >= common.DISSEMINATE_MIN_RANKS
+
+    async def body(g: ProcessGroup) -> list[bytes]:
+        rows = []
+        for call in range(3):
+            _, work, seq = g.begin(f"rows#{call}")
+            mine = bytes([g.rank, call, 7 * g.rank % 256])
+            done = functools.partial(_settle_with_bytes, work)
+            exchange_all(g, work, seq, ["rows"], memoryview(mine), done)
+            rows.append(await work)
+        return rows
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, world_size, body)
+    for call in range(3):
+        expected = b"".join(bytes([r, call, 7 * r % 256]) for r in range(world_size))
+        assert [rows[call] for rows in results] == [expected] * world_size
+
+
+@pytest.mark.parametrize("world_size", [4, 6, 7, 8])
+async def test_small_all_reduce_and_barrier_in_rounds_match_torch(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        outs = []
+        for op in ("sum", "max", "min", "product", "mean"):
+            await barrier(group=g)
+            t = torch.tensor([2.0**g.rank, -float(g.rank), 1.0 + g.rank / 8])
+            await all_reduce(t, op=op, group=g)
+            outs.append(t)
+        return outs
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, world_size, body)
+    inputs = torch.stack(
+        [torch.tensor([2.0**r, -float(r), 1.0 + r / 8]) for r in range(world_size)]
+    )
+    expected = [inputs.sum(0), inputs.amax(0), inputs.amin(0), inputs.prod(0), inputs.mean(0)]
+    for outs in results:
+        for got, want in zip(outs, expected, strict=True):
+            torch.testing.assert_close(got, want)
+    for outs in results[1:]:  # the same bits everywhere
+        assert all(torch.equal(a, b) for a, b in zip(outs, results[0], strict=True))
 
 
 async def test_shared_memory_all_reduces_in_flight_together(server: RendezvousServer) -> None:

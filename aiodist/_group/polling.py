@@ -15,10 +15,16 @@ microseconds (default 200; 0 turns polling off): a long wait sleeps as
 before, so an idle rank costs no CPU.
 
 Each poll first yields the CPU to any runnable process on it
-(``sched_yield``; a microsecond when there is none): a polling rank never
-holds back a peer that the scheduler placed on its CPU, the one whose message
-it may be waiting for. That matters with more ranks than CPUs, and with two
-ranks on two CPUs too, which the scheduler may put on one.
+(``sched_yield``; a microsecond when there is none). That is not always
+enough: a rank that sends wakes its peer on its own CPU (the kernel expects
+a sender to sleep next), and there the scheduler may keep running the
+poller, which then polls for its whole spin time while the peer it waits for
+cannot run. So polling also watches whether it pays: after ``MISSES_TO_BACK_OFF``
+waits in a row that outlasted their spin time, the next waits sleep at once
+(``BACK_OFF_WAITS``, doubling each time it happens again, up to
+``MAX_BACK_OFF_WAITS``), and a wait that ends while polling resets it. Ranks
+on one CPU then take turns through the kernel (a few microseconds), and
+ranks with more of them than CPUs stop burning time that others need.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ if TYPE_CHECKING:
 __all__ = ["Poller", "poller"]
 
 DEFAULT_SPIN_US: Final = 200
+MISSES_TO_BACK_OFF: Final = 3
+BACK_OFF_WAITS: Final = 64
+MAX_BACK_OFF_WAITS: Final = 4096
 
 
 def _spin_seconds() -> float:
@@ -49,19 +58,34 @@ def _spin_seconds() -> float:
 class Poller:
     """Keeps one loop polling while tasks wait (see the module's docstring)."""
 
-    __slots__ = ("_deadline", "_loop", "_running", "_spin", "waiting")
+    __slots__ = (
+        "_back_off",
+        "_deadline",
+        "_loop",
+        "_misses",
+        "_running",
+        "_skip",
+        "_spin",
+        "waiting",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._spin = _spin_seconds()
         self._deadline = 0.0
         self._running = False
+        self._misses = 0  # waits in a row that outlasted their spin time
+        self._back_off = BACK_OFF_WAITS  # waits to sleep through at the next back-off
+        self._skip = 0  # waits still to sleep through at once
         self.waiting = 0  # tasks suspended on a running Work
 
     def wait_started(self) -> None:
         """A task suspends on a running ``Work``: poll for up to the spin time from now."""
         self.waiting += 1
         if not self._spin:
+            return
+        if self._skip:
+            self._skip -= 1
             return
         self._deadline = time.monotonic() + self._spin
         if not self._running:
@@ -70,13 +94,27 @@ class Poller:
 
     def wait_ended(self) -> None:
         self.waiting -= 1
+        if self._running and self._misses:  # it came while polling: polling pays
+            self._misses = 0
+            self._back_off = BACK_OFF_WAITS
 
     def _tick(self) -> None:
-        if not self.waiting or time.monotonic() > self._deadline or self._loop.is_closed():
+        if not self.waiting or self._loop.is_closed():
             self._running = False
+            return
+        if time.monotonic() > self._deadline:
+            self._running = False
+            self._missed()
             return
         os.sched_yield()
         self._loop.call_soon(self._tick)
+
+    def _missed(self) -> None:
+        self._misses += 1
+        if self._misses >= MISSES_TO_BACK_OFF:
+            self._misses = 0
+            self._skip = self._back_off
+            self._back_off = min(2 * self._back_off, MAX_BACK_OFF_WAITS)
 
 
 _pollers: dict[asyncio.AbstractEventLoop, Poller] = {}

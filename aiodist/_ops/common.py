@@ -15,7 +15,12 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
+from aiodist._errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    CollectiveMismatchError,
+    ProtocolError,
+)
 from aiodist._group.inflight import fail
 from aiodist._group.lingering import linger
 from aiodist._group.world import get_default_group
@@ -47,6 +52,7 @@ __all__ = [
     "clear_to_send",
     "contiguous",
     "copy_into",
+    "disseminate",
     "divide_",
     "exchange_all",
     "outside",
@@ -64,6 +70,10 @@ __all__ = [
 #: message they all share makes them meet and report the mismatch rather than
 #: wait for each other until the timeout.
 READY_STEP: Final = 1 << 18
+
+#: From this many ranks on, ``exchange_all`` takes ``log2 size`` rounds of fewer
+#: messages (``disseminate``): 4 ranks send 2 messages each instead of 3.
+DISSEMINATE_MIN_RANKS: Final = 4
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -362,7 +372,11 @@ def exchange_all(
     *,
     step: int = 0,
 ) -> None:
-    """Swap ``data`` with every other rank of ``g`` in one round, with no task.
+    """Swap ``data`` with every other rank of ``g``, with no task.
+
+    Fewer than ``DISSEMINATE_MIN_RANKS`` ranks swap in one round, every rank
+    with every other one; more use ``log2 size`` rounds (``disseminate``),
+    fewer messages for the same rows.
 
     The path of small collectives: every receive is posted and every send
     written right here; the data plane's callbacks do the rest. Group rank
@@ -374,6 +388,9 @@ def exchange_all(
     group's rules (``inflight.fail``), which breaks the group on every member.
     """
     p, me, n = g.world_size, g.rank, data.nbytes
+    if p >= DISSEMINATE_MIN_RANKS:
+        disseminate(g, work, seq, mine, data, done, step=step)
+        return
     staging = memoryview(bytearray(p * n))
     own = staging[me * n : (me + 1) * n]
     own[:] = data
@@ -418,6 +435,80 @@ def exchange_all(
         _spawn(g, _finish_sends(g, work, unsent, one_less))
     else:
         one_less()
+
+
+def disseminate(
+    g: ProcessGroup,
+    work: Work[Any],
+    seq: int,
+    mine: list[Any],
+    data: memoryview,
+    done: Callable[[memoryview], None],
+    *,
+    step: int = 0,
+) -> None:
+    """``exchange_all`` in ``log2 size`` rounds (Bruck's all-gather), with no task.
+
+    In round ``k`` this rank sends the rows it holds (its own, then those of
+    the ranks before it, up to ``2**k`` of them) to rank ``r + 2**k`` and gets
+    as many from rank ``r - 2**k`` (group ranks, modulo the size); it starts
+    round ``k + 1`` once round ``k``'s message is in. Each rank sends and
+    receives ``log2 size`` messages instead of ``size - 1``. With no bytes to
+    swap, this is the dissemination barrier.
+    """
+    p, me, n = g.world_size, g.rank, data.nbytes
+    staging = memoryview(bytearray(p * n))
+    staging[me * n : (me + 1) * n] = data
+    plan = schedules.dissemination_partners(me, p)
+    plane, ranks = g.session.plane, g.ranks
+    pending = [1]  # the last round's message, plus each send still under way
+
+    def one_less() -> None:
+        pending[0] -= 1
+        if pending[0] == 0 and not work.is_completed():
+            try:
+                done(staging)
+            except Exception as exc:
+                fail(g, work, exc, collective=True)
+
+    def round_(k: int) -> None:
+        if work.is_completed():
+            return  # failed already: say no more
+        if k == len(plan):
+            one_less()
+            return
+        to, frm = plan[k]
+        count = min(1 << k, p - (1 << k))  # rows held before this round: 2**k
+        key = (COLLECTIVE, g.group_id, seq, step + k)
+        rows = [(me - i) % p for i in range(count)]
+        payload = b"".join([staging[r * n : (r + 1) * n] for r in rows]) if n else None
+        rest = plane.send_now(ranks[to], key, mine, payload)
+        if rest is not None:  # a first connection, or a full socket: finish it in a task
+            pending[0] += 1
+            _spawn(g, _finish_sends(g, work, [rest], one_less))
+        into = memoryview(bytearray(count * n)) if n else None
+
+        def arrived(msg: Received | BaseException) -> None:
+            if work.is_completed():
+                return
+            try:
+                if isinstance(msg, BaseException):
+                    raise msg
+                check_signature(g, mine, msg)
+                got = msg.data
+                if got.nbytes != count * n:
+                    raise ProtocolError(f"{got.nbytes} bytes where {count * n} belong")
+                for i in range(count):  # the rows of frm, frm - 1, ...
+                    r = (frm - i) % p
+                    staging[r * n : (r + 1) * n] = got[i * n : (i + 1) * n]
+            except Exception as exc:
+                fail(g, work, exc, collective=True)
+                return
+            round_(k + 1)
+
+        plane.post(ranks[frm], key, into, arrived)
+
+    round_(0)
 
 
 async def _finish_sends(

@@ -34,6 +34,7 @@ from aiodist._ops.common import (
     clear_to_send,
     contiguous,
     copy_into,
+    disseminate,
     outside,
     recv_tensor,
     resolve_group,
@@ -599,10 +600,10 @@ def barrier(
 ) -> Work[None]:
     """Wait until every rank of ``group`` reached this barrier (on the data plane).
 
-    Groups of up to 8 ranks exchange one message with every rank (one round);
-    larger ones use dissemination (``log2 size`` rounds). With ``timeout``, every
-    rank hears from every other one, so a rank that gives up can say which
-    ranks never arrived (as torch's ``monitored_barrier`` does).
+    Dissemination: ``log2 size`` rounds of one message in and one out per rank.
+    With ``timeout``, every rank hears from every other one instead (one round),
+    so a rank that gives up can say which ranks never arrived (as torch's
+    ``monitored_barrier`` does).
 
     Args:
         group: Defaults to the world group.
@@ -673,12 +674,31 @@ def _barrier(
             raise ArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         if g is None or outside(g):
             return Work.completed(None)
+        if timeout is None:
+            return _barrier_now(g, seq, name)
     seconds = timeout
 
     async def run(seq: int) -> None:
         await meet(g, seq, seconds, name)
 
     return g.start(name, run, seq=seq)
+
+
+def _barrier_now(g: ProcessGroup, seq: int, name: str) -> Work[None]:
+    """A barrier with no timeout of its own: dissemination, driven by the data plane's callbacks.
+
+    ``log2 size`` rounds of one message each way, and no task. The group's
+    timeout still applies.
+    """
+    _, work, seq = g.begin(name, seq=seq)
+    if work.is_completed():
+        return work  # a member aborted this call: send and post nothing
+
+    def done(_: memoryview) -> None:
+        work._set_result(None)
+
+    disseminate(g, work, seq, signature("barrier"), memoryview(b""), done)
+    return work
 
 
 async def meet(g: ProcessGroup, seq: int, timeout: float | None, name: str) -> None:
