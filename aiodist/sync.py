@@ -884,10 +884,10 @@ def barrier(
     With ``async_op=True`` it returns the running ``Work`` instead (``.wait()`` from any
     thread, ``.is_completed()``).
 
-    Groups of up to 8 ranks exchange one message with every rank (one round);
-    larger ones use dissemination (``log2 size`` rounds). With ``timeout``, every
-    rank hears from every other one, so a rank that gives up can say which
-    ranks never arrived (as torch's ``monitored_barrier`` does).
+    Dissemination: ``log2 size`` rounds of one message in and one out per rank.
+    With ``timeout``, every rank hears from every other one instead (one round),
+    so a rank that gives up can say which ranks never arrived (as torch's
+    ``monitored_barrier`` does).
 
     Args:
         group: Defaults to the world group.
