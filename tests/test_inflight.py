@@ -8,6 +8,7 @@ import torch
 
 import aiodist
 from aiodist import DistTimeoutError, ProcessGroup, RendezvousServer
+from aiodist._ops.common import DISSEMINATE_MIN_RANKS
 from aiodist._ops.p2p import irecv, isend
 from aiodist.testing import run_ranks
 
@@ -16,7 +17,11 @@ async def test_all_reduce_called_after_every_peer_sent_still_sends_its_part(
     server: RendezvousServer,
 ) -> None:
     # Rank 0 calls all_reduce only once the others' messages are in: its handle could
-    # complete at call time, but only after its own part went out to everyone.
+    # complete at call time, but only after its own part went out to everyone. Three
+    # ranks swap in one round (from DISSEMINATE_MIN_RANKS on, rank 0 would not hear
+    # from every rank before it sends).
+    assert 3 < DISSEMINATE_MIN_RANKS
+
     async def body(g: ProcessGroup) -> list[float]:
         await aiodist.all_reduce(torch.zeros(1), group=g)  # connections up
         t = torch.tensor([float(g.rank + 1)])
@@ -32,8 +37,8 @@ async def test_all_reduce_called_after_every_peer_sent_still_sends_its_part(
         return t.tolist()
 
     with anyio.fail_after(20):
-        outs = await run_ranks(server.address, 4, body)
-    assert outs == [[10.0]] * 4
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [[6.0]] * 3
 
 
 async def test_unmatched_receive_times_out_and_breaks_the_group_everywhere(
