@@ -58,7 +58,6 @@ import functools
 import ipaddress
 import logging
 import os
-import types
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import AuthenticationError, DistError, ProtocolError
@@ -71,7 +70,7 @@ from aiodist._wire import auth
 from aiodist._wire.messages import HostIds, MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+    from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Buffer
@@ -110,27 +109,6 @@ def call_of(seq: int) -> int:
 
 # How long a closing plane waits for its peers to answer its goodbyes.
 BYE_TIMEOUT: Final = 1.0
-
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
-    """Go on running ``coro``, which already ran up to yielding ``yielded`` to its driver."""
-    while True:
-        try:
-            sent = yield yielded
-        except GeneratorExit:
-            coro.close()
-            raise
-        except BaseException as exc:  # thrown in by the task (a cancellation): pass it on
-            try:
-                yielded = coro.throw(exc)
-            except StopIteration:
-                return
-        else:
-            try:
-                yielded = coro.send(sent)
-            except StopIteration:
-                return
 
 
 @functools.cache  # asked by every member that joins; a process has few local addresses
@@ -335,16 +313,13 @@ class DataPlane:
             )
         ):
             return self.send(dst, key, meta, payload)  # connect first, or announce: no shortcut
-        coro = channel.send(MessageKind.DATA, [*key, meta], payload)
         try:
-            # Run the channel's send up to its first wait, here in the caller: a frame
-            # the kernel took at once needs no task and no loop turn.
-            yielded = coro.send(None)
-        except StopIteration:
-            return None
+            # Written here, in the caller: a frame the kernel took at once needs no
+            # task and no loop turn.
+            rest = channel.send_nowait(MessageKind.DATA, [*key, meta], payload)
         except OSError as exc:
             return self._raise_send_failed(dst, exc)
-        return self._finish_send(dst, _resume(coro, yielded))
+        return None if rest is None else self._finish_send(dst, rest)
 
     async def _finish_send(self, dst: int, rest: Awaitable[None]) -> None:
         try:
@@ -428,15 +403,13 @@ class DataPlane:
         if channel is None:
             self._spawn(self._send_notice_later(dst, kind, header))
             return
-        coro = channel.send(kind, header)
         try:
-            yielded = coro.send(None)  # a frame the kernel took needs no task
-        except StopIteration:
-            return
+            rest = channel.send_nowait(kind, header)  # a frame the kernel took needs no task
         except OSError as exc:
             logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
             return
-        self._spawn(_resume(coro, yielded))
+        if rest is not None:
+            self._spawn(rest)
 
     async def _send_notice_later(self, dst: int, kind: MessageKind, header: list[Any]) -> None:
         try:

@@ -8,14 +8,15 @@ that provides ``listen``/``connect`` and passes ``aiodist.testing.check_data_cha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import types
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable, Coroutine, Generator
 
     from aiodist._wire.frame import Buffer, Frame
 
-__all__ = ["DataChannel", "FrameSink", "Listener", "Transport"]
+__all__ = ["DataChannel", "FrameSink", "Listener", "Transport", "start_now"]
 
 
 class FrameSink(Protocol):
@@ -44,6 +45,16 @@ class DataChannel(Protocol):
             Cancelling mid-frame aborts the channel (its state is unknown).
         """
 
+    def send_nowait(
+        self, kind: int, header: object, payload: Buffer | None = None
+    ) -> Awaitable[None] | None:
+        """Send one frame as far as it goes now, in order with every other send.
+
+        Returns None once the payload memory may be reused (the kernel took the
+        frame: the usual case for a small one), else what to await (in a task)
+        before reusing it. Raises ``OSError`` as ``send`` would.
+        """
+
     def close(self) -> None:
         """Close the channel; frames already sent are still delivered."""
 
@@ -67,3 +78,37 @@ class Transport(Protocol):
     async def listen(self, host: str, sink_factory: Callable[[], FrameSink]) -> Listener: ...
 
     async def connect(self, address: str, sink: FrameSink) -> DataChannel: ...
+
+
+def start_now(coro: Coroutine[Any, Any, None]) -> Awaitable[None] | None:
+    """Run ``coro`` here up to its first wait: None if it finished, else the rest of it.
+
+    The rest is to be awaited (in a task) and goes on exactly where ``coro``
+    stopped; what ``coro`` raised before its first wait is raised here.
+    """
+    try:
+        yielded = coro.send(None)
+    except StopIteration:
+        return None
+    return _resume(coro, yielded)
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
+    """Go on running ``coro``, which already ran up to yielding ``yielded`` to its driver."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # thrown in by the task (a cancellation): pass it on
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration:
+                return

@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ProtocolError
 from aiodist._transport import shm, uds
+from aiodist._transport.base import start_now
 from aiodist._transport.stream import DATA_LIMITS, StreamChannel
 from aiodist._wire.frame import Frame, Limits, MiB, encode_frame
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from aiodist._transport.base import DataChannel, FrameSink
     from aiodist._wire.frame import Buffer
@@ -118,6 +119,15 @@ class ShmChannel(StreamChannel):
         transport.write(encode_frame(kind, header)[0])
 
     # --- sending ----------------------------------------------------------------------
+
+    def send_nowait(
+        self, kind: int, header: object, payload: Buffer | None = None
+    ) -> Awaitable[None] | None:
+        if self._queued == 0 and (
+            payload is None or not self._peer_ready or memoryview(payload).nbytes < self._min_bytes
+        ):
+            return super().send_nowait(kind, header, payload)  # straight to the socket
+        return start_now(self.send(kind, header, payload))
 
     async def send(self, kind: int, header: object, payload: Buffer | None = None) -> None:
         view = None if payload is None else memoryview(payload).cast("B")

@@ -30,6 +30,8 @@ from aiodist._wire.frame import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from aiodist._transport.base import FrameSink
     from aiodist._wire.frame import Buffer
 
@@ -156,6 +158,13 @@ class StreamChannel(asyncio.BufferedProtocol):
     # --- sending ----------------------------------------------------------------------
 
     async def send(self, kind: int, header: object, payload: Buffer | None = None) -> None:
+        rest = self.send_nowait(kind, header, payload)
+        if rest is not None:
+            await rest
+
+    def send_nowait(
+        self, kind: int, header: object, payload: Buffer | None = None
+    ) -> Awaitable[None] | None:
         transport = self._transport
         if transport is None or self._lost or transport.is_closing():
             raise ConnectionResetError(f"connection to {self.peer} is closed")
@@ -172,11 +181,15 @@ class StreamChannel(asyncio.BufferedProtocol):
                     transport.write(view[start : start + WRITE_SLICE_BYTES])
         writable = self._writable
         if writable is not None and not writable.done():
-            try:
-                await asyncio.shield(writable)
-            except asyncio.CancelledError:
-                self.abort()  # a frame may be half-written: the stream is unusable
-                raise
+            return self._drained(writable)  # the kernel took part of it: wait for the rest
+        return None
+
+    async def _drained(self, writable: asyncio.Future[None]) -> None:
+        try:
+            await asyncio.shield(writable)
+        except asyncio.CancelledError:
+            self.abort()  # a frame may be half-written: the stream is unusable
+            raise
 
     def close(self) -> None:
         if self._transport is not None:
