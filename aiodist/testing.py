@@ -105,7 +105,8 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
     One conformance suite for every transport (as ``trio.testing.check_two_way_stream``
     is for streams): frames of many sizes both ways and in order, payloads landing
     in the receiver's memory intact, concurrent senders never interleaving frames,
-    ``send`` returning only once the payload may be reused, clean close seen as
+    ``send`` (and what ``send_nowait`` returns) completing only once the payload
+    may be reused, ``send_nowait`` keeping call order, clean close seen as
     clean, and abort seen by the peer.
     """
     accepted: list[_RecordingSink] = []
@@ -150,6 +151,22 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         await server_sink.wait_for(len(sizes) + 1 + len(blobs))
         tail = server_sink.frames[-len(blobs) :]
         assert sorted((h[1], p) for _, h, p in tail) == list(enumerate(blobs)), "interleaved"
+
+        # send_nowait: written in call order with send; what it returns (if anything)
+        # completes once the payload may be reused.
+        done_before = len(server_sink.frames)
+        big = bytearray(b"x" * (4 * 1024 * 1024))
+        rests = [channel.send_nowait(65, ["now", 0], b"small")]
+        rests.append(channel.send_nowait(65, ["now", 1], memoryview(big)))
+        await channel.send(65, ["now", 2], None)
+        for rest in rests:
+            if rest is not None:
+                await rest
+        big[:] = b"y" * len(big)
+        await server_sink.wait_for(done_before + 3)
+        now = server_sink.frames[done_before:]
+        assert [h for _, h, _ in now] == [["now", 0], ["now", 1], ["now", 2]], "send_nowait order"
+        assert now[1][2] == b"x" * len(big), "send_nowait's wait ended before the data left"
 
         # The other direction works on the accepted side's channel too (replies).
         assert client_sink.frames == []
