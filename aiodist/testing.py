@@ -156,12 +156,13 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         # completes once the payload may be reused.
         done_before = len(server_sink.frames)
         big = bytearray(b"x" * (4 * 1024 * 1024))
-        rests = [channel.send_nowait(65, ["now", 0], b"small")]
-        rests.append(channel.send_nowait(65, ["now", 1], memoryview(big)))
-        await channel.send(65, ["now", 2], None)
-        for rest in rests:
+        finishing = []  # what send_nowait left to do runs in tasks, as the data plane's does
+        for i, payload in enumerate([b"small", memoryview(big)]):
+            rest = channel.send_nowait(65, ["now", i], payload)
             if rest is not None:
-                await rest
+                finishing.append(asyncio.ensure_future(rest))
+        await channel.send(65, ["now", 2], None)
+        await asyncio.gather(*finishing)
         big[:] = b"y" * len(big)
         await server_sink.wait_for(done_before + 3)
         now = server_sink.frames[done_before:]
