@@ -157,8 +157,9 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         done_before = len(server_sink.frames)
         big = bytearray(b"x" * (4 * 1024 * 1024))
         finishing = []  # what send_nowait left to do runs in tasks, as the data plane's does
-        for i, payload in enumerate([b"small", memoryview(big)]):
-            rest = channel.send_nowait(65, ["now", i], payload)
+        sends: list[bytes | memoryview] = [b"small", memoryview(big)]
+        for i, data in enumerate(sends):
+            rest = channel.send_nowait(65, ["now", i], data)
             if rest is not None:
                 finishing.append(asyncio.ensure_future(rest))
         await channel.send(65, ["now", 2], None)

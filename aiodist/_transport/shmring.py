@@ -126,7 +126,7 @@ class ShmChannel(StreamChannel):
         if self._queued == 0 and (
             payload is None or not self._peer_ready or memoryview(payload).nbytes < self._min_bytes
         ):
-            return super().send_nowait(kind, header, payload)  # straight to the socket
+            return self._write_frame(kind, header, payload)  # straight to the socket
         return start_now(self.send(kind, header, payload))
 
     async def send(self, kind: int, header: object, payload: Buffer | None = None) -> None:

@@ -158,13 +158,19 @@ class StreamChannel(asyncio.BufferedProtocol):
     # --- sending ----------------------------------------------------------------------
 
     async def send(self, kind: int, header: object, payload: Buffer | None = None) -> None:
-        rest = self.send_nowait(kind, header, payload)
+        rest = self._write_frame(kind, header, payload)
         if rest is not None:
             await rest
 
     def send_nowait(
         self, kind: int, header: object, payload: Buffer | None = None
     ) -> Awaitable[None] | None:
+        return self._write_frame(kind, header, payload)
+
+    def _write_frame(
+        self, kind: int, header: object, payload: Buffer | None
+    ) -> Awaitable[None] | None:
+        # Both sends' body, never overridden: a subclass's send may call this one's.
         transport = self._transport
         if transport is None or self._lost or transport.is_closing():
             raise ConnectionResetError(f"connection to {self.peer} is closed")
