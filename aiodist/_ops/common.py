@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
-    from aiodist._plane.peers import Received
+    from aiodist._plane.peers import Key, Received
     from aiodist._wire.frame import Buffer
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "clear_to_send",
     "contiguous",
     "copy_into",
-    "disseminate",
     "divide_",
     "exchange_all",
     "outside",
@@ -72,7 +71,7 @@ __all__ = [
 READY_STEP: Final = 1 << 18
 
 #: From this many ranks on, ``exchange_all`` takes ``log2 size`` rounds of fewer
-#: messages (``disseminate``): 4 ranks send 2 messages each instead of 3.
+#: messages: 4 ranks send 2 messages each instead of 3.
 DISSEMINATE_MIN_RANKS: Final = 4
 
 T = TypeVar("T")
@@ -374,139 +373,142 @@ def exchange_all(
 ) -> None:
     """Swap ``data`` with every other rank of ``g``, with no task.
 
+    The path of small collectives (and of the barrier, with no bytes): every
+    receive is posted and every send written from the data plane's callbacks.
+    Group rank ``r``'s bytes land in row ``r`` of a ``size x data.nbytes``
+    staging buffer (this rank's row is a copy of ``data``, which may change
+    from now on). Once every row is in and every send was handed to the
+    kernel, ``done(staging)`` runs and settles ``work``. A message with
+    another signature, a failed peer, an error in ``done``: ``work`` fails by
+    the group's rules (``inflight.fail``), which breaks the group on every member.
+
     Fewer than ``DISSEMINATE_MIN_RANKS`` ranks swap in one round, every rank
-    with every other one; more use ``log2 size`` rounds (``disseminate``),
-    fewer messages for the same rows.
-
-    The path of small collectives: every receive is posted and every send
-    written right here; the data plane's callbacks do the rest. Group rank
-    ``r``'s bytes land in row ``r`` of a ``size x data.nbytes`` staging buffer
-    (this rank's row is a copy of ``data``, which may change from now on).
-    Once every row is in and every send was handed to the kernel,
-    ``done(staging)`` runs and settles ``work``. A message with another
-    signature, a failed peer, an error in ``done``: ``work`` fails by the
-    group's rules (``inflight.fail``), which breaks the group on every member.
+    with every other one. More take ``log2 size`` rounds (Bruck's all-gather;
+    with no bytes, the dissemination barrier): in round ``k`` a rank sends the
+    rows it holds (its own, then those of the ranks before it, up to ``2**k``
+    of them) to rank ``r + 2**k`` and gets as many from rank ``r - 2**k``
+    (modulo the size), and starts round ``k + 1`` once round ``k``'s message is
+    in: ``log2 size`` messages each way instead of ``size - 1``.
     """
-    p, me, n = g.world_size, g.rank, data.nbytes
+    p = g.world_size
     if p >= DISSEMINATE_MIN_RANKS:
-        disseminate(g, work, seq, mine, data, done, step=step)
-        return
-    staging = memoryview(bytearray(p * n))
-    own = staging[me * n : (me + 1) * n]
-    own[:] = data
-    plane = g.session.plane
-    ranks = g.ranks
-    key = (COLLECTIVE, g.group_id, seq, step)
-    # Receives still to come, plus one for this rank's sends: however many messages
-    # were waiting already, ``done`` runs only once every send went out.
-    left = [p]
+        _in_rounds(_Rows(g, work, mine, data, done, 1), seq, step)
+    else:
+        # Receives still to come, plus one for this rank's sends: however many messages
+        # were waiting already, ``done`` runs only once every send went out.
+        _in_one_round(_Rows(g, work, mine, data, done, p), seq, step)
 
-    def one_less() -> None:
-        left[0] -= 1
-        if left[0] == 0 and not work.is_completed():
+
+class _Rows:
+    """One exchange's staging rows, and the countdown to ``done`` (see ``exchange_all``)."""
+
+    __slots__ = ("_done", "_left", "g", "mine", "n", "staging", "work")
+
+    def __init__(
+        self,
+        g: ProcessGroup,
+        work: Work[Any],
+        mine: list[Any],
+        data: memoryview,
+        done: Callable[[memoryview], None],
+        left: int,
+    ) -> None:
+        self.g, self.work, self.mine, self.n = g, work, mine, data.nbytes
+        self.staging = memoryview(bytearray(g.world_size * self.n))
+        self.row(g.rank)[:] = data
+        self._done = done
+        self._left = left  # what is still to come before done may run
+
+    def row(self, r: int) -> memoryview:
+        return self.staging[r * self.n : (r + 1) * self.n]
+
+    def one_more(self) -> None:
+        self._left += 1
+
+    def one_less(self) -> None:
+        self._left -= 1
+        if self._left == 0 and not self.work.is_completed():
             try:
-                done(staging)
+                self._done(self.staging)
             except Exception as exc:
-                fail(g, work, exc, collective=True)
+                self.fail(exc)
 
-    def arrived(msg: Received | BaseException) -> None:
-        if work.is_completed():
-            return
+    def accepted(self, msg: Received | BaseException) -> Received | None:
+        """``msg`` if it is this exchange's to take; else None (the work failed, or had)."""
+        if self.work.is_completed():
+            return None
         try:
             if isinstance(msg, BaseException):
                 raise msg
-            check_signature(g, mine, msg)
+            check_signature(self.g, self.mine, msg)
         except Exception as exc:
-            fail(g, work, exc, collective=True)
-            return
-        one_less()
+            self.fail(exc)
+            return None
+        return msg
+
+    def fail(self, exc: BaseException) -> None:
+        fail(self.g, self.work, exc, collective=True)
+
+    def send_now(self, dst: int, key: Key, payload: Buffer | None) -> None:
+        """Send to group rank ``dst``; a send that cannot finish here finishes in a task."""
+        rest = self.g.session.plane.send_now(self.g.ranks[dst], key, self.mine, payload)
+        if rest is not None:  # a first connection, or a full socket
+            self.one_more()
+            _spawn(self.g, _finish_sends(self.g, self.work, [rest], self.one_less))
+
+
+def _in_one_round(rows: _Rows, seq: int, step: int) -> None:
+    g, work = rows.g, rows.work
+    p, me = g.world_size, g.rank
+    plane, ranks = g.session.plane, g.ranks
+    key = (COLLECTIVE, g.group_id, seq, step)
+
+    def arrived(msg: Received | BaseException) -> None:
+        if rows.accepted(msg) is not None:
+            rows.one_less()
 
     for r in range(p):
         if r != me:
-            plane.post(ranks[r], key, staging[r * n : (r + 1) * n], arrived)
-    unsent = []
+            plane.post(ranks[r], key, rows.row(r), arrived)
     for r in schedules.direct_peers(me, p):
         if work.is_completed():
             return  # failed already (a mismatched message was waiting): say no more
-        rest = plane.send_now(ranks[r], key, mine, own)
-        if rest is not None:
-            unsent.append(rest)
-    if unsent:  # a full socket, or a first connection: finish those sends in a task
-        _spawn(g, _finish_sends(g, work, unsent, one_less))
-    else:
-        one_less()
+        rows.send_now(r, key, rows.row(me))
+    rows.one_less()  # every send went out, or is finishing in a task that counts itself
 
 
-def disseminate(
-    g: ProcessGroup,
-    work: Work[Any],
-    seq: int,
-    mine: list[Any],
-    data: memoryview,
-    done: Callable[[memoryview], None],
-    *,
-    step: int = 0,
-) -> None:
-    """``exchange_all`` in ``log2 size`` rounds (Bruck's all-gather), with no task.
-
-    In round ``k`` this rank sends the rows it holds (its own, then those of
-    the ranks before it, up to ``2**k`` of them) to rank ``r + 2**k`` and gets
-    as many from rank ``r - 2**k`` (group ranks, modulo the size); it starts
-    round ``k + 1`` once round ``k``'s message is in. Each rank sends and
-    receives ``log2 size`` messages instead of ``size - 1``. With no bytes to
-    swap, this is the dissemination barrier.
-    """
-    p, me, n = g.world_size, g.rank, data.nbytes
-    staging = memoryview(bytearray(p * n))
-    staging[me * n : (me + 1) * n] = data
+def _in_rounds(rows: _Rows, seq: int, step: int) -> None:
+    g, n = rows.g, rows.n
+    p, me = g.world_size, g.rank
     plan = schedules.dissemination_partners(me, p)
-    plane, ranks = g.session.plane, g.ranks
-    pending = [1]  # the last round's message, plus each send still under way
-
-    def one_less() -> None:
-        pending[0] -= 1
-        if pending[0] == 0 and not work.is_completed():
-            try:
-                done(staging)
-            except Exception as exc:
-                fail(g, work, exc, collective=True)
 
     def round_(k: int) -> None:
-        if work.is_completed():
+        if rows.work.is_completed():
             return  # failed already: say no more
         if k == len(plan):
-            one_less()
+            rows.one_less()
             return
         to, frm = plan[k]
         count = min(1 << k, p - (1 << k))  # rows held before this round: 2**k
         key = (COLLECTIVE, g.group_id, seq, step + k)
-        rows = [(me - i) % p for i in range(count)]
-        payload = b"".join([staging[r * n : (r + 1) * n] for r in rows]) if n else None
-        rest = plane.send_now(ranks[to], key, mine, payload)
-        if rest is not None:  # a first connection, or a full socket: finish it in a task
-            pending[0] += 1
-            _spawn(g, _finish_sends(g, work, [rest], one_less))
-        into = memoryview(bytearray(count * n)) if n else None
+        held = [rows.row((me - i) % p) for i in range(count)]
+        rows.send_now(to, key, b"".join(held) if n else None)
 
         def arrived(msg: Received | BaseException) -> None:
-            if work.is_completed():
+            got = rows.accepted(msg)
+            if got is None:
                 return
             try:
-                if isinstance(msg, BaseException):
-                    raise msg
-                check_signature(g, mine, msg)
-                got = msg.data
-                if got.nbytes != count * n:
-                    raise ProtocolError(f"{got.nbytes} bytes where {count * n} belong")
+                if got.data.nbytes != count * n:
+                    raise ProtocolError(f"{got.data.nbytes} bytes where {count * n} belong")
                 for i in range(count):  # the rows of frm, frm - 1, ...
-                    r = (frm - i) % p
-                    staging[r * n : (r + 1) * n] = got[i * n : (i + 1) * n]
+                    rows.row((frm - i) % p)[:] = got.data[i * n : (i + 1) * n]
             except Exception as exc:
-                fail(g, work, exc, collective=True)
+                rows.fail(exc)
                 return
             round_(k + 1)
 
-        plane.post(ranks[frm], key, into, arrived)
+        g.session.plane.post(g.ranks[frm], key, memoryview(bytearray(count * n)), arrived)
 
     round_(0)
 

@@ -34,7 +34,7 @@ from aiodist._ops.common import (
     clear_to_send,
     contiguous,
     copy_into,
-    disseminate,
+    exchange_all,
     outside,
     recv_tensor,
     resolve_group,
@@ -685,10 +685,10 @@ def _barrier(
 
 
 def _barrier_now(g: ProcessGroup, seq: int, name: str) -> Work[None]:
-    """A barrier with no timeout of its own: dissemination, driven by the data plane's callbacks.
+    """A barrier with no timeout of its own: an ``exchange_all`` of no bytes, with no task.
 
-    ``log2 size`` rounds of one message each way, and no task. The group's
-    timeout still applies.
+    From 4 ranks on, that is the dissemination barrier (``log2 size`` rounds of
+    one message each way). The group's timeout still applies.
     """
     _, work, seq = g.begin(name, seq=seq)
     if work.is_completed():
@@ -697,7 +697,7 @@ def _barrier_now(g: ProcessGroup, seq: int, name: str) -> Work[None]:
     def done(_: memoryview) -> None:
         work._set_result(None)
 
-    disseminate(g, work, seq, signature("barrier"), memoryview(b""), done)
+    exchange_all(g, work, seq, signature("barrier"), memoryview(b""), done)
     return work
 
 
