@@ -317,3 +317,38 @@ def test_metrics_small_step_goal_at_world_size_2() -> None:
         True,
         "issue 24",
     )
+
+
+@pytest.mark.slow
+def test_pingpong_times_and_profiles_the_round_trip_under_aiodist_run() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiodist",
+            "run",
+            "-n",
+            "2",
+            "--no-prefix",
+            "benchmarks/pingpong.py",
+            "--iters",
+            "200",
+            "--repeats",
+            "2",
+            "--profile",
+            "--top",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):
+        line = next(x for x in out.stdout.splitlines() if x.startswith(f"rank {rank}: 8-byte"))
+        times = [float(t) for t in line.split(":")[-1].split()]
+        assert len(times) == 2, line
+        assert all(t > 0 for t in times), line
+    assert "calls for 200 round trips" in out.stdout
+    assert "aiodist/_" in out.stdout  # the profile shows aiodist's own frames
