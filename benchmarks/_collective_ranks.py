@@ -310,6 +310,7 @@ def _gloo_run(run: Run, rank: int, n: int, torch: Any, dist: Any) -> RankReport:
 
 def aiodist_main(conn: Connection, rank: int, n: int, url: str, job: str) -> None:
     import anyio
+    import torch  # noqa: F401  # before joining, as scripts do: `import aiodist` leaves torch out
     import uvloop
 
     anyio.run(
