@@ -99,7 +99,7 @@ class Poller:
             self._back_off = BACK_OFF_WAITS
 
     def _tick(self) -> None:
-        if not self.waiting or self._loop.is_closed():
+        if not self.waiting:
             self._running = False
             return
         if time.monotonic() > self._deadline:

@@ -454,7 +454,7 @@ class _Rows:
         rest = self.g.session.plane.send_now(self.g.ranks[dst], key, self.mine, payload)
         if rest is not None:  # a first connection, or a full socket
             self.one_more()
-            _spawn(self.g, _finish_sends(self.g, self.work, [rest], self.one_less))
+            _spawn(self.g, _finish_send(self.g, self.work, rest, self.one_less))
 
 
 def _in_one_round(rows: _Rows, seq: int, step: int) -> None:
@@ -513,26 +513,22 @@ def _in_rounds(rows: _Rows, seq: int, step: int) -> None:
     round_(0)
 
 
-async def _finish_sends(
+async def _finish_send(
     g: ProcessGroup,
     work: Work[Any],
-    unsent: list[Coroutine[Any, Any, None]],
+    rest: Coroutine[Any, Any, None],
     then: Callable[[], None],
 ) -> None:
     try:
-        for rest in unsent:
-            try:
-                await rest
-            except ConnectionError:
-                g.check_usable()  # the peer left because the group broke: say why
-                raise
+        try:
+            await rest
+        except ConnectionError:
+            g.check_usable()  # the peer left because the group broke: say why
+            raise
     except Exception as exc:
         fail(g, work, exc, collective=True)
     else:
         then()
-    finally:
-        for rest in unsent:
-            rest.close()  # those never awaited after a failure
 
 
 def _spawn(g: ProcessGroup, coro: Coroutine[Any, Any, None]) -> None:
