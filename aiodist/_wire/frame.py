@@ -203,6 +203,11 @@ class FrameDecoder:
     def limits(self) -> Limits:
         return self._limits
 
+    @limits.setter
+    def limits(self, limits: Limits) -> None:
+        """Change the limits from the next frame on (a peer that proved itself gets more)."""
+        self._limits = limits
+
     @property
     def payload_remaining(self) -> int:
         """Payload bytes of the current frame not yet handed out or consumed."""
