@@ -26,6 +26,7 @@ from aiodist._group.lingering import linger
 from aiodist._group.world import get_default_group
 from aiodist._ops import schedules, staging
 from aiodist._plane.peers import COLLECTIVE
+from aiodist._wire import codec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -275,10 +276,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         direct = _NUMPY_VIEWABLE[dtype] = _casts_directly(tensor)
     if direct and not tensor.requires_grad:
         return tensor.numpy().data.cast("B")  # the fast way: half the calls
-    if tensor.dim() == 0:
-        tensor = tensor.view(1)
-    # Viewing the last dimension as bytes keeps the tensor C-contiguous; cast("B") flattens.
-    return tensor.view(torch.uint8).numpy().data.cast("B")
+    flat: torch.Tensor = codec.flat_view(tensor)
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _casts_directly(tensor: torch.Tensor) -> bool:

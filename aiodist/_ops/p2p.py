@@ -177,12 +177,13 @@ def isend(
         _not_self(g, dst)
         device = staging.device_of(t)
         src = t if device is not None or t.is_contiguous() else t.contiguous()
+        if device is not None:
+            return _staged_send(g, description, dst, key, src)
+        meta, payload = _meta(src), byte_view(src)
     except BaseException as exc:
         _abort_send(g, dst, key, description, exc)
         raise
-    if device is not None:
-        return _staged_send(g, description, dst, key, src)
-    return _send(g, description, dst, key, _meta(src), byte_view(src))
+    return _send(g, description, dst, key, meta, payload)
 
 
 def _send(
