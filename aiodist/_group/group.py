@@ -37,7 +37,7 @@ from aiodist._errors import (
 from aiodist._group.inflight import Deadlines, start_task
 from aiodist._group.lingering import linger
 from aiodist._group.work import Work
-from aiodist._plane.peers import call_of
+from aiodist._wire.keys import call_of
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
