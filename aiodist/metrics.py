@@ -518,7 +518,7 @@ def _deliver_when_done(
 ) -> None:
     # A loop turn after the sync finished, even when it is done already: callbacks
     # run on the loop's thread, in call order.
-    work._on_done(lambda w: loop.call_soon(_deliver, w, on_done))
+    work.when_done(lambda w: loop.call_soon(_deliver, w, on_done))
 
 
 def _deliver(work: Work[MetricResults], on_done: Callable[[MetricResults], object]) -> None:

@@ -74,10 +74,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
 from aiodist._group.work import Work
-from aiodist._ops.rpc import Agent, default_agent
-from aiodist._ops.rpc_calls import prepare
-from aiodist._ops.rpc_rref import RRef, make_remote
-from aiodist._ops.rpc_wire import Op
+from aiodist._rpc.agent import Agent, default_agent
+from aiodist._rpc.calls import prepare
+from aiodist._rpc.rref import RRef, make_remote
+from aiodist._rpc.wire import Op
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Mapping, Sequence

@@ -27,7 +27,7 @@ import torch
 import aiodist
 import aiodist.rpc as rpc
 import aiodist.sync as dist
-from aiodist._ops.rpc import default_agent
+from aiodist._rpc.agent import default_agent
 
 # --- functions called remotely ----------------------------------------------------------------
 

@@ -515,7 +515,7 @@ async def test_barrier_and_small_all_reduce_beyond_the_direct_group_size(
 
 
 def _settle_with_bytes(work: Work[bytes], staging: memoryview) -> None:
-    work._set_result(bytes(staging))
+    work.set_result(bytes(staging))
 
 
 @pytest.mark.parametrize("world_size", [4, 5, 6, 7, 8])
@@ -529,7 +529,8 @@ async def test_exchange_all_in_rounds_puts_every_rank_row_in_its_place(
     async def body(g: ProcessGroup) -> list[bytes]:
         rows = []
         for call in range(3):
-            _, work, seq = g.begin(f"rows#{call}")
+            seq = g.take_seq()
+            work = g.begin(f"rows#{call}", seq=seq)
             mine = bytes([g.rank, call, 7 * g.rank % 256])
             done = functools.partial(_settle_with_bytes, work)
             exchange_all(g, work, seq, ["rows"], memoryview(mine), done)

@@ -35,7 +35,7 @@ def _load_checker() -> (
 
 
 _checker = _load_checker()
-LAYERS, PUBLIC = _checker.LAYERS, _checker.PUBLIC
+LAYERS, PUBLIC, beneath = _checker.LAYERS, _checker.PUBLIC, _checker.beneath
 check, layer_of, main, read_imports = (
     _checker.check,
     _checker.layer_of,
@@ -77,7 +77,7 @@ def test_every_module_sits_in_a_layer_and_the_root_holds_only_the_public_face() 
 
 
 def test_each_layer_package_says_what_it_owns_and_may_import() -> None:
-    for name, _ in LAYERS:
+    for name, _, _ in LAYERS:
         init = PACKAGE / name / "__init__.py"
         if name in ("public", "_errors"):
             continue
@@ -190,3 +190,60 @@ def test_each_adjacent_pair_of_layers_is_ordered(
         {f"{imported}/high.py": f"from aiodist.{importer} import low\n", f"{importer}/low.py": ""},
     )
     assert _problems(down) == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [("_rpc", "_ops"), ("_ops", "_rpc"), ("_torch", "_metrics"), ("_metrics", "_torch")],
+)
+def test_sibling_layers_may_not_import_each_other(
+    tmp_path: Path, importer: str, imported: str
+) -> None:
+    pkg = _tree(
+        tmp_path,
+        {f"{importer}/a.py": f"from aiodist.{imported} import b\n", f"{imported}/b.py": ""},
+    )
+    [problem] = _problems(pkg)
+    assert f"aiodist.{importer}.a imports aiodist.{imported}.b" in problem
+    assert f"layers {importer} and {imported} are siblings" in problem
+
+
+def test_the_branches_share_what_lies_beneath_them() -> None:
+    assert {"_group", "_plane", "_wire", "_errors"} <= beneath("_ops") & beneath("_rpc")
+    assert "_ops" in beneath("_torch")
+    assert "_ops" in beneath("_metrics")
+    assert {"_torch", "_rpc", "_ops"} <= beneath("_launch")
+    assert "_launch" not in beneath("_metrics")
+    assert all(name in beneath("_tools") for name, _, _ in LAYERS if name != "_tools")
+
+
+def test_type_only_cycle_inside_a_package_is_named(tmp_path: Path) -> None:
+    pkg = _tree(
+        tmp_path,
+        {
+            "_ops/a.py": "from aiodist._ops import b\n",
+            "_ops/b.py": """\
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from aiodist._ops.a import A
+            """,
+        },
+    )
+    [problem] = _problems(pkg)
+    assert problem.startswith("import cycle: aiodist._ops.a (")
+    assert "b.py:3, type only" in problem
+
+
+def test_type_only_cycle_of_a_tolerated_module_is_left_alone(tmp_path: Path) -> None:
+    pkg = _tree(
+        tmp_path,
+        {
+            "_group/session.py": "from aiodist._group import group\n",
+            "_group/group.py": """\
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from aiodist._group.session import Session
+            """,
+        },
+    )
+    assert _problems(pkg) == []

@@ -37,7 +37,7 @@ async def _wait(seconds: float) -> float:
     """Await a Work that settles ``seconds`` from now; return the CPU time the wait took."""
     loop = asyncio.get_running_loop()
     work: Work[int] = Work.pending(loop, "test")
-    loop.call_later(seconds, work._set_result, 5)
+    loop.call_later(seconds, work.set_result, 5)
     cpu = time.process_time()
     assert await work == 5
     return time.process_time() - cpu
@@ -81,7 +81,7 @@ async def test_waits_that_outlast_polling_back_off_and_one_that_polling_catches_
     p._spin = 1.0  # however slow a loaded machine's next turns are, polling still runs
     loop = asyncio.get_running_loop()
     work: Work[None] = Work.pending(loop, "quick")
-    loop.call_soon(work._set_result, None)
+    loop.call_soon(work.set_result, None)
     await work
     assert p._misses == 0
     assert p._back_off == polling.BACK_OFF_WAITS

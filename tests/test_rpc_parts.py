@@ -20,9 +20,9 @@ from anyio import fail_after as anyio_fail_after
 
 from aiodist import DistError, RankFailedError
 from aiodist._errors import RemoteError
-from aiodist._ops.rpc_rref import OwnedTable
-from aiodist._ops.rpc_threads import Job, Threads
-from aiodist._ops.rpc_wire import encode_error, rebuild_error
+from aiodist._rpc.rref import OwnedTable
+from aiodist._rpc.threads import Job, Threads
+from aiodist._rpc.wire import encode_error, rebuild_error
 from aiodist._wire import codec
 
 BIG = 1 << 16  # float32 elements: 256 KiB, above codec.SPLIT_MIN_BYTES
@@ -222,7 +222,7 @@ async def test_threads_run_jobs_concurrently_and_report_on_the_loop() -> None:
 
 
 def test_rref_cannot_be_unpickled_outside_a_job() -> None:
-    from aiodist._ops.rpc_rref import _rebuild
+    from aiodist._rpc.rref import _rebuild
 
     with pytest.raises(RuntimeError, match="only be unpickled in a rank"):
         pickle.loads(pickle.dumps((_rebuild, (1, (0, 1), 1))))[0](1, (0, 1), 1)
@@ -242,9 +242,9 @@ async def sleep_forever() -> None:
 async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any) -> None:
     # Two ranks as tasks of this loop (one process): the job's timeout is 1 s, and a call
     # without its own timeout gets that one (one timer for all such calls).
-    from aiodist._ops.rpc import agent_for
-    from aiodist._ops.rpc_calls import prepare
-    from aiodist._ops.rpc_wire import Op
+    from aiodist._rpc.agent import agent_for
+    from aiodist._rpc.calls import prepare
+    from aiodist._rpc.wire import Op
     from aiodist.testing import run_ranks
 
     _SLEEPERS_CANCELLED.clear()

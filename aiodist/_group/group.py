@@ -31,11 +31,12 @@ from aiodist._errors import (
     ArgumentTypeError,
     ClosedError,
     DistError,
+    DistTimeoutError,
     ErrorCode,
     GroupBrokenError,
 )
-from aiodist._group.inflight import Deadlines, start_task
-from aiodist._group.lingering import linger
+from aiodist._group.inflight import Deadlines
+from aiodist._group.lingering import LingeringTask, linger
 from aiodist._group.work import Work
 from aiodist._wire.keys import call_of
 from aiodist._wire.messages import MessageKind
@@ -171,53 +172,42 @@ class ProcessGroup:
             await self._session.plane.send_error(rank, header)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = linger(coro)  # peers learn why even when the loop is ending
-        self._session.inflight.add(task)
-        task.add_done_callback(self._session.inflight.discard)
+        self.spawn(linger(coro))  # peers learn why even when the loop is ending
 
-    def start(
-        self,
-        description: str,
-        op: Callable[[int], Awaitable[T]],
-        *,
-        collective: bool = True,
-        seq: int | None = None,
-        on_end: Callable[[], object] | None = None,
-    ) -> Work[T]:
-        """Run ``op(seq)`` as this group's operation ``seq`` and return its handle.
+    def spawn(self, task: asyncio.Task[Any]) -> None:
+        """Keep ``task`` (part of an operation, started here) until it ends: closing waits."""
+        inflight = self._session.inflight
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
 
-        ``seq`` is what the call took with ``take_seq`` when it was made (or a
-        ``sub_seq`` of it); None takes the next one now. Either way it is taken at
-        call time, so every rank numbers its operations in the same order however
-        tasks are scheduled. A timeout or an error that makes the operation
-        impossible breaks the group for every member. A call a member aborted
-        (``abort_remote``) returns its handle failed, without running ``op``.
-        ``on_end()`` runs once the operation is over, however it ended (even if
-        ``op`` never ran): what it holds, such as a turn on shared memory, is
-        released there.
-        """
-        loop, work, seq = self.begin(description, collective=collective, timed=False, seq=seq)
-        if not work.is_completed():
-            start_task(self, loop, work, op, seq, collective, on_end)
-        elif on_end is not None:
-            on_end()
-        return work
+    # --- operations: begun, driven, failed ------------------------------------------------------
 
     def begin(
         self,
         description: str,
         *,
+        seq: int | None = None,
         collective: bool = True,
         timed: bool = True,
-        seq: int | None = None,
-    ) -> tuple[asyncio.AbstractEventLoop, Work[Any], int]:
-        """Take the operation's handle (and, without ``seq``, the next sequence number).
+    ) -> Work[Any]:
+        """The handle of operation ``seq`` of this group, running (see ``inflight``).
 
-        For a callback-driven op: the caller settles the handle itself
-        (``inflight.fail`` on errors); with ``timed`` it fails with
-        ``DistTimeoutError`` after the group's timeout. The handle comes back
-        already failed when a member aborted the call: the caller then sends and
-        posts nothing.
+        ``seq`` is what the call took with ``take_seq`` when it was made (or a
+        ``sub_seq`` of it): every rank numbers its operations in the same order
+        however tasks are scheduled. None, for a collective, takes the next one
+        now; for point-to-point (not ``collective``) it is 0, the number no call
+        has, and the handle is numbered in point-to-point's own order: aborting
+        a call can never reach it. With ``timed``, the handle fails with
+        ``DistTimeoutError`` after the group's timeout and breaks the group.
+
+        The operation settles the handle itself (``Work.set_result``, ``fail``),
+        from the data plane's callbacks or from a task (``drive``). It comes back
+        already failed when a member aborted the call: the operation then sends
+        and posts nothing.
+
+        Raises:
+            RuntimeError: Not called on an event loop.
+            DistError, ValueError: The group is unusable here (for a new number).
         """
         try:
             loop = asyncio.get_running_loop()
@@ -229,12 +219,10 @@ class ProcessGroup:
         if seq is None:
             self.check_usable()
             if not collective:
-                # Point-to-point has a numbering of its own (not every rank calls it), and
-                # seq 0, which no call has: aborting a call can never reach it.
                 work: Work[Any] = Work.pending(loop, f"{description}#p{next(self._p2p_seqs)}")
                 if timed:
-                    self.deadlines.add(loop, work, None, 0)
-                return loop, work, 0
+                    self.deadlines.add(loop, work, 0)
+                return work
             seq = self.next_seq()
         work = Work.pending(loop, f"{description}#{seq}")
         if self._aborted and collective:
@@ -243,11 +231,118 @@ class ProcessGroup:
             if aborted is not None:
                 if call == seq:  # the call itself: its parts (sub_seq) started before it
                     del self._aborted[call]
-                work._set_exception(aborted)
-                return loop, work, seq
+                work.set_exception(aborted)
+                return work
         if timed:
-            self.deadlines.add(loop, work, None, seq)
-        return loop, work, seq
+            self.deadlines.add(loop, work, seq)
+        return work
+
+    def drive(
+        self,
+        work: Work[T],
+        op: Callable[[int], Awaitable[T]],
+        seq: int,
+        *,
+        collective: bool = True,
+        on_end: Callable[[], object] | None = None,
+    ) -> Work[T]:
+        """Run ``op(seq)`` as a task that settles ``work`` (from ``begin``); return ``work``.
+
+        The task is the session's (closing waits for it) and lingers through the
+        end of its loop (peers take part in it). It stops when ``work`` is settled
+        by someone else (its deadline, a member's abort). ``on_end()`` runs once
+        the task is over, however it ended, also when ``work`` was failed before
+        ``op`` ever ran: what the operation holds (a turn on shared memory) is
+        released there, not when the handle settles, since ``op`` may still be
+        unwinding then.
+        """
+        if work.is_completed():  # a member aborted the call
+            if on_end is not None:
+                on_end()
+            return work
+        loop = work.loop
+        assert loop is not None
+        task = LingeringTask(self._run(work, op, seq, collective), loop=loop)
+        self.spawn(task)
+        if on_end is not None:
+            task.add_done_callback(lambda _: on_end())
+        work.when_done(lambda _: _stop(task))
+        return work
+
+    def start(
+        self,
+        description: str,
+        op: Callable[[int], Awaitable[T]],
+        *,
+        collective: bool = True,
+        seq: int | None = None,
+        on_end: Callable[[], object] | None = None,
+    ) -> Work[T]:
+        """``begin`` then ``drive``: run ``op(seq)`` as this group's operation ``seq``.
+
+        ``seq`` None takes the next number now (point-to-point: its own numbering).
+        """
+        if seq is None and collective:
+            seq = self.take_seq()
+        work = self.begin(description, collective=collective, seq=seq)
+        return self.drive(work, op, seq or 0, collective=collective, on_end=on_end)
+
+    async def _run(
+        self, work: Work[T], op: Callable[[int], Awaitable[T]], seq: int, collective: bool
+    ) -> None:
+        try:
+            result = await op(seq)
+        except asyncio.CancelledError:
+            if work.is_completed():
+                return  # settled by its deadline or an abort, which stopped us
+            work.set_exception(asyncio.CancelledError(f"{work.description} was cancelled"))
+            raise
+        except BaseException as exc:
+            self.fail(work, exc, collective=collective)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            work.set_result(result)
+
+    def fail(self, work: Work[Any], exc: BaseException, *, collective: bool) -> None:
+        """End ``work`` with ``exc`` by the group's rules (a failed collective breaks the group)."""
+        if work.is_completed():
+            return  # timed out, or failed by the group's error already
+        if isinstance(exc, AbortedError):  # a member aborted this call: the group stays usable
+            work.set_exception(exc)
+            return
+        if isinstance(exc, DistError):  # before TimeoutError: DistTimeoutError is one too
+            if collective:
+                # Tell the group's members why (a rank dying breaks a ring in several
+                # places; the first cause should reach everyone, not a later symptom).
+                self.break_(exc)
+                if isinstance(exc, GroupBrokenError) and self.error is not None:
+                    exc = self.error  # the group's first error: the same on every member
+        elif isinstance(exc, TimeoutError):  # an op's own wait ran out: the group's timeout rules
+            exc = DistTimeoutError(
+                f"{work.description} on group {self.name!r} timed out ({exc or 'no answer'}); "
+                "a rank may not have called it, or may be stuck. The group is broken."
+            )
+            self.break_(exc)
+        elif collective and isinstance(exc, Exception) and self.error is None:
+            # Peers wait on this rank's part: tell them instead of letting them hang.
+            self.break_(
+                GroupBrokenError(
+                    f"{work.description} on group {self.name!r} failed on rank "
+                    f"{self._session.rank}: {type(exc).__name__}: {exc}; the group is "
+                    "broken. Restart the job."
+                )
+            )
+        work.set_exception(exc)
+
+    def expired(self, work: Work[Any]) -> None:
+        """``work`` passed the group's timeout (``Deadlines``): fail it, break the group."""
+        timed_out = DistTimeoutError(
+            f"{work.description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
+            "a rank may not have called it, or may be stuck. The group is broken."
+        )
+        work.set_exception(timed_out)
+        self.break_(timed_out)
 
     def take_seq(self) -> int:
         """Take this call's place in the group's order, before checking anything else.
@@ -304,10 +399,8 @@ class ProcessGroup:
         """A member aborted call ``seq``: fail it here, now if it runs, else when it is made."""
         if seq > self._seq:
             self._aborted[seq] = exc  # not made here yet
-        for work, task in self.deadlines.running_call(seq):
-            work._set_exception(exc)  # first: the operation's own callbacks then stand down
-            if task is not None:
-                task.cancel()
+        for work in self.deadlines.running_call(seq):
+            work.set_exception(exc)  # its callbacks then stand down, its task stops
         self._session.plane.drop_call(self.group_id, seq, exc)
 
     def next_seq(self) -> int:
@@ -358,6 +451,13 @@ class ProcessGroup:
     @property
     def store(self) -> Store:
         return self._session.store
+
+
+def _stop(task: asyncio.Task[Any]) -> None:
+    # Its handle was settled: by the task itself (nothing to do), or by its deadline or
+    # an abort, which the task must not outlive.
+    if not task.done() and asyncio.current_task() is not task:
+        task.cancel()
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -391,7 +391,7 @@ class Session:
                 g.error = g.error or closed
             self.plane.fail(closed)
             for w in running:
-                w._set_exception(closed)
+                w.set_exception(closed)
             for task in list(self.inflight):
                 task.cancel()
         elif self.inflight or running:

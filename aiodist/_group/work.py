@@ -4,13 +4,24 @@ An operation starts when its function is called; the handle reports on it.
 Awaiting a handle never cancels the operation: peers take part in it, so it
 runs its course (as anyio's worker threads do).
 
-A handle is its own promise rather than a wrapper of an ``asyncio.Future``:
-the operation settles it on the loop's thread (``_set_result`` /
-``_set_exception``), which wakes the tasks awaiting it
-directly. Each ``await`` of a running handle waits on a future of its own, so
-cancelling one awaiting task cancels that future only (what ``asyncio.shield``
-gives, without its extra future and loop turn). A handle that is already done
-when awaited returns without suspending.
+A handle is its own promise rather than a wrapper of an ``asyncio.Future``.
+It has two sides:
+
+- **the caller's**: ``await``, ``is_completed``, ``result``, ``wait``,
+  ``add_done_callback`` (what torch's ``Work`` offers);
+- **the operation's** (the producer: a collective, a receive, an rpc call):
+  ``Work.pending(loop, description)`` makes a running handle, and the operation
+  settles it once, on the loop's thread, with ``set_result`` or
+  ``set_exception`` (or ``settle_as``, the way another handle ended);
+  ``when_done`` runs a listener inside whatever settles it (bookkeeping that
+  must not wait a loop turn). Settling a settled handle changes nothing and
+  returns False: a deadline and a late reply may both try.
+
+Settling wakes the tasks awaiting the handle directly. Each ``await`` of a
+running handle waits on a future of its own, so cancelling one awaiting task
+cancels that future only (what ``asyncio.shield`` gives, without its extra
+future and loop turn). A handle that is already done when awaited returns
+without suspending.
 """
 
 from __future__ import annotations
@@ -90,10 +101,18 @@ class Work(Generic[T]):
         state = "done" if self._done else "running"
         return f"<Work {self.description} {state}>"
 
-    # --- settling (aiodist's own, on the loop's thread) --------------------------------------
+    # --- the operation's side: settling, on the loop's thread ---------------------------------
 
-    def _set_result(self, value: T) -> bool:
-        """Settle with ``value``; False (and no change) if already done."""
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the operation settles this handle on (None: made done)."""
+        return self._loop
+
+    def set_result(self, value: T) -> bool:
+        """Settle with ``value``; False (and no change) if already done.
+
+        For the operation that made the handle (``Work.pending``), on its loop's thread.
+        """
         if self._done:
             return False
         self._value = value
@@ -101,8 +120,11 @@ class Work(Generic[T]):
         self._wake()
         return True
 
-    def _set_exception(self, exc: BaseException) -> bool:
-        """Settle with ``exc``; False (and no change) if already done."""
+    def set_exception(self, exc: BaseException) -> bool:
+        """Settle with the error ``exc``; False (and no change) if already done.
+
+        For the operation that made the handle, on its loop's thread.
+        """
         if self._done:
             return False
         self._error = exc
@@ -110,21 +132,21 @@ class Work(Generic[T]):
         self._wake()
         return True
 
-    def _settle_as(self, done: Work[T]) -> None:
-        """Settle the way ``done`` (another handle, finished) ended."""
+    def settle_as(self, done: Work[T]) -> None:
+        """Settle the way ``done`` (another handle, finished) ended: a ``when_done`` listener."""
         error = done.exception()
         if error is not None:
-            self._set_exception(error)
+            self.set_exception(error)
         else:
-            self._set_result(done.result())
+            self.set_result(done.result())
 
     def _follow(self, future: asyncio.Future[T]) -> None:
         if future.cancelled():
-            self._set_exception(asyncio.CancelledError(f"{self.description} was cancelled"))
+            self.set_exception(asyncio.CancelledError(f"{self.description} was cancelled"))
         elif (exc := future.exception()) is not None:
-            self._set_exception(exc)
+            self.set_exception(exc)
         else:
-            self._set_result(future.result())
+            self.set_result(future.result())
 
     def _wake(self) -> None:
         waiters, listeners = self._waiters, self._listeners
@@ -137,11 +159,11 @@ class Work(Generic[T]):
             for fn in listeners:
                 fn(self)
 
-    def _on_done(self, fn: Callable[[Work[T]], object]) -> None:
+    def when_done(self, fn: Callable[[Work[T]], object]) -> None:
         """Call ``fn(self)`` as soon as the operation finished, inside whatever settles it.
 
-        For aiodist's own bookkeeping: ``fn`` runs on the loop's thread (at once
-        if already done) and must not raise. Users want ``add_done_callback``.
+        For the operations' own bookkeeping: ``fn`` runs on the loop's thread (at
+        once if already done) and must not raise. Users want ``add_done_callback``.
         """
         if self._done:
             fn(self)
@@ -206,7 +228,7 @@ class Work(Generic[T]):
             return
         loop = self._loop
         assert loop is not None
-        self._on_done(lambda w: loop.call_soon(fn, w))
+        self.when_done(lambda w: loop.call_soon(fn, w))
 
     def is_success(self) -> bool:
         """True once the operation completed without an error (torch's ``Work.is_success``)."""
@@ -251,7 +273,7 @@ class Work(Generic[T]):
         else:
             assert self._loop is not None
             loop = self._loop
-            loop.call_soon_threadsafe(self._on_done, settle)
+            loop.call_soon_threadsafe(self.when_done, settle)
         return future
 
     def wait(self, timeout: float | timedelta | None = None) -> T:
@@ -295,7 +317,7 @@ class Work(Generic[T]):
         loop = self._loop
         assert loop is not None
         done = threading.Event()
-        loop.call_soon_threadsafe(self._on_done, lambda _: loop.call_soon(done.set))
+        loop.call_soon_threadsafe(self.when_done, lambda _: loop.call_soon(done.set))
         return done.wait(timeout)
 
 

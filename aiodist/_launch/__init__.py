@@ -8,5 +8,6 @@ the daemon's entry (``daemon``) and the ``aiodist`` command (``cli``, the only
 module that prints). ``cli``, ``daemon``, ``run``, ``placement`` and
 ``output`` never import torch.
 
-May import: every layer below: ``_errors`` up to ``_torch``.
+May import: ``_torch``, ``_rpc`` and the layers beneath them (``_ops`` down to
+``_errors``); not ``_metrics``.
 """

@@ -35,7 +35,7 @@ from aiodist._group.world import (
     take_default,
 )
 from aiodist._launch.launchers import launcher_env
-from aiodist._ops.rpc import agent_for
+from aiodist._rpc.agent import agent_for
 from aiodist._torch.bridge import bring_up, parse_backend, tear_down
 
 if TYPE_CHECKING:

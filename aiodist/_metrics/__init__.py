@@ -5,5 +5,6 @@ reduction on the data plane (``fused``), the same-host shared-memory board
 (``board``, ``board_setup``, ``board_work``, ``slots``, ``record``) and what a
 sync resolves to (``results``).
 
-May import: every layer below: ``_errors`` up to ``_launch``.
+May import: ``_ops`` and the layers beneath it (``_group`` down to ``_errors``);
+not its siblings ``_torch`` and ``_rpc``, nor ``_launch``.
 """

@@ -179,12 +179,12 @@ class Board:
     ) -> BoardWork:
         """Queue and write at once (the loop's own syncs, which are not per step).
 
-        ``listener`` listens from the start (``Work._on_done``): a sync posted after
+        ``listener`` listens from the start (``Work.when_done``): a sync posted after
         later ones were queued must not settle after them, or listeners would run
         out of call order.
         """
         work = BoardWork(self, index, seq, self._bucket_for(index // GROUP))
-        work._on_done(listener)
+        work.when_done(listener)
         self._queued.append((index, seq, record))
         self.check()
         return work

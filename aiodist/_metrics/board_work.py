@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from array import array
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import CollectiveMismatchError, DistError
 from aiodist._group.work import Work
@@ -24,12 +24,12 @@ from aiodist._metrics.state import Reduction, layout_of
 
 if TYPE_CHECKING:
     import asyncio
+    import threading
     from collections.abc import Callable, Generator
 
-    from aiodist._metrics.board import Board
     from aiodist._metrics.slots import Chunk
 
-__all__ = ["BoardWork", "Bucket", "Rows", "wake"]
+__all__ = ["BoardWork", "Bucket", "Rows", "Settler", "wake"]
 
 # Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
 _DELIVERY_WAIT: Final = 5.0
@@ -108,12 +108,33 @@ class Bucket:
         return Rows(group, [data for _, data in rows], MAX_RECORD_BYTES), None
 
 
+class Settler(Protocol):
+    """What a handle needs of the board that settles it (``board.Board``)."""
+
+    loop: asyncio.AbstractEventLoop
+    lock: threading.Lock
+
+    def check(self, *, eager: bool = True) -> None: ...
+
+    def on_loop_thread(self) -> bool: ...
+
+    def settle_locked(self, work: BoardWork) -> list[Any] | None: ...
+
+    def watch_locked(self, work: BoardWork) -> None: ...
+
+    def queue_wake_locked(self, woken: list[list[Any]]) -> bool | None: ...
+
+    def run_wake(self, drain: bool | None) -> None: ...
+
+    def watch(self, *, soon: bool = True) -> None: ...
+
+
 class BoardWork(Work[MetricResults]):
     """A sync on the board: settled by whoever looks at it once it is copied out."""
 
     __slots__ = ("_board", "bucket", "index", "seq")
 
-    def __init__(self, board: Board, index: int, seq: int, bucket: Bucket) -> None:
+    def __init__(self, board: Settler, index: int, seq: int, bucket: Bucket) -> None:
         # Work.pending(), spelled out (one per training step); the description is
         # made when someone reads it.
         self._loop = board.loop
@@ -138,7 +159,7 @@ class BoardWork(Work[MetricResults]):
 
     # Waiters and listeners register under the board's lock: another thread may settle.
 
-    def _on_done(self, fn: Callable[[Work[MetricResults]], object]) -> None:
+    def when_done(self, fn: Callable[[Work[MetricResults]], object]) -> None:
         # Even a handle done already goes through the board's queue: listeners run in
         # the order handles settled (call order), whichever thread settled them.
         board = self._board
@@ -164,7 +185,7 @@ class BoardWork(Work[MetricResults]):
         """Call ``fn(self)`` on the event loop once the sync finished, in call order."""
         loop = self._loop
         assert loop is not None
-        self._on_done(lambda w: loop.call_soon(fn, w))
+        self.when_done(lambda w: loop.call_soon(fn, w))
 
     def __await__(self) -> Generator[Any, None, MetricResults]:
         if not self._done:

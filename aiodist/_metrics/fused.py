@@ -33,7 +33,6 @@ from array import array
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import CollectiveMismatchError
-from aiodist._group.inflight import fail, start_task
 from aiodist._group.lingering import linger
 from aiodist._group.work import Work
 from aiodist._metrics.board import Board
@@ -83,7 +82,8 @@ def start_sync(
     always resolved, with an exception if this sync fails, so a sync chained
     after it never waits forever.
     """
-    loop, work, seq = g.begin("metrics.sync", timed=False)
+    seq = g.take_seq()
+    work: Work[MetricResults] = g.begin("metrics.sync", seq=seq)
     if work.is_completed() and (aborted := work.exception()) is not None:  # aborted by a member
         _fail_agreed(agreed, aborted)
         return work
@@ -92,28 +92,25 @@ def start_sync(
         async def op(s: int) -> MetricResults:
             return await run_sync(g, s, snapshot, previous, agreed, index, work)
 
-        start_task(g, loop, work, op, seq, True)
-        return work
-
-    g.deadlines.add(loop, work, None, seq)
+        return g.drive(work, op, seq)
 
     def failed(w: Work[Any]) -> None:
         if (exc := w.exception()) is not None:
             _fail_agreed(agreed, exc)
 
-    work._on_done(failed)
+    work.when_done(failed)
 
     def exchange(prev: asyncio.Future[Route]) -> None:
         # The key set the previous sync agreed on is known: pack and send (no task).
         if work.is_completed():
             return  # timed out, or the group broke, while waiting for the previous sync
         if prev.cancelled() or prev.exception() is not None:
-            fail(g, work, prev.exception() or asyncio.CancelledError(), collective=True)
+            g.fail(work, prev.exception() or asyncio.CancelledError(), collective=True)
             return
         try:
             g.check_usable()  # broken since sync() was called: receives posted now would hang
         except Exception as exc:
-            fail(g, work, exc, collective=True)
+            g.fail(work, exc, collective=True)
             return
         route = prev.result()
         if isinstance(route, Board):
@@ -125,12 +122,10 @@ def start_sync(
         def done(rows: memoryview) -> None:
             vals = layout.reduce_rows(rows.cast("d"), g.world_size)
             if layout.flagged(vals):  # some rank has a new metric: agree on keys, again
-                start_task(
-                    g, loop, work, lambda s: _agree(g, s, snapshot, schema, agreed), seq, True
-                )
+                g.drive(work, lambda s: _agree(g, s, snapshot, schema, agreed), seq)
                 return
             agreed.set_result(schema)
-            work._set_result(MetricResults(layout.unpack(vals), layout.reductions))
+            work.set_result(MetricResults(layout.unpack(vals), layout.reductions))
 
         packed = layout.pack(snapshot.records(), g.rank)
         common.exchange_all(g, work, seq, _signature(layout), memoryview(packed).cast("B"), done)
@@ -151,7 +146,7 @@ def _post(
     work: Work[MetricResults],
 ) -> Work[MetricResults]:
     """Sync ``index`` goes onto the board; ``work`` settles with it, in call order."""
-    board_work = board.post(index, seq, encode(snapshot), work._settle_as)
+    board_work = board.post(index, seq, encode(snapshot), work.settle_as)
     agreed.set_result(board)  # at once: later syncs need not wait for this one's values
     return board_work
 
@@ -220,7 +215,7 @@ async def _reduce(
         part: Work[list[float]] = Work.pending(loop, f"metrics.sync#{seq}")
 
         def done(rows: memoryview) -> None:
-            part._set_result(layout.reduce_rows(rows.cast("d"), g.world_size))
+            part.set_result(layout.reduce_rows(rows.cast("d"), g.world_size))
 
         common.exchange_all(g, part, seq, mine, memoryview(buf).cast("B"), done, step=base)
         return await part

@@ -21,11 +21,10 @@ from aiodist._errors import (
     CollectiveMismatchError,
     ProtocolError,
 )
-from aiodist._group.inflight import fail
 from aiodist._group.lingering import linger
 from aiodist._group.world import get_default_group
 from aiodist._ops import schedules, staging
-from aiodist._wire import codec
+from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
@@ -43,7 +42,6 @@ __all__ = [
     "Slot",
     "agreed",
     "bridged",
-    "byte_view",
     "chain",
     "check_alike",
     "check_rank",
@@ -171,7 +169,7 @@ def chain(work: Work[T], fn: Callable[[T], R], description: str | None = None) -
             return Work.completed(fn(work.result()), name)
         except Exception as exc:
             return Work.failed(exc, name)
-    loop = work._loop
+    loop = work.loop
     assert loop is not None
     out: Work[R] = Work.pending(loop, name)
 
@@ -179,11 +177,11 @@ def chain(work: Work[T], fn: Callable[[T], R], description: str | None = None) -
         try:
             value = fn(w.result())
         except BaseException as exc:
-            out._set_exception(exc)
+            out.set_exception(exc)
         else:
-            out._set_result(value)
+            out.set_result(value)
 
-    work._on_done(done)
+    work.when_done(done)
     return out
 
 
@@ -256,36 +254,6 @@ def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
     if tensor.layout != torch.strided:
         raise ArgumentError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
     return tensor
-
-
-# Dtypes whose numpy array's memoryview casts to bytes directly (a one-character
-# buffer format); the others (complex, bfloat16, ...) are viewed as uint8 first.
-_NUMPY_VIEWABLE: dict[Any, bool] = {}
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes (no copy)."""
-    import torch
-
-    assert tensor.is_contiguous()
-    if tensor.numel() == 0:
-        return memoryview(bytearray(0))
-    dtype = tensor.dtype
-    direct = _NUMPY_VIEWABLE.get(dtype)
-    if direct is None:
-        direct = _NUMPY_VIEWABLE[dtype] = _casts_directly(tensor)
-    if direct and not tensor.requires_grad:
-        return tensor.numpy().data.cast("B")  # the fast way: half the calls
-    flat: torch.Tensor = codec.flat_view(tensor)
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
-def _casts_directly(tensor: torch.Tensor) -> bool:
-    try:
-        tensor.detach().numpy().data.cast("B")
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    return True
 
 
 def signature(
@@ -379,7 +347,7 @@ def exchange_all(
     from now on). Once every row is in and every send was handed to the
     kernel, ``done(staging)`` runs and settles ``work``. A message with
     another signature, a failed peer, an error in ``done``: ``work`` fails by
-    the group's rules (``inflight.fail``), which breaks the group on every member.
+    the group's rules (``ProcessGroup.fail``), which breaks the group on every member.
 
     Fewer than ``DISSEMINATE_MIN_RANKS`` ranks swap in one round, every rank
     with every other one. More take ``log2 size`` rounds (Bruck's all-gather;
@@ -446,7 +414,7 @@ class _Rows:
         return msg
 
     def fail(self, exc: BaseException) -> None:
-        fail(self.g, self.work, exc, collective=True)
+        self.g.fail(self.work, exc, collective=True)
 
     def send_now(self, dst: int, key: Key, payload: Buffer | None) -> None:
         """Send to group rank ``dst``; a send that cannot finish here finishes in a task."""
@@ -525,16 +493,13 @@ async def _finish_send(
             g.check_usable()  # the peer left because the group broke: say why
             raise
     except Exception as exc:
-        fail(g, work, exc, collective=True)
+        g.fail(work, exc, collective=True)
     else:
         then()
 
 
 def _spawn(g: ProcessGroup, coro: Coroutine[Any, Any, None]) -> None:
-    task = linger(coro)
-    inflight = g.session.inflight
-    inflight.add(task)
-    task.add_done_callback(inflight.discard)
+    g.spawn(linger(coro))
 
 
 def check_rank(g: ProcessGroup, rank: object, name: str) -> int:

@@ -26,7 +26,6 @@ from aiodist._ops.common import (
     LazyModule,
     Slot,
     bridged,
-    byte_view,
     chain,
     check_signature,
     check_tensor,
@@ -45,6 +44,7 @@ from aiodist._ops.outputs import new_outputs
 from aiodist._ops.reductions import slices
 from aiodist._plane.peers import Received
 from aiodist._wire import codec
+from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
     import torch
@@ -691,12 +691,12 @@ def _barrier_now(g: ProcessGroup, seq: int, name: str) -> Work[None]:
     From 4 ranks on, that is the dissemination barrier (``log2 size`` rounds of
     one message each way). The group's timeout still applies.
     """
-    _, work, seq = g.begin(name, seq=seq)
+    work = g.begin(name, seq=seq)
     if work.is_completed():
         return work  # a member aborted this call: send and post nothing
 
     def done(_: memoryview) -> None:
-        work._set_result(None)
+        work.set_result(None)
 
     exchange_all(g, work, seq, signature("barrier"), memoryview(b""), done)
     return work

@@ -22,14 +22,16 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentError, CollectiveMismatchError
-from aiodist._group.inflight import fail, start_task
 from aiodist._group.work import Work
 from aiodist._ops import staging
-from aiodist._ops.common import byte_view, check_tensor, outside, resolve_group
+from aiodist._ops.common import check_tensor, outside, resolve_group
 from aiodist._wire import codec
+from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     import torch
 
     from aiodist._group.group import ProcessGroup
@@ -191,7 +193,7 @@ def _send(
 ) -> Work[None]:
     # Most sends are handed to the kernel right here: the handle is done at once, with
     # no task and no timer. The rest (a first connection, a full socket) finish in a task.
-    loop, work, _ = g.begin(description, collective=False, timed=False)
+    work = g.begin(description, collective=False, timed=False)
     before = _staging_sends.get((g.group_id, dst, key))
     if before is not None and not before.done():
 
@@ -199,21 +201,31 @@ def _send(
             await before
             await g.session.plane.send(dst, key, meta, payload)
 
-        start_task(g, loop, work, after_staged, 0, False)
-        return work
+        return _drive_timed(g, work, after_staged)
     rest = g.session.plane.send_now(dst, key, meta, payload)
     if rest is None:
-        work._set_result(None)
+        work.set_result(None)
     else:
-        start_task(g, loop, work, lambda _seq: rest, 0, False)
+        _drive_timed(g, work, lambda _seq: rest)
     return work
+
+
+def _drive_timed(
+    g: ProcessGroup, work: Work[None], op: Callable[[int], Awaitable[None]]
+) -> Work[None]:
+    # A send that could not finish at once: now it runs under the group's timeout.
+    assert work.loop is not None
+    g.deadlines.add(work.loop, work, 0)
+    return g.drive(work, op, 0, collective=False)
 
 
 def _staged_send(
     g: ProcessGroup, description: str, dst: int, key: Key, t: torch.Tensor
 ) -> Work[None]:
     """Send device tensor ``t`` once its host copy is ready, before any later send there."""
-    loop, work, _ = g.begin(description, collective=False, timed=False)
+    work = g.begin(description, collective=False)
+    loop = work.loop
+    assert loop is not None
     place = (g.group_id, dst, key)
     before = _staging_sends.get(place)
     issued: asyncio.Future[None] = loop.create_future()
@@ -238,8 +250,7 @@ def _staged_send(
                 del _staging_sends[place]
         await sending
 
-    start_task(g, loop, work, run, 0, False)
-    return work
+    return g.drive(work, run, 0, collective=False)
 
 
 def irecv(
@@ -273,7 +284,7 @@ def irecv(
     except BaseException:
         _drop_next(g, src, key)
         raise
-    _, work, _ = g.begin(f"irecv(src={src}, tag={tag})", collective=False)
+    work = g.begin(f"irecv(src={src}, tag={tag})", collective=False)
     device = staging.device_of(t)
     if device is not None:
         dest = staging.host_buffer(t)
@@ -304,9 +315,9 @@ def irecv(
             if dest is not t:
                 t.copy_(dest)
         except Exception as exc:
-            fail(g, work, exc, collective=False)
+            g.fail(work, exc, collective=False)
         else:
-            work._set_result(sender)
+            work.set_result(sender)
 
     g.session.plane.post(src, key, byte_view(dest), arrived)
     return work
@@ -314,9 +325,9 @@ def irecv(
 
 def _received(g: ProcessGroup, work: Work[int], sender: int, error: BaseException | None) -> None:
     if error is not None:
-        fail(g, work, error, collective=False)
+        g.fail(work, error, collective=False)
     else:
-        work._set_result(sender)
+        work.set_result(sender)
 
 
 async def send(
@@ -383,7 +394,7 @@ def irecv_object(
 
 def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool) -> Work[Any]:
     """Receive an object from ``src`` (None: any) with ``tag``; ``(obj, sender)`` if asked."""
-    _, work, _ = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
+    work = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
 
     def arrived(msg: Received | BaseException) -> None:
         try:
@@ -391,9 +402,9 @@ def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: b
                 raise msg
             obj = codec.loads(msg.data)
         except Exception as exc:
-            fail(g, work, exc, collective=False)
+            g.fail(work, exc, collective=False)
         else:
-            work._set_result((obj, msg.src) if with_sender else obj)
+            work.set_result((obj, msg.src) if with_sender else obj)
 
     g.session.plane.post(src, (MatchKind.OBJECT_P2P, g.group_id, tag, 0), None, arrived)
     return work

@@ -20,7 +20,6 @@ from aiodist._ops.common import (
     Slot,
     agreed,
     bridged,
-    byte_view,
     chain,
     check_alike,
     check_signature,
@@ -39,6 +38,7 @@ from aiodist._ops.common import (
     signature,
 )
 from aiodist._ops.outputs import new_outputs
+from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,7 @@ def _direct_all_reduce_now(
     as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
     Driven by the data plane's callbacks: no task, no coroutine.
     """
-    _, work, seq = g.begin(f"all_reduce(op={op})", seq=seq)
+    work = g.begin(f"all_reduce(op={op})", seq=seq)
     if work.is_completed():
         return work  # a member aborted this call: send and post nothing
     buf = contiguous(t)
@@ -88,7 +88,7 @@ def _direct_all_reduce_now(
                 divide_(buf, p)
         if buf is not t:
             copy_into(t, buf)
-        work._set_result(t)
+        work.set_result(t)
 
     exchange_all(g, work, seq, mine, byte_view(flat), done)
     return work

@@ -21,7 +21,6 @@ from aiodist._ops.common import (
     Slot,
     agreed,
     bridged,
-    byte_view,
     chain,
     check_signature,
     check_tensor,
@@ -35,6 +34,7 @@ from aiodist._ops.common import (
     send,
     signature,
 )
+from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
     import torch

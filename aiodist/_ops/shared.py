@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._ops import schedules
 from aiodist._ops.common import (
     SLICE_NUMEL,
-    byte_view,
     check_signature,
     clear_to_send,
     copy_into,
     recv_tensor,
     send,
 )
+from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
     from collections.abc import Callable

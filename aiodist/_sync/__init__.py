@@ -4,5 +4,5 @@ Owns the background event-loop thread and its doors from plain code
 (``portal``) and the few hand-written blocking twins (``blocking``, such as
 the blocking store). ``aiodist/sync.py`` itself is generated.
 
-May import: every layer below: ``_errors`` up to ``_metrics``.
+May import: ``_launch``, ``_metrics`` and every layer beneath them.
 """

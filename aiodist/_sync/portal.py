@@ -294,12 +294,12 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
         try:
             started = fn(*args)
         except Exception as exc:
-            work._set_exception(exc)  # the caller sees it through the handle
+            work.set_exception(exc)  # the caller sees it through the handle
             return
         finally:
             with _unstarted_lock:
                 _unstarted -= 1
-        started._on_done(work._settle_as)  # at once: no extra loop turn
+        started.when_done(work.settle_as)  # at once: no extra loop turn
 
     loop.call_soon_threadsafe(start)
     with _unstarted_lock:  # after: a loop that is gone leaves no count behind

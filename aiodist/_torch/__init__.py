@@ -5,5 +5,6 @@ Owns bringing torch's groups up and down through the job's own store
 issues it (``ops``), from one ordered thread per group. Importing the bridge
 does not import torch.
 
-May import: every layer below: ``_errors`` up to ``_ops``.
+May import: ``_ops`` and the layers beneath it (``_group`` down to ``_errors``);
+not its siblings ``_rpc`` and ``_metrics``.
 """

@@ -188,7 +188,7 @@ class GroupBridge:
         # Raises here, before issuing, if unusable.
         work = self.group.start(description, op, seq=self._call_seq)
         # Timed out (or failed by the group's error): abort before anyone hears of it.
-        work._on_done(lambda w: self._abort(description) if _given_up(w) else None)
+        work.when_done(lambda w: self._abort(description) if _given_up(w) else None)
         self._pending.add(done)
         done.add_done_callback(self._retire)
 

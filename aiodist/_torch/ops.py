@@ -15,7 +15,7 @@ data plane does too).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._ops import reduce_ops
@@ -30,13 +30,32 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
-    from aiodist._torch.bridge import GroupBridge
 
 else:  # the bridge imports this module: ``import aiodist`` stays torch-free
     torch = LazyModule("torch")
     dist = LazyModule("torch.distributed")
 
-__all__ = ["start"]
+__all__ = ["Issuer", "start"]
+
+T = TypeVar("T")
+
+
+class Issuer(Protocol):
+    """What the torch calls need of their group's bridge (``bridge.GroupBridge``)."""
+
+    devices: dict[str, str]
+    torch_group: Any
+
+    def crosses(self, tensor: object) -> bool: ...
+
+    def start(
+        self,
+        description: str,
+        issue: Callable[[], Any],
+        finish: Callable[[], T],
+        stream_of: torch.Tensor,
+    ) -> Work[T]: ...
+
 
 _TORCH_OPS = {
     "sum": "SUM",
@@ -49,12 +68,12 @@ _TORCH_OPS = {
 }
 
 
-def start(g: ProcessGroup, bridge: GroupBridge, name: str, args: tuple[Any, ...]) -> Work[Any]:
+def start(g: ProcessGroup, bridge: Issuer, name: str, args: tuple[Any, ...]) -> Work[Any]:
     """Start collective ``name`` with ``args`` (the collective's arguments but ``group``)."""
     return _STARTERS[name](g, bridge, *args)
 
 
-def _tensor(t: object, name: str, bridge: GroupBridge) -> torch.Tensor:
+def _tensor(t: object, name: str, bridge: Issuer) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not bridge.crosses(t):
@@ -67,7 +86,7 @@ def _tensor(t: object, name: str, bridge: GroupBridge) -> torch.Tensor:
     return t
 
 
-def _tensors(ts: object, name: str, bridge: GroupBridge, length: int | None) -> list[torch.Tensor]:
+def _tensors(ts: object, name: str, bridge: Issuer, length: int | None) -> list[torch.Tensor]:
     if not isinstance(ts, list | tuple):
         raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(ts).__name__}")
     out = [_tensor(t, f"{name}[{i}]", bridge) for i, t in enumerate(ts)]
@@ -93,7 +112,7 @@ def _copy_back(t: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]
     return finish
 
 
-def _all_reduce(g: ProcessGroup, bridge: GroupBridge, data: object, op: object) -> Work[Any]:
+def _all_reduce(g: ProcessGroup, bridge: Issuer, data: object, op: object) -> Work[Any]:
     t = _tensor(data, "tensor", bridge)
     reduce_op = reduce_ops.reduce_op(op)
     reduce_ops.check_op_dtype(reduce_op, t.dtype)
@@ -118,7 +137,7 @@ def _all_reduce(g: ProcessGroup, bridge: GroupBridge, data: object, op: object) 
 
 
 def _reduce(
-    g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, op: object, group_dst: object
+    g: ProcessGroup, bridge: Issuer, data: object, dst: object, op: object, group_dst: object
 ) -> Any:
     t = _tensor(data, "tensor", bridge)
     reduce_op = reduce_ops.reduce_op(op)
@@ -145,7 +164,7 @@ def _reduce(
     return bridge.start(f"reduce(dst={root}, op={reduce_op})", issue, finish, buf)
 
 
-def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: object) -> Any:
+def _reduce_scatter(g: ProcessGroup, bridge: Issuer, inputs: object, op: object) -> Any:
     tensors = [_dense(x) for x in _tensors(inputs, "inputs", bridge, g.world_size)]
     reduce_op = reduce_ops.reduce_op(op)
     check_alike(tensors, "inputs")
@@ -190,7 +209,7 @@ def _reduce_scatter(g: ProcessGroup, bridge: GroupBridge, inputs: object, op: ob
 
 
 def _broadcast(
-    g: ProcessGroup, bridge: GroupBridge, data: object, src: object, group_src: object
+    g: ProcessGroup, bridge: Issuer, data: object, src: object, group_src: object
 ) -> Any:
     t = _tensor(data, "tensor", bridge)
     root = root_of(g, src, group_src, "src")
@@ -204,9 +223,7 @@ def _broadcast(
     )
 
 
-def _gather(
-    g: ProcessGroup, bridge: GroupBridge, data: object, dst: object, group_dst: object
-) -> Any:
+def _gather(g: ProcessGroup, bridge: Issuer, data: object, dst: object, group_dst: object) -> Any:
     t = _tensor(data, "tensor", bridge)
     root = root_of(g, dst, group_dst, "dst")
     buf = _dense(t)
@@ -225,7 +242,7 @@ def _gather(
 
 def _scatter(
     g: ProcessGroup,
-    bridge: GroupBridge,
+    bridge: Issuer,
     data: object,
     scatter_list: object,
     src: object,
@@ -253,7 +270,7 @@ def _scatter(
     return bridge.start(f"scatter(src={root})", issue, _copy_back(t, buf), buf)
 
 
-def _all_gather(g: ProcessGroup, bridge: GroupBridge, data: object) -> Any:
+def _all_gather(g: ProcessGroup, bridge: Issuer, data: object) -> Any:
     t = _dense(_tensor(data, "data", bridge))
     pg = bridge.torch_group
     out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
@@ -262,7 +279,7 @@ def _all_gather(g: ProcessGroup, bridge: GroupBridge, data: object) -> Any:
     )
 
 
-def _all_to_all(g: ProcessGroup, bridge: GroupBridge, inputs: object) -> Any:
+def _all_to_all(g: ProcessGroup, bridge: Issuer, inputs: object) -> Any:
     tensors = _tensors(inputs, "inputs", bridge, g.world_size)
     dtypes = {x.dtype for x in tensors}
     if len(dtypes) > 1:

@@ -117,6 +117,35 @@ def flat_view(t: Any) -> Any:
     return t.as_strided((t.numel(),), (1,))
 
 
+# Dtypes whose numpy array's memoryview casts to bytes directly (a one-character
+# buffer format); the others (complex, bfloat16, ...) are viewed as uint8 first.
+_NUMPY_VIEWABLE: dict[Any, bool] = {}
+
+
+def byte_view(t: Any) -> memoryview:
+    """A writable view of contiguous CPU tensor ``t``'s bytes (no copy): what travels."""
+    import torch
+
+    assert t.is_contiguous()
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
+    dtype = t.dtype
+    direct = _NUMPY_VIEWABLE.get(dtype)
+    if direct is None:
+        direct = _NUMPY_VIEWABLE[dtype] = _casts_directly(t)
+    if direct and not t.requires_grad:
+        return t.numpy().data.cast("B")  # type: ignore[no-any-return]  # the fast way
+    return flat_view(t).view(torch.uint8).numpy().data.cast("B")  # type: ignore[no-any-return]
+
+
+def _casts_directly(t: Any) -> bool:
+    try:
+        t.detach().numpy().data.cast("B")
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _tensor_ext(t: Any) -> msgpack.ExtType:
     import torch
 

@@ -9,7 +9,7 @@ driven by callbacks from its arrival to its reply, so calls run concurrently:
 - a coroutine function is awaited in a task of its own on the loop;
 - a plain function runs in one of the rank's rpc threads
   (``AIODIST_RPC_THREADS``, default 16, as torch's TensorPipe agent;
-  ``rpc_threads``), so a slow one blocks neither the loop nor other calls; a
+  ``threads``), so a slow one blocks neither the loop nor other calls; a
   coroutine it returns is then awaited on the loop.
 
 A caller that gives up on a call (its timeout) sends ``CANCEL``: the call is
@@ -27,12 +27,12 @@ import inspect
 import logging
 import os
 import types
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import DistError
-from aiodist._ops.rpc_rref import DECODING, OwnedTable
-from aiodist._ops.rpc_threads import Job, Threads
-from aiodist._ops.rpc_wire import (
+from aiodist._rpc.rref import DECODING, OwnedTable, RRefAgent
+from aiodist._rpc.threads import Job, Threads
+from aiodist._rpc.wire import (
     REQUEST_KEY,
     Op,
     Status,
@@ -45,15 +45,14 @@ from aiodist._ops.rpc_wire import (
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Coroutine
 
     import torch
 
-    from aiodist._ops.rpc import Agent
-    from aiodist._plane.peers import Received
+    from aiodist._plane.peers import DataPlane, Received
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DEFAULT_RPC_THREADS", "Server"]
+__all__ = ["DEFAULT_RPC_THREADS", "Host", "Server"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +61,27 @@ DEFAULT_RPC_THREADS: Final = 16
 # Decoded functions kept by their encoding (a program calls few distinct ones).
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
+
+
+class _Terminating(Protocol):
+    def on_message(self, src: int, extra: Any) -> None: ...
+
+
+class Host(RRefAgent, Protocol):
+    """What serving needs of its rank's agent (``agent.Agent``)."""
+
+    plane: DataPlane
+
+    @property
+    def termination(self) -> _Terminating: ...
+
+    def broken(self, exc: BaseException) -> None: ...
+
+    def closed_reason(self) -> DistError: ...
+
+    def maybe_idle(self) -> None: ...
+
+    def spawn_send(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
 
 
 class _Serving:
@@ -80,7 +100,7 @@ class _Serving:
 class Server:
     """The serving side of one rank's rpc agent."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Host) -> None:
         self.agent = agent
         self.plane = agent.plane
         self.loop = agent.loop

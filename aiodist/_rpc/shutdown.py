@@ -28,17 +28,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from aiodist._errors import DistTimeoutError
+from aiodist._errors import DistError, DistTimeoutError
 from aiodist._group.work import Work
-from aiodist._ops.rpc_wire import REQUEST_KEY, Op
+from aiodist._rpc.wire import REQUEST_KEY, Op
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from aiodist._ops.rpc import Agent
+    from aiodist._plane.peers import DataPlane
 
-__all__ = ["COORDINATOR", "Termination"]
+__all__ = ["COORDINATOR", "Host", "Termination"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,33 @@ class _Kind(enum.IntEnum):
     VERDICT = 1  # [VERDICT, wave, stop], from the coordinator
 
 
+class _Served(Protocol):
+    served: int  # requests this rank accepted
+
+
+class Host(Protocol):
+    """What ``rpc.shutdown`` needs of its rank's agent (``agent.Agent``)."""
+
+    rank: int
+    world_size: int
+    loop: asyncio.AbstractEventLoop
+    plane: DataPlane
+    sent: int  # calls this rank made
+
+    @property
+    def server(self) -> _Served: ...
+
+    def closed_reason(self) -> DistError: ...
+
+    def finish_shutdown(self, *, force: bool = False) -> None: ...
+
+    async def wait_idle(self) -> None: ...
+
+
 class Termination:
     """One rank's part in ``rpc.shutdown`` (and rank 0's coordination of it)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Host) -> None:
         self.agent = agent
         self.work: Work[None] | None = None  # this rank's shutdown, once called
         self._task: asyncio.Task[None] | None = None
@@ -72,11 +95,11 @@ class Termination:
 
         def finished(task: asyncio.Task[None]) -> None:
             if task.cancelled():
-                work._set_exception(agent.closed_reason())
+                work.set_exception(agent.closed_reason())
             elif (exc := task.exception()) is not None:
-                work._set_exception(exc)
+                work.set_exception(exc)
             else:
-                work._set_result(None)
+                work.set_result(None)
 
         self._task.add_done_callback(finished)
         return work

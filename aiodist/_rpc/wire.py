@@ -34,8 +34,8 @@ import traceback
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import RemoteError
-from aiodist._ops.common import byte_view
 from aiodist._wire import codec
+from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ __all__ = [
 RPC_GROUP: Final = -1
 # Frames of the serving machinery, left out of the remote traceback (they precede the call's).
 _SERVING_FILES: Final = (
-    os.path.join(os.path.dirname(__file__), "rpc_serve.py"),
-    os.path.join(os.path.dirname(__file__), "rpc_threads.py"),
+    os.path.join(os.path.dirname(__file__), "serve.py"),
+    os.path.join(os.path.dirname(__file__), "threads.py"),
 )
 REQUEST_KEY: Final[Key] = (MatchKind.RPC, RPC_GROUP, 0, 0)
 

@@ -29,8 +29,8 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from aiodist._group.world import get_default_group
-from aiodist._ops.rpc_calls import Request, prepare
-from aiodist._ops.rpc_wire import Op
+from aiodist._rpc.calls import Request, prepare
+from aiodist._rpc.wire import Op
 
 if TYPE_CHECKING:
     import asyncio
@@ -39,7 +39,16 @@ if TYPE_CHECKING:
     from aiodist._group.session import Session
     from aiodist._group.work import Work
 
-__all__ = ["AGENTS", "DECODING", "OwnedTable", "RRef", "RRefId", "make_remote", "start_op"]
+__all__ = [
+    "AGENTS",
+    "DECODING",
+    "OwnedTable",
+    "RRef",
+    "RRefAgent",
+    "RRefId",
+    "make_remote",
+    "start_op",
+]
 
 T = TypeVar("T")
 RRefId = tuple[int, int]  # (creator's rank, its number there)
@@ -48,8 +57,8 @@ _MAX_EXPONENT = 1 << 16
 _numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
 
 
-class _Agent(Protocol):
-    """What an RRef needs of its rank's rpc agent (``rpc.Agent``)."""
+class RRefAgent(Protocol):
+    """What an RRef needs of its rank's rpc agent (``agent.Agent``)."""
 
     rank: int
     world_size: int
@@ -65,11 +74,11 @@ class _Agent(Protocol):
 
 
 # The agent of the session whose message is being decoded: RRefs unpickled there belong to it.
-DECODING: contextvars.ContextVar[_Agent | None] = contextvars.ContextVar(
+DECODING: contextvars.ContextVar[RRefAgent | None] = contextvars.ContextVar(
     "aiodist_rpc_decoding", default=None
 )
 # Every session's rpc agent (rpc.agent_for); RRefs decoded elsewhere join the default group's.
-AGENTS: dict[Session, _Agent] = {}
+AGENTS: dict[Session, RRefAgent] = {}
 
 
 class RRef(Generic[T]):
@@ -87,7 +96,7 @@ class RRef(Generic[T]):
 
     __slots__ = ("__weakref__", "_agent", "_exp", "_id", "_owner")
 
-    def __init__(self, agent: _Agent, owner: int, rid: RRefId, exp: int = 0) -> None:
+    def __init__(self, agent: RRefAgent, owner: int, rid: RRefId, exp: int = 0) -> None:
         self._agent = agent
         self._owner = owner
         self._id = rid
@@ -235,7 +244,7 @@ def start_op(
 
 
 def make_remote(
-    agent: _Agent,
+    agent: RRefAgent,
     to: object,
     fn: Callable[..., Any],
     args: Sequence[Any],

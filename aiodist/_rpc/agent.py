@@ -1,8 +1,8 @@
 """A rank's rpc agent: remote calls over the job's data plane (``aiodist.rpc``'s internals).
 
-One ``Agent`` per session makes calls (here and ``rpc_calls``) and serves them (``rpc_serve``),
-keeps the objects RRefs name (``rpc_rref``) and runs ``rpc.shutdown``
-(``rpc_shutdown``); ``rpc_wire`` has the messages. It starts with the
+One ``Agent`` per session makes calls (here and ``calls``) and serves them (``serve``),
+keeps the objects RRefs name (``rref``) and runs ``rpc.shutdown``
+(``shutdown``); ``wire`` has the messages. It starts with the
 session's default group (``init_process_group``), or on first use for a group
 opened otherwise, and stops when the session closes; nothing of it outlives
 the session: its tasks (calls being served, sends still under way) end there.
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, cast
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group
-from aiodist._ops.rpc_calls import Call, Deadlines, Request
-from aiodist._ops.rpc_rref import AGENTS, DECODING, RRefId
-from aiodist._ops.rpc_serve import Server
-from aiodist._ops.rpc_shutdown import Termination
-from aiodist._ops.rpc_wire import (
+from aiodist._rpc.calls import Call, Deadlines, Request
+from aiodist._rpc.rref import AGENTS, DECODING, RRefId
+from aiodist._rpc.serve import Server
+from aiodist._rpc.shutdown import Termination
+from aiodist._rpc.wire import (
     REQUEST_KEY,
     RPC_GROUP,
     Op,
@@ -136,7 +136,7 @@ class Agent:
         try:
             self.start(request, work)
         except Exception as exc:
-            work._set_exception(exc)
+            work.set_exception(exc)
 
     def start(self, request: Request, work: Work[Any] | None = None) -> Work[Any]:
         """Start ``request`` (on the loop's thread); its handle.
@@ -189,7 +189,7 @@ class Agent:
         if record is not None:
             if record.timer is not None:
                 record.timer.cancel()
-            record.work._set_exception(exc)
+            record.work.set_exception(exc)
         self.maybe_idle()
 
     def expired(self, call: int) -> None:
@@ -197,7 +197,7 @@ class Agent:
         record = self.calls.get(call)
         if record is None or record.work.is_completed():
             return
-        record.work._set_exception(
+        record.work.set_exception(
             DistTimeoutError(
                 f"{record.what} did not complete within {record.timeout} s; it was cancelled on "
                 f"rank {record.to}. Pass a longer timeout (0: none) if it needs more time."
@@ -253,11 +253,11 @@ class Agent:
                         value = codec.loads_split(data, tensors)
                     finally:
                         DECODING.reset(token)
-                work._set_result(value)
+                work.set_result(value)
             elif status == Status.ERROR:
-                work._set_exception(rebuild_error(data, record.to, record.what))
+                work.set_exception(rebuild_error(data, record.to, record.what))
             else:  # CLOSED (CANCELLED replies come after a timeout: handled above)
-                work._set_exception(ClosedError(f"{record.what} was not run: {codec.loads(data)}"))
+                work.set_exception(ClosedError(f"{record.what} was not run: {codec.loads(data)}"))
         except Exception as exc:
             if not isinstance(exc, DistError):
                 exc = RemoteError(
@@ -266,7 +266,7 @@ class Agent:
                     rank=record.to,
                     exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
                 )
-            work._set_exception(exc)
+            work.set_exception(exc)
 
     # --- remote references --------------------------------------------------------------
 
@@ -291,7 +291,7 @@ class Agent:
     # --- ending -------------------------------------------------------------------------
 
     def shutdown(self, graceful: bool, timeout: float | None) -> Work[None]:
-        """``rpc.shutdown`` on this rank (see ``rpc_shutdown``); its handle."""
+        """``rpc.shutdown`` on this rank (see ``shutdown``); its handle."""
         if self.closed or self.shut_down:
             return Work.completed(None, "rpc.shutdown")
         if self.error is not None:
@@ -320,7 +320,7 @@ class Agent:
         for record in calls.values():
             if record.timer is not None:
                 record.timer.cancel()
-            record.work._set_exception(exc)
+            record.work.set_exception(exc)
 
     def broken(self, exc: BaseException) -> None:
         """The session failed (every posted receive failed with ``exc``) or closed."""

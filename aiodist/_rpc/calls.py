@@ -14,7 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from aiodist._ops.rpc_wire import Op
+from aiodist._rpc.wire import Op
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -24,9 +24,17 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.work import Work
-    from aiodist._ops.rpc import Agent
 
-__all__ = ["MAX_FUNCTION_BYTES", "Call", "Deadlines", "Request", "describe", "prepare"]
+__all__ = [
+    "MAX_FUNCTION_BYTES",
+    "Call",
+    "Caller",
+    "Deadlines",
+    "Pending",
+    "Request",
+    "describe",
+    "prepare",
+]
 
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
@@ -159,6 +167,15 @@ class Call:
     keep: object = None
 
 
+class Pending(Protocol):
+    """What ``Deadlines`` needs of the agent whose calls it times."""
+
+    loop: asyncio.AbstractEventLoop
+    calls: dict[int, Call]
+
+    def expired(self, call: int) -> None: ...
+
+
 class Deadlines:
     """Calls with the job's default timeout, in start order, under one timer.
 
@@ -167,7 +184,7 @@ class Deadlines:
     and a cancel, for a timeout that almost never fires.
     """
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Pending) -> None:
         self._agent = agent
         self._entries: collections.deque[tuple[float, int]] = collections.deque()
         self._handle: asyncio.TimerHandle | None = None
