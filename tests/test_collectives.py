@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
-from aiodist._ops import common, schedules
-from aiodist._ops.common import exchange_all
+from aiodist._ops import schedules
+from aiodist._ops.agreement import signature
+from aiodist._ops.exchange import DISSEMINATE_MIN_RANKS, Exchange, exchange_rows
 from aiodist._ops.movement import all_gather, all_to_all, barrier
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter
 from aiodist._ops.rooted import broadcast, gather, scatter
@@ -519,12 +520,12 @@ def _settle_with_bytes(work: Work[bytes], staging: memoryview) -> None:
 
 
 @pytest.mark.parametrize("world_size", [4, 5, 6, 7, 8])
-async def test_exchange_all_in_rounds_puts_every_rank_row_in_its_place(
+async def test_exchange_rows_in_rounds_puts_every_rank_row_in_its_place(
     server: RendezvousServer, world_size: int
 ) -> None:
-    # From 4 ranks on, exchange_all forwards rows in log2(size) rounds: each row must
+    # From 4 ranks on, exchange_rows forwards rows in log2(size) rounds: each row must
     # land in its sender's place on every rank, whatever the size.
-    assert world_size >= common.DISSEMINATE_MIN_RANKS
+    assert world_size >= DISSEMINATE_MIN_RANKS
 
     async def body(g: ProcessGroup) -> list[bytes]:
         rows = []
@@ -533,7 +534,8 @@ async def test_exchange_all_in_rounds_puts_every_rank_row_in_its_place(
             work = g.begin(f"rows#{call}", seq=seq)
             mine = bytes([g.rank, call, 7 * g.rank % 256])
             done = functools.partial(_settle_with_bytes, work)
-            exchange_all(g, work, seq, ["rows"], memoryview(mine), done)
+            ex = Exchange(g, work, seq, signature("rows"), rides=True)
+            exchange_rows(ex, memoryview(mine), done)
             rows.append(await work)
         return rows
 

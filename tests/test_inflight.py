@@ -8,7 +8,7 @@ import torch
 
 import aiodist
 from aiodist import DistTimeoutError, ProcessGroup, RendezvousServer
-from aiodist._ops.common import DISSEMINATE_MIN_RANKS
+from aiodist._ops.exchange import DISSEMINATE_MIN_RANKS
 from aiodist._ops.p2p import irecv, isend
 from aiodist.testing import run_ranks
 

@@ -24,13 +24,14 @@ import aiodist
 from aiodist import AbortedError
 from aiodist._ops.objects import write_private
 from aiodist.testing import run_ranks
-from tests._procs import json_lines, run
+from tests._procs import json_lines, reports_by_rank, run
 
 if TYPE_CHECKING:
     from aiodist import ProcessGroup, RendezvousServer
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERLEAVE = Path(__file__).with_name("interleave_worker.py")
+SWAPPED = Path(__file__).with_name("swapped_worker.py")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -54,6 +55,28 @@ async def test_p2p_interleaved_with_refused_collectives_gets_every_value(seed: i
         assert r["errors"] == [], r
         assert r["checked"] == r["ops"], r
     assert sum(r["ops"] for r in reports) > 3000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "case", ["tensor-16", "tensor-256k", "tensor-4m", "objects", "mixed", "rooted"]
+)
+async def test_swapped_collectives_raise_the_mismatch_on_every_rank_at_once(
+    world: int, case: str
+) -> None:
+    # Rank 0 calls A then B, the others B then A: whatever the sizes (direct exchange,
+    # socket ring, shared memory) and kinds (tensors, objects, one-way), every rank's
+    # first call fails with CollectiveMismatchError within seconds, not the timeout (60 s).
+    argv = [sys.executable, "-m", "aiodist", "run", "-n", str(world), "--no-prefix"]
+    done = await run([*argv, str(SWAPPED), case], limit=60, env=_env())
+    reports = reports_by_rank(done.stdout)
+    assert sorted(reports) == list(range(world)), (done.stdout[-2000:], done.stderr[-3000:])
+    for r in reports.values():
+        assert r["raised"] == "CollectiveMismatchError", r
+        assert r["field"] in ("op", "algorithm", "shape", "root"), r
+        assert r["seconds"] < 10, r
 
 
 async def test_p2p_started_after_a_refused_collective_is_untouched_by_its_abort(

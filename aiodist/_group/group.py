@@ -266,7 +266,7 @@ class ProcessGroup:
         self.spawn(task)
         if on_end is not None:
             task.add_done_callback(lambda _: on_end())
-        work.when_done(lambda _: _stop(task))
+        work.when_done(lambda w: _stop(task, w))
         return work
 
     def start(
@@ -453,10 +453,11 @@ class ProcessGroup:
         return self._session.store
 
 
-def _stop(task: asyncio.Task[Any]) -> None:
-    # Its handle was settled: by the task itself (nothing to do), or by its deadline or
-    # an abort, which the task must not outlive.
-    if not task.done() and asyncio.current_task() is not task:
+def _stop(task: asyncio.Task[Any], work: Work[Any]) -> None:
+    # Its handle failed (its deadline, an abort, a callback of its own exchange): the task
+    # must not outlive it, even when the failure came from inside the task itself (it then
+    # stops at its next await). A handle settled with a result was settled by the task.
+    if not task.done() and work.exception() is not None:
         task.cancel()
 
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Final
 
 from aiodist._metrics import slots
 from aiodist._metrics.board import Board
-from aiodist._ops import common, shared
+from aiodist._ops import shared
 from aiodist._transport import shm
 
 if TYPE_CHECKING:
-    from aiodist._group.group import ProcessGroup
+    from aiodist._ops.exchange import Exchange
 
 __all__ = ["enabled", "open_board"]
 
@@ -34,14 +34,14 @@ def enabled() -> bool:
     return os.environ.get("AIODIST_METRICS_SHM", "1") != "0"
 
 
-async def open_board(g: ProcessGroup, seq: int) -> Board | None:
-    """Set up the shared board inside sync ``seq`` (the aggregator's first on ``g``).
+async def open_board(ex: Exchange) -> Board | None:
+    """Set up the shared board inside ``ex``, the aggregator's first sync on its group.
 
     Returns the same kind of answer on every rank: a board each, or None each.
     """
+    g = ex.g
     if g.world_size < 2 or not await shared.agreed(g):
         return None
-    mine = common.signature("metrics.board")
     nbytes = slots.nbytes(g.world_size)
     others = range(1, g.world_size)
     segment: shm.Segment | None = None
@@ -54,27 +54,23 @@ async def open_board(g: ProcessGroup, seq: int) -> Board | None:
                     logger.warning("metrics sync falls back to sockets: %s", exc)
             offer = segment.name.encode() if segment is not None else b""
             for r in others:
-                await common.send(g, r, seq, _STEP, mine, offer)
-            answers = [await common.recv(g, r, seq, _STEP + 1) for r in others]
-            for msg in answers:
-                common.check_signature(g, mine, msg)
+                await ex.send(r, _STEP, offer)
+            answers = [await ex.recv(r, _STEP + 1) for r in others]
             ok = segment is not None and all(bytes(m.data) == b"1" for m in answers)
             if segment is not None:
                 segment.unlink()  # every rank mapped it, or none will use it
             for r in others:
-                await common.send(g, r, seq, _STEP + 2, mine, b"1" if ok else b"0")
+                await ex.send(r, _STEP + 2, b"1" if ok else b"0")
         else:
-            msg = await common.recv(g, 0, seq, _STEP)
-            common.check_signature(g, mine, msg)
+            msg = await ex.recv(0, _STEP)
             name = bytes(msg.data).decode()
             if name and enabled():
                 try:
                     segment = shm.map_segment(name, nbytes)
                 except (OSError, ValueError) as exc:
                     logger.warning("metrics sync falls back to sockets: %s", exc)
-            await common.send(g, 0, seq, _STEP + 1, mine, b"1" if segment is not None else b"0")
-            go = await common.recv(g, 0, seq, _STEP + 2)
-            common.check_signature(g, mine, go)
+            await ex.send(0, _STEP + 1, b"1" if segment is not None else b"0")
+            go = await ex.recv(0, _STEP + 2)
             ok = segment is not None and bytes(go.data) == b"1"
     except BaseException:
         if segment is not None:

@@ -21,9 +21,11 @@ resolve in call order); all of them still overlap the caller's compute.
 
 The common case (host values, the previous key set known, a small group) runs
 with no task: the buffer is packed and sent when ``sync()`` is called and the
-data plane's callbacks finish the rest (``common.exchange_all``). Every other
-case runs as a task with the same messages, so ranks agree whichever way each
-of them took.
+data plane's callbacks finish the rest (``_ops.exchange.exchange_rows``). Every
+other case runs as a task with the same messages, so ranks agree whichever way
+each of them took. A sync's exchange opens with its first round's messages
+(the fused reduction, at step 0), except the first sync's, which sets up the
+shared board or agrees on keys first and so opens on its own (``Exchange``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from array import array
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import CollectiveMismatchError
-from aiodist._group.lingering import linger
-from aiodist._group.work import Work
 from aiodist._metrics.board import Board
 from aiodist._metrics.board_setup import open_board
 from aiodist._metrics.record import encode
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of
-from aiodist._ops import common, schedules
+from aiodist._ops import schedules
+from aiodist._ops.agreement import signature
+from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     import anyio
 
     from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
 
 __all__ = ["Schema", "reduce_locally", "start_sync"]
 
@@ -59,13 +62,17 @@ Route = Schema | Board
 Reduced = dict[str, tuple[float, float, int]]
 
 # Step ranges of the three phases inside one sequence number.
+# (A phase of recursive doubling starts one step later: step 0 of a sync is the opening's.)
 _FIRST, _UNION, _SECOND = 0, 1 << 10, 2 << 10
 _FOLD, _UNFOLD = 1 << 9, (1 << 9) + 1  # offsets within a phase
 _limiters: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
 
 
-def _signature(layout: Layout) -> list[Any]:
-    return ["metrics.sync", "float64", [layout.numel], None, None]
+def _signature(layout: Layout | None) -> list[Any]:
+    """What every rank of a sync agrees on: the buffer laid out by the previous sync's keys."""
+    if layout is None:  # the first sync: no key set yet
+        return signature("metrics.sync")
+    return signature("metrics.sync", None, shape=[layout.numel], algorithm="fused")
 
 
 def start_sync(
@@ -90,7 +97,7 @@ def start_sync(
     if previous is None or snapshot.event is not None or g.world_size > _direct_max():
 
         async def op(s: int) -> MetricResults:
-            return await run_sync(g, s, snapshot, previous, agreed, index, work)
+            return await run_sync(g, work, s, snapshot, previous, agreed, index)
 
         return g.drive(work, op, seq)
 
@@ -122,13 +129,14 @@ def start_sync(
         def done(rows: memoryview) -> None:
             vals = layout.reduce_rows(rows.cast("d"), g.world_size)
             if layout.flagged(vals):  # some rank has a new metric: agree on keys, again
-                g.drive(work, lambda s: _agree(g, s, snapshot, schema, agreed), seq)
+                g.drive(work, lambda s: _agree(ex, snapshot, schema, agreed), seq)
                 return
             agreed.set_result(schema)
             work.set_result(MetricResults(layout.unpack(vals), layout.reductions))
 
         packed = layout.pack(snapshot.records(), g.rank)
-        common.exchange_all(g, work, seq, _signature(layout), memoryview(packed).cast("B"), done)
+        ex = Exchange(g, work, seq, _signature(layout), rides=True)
+        exchange_rows(ex, memoryview(packed).cast("B"), done)
 
     if previous.done():
         exchange(previous)
@@ -205,28 +213,22 @@ async def _doubling(
         await send_only(plan.fold_partner, base + _UNFOLD)
 
 
-async def _reduce(
-    g: ProcessGroup, seq: int, base: int, layout: Layout, buf: array[float]
-) -> list[float]:
+async def _reduce(ex: Exchange, base: int, layout: Layout, buf: array[float]) -> list[float]:
     """All-reduce ``buf`` (laid out by ``layout``) across the group; return the values."""
-    mine = _signature(layout)
+    g = ex.g
     if g.world_size <= _direct_max():
         loop = asyncio.get_running_loop()
-        part: Work[list[float]] = Work.pending(loop, f"metrics.sync#{seq}")
-
-        def done(rows: memoryview) -> None:
-            part.set_result(layout.reduce_rows(rows.cast("d"), g.world_size))
-
-        common.exchange_all(g, part, seq, mine, memoryview(buf).cast("B"), done, step=base)
-        return await part
+        rows: asyncio.Future[memoryview] = loop.create_future()
+        exchange_rows(ex, memoryview(buf).cast("B"), rows.set_result, step=base)
+        return layout.reduce_rows((await rows).cast("d"), g.world_size)
     state = buf.tolist()
     scratch = memoryview(bytearray(8 * layout.numel))
 
     async def send_only(dst: int, step: int) -> None:
-        await common.send(g, dst, seq, step, mine, memoryview(buf).cast("B"))
+        await ex.send(dst, step, memoryview(buf).cast("B"))
 
     async def receive(src: int, step: int, replace: bool) -> None:
-        common.check_signature(g, mine, await common.recv_tensor(g, src, seq, step, scratch))
+        await ex.recv(src, step, scratch)
         other = scratch.cast("d").tolist()
         if replace:
             state[:] = other
@@ -235,19 +237,19 @@ async def _reduce(
         buf[:] = array("d", state)  # what send_only sends next
 
     async def exchange(partner: int, step: int) -> None:
-        future = common.recv_tensor(g, partner, seq, step, scratch)
+        future = ex.recv(partner, step, scratch)
         await send_only(partner, step)
-        common.check_signature(g, mine, await future)
+        await future
         layout.merge(state, scratch.cast("d").tolist())
         buf[:] = array("d", state)
 
-    await _doubling(g, base, exchange, send_only, receive)
+    await _doubling(g, base + 1, exchange, send_only, receive)
     return state
 
 
-async def _union(g: ProcessGroup, seq: int, table: dict[str, Reduction]) -> Schema:
+async def _union(ex: Exchange, table: dict[str, Reduction]) -> Schema:
     """The union of every rank's ``{name: reduction}`` table, sorted."""
-    mine = common.signature("metrics.keys")
+    g = ex.g
     state = dict(table)
 
     def merge(other: dict[str, Reduction], src: int) -> None:
@@ -263,13 +265,10 @@ async def _union(g: ProcessGroup, seq: int, table: dict[str, Reduction]) -> Sche
                 )
 
     async def send_only(dst: int, step: int) -> None:
-        payload = codec.dumps(sorted(state.items()))
-        await common.send(g, dst, seq, step, mine, payload)
+        await ex.send(dst, step, codec.dumps(sorted(state.items())))
 
     async def get(src: int, step: int) -> dict[str, Reduction]:
-        msg = await common.recv(g, src, seq, step, None)
-        common.check_signature(g, mine, msg)
-        return dict(codec.loads(msg.data))
+        return dict(codec.loads((await ex.recv(src, step)).data))
 
     async def receive(src: int, step: int, replace: bool) -> None:
         other = await get(src, step)
@@ -278,23 +277,16 @@ async def _union(g: ProcessGroup, seq: int, table: dict[str, Reduction]) -> Sche
         merge(other, src)
 
     async def exchange(partner: int, step: int) -> None:
-        future = linger(get(partner, step))  # as the sync's own task
-        try:
-            await send_only(partner, step)
-            other = await future
-        finally:
-            if not future.done():
-                future.cancel()
-        merge(other, partner)
+        future = ex.recv(partner, step)
+        await send_only(partner, step)
+        merge(dict(codec.loads((await future).data)), partner)
 
-    g.check_usable()
     await _doubling(g, _UNION, exchange, send_only, receive)
     return tuple(sorted(state.items()))
 
 
 async def _agree(
-    g: ProcessGroup,
-    seq: int,
+    ex: Exchange,
     snapshot: Snapshot,
     schema: Schema | None,
     agreed: asyncio.Future[Route],
@@ -303,9 +295,9 @@ async def _agree(
     try:
         records = snapshot.records()
         table: dict[str, Reduction] = {**dict(schema or ()), **snapshot.reductions}
-        schema = await _union(g, seq, table)
+        schema = await _union(ex, table)
         layout = layout_of(schema)
-        vals = await _reduce(g, seq, _SECOND, layout, layout.pack(records, g.rank))
+        vals = await _reduce(ex, _SECOND, layout, layout.pack(records, ex.g.rank))
         agreed.set_result(schema)  # only now: syncs resolve in the order they were called
         return MetricResults(layout.unpack(vals), layout.reductions)
     except BaseException as exc:
@@ -315,12 +307,12 @@ async def _agree(
 
 async def run_sync(
     g: ProcessGroup,
+    work: Work[MetricResults],
     seq: int,
     snapshot: Snapshot,
     previous: asyncio.Future[Route] | None,
     agreed: asyncio.Future[Route],
     index: int,
-    work: Work[MetricResults],
 ) -> MetricResults:
     """One sync as a task: wait for the previous route and the device copy, then reduce.
 
@@ -330,21 +322,31 @@ async def run_sync(
     resolve in call order.
     """
     try:
-        route = await previous if previous is not None else await open_board(g, seq)
+        if previous is None:  # every rank's first sync: it opens on its own
+            ex = Exchange(g, work, seq, _signature(None), rides=False)
+            route: Route | None = await open_board(ex)
+            await ex.agreed()
+        else:
+            route = await previous
         await wait_device_copy(snapshot)
         if isinstance(route, Board):
             return await _post(route, index, seq, snapshot, agreed, work)
-        schema = route
-        if schema is not None:
-            layout = layout_of(schema)
-            vals = await _reduce(g, seq, _FIRST, layout, layout.pack(snapshot.records(), g.rank))
+        if route is not None:
+            layout = layout_of(route)
+            # The fused reduction's direct exchange opens the sync; recursive doubling
+            # (larger groups) does not send to r + 1 first: it opens beside it.
+            rides = g.world_size <= _direct_max()
+            ex = Exchange(g, work, seq, _signature(layout), rides=rides)
+            vals = await _reduce(ex, _FIRST, layout, layout.pack(snapshot.records(), g.rank))
+            if not rides:
+                await ex.agreed()
             if not layout.flagged(vals):
-                agreed.set_result(schema)
+                agreed.set_result(route)
                 return MetricResults(layout.unpack(vals), layout.reductions)
     except BaseException as exc:
         _fail_agreed(agreed, exc)
         raise
-    return await _agree(g, seq, snapshot, schema, agreed)
+    return await _agree(ex, snapshot, route, agreed)
 
 
 def reduce_locally(snapshot: Snapshot) -> Reduced:

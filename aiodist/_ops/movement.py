@@ -22,27 +22,22 @@ from aiodist._errors import (
 from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
 from aiodist._ops import schedules, shared, staging
+from aiodist._ops.agreement import OPEN, Signature, signature
 from aiodist._ops.common import (
     LazyModule,
     Slot,
     bridged,
     chain,
-    check_signature,
     check_tensor,
     check_tensor_list,
-    clear_to_send,
     contiguous,
     copy_into,
-    exchange_all,
     outside,
-    recv_tensor,
     resolve_group,
-    send,
-    signature,
 )
+from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._ops.outputs import new_outputs
 from aiodist._ops.reductions import slices
-from aiodist._plane.peers import Received
 from aiodist._wire import codec
 from aiodist._wire.codec import byte_view
 
@@ -178,23 +173,28 @@ def start_all_gather(
     shm: bool = True,
 ) -> Work[list[torch.Tensor]]:
     """``all_gather`` of checked ``t`` as ``g``'s operation ``seq``, into ``outs`` if given."""
-    mine = signature("all_gather", t)
     nbytes = t.numel() * t.element_size() * g.world_size
     use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
     direct = outs is not None and all(o.is_contiguous() for o in outs)
+    work: Work[list[torch.Tensor]] = g.begin("all_gather", seq=seq)
+
+    def mine(algorithm: str) -> Signature:
+        return signature("all_gather", t, algorithm=algorithm)
 
     async def run(seq: int) -> list[torch.Tensor]:
         out = outs if direct and outs is not None else new_outputs(g, t, g.world_size, "all_gather")
         if turn is not None:
             async with turn:
                 if await shared.agreed(g):  # else some rank has it off: all take the ring
-                    await shared.shared_memory_all_gather(g, seq, contiguous(t), out, mine)
+                    async with Exchange(g, work, seq, mine("shared_memory"), rides=True) as ex:
+                        await shared.all_gather(ex, contiguous(t), out)
                     return out if outs is None else _fill(outs, out)
-        await _ring_all_gather(g, seq, t, out, mine)
+        async with Exchange(g, work, seq, mine("ring"), rides=True) as ex:
+            await _ring_all_gather(ex, t, out)
         return out if outs is None else _fill(outs, out)
 
-    return g.start("all_gather", run, seq=seq, on_end=None if turn is None else turn.release)
+    return g.drive(work, run, seq, on_end=None if turn is None else turn.release)
 
 
 def all_gather_into_tensor(
@@ -342,23 +342,29 @@ def _unpack(packed: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor
     return outs
 
 
-async def _ring_all_gather(
-    g: ProcessGroup, seq: int, t: torch.Tensor, out: list[torch.Tensor], mine: list[Any]
-) -> None:
+async def _ring_all_gather(ex: Exchange, t: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """Pass every rank's part to the left round the ring: ``r`` sends to ``r - 1``.
+
+    Every receive lands in its own output tensor, so all are posted up front,
+    and the rank that sends to this one (``r + 1``) waits for its "clear to
+    send" (the opening: step ``OPEN`` to ``r + 1``) before it sends: no part
+    arrives unexpected (a rank still in the previous operation would buffer
+    and copy it).
+    """
+    g = ex.g
     p, me = g.world_size, g.rank
-    left, right = schedules.ring_neighbours(me, p)
-    # Every receive lands in its own output tensor, so all are posted up front, and
-    # the left neighbour waits for our "ready" before it sends: no part arrives
-    # unexpected (a rank still in the previous operation would buffer and copy it).
-    futures = [recv_tensor(g, left, seq, s, out[(me - s - 1) % p]) for s in range(p - 1)]
-    if p > 1:
-        ready = await clear_to_send(g, seq, mine)
     copy_into(out[me], t)
-    if p > 1:
-        check_signature(g, mine, await ready)
-    for s in range(p - 1):
-        await send(g, right, seq, s, mine, byte_view(out[(me - s) % p]))
-        check_signature(g, mine, await futures[s])
+    if p == 1:
+        return
+    to, frm = (me - 1) % p, (me + 1) % p
+    # At step s (from 1), rank r passes on rank r + s - 1's part and gets rank r + s's.
+    futures = [ex.recv(frm, s, byte_view(out[(me + s) % p])) for s in range(1, p)]
+    ready = ex.recv(to, OPEN)
+    await ex.send(frm, OPEN, None)
+    await ready
+    for s in range(1, p):
+        await ex.send(to, s, byte_view(out[(me + s - 1) % p]))
+        await futures[s - 1]
 
 
 def all_to_all(
@@ -470,28 +476,34 @@ def _fill_reshaped(outs: list[torch.Tensor], got: list[torch.Tensor]) -> list[to
 def start_all_to_all(
     g: ProcessGroup, seq: int, tensors: list[torch.Tensor]
 ) -> Work[list[torch.Tensor]]:
-    """``all_to_all`` of checked ``tensors`` as ``g``'s operation ``seq``; new outputs."""
+    """``all_to_all`` of checked ``tensors`` as ``g``'s operation ``seq``; new outputs.
+
+    Every pair exchanges one message at step ``OPEN`` (the opening rides on the
+    one to ``r + 1``); the dtype is in the signature, each part's shape rides
+    after it.
+    """
     dtype = tensors[0].dtype
-    mine = ["all_to_all", str(dtype).removeprefix("torch."), None, None, None]
+    mine = signature("all_to_all", tensors[0])
+    mine[2] = None  # shapes may differ from pair to pair: each message says its own
 
     async def run(seq: int) -> list[torch.Tensor]:
         p, me = g.world_size, g.rank
-        futures = {r: recv_tensor(g, r, seq, 0) for r in range(p) if r != me}
-        for k in range(1, p):
-            r = (me + k) % p
-            x = contiguous(tensors[r])
-            await send(g, r, seq, 0, [mine, list(x.shape)], byte_view(x))
         out = [tensors[me].clone() if r == me else tensors[me] for r in range(p)]
-        for r, future in futures.items():
-            msg = await future
-            theirs, shape = msg.meta
-            check_signature(g, mine, Received(msg.src, theirs, msg.data))
-            received = torch.empty(shape, dtype=dtype)
-            byte_view(received)[:] = msg.data
-            out[r] = received
+        async with Exchange(g, work, seq, mine, rides=True) as ex:
+            futures = {r: ex.recv(r, OPEN) for r in range(p) if r != me}
+            for k in range(1, p):
+                r = (me + k) % p
+                x = contiguous(tensors[r])
+                await ex.send(r, OPEN, byte_view(x), extra=list(x.shape))
+            for r, future in futures.items():
+                msg = await future
+                received = torch.empty(msg.meta[-1], dtype=dtype)
+                byte_view(received)[:] = msg.data
+                out[r] = received
         return out
 
-    return g.start("all_to_all", run, seq=seq)
+    work: Work[list[torch.Tensor]] = g.begin("all_to_all", seq=seq)
+    return g.drive(work, run, seq)
 
 
 def all_to_all_single(
@@ -588,11 +600,6 @@ def _fill_exact(
     return out
 
 
-def _came(future: asyncio.Future[Received]) -> bool:
-    """True if the peer's message arrived (not still awaited, nor failed by a notice)."""
-    return future.done() and not future.cancelled() and future.exception() is None
-
-
 def barrier(
     group: ProcessGroup | None = None,
     async_op: bool = False,
@@ -678,63 +685,63 @@ def _barrier(
         if timeout is None:
             return _barrier_now(g, seq, name)
     seconds = timeout
+    work: Work[None] = g.begin(name, seq=seq)
 
     async def run(seq: int) -> None:
-        await meet(g, seq, seconds, name)
+        async with Exchange(g, work, seq, signature("barrier"), rides=True) as ex:
+            await meet(ex, seconds, name)
 
-    return g.start(name, run, seq=seq)
+    return g.drive(work, run, seq)
 
 
 def _barrier_now(g: ProcessGroup, seq: int, name: str) -> Work[None]:
-    """A barrier with no timeout of its own: an ``exchange_all`` of no bytes, with no task.
+    """A barrier with no timeout of its own: an ``exchange_rows`` of no bytes, with no task.
 
     From 4 ranks on, that is the dissemination barrier (``log2 size`` rounds of
     one message each way). The group's timeout still applies.
     """
-    work = g.begin(name, seq=seq)
-    if work.is_completed():
-        return work  # a member aborted this call: send and post nothing
-
-    def done(_: memoryview) -> None:
-        work.set_result(None)
-
-    exchange_all(g, work, seq, signature("barrier"), memoryview(b""), done)
+    work: Work[None] = g.begin(name, seq=seq)
+    if not work.is_completed():  # else a member aborted this call: send and post nothing
+        ex = Exchange(g, work, seq, signature("barrier"), rides=True)
+        exchange_rows(ex, memoryview(b""), lambda _: _settle(work))
     return work
 
 
-async def meet(g: ProcessGroup, seq: int, timeout: float | None, name: str) -> None:
-    """The barrier itself, as ``g``'s operation ``seq``: every rank arrives, or ``timeout``."""
-    mine = signature("barrier")
+def _settle(work: Work[None]) -> None:
+    work.set_result(None)
 
-    async def direct(seq: int, seconds: float | None) -> None:
-        # One round: everyone tells everyone, so a rank that gives up knows who is late.
-        me = g.rank
-        peers = [r for r in range(g.world_size) if r != me]
-        futures = [recv_tensor(g, r, seq, 0) for r in peers]
-        deadline = asyncio.timeout(seconds)
-        try:
-            async with deadline:
-                for r in schedules.direct_peers(me, g.world_size):
-                    await send(g, r, seq, 0, mine, None)
-                for future in futures:
-                    check_signature(g, mine, await asyncio.shield(future))
-        except TimeoutError:
-            if not deadline.expired():  # not ours: e.g. a peer's timeout, as a notice
-                raise
-            assert seconds is not None  # only a deadline expires
-            missing = [g.ranks[r] for r, f in zip(peers, futures, strict=True) if not _came(f)]
-            raise BarrierTimeoutError(
-                f"{name} on group {g.name!r} timed out after {seconds:g} s: ranks {missing} "
-                f"never arrived (rank {g.ranks[me]} waited); the group is broken. Check "
-                f"that every rank calls {name}, and why those ranks are late.",
-                ranks=missing,
-            ) from None
 
+async def meet(ex: Exchange, timeout: float | None, name: str) -> None:
+    """The barrier itself, on ``ex``: every rank arrives, or ``timeout``.
+
+    Its first round opens the exchange (``ex`` rides on it).
+    """
+    g = ex.g
     p, me = g.world_size, g.rank
-    if timeout is not None or p <= schedules.DIRECT_MAX_RANKS:
-        await direct(seq, timeout)
+    if timeout is None and p > schedules.DIRECT_MAX_RANKS:
+        for k, (to, frm) in enumerate(schedules.dissemination_partners(me, p)):
+            future = ex.recv(frm, OPEN + k)
+            await ex.send(to, OPEN + k, None)
+            await future
         return
-    for k, (to, frm) in enumerate(schedules.dissemination_partners(me, p)):
-        future = recv_tensor(g, frm, seq, k)
-        await send(g, to, seq, k, mine, None)
-        check_signature(g, mine, await future)
+    # One round: everyone tells everyone, so a rank that gives up knows who is late.
+    peers = [r for r in range(p) if r != me]
+    futures = [ex.recv(r, OPEN) for r in peers]
+    deadline = asyncio.timeout(timeout)
+    try:
+        async with deadline:
+            for r in schedules.direct_peers(me, p):
+                await ex.send(r, OPEN, None)
+            for future in futures:
+                await asyncio.shield(future)
+    except TimeoutError:
+        if not deadline.expired():  # not ours: e.g. a peer's timeout, as a notice
+            raise
+        assert timeout is not None  # only a deadline expires
+        missing = [g.ranks[r] for r, f in zip(peers, futures, strict=True) if not f.done()]
+        raise BarrierTimeoutError(
+            f"{name} on group {g.name!r} timed out after {timeout:g} s: ranks {missing} "
+            f"never arrived (rank {g.ranks[me]} waited); the group is broken. Check "
+            f"that every rank calls {name}, and why those ranks are late.",
+            ranks=missing,
+        ) from None

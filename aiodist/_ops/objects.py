@@ -5,12 +5,11 @@ pickle) when the operation is called, and the same bytes go to every peer;
 frames carry their own length, so there is no size pre-exchange. Objects never
 touch CUDA.
 
-Rooted operations (gather, scatter, broadcast) send data one way only, so two
-ranks that disagree on the root might never exchange a message. Each of them
-also passes its signature around a ring (rank ``r`` to ``r + 1``, a header-only
-message sent alongside the data): any disagreement shows up on at least one
-pair, which breaks the group with ``CollectiveMismatchError`` on every member
-instead of hanging until the timeout.
+Every message carries the sender's signature (``agreement``). Rooted
+operations (gather, scatter, broadcast) send data one way only, so their
+exchange opens with a header-only message from each rank to the next
+(``Exchange(..., rides=False)``): ranks that disagree on the root or the
+operation meet there; ``all_gather_object``'s first (and only) round opens it.
 """
 
 from __future__ import annotations
@@ -31,22 +30,21 @@ from aiodist._errors import (
 )
 from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
-from aiodist._ops import common, movement, p2p, staging
+from aiodist._ops import movement, p2p, schedules, staging
+from aiodist._ops.agreement import OPEN, signature
 from aiodist._ops.common import (
     Slot,
     chain,
-    check_signature,
     outside,
     resolve_group,
     root_of,
-    signature,
 )
+from aiodist._ops.exchange import Exchange
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from aiodist._plane.peers import Received
 
 __all__ = [
     "all_gather_object",
@@ -67,59 +65,26 @@ __all__ = [
 # The tag of send_object_list's messages: apart from every tag users can pass (>= 0).
 _OBJECT_LIST_TAG = -1
 
-# Steps of the messages one pair exchanges within an operation.
-_DATA = 0
-_CHECK = 1
+# The step of the data of rooted operations (step 0 is their exchange's opening).
+_DATA = 1
 
 
 async def _exchange(
-    g: ProcessGroup,
-    seq: int,
-    mine: list[Any],
-    sends: Iterable[tuple[int, int, bytes | None]],
-    recvs: Iterable[tuple[int, int]],
-    *,
-    ring_check: bool = False,
+    ex: Exchange,
+    sends: Iterable[tuple[int, bytes | None]],
+    recvs: Iterable[int],
+    step: int,
 ) -> list[memoryview]:
-    """Post ``recvs`` (src, step), then send ``sends`` (dst, step, payload).
+    """Post the receives from ``recvs``, then send ``sends`` (dst, payload), all as ``step``.
 
-    Returns the received payloads in ``recvs`` order, each from a sender whose
-    signature equals ``mine``. Each message is checked the moment it arrives:
-    a disagreeing rank breaks the group at once (which fails the receives
-    still waiting), so a mismatch never waits for the timeout. No task is
-    made per message: on small objects those tasks cost more than the rest.
+    Returns the received payloads in ``recvs`` order; each message is checked
+    the moment it arrives (``Exchange.post``), so a mismatch never waits for the
+    others.
     """
-    recvs = list(recvs)
-    sends = list(sends)
-    n = g.world_size
-    if ring_check and n > 1:
-        recvs.append(((g.rank - 1) % n, _CHECK))
-        sends.append(((g.rank + 1) % n, _CHECK, None))
-    # The group may have broken between start() and now; a receive posted after
-    # that would never be failed and could only time out.
-    g.check_usable()
-
-    def check_on_arrival(future: asyncio.Future[Received]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return  # the group broke: the operation reports that error
-        try:
-            check_signature(g, mine, future.result())
-        except CollectiveMismatchError as exc:
-            g.break_(exc)
-
-    futures = [common.recv(g, src, seq, step, None) for src, step in recvs]
-    for future in futures:
-        future.add_done_callback(check_on_arrival)
-    for dst, step, payload in sends:
-        await common.send(g, dst, seq, step, mine, payload)
-    received = []
-    for future in futures:
-        msg = await future
-        check_signature(g, mine, msg)
-        received.append(msg.data)
-    if ring_check and n > 1:
-        received.pop()
-    return received
+    futures = [ex.recv(src, step) for src in recvs]
+    for dst, payload in sends:
+        await ex.send(dst, step, payload)
+    return [(await future).data for future in futures]
 
 
 def all_gather_object(
@@ -199,21 +164,23 @@ def _fill_objects(out: Any, got: list[Any]) -> list[Any]:
 
 
 def start_all_gather_object(g: ProcessGroup, seq: int, payload: bytes) -> Work[list[Any]]:
-    """``all_gather_object`` of the encoded ``payload`` as ``g``'s operation ``seq``."""
-    mine = signature("all_gather_object")
+    """``all_gather_object`` of the encoded ``payload`` as ``g``'s operation ``seq``.
+
+    One round: every rank sends to every other at step ``OPEN``, ``r + 1`` first.
+    """
 
     async def op(seq: int) -> list[Any]:
-        peers = [r for r in range(g.world_size) if r != g.rank]
-        got = await _exchange(
-            g, seq, mine, [(r, _DATA, payload) for r in peers], [(r, _DATA) for r in peers]
-        )
+        peers = schedules.direct_peers(g.rank, g.world_size)
+        async with Exchange(g, work, seq, signature("all_gather_object"), rides=True) as ex:
+            got = await _exchange(ex, [(r, payload) for r in peers], peers, OPEN)
         out: list[Any] = [None] * g.world_size
         out[g.rank] = codec.loads(payload)
         for r, buf in zip(peers, got, strict=True):
             out[r] = codec.loads(buf)
         return out
 
-    return g.start("all_gather_object", op, seq=seq)
+    work: Work[list[Any]] = g.begin("all_gather_object", seq=seq)
+    return g.drive(work, op, seq)
 
 
 def gather_object(
@@ -293,21 +260,21 @@ def gather_object(
 def _start_gather_object(
     g: ProcessGroup, seq: int, payload: bytes, dst: int
 ) -> Work[list[Any] | None]:
-    mine = signature("gather_object", root=dst)
-
     async def op(seq: int) -> list[Any] | None:
-        if g.rank != dst:
-            await _exchange(g, seq, mine, [(dst, _DATA, payload)], [], ring_check=True)
-            return None
-        peers = [r for r in range(g.world_size) if r != dst]
-        got = await _exchange(g, seq, mine, [], [(r, _DATA) for r in peers], ring_check=True)
+        async with Exchange(g, work, seq, signature("gather_object", root=dst), rides=False) as ex:
+            if g.rank != dst:
+                await _exchange(ex, [(dst, payload)], [], _DATA)
+                return None
+            peers = [r for r in range(g.world_size) if r != dst]
+            got = await _exchange(ex, [], peers, _DATA)
         out: list[Any] = [None] * g.world_size
         out[dst] = codec.loads(payload)
         for r, buf in zip(peers, got, strict=True):
             out[r] = codec.loads(buf)
         return out
 
-    return g.start(f"gather_object(dst={dst})", op, seq=seq)
+    work: Work[list[Any] | None] = g.begin(f"gather_object(dst={dst})", seq=seq)
+    return g.drive(work, op, seq)
 
 
 def broadcast_object_list(
@@ -375,18 +342,20 @@ def broadcast_object_list_at(
 ) -> Work[list[Any]]:
     """``broadcast_object_list`` as ``g``'s operation ``seq`` (``src``: a group rank)."""
     # The length must match on every rank: it rides in the signature's shape field.
-    mine = ["broadcast_object_list", None, [len(data)], None, src]
+    mine = signature("broadcast_object_list", shape=[len(data)], root=src)
 
     async def op(seq: int) -> list[Any]:
-        if g.rank == src:
-            peers = [r for r in range(g.world_size) if r != src]
-            await _exchange(g, seq, mine, [(r, _DATA, payload) for r in peers], [], ring_check=True)
-            return data
-        (buf,) = await _exchange(g, seq, mine, [], [(src, _DATA)], ring_check=True)
+        async with Exchange(g, work, seq, mine, rides=False) as ex:
+            if g.rank == src:
+                peers = [r for r in range(g.world_size) if r != src]
+                await _exchange(ex, [(r, payload) for r in peers], [], _DATA)
+                return data
+            (buf,) = await _exchange(ex, [], [src], _DATA)
         data[:] = codec.loads(buf)
         return data
 
-    return g.start(f"broadcast_object_list(src={src})", op, seq=seq)
+    work: Work[list[Any]] = g.begin(f"broadcast_object_list(src={src})", seq=seq)
+    return g.drive(work, op, seq)
 
 
 def scatter_object_list(
@@ -475,14 +444,16 @@ def scatter_object_list(
     mine = signature("scatter_object_list", root=root)
 
     async def op(seq: int) -> Any:
-        if g.rank == root:
-            sends = [(r, _DATA, payloads[r]) for r in range(g.world_size) if r != root]
-            await _exchange(g, seq, mine, sends, [], ring_check=True)
-            return _first_into(out, codec.loads(payloads[root]))
-        (buf,) = await _exchange(g, seq, mine, [], [(root, _DATA)], ring_check=True)
+        async with Exchange(g, work, seq, mine, rides=False) as ex:
+            if g.rank == root:
+                sends = [(r, payloads[r]) for r in range(g.world_size) if r != root]
+                await _exchange(ex, sends, [], _DATA)
+                return _first_into(out, codec.loads(payloads[root]))
+            (buf,) = await _exchange(ex, [], [root], _DATA)
         return _first_into(out, codec.loads(buf))
 
-    return g.start(f"scatter_object_list(src={g.global_rank(root)})", op, seq=seq)
+    work: Work[Any] = g.begin(f"scatter_object_list(src={g.global_rank(root)})", seq=seq)
+    return g.drive(work, op, seq)
 
 
 def _first_into(out: list[Any] | None, value: Any) -> Any:
@@ -687,11 +658,14 @@ def collect_results_cpu(
     rank, n = g.rank, g.world_size
     path = os.path.join(tmpdir, f"part_{rank}.pkl")
 
+    met: Work[None] = g.begin("collect_results_cpu", seq=seq)
+
     async def written_then_met(seq: int) -> None:
         await asyncio.to_thread(write_private, path, payload)
-        await movement.meet(g, seq, None, "collect_results_cpu")
+        async with Exchange(g, met, seq, signature("barrier"), rides=True) as ex:
+            await movement.meet(ex, None, "collect_results_cpu")
 
-    met = g.start("collect_results_cpu", written_then_met, seq=seq)
+    g.drive(met, written_then_met, seq)
 
     def read() -> list[Any]:
         parts = []

@@ -15,28 +15,23 @@ from aiodist._errors import ArgumentError
 from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
 from aiodist._ops import reduce_ops, schedules, shared, staging
+from aiodist._ops.agreement import OPEN, Signature, signature
 from aiodist._ops.common import (
     LazyModule,
     Slot,
-    agreed,
     bridged,
     chain,
     check_alike,
-    check_signature,
     check_tensor,
     check_tensor_list,
-    clear_to_send,
     contiguous,
     copy_into,
     divide_,
-    exchange_all,
     outside,
-    recv_tensor,
     resolve_group,
     root_of,
-    send,
-    signature,
 )
+from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._ops.outputs import new_outputs
 from aiodist._wire.codec import byte_view
 
@@ -57,13 +52,12 @@ __all__ = [
     "start_reduce_scatter",
 ]
 
-_FOLD_STEP = 1 << 19  # recursive doubling's fold and unfold messages
+# Recursive doubling's fold and unfold messages, apart from its rounds (steps 1, 2, ...).
+_FOLD, _UNFOLD = 1 << 19, (1 << 19) + 1
 # --- all_reduce ----------------------------------------------------------------------------
 
 
-def _direct_all_reduce_now(
-    g: ProcessGroup, seq: int, t: torch.Tensor, op: str, mine: list[Any]
-) -> Work[torch.Tensor]:
+def _direct_all_reduce(ex: Exchange, t: torch.Tensor, op: str) -> None:
     """Send ``t`` to every rank, then reduce all parts in rank order (one round).
 
     Every rank combines the same parts in the same order, so results are
@@ -71,12 +65,9 @@ def _direct_all_reduce_now(
     as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
     Driven by the data plane's callbacks: no task, no coroutine.
     """
-    work = g.begin(f"all_reduce(op={op})", seq=seq)
-    if work.is_completed():
-        return work  # a member aborted this call: send and post nothing
     buf = contiguous(t)
     flat = buf.view(-1)
-    p = g.world_size
+    p = ex.g.world_size
 
     def done(staging: memoryview) -> None:
         if p > 1 and flat.numel():
@@ -88,99 +79,80 @@ def _direct_all_reduce_now(
                 divide_(buf, p)
         if buf is not t:
             copy_into(t, buf)
-        work.set_result(t)
+        ex.work.set_result(t)
 
-    exchange_all(g, work, seq, mine, byte_view(flat), done)
-    return work
+    exchange_rows(ex, byte_view(flat), done)
 
 
-async def _recursive_doubling(
-    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
-) -> None:
+async def _recursive_doubling(ex: Exchange, buf: torch.Tensor, op: str) -> None:
+    g = ex.g
     plan = schedules.recursive_doubling(g.rank, g.world_size)
     me = g.rank
     scratch = torch.empty_like(buf)
-    # Exchanges use steps 0, 1, ... so the first message of any pair has step 0, as in
-    # every other operation: a rank that called another collective then gets a mismatch.
-    fold, unfold = _FOLD_STEP, _FOLD_STEP + 1
+    into = byte_view(scratch)
     if plan.is_extra:
         assert plan.fold_partner is not None
-        future = recv_tensor(g, plan.fold_partner, seq, unfold, scratch)
-        await send(g, plan.fold_partner, seq, fold, mine, byte_view(buf))
-        msg = await future
-        check_signature(g, mine, msg)
+        future = ex.recv(plan.fold_partner, _UNFOLD, into)
+        await ex.send(plan.fold_partner, _FOLD, byte_view(buf))
+        await future
         copy_into(buf, scratch)
         return
     if plan.fold_partner is not None:
-        msg = await recv_tensor(g, plan.fold_partner, seq, fold, scratch)
-        check_signature(g, mine, msg)
+        await ex.recv(plan.fold_partner, _FOLD, into)
         reduce_ops.combine(op, buf, buf, scratch)  # the extra rank is higher: it goes second
-    for k, partner in enumerate(plan.partners):
-        future = recv_tensor(g, partner, seq, k, scratch)
-        await send(g, partner, seq, k, mine, byte_view(buf))
-        check_signature(g, mine, await future)
+    for k, partner in enumerate(plan.partners, start=1):  # step 0 is the opening's
+        future = ex.recv(partner, k, into)
+        await ex.send(partner, k, byte_view(buf))
+        await future
         # Lower rank first on both sides, so both compute bitwise the same value.
         if partner < me:
             reduce_ops.combine(op, buf, scratch, buf)
         else:
             reduce_ops.combine(op, buf, buf, scratch)
     if plan.fold_partner is not None:
-        await send(g, plan.fold_partner, seq, unfold, mine, byte_view(buf))
+        await ex.send(plan.fold_partner, _UNFOLD, byte_view(buf))
 
 
-async def _ring_all_reduce(
-    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
-) -> None:
+async def _ring_all_reduce(ex: Exchange, buf: torch.Tensor, op: str) -> None:
     """Ring reduce-scatter then ring all-gather, every receive posted up front.
 
-    Every receive is posted before the first send, and each rank tells its left
-    neighbour so (a header-only "ready") before that neighbour sends: no payload
-    ever arrives unexpected, which would cost a tensor-sized buffer and a copy
-    (a rank that finished the previous operation first would otherwise start
-    sending before this one posted). Reduce-scatter parts land in their own
-    slice of one scratch buffer of ``size - 1`` chunks (less than the tensor),
-    all-gather parts straight in their final place in ``buf``. An all-gather
-    part can only arrive after this rank sent its last use of that chunk round
-    the ring, so the early receive never overwrites live data.
+    Parts move to the left: rank ``r`` sends to ``r - 1`` and receives from
+    ``r + 1``. Every receive is posted before the first send, and each rank
+    tells the rank that sends to it so (a header-only "clear to send", which is
+    also the opening: it goes to ``r + 1`` at step ``OPEN``) before that rank
+    sends: no payload ever arrives unexpected, which would cost a tensor-sized
+    buffer and a copy. Reduce-scatter parts land in their own slice of one
+    scratch buffer of ``size - 1`` chunks (less than the tensor), all-gather
+    parts straight in their final place in ``buf``. An all-gather part can only
+    arrive after this rank sent its last use of that chunk round the ring, so
+    the early receive never overwrites live data.
     """
+    g = ex.g
     p, me = g.world_size, g.rank
-    left, right = schedules.ring_neighbours(me, p)
+    to, frm = (me - 1) % p, (me + 1) % p
+    v = (-me) % p  # the schedules' rank: their ring runs to v + 1, which is rank r - 1
     flat = buf.view(-1)
     bounds = schedules.chunk_bounds(flat.numel(), p)
     chunks = [flat[a:b] for a, b in bounds]
-    rs_steps = schedules.ring_reduce_scatter_steps(me, p)
-    ag_steps = schedules.ring_all_gather_steps(me, p)
+    rs_steps = schedules.ring_reduce_scatter_steps(v, p)
+    ag_steps = schedules.ring_all_gather_steps(v, p)
     width = bounds[0][1] - bounds[0][0]
     scratch = torch.empty((p - 1) * width, dtype=buf.dtype)
     parts = [
         scratch[s * width : s * width + chunks[c].numel()] for s, (_, c) in enumerate(rs_steps)
     ]
-    rs_recvs = [recv_tensor(g, left, seq, s, part) for s, part in enumerate(parts)]
-    ag_recvs = [recv_tensor(g, left, seq, p + s, chunks[c]) for s, (_, c) in enumerate(ag_steps)]
-    # Clear to send: the right neighbour has posted every receive of this operation.
-    ready = await clear_to_send(g, seq, mine)
-    check_signature(g, mine, await ready)
+    rs_recvs = [ex.recv(frm, 1 + s, byte_view(part)) for s, part in enumerate(parts)]
+    ag_recvs = [ex.recv(frm, p + s, byte_view(chunks[c])) for s, (_, c) in enumerate(ag_steps)]
+    ready = ex.recv(to, OPEN)
+    await ex.send(frm, OPEN, None)  # clear to send: every receive of ours is posted
+    await ready
     for s, (out_c, in_c) in enumerate(rs_steps):
-        await send(g, right, seq, s, mine, byte_view(chunks[out_c]))
-        check_signature(g, mine, await rs_recvs[s])
+        await ex.send(to, 1 + s, byte_view(chunks[out_c]))
+        await rs_recvs[s]
         reduce_ops.combine(op, chunks[in_c], parts[s], chunks[in_c])
     for s, (out_c, _) in enumerate(ag_steps):
-        await send(g, right, seq, p + s, mine, byte_view(chunks[out_c]))
-        check_signature(g, mine, await ag_recvs[s])
-
-
-async def _socket_all_reduce(
-    g: ProcessGroup, seq: int, buf: torch.Tensor, op: str, mine: list[Any]
-) -> None:
-    flat = buf.view(-1)
-    algorithm = schedules.all_reduce_algorithm(
-        flat.numel() * flat.element_size(), flat.numel(), g.world_size
-    )
-    # Only large tensors come here (the shared-memory path's fallback): never "direct".
-    if algorithm == "recursive_doubling":
-        await _recursive_doubling(g, seq, buf, op, mine)
-    else:
-        await _ring_all_reduce(g, seq, buf, op, mine)
+        await ex.send(to, p + s, byte_view(chunks[out_c]))
+        await ag_recvs[s]
 
 
 def all_reduce(
@@ -263,39 +235,54 @@ def start_all_reduce(
     ``shm`` it never takes a turn on shared memory (a call staged from a device
     starts after its copy, too late to take its turn in call order).
     """
-    mine = signature(label, t, reduce_op=reduce_op)
     p = g.world_size
+    nbytes, numel = t.numel() * t.element_size(), t.numel()
     algorithm = schedules.all_reduce_algorithm(
-        t.numel() * t.element_size(),
-        t.numel(),
-        p,
-        shared_memory=shm and p > 1 and shared.usable(g),
+        nbytes, numel, p, shared_memory=shm and p > 1 and shared.usable(g)
     )
+    work: Work[torch.Tensor] = g.begin(f"all_reduce(op={reduce_op})", seq=seq)
+
+    def mine(algorithm: str) -> Signature:
+        return signature(label, t, reduce_op=reduce_op, algorithm=algorithm)
+
     if algorithm == "direct":
-        return _direct_all_reduce_now(g, seq, t, reduce_op, mine)
+        if not work.is_completed():  # else a member aborted this call: send and post nothing
+            _direct_all_reduce(Exchange(g, work, seq, mine("direct"), rides=True), t, reduce_op)
+        return work
     turn = shared.take_turn(g) if algorithm == "shared_memory" else None  # now: call order
+    # Where shared memory turns out off for some rank, every rank takes the sockets.
+    fallback = schedules.all_reduce_algorithm(nbytes, numel, p)
 
     async def run(seq: int) -> torch.Tensor:
         buf = contiguous(t)
         if turn is not None:
             async with turn:
                 if await shared.agreed(g):
-                    await shared.shared_memory_all_reduce(
-                        g, seq, buf, reduce_op, mine, reduce_ops.combine
-                    )
-                else:  # some rank has shared memory off: every rank takes the sockets
-                    await _socket_all_reduce(g, seq, buf, reduce_op, mine)
+                    async with Exchange(g, work, seq, mine(algorithm), rides=True) as ex:
+                        await shared.all_reduce(ex, buf, reduce_op, reduce_ops.combine)
+                else:
+                    await _socket_all_reduce(g, work, seq, buf, reduce_op, mine(fallback))
         elif p > 1:
-            await _socket_all_reduce(g, seq, buf, reduce_op, mine)
+            await _socket_all_reduce(g, work, seq, buf, reduce_op, mine(algorithm))
         if reduce_op == "mean" and p > 1:
             divide_(buf, p)
         if buf is not t:
             copy_into(t, buf)
         return t
 
-    return g.start(
-        f"all_reduce(op={reduce_op})", run, seq=seq, on_end=None if turn is None else turn.release
-    )
+    return g.drive(work, run, seq, on_end=None if turn is None else turn.release)
+
+
+async def _socket_all_reduce(
+    g: ProcessGroup, work: Work[Any], seq: int, buf: torch.Tensor, op: str, mine: Signature
+) -> None:
+    # Only tensors too large for the direct exchange come here; ``mine`` names the algorithm.
+    if mine[-1] == "recursive_doubling":
+        async with Exchange(g, work, seq, mine, rides=False) as ex:
+            await _recursive_doubling(ex, buf, op)
+    else:
+        async with Exchange(g, work, seq, mine, rides=True) as ex:
+            await _ring_all_reduce(ex, buf, op)
 
 
 # --- rooted operations ---------------------------------------------------------------------
@@ -367,12 +354,13 @@ def _start_reduce(
             acc = torch.empty_like(src)
             copy_into(acc, src)
         scratch = torch.empty_like(src) if links.children else src
-        for child in reversed(links.children):  # smallest subtrees arrive first
-            msg = await recv_tensor(g, child, seq, 0, scratch)
-            check_signature(g, mine, msg)
-            reduce_ops.combine(reduce_op, acc, acc, scratch)
+        async with Exchange(g, work, seq, mine, rides=False) as ex:
+            for child in reversed(links.children):  # smallest subtrees arrive first
+                await ex.recv(child, 1, byte_view(scratch))
+                reduce_ops.combine(reduce_op, acc, acc, scratch)
+            if links.parent is not None:
+                await ex.send(links.parent, 1, byte_view(acc))
         if links.parent is not None:
-            await send(g, links.parent, seq, 0, mine, byte_view(acc))
             return t
         if reduce_op == "mean" and g.world_size > 1:
             divide_(acc, g.world_size)
@@ -380,10 +368,10 @@ def _start_reduce(
             copy_into(t, acc)
         return t
 
-    async def run(seq: int) -> torch.Tensor:
-        return await agreed(g, seq, mine, tree(seq))
-
-    return g.start(f"reduce(dst={g.global_rank(root)}, op={reduce_op})", run, seq=seq)
+    work: Work[torch.Tensor] = g.begin(
+        f"reduce(dst={g.global_rank(root)}, op={reduce_op})", seq=seq
+    )
+    return g.drive(work, tree, seq)
 
 
 def reduce_scatter(
@@ -580,12 +568,16 @@ def start_reduce_scatter(
     """``reduce_scatter`` of checked ``tensors`` as ``g``'s operation ``seq``.
 
     The result lands in ``out`` when given (and contiguous), else in a new tensor.
+    Both algorithms open with their first round (step ``OPEN`` to every rank).
     """
     first = tensors[0]
-    mine = signature("reduce_scatter", first, reduce_op=reduce_op)
     nbytes = first.numel() * first.element_size() * g.world_size
     use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
+    work: Work[torch.Tensor] = g.begin(f"reduce_scatter(op={reduce_op})", seq=seq)
+
+    def mine(algorithm: str) -> Signature:
+        return signature("reduce_scatter", first, reduce_op=reduce_op, algorithm=algorithm)
 
     def result(made: torch.Tensor) -> torch.Tensor:
         if out is None:
@@ -600,37 +592,32 @@ def start_reduce_scatter(
                 if await shared.agreed(g):  # else some rank has it off: all take the sockets
                     made = new_outputs(g, first, 1, "reduce_scatter")[0]
                     parts = [contiguous(x) for x in tensors]
-                    await shared.shared_memory_reduce_scatter(
-                        g, seq, parts, made, reduce_op, mine, reduce_ops.combine
-                    )
+                    async with Exchange(g, work, seq, mine("shared_memory"), rides=True) as ex:
+                        await shared.reduce_scatter(ex, parts, made, reduce_op, reduce_ops.combine)
                     if reduce_op == "mean":
                         divide_(made, g.world_size)
                     return result(made)
         p, me = g.world_size, g.rank
         got = [tensors[me] if r == me else torch.empty_like(first) for r in range(p)]
-        futures = [None if r == me else recv_tensor(g, r, seq, 0, got[r]) for r in range(p)]
-        for k in range(1, p):  # start with the next rank: not everyone sends to rank 0 first
-            r = (me + k) % p
-            await send(g, r, seq, 0, mine, byte_view(contiguous(tensors[r])))
-        made = (
-            out
-            if out is not None and out.is_contiguous()
-            else torch.empty_like(first, memory_format=torch.contiguous_format)
-        )
-        for r, future in enumerate(futures):
-            if future is not None:
-                check_signature(g, mine, await future)
-            if r == 0:
-                copy_into(made, got[0])
-            else:
-                reduce_ops.combine(reduce_op, made, made, got[r])
+        async with Exchange(g, work, seq, mine("direct"), rides=True) as ex:
+            futures = [None if r == me else ex.recv(r, OPEN, byte_view(got[r])) for r in range(p)]
+            for k in range(1, p):  # start with the next rank: not everyone sends to rank 0 first
+                r = (me + k) % p
+                await ex.send(r, OPEN, byte_view(contiguous(tensors[r])))
+            made = (
+                out
+                if out is not None and out.is_contiguous()
+                else torch.empty_like(first, memory_format=torch.contiguous_format)
+            )
+            for r, future in enumerate(futures):
+                if future is not None:
+                    await future
+                if r == 0:
+                    copy_into(made, got[0])
+                else:
+                    reduce_ops.combine(reduce_op, made, made, got[r])
         if reduce_op == "mean":
             divide_(made, p)
         return result(made)
 
-    return g.start(
-        f"reduce_scatter(op={reduce_op})",
-        run,
-        seq=seq,
-        on_end=None if turn is None else turn.release,
-    )
+    return g.drive(work, run, seq, on_end=None if turn is None else turn.release)

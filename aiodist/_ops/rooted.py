@@ -16,24 +16,21 @@ from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
 from aiodist._ops import schedules, shared, staging
+from aiodist._ops.agreement import Signature, signature
 from aiodist._ops.common import (
     LazyModule,
     Slot,
-    agreed,
     bridged,
     chain,
-    check_signature,
     check_tensor,
     check_tensor_list,
     contiguous,
     copy_into,
     outside,
-    recv_tensor,
     resolve_group,
     root_of,
-    send,
-    signature,
 )
+from aiodist._ops.exchange import Exchange
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
@@ -101,43 +98,42 @@ def broadcast(
 def _start_broadcast(
     g: ProcessGroup, seq: int, t: torch.Tensor, root: int, *, shm: bool = True
 ) -> Work[torch.Tensor]:
-    mine = signature("broadcast", t, root=root)
+    def mine(algorithm: str) -> Signature:
+        return signature("broadcast", t, root=root, algorithm=algorithm)
 
-    async def tree(seq: int) -> torch.Tensor:
+    async def tree(ex: Exchange) -> None:
         links = schedules.binomial_tree(g.rank, g.world_size, root)
         buf = contiguous(t)
         if links.parent is not None:
-            check_signature(g, mine, await recv_tensor(g, links.parent, seq, 0, buf))
+            await ex.recv(links.parent, 1, byte_view(buf))
         for child in links.children:
-            await send(g, child, seq, 0, mine, byte_view(buf))
+            await ex.send(child, 1, byte_view(buf))
         if buf is not t:
             copy_into(t, buf)
-        return t
 
-    async def through_shared_memory(seq: int) -> torch.Tensor:
+    async def through_shared_memory(ex: Exchange) -> None:
         buf = contiguous(t)
-        await shared.shared_memory_broadcast(g, seq, buf, root, mine)
+        await shared.broadcast(ex, buf, root)
         if buf is not t:
             copy_into(t, buf)
-        return t
 
     nbytes = t.numel() * t.element_size()
     use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
+    work: Work[torch.Tensor] = g.begin(f"broadcast(src={g.global_rank(root)})", seq=seq)
 
     async def run(seq: int) -> torch.Tensor:
         if turn is not None:
             async with turn:
                 if await shared.agreed(g):  # else some rank has it off: all take the tree
-                    return await agreed(g, seq, mine, through_shared_memory(seq))
-        return await agreed(g, seq, mine, tree(seq))
+                    async with Exchange(g, work, seq, mine("shared_memory"), rides=False) as ex:
+                        await through_shared_memory(ex)
+                    return t
+        async with Exchange(g, work, seq, mine("tree"), rides=False) as ex:
+            await tree(ex)
+        return t
 
-    return g.start(
-        f"broadcast(src={g.global_rank(root)})",
-        run,
-        seq=seq,
-        on_end=None if turn is None else turn.release,
-    )
+    return g.drive(work, run, seq, on_end=None if turn is None else turn.release)
 
 
 def gather(
@@ -250,29 +246,28 @@ def _start_gather(
     mine = signature("gather", t, root=root)
 
     async def direct(seq: int) -> list[torch.Tensor]:
-        if g.rank != root:
-            await send(g, root, seq, 0, mine, byte_view(contiguous(t)))
-            return []
-        out = (
-            [
-                o
-                if o.is_contiguous()
-                else torch.empty_like(o, memory_format=torch.contiguous_format)
-                for o in outs
-            ]
-            if outs is not None
-            else [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
-        )
-        futures = {r: recv_tensor(g, r, seq, 0, out[r]) for r in range(g.world_size) if r != root}
-        copy_into(out[root], t)
-        for future in futures.values():
-            check_signature(g, mine, await future)
+        async with Exchange(g, work, seq, mine, rides=False) as ex:
+            if g.rank != root:
+                await ex.send(root, 1, byte_view(contiguous(t)))
+                return []
+            out = (
+                [
+                    o
+                    if o.is_contiguous()
+                    else torch.empty_like(o, memory_format=torch.contiguous_format)
+                    for o in outs
+                ]
+                if outs is not None
+                else [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
+            )
+            futures = [ex.recv(r, 1, byte_view(out[r])) for r in range(g.world_size) if r != root]
+            copy_into(out[root], t)
+            for future in futures:
+                await future
         return out if outs is None else _fill(outs, out)
 
-    async def run(seq: int) -> list[torch.Tensor]:
-        return await agreed(g, seq, mine, direct(seq))
-
-    return g.start(f"gather(dst={g.global_rank(root)})", run, seq=seq)
+    work: Work[list[torch.Tensor]] = g.begin(f"gather(dst={g.global_rank(root)})", seq=seq)
+    return g.drive(work, direct, seq)
 
 
 def scatter(
@@ -358,19 +353,18 @@ def _start_scatter(
     mine = signature("scatter", t, root=root)
 
     async def direct(seq: int) -> torch.Tensor:
-        if g.rank != root:
-            buf = contiguous(t)
-            check_signature(g, mine, await recv_tensor(g, root, seq, 0, buf))
-            if buf is not t:
-                copy_into(t, buf)
-            return t
-        for r, part in enumerate(parts):
-            if r != root:
-                await send(g, r, seq, 0, mine, byte_view(contiguous(part)))
-        copy_into(t, parts[root])
+        async with Exchange(g, work, seq, mine, rides=False) as ex:
+            if g.rank != root:
+                buf = contiguous(t)
+                await ex.recv(root, 1, byte_view(buf))
+                if buf is not t:
+                    copy_into(t, buf)
+                return t
+            for r, part in enumerate(parts):
+                if r != root:
+                    await ex.send(r, 1, byte_view(contiguous(part)))
+            copy_into(t, parts[root])
         return t
 
-    async def run(seq: int) -> torch.Tensor:
-        return await agreed(g, seq, mine, direct(seq))
-
-    return g.start(f"scatter(src={g.global_rank(root)})", run, seq=seq)
+    work: Work[torch.Tensor] = g.begin(f"scatter(src={g.global_rank(root)})", seq=seq)
+    return g.drive(work, direct, seq)

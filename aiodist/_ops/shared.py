@@ -3,7 +3,8 @@
 Each rank copies its tensor into its own shared segment, then reduces one
 chunk of every segment in place of a ring's ``2 (size - 1)`` socket hops:
 
-1. copy in, then tell every peer the segment's name (one small message each);
+1. copy in, then tell every peer the segment's name (one small message each,
+   at step ``OPEN``: the agreement's opening rides on it);
 2. reduce chunk ``rank`` over all segments, in rank order, into the own
    segment, slice by slice, and copy each slice into the tensor; tell every
    peer (the own chunk's input never goes into the segment: only its result);
@@ -21,17 +22,11 @@ host has one, and they spin against each other).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING
 
 from aiodist._ops import schedules
-from aiodist._ops.common import (
-    SLICE_NUMEL,
-    check_signature,
-    clear_to_send,
-    copy_into,
-    recv_tensor,
-    send,
-)
+from aiodist._ops.agreement import OPEN
+from aiodist._ops.common import SLICE_NUMEL, copy_into
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
@@ -40,19 +35,19 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import ProcessGroup
-    from aiodist._transport.shm import Turn
+    from aiodist._ops.exchange import Exchange
+    from aiodist._plane.peers import Received
+    from aiodist._transport.shm import Segment, Turn
 
 __all__ = [
     "agreed",
-    "shared_memory_all_gather",
-    "shared_memory_all_reduce",
-    "shared_memory_broadcast",
-    "shared_memory_reduce_scatter",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter",
     "take_turn",
     "usable",
 ]
-
-_STEP: Final = 1 << 17  # steps of the three notices, apart from other algorithms' steps
 
 
 def usable(g: ProcessGroup) -> bool:
@@ -86,11 +81,15 @@ async def agreed(g: ProcessGroup) -> bool:
     return known
 
 
-async def _notify_all(
-    g: ProcessGroup, seq: int, step: int, mine: list[Any], payload: bytes | None
-) -> None:
-    for r in schedules.direct_peers(g.rank, g.world_size):
-        await send(g, r, seq, step, mine, payload)
+async def _notify_all(ex: Exchange, step: int, payload: bytes | None) -> None:
+    for r in schedules.direct_peers(ex.g.rank, ex.g.world_size):  # r + 1 first: the opening
+        await ex.send(r, step, payload)
+
+
+def _peer_segment(ex: Exchange, src: int, msg: Received) -> Segment:
+    """Group rank ``src``'s segment, which ``msg`` names, mapped here."""
+    name, _, size = bytes(msg.data).decode().rpartition(":")
+    return ex.g.session.plane.segments.peer(ex.g.group_id, ex.g.ranks[src], name, int(size))
 
 
 def take_turn(g: ProcessGroup) -> Turn:
@@ -102,52 +101,39 @@ def take_turn(g: ProcessGroup) -> Turn:
     return g.session.plane.segments.take_turn(g.group_id)
 
 
-async def _meet_the_ring(g: ProcessGroup, seq: int, mine: list[Any]) -> None:
-    # A rank whose tensor is on the other side of the size threshold (a shape or
-    # dtype mismatch) takes the socket ring, which starts with this very message:
-    # both sides then see the disagreement instead of waiting for each other.
-    check_signature(g, mine, await (await clear_to_send(g, seq, mine)))
-
-
-async def shared_memory_broadcast(
-    g: ProcessGroup, seq: int, buf: torch.Tensor, root: int, mine: list[Any]
-) -> None:
+async def broadcast(ex: Exchange, buf: torch.Tensor, root: int) -> None:
     """Copy contiguous ``buf`` from ``root`` to every rank through ``root``'s segment.
 
     The root copies in and tells every rank where; each copies out and says so,
-    and the root returns once nobody reads its segment any more.
+    and the root returns once nobody reads its segment any more. Not every
+    ring pair exchanges a message: its exchange opens on its own (steps from 1).
     """
+    g = ex.g
     segments = g.session.plane.segments
     flat = buf.view(-1)
     numel = flat.numel()
     if g.rank == root:
         seg = segments.own(g.group_id, numel * flat.element_size())
-        peers = schedules.direct_peers(root, g.world_size)
-        done = [recv_tensor(g, r, seq, _STEP + 1) for r in peers]
+        done = [ex.recv(r, 2) for r in schedules.direct_peers(root, g.world_size)]
         copy_into(seg.tensor(buf.dtype, numel), flat)
-        await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+        await _notify_all(ex, 1, f"{seg.name}:{seg.nbytes}".encode())
         for future in done:
-            check_signature(g, mine, await future)
+            await future
         segments.unlink_own(g.group_id)  # every peer has mapped it by now
         return
-    msg = await recv_tensor(g, root, seq, _STEP)
-    check_signature(g, mine, msg)
-    name, _, size = bytes(msg.data).decode().rpartition(":")
-    seg = segments.peer(g.group_id, g.ranks[root], name, int(size))
-    copy_into(flat, seg.tensor(buf.dtype, numel))
-    await send(g, root, seq, _STEP + 1, mine, None)
+    msg = await ex.recv(root, 1)
+    copy_into(flat, _peer_segment(ex, root, msg).tensor(buf.dtype, numel))
+    await ex.send(root, 2, None)
 
 
-async def shared_memory_all_reduce(
-    g: ProcessGroup,
-    seq: int,
+async def all_reduce(
+    ex: Exchange,
     buf: torch.Tensor,
     op: str,
-    mine: list[Any],
     combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> None:
-    """Reduce contiguous ``buf`` in place across ``g`` (see the module docstring)."""
-    await _meet_the_ring(g, seq, mine)
+    """Reduce contiguous ``buf`` in place across the group (see the module docstring)."""
+    g = ex.g
     p, me = g.world_size, g.rank
     segments = g.session.plane.segments
     flat = buf.view(-1)
@@ -156,31 +142,27 @@ async def shared_memory_all_reduce(
     seg = segments.own(g.group_id, nbytes)
     own = seg.tensor(buf.dtype, numel)
     peers = schedules.direct_peers(me, p)
-    notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(3)]
+    notices = [{r: ex.recv(r, OPEN + k) for r in peers} for k in range(3)]
     bounds = schedules.chunk_bounds(numel, p)
     a, b = bounds[me]
     # Peers read only the result of this rank's own chunk (written below), not its input.
     copy_into(own[:a], flat[:a])
     copy_into(own[b:], flat[b:])
-    await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+    await _notify_all(ex, OPEN, f"{seg.name}:{seg.nbytes}".encode())
     parts: list[torch.Tensor] = [flat] * p
     for r, future in notices[0].items():
-        msg = await future
-        check_signature(g, mine, msg)
-        name, _, size = bytes(msg.data).decode().rpartition(":")
-        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
-        parts[r] = peer.tensor(buf.dtype, numel)
+        parts[r] = _peer_segment(ex, r, await future).tensor(buf.dtype, numel)
     _reduce_chunk(op, combine, parts, own, flat, a, b)
-    await _notify_all(g, seq, _STEP + 1, mine, None)
+    await _notify_all(ex, OPEN + 1, None)
     for future in notices[1].values():
-        check_signature(g, mine, await future)
+        await future
     segments.unlink_own(g.group_id)  # every peer has mapped it by now
     for r in peers:
         lo, hi = bounds[r]
         copy_into(flat[lo:hi], parts[r][lo:hi])
-    await _notify_all(g, seq, _STEP + 2, mine, None)
+    await _notify_all(ex, OPEN + 2, None)
     for future in notices[2].values():
-        check_signature(g, mine, await future)
+        await future
 
 
 def _reduce_chunk(
@@ -207,9 +189,7 @@ def _reduce_chunk(
         flat_bytes[start * size : stop * size] = own_bytes[start * size : stop * size]
 
 
-async def shared_memory_all_gather(
-    g: ProcessGroup, seq: int, src: torch.Tensor, out: list[torch.Tensor], mine: list[Any]
-) -> None:
+async def all_gather(ex: Exchange, src: torch.Tensor, out: list[torch.Tensor]) -> None:
     """Fill ``out[r]`` (contiguous, shaped like ``src``) with rank ``r``'s ``src``.
 
     Every rank copies its tensor into its own segment and says where; each then
@@ -218,35 +198,30 @@ async def shared_memory_all_gather(
     one copy in and ``size - 1`` out per rank, against a ring's ``size - 1``
     socket sends each copied twice.
     """
-    await _meet_the_ring(g, seq, mine)
+    g = ex.g
     segments = g.session.plane.segments
     flat = src.reshape(-1)
     numel = flat.numel()
     seg = segments.own(g.group_id, numel * flat.element_size())
     peers = schedules.direct_peers(g.rank, g.world_size)
-    notices = [{r: recv_tensor(g, r, seq, _STEP + k) for r in peers} for k in range(2)]
+    notices = [{r: ex.recv(r, OPEN + k) for r in peers} for k in range(2)]
     copy_into(seg.tensor(src.dtype, numel), flat)
-    await _notify_all(g, seq, _STEP, mine, f"{seg.name}:{seg.nbytes}".encode())
+    await _notify_all(ex, OPEN, f"{seg.name}:{seg.nbytes}".encode())
     copy_into(out[g.rank].view(-1), flat)
     for r, future in notices[0].items():
-        msg = await future
-        check_signature(g, mine, msg)
-        name, _, size = bytes(msg.data).decode().rpartition(":")
-        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        peer = _peer_segment(ex, r, await future)
         copy_into(out[r].view(-1), peer.tensor(src.dtype, numel))
-    await _notify_all(g, seq, _STEP + 1, mine, None)
+    await _notify_all(ex, OPEN + 1, None)
     for future in notices[1].values():
-        check_signature(g, mine, await future)
+        await future
     segments.unlink_own(g.group_id)  # every peer has mapped it by now
 
 
-async def shared_memory_reduce_scatter(
-    g: ProcessGroup,
-    seq: int,
+async def reduce_scatter(
+    ex: Exchange,
     inputs: list[torch.Tensor],
     out: torch.Tensor,
     op: str,
-    mine: list[Any],
     combine: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> None:
     """Reduce contiguous ``inputs[rank]`` of every rank into contiguous ``out``, in rank order.
@@ -254,10 +229,9 @@ async def shared_memory_reduce_scatter(
     Every rank copies the parts meant for the others into its own segment and
     says where; each then reduces its part straight out of the peers' segments
     (and its own input) into ``out``, slice by slice, says so, and returns once
-    nobody reads its segment any more. The notice that names a segment is step
-    0, the step of the socket path's parts, so a rank that took the other path
-    (its inputs differ) gets a signature it can tell apart instead of silence.
+    nobody reads its segment any more.
     """
+    g = ex.g
     p, me = g.world_size, g.rank
     segments = g.session.plane.segments
     numel = out.numel()
@@ -265,16 +239,13 @@ async def shared_memory_reduce_scatter(
     seg = segments.own(g.group_id, p * part_bytes)
     own = seg.tensor(out.dtype, p * numel)
     peers = schedules.direct_peers(me, p)
-    notices = [{r: recv_tensor(g, r, seq, k) for r in peers} for k in (0, _STEP)]
+    notices = [{r: ex.recv(r, OPEN + k) for r in peers} for k in range(2)]
     for r in peers:
         copy_into(own[r * numel : (r + 1) * numel], inputs[r].view(-1))
-    await _notify_all(g, seq, 0, mine, f"{seg.name}:{seg.nbytes}".encode())
+    await _notify_all(ex, OPEN, f"{seg.name}:{seg.nbytes}".encode())
     parts = [inputs[me].view(-1)] * p
     for r, future in notices[0].items():
-        msg = await future
-        check_signature(g, mine, msg)
-        name, _, size = bytes(msg.data).decode().rpartition(":")
-        peer = segments.peer(g.group_id, g.ranks[r], name, int(size))
+        peer = _peer_segment(ex, r, await future)
         parts[r] = peer.tensor(out.dtype, p * numel)[me * numel : (me + 1) * numel]
     flat = out.view(-1)
     for start in range(0, numel, SLICE_NUMEL):
@@ -283,7 +254,7 @@ async def shared_memory_reduce_scatter(
         combine(op, dst, parts[0][start:stop], parts[1][start:stop])
         for part in parts[2:]:
             combine(op, dst, dst, part[start:stop])
-    await _notify_all(g, seq, _STEP, mine, None)
+    await _notify_all(ex, OPEN + 1, None)
     for future in notices[1].values():
-        check_signature(g, mine, await future)
+        await future
     segments.unlink_own(g.group_id)  # every peer has mapped it by now

@@ -1,0 +1,339 @@
+"""The messages of one collective: one callback-driven exchange, and its awaitable form.
+
+An ``Exchange`` is operation ``seq`` of a group, as its messages see it. Its
+messages carry the key ``(COLLECTIVE, group_id, seq, step)``: ``step`` tells
+apart the messages one pair exchanges within the operation. Their ``meta`` is
+the sender's signature, checked on arrival (``agreement``).
+
+The primitive is callback-driven, as the data plane is: ``post`` a receive and
+get the message, checked, in a callback; ``send_now`` writes at once, and a
+send the kernel did not take whole finishes in a task of the group's. The
+small collectives run on these alone, with no task and no coroutine. The
+awaitable forms, ``recv`` (a future) and ``send``, are derived from them here,
+once, for algorithms written as coroutines. Either way, a message with another
+signature, a failed peer or an error in a callback fails the operation by the
+group's rules (``ProcessGroup.fail``): a failed collective breaks its group on
+every member, which fails every receive still posted; a task driving the
+operation stops then too.
+
+Every exchange opens with the agreement (``agreement``). ``rides=True`` says
+the algorithm's own messages carry it: it sends to ``r + 1`` and posts from
+``r - 1`` at step ``OPEN`` before it waits for anything, and a rank is done
+only once every rank's data reached it (an all-reduce, an all-gather, a
+barrier). One-way operations (broadcast, gather, scatter, reduce, and their
+object forms) do not hear from every rank: their exchange runs the agreement
+beside their data, a barrier on the signature (``exchange_rows`` of no bytes,
+round 0 at ``OPEN``, later rounds at ``AGREE + k``), and the algorithm numbers
+its own steps from 1. Used as ``async with``, an exchange returns only once
+that barrier passed, so no rank reports success for a call another rank made
+differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._errors import ProtocolError
+from aiodist._group.lingering import linger
+from aiodist._ops import agreement, schedules
+from aiodist._ops.agreement import AGREE, OPEN
+from aiodist._wire.keys import MatchKind
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+    from types import TracebackType
+
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
+    from aiodist._ops.agreement import Signature
+    from aiodist._plane.peers import Key, Received
+    from aiodist._wire.frame import Buffer
+
+__all__ = ["DISSEMINATE_MIN_RANKS", "Exchange", "exchange_rows"]
+
+
+class Exchange:
+    """The messages of operation ``seq`` of ``g``, whose handle is ``work``.
+
+    Ranks are group ranks. ``mine`` is this rank's signature (``agreement``).
+    """
+
+    __slots__ = ("_opening", "_plane", "_ranks", "g", "mine", "seq", "work")
+
+    def __init__(
+        self,
+        g: ProcessGroup,
+        work: Work[Any],
+        seq: int,
+        mine: Signature,
+        *,
+        rides: bool,
+    ) -> None:
+        self.g, self.work, self.seq, self.mine = g, work, seq, mine
+        self._plane = g.session.plane
+        self._ranks = g.ranks
+        self._opening: asyncio.Future[None] | None = None
+        if not rides and g.world_size > 1:
+            self._open()
+
+    def key(self, step: int) -> Key:
+        return (MatchKind.COLLECTIVE, self.g.group_id, self.seq, step)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the operation with ``exc`` by the group's rules."""
+        self.g.fail(self.work, exc, collective=True)
+
+    # --- the primitive: callbacks ----------------------------------------------------------------
+
+    def post(
+        self,
+        src: int,
+        step: int,
+        dest: memoryview | None,
+        then: Callable[[Received], None],
+    ) -> None:
+        """Post the receive of ``step`` from ``src``; ``then(msg)`` once it is in and agrees.
+
+        A payload of ``dest``'s size lands in ``dest``. ``then`` runs in the data
+        plane's callback (or here, if the message came first); what it raises
+        fails the operation. Nothing is posted once the operation is over.
+        """
+        work = self.work
+        if work.is_completed():
+            return
+        g = self.g
+        session = g.session
+        if g.error is not None or g.closed or session.error is not None or session.closed:
+            # Broken (or gone) already: a receive posted now would never be failed.
+            try:
+                g.check_usable()
+            except Exception as exc:
+                self.fail(exc)
+                return
+        mine = self.mine
+
+        def arrived(msg: Received | BaseException) -> None:
+            if work.is_completed():
+                return  # failed already: say no more
+            try:
+                if isinstance(msg, BaseException):
+                    raise msg
+                agreement.check(g, mine, msg)
+                then(msg)
+            except Exception as exc:
+                self.fail(exc)
+
+        self._plane.post(self._ranks[src], self.key(step), dest, arrived)
+
+    def send_now(
+        self,
+        dst: int,
+        step: int,
+        payload: Buffer | None,
+        then: Callable[[], None] | None = None,
+        *,
+        extra: Any = None,
+    ) -> None:
+        """Send ``payload`` to ``dst`` as ``step``: written now, or finished in a task.
+
+        ``then()`` runs once the payload may be reused (at once when the kernel
+        took it all). ``extra`` rides after the signature (what differs from
+        pair to pair).
+        """
+        meta = self.mine if extra is None else [*self.mine, extra]
+        rest = self._plane.send_now(self._ranks[dst], self.key(step), meta, payload)
+        if rest is None:
+            if then is not None:
+                then()
+            return
+        self.g.spawn(linger(self._finish(rest, then)))
+
+    async def _finish(
+        self, rest: Coroutine[Any, Any, None], then: Callable[[], None] | None
+    ) -> None:
+        try:
+            await self._rest(rest)
+        except Exception as exc:
+            self.fail(exc)
+        else:
+            if then is not None:
+                then()
+
+    async def _rest(self, rest: Coroutine[Any, Any, None]) -> None:
+        try:
+            await rest
+        except ConnectionError:
+            # A peer that found the group broken tells every member, then may leave while a
+            # large payload to it is still being written: report the group's error then.
+            self.g.check_usable()
+            raise
+
+    # --- the awaitable form, derived ---------------------------------------------------------
+
+    def recv(self, src: int, step: int, dest: memoryview | None = None) -> asyncio.Future[Received]:
+        """``post``, as a future of the message (it never resolves if the operation fails:
+        the task driving it is stopped then)."""
+        future: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
+
+        def got(msg: Received) -> None:
+            if not future.done():
+                future.set_result(msg)
+
+        self.post(src, step, dest, got)
+        return future
+
+    async def send(self, dst: int, step: int, payload: Buffer | None, *, extra: Any = None) -> None:
+        """``send_now``, awaited: returns once ``payload`` may be reused."""
+        meta = self.mine if extra is None else [*self.mine, extra]
+        rest = self._plane.send_now(self._ranks[dst], self.key(step), meta, payload)
+        if rest is not None:
+            await self._rest(rest)
+
+    # --- the opening ---------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        # The agreement of a one-way operation: a barrier on the signature, beside its data.
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._opening = future
+        exchange_rows(self, memoryview(b""), lambda _: future.set_result(None), later=AGREE)
+
+    async def agreed(self) -> None:
+        """Return once every rank's signature is known to match (at once if the opening rode)."""
+        if self._opening is not None:
+            await self._opening
+
+    async def __aenter__(self) -> Exchange:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.agreed()
+
+
+# --- rows: every rank's few bytes, everywhere -------------------------------------------------
+
+#: From this many ranks on, ``exchange_rows`` takes ``log2 size`` rounds of fewer
+#: messages: 4 ranks send 2 messages each instead of 3.
+DISSEMINATE_MIN_RANKS: Final = 4
+
+
+def exchange_rows(
+    ex: Exchange,
+    data: memoryview,
+    done: Callable[[memoryview], None],
+    *,
+    step: int = OPEN,
+    later: int | None = None,
+) -> None:
+    """Swap ``data`` with every rank of ``ex``'s group, with no task; then ``done(rows)``.
+
+    The path of small all_reduces, of barriers (no bytes), of metric syncs and
+    of the agreement of one-way operations. Group rank ``r``'s bytes land in
+    row ``r`` of a ``size x data.nbytes`` staging buffer (this rank's row is a
+    copy of ``data``, which may change from now on). Once every row is in and
+    every send was handed to the kernel, ``done(staging)`` runs.
+
+    Fewer than ``DISSEMINATE_MIN_RANKS`` ranks swap in one round, every rank
+    with every other one. More take ``log2 size`` rounds (Bruck's all-gather;
+    with no bytes, the dissemination barrier): in round ``k`` a rank sends the
+    rows it holds (its own, then those of the ranks before it, up to ``2**k``
+    of them) to rank ``r + 2**k`` and gets as many from rank ``r - 2**k``
+    (modulo the size), and starts round ``k + 1`` once round ``k``'s message
+    is in: ``log2 size`` messages each way instead of ``size - 1``. Either way
+    a rank is done only once it heard, directly or through the rounds, from
+    every rank: every signature was checked on the way.
+
+    Round 0 uses ``step`` (``OPEN``: it carries the opening) and round ``k``
+    ``later + k`` (``step + k`` if ``later`` is None).
+    """
+    p = ex.g.world_size
+    if p >= DISSEMINATE_MIN_RANKS:
+        _in_rounds(_Rows(ex, data, done, 1), step, step if later is None else later)
+    else:
+        # Receives still to come, plus one for this rank's sends: however many messages
+        # were waiting already, ``done`` runs only once every send went out.
+        _in_one_round(_Rows(ex, data, done, p), step)
+
+
+class _Rows:
+    """One exchange's staging rows, and the countdown to ``done``."""
+
+    __slots__ = ("_done", "_left", "ex", "n", "staging")
+
+    def __init__(
+        self, ex: Exchange, data: memoryview, done: Callable[[memoryview], None], left: int
+    ) -> None:
+        self.ex, self.n = ex, data.nbytes
+        self.staging = memoryview(bytearray(ex.g.world_size * self.n))
+        self.row(ex.g.rank)[:] = data
+        self._done = done
+        self._left = left  # what is still to come before done may run
+
+    def row(self, r: int) -> memoryview:
+        return self.staging[r * self.n : (r + 1) * self.n]
+
+    def one_more(self) -> None:
+        self._left += 1
+
+    def one_less(self) -> None:
+        self._left -= 1
+        if self._left == 0 and not self.ex.work.is_completed():
+            try:
+                self._done(self.staging)
+            except Exception as exc:
+                self.ex.fail(exc)
+
+    def arrived(self, msg: Received) -> None:
+        self.one_less()
+
+    def send(self, dst: int, step: int, payload: memoryview | bytes | None) -> None:
+        self.one_more()  # until the kernel took it (at once, mostly)
+        self.ex.send_now(dst, step, payload, self.one_less)
+
+
+def _in_one_round(rows: _Rows, step: int) -> None:
+    ex = rows.ex
+    p, me = ex.g.world_size, ex.g.rank
+    for r in range(p):
+        if r != me:
+            ex.post(r, step, rows.row(r), rows.arrived)
+    for r in schedules.direct_peers(me, p):
+        if ex.work.is_completed():
+            return  # failed already (a mismatched message was waiting): say no more
+        rows.send(r, step, rows.row(me))
+    rows.one_less()  # every send went out, or is finishing in a task that counts itself
+
+
+def _in_rounds(rows: _Rows, step: int, later: int) -> None:
+    ex, n = rows.ex, rows.n
+    p, me = ex.g.world_size, ex.g.rank
+    plan = schedules.dissemination_partners(me, p)
+
+    def round_(k: int) -> None:
+        if ex.work.is_completed():
+            return  # failed already: say no more
+        if k == len(plan):
+            rows.one_less()
+            return
+        to, frm = plan[k]
+        count = min(1 << k, p - (1 << k))  # rows held before this round: 2**k
+        held = [rows.row((me - i) % p) for i in range(count)]
+        at = later + k if k else step
+        rows.send(to, at, b"".join(held) if n else None)
+
+        def arrived(got: Received) -> None:
+            if got.data.nbytes != count * n:
+                raise ProtocolError(f"{got.data.nbytes} bytes where {count * n} belong")
+            for i in range(count):  # the rows of frm, frm - 1, ...
+                rows.row((frm - i) % p)[:] = got.data[i * n : (i + 1) * n]
+            round_(k + 1)
+
+        ex.post(frm, at, memoryview(bytearray(count * n)), arrived)
+
+    round_(0)
