@@ -63,6 +63,12 @@ from aiodist._group.world import (
 )
 from aiodist._launch.init import destroy_process_group, init_dist, init_process_group
 from aiodist._launch.launchers import infer_launcher
+from aiodist._ops.collect import (
+    collect_results,
+    collect_results_cpu,
+    collect_results_gpu,
+    sync_random_seed,
+)
 from aiodist._ops.devices import cast_data_device, get_comm_device, get_data_device
 from aiodist._ops.groups import (
     init_local_group,
@@ -83,24 +89,15 @@ from aiodist._ops.movement import (
 from aiodist._ops.objects import (
     all_gather_object,
     broadcast_object_list,
-    collect_results,
-    collect_results_cpu,
-    collect_results_gpu,
     gather_object,
-    recv_object_list,
     scatter_object_list,
-    send_object_list,
-    sync_random_seed,
 )
-from aiodist._ops.p2p import (
-    P2POp,
-    batch_isend_irecv,
-    irecv,
+from aiodist._ops.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from aiodist._ops.p2p_objects import (
     irecv_object,
-    isend,
     isend_object,
-    recv,
-    send,
+    recv_object_list,
+    send_object_list,
 )
 from aiodist._ops.reduce_ops import ReduceOp, supports_complex
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor

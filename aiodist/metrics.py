@@ -82,7 +82,7 @@ from aiodist._metrics.state import (
     host_number,
 )
 from aiodist._metrics.state import take_snapshot as _take_snapshot
-from aiodist._ops.common import resolve_group
+from aiodist._ops.run import resolve_group
 from aiodist._sync import portal
 
 if TYPE_CHECKING:

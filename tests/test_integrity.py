@@ -22,7 +22,7 @@ import torch
 
 import aiodist
 from aiodist import AbortedError
-from aiodist._ops.objects import write_private
+from aiodist._ops.collect import write_private
 from aiodist.testing import run_ranks
 from tests._procs import json_lines, reports_by_rank, run
 

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist._ops.collect import collect_results, sync_random_seed
 from aiodist._ops.objects import (
     all_gather_object,
     broadcast_object_list,
-    collect_results,
     gather_object,
     scatter_object_list,
-    sync_random_seed,
 )
 from aiodist._ops.tensor_groups import all_reduce_dict, all_reduce_params
 from aiodist.testing import run_ranks

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from aiodist import ClosedError, CollectiveMismatchError, ProcessGroup, RendezvousServer, Work
-from aiodist._ops.p2p import irecv, irecv_object, isend, isend_object, recv, send
+from aiodist._ops.p2p import irecv, isend, recv, send
+from aiodist._ops.p2p_objects import irecv_object, isend_object
 from aiodist.testing import run_ranks
 
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from aiodist._control.store import Store
     from aiodist._group.session import Session
+    from aiodist._ops.requests import Request  # the bridge's calls, as _ops hands them over
 
 __all__ = ["Bridge", "ProcessGroup"]
 
@@ -68,8 +69,8 @@ class Bridge(Protocol):
         """True if ``tensor`` lives on a device this bridge carries."""
         ...
 
-    def start_collective(self, name: str, args: tuple[Any, ...]) -> Work[Any]:
-        """Start collective ``name`` (``args``: its arguments but ``group``) on torch."""
+    def start_collective(self, request: Request, seq: int) -> Work[Any]:
+        """Start the checked ``request`` on torch as the group's operation ``seq``."""
         ...
 
     async def new_group(self, group: ProcessGroup, backend: str | None) -> None:

@@ -13,8 +13,9 @@ from aiodist._errors import (
 )
 from aiodist._group.group import ProcessGroup
 from aiodist._group.world import get_default_group, get_local_group, install_local_group
-from aiodist._ops.common import Slot
 from aiodist._ops.objects import start_all_gather_object
+from aiodist._ops.requests import Request
+from aiodist._ops.run import Slot
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -127,7 +128,9 @@ async def new_groups(
         group.group_backend = backend
         session.groups[group.group_id] = group
     try:
-        seen = await start_all_gather_object(world, seq, payload)
+        seen = await start_all_gather_object(
+            world, seq, Request(op="all_gather_object", description="new_group", payload=payload)
+        )
     except BaseException:
         for group in groups:
             session.groups.pop(group.group_id, None)

@@ -1,48 +1,37 @@
 """Data movement between all ranks on aiodist's data plane: all_gather, all_to_all, barrier.
 
-Each public function validates its arguments, then starts the operation with
-``ProcessGroup.start`` and returns its ``Work``. The plans (ring,
-dissemination) come from ``schedules``; this module only moves bytes. Every
-message carries the sender's signature, so ranks that disagree get
-``CollectiveMismatchError``. The rooted operations live in ``rooted.py``.
+Each public function hands its arguments (``forms``) to ``run``, which sets the
+call up and starts its algorithm here on a checked ``Request``: the torch-form
+variants (``all_gather_into_tensor``, ``all_to_all_single``,
+``all_gather_coalesced``) are the same algorithms with other outputs. The
+plans (ring, dissemination) come from ``schedules``; this module only moves
+bytes. Every message carries the sender's signature, so ranks that disagree
+get ``CollectiveMismatchError``. The rooted operations live in ``rooted.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from aiodist._errors import (
-    ArgumentError,
-    ArgumentTypeError,
-    BarrierTimeoutError,
-    CollectiveMismatchError,
-)
-from aiodist._group.group import ProcessGroup
-from aiodist._group.work import Work
-from aiodist._ops import schedules, shared, staging
+from aiodist._errors import BarrierTimeoutError
+from aiodist._ops import forms, schedules, shared
 from aiodist._ops.agreement import OPEN, Signature, signature
-from aiodist._ops.common import (
-    LazyModule,
-    Slot,
-    bridged,
-    chain,
-    check_tensor,
-    check_tensor_list,
-    contiguous,
-    copy_into,
-    outside,
-    resolve_group,
-)
 from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._ops.outputs import new_outputs
-from aiodist._ops.reductions import slices
-from aiodist._wire import codec
+from aiodist._ops.run import run
+from aiodist._ops.tensors import LazyModule, contiguous, copy_into
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     import torch
+
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
+    from aiodist._ops.requests import Request
 else:
     torch = LazyModule("torch")
 
@@ -53,7 +42,6 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "barrier",
-    "check_outputs",
     "meet",
     "monitored_barrier",
     "start_all_gather",
@@ -97,87 +85,22 @@ def all_gather(
     Example:
         >>> parts = await aiodist.all_gather(torch.tensor([rank]))
     """
-    outs: object = None
-    if isinstance(tensor_list, list | tuple):
-        outs, data = tensor_list, tensor
-    else:  # mmengine's form, all_gather(data, group)
-        data = tensor_list
-        if isinstance(tensor, ProcessGroup):
-            group = tensor
-    if (w := bridged(group, "all_gather", data)) is not None:
-        return w if outs is None else chain(w, lambda got: _fill(outs, got))
-    g = resolve_group(group)
-    with Slot(g, "all_gather") as seq:
-        t = check_tensor(data, "tensor")
-        out_list = None
-        if outs is not None:
-            size = 1 if g is None or g.rank < 0 else g.world_size
-            out_list = check_outputs(outs, "tensor_list", t, size)
-        if outside(g):
-            return Work.completed(out_list or [])
-        if g is None:
-            if out_list is None:
-                return Work.completed([t])
-            out_list[0].copy_(t)
-            return Work.completed(out_list)
-    if staging.on_device(t):
-
-        def finish(hosts: list[torch.Tensor], got: list[torch.Tensor]) -> Any:
-            if out_list is not None:
-                return list(zip(out_list, got, strict=True)), out_list
-            return staging.new_on_device(got, t)
-
-        return staging.staged(
-            g,
-            seq,
-            "all_gather",
-            [t],
-            lambda hosts: start_all_gather(g, seq, hosts[0], shm=False),
-            finish,
-        )
-    return start_all_gather(g, seq, t, out_list)
+    return run(forms.all_gather(tensor_list, tensor, group), start_all_gather)
 
 
-def check_outputs(outs: object, name: str, like: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Check ``outs`` holds ``size`` tensors of ``like``'s dtype and shape (torch's errors)."""
-    out = check_tensor_list(outs, name, None)
-    if len(out) != size:
-        raise ArgumentError(f"{name} must hold one tensor per rank ({size}), got {len(out)}")
-    for i, x in enumerate(out):
-        if x.dtype != like.dtype:
-            raise ArgumentError(
-                f"Invalid usage of tensors with different dtypes: {name}[{i}] is {x.dtype}, "
-                f"the input {like.dtype}"
-            )
-        if x.shape != like.shape:
-            raise ArgumentError(
-                f"{name}[{i}] has shape {list(x.shape)}, the input {list(like.shape)}"
-            )
-    return out
+def start_all_gather(g: ProcessGroup, seq: int, req: Request) -> Work[list[torch.Tensor]]:
+    """``all_gather`` of ``req.tensor`` as ``g``'s operation ``seq``.
 
-
-def _fill(outs: object, got: list[torch.Tensor]) -> list[torch.Tensor]:
-    assert isinstance(outs, list | tuple)
-    for o, x in zip(outs, got, strict=True):
-        if o is not x:
-            o.copy_(x)
-    return list(outs)
-
-
-def start_all_gather(
-    g: ProcessGroup,
-    seq: int,
-    t: torch.Tensor,
-    outs: list[torch.Tensor] | None = None,
-    *,
-    shm: bool = True,
-) -> Work[list[torch.Tensor]]:
-    """``all_gather`` of checked ``t`` as ``g``'s operation ``seq``, into ``outs`` if given."""
+    Every rank's part lands in ``req.outputs`` where they are contiguous (else
+    in new tensors that ``Request.deliver`` copies over).
+    """
+    t, outs, shm = req.tensor, req.outputs, req.shm
+    assert t is not None
     nbytes = t.numel() * t.element_size() * g.world_size
     use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
     direct = outs is not None and all(o.is_contiguous() for o in outs)
-    work: Work[list[torch.Tensor]] = g.begin("all_gather", seq=seq)
+    work: Work[list[torch.Tensor]] = g.begin(req.description, seq=seq)
 
     def mine(algorithm: str) -> Signature:
         return signature("all_gather", t, algorithm=algorithm)
@@ -189,10 +112,10 @@ def start_all_gather(
                 if await shared.agreed(g):  # else some rank has it off: all take the ring
                     async with Exchange(g, work, seq, mine("shared_memory"), rides=True) as ex:
                         await shared.all_gather(ex, contiguous(t), out)
-                    return out if outs is None else _fill(outs, out)
+                    return out
         async with Exchange(g, work, seq, mine("ring"), rides=True) as ex:
             await _ring_all_gather(ex, t, out)
-        return out if outs is None else _fill(outs, out)
+        return out
 
     return g.drive(work, run, seq, on_end=None if turn is None else turn.release)
 
@@ -228,43 +151,7 @@ def all_gather_into_tensor(
     Example:
         >>> await aiodist.all_gather_into_tensor(out, torch.tensor([rank]))
     """
-    g = resolve_group(group)
-    size = 1 if g is None or g.rank < 0 else g.world_size
-    parts = None
-    if isinstance(output_tensor, torch.Tensor) and isinstance(input_tensor, torch.Tensor):
-        parts = slices(output_tensor, input_tensor, size)
-    if parts is not None and (w := bridged(group, "all_gather", input_tensor)) is not None:
-        return chain(w, lambda got: _into(output_tensor, parts or [], got))
-    with Slot(g, "all_gather_into_tensor") as seq:
-        out = check_tensor(output_tensor, "output_tensor")
-        t = check_tensor(input_tensor, "input_tensor")
-        if parts is None or out.dtype != t.dtype:
-            raise ArgumentError(
-                f"output_tensor ({out.dtype} {list(out.shape)}) must hold {size} tensors like "
-                f"input_tensor ({t.dtype} {list(t.shape)})"
-            )
-        if outside(g):
-            return Work.completed(out)
-        if g is None:
-            out.copy_(t.reshape(out.shape))
-            return Work.completed(out)
-    if staging.on_device(t):
-        return staging.staged(
-            g,
-            seq,
-            "all_gather_into_tensor",
-            [t],
-            lambda hosts: start_all_gather(g, seq, hosts[0], shm=False),
-            lambda hosts, got: ([(out, torch.stack(got).reshape(out.shape))], out),
-        )
-    return chain(start_all_gather(g, seq, t, parts), lambda got: _into(out, parts or [], got))
-
-
-def _into(out: torch.Tensor, parts: list[torch.Tensor], got: list[torch.Tensor]) -> torch.Tensor:
-    for part, x in zip(parts, got, strict=True):
-        if part is not x:
-            part.copy_(x)
-    return out
+    return run(forms.all_gather_into_tensor(output_tensor, input_tensor, group), start_all_gather)
 
 
 def all_gather_coalesced(
@@ -292,54 +179,9 @@ def all_gather_coalesced(
     Example:
         >>> await aiodist.all_gather_coalesced([[a0, b0], [a1, b1]], [a, b])
     """
-    g = resolve_group(group)
-    with Slot(g, "all_gather_coalesced") as seq:
-        inputs = check_tensor_list(input_tensor_list, "input_tensor_list", None)
-        if not isinstance(output_tensor_lists, list | tuple):
-            raise ArgumentTypeError("output_tensor_lists must be a list of lists of tensors")
-        size = 1 if g is None or g.rank < 0 else g.world_size
-        if len(output_tensor_lists) != size:
-            raise ArgumentError(f"output_tensor_lists must hold {size} lists, one per rank")
-        outs = []
-        for r, row in enumerate(output_tensor_lists):
-            got = check_tensor_list(row, f"output_tensor_lists[{r}]", len(inputs))
-            for i, (o, x) in enumerate(zip(got, inputs, strict=True)):
-                if o.dtype != x.dtype or o.numel() != x.numel():
-                    raise ArgumentError(
-                        f"output_tensor_lists[{r}][{i}] does not match input_tensor_list[{i}]"
-                    )
-            outs.append(got)
-        if any(staging.on_device(x) for x in inputs):
-            raise ArgumentError("all_gather_coalesced takes host (CPU) tensors only")
-        if outside(g):
-            return Work.completed(list(output_tensor_lists))
-        packed = _pack(inputs)
-        if g is None:
-            _unpack(packed, outs[0])
-            return Work.completed(list(output_tensor_lists))
-    return chain(
-        start_all_gather(g, seq, packed),
-        lambda got: [_unpack(x, row) for x, row in zip(got, outs, strict=True)],
+    return run(
+        forms.all_gather_coalesced(output_tensor_lists, input_tensor_list, group), start_all_gather
     )
-
-
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of ``tensors``, one after the other, as one uint8 tensor."""
-    flat = [codec.flat_view(t.contiguous()) for t in tensors]
-    return (
-        torch.cat([x.view(torch.uint8) for x in flat])
-        if flat
-        else torch.empty(0, dtype=torch.uint8)
-    )
-
-
-def _unpack(packed: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    offset = 0
-    for o in outs:
-        n = o.numel() * o.element_size()
-        o.copy_(packed[offset : offset + n].clone().view(o.dtype).view(o.shape))
-        offset += n
-    return outs
 
 
 async def _ring_all_gather(ex: Exchange, t: torch.Tensor, out: list[torch.Tensor]) -> None:
@@ -405,83 +247,17 @@ def all_to_all(
     Example:
         >>> outs = await aiodist.all_to_all([torch.tensor([rank, i]) for i in range(n)])
     """
-    outs: object = None
-    if isinstance(input_tensor_list, list | tuple):
-        outs, inputs = output_tensor_list, input_tensor_list
-    else:  # aiodist's form, all_to_all(inputs, group)
-        inputs = output_tensor_list
-        if isinstance(input_tensor_list, ProcessGroup):
-            group = input_tensor_list
-    if (w := bridged(group, "all_to_all", inputs)) is not None:
-        return w if outs is None else chain(w, lambda got: _fill(outs, got))
-    g = resolve_group(group)
-    with Slot(g, "all_to_all") as seq:
-        tensors = check_tensor_list(inputs, "input_tensor_list", None)
-        dtypes = {x.dtype for x in tensors}
-        if len(dtypes) > 1:
-            raise ArgumentError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
-        out_list = None
-        size = 1 if g is None or g.rank < 0 else g.world_size
-        if outs is not None:
-            out_list = check_tensor_list(outs, "output_tensor_list", size)
-            for i, o in enumerate(out_list):
-                if tensors and o.dtype != tensors[0].dtype:
-                    raise ArgumentError(
-                        f"output_tensor_list[{i}] is {o.dtype}, the inputs {tensors[0].dtype}"
-                    )
-        if outside(g):
-            return Work.completed(out_list or [])
-        if g is None and out_list is None:
-            return Work.completed(tensors)  # aiodist's form, not initialised: the inputs
-        if len(tensors) != size:
-            raise ArgumentError(
-                f"input_tensor_list must hold one tensor per rank ({size}), got {len(tensors)}"
-            )
-        if g is None:
-            assert out_list is not None
-            if out_list[0].numel() != tensors[0].numel():
-                raise ArgumentError("output_tensor_list[0] does not fit input_tensor_list[0]")
-            out_list[0].copy_(tensors[0].reshape(out_list[0].shape))
-            return Work.completed(out_list)
-    if staging.on_device(tensors[0]):
-
-        def finish(hosts: list[torch.Tensor], got: list[torch.Tensor]) -> Any:
-            if out_list is not None:
-                return [
-                    (o, x.reshape(o.shape)) for o, x in zip(out_list, got, strict=True)
-                ], out_list
-            return staging.new_on_device(got, tensors[0])
-
-        return staging.staged(
-            g, seq, "all_to_all", tensors, lambda hosts: start_all_to_all(g, seq, hosts), finish
-        )
-    work = start_all_to_all(g, seq, tensors)
-    if out_list is None:
-        return work
-    return chain(work, lambda got: _fill_reshaped(out_list, got))
+    return run(forms.all_to_all(output_tensor_list, input_tensor_list, group), start_all_to_all)
 
 
-def _fill_reshaped(outs: list[torch.Tensor], got: list[torch.Tensor]) -> list[torch.Tensor]:
-    for r, (o, x) in enumerate(zip(outs, got, strict=True)):
-        if o.numel() != x.numel():
-            raise CollectiveMismatchError(
-                f"rank {r} sent {x.numel()} elements for an output of {o.numel()}",
-                field="shape",
-                values_by_rank={r: list(x.shape)},
-            )
-        o.copy_(x.reshape(o.shape))
-    return outs
-
-
-def start_all_to_all(
-    g: ProcessGroup, seq: int, tensors: list[torch.Tensor]
-) -> Work[list[torch.Tensor]]:
-    """``all_to_all`` of checked ``tensors`` as ``g``'s operation ``seq``; new outputs.
+def start_all_to_all(g: ProcessGroup, seq: int, req: Request) -> Work[list[torch.Tensor]]:
+    """``all_to_all`` of ``req.inputs`` as ``g``'s operation ``seq``; new outputs.
 
     Every pair exchanges one message at step ``OPEN`` (the opening rides on the
     one to ``r + 1``); the dtype is in the signature, each part's shape rides
     after it.
     """
+    tensors = req.inputs
     dtype = tensors[0].dtype
     mine = signature("all_to_all", tensors[0])
     mine[2] = None  # shapes may differ from pair to pair: each message says its own
@@ -502,7 +278,7 @@ def start_all_to_all(
                 out[r] = received
         return out
 
-    work: Work[list[torch.Tensor]] = g.begin("all_to_all", seq=seq)
+    work: Work[list[torch.Tensor]] = g.begin(req.description, seq=seq)
     return g.drive(work, run, seq)
 
 
@@ -538,66 +314,10 @@ def all_to_all_single(
     Example:
         >>> await aiodist.all_to_all_single(out, torch.arange(world_size) + rank)
     """
-    g = resolve_group(group)
-    with Slot(g, "all_to_all_single") as seq:
-        out = check_tensor(output, "output")
-        t = check_tensor(input, "input")
-        if out.dtype != t.dtype:
-            raise ArgumentError(f"output is {out.dtype} but input is {t.dtype}")
-        if outside(g):
-            return Work.completed(out)
-        size = 1 if g is None else g.world_size
-        sends = _split(t, input_split_sizes, size, "input")
-        recvs = _split(out, output_split_sizes, size, "output")
-        if g is None:
-            if recvs[0].shape != sends[0].shape:
-                raise ArgumentError("output and input must have the same size at world size 1")
-            recvs[0].copy_(sends[0])
-            return Work.completed(out)
-    if staging.on_device(t):
-        return staging.staged(
-            g,
-            seq,
-            "all_to_all_single",
-            [t],
-            lambda hosts: start_all_to_all(
-                g, seq, _split(hosts[0], input_split_sizes, size, "input")
-            ),
-            lambda hosts, got: (
-                [(out, torch.cat([x.reshape(-1) for x in got]).reshape(out.shape))],
-                out,
-            ),
-        )
-    return chain(start_all_to_all(g, seq, sends), lambda got: _fill_exact(out, recvs, got))
-
-
-def _split(t: torch.Tensor, sizes: list[int] | None, n: int, name: str) -> list[torch.Tensor]:
-    rows = t.shape[0] if t.dim() else 1
-    if sizes is None:
-        if rows % n:
-            raise ArgumentError(f"{name} has {rows} rows, not divisible by the group size {n}")
-        sizes = [rows // n] * n
-    if len(sizes) != n or sum(sizes) != rows or any(s < 0 for s in sizes):
-        raise ArgumentError(
-            f"{name}_split_sizes {sizes} must hold {n} sizes that add up to {name}'s {rows} rows"
-        )
-    whole = t if t.dim() else t.reshape(1)
-    return list(torch.split(whole, sizes))
-
-
-def _fill_exact(
-    out: torch.Tensor, recvs: list[torch.Tensor], got: list[torch.Tensor]
-) -> torch.Tensor:
-    for r, (o, x) in enumerate(zip(recvs, got, strict=True)):
-        if o.shape != x.shape:
-            raise CollectiveMismatchError(
-                f"rank {r} sent a part of shape {list(x.shape)} for a slice of "
-                f"{list(o.shape)}; check the split sizes on both ranks",
-                field="shape",
-                values_by_rank={r: list(x.shape)},
-            )
-        o.copy_(x)
-    return out
+    return run(
+        forms.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group),
+        start_all_to_all,
+    )
 
 
 def barrier(
@@ -634,7 +354,7 @@ def barrier(
     Example:
         >>> await aiodist.barrier(timeout=30)   # names the ranks that never came
     """
-    return _barrier(group, timeout, "barrier")
+    return run(forms.barrier("barrier", group, timeout), _start_barrier)
 
 
 def monitored_barrier(
@@ -665,26 +385,13 @@ def monitored_barrier(
     Example:
         >>> await aiodist.monitored_barrier(timeout=timedelta(seconds=30))
     """
-    g = resolve_group(group)
-    if timeout is None and g is not None:
-        timeout = g.timeout
-    return _barrier(group, timeout, "monitored_barrier")
+    return run(forms.barrier("monitored_barrier", group, timeout, monitored=True), _start_barrier)
 
 
-def _barrier(
-    group: ProcessGroup | None, timeout: float | timedelta | None, name: str
-) -> Work[None]:
-    g = resolve_group(group)
-    with Slot(g, name) as seq:
-        if isinstance(timeout, timedelta):
-            timeout = timeout.total_seconds()
-        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-            raise ArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if g is None or outside(g):
-            return Work.completed(None)
-        if timeout is None:
-            return _barrier_now(g, seq, name)
-    seconds = timeout
+def _start_barrier(g: ProcessGroup, seq: int, req: Request) -> Work[None]:
+    name, seconds = req.description, req.timeout
+    if seconds is None:
+        return _barrier_now(g, seq, name)
     work: Work[None] = g.begin(name, seq=seq)
 
     async def run(seq: int) -> None:

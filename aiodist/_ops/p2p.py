@@ -1,4 +1,4 @@
-"""Point-to-point: ``isend``/``irecv`` on tensors, ``isend_object``/``irecv_object`` on objects.
+"""Point-to-point on tensors: ``isend``, ``irecv``, ``batch_isend_irecv``.
 
 Messages are matched by (group, source, tag) in send order, as MPI matches
 them. A receive is posted when ``irecv`` is called; a payload that arrives
@@ -14,6 +14,12 @@ send, an object it cannot pickle) sends ``PEER_ABORT`` in its message's place,
 so the receive it would have matched fails with ``AbortedError`` instead of
 taking this rank's next message. A receive that fails its checks likewise
 still takes (and drops) the message it would have matched.
+
+Objects travel by ``p2p_objects``. Point-to-point takes no place in its
+group's order (``ProcessGroup.begin`` numbers it apart), so it does not go
+through ``run``: its set-up is the group (``p2p_group``), the peer
+(``peer_of``), the tensor's checks, and, for a device tensor, a host copy
+(``staging``).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 from aiodist._errors import ArgumentError, CollectiveMismatchError
 from aiodist._group.work import Work
 from aiodist._ops import staging
-from aiodist._ops.common import check_tensor, outside, resolve_group
-from aiodist._wire import codec
+from aiodist._ops.agreement import dtype_name
+from aiodist._ops.requests import outsider
+from aiodist._ops.run import resolve_group
+from aiodist._ops.tensors import check_tensor
 from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
 
@@ -40,20 +48,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "P2POp",
+    "abort_send",
+    "any_peer",
     "batch_isend_irecv",
     "irecv",
-    "irecv_object",
     "isend",
-    "isend_object",
+    "p2p_group",
     "peer_of",
-    "receive_object",
     "recv",
     "send",
-    "send_object",
+    "send_message",
 ]
 
 
-def _p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+def p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    """``group`` or the default group; point-to-point needs one (no world-size-1 answer)."""
     g = resolve_group(group)
     if g is None:
         raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
@@ -77,10 +86,10 @@ def peer_of(
     return peer
 
 
-def _any_peer(
+def any_peer(
     g: ProcessGroup, peer: int | None, group_peer: int | None, name: str, tag: int
 ) -> int | None:
-    """As ``_peer``, but None (both None) means any rank."""
+    """As ``peer_of``, but None (both None) means any rank."""
     if peer is None and group_peer is None:
         _check_tag(tag)
         return None
@@ -100,18 +109,11 @@ def _not_self(g: ProcessGroup, dst: int) -> None:
         )
 
 
-_dtype_names: dict[Any, str] = {}
-
-
 def _meta(t: torch.Tensor) -> list[Any]:
-    dtype = t.dtype
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
-    return [name, list(t.shape)]
+    return [dtype_name(t), list(t.shape)]
 
 
-def _abort_send(g: ProcessGroup, dst: int, key: Key, description: str, exc: BaseException) -> None:
+def abort_send(g: ProcessGroup, dst: int, key: Key, description: str, exc: BaseException) -> None:
     # The message will never come: send what fails its receive in its place.
     if g.error is None and not g.closed and g.rank >= 0 and dst != g.session.rank:
         reason = f"{type(exc).__name__}: {exc}"
@@ -169,8 +171,8 @@ def isend(
     Example:
         >>> await aiodist.isend(torch.ones(4), dst=1)
     """
-    g = _p2p_group(group, "isend")
-    if outside(g):
+    g = p2p_group(group, "isend")
+    if outsider(g):
         return Work.completed(None)
     dst = peer_of(g, dst, group_dst, "dst", tag)
     description, key = f"isend(dst={dst}, tag={tag})", (MatchKind.P2P, g.group_id, tag, 0)
@@ -183,12 +185,12 @@ def isend(
             return _staged_send(g, description, dst, key, src)
         meta, payload = _meta(src), byte_view(src)
     except BaseException as exc:
-        _abort_send(g, dst, key, description, exc)
+        abort_send(g, dst, key, description, exc)
         raise
-    return _send(g, description, dst, key, meta, payload)
+    return send_message(g, description, dst, key, meta, payload)
 
 
-def _send(
+def send_message(
     g: ProcessGroup, description: str, dst: int, key: Key, meta: Any, payload: Buffer
 ) -> Work[None]:
     # Most sends are handed to the kernel right here: the handle is done at once, with
@@ -239,7 +241,7 @@ def _staged_send(
             try:
                 await copied
             except BaseException as exc:
-                _abort_send(g, dst, key, description, exc)
+                abort_send(g, dst, key, description, exc)
                 raise
             host = hosts[0]
             sending = g.session.plane.send(dst, key, _meta(host), byte_view(host))
@@ -274,10 +276,10 @@ def irecv(
     Cancellation:
         Cancelling the awaiting task does not cancel the receive.
     """
-    g = _p2p_group(group, "irecv")
-    if outside(g):
+    g = p2p_group(group, "irecv")
+    if outsider(g):
         return Work.completed(-1)
-    src = _any_peer(g, src, group_src, "src", tag)
+    src = any_peer(g, src, group_src, "src", tag)
     key = (MatchKind.P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
@@ -350,64 +352,6 @@ async def recv(
 ) -> int:
     """Receive into ``tensor``; return the sender's rank (see ``irecv``)."""
     return await irecv(tensor, src, group, tag, group_src)
-
-
-def isend_object(
-    obj: object, dst: int, group: ProcessGroup | None = None, tag: int = 0
-) -> Work[None]:
-    """Start sending a Python object to rank ``dst`` (msgpack when plain, else pickle).
-
-    Example:
-        >>> await aiodist.isend_object({"step": 3}, dst=1)
-    """
-    g = _p2p_group(group, "isend_object")
-    dst = peer_of(g, dst, None, "dst", tag)
-    return send_object(g, dst, tag, obj)
-
-
-def send_object(g: ProcessGroup, dst: int, tag: int, obj: object) -> Work[None]:
-    """Send ``obj`` to global rank ``dst`` with ``tag`` (checked; negative tags are aiodist's)."""
-    description, key = (
-        f"isend_object(dst={dst}, tag={tag})",
-        (MatchKind.OBJECT_P2P, g.group_id, tag, 0),
-    )
-    try:
-        data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
-    except BaseException as exc:
-        _abort_send(g, dst, key, description, exc)
-        raise
-    return _send(g, description, dst, key, None, data)
-
-
-def irecv_object(
-    src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
-) -> Work[Any]:
-    """Start receiving a Python object from ``src`` (any rank when None).
-
-    Returns:
-        Work resolving to the object.
-    """
-    g = _p2p_group(group, "irecv_object")
-    src = _any_peer(g, src, None, "src", tag)
-    return receive_object(g, src, tag, with_sender=False)
-
-
-def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool) -> Work[Any]:
-    """Receive an object from ``src`` (None: any) with ``tag``; ``(obj, sender)`` if asked."""
-    work = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
-
-    def arrived(msg: Received | BaseException) -> None:
-        try:
-            if isinstance(msg, BaseException):
-                raise msg
-            obj = codec.loads(msg.data)
-        except Exception as exc:
-            g.fail(work, exc, collective=False)
-        else:
-            work.set_result((obj, msg.src) if with_sender else obj)
-
-    g.session.plane.post(src, (MatchKind.OBJECT_P2P, g.group_id, tag, 0), None, arrived)
-    return work
 
 
 class P2POp:

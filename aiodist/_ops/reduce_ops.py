@@ -11,7 +11,7 @@ import enum
 from typing import TYPE_CHECKING, Final
 
 from aiodist._errors import ArgumentError, ArgumentTypeError
-from aiodist._ops.common import SLICE_NUMEL, LazyModule
+from aiodist._ops.tensors import SLICE_NUMEL, LazyModule
 
 if TYPE_CHECKING:
     import torch

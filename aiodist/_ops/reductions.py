@@ -1,44 +1,32 @@
 """Reductions on aiodist's data plane: all_reduce, reduce, reduce_scatter.
 
-Each public function validates its arguments, then starts the operation with
-``ProcessGroup.start`` and returns its ``Work``. The plans (ring, recursive
-doubling, binomial tree) come from ``schedules``; this module only moves bytes
-and reduces them with torch ops, in place. Every message carries the sender's
-signature, so ranks that disagree get ``CollectiveMismatchError``.
+Each public function hands its arguments (``forms``) to ``run``, which sets the
+call up and starts its algorithm here on a checked ``Request``. The plans
+(ring, recursive doubling, binomial tree) come from ``schedules``; this module
+only moves bytes and reduces them with torch ops, in place. Every message
+carries the sender's signature, so ranks that disagree get
+``CollectiveMismatchError`` (``agreement``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from aiodist._errors import ArgumentError
-from aiodist._group.group import ProcessGroup
-from aiodist._group.work import Work
-from aiodist._ops import reduce_ops, schedules, shared, staging
+from aiodist._ops import forms, reduce_ops, schedules, shared
 from aiodist._ops.agreement import OPEN, Signature, signature
-from aiodist._ops.common import (
-    LazyModule,
-    Slot,
-    bridged,
-    chain,
-    check_alike,
-    check_tensor,
-    check_tensor_list,
-    contiguous,
-    copy_into,
-    divide_,
-    outside,
-    resolve_group,
-    root_of,
-)
 from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._ops.outputs import new_outputs
+from aiodist._ops.run import run
+from aiodist._ops.tensors import LazyModule, contiguous, copy_into, divide_
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
     import torch
 
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
     from aiodist._ops.reduce_ops import ReduceOp
+    from aiodist._ops.requests import Request
 else:
     torch = LazyModule("torch")
 
@@ -47,7 +35,6 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
-    "slices",
     "start_all_reduce",
     "start_reduce_scatter",
 ]
@@ -199,48 +186,28 @@ def all_reduce(
         >>> t = torch.ones(4)
         >>> await aiodist.all_reduce(t, op="mean")
     """
-    if (w := bridged(group, "all_reduce", tensor, op)) is not None:
-        return w
-    g = resolve_group(group)
-    with Slot(g, "all_reduce") as seq:
-        t = check_tensor(tensor, "tensor")
-        reduce_op = reduce_ops.reduce_op(op)
-        reduce_ops.check_op_dtype(reduce_op, t.dtype)
-        if g is None or outside(g):
-            return Work.completed(t)
-    if staging.on_device(t):
-        return staging.in_place(
-            g,
-            seq,
-            f"all_reduce(op={reduce_op})",
-            t,
-            lambda host: start_all_reduce(g, seq, host, reduce_op, shm=False),
-        )
-    return start_all_reduce(g, seq, t, reduce_op)
+    return run(forms.all_reduce(tensor, op, group), start_all_reduce)
 
 
 def start_all_reduce(
-    g: ProcessGroup,
-    seq: int,
-    t: torch.Tensor,
-    reduce_op: str,
-    *,
-    label: str = "all_reduce",
-    shm: bool = True,
+    g: ProcessGroup, seq: int, req: Request, *, label: str = "all_reduce"
 ) -> Work[torch.Tensor]:
-    """``all_reduce`` of checked ``t`` as ``g``'s operation ``seq``.
+    """``all_reduce`` of ``req.tensor`` as ``g``'s operation ``seq``.
 
     ``label`` is the name in its signature: a call that reduces several tensors
     puts what every rank must agree on there (see ``tensor_groups``). Without
-    ``shm`` it never takes a turn on shared memory (a call staged from a device
-    starts after its copy, too late to take its turn in call order).
+    ``req.shm`` it never takes a turn on shared memory (a call staged from a
+    device starts after its copy, too late to take its turn in call order).
     """
+    t, reduce_op, shm = req.tensor, req.reduce_op, req.shm
+    assert t is not None
+    assert reduce_op is not None
     p = g.world_size
     nbytes, numel = t.numel() * t.element_size(), t.numel()
     algorithm = schedules.all_reduce_algorithm(
         nbytes, numel, p, shared_memory=shm and p > 1 and shared.usable(g)
     )
-    work: Work[torch.Tensor] = g.begin(f"all_reduce(op={reduce_op})", seq=seq)
+    work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
 
     def mine(algorithm: str) -> Signature:
         return signature(label, t, reduce_op=reduce_op, algorithm=algorithm)
@@ -321,29 +288,14 @@ def reduce(
     Example:
         >>> await aiodist.reduce(t, dst=0, op="max")
     """
-    if (w := bridged(group, "reduce", tensor, dst, op, group_dst)) is not None:
-        return w
-    g = resolve_group(group)
-    with Slot(g, "reduce") as seq:
-        t = check_tensor(tensor, "tensor")
-        reduce_op = reduce_ops.reduce_op(op)
-        reduce_ops.check_op_dtype(reduce_op, t.dtype)
-        if outside(g):
-            return Work.completed(t)
-        root = root_of(g, dst, group_dst, "dst")
-        if g is None:
-            return Work.completed(t)
-    description = f"reduce(dst={g.global_rank(root)}, op={reduce_op})"
-    if staging.on_device(t):
-        return staging.in_place(
-            g, seq, description, t, lambda host: _start_reduce(g, seq, host, root, reduce_op)
-        )
-    return _start_reduce(g, seq, t, root, reduce_op)
+    return run(forms.reduce(tensor, dst, op, group, group_dst), _start_reduce)
 
 
-def _start_reduce(
-    g: ProcessGroup, seq: int, t: torch.Tensor, root: int, reduce_op: str
-) -> Work[torch.Tensor]:
+def _start_reduce(g: ProcessGroup, seq: int, req: Request) -> Work[torch.Tensor]:
+    t, root, reduce_op = req.tensor, req.root, req.reduce_op
+    assert t is not None
+    assert root is not None
+    assert reduce_op is not None
     mine = signature("reduce", t, reduce_op=reduce_op, root=root)
 
     async def tree(seq: int) -> torch.Tensor:
@@ -368,9 +320,7 @@ def _start_reduce(
             copy_into(t, acc)
         return t
 
-    work: Work[torch.Tensor] = g.begin(
-        f"reduce(dst={g.global_rank(root)}, op={reduce_op})", seq=seq
-    )
+    work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
     return g.drive(work, tree, seq)
 
 
@@ -412,65 +362,7 @@ def reduce_scatter(
     Example:
         >>> await aiodist.reduce_scatter(out, [a, b], op="sum")
     """
-    if isinstance(output, list | tuple):  # aiodist's form: (inputs, op, group)
-        inputs: object = output
-        out_tensor: object = None
-        the_op: object = input_list if input_list is not None else op
-        if isinstance(op, ProcessGroup):
-            group = op  # the group, passed third
-    else:
-        inputs, out_tensor, the_op = input_list, output, op
-    if (w := bridged(group, "reduce_scatter", inputs, the_op)) is not None:
-        return w if out_tensor is None else chain(w, lambda r: _copied(out_tensor, r))
-    g = resolve_group(group)
-    with Slot(g, "reduce_scatter") as seq:
-        out = None if out_tensor is None else check_tensor(out_tensor, "output")
-        tensors = check_tensor_list(inputs, "input_list", None)
-        if not tensors:
-            raise ArgumentError("input_list must hold one tensor per rank, got an empty list")
-        reduce_op = reduce_ops.reduce_op(the_op)
-        check_alike(tensors, "input_list")
-        first = tensors[0]
-        if out is not None and (out.dtype != first.dtype or out.shape != first.shape):
-            raise ArgumentError(
-                f"output is {out.dtype} {list(out.shape)} but input_list holds "
-                f"{first.dtype} {list(first.shape)}"
-            )
-        reduce_ops.check_op_dtype(reduce_op, first.dtype)
-        if outside(g):
-            return Work.completed(out if out is not None else first)
-        if g is None:
-            if out is None:
-                return Work.completed(first)
-            out.copy_(first)
-            return Work.completed(out)
-        if len(tensors) != g.world_size:
-            raise ArgumentError(
-                f"input_list must hold one tensor per rank ({g.world_size}), got {len(tensors)}"
-            )
-    if staging.on_device(first):
-
-        def finish(hosts: list[torch.Tensor], result: torch.Tensor) -> Any:
-            if out is not None:
-                return [(out, result)], out
-            pairs, (made,) = staging.new_on_device([result], first)
-            return pairs, made
-
-        return staging.staged(
-            g,
-            seq,
-            f"reduce_scatter(op={reduce_op})",
-            tensors,
-            lambda hosts: start_reduce_scatter(g, seq, hosts, reduce_op, shm=False),
-            finish,
-        )
-    return start_reduce_scatter(g, seq, tensors, reduce_op, out=out)
-
-
-def _copied(out: object, result: torch.Tensor) -> torch.Tensor:
-    assert isinstance(out, torch.Tensor)
-    out.copy_(result)
-    return out
+    return run(forms.reduce_scatter(output, input_list, op, group), start_reduce_scatter)
 
 
 def reduce_scatter_tensor(
@@ -507,74 +399,24 @@ def reduce_scatter_tensor(
     Example:
         >>> await aiodist.reduce_scatter_tensor(out, torch.ones(2 * n))
     """
-    g = resolve_group(group)
-    size = 1 if g is None or g.rank < 0 else g.world_size
-    out, parts = output, None
-    if isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
-        parts = slices(input, output, size)
-    if parts is not None and (w := bridged(group, "reduce_scatter", parts, op)) is not None:
-        return chain(w, lambda r: _copied(out, r))
-    with Slot(g, "reduce_scatter_tensor") as seq:
-        out = check_tensor(output, "output")
-        t = check_tensor(input, "input")
-        reduce_op = reduce_ops.reduce_op(op)
-        reduce_ops.check_op_dtype(reduce_op, t.dtype)
-        if parts is None or t.dtype != out.dtype:
-            raise ArgumentError(
-                f"input ({t.dtype} {list(t.shape)}) must hold {size} slices of output "
-                f"({out.dtype} {list(out.shape)})"
-            )
-        if outside(g):
-            return Work.completed(out)
-        if g is None:
-            out.copy_(parts[0])
-            return Work.completed(out)
-    if staging.on_device(t):
-        return staging.staged(
-            g,
-            seq,
-            f"reduce_scatter_tensor(op={reduce_op})",
-            [t],
-            lambda hosts: start_reduce_scatter(
-                g, seq, slices(hosts[0], out, size) or [], reduce_op, shm=False
-            ),
-            lambda hosts, result: ([(out, result)], out),
-        )
-    return start_reduce_scatter(g, seq, parts, reduce_op, out=out)
+    return run(forms.reduce_scatter_tensor(output, input, op, group), start_reduce_scatter)
 
 
-def slices(whole: torch.Tensor, part: torch.Tensor, n: int) -> list[torch.Tensor] | None:
-    """``whole`` as ``n`` views shaped like ``part`` (concatenated or stacked), else None."""
-    if whole.numel() != n * part.numel():
-        return None
-    if whole.dim() and whole.shape[0] == n and whole.shape[1:] == part.shape:
-        return list(whole.unbind(0))
-    if part.dim() and whole.shape[0] == n * part.shape[0] and whole.shape[1:] == part.shape[1:]:
-        return list(torch.split(whole, part.shape[0]))
-    if part.dim() == 0 and whole.shape == (n,):
-        return list(whole.unbind(0))
-    return None
+def start_reduce_scatter(g: ProcessGroup, seq: int, req: Request) -> Work[torch.Tensor]:
+    """``reduce_scatter`` of ``req.inputs`` (one per rank) as ``g``'s operation ``seq``.
 
-
-def start_reduce_scatter(
-    g: ProcessGroup,
-    seq: int,
-    tensors: list[torch.Tensor],
-    reduce_op: str,
-    *,
-    out: torch.Tensor | None = None,
-    shm: bool = True,
-) -> Work[torch.Tensor]:
-    """``reduce_scatter`` of checked ``tensors`` as ``g``'s operation ``seq``.
-
-    The result lands in ``out`` when given (and contiguous), else in a new tensor.
-    Both algorithms open with their first round (step ``OPEN`` to every rank).
+    The result lands in ``req.outputs[0]`` when given (and contiguous), else in a
+    new tensor. Both algorithms open with their first round (step ``OPEN`` to
+    every rank).
     """
+    tensors, reduce_op, shm = req.inputs, req.reduce_op, req.shm
+    assert reduce_op is not None
+    out = None if req.outputs is None else req.outputs[0]
     first = tensors[0]
     nbytes = first.numel() * first.element_size() * g.world_size
     use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
-    work: Work[torch.Tensor] = g.begin(f"reduce_scatter(op={reduce_op})", seq=seq)
+    work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
 
     def mine(algorithm: str) -> Signature:
         return signature("reduce_scatter", first, reduce_op=reduce_op, algorithm=algorithm)

@@ -1,40 +1,30 @@
 """Rooted data movement on aiodist's data plane: broadcast, gather, scatter.
 
-Each public function validates its arguments, then starts the operation with
-``ProcessGroup.start`` and returns its ``Work``. The plans come from
-``schedules``; this module only moves bytes. Every message carries the
-sender's signature, and a dissemination check of the signature runs beside
-the data, because ranks that disagree on the root may never message each
-other: they get ``CollectiveMismatchError`` instead of a hang.
+Each public function hands its arguments (``forms``) to ``run``, which sets the
+call up and starts its algorithm here on a checked ``Request``. The plans come
+from ``schedules``; this module only moves bytes. Data goes one way only, so
+ranks that disagree on the root might never message each other: each
+operation's exchange runs the agreement beside its data (``Exchange(...,
+rides=False)``), and they get ``CollectiveMismatchError`` instead of a hang.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
-from aiodist._errors import ArgumentError, ArgumentTypeError
-from aiodist._group.group import ProcessGroup
-from aiodist._group.work import Work
-from aiodist._ops import schedules, shared, staging
+from aiodist._ops import forms, schedules, shared
 from aiodist._ops.agreement import Signature, signature
-from aiodist._ops.common import (
-    LazyModule,
-    Slot,
-    bridged,
-    chain,
-    check_tensor,
-    check_tensor_list,
-    contiguous,
-    copy_into,
-    outside,
-    resolve_group,
-    root_of,
-)
 from aiodist._ops.exchange import Exchange
+from aiodist._ops.run import run
+from aiodist._ops.tensors import LazyModule, contiguous, copy_into
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
     import torch
+
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
+    from aiodist._ops.requests import Request
 else:
     torch = LazyModule("torch")
 
@@ -75,29 +65,14 @@ def broadcast(
     Example:
         >>> await aiodist.broadcast(weights, src=0)
     """
-    if group_src is not None and src == 0:
-        src = None  # torch: one of the two
-    if (w := bridged(group, "broadcast", tensor, src, group_src)) is not None:
-        return w
-    g = resolve_group(group)
-    with Slot(g, "broadcast") as seq:
-        t = check_tensor(tensor, "tensor")
-        if outside(g):
-            return Work.completed(t)
-        root = root_of(g, src, group_src, "src")
-        if g is None:
-            return Work.completed(t)
-    if staging.on_device(t):
-        description = f"broadcast(src={g.global_rank(root)})"
-        return staging.in_place(
-            g, seq, description, t, lambda host: _start_broadcast(g, seq, host, root, shm=False)
-        )
-    return _start_broadcast(g, seq, t, root)
+    return run(forms.broadcast(tensor, src, group, group_src), _start_broadcast)
 
 
-def _start_broadcast(
-    g: ProcessGroup, seq: int, t: torch.Tensor, root: int, *, shm: bool = True
-) -> Work[torch.Tensor]:
+def _start_broadcast(g: ProcessGroup, seq: int, req: Request) -> Work[torch.Tensor]:
+    t, root, shm = req.tensor, req.root, req.shm
+    assert t is not None
+    assert root is not None
+
     def mine(algorithm: str) -> Signature:
         return signature("broadcast", t, root=root, algorithm=algorithm)
 
@@ -120,7 +95,7 @@ def _start_broadcast(
     nbytes = t.numel() * t.element_size()
     use_shm = shm and g.world_size > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     turn = shared.take_turn(g) if use_shm else None  # taken now: call order
-    work: Work[torch.Tensor] = g.begin(f"broadcast(src={g.global_rank(root)})", seq=seq)
+    work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
 
     async def run(seq: int) -> torch.Tensor:
         if turn is not None:
@@ -175,74 +150,14 @@ def gather(
     Example:
         >>> parts = await aiodist.gather(t, dst=0)
     """
-    if isinstance(gather_list, int) and not isinstance(gather_list, bool):
-        # mmengine's form, gather(data, dst, group): shift the arguments by one.
-        if isinstance(dst, ProcessGroup):
-            group = dst
-        gather_list, dst = None, gather_list
-    if isinstance(dst, ProcessGroup):
-        raise ArgumentTypeError("dst must be an int rank, got a ProcessGroup")
-    if group_dst is not None and dst == 0:
-        dst = None
-    if (w := bridged(group, "gather", tensor, dst, group_dst)) is not None:
-        outs_given = cast("list[torch.Tensor] | None", gather_list)
-        return w if outs_given is None else chain(w, lambda r: _fill(outs_given, r))
-    g = resolve_group(group)
-    with Slot(g, "gather") as seq:
-        t = check_tensor(tensor, "tensor")
-        if outside(g):
-            return Work.completed([])
-        root = root_of(g, dst, group_dst, "dst")
-        me = 0 if g is None else g.rank
-        outs = None
-        if gather_list is not None and me == root:
-            outs = check_tensor_list(gather_list, "gather_list", 1 if g is None else g.world_size)
-            for i, x in enumerate(outs):
-                if x.dtype != t.dtype:
-                    raise ArgumentError(f"gather_list[{i}] is {x.dtype}, but tensor is {t.dtype}")
-                if x.shape != t.shape:
-                    raise ArgumentError(
-                        f"gather_list[{i}] has shape {list(x.shape)}, tensor {list(t.shape)}"
-                    )
-        elif gather_list:
-            raise ArgumentError(
-                "Argument ``gather_list`` must NOT be specified on non-destination ranks."
-            )
-        if g is None:
-            if outs is None:
-                return Work.completed([t])
-            outs[0].copy_(t)
-            return Work.completed(outs)
-    if staging.on_device(t):
-
-        def finish(hosts: list[torch.Tensor], result: list[torch.Tensor]) -> Any:
-            if not result:
-                return [], []
-            if outs is not None:
-                return list(zip(outs, result, strict=True)), outs
-            return staging.new_on_device(result, t)
-
-        return staging.staged(
-            g,
-            seq,
-            f"gather(dst={g.global_rank(root)})",
-            [t],
-            lambda hosts: _start_gather(g, seq, hosts[0], root, None),
-            finish,
-        )
-    return _start_gather(g, seq, t, root, outs)
+    return run(forms.gather(tensor, gather_list, dst, group, group_dst), _start_gather)
 
 
-def _fill(outs: list[torch.Tensor], got: list[torch.Tensor]) -> list[torch.Tensor]:
-    for o, x in zip(outs, got, strict=False):
-        if o is not x:
-            o.copy_(x)
-    return outs if got else got
-
-
-def _start_gather(
-    g: ProcessGroup, seq: int, t: torch.Tensor, root: int, outs: list[torch.Tensor] | None
-) -> Work[list[torch.Tensor]]:
+def _start_gather(g: ProcessGroup, seq: int, req: Request) -> Work[list[torch.Tensor]]:
+    """Every rank sends its tensor straight to the root, which writes them into its outputs."""
+    t, root, outs = req.tensor, req.root, req.outputs
+    assert t is not None
+    assert root is not None
     mine = signature("gather", t, root=root)
 
     async def direct(seq: int) -> list[torch.Tensor]:
@@ -264,9 +179,9 @@ def _start_gather(
             copy_into(out[root], t)
             for future in futures:
                 await future
-        return out if outs is None else _fill(outs, out)
+        return out
 
-    work: Work[list[torch.Tensor]] = g.begin(f"gather(dst={g.global_rank(root)})", seq=seq)
+    work: Work[list[torch.Tensor]] = g.begin(req.description, seq=seq)
     return g.drive(work, direct, seq)
 
 
@@ -306,50 +221,14 @@ def scatter(
     Example:
         >>> await aiodist.scatter(part, [a, b], src=0)
     """
-    if (w := bridged(group, "scatter", tensor, scatter_list, src, group_src)) is not None:
-        return w
-    g = resolve_group(group)
-    with Slot(g, "scatter") as seq:
-        t = check_tensor(tensor, "tensor")
-        if outside(g):
-            return Work.completed(t)
-        root = root_of(g, src, group_src, "src")
-        parts: list[torch.Tensor] = []
-        if (0 if g is None else g.rank) == root:
-            if not scatter_list:
-                raise ArgumentError("Argument ``scatter_list`` must be specified on source rank.")
-            parts = check_tensor_list(
-                scatter_list, "scatter_list", 1 if g is None else g.world_size
-            )
-            for i, part in enumerate(parts):
-                if part.dtype != t.dtype or part.shape != t.shape:
-                    raise ArgumentError(
-                        f"scatter_list[{i}] is {part.dtype} {list(part.shape)}, but tensor is "
-                        f"{t.dtype} {list(t.shape)}"
-                    )
-        elif scatter_list:
-            raise ArgumentError(
-                "Argument ``scatter_list`` must NOT be specified on non-source ranks."
-            )
-        if g is None:
-            t.copy_(parts[0])
-            return Work.completed(t)
-    description = f"scatter(src={g.global_rank(root)})"
-    if staging.on_device(t):
-        return staging.staged(
-            g,
-            seq,
-            description,
-            [t, *parts],
-            lambda hosts: _start_scatter(g, seq, hosts[0], hosts[1:], root),
-            lambda hosts, _r: ([(t, hosts[0])], t),
-        )
-    return _start_scatter(g, seq, t, parts, root)
+    return run(forms.scatter(tensor, scatter_list, src, group, group_src), _start_scatter)
 
 
-def _start_scatter(
-    g: ProcessGroup, seq: int, t: torch.Tensor, parts: list[torch.Tensor], root: int
-) -> Work[torch.Tensor]:
+def _start_scatter(g: ProcessGroup, seq: int, req: Request) -> Work[torch.Tensor]:
+    """The root sends each rank its part straight; every rank's lands in its tensor."""
+    t, parts, root = req.tensor, req.inputs, req.root
+    assert t is not None
+    assert root is not None
     mine = signature("scatter", t, root=root)
 
     async def direct(seq: int) -> torch.Tensor:
@@ -366,5 +245,5 @@ def _start_scatter(
             copy_into(t, parts[root])
         return t
 
-    work: Work[torch.Tensor] = g.begin(f"scatter(src={g.global_rank(root)})", seq=seq)
+    work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
     return g.drive(work, direct, seq)

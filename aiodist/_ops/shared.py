@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from aiodist._ops import schedules
 from aiodist._ops.agreement import OPEN
-from aiodist._ops.common import SLICE_NUMEL, copy_into
+from aiodist._ops.tensors import SLICE_NUMEL, copy_into
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:

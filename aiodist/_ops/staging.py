@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from aiodist._group.work import Work
 else:
 
-    class _Torch:  # ``import aiodist`` stays torch-free; common.py imports this module
+    class _Torch:  # ``import aiodist`` stays torch-free; tensors.py imports this module
         def __getattr__(self, name: str) -> Any:
             import torch
 

@@ -18,18 +18,20 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentTypeError, AssertedArgumentError
-from aiodist._group.work import Work
 from aiodist._ops import reduce_ops, staging
-from aiodist._ops.common import Slot, chain, check_tensor, outside, resolve_group
 from aiodist._ops.reductions import all_reduce, start_all_reduce
+from aiodist._ops.requests import Call, Request
+from aiodist._ops.run import chain, run
+from aiodist._ops.tensors import check_tensor
 from aiodist._wire.keys import sub_seq
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable
+    from collections.abc import Callable, Iterable
 
     import torch
 
     from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
     from aiodist._ops.reduce_ops import ReduceOp
 
 __all__ = ["all_reduce_coalesced", "all_reduce_dict", "all_reduce_params"]
@@ -56,39 +58,56 @@ def _check_flats(g: ProcessGroup, flats: list[torch.Tensor]) -> None:
             check_tensor(flat, f"tensors of buffer {i}")
 
 
-def _start_reduce(
-    flats: list[torch.Tensor], op: str, g: ProcessGroup, call: int, label: str
-) -> Callable[[], Awaitable[None]]:
-    """Start one in-place all-reduce per flat tensor now, as parts of ``call``; return the wait.
+def _parts(
+    reduce_op: str, flats: list[torch.Tensor], label: str, copy_back: Callable[[None], Any]
+) -> Request:
+    """The request of a call that reduces ``flats`` in place, then copies them back."""
+    name = label.partition(":")[0]
+    return Request(
+        op=name, description=name, reduce_op=reduce_op, data=(flats, label), resolve=copy_back
+    )
+
+
+def _start_parts(g: ProcessGroup, call: int, req: Request) -> Work[None]:
+    """Start one in-place all-reduce per flat tensor now, as parts of ``call``.
 
     Buffers on the torch bridge's device go to torch.distributed (which orders
     them itself); the others run on aiodist's data plane as ``sub_seq(call, i)``.
+    The handle completes once every part did (``req.resolve`` copies back).
     """
     import torch
 
+    flats, label = req.data
     if not flats:  # still one part: the signature every rank must check
         flats = [torch.empty(0)]
-    reduces = [_start_part(flat, op, g, sub_seq(call, i), label) for i, flat in enumerate(flats)]
+    reduces = [_start_part(flat, req, g, sub_seq(call, i), label) for i, flat in enumerate(flats)]
 
-    async def wait_all() -> None:
+    async def wait_all(seq: int) -> None:
         for w in reduces:
             await w
 
-    return wait_all
+    return g.start(req.description, wait_all, collective=False, seq=call)
 
 
-def _start_part(flat: torch.Tensor, op: str, g: ProcessGroup, part: int, label: str) -> Work[Any]:
+def _start_part(
+    flat: torch.Tensor, req: Request, g: ProcessGroup, part: int, label: str
+) -> Work[Any]:
     if g.bridge is not None and g.bridge.crosses(flat):
-        return all_reduce(flat, op=op, group=g)
+        return all_reduce(flat, op=req.reduce_op or "sum", group=g)
+    one = Request(op="all_reduce", description="all_reduce", tensor=flat, reduce_op=req.reduce_op)
     if staging.on_device(flat):
+        one.shm = False
         return staging.in_place(
-            g,
-            part,
-            "all_reduce",
-            flat,
-            lambda host: start_all_reduce(g, part, host, op, label=label, shm=False),
+            g, part, "all_reduce", flat, lambda host: _start_one(g, part, one, host, label)
         )
-    return start_all_reduce(g, part, flat, op, label=label)
+    return start_all_reduce(g, part, one, label=label)
+
+
+def _start_one(
+    g: ProcessGroup, part: int, one: Request, host: torch.Tensor, label: str
+) -> Work[Any]:
+    one.tensor = host
+    return start_all_reduce(g, part, one, label=label)
 
 
 def all_reduce_dict(
@@ -128,8 +147,7 @@ def all_reduce_dict(
     """
     import torch
 
-    g = resolve_group(group)
-    with Slot(g, "all_reduce_dict", torch=g is not None and g.bridge is not None) as seq:
+    def check(g: ProcessGroup | None) -> Request:
         if not isinstance(data, dict):  # mmengine asserts it
             raise AssertedArgumentError(f"data must be a dict, got {type(data).__name__}")
         for key, value in data.items():
@@ -137,9 +155,9 @@ def all_reduce_dict(
                 raise ArgumentTypeError(
                     f"data[{key!r}] must be a torch.Tensor, got {type(value).__name__}"
                 )
-        op = _check_reduce_op(op, data.values())
-        if g is None or g.world_size == 1 or outside(g):
-            return Work.completed(data)
+        reduce_op = _check_reduce_op(op, data.values())
+        if g is None or g.world_size == 1 or g.rank < 0:
+            return Request.done(data)
         keys = sorted(data)
         by_dtype: dict[torch.dtype, list[str]] = {}
         for key in keys:
@@ -150,20 +168,22 @@ def all_reduce_dict(
         }
         _check_flats(g, list(flats.values()))
         label = _digest(
-            "all_reduce_dict", op, [(k, str(data[k].dtype), tuple(data[k].shape)) for k in keys]
+            "all_reduce_dict",
+            reduce_op,
+            [(k, str(data[k].dtype), tuple(data[k].shape)) for k in keys],
         )
-    wait_reduced = _start_reduce(list(flats.values()), op, g, seq, label)
 
-    async def finish(seq: int) -> dict[str, torch.Tensor]:
-        await wait_reduced()
-        for dtype, flat in flats.items():
-            ks = by_dtype[dtype]
-            parts = torch.split(flat, [data[k].numel() for k in ks])
-            for k, part in zip(ks, parts, strict=True):
-                data[k].copy_(part.view(data[k].shape))
-        return data
+        def copy_back(_: None) -> dict[str, torch.Tensor]:
+            for dtype, flat in flats.items():
+                ks = by_dtype[dtype]
+                parts = torch.split(flat, [data[k].numel() for k in ks])
+                for k, part in zip(ks, parts, strict=True):
+                    data[k].copy_(part.view(data[k].shape))
+            return data
 
-    return g.start("all_reduce_dict", finish, collective=False, seq=seq)
+        return _parts(reduce_op, list(flats.values()), label, copy_back)
+
+    return run(Call("all_reduce_dict", group, check, torch=True), _start_parts)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
@@ -223,16 +243,15 @@ def all_reduce_params(
     """
     import torch
 
-    g = resolve_group(group)
-    with Slot(g, "all_reduce_params", torch=g is not None and g.bridge is not None) as seq:
+    def check(g: ProcessGroup | None) -> Request:
         tensors: list[torch.Tensor] = []
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise ArgumentTypeError(f"params must hold tensors, got {type(p).__name__}")
             tensors.append(p.data)
-        op = _check_reduce_op(op, tensors)
-        if g is None or g.world_size == 1 or outside(g):
-            return Work.completed(None)
+        reduce_op = _check_reduce_op(op, tensors)
+        if g is None or g.world_size == 1 or g.rank < 0:
+            return Request.done(None)
         if not coalesce:
             buckets = [[t] for t in tensors]
         else:
@@ -242,19 +261,19 @@ def all_reduce_params(
         _check_flats(g, flats)
         label = _digest(
             "all_reduce_params",
-            op,
+            reduce_op,
             [(str(f.dtype), f.numel(), len(b)) for f, b in zip(flats, buckets, strict=True)],
         )
-    wait_reduced = _start_reduce(flats, op, g, seq, label)
 
-    async def finish(seq: int) -> None:
-        await wait_reduced()
-        for bucket, flat in zip(buckets, flats, strict=True):
-            parts = torch.split(flat, [t.numel() for t in bucket])
-            for t, part in zip(bucket, parts, strict=True):
-                t.copy_(part.view(t.shape))
+        def copy_back(_: None) -> None:
+            for bucket, flat in zip(buckets, flats, strict=True):
+                parts = torch.split(flat, [t.numel() for t in bucket])
+                for t, part in zip(bucket, parts, strict=True):
+                    t.copy_(part.view(t.shape))
 
-    return g.start("all_reduce_params", finish, collective=False, seq=seq)
+        return _parts(reduce_op, flats, label, copy_back)
+
+    return run(Call("all_reduce_params", group, check, torch=True), _start_parts)
 
 
 def all_reduce_coalesced(

@@ -67,9 +67,8 @@ class Posted:
             callback(outcome)
             return
         future = self.future
-        assert future is not None
-        if future.done():
-            return
+        if future is None or future.done():
+            return  # settled already (a failure may reach a receive twice: fail() re-entered)
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:

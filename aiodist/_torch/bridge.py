@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
 from aiodist._ops import staging
-from aiodist._ops.common import Slot
 from aiodist._torch import ops
 
 if TYPE_CHECKING:
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
+    from aiodist._ops.requests import Request
 
 __all__ = [
     "STORE_PREFIX",
@@ -108,7 +108,6 @@ class GroupBridge:
         self.store: Any = None
         self.closed = False
         self._pending: set[asyncio.Future[Any]] = set()
-        self._call_seq: int | None = None  # the place start_collective took for its call
         self.cuda_device: int | None = None  # the GPU bring_up put this rank on (NCCL)
         self.stuck: str | None = None  # the operation the group broke under, if it did
         self._executor = IssuingThread(f"aiodist-torch-{group.name}")
@@ -121,19 +120,14 @@ class GroupBridge:
         device = getattr(tensor, "device", None)
         return device is not None and getattr(device, "type", None) in self.devices
 
-    def start_collective(self, name: str, args: tuple[Any, ...]) -> Work[Any]:
-        """Start collective ``name`` (``args``: its arguments but ``group``) on torch.
+    def start_collective(self, request: Request, seq: int) -> Work[Any]:
+        """Start the checked ``request`` on torch as the group's operation ``seq``.
 
-        The call takes its place in the group's order before its arguments are
-        checked; one that fails its checks breaks the group on every member,
-        since the others may have issued their part to torch already.
+        Called in the call's slot (``_ops.run``): a call that fails here breaks
+        the group on every member, since the others may have issued their part
+        to torch already.
         """
-        with Slot(self.group, name, torch=True) as seq:
-            self._call_seq = seq
-            try:
-                return ops.start(self.group, self, name, args)
-            finally:
-                self._call_seq = None
+        return ops.start(self.group, self, request, seq)
 
     async def new_group(self, group: ProcessGroup, backend: str | None) -> None:
         """Bring up torch's side of ``group`` (made by ``new_group`` on every rank of ours)."""
@@ -156,8 +150,9 @@ class GroupBridge:
         issue: Callable[[], Any],
         finish: Callable[[], T],
         stream_of: torch.Tensor,
+        seq: int,
     ) -> Work[T]:
-        """Issue ``issue()`` (a torch call with ``async_op=True``) as the group's next operation.
+        """Issue ``issue()`` (a torch call with ``async_op=True``) as the group's operation ``seq``.
 
         ``finish()`` turns the finished torch work into the result (copies back,
         splits outputs); for CPU tensors it runs on torch's completion thread,
@@ -186,7 +181,7 @@ class GroupBridge:
                 raise error from exc
 
         # Raises here, before issuing, if unusable.
-        work = self.group.start(description, op, seq=self._call_seq)
+        work = self.group.start(description, op, seq=seq)
         # Timed out (or failed by the group's error): abort before anyone hears of it.
         work.when_done(lambda w: self._abort(description) if _given_up(w) else None)
         self._pending.add(done)

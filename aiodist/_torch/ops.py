@@ -1,11 +1,13 @@
 """Each tensor collective as torch.distributed calls, for the torch bridge.
 
-Every function checks its arguments as the data-plane version does (same
-errors, before anything is issued), then hands the bridge an ``issue`` (the
-torch call, ``async_op=True``) and a ``finish`` (the value the ``Work``
-resolves to), keeping aiodist's semantics: ``all_reduce`` works in place and
-resolves to its input, ``gather`` resolves to ``[]`` off the root, ``all_to_all``
-accepts shapes that differ from pair to pair.
+Every function takes the call's canonical ``Request`` (its arguments checked
+by ``_ops.forms``, as for the data plane: same errors, before anything is
+issued), checks that its tensors are on the bridge's device, then hands the
+bridge an ``issue`` (the torch call, ``async_op=True``) and a ``finish`` (the
+value the ``Work`` resolves to), keeping aiodist's semantics: ``all_reduce``
+works in place and resolves to its input, ``gather`` resolves to ``[]`` off
+the root, ``all_to_all`` accepts shapes that differ from pair to pair. The
+request's ``deliver`` (``_ops.run``) fills torch's output lists from there.
 
 gloo's ``reduce_scatter`` work has no future, so on gloo it is an
 ``all_to_all_single`` followed by a local reduction in rank order (what the
@@ -17,10 +19,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from aiodist._errors import ArgumentError, ArgumentTypeError
+from aiodist._errors import ArgumentError
 from aiodist._ops import reduce_ops
-from aiodist._ops.common import LazyModule, check_alike, divide_, root_of
-from aiodist._ops.objects import all_gather_object
+from aiodist._ops.objects import start_all_gather_object
+from aiodist._ops.requests import Request
+from aiodist._ops.tensors import LazyModule, divide_
+from aiodist._wire import codec
+from aiodist._wire.keys import sub_seq
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,6 +59,7 @@ class Issuer(Protocol):
         issue: Callable[[], Any],
         finish: Callable[[], T],
         stream_of: torch.Tensor,
+        seq: int,
     ) -> Work[T]: ...
 
 
@@ -68,31 +74,19 @@ _TORCH_OPS = {
 }
 
 
-def start(g: ProcessGroup, bridge: Issuer, name: str, args: tuple[Any, ...]) -> Work[Any]:
-    """Start collective ``name`` with ``args`` (the collective's arguments but ``group``)."""
-    return _STARTERS[name](g, bridge, *args)
+def start(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    """Start ``req`` (checked: ``_ops.forms``) on torch.distributed as ``g``'s operation ``seq``."""
+    return _STARTERS[req.op](g, bridge, req, seq)
 
 
-def _tensor(t: object, name: str, bridge: Issuer) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+def _on_bridge(t: torch.Tensor | None, name: str, bridge: Issuer) -> torch.Tensor:
+    assert t is not None
     if not bridge.crosses(t):
         raise ArgumentError(
             f"{name} is on {t.device}, but the other tensors of this collective are on "
             f"{', '.join(bridge.devices)}; put them on one device"
         )
-    if t.layout != torch.strided:
-        raise ArgumentError(f"{name} must be a dense (strided) tensor, got {t.layout}")
     return t
-
-
-def _tensors(ts: object, name: str, bridge: Issuer, length: int | None) -> list[torch.Tensor]:
-    if not isinstance(ts, list | tuple):
-        raise ArgumentTypeError(f"{name} must be a list of tensors, got {type(ts).__name__}")
-    out = [_tensor(t, f"{name}[{i}]", bridge) for i, t in enumerate(ts)]
-    if length is not None and len(out) != length:
-        raise ArgumentError(f"{name} must hold one tensor per rank ({length}), got {len(out)}")
-    return out
 
 
 def _torch_op(op: str) -> Any:
@@ -112,10 +106,10 @@ def _copy_back(t: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]
     return finish
 
 
-def _all_reduce(g: ProcessGroup, bridge: Issuer, data: object, op: object) -> Work[Any]:
-    t = _tensor(data, "tensor", bridge)
-    reduce_op = reduce_ops.reduce_op(op)
-    reduce_ops.check_op_dtype(reduce_op, t.dtype)
+def _all_reduce(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    t = _on_bridge(req.tensor, "tensor", bridge)
+    reduce_op = req.reduce_op
+    assert reduce_op is not None
     buf = _dense(t)
     pg = bridge.torch_group
     # NCCL averages natively; gloo sums, and the mean is taken on its completion thread.
@@ -129,20 +123,19 @@ def _all_reduce(g: ProcessGroup, bridge: Issuer, data: object, op: object) -> Wo
         return copy_back()
 
     return bridge.start(
-        f"all_reduce(op={reduce_op})",
+        req.description,
         lambda: dist.all_reduce(buf, op=torch_op, group=pg, async_op=True),
         finish,
         buf,
+        seq,
     )
 
 
-def _reduce(
-    g: ProcessGroup, bridge: Issuer, data: object, dst: object, op: object, group_dst: object
-) -> Any:
-    t = _tensor(data, "tensor", bridge)
-    reduce_op = reduce_ops.reduce_op(op)
-    reduce_ops.check_op_dtype(reduce_op, t.dtype)
-    root = root_of(g, dst, group_dst, "dst")
+def _reduce(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    t = _on_bridge(req.tensor, "tensor", bridge)
+    reduce_op, root = req.reduce_op, req.root
+    assert reduce_op is not None
+    assert root is not None
     buf = _dense(t)
     pg = bridge.torch_group
     torch_op = _torch_op(reduce_op.replace("mean", "sum"))
@@ -161,17 +154,15 @@ def _reduce(
     def issue() -> Any:
         return dist.reduce(scratch, dst=g.global_rank(root), op=torch_op, group=pg, async_op=True)
 
-    return bridge.start(f"reduce(dst={root}, op={reduce_op})", issue, finish, buf)
+    return bridge.start(req.description, issue, finish, buf, seq)
 
 
-def _reduce_scatter(g: ProcessGroup, bridge: Issuer, inputs: object, op: object) -> Any:
-    tensors = [_dense(x) for x in _tensors(inputs, "inputs", bridge, g.world_size)]
-    reduce_op = reduce_ops.reduce_op(op)
-    check_alike(tensors, "inputs")
+def _reduce_scatter(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    tensors = [_dense(_on_bridge(x, f"inputs[{i}]", bridge)) for i, x in enumerate(req.inputs)]
+    reduce_op = req.reduce_op
+    assert reduce_op is not None
     first = tensors[0]
-    reduce_ops.check_op_dtype(reduce_op, first.dtype)
     pg, p = bridge.torch_group, g.world_size
-    description = f"reduce_scatter(op={reduce_op})"
     if first.device.type == "cuda":
         out = torch.empty_like(first, memory_format=torch.contiguous_format)
         native_mean = reduce_op == "mean" and first.dtype.is_floating_point
@@ -183,10 +174,11 @@ def _reduce_scatter(g: ProcessGroup, bridge: Issuer, inputs: object, op: object)
             return out
 
         return bridge.start(
-            description,
+            req.description,
             lambda: dist.reduce_scatter(out, tensors, op=torch_op, group=pg, async_op=True),
             finish_cuda,
             out,
+            seq,
         )
     sent = torch.cat([x.reshape(-1) for x in tensors])
     got = torch.empty_like(sent)
@@ -201,31 +193,33 @@ def _reduce_scatter(g: ProcessGroup, bridge: Issuer, inputs: object, op: object)
         return out.view(first.shape)
 
     return bridge.start(
-        description,
+        req.description,
         lambda: dist.all_to_all_single(got, sent, group=pg, async_op=True),
         finish,
         sent,
+        seq,
     )
 
 
-def _broadcast(
-    g: ProcessGroup, bridge: Issuer, data: object, src: object, group_src: object
-) -> Any:
-    t = _tensor(data, "tensor", bridge)
-    root = root_of(g, src, group_src, "src")
+def _broadcast(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    t = _on_bridge(req.tensor, "tensor", bridge)
+    root = req.root
+    assert root is not None
     buf = _dense(t)
     pg = bridge.torch_group
     return bridge.start(
-        f"broadcast(src={root})",
+        req.description,
         lambda: dist.broadcast(buf, src=g.global_rank(root), group=pg, async_op=True),
         _copy_back(t, buf),
         buf,
+        seq,
     )
 
 
-def _gather(g: ProcessGroup, bridge: Issuer, data: object, dst: object, group_dst: object) -> Any:
-    t = _tensor(data, "tensor", bridge)
-    root = root_of(g, dst, group_dst, "dst")
+def _gather(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    t = _on_bridge(req.tensor, "tensor", bridge)
+    root = req.root
+    assert root is not None
     buf = _dense(t)
     pg = bridge.torch_group
     out = (
@@ -237,57 +231,54 @@ def _gather(g: ProcessGroup, bridge: Issuer, data: object, dst: object, group_ds
     def issue() -> Any:
         return dist.gather(buf, out, dst=g.global_rank(root), group=pg, async_op=True)
 
-    return bridge.start(f"gather(dst={root})", issue, lambda: out or [], buf)
+    return bridge.start(req.description, issue, lambda: out or [], buf, seq)
 
 
-def _scatter(
-    g: ProcessGroup,
-    bridge: Issuer,
-    data: object,
-    scatter_list: object,
-    src: object,
-    group_src: object,
-) -> Any:
-    t = _tensor(data, "tensor", bridge)
-    root = root_of(g, src, group_src, "src")
-    parts: list[torch.Tensor] | None = None
+def _scatter(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    t = _on_bridge(req.tensor, "tensor", bridge)
+    root = req.root
+    assert root is not None
+    parts = None
     if g.rank == root:
-        if not scatter_list:
-            raise ArgumentError("Argument ``scatter_list`` must be specified on source rank.")
-        parts = [_dense(x) for x in _tensors(scatter_list, "scatter_list", bridge, g.world_size)]
-        for i, part in enumerate(parts):
-            if part.dtype != t.dtype or part.shape != t.shape:
-                raise ArgumentError(
-                    f"scatter_list[{i}] is {part.dtype} {list(part.shape)}, but data is "
-                    f"{t.dtype} {list(t.shape)}"
-                )
+        parts = [
+            _dense(_on_bridge(x, f"scatter_list[{i}]", bridge)) for i, x in enumerate(req.inputs)
+        ]
     buf = _dense(t)
     pg = bridge.torch_group
 
     def issue() -> Any:
         return dist.scatter(buf, parts, src=g.global_rank(root), group=pg, async_op=True)
 
-    return bridge.start(f"scatter(src={root})", issue, _copy_back(t, buf), buf)
+    return bridge.start(req.description, issue, _copy_back(t, buf), buf, seq)
 
 
-def _all_gather(g: ProcessGroup, bridge: Issuer, data: object) -> Any:
-    t = _dense(_tensor(data, "data", bridge))
+def _all_gather(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    t = _dense(_on_bridge(req.tensor, "tensor", bridge))
     pg = bridge.torch_group
     out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in g.ranks]
     return bridge.start(
-        "all_gather", lambda: dist.all_gather(out, t, group=pg, async_op=True), lambda: out, t
+        req.description,
+        lambda: dist.all_gather(out, t, group=pg, async_op=True),
+        lambda: out,
+        t,
+        seq,
     )
 
 
-def _all_to_all(g: ProcessGroup, bridge: Issuer, inputs: object) -> Any:
-    tensors = _tensors(inputs, "inputs", bridge, g.world_size)
-    dtypes = {x.dtype for x in tensors}
-    if len(dtypes) > 1:
-        raise ArgumentError(f"inputs must share one dtype, got {sorted(map(str, dtypes))}")
+def _all_to_all(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
+    tensors = [_on_bridge(x, f"inputs[{i}]", bridge) for i, x in enumerate(req.inputs)]
     pg = bridge.torch_group
-    # Shapes may differ from pair to pair: agree on them first (on the data plane, taking
-    # the group's sequence number now), then exchange one flat buffer with split sizes.
-    shapes = all_gather_object([list(x.shape) for x in tensors], group=g)
+    # Shapes may differ from pair to pair: agree on them first (on the data plane, as a
+    # part of this call), then exchange one flat buffer with split sizes.
+    shapes = start_all_gather_object(
+        g,
+        sub_seq(seq, 0),
+        Request(
+            op="all_gather_object",
+            description="all_to_all.shapes",
+            payload=codec.dumps([list(x.shape) for x in tensors]),
+        ),
+    )
     sent = torch.cat([x.reshape(-1) for x in tensors])
     me = g.rank
     state: dict[str, Any] = {}
@@ -305,7 +296,7 @@ def _all_to_all(g: ProcessGroup, bridge: Issuer, inputs: object) -> Any:
         pieces = state["got"].split(state["sizes"])
         return [p.view(shape) for p, shape in zip(pieces, state["incoming"], strict=True)]
 
-    return bridge.start("all_to_all", issue, finish, sent)
+    return bridge.start(req.description, issue, finish, sent, seq)
 
 
 _STARTERS: dict[str, Callable[..., Work[Any]]] = {

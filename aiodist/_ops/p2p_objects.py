@@ -1,0 +1,195 @@
+"""Point-to-point on Python objects: ``isend_object``/``irecv_object``, and torch's
+``send_object_list``/``recv_object_list``.
+
+An object is encoded once when the send is called (msgpack when plain, else
+pickle) and travels as one message of its own kind (``MatchKind.OBJECT_P2P``):
+its receive does not know its size in advance. The rules of ``p2p`` hold:
+messages match by (group, source, tag) in send order, and a send that fails
+(an object that cannot be pickled) sends ``PEER_ABORT`` in its message's place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
+from aiodist._group.work import Work
+from aiodist._ops import staging
+from aiodist._ops.p2p import abort_send, any_peer, p2p_group, peer_of, send_message
+from aiodist._ops.requests import outsider
+from aiodist._ops.run import chain
+from aiodist._wire import codec
+from aiodist._wire.keys import MatchKind
+
+if TYPE_CHECKING:
+    from aiodist._group.group import ProcessGroup
+    from aiodist._plane.peers import Received
+
+__all__ = [
+    "irecv_object",
+    "isend_object",
+    "receive_object",
+    "recv_object_list",
+    "send_object",
+    "send_object_list",
+]
+
+# The tag of send_object_list's messages: apart from every tag users can pass (>= 0).
+_OBJECT_LIST_TAG = -1
+
+
+def isend_object(
+    obj: object, dst: int, group: ProcessGroup | None = None, tag: int = 0
+) -> Work[None]:
+    """Start sending a Python object to rank ``dst`` (msgpack when plain, else pickle).
+
+    Example:
+        >>> await aiodist.isend_object({"step": 3}, dst=1)
+    """
+    g = p2p_group(group, "isend_object")
+    dst = peer_of(g, dst, None, "dst", tag)
+    return send_object(g, dst, tag, obj)
+
+
+def send_object(g: ProcessGroup, dst: int, tag: int, obj: object) -> Work[None]:
+    """Send ``obj`` to global rank ``dst`` with ``tag`` (checked; negative tags are aiodist's)."""
+    description, key = (
+        f"isend_object(dst={dst}, tag={tag})",
+        (MatchKind.OBJECT_P2P, g.group_id, tag, 0),
+    )
+    try:
+        data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
+    except BaseException as exc:
+        abort_send(g, dst, key, description, exc)
+        raise
+    return send_message(g, description, dst, key, None, data)
+
+
+def irecv_object(
+    src: int | None = None, group: ProcessGroup | None = None, tag: int = 0
+) -> Work[Any]:
+    """Start receiving a Python object from ``src`` (any rank when None).
+
+    Returns:
+        Work resolving to the object.
+    """
+    g = p2p_group(group, "irecv_object")
+    src = any_peer(g, src, None, "src", tag)
+    return receive_object(g, src, tag, with_sender=False)
+
+
+def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool) -> Work[Any]:
+    """Receive an object from ``src`` (None: any) with ``tag``; ``(obj, sender)`` if asked."""
+    work = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
+
+    def arrived(msg: Received | BaseException) -> None:
+        try:
+            if isinstance(msg, BaseException):
+                raise msg
+            obj = codec.loads(msg.data)
+        except Exception as exc:
+            g.fail(work, exc, collective=False)
+        else:
+            work.set_result((obj, msg.src) if with_sender else obj)
+
+    g.session.plane.post(src, (MatchKind.OBJECT_P2P, g.group_id, tag, 0), None, arrived)
+    return work
+
+
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> Work[None]:
+    """Send the objects of ``object_list`` to rank ``dst`` (torch's ``send_object_list``).
+
+    The list travels as one message (msgpack when plain, else pickle); the
+    receiver's ``recv_object_list`` replaces the items of its list.
+
+    Args:
+        object_list: The objects (encoded now).
+        dst: Global rank of the receiver.
+        group: Defaults to the world group.
+        device: torch's device for its staging tensors; accepted and not needed.
+        group_dst: ``dst`` as a rank of ``group``.
+        use_batch: torch's batching flag; accepted.
+
+    Returns:
+        Work that completes once the message is handed over.
+
+    Raises:
+        ValueError: ``dst`` is this rank, not a member, or missing.
+        TypeError: ``object_list`` is not a list.
+
+    Example:
+        >>> await aiodist.send_object_list([{"step": 3}], dst=1)
+    """
+    g = p2p_group(group, "send_object_list")
+    if outsider(g):
+        return Work.completed(None)
+    dst = peer_of(g, dst, group_dst, "dst")
+    if dst == g.session.rank:
+        raise ArgumentError(
+            "Invalid destination rank: destination rank should not be the same as the rank "
+            "of the current process."
+        )
+    if not isinstance(object_list, list):
+        raise ArgumentTypeError(f"object_list must be a list, got {type(object_list).__name__}")
+    staging.settle_streams(object_list)
+    return send_object(g, dst, _OBJECT_LIST_TAG, object_list)
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+    use_batch: bool = False,
+) -> Work[int]:
+    """Receive objects sent by ``send_object_list`` into ``object_list`` (torch's).
+
+    Args:
+        object_list: A list as long as the sender's; its items are replaced.
+        src: Global rank of the sender; any rank when None.
+        group: Defaults to the world group.
+        device: Accepted for torch's signature.
+        group_src: ``src`` as a rank of ``group``.
+        use_batch: torch's batching flag; accepted.
+
+    Returns:
+        Work resolving to the sender's global rank.
+
+    Raises:
+        TypeError: ``object_list`` is not a list.
+        CollectiveMismatchError: The sender's list has another length.
+
+    Example:
+        >>> objs = [None]
+        >>> await aiodist.recv_object_list(objs, src=0)
+    """
+    g = p2p_group(group, "recv_object_list")
+    if outsider(g):
+        return Work.completed(-1)
+    if src is not None or group_src is not None:
+        src = peer_of(g, src, group_src, "src")
+    if not isinstance(object_list, list):
+        raise ArgumentTypeError(f"object_list must be a list, got {type(object_list).__name__}")
+    got = receive_object(g, src, _OBJECT_LIST_TAG, with_sender=True)
+
+    def place(pair: tuple[Any, int]) -> int:
+        items, sender = pair
+        if len(items) != len(object_list):
+            raise CollectiveMismatchError(
+                f"recv_object_list got {len(items)} objects from rank {sender} for a list of "
+                f"{len(object_list)}; pass lists of the same length on both sides",
+                field="shape",
+                values_by_rank={g.session.rank: len(object_list), sender: len(items)},
+            )
+        object_list[:] = items
+        return sender
+
+    return chain(got, place)

@@ -1,0 +1,212 @@
+"""The one set-up every collective shares: ``run(call, start)``.
+
+A public function reads its arguments into a ``Call`` (``forms``,
+``object_forms``) and hands it here with its algorithm's ``start``. ``run``
+then, in this order:
+
+1. resolves the group (the default group; None when nothing is initialised);
+2. takes the call's place in the group's order (``Slot``) before anything
+   else, so that a call failing its checks on one rank still holds its number
+   there and aborts it on every member;
+3. runs the call's checks, which return the canonical ``Request``, or its
+   answer when nothing is to be sent (a process outside the group, world size 1);
+4. hands a call whose tensors a torch bridge carries to torch.distributed
+   (``ProcessGroup.bridge``; a failed check then breaks the group, since torch
+   cannot leave out one rank's part);
+5. stages a call on device tensors through host memory (``staging``): the
+   same request on host copies, its results copied back;
+6. starts the algorithm: ``start(g, seq, request)``, which returns the ``Work``;
+   the request's ``deliver`` makes the call's value of the result (torch's
+   output lists filled, mmengine's new tensors returned).
+
+Point-to-point is not here: it takes no place in a group's order (``p2p``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiodist._group.world import get_default_group
+from aiodist._ops import staging
+from aiodist._ops.requests import NOT_DONE, Request
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
+    from aiodist._ops.requests import Call
+
+__all__ = ["Slot", "chain", "resolve_group", "run"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """``group``, else the default group, else None (not initialised: world size 1)."""
+    if group is not None:
+        return group
+    return get_default_group()
+
+
+class Slot:
+    """A call's place in its group's order, taken first; an error before the op starts aborts it.
+
+    ``with Slot(g, "all_gather_object") as seq:`` takes the next sequence number
+    (``ProcessGroup.take_seq``; 0 when ``g`` is None, not initialised), then runs
+    the call's checks and encoding. If they raise, the call is aborted on every
+    member (``ProcessGroup.abort``) and the error goes on to the caller: a call
+    that fails on one rank neither leaves the others waiting nor hands its
+    number to this rank's next call. Start the operation with ``seq`` after the
+    block. With ``torch`` (the call may issue collectives to torch.distributed,
+    which cannot leave out one rank's part), a failure breaks the group instead.
+    """
+
+    __slots__ = ("description", "g", "seq", "torch")
+
+    def __init__(self, g: ProcessGroup | None, description: str, *, torch: bool = False) -> None:
+        self.g = g
+        self.description = description
+        self.torch = torch
+        # A process outside ``g`` takes no place: torch.distributed skips the call there.
+        self.seq = 0 if g is None or g.rank < 0 else g.take_seq()
+
+    def __enter__(self) -> int:
+        return self.seq
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self.g is not None and self.seq:
+            self.g.abort(self.seq, self.description, exc, torch=self.torch)
+
+
+def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) -> Work[Any]:
+    """Make ``call``: the set-up every collective shares (the module docstring), then ``start``."""
+    from aiodist._group.work import Work
+
+    g = resolve_group(call.group)
+    bridge = _bridge_for(g, call.first)
+    torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
+    with Slot(g, call.name, torch=torch) as seq:
+        req = call.check(g)
+        if req.answer is not NOT_DONE:
+            if g is not None and g.rank < 0:
+                logger.debug("skipping %s on a process outside %r", call.name, g)
+            return Work.completed(req.answer)
+        assert g is not None
+        if bridge is not None and req.bridged:
+            return _delivered(g.bridge.start_collective(req, seq), req)  # type: ignore[union-attr]
+    first = req.first
+    if first is not None and staging.on_device(first):
+        return _staged(g, seq, req, start)
+    return _delivered(start(g, seq, req), req)
+
+
+def _bridge_for(g: ProcessGroup | None, first: object) -> Any:
+    if g is None or g.bridge is None:
+        return None
+    if isinstance(first, list | tuple):  # reduce_scatter, all_to_all: a list of tensors
+        first = first[0] if first else None
+    return g.bridge if g.bridge.crosses(first) else None
+
+
+def _delivered(work: Work[Any], req: Request) -> Work[Any]:
+    if req.outputs is None and req.resolve is None:
+        return work
+    return chain(work, req.deliver)
+
+
+def _staged(
+    g: ProcessGroup,
+    seq: int,
+    req: Request,
+    start: Callable[[ProcessGroup, int, Request], Work[Any]],
+) -> Work[Any]:
+    """The same request on host copies of its device tensors; the results copied back."""
+    whole_in = req.whole.get("inputs")
+    whole_out = req.whole.get("outputs")
+    named = [*([req.tensor] if req.tensor is not None else [])]
+    named += [whole_in[0]] if whole_in is not None else req.inputs
+    first = req.first
+    assert first is not None
+    host_out: list[torch.Tensor] = []  # host buffers for the caller's outputs, to copy back
+
+    def on_host(hosts: list[torch.Tensor]) -> Work[Any]:
+        tensor = hosts[0] if req.tensor is not None else None
+        rest = hosts[1:] if req.tensor is not None else hosts
+        outputs = None
+        if whole_out is not None:
+            host_out.append(staging.host_buffer(whole_out[0]))
+            outputs = whole_out[1](host_out[0])
+        elif req.outputs is not None:
+            host_out.extend(staging.host_buffer(o) for o in req.outputs)
+            outputs = list(host_out)
+        host = Request(
+            op=req.op,
+            description=req.description,
+            tensor=tensor,
+            in_place=req.in_place,
+            inputs=whole_in[1](rest[0]) if whole_in is not None else rest,
+            outputs=outputs,
+            fill=req.fill,
+            reduce_op=req.reduce_op,
+            root=req.root,
+            shm=False,
+        )
+        return chain(start(g, seq, host), host.filled)
+
+    def back(hosts: list[torch.Tensor], got: Any) -> Any:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if req.in_place and req.tensor is not None:
+            pairs.append((req.tensor, hosts[0]))
+        if host_out:  # the caller's outputs, filled on the host
+            device_out = [whole_out[0]] if whole_out is not None else req.outputs
+            assert device_out is not None
+            pairs += zip(device_out, host_out, strict=True)
+            value: Any = req.outputs if isinstance(got, list) else req.outputs[0]  # type: ignore[index]
+        elif isinstance(got, list):
+            new, value = staging.new_on_device(got, first)
+            pairs += new
+        elif got is hosts[0] and req.tensor is not None:
+            value = req.tensor
+        else:
+            new, (value,) = staging.new_on_device([got], first)
+            pairs += new
+        return pairs, value if req.resolve is None else req.resolve(value)
+
+    return staging.staged(g, seq, req.description, named, on_host, back)
+
+
+def chain(work: Work[T], fn: Callable[[T], R], description: str | None = None) -> Work[R]:
+    """A handle that resolves to ``fn(result of work)`` once ``work`` is done (on its loop).
+
+    Takes no place in any order: for calls whose one operation is ``work``
+    (a torch-form call that copies a result into the caller's tensors).
+    """
+    from aiodist._group.work import Work
+
+    name = description or work.description
+    if work.is_completed():
+        try:
+            return Work.completed(fn(work.result()), name)
+        except Exception as exc:
+            return Work.failed(exc, name)
+    loop = work.loop
+    assert loop is not None
+    out: Work[R] = Work.pending(loop, name)
+
+    def done(w: Work[T]) -> None:
+        try:
+            value = fn(w.result())
+        except BaseException as exc:
+            out.set_exception(exc)
+        else:
+            out.set_result(value)
+
+    work.when_done(done)
+    return out
