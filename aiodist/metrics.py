@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import numbers
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
@@ -73,12 +72,14 @@ from aiodist._group.world import is_initialized
 from aiodist._metrics.board import Board
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.record import Single, encode_host
-from aiodist._metrics.results import MetricResults, MetricsWriter
+from aiodist._metrics.results import MetricResults, MetricsWriter, deliver, deliver_when_done
 from aiodist._metrics.state import (
+    INT_LIMIT,
     REDUCTIONS,
     Accumulator,
     Reduction,
     check_reduction,
+    check_update,
     host_number,
 )
 from aiodist._metrics.state import take_snapshot as _take_snapshot
@@ -97,7 +98,6 @@ __all__ = ["REDUCTIONS", "MetricAggregator", "MetricResults", "MetricsWriter", "
 logger = logging.getLogger(__name__)
 
 _MAX_KEY_SETS = 64  # single encodings an aggregator keeps
-_INT_LIMIT = 2**1023  # a float holds every integer below this (to within rounding)
 _tensor: type | None = None  # torch.Tensor, once torch is imported here
 
 
@@ -192,7 +192,7 @@ class MetricAggregator:
             self._single is None
             and not self._accs
             and (kind is float or kind is int)
-            and 0 <= weight < _INT_LIMIT
+            and 0 <= weight < INT_LIMIT
         ):
             # The interval's first update, of host numbers: kept as it came (the names,
             # not the values: no tensor is kept alive). Inlined: it runs every step.
@@ -211,7 +211,7 @@ class MetricAggregator:
                         break  # a bool or complex tensor
                 elif vkind is float:
                     x = value
-                elif vkind is int and -_INT_LIMIT < value < _INT_LIMIT:
+                elif vkind is int and -INT_LIMIT < value < INT_LIMIT:
                     x = value  # a float holds it (the general path raises for one it cannot)
                 else:
                     break  # anything else takes the general path, which checks it
@@ -224,38 +224,7 @@ class MetricAggregator:
         self._update(weight, values)
 
     def _update(self, weight: float | Any, values: dict[str, Any]) -> None:
-        import torch
-
-        tensor = torch.Tensor
-        host_weight: float | None = None  # the weight as a float, unless it lives on a device
-        if isinstance(weight, tensor):
-            if weight.numel() != 1:
-                raise ValueError(f"weight must be one number, got a tensor of {weight.numel()}")
-            if weight.is_cpu:
-                host_weight = float(weight.item())
-        elif isinstance(weight, numbers.Real) and not isinstance(weight, bool):
-            if weight < 0:
-                raise ValueError(f"weight must be >= 0, got {weight}")
-            try:
-                host_weight = float(weight)
-            except OverflowError:
-                raise ValueError("weight is an integer too large for a float") from None
-        else:
-            raise TypeError(f"weight must be a number or a tensor, got {type(weight).__name__}")
-        for name, value in values.items():  # check all first: no partial update
-            kind = type(value)
-            if kind is not tensor and kind is not float and kind is not int:
-                if not isinstance(value, tensor | numbers.Real) or isinstance(value, bool):
-                    raise TypeError(
-                        f"metric {name!r} must be a number or a tensor, got {kind.__name__}"
-                    )
-            if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
-                try:
-                    float(value)
-                except OverflowError:
-                    raise ValueError(
-                        f"metric {name!r} is an integer too large for a float"
-                    ) from None
+        host_weight = check_update(weight, values)  # all checked first: no partial update
         accs = self._accs
         for name, value in values.items():
             acc = accs.get(name)
@@ -343,7 +312,7 @@ class MetricAggregator:
                 if record is not None:
                     work = board.queue(number - self._first, g.next_seq(), record)
                     if on_done is not None:
-                        _deliver_when_done(work, on_done, board.loop)
+                        deliver_when_done(work, on_done, board.loop)
                     return work
         single, self._single = self._single, None
         accs = self._accs
@@ -412,9 +381,9 @@ class MetricAggregator:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # plain code, not initialised: no loop, and done already
-                _deliver(work, on_done)
+                deliver(work, on_done)
             else:
-                _deliver_when_done(work, on_done, loop)
+                deliver_when_done(work, on_done, loop)
         return work
 
     def flush(self) -> Work[None]:
@@ -509,23 +478,3 @@ class MetricAggregator:
             if isinstance(route, Board) and route.group is self._agreed_group:
                 route.single_encoding = self._single_encoding
                 self._board = route
-
-
-def _deliver_when_done(
-    work: Work[MetricResults],
-    on_done: Callable[[MetricResults], object],
-    loop: asyncio.AbstractEventLoop,
-) -> None:
-    # A loop turn after the sync finished, even when it is done already: callbacks
-    # run on the loop's thread, in call order.
-    work.when_done(lambda w: loop.call_soon(_deliver, w, on_done))
-
-
-def _deliver(work: Work[MetricResults], on_done: Callable[[MetricResults], object]) -> None:
-    if work.exception() is not None:
-        logger.warning("metrics sync failed: %s", work.exception())
-        return
-    try:
-        on_done(work.result())
-    except Exception:
-        logger.exception("the on_done callback of a metrics sync raised")

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
     from aiodist._control.store import Store
     from aiodist._group.session import Session
-    from aiodist._ops.requests import Request  # the bridge's calls, as _ops hands them over
 
 __all__ = ["Bridge", "ProcessGroup"]
 
@@ -69,8 +68,11 @@ class Bridge(Protocol):
         """True if ``tensor`` lives on a device this bridge carries."""
         ...
 
-    def start_collective(self, request: Request, seq: int) -> Work[Any]:
-        """Start the checked ``request`` on torch as the group's operation ``seq``."""
+    def start_collective(self, request: Any, seq: int) -> Work[Any]:
+        """Start ``request`` (a checked ``_ops.requests.Request``) on torch as operation ``seq``.
+
+        Typed ``Any`` here: ``_group`` knows nothing of the operations' requests.
+        """
         ...
 
     async def new_group(self, group: ProcessGroup, backend: str | None) -> None:

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from aiodist._errors import DistTimeoutError
 from aiodist._group.lingering import linger
-from aiodist._metrics.board_work import BoardWork, Bucket, wake
+from aiodist._metrics.board_work import BoardWork, Bucket, Waker
 from aiodist._metrics.slots import (
     BUCKETS,
     DEPTH,
@@ -142,8 +142,7 @@ class Board:
         self._stale: Entry | None = None  # the queue's head at the last poll
         self._idle = 0  # slow looks in a row that found nothing in flight
         g.on_close(self._closing)  # queued records reach every rank before the group goes
-        self._to_wake: list[list[Any]] = []  # settled handles whose waiters wake next
-        self._draining = False
+        self.waker = Waker(self.loop, self.lock, self.loop_thread)
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self.loop_thread
@@ -250,39 +249,8 @@ class Board:
 
     def _write(self, first: int, run: list[Entry]) -> None:
         """Write the records of ``run`` (syncs ``first, first + 1, ...``, one bucket)."""
-        slots = self._slots
-        memory = slots.memory
-        base, used = slots.claim(first)
         _, seqs, records = zip(*run, strict=True)
-        k = len(run)
-        head = records[0]
-        if type(head) is tuple and list(map(type, records)).count(tuple) == k:
-            # Lone updates, most likely all of one key set (a sync every step): its prefix
-            # once, then every update's numbers, in a few calls whatever their number.
-            keys, numbers = zip(*records, strict=True)
-            names = head[0]
-            assert self.single_encoding is not None
-            single = self.single_encoding(names)
-            if single.nbytes <= MAX_RECORD_BYTES and keys.count(names) == k:
-                at = used + len(single.prefix)
-                memory[base + used : base + at] = single.prefix
-                single.pack_values(memory, base + at, numbers)
-                slots.commit_values(first, seqs, used, at, single.values_bytes)
-                return
-        encoded = [self._encode(record) for record in records]
-        data = b"".join(e for e in encoded if e is not None)
-        memory[base + used : base + used + len(data)] = data
-        slots.commit_records(first, seqs, [None if e is None else len(e) for e in encoded], used)
-
-    def _encode(self, record: Record) -> bytes | None:
-        """``record`` as written; None if it does not fit."""
-        if type(record) is tuple:
-            names, numbers = record
-            assert self.single_encoding is not None
-            single = self.single_encoding(names)
-            return single.encode(numbers) if single.nbytes <= MAX_RECORD_BYTES else None
-        assert isinstance(record, bytes)
-        return record if len(record) <= MAX_RECORD_BYTES else None
+        self._slots.write_run(first, seqs, records, self.single_encoding)
 
     # --- noticing completion -----------------------------------------------------------------
 
@@ -297,10 +265,10 @@ class Board:
         with self.lock:
             if self._failure is None:
                 self._flush_locked()
-                drain = self.queue_wake_locked(self._copy_locked(eager))
+                drain = self.waker.queue_locked(self._copy_locked(eager))
             else:
                 drain = None
-        self.run_wake(drain)
+        self.waker.run(drain)
 
     def _copy_locked(self, eager: bool) -> list[list[Any]]:
         """Copy out the syncs every rank wrote since the last look (buckets someone holds)."""
@@ -359,34 +327,6 @@ class Board:
         """Hold ``work`` and settle it once its sync is copied out (someone waits for it)."""
         self._watched[work.index] = work
 
-    # Handles wake on the loop's thread in the order they settled (which is index
-    # order), whichever thread settled them: one queue, drained by one callback.
-
-    def queue_wake_locked(self, woken: list[list[Any]]) -> bool | None:
-        """Queue ``woken``; True: drain it now (loop thread), False: soon, None: no need."""
-        if not woken:
-            return None
-        self._to_wake.extend(woken)
-        if self._draining:
-            return None
-        self._draining = True
-        return self.on_loop_thread()
-
-    def run_wake(self, drain: bool | None) -> None:
-        if drain:
-            self._drain()
-        elif drain is False and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        while True:
-            with self.lock:
-                items, self._to_wake = self._to_wake, []
-                if not items:
-                    self._draining = False
-                    return
-            wake(items)
-
     def _fail_locked(self, error: BaseException) -> list[list[Any]]:
         """Fail every sync not complete yet; nothing more is written."""
         woken = self._copy_locked(eager=True)
@@ -430,11 +370,11 @@ class Board:
             if error is not None:
                 with self.lock:
                     drain = (
-                        self.queue_wake_locked(self._fail_locked(error))
+                        self.waker.queue_locked(self._fail_locked(error))
                         if self._failure is None
                         else None
                     )
-                self.run_wake(drain)
+                self.waker.run(drain)
                 return
             await asyncio.sleep(delay)  # the other ranks' progress is only seen by looking
             delay = min(POLL_MAX, delay * 2)
@@ -449,9 +389,7 @@ class Board:
         if done:
             return None
         task = linger(self.drain(complete=True), name="aiodist-metrics-drain")
-        inflight = self.session.inflight  # the session's close waits for it too
-        inflight.add(task)
-        task.add_done_callback(inflight.discard)
+        self.group.spawn(task)  # the session's close waits for it too
         return task
 
     # --- the poller (the loop's thread) ------------------------------------------------------
@@ -498,7 +436,7 @@ class Board:
         with self.lock:
             drain = None
             if error is not None and self._failure is None:
-                drain = self.queue_wake_locked(self._fail_locked(error))
+                drain = self.waker.queue_locked(self._fail_locked(error))
             watched = bool(self._watched)
             # Syncs in flight keep it looking (slowly when nobody waits): it writes what
             # a caller left queued, and fails them all if the group breaks or times out.
@@ -521,7 +459,7 @@ class Board:
             else:
                 self._delay = min(POLL_MAX, period * 2)
             delay, polling = self._delay, self._polling
-        self.run_wake(drain)
+        self.waker.run(drain)
         if polling:
             self._arm(delay)
         elif self._queued:

@@ -11,6 +11,7 @@ when they are copied out; a sync's records (``Rows``) are decoded on first read.
 
 from __future__ import annotations
 
+import threading
 from array import array
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -24,12 +25,11 @@ from aiodist._metrics.state import Reduction, layout_of
 
 if TYPE_CHECKING:
     import asyncio
-    import threading
     from collections.abc import Callable, Generator
 
     from aiodist._metrics.slots import Chunk
 
-__all__ = ["BoardWork", "Bucket", "Rows", "Settler", "wake"]
+__all__ = ["BoardWork", "Bucket", "Rows", "Settler", "Waker", "wake"]
 
 # Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
 _DELIVERY_WAIT: Final = 5.0
@@ -113,6 +113,7 @@ class Settler(Protocol):
 
     loop: asyncio.AbstractEventLoop
     lock: threading.Lock
+    waker: Waker
 
     def check(self, *, eager: bool = True) -> None: ...
 
@@ -121,10 +122,6 @@ class Settler(Protocol):
     def settle_locked(self, work: BoardWork) -> list[Any] | None: ...
 
     def watch_locked(self, work: BoardWork) -> None: ...
-
-    def queue_wake_locked(self, woken: list[list[Any]]) -> bool | None: ...
-
-    def run_wake(self, drain: bool | None) -> None: ...
 
     def watch(self, *, soon: bool = True) -> None: ...
 
@@ -175,11 +172,11 @@ class BoardWork(Work[MetricResults]):
             else:
                 items = [woken] if woken is not None else []
                 items.append([self, None, [fn]])
-                drain = board.queue_wake_locked(items)
+                drain = board.waker.queue_locked(items)
         if not self._done:
             board.watch()
         else:
-            board.run_wake(drain)
+            board.waker.run(drain)
 
     def add_done_callback(self, fn: Callable[[Work[MetricResults]], object]) -> None:
         """Call ``fn(self)`` on the event loop once the sync finished, in call order."""
@@ -203,8 +200,8 @@ class BoardWork(Work[MetricResults]):
                     else:
                         self._waiters.append(waiter)
                     board.watch_locked(self)
-                drain = board.queue_wake_locked([woken] if woken is not None else [])
-            board.run_wake(drain)
+                drain = board.waker.queue_locked([woken] if woken is not None else [])
+            board.waker.run(drain)
             if pending:
                 board.watch()
                 yield from waiter.__await__()
@@ -262,6 +259,50 @@ class BoardWork(Work[MetricResults]):
         if waiters is None and listeners is None:
             return None
         return [self, waiters, listeners]
+
+
+class Waker:
+    """Wakes settled handles on the loop's thread, in the order they settled.
+
+    Handles settle in index order, on whichever thread looked (the training
+    loop's, the event loop's): one queue, drained by one callback on the loop.
+    """
+
+    __slots__ = ("_draining", "_items", "_lock", "_loop", "_loop_thread")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, lock: threading.Lock, loop_thread: int
+    ) -> None:
+        self._loop, self._lock, self._loop_thread = loop, lock, loop_thread
+        self._items: list[list[Any]] = []  # settled handles whose waiters wake next
+        self._draining = False
+
+    def queue_locked(self, woken: list[list[Any]]) -> bool | None:
+        """Queue ``woken`` (under the lock); True: drain it now (loop thread), False: soon,
+        None: no need."""
+        if not woken:
+            return None
+        self._items.extend(woken)
+        if self._draining:
+            return None
+        self._draining = True
+        return threading.get_ident() == self._loop_thread
+
+    def run(self, drain: bool | None) -> None:
+        """Act on ``queue_locked``'s answer, outside the lock."""
+        if drain:
+            self._drain()
+        elif drain is False and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                items, self._items = self._items, []
+                if not items:
+                    self._draining = False
+                    return
+            wake(items)
 
 
 def wake(items: list[list[Any]]) -> None:

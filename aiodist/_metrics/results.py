@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,10 +13,15 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 from aiodist._group.world import get_rank
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    import asyncio
+    from collections.abc import Callable, Iterator
     from types import TracebackType
 
-__all__ = ["MetricResults", "MetricsWriter"]
+    from aiodist._group.work import Work
+
+__all__ = ["MetricResults", "MetricsWriter", "deliver", "deliver_when_done"]
+
+logger = logging.getLogger(__name__)
 
 
 class MetricResults(Mapping[str, float]):
@@ -183,3 +189,25 @@ def _csv_value(v: object) -> object:
     if isinstance(v, float) and not math.isfinite(v):
         return repr(v)  # nan, inf, -inf: what float() reads back
     return v
+
+
+def deliver_when_done(
+    work: Work[MetricResults],
+    on_done: Callable[[MetricResults], object],
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Call ``on_done`` with the sync's results on ``loop`` (see ``deliver``)."""
+    # A loop turn after the sync finished, even when it is done already: callbacks
+    # run on the loop's thread, in call order.
+    work.when_done(lambda w: loop.call_soon(deliver, w, on_done))
+
+
+def deliver(work: Work[MetricResults], on_done: Callable[[MetricResults], object]) -> None:
+    """Call ``on_done`` with a finished sync's results; log its error, or the callback's."""
+    if work.exception() is not None:
+        logger.warning("metrics sync failed: %s", work.exception())
+        return
+    try:
+        on_done(work.result())
+    except Exception:
+        logger.exception("the on_done callback of a metrics sync raised")

@@ -48,7 +48,9 @@ from typing import TYPE_CHECKING, Final
 from aiodist._metrics import record
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
+
+    from aiodist._metrics.record import Record, Single
 
 __all__ = [
     "BUCKETS",
@@ -298,6 +300,39 @@ class Slots:
         at = self.slot(index, self._rank) + _SEQS + index % GROUP * 8
         return int(COUNT.unpack_from(self._mem, at)[0])
 
+    def write_run(
+        self,
+        first: int,
+        seqs: Sequence[int],
+        records: Sequence[Record],
+        single_encoding: Callable[[tuple[str, ...]], Single] | None,
+    ) -> None:
+        """Write and commit this rank's ``records`` of syncs ``first, first + 1, ...`` (one bucket).
+
+        ``single_encoding`` encodes a lone update's key set (``record.Single``).
+        """
+        memory = self.memory
+        base, used = self.claim(first)
+        k = len(records)
+        head = records[0]
+        if type(head) is tuple and list(map(type, records)).count(tuple) == k:
+            # Lone updates, most likely all of one key set (a sync every step): its prefix
+            # once, then every update's numbers, in a few calls whatever their number.
+            keys, numbers = zip(*records, strict=True)
+            names = head[0]
+            assert single_encoding is not None
+            single = single_encoding(names)
+            if single.nbytes <= MAX_RECORD_BYTES and keys.count(names) == k:
+                at = used + len(single.prefix)
+                memory[base + used : base + at] = single.prefix
+                single.pack_values(memory, base + at, numbers)
+                self.commit_values(first, seqs, used, at, single.values_bytes)
+                return
+        encoded = [_encode(record, single_encoding) for record in records]
+        data = b"".join(e for e in encoded if e is not None)
+        memory[base + used : base + used + len(data)] = data
+        self.commit_records(first, seqs, [None if e is None else len(e) for e in encoded], used)
+
     def record_at(self, index: int, rank: int) -> int:
         """Where ``rank``'s record of sync ``index`` (or its numbers) starts, once written."""
         base = self.slot(index, rank)
@@ -306,6 +341,19 @@ class Slots:
         if kind == VALUES:
             offset += ((index - first) & 0xFFFFFFFF) * size
         return base + _DATA + int(offset)
+
+
+def _encode(
+    record: Record, single_encoding: Callable[[tuple[str, ...]], Single] | None
+) -> bytes | None:
+    """``record`` as written; None if it does not fit."""
+    if type(record) is tuple:
+        names, numbers = record
+        assert single_encoding is not None
+        single = single_encoding(names)
+        return single.encode(numbers) if single.nbytes <= MAX_RECORD_BYTES else None
+    assert isinstance(record, bytes)
+    return record if len(record) <= MAX_RECORD_BYTES else None
 
 
 def _crc(chunk: Chunk, index: int) -> int:

@@ -30,6 +30,7 @@ a few hundred bytes, where each torch call would cost more than the whole sum):
 from __future__ import annotations
 
 import math
+import numbers
 from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
@@ -40,12 +41,14 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "INT_LIMIT",
     "REDUCTIONS",
     "Accumulator",
     "Layout",
     "Reduction",
     "Snapshot",
     "check_reduction",
+    "check_update",
     "host_number",
     "layout_of",
     "take_snapshot",
@@ -55,6 +58,49 @@ Reduction = Literal["mean", "sum", "min", "max", "last"]
 REDUCTIONS: Final[tuple[Reduction, ...]] = ("mean", "sum", "min", "max", "last")
 _TOTAL, _COUNT, _NONFINITE, _EXTREME, _LAST = range(5)  # device record slots
 NEG_INF: Final = -math.inf
+#: A float holds every integer below this (to within rounding).
+INT_LIMIT: Final = 2**1023
+
+
+def check_update(weight: object, values: Mapping[str, Any]) -> float | None:
+    """Check an update's weight and values; return the weight as a float (None on a device).
+
+    Raises:
+        TypeError: A value or the weight is neither a number nor a tensor.
+        ValueError: A negative weight, a weight tensor with several elements, or an
+            integer too large for a float.
+    """
+    import torch
+
+    tensor = torch.Tensor
+    host_weight: float | None = None
+    if isinstance(weight, tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"weight must be one number, got a tensor of {weight.numel()}")
+        if weight.is_cpu:
+            host_weight = float(weight.item())
+    elif isinstance(weight, numbers.Real) and not isinstance(weight, bool):
+        if weight < 0:
+            raise ValueError(f"weight must be >= 0, got {weight}")
+        try:
+            host_weight = float(weight)
+        except OverflowError:
+            raise ValueError("weight is an integer too large for a float") from None
+    else:
+        raise TypeError(f"weight must be a number or a tensor, got {type(weight).__name__}")
+    for name, value in values.items():
+        kind = type(value)
+        if kind is not tensor and kind is not float and kind is not int:
+            if not isinstance(value, tensor | numbers.Real) or isinstance(value, bool):
+                raise TypeError(
+                    f"metric {name!r} must be a number or a tensor, got {kind.__name__}"
+                )
+        if kind is int and not -INT_LIMIT < value < INT_LIMIT:
+            try:
+                float(value)
+            except OverflowError:
+                raise ValueError(f"metric {name!r} is an integer too large for a float") from None
+    return host_weight
 
 
 def check_reduction(name: str, reduction: object) -> Reduction:

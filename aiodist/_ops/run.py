@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from aiodist._group.work import Work
 from aiodist._group.world import get_default_group
 from aiodist._ops import staging
 from aiodist._ops.requests import NOT_DONE, Request
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import ProcessGroup
-    from aiodist._group.work import Work
     from aiodist._ops.requests import Call
 
 __all__ = ["Slot", "chain", "resolve_group", "run"]
@@ -87,8 +87,6 @@ class Slot:
 
 def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) -> Work[Any]:
     """Make ``call``: the set-up every collective shares (the module docstring), then ``start``."""
-    from aiodist._group.work import Work
-
     g = resolve_group(call.group)
     bridge = _bridge_for(g, call.first)
     torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
@@ -165,10 +163,10 @@ def _staged(
         if req.in_place and req.tensor is not None:
             pairs.append((req.tensor, hosts[0]))
         if host_out:  # the caller's outputs, filled on the host
-            device_out = [whole_out[0]] if whole_out is not None else req.outputs
-            assert device_out is not None
-            pairs += zip(device_out, host_out, strict=True)
-            value: Any = req.outputs if isinstance(got, list) else req.outputs[0]  # type: ignore[index]
+            outs = req.outputs
+            assert outs is not None
+            pairs += zip([whole_out[0]] if whole_out is not None else outs, host_out, strict=True)
+            value: Any = outs if isinstance(got, list) else outs[0]
         elif isinstance(got, list):
             new, value = staging.new_on_device(got, first)
             pairs += new
@@ -188,8 +186,6 @@ def chain(work: Work[T], fn: Callable[[T], R], description: str | None = None) -
     Takes no place in any order: for calls whose one operation is ``work``
     (a torch-form call that copies a result into the caller's tensors).
     """
-    from aiodist._group.work import Work
-
     name = description or work.description
     if work.is_completed():
         try:

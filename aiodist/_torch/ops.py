@@ -89,6 +89,13 @@ def _on_bridge(t: torch.Tensor | None, name: str, bridge: Issuer) -> torch.Tenso
     return t
 
 
+def _rooted(req: Request, bridge: Issuer) -> tuple[torch.Tensor, int, torch.Tensor, Any]:
+    """A rooted call's tensor, root, its dense buffer and torch's group."""
+    t = _on_bridge(req.tensor, "tensor", bridge)
+    assert req.root is not None
+    return t, req.root, _dense(t), bridge.torch_group
+
+
 def _torch_op(op: str) -> Any:
     return getattr(dist.ReduceOp, _TORCH_OPS[op])
 
@@ -132,12 +139,9 @@ def _all_reduce(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work
 
 
 def _reduce(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
-    t = _on_bridge(req.tensor, "tensor", bridge)
-    reduce_op, root = req.reduce_op, req.root
+    t, root, buf, pg = _rooted(req, bridge)
+    reduce_op = req.reduce_op
     assert reduce_op is not None
-    assert root is not None
-    buf = _dense(t)
-    pg = bridge.torch_group
     torch_op = _torch_op(reduce_op.replace("mean", "sum"))
     copy_back = _copy_back(t, buf)
 
@@ -202,11 +206,7 @@ def _reduce_scatter(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> 
 
 
 def _broadcast(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
-    t = _on_bridge(req.tensor, "tensor", bridge)
-    root = req.root
-    assert root is not None
-    buf = _dense(t)
-    pg = bridge.torch_group
+    t, root, buf, pg = _rooted(req, bridge)
     return bridge.start(
         req.description,
         lambda: dist.broadcast(buf, src=g.global_rank(root), group=pg, async_op=True),
@@ -217,11 +217,7 @@ def _broadcast(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[
 
 
 def _gather(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
-    t = _on_bridge(req.tensor, "tensor", bridge)
-    root = req.root
-    assert root is not None
-    buf = _dense(t)
-    pg = bridge.torch_group
+    _, root, buf, pg = _rooted(req, bridge)
     out = (
         [torch.empty_like(buf, memory_format=torch.contiguous_format) for _ in g.ranks]
         if g.rank == root
@@ -235,16 +231,12 @@ def _gather(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any
 
 
 def _scatter(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
-    t = _on_bridge(req.tensor, "tensor", bridge)
-    root = req.root
-    assert root is not None
+    t, root, buf, pg = _rooted(req, bridge)
     parts = None
     if g.rank == root:
         parts = [
             _dense(_on_bridge(x, f"scatter_list[{i}]", bridge)) for i, x in enumerate(req.inputs)
         ]
-    buf = _dense(t)
-    pg = bridge.torch_group
 
     def issue() -> Any:
         return dist.scatter(buf, parts, src=g.global_rank(root), group=pg, async_op=True)
