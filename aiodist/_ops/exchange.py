@@ -7,7 +7,8 @@ the sender's signature, checked on arrival (``agreement``).
 
 The primitive is callback-driven, as the data plane is: ``post`` a receive and
 get the message, checked, in a callback; ``send_now`` writes at once, and a
-send the kernel did not take whole finishes in a task of the group's. The
+send the kernel did not take whole finishes in a task of the group's, which
+calls back when done. The
 small collectives run on these alone, with no task and no coroutine. The
 awaitable forms, ``recv`` (a future) and ``send``, are derived from them here,
 once, for algorithms written as coroutines. Either way, a message with another
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
     from aiodist._ops.agreement import Signature
-    from aiodist._plane.peers import Key, Received
+    from aiodist._plane.peers import Received
     from aiodist._wire.frame import Buffer
 
 __all__ = ["DISSEMINATE_MIN_RANKS", "Exchange", "exchange_rows"]
@@ -76,9 +77,6 @@ class Exchange:
         self._opening: asyncio.Future[None] | None = None
         if not rides and g.world_size > 1:
             self._open()
-
-    def key(self, step: int) -> Key:
-        return (MatchKind.COLLECTIVE, self.g.group_id, self.seq, step)
 
     def fail(self, exc: BaseException) -> None:
         """End the operation with ``exc`` by the group's rules."""
@@ -124,30 +122,31 @@ class Exchange:
             except Exception as exc:
                 self.fail(exc)
 
-        self._plane.post(self._ranks[src], self.key(step), dest, arrived)
+        key = (MatchKind.COLLECTIVE, g.group_id, self.seq, step)
+        self._plane.post(self._ranks[src], key, dest, arrived)
 
     def send_now(
         self,
         dst: int,
         step: int,
         payload: Buffer | None,
-        then: Callable[[], None] | None = None,
+        later: Callable[[], None] | None = None,
         *,
         extra: Any = None,
-    ) -> None:
-        """Send ``payload`` to ``dst`` as ``step``: written now, or finished in a task.
+    ) -> bool:
+        """Send ``payload`` to ``dst`` as ``step``: True once written, else it finishes in a task.
 
-        ``then()`` runs once the payload may be reused (at once when the kernel
-        took it all). ``extra`` rides after the signature (what differs from
-        pair to pair).
+        A send the kernel did not take whole finishes in a task of the group's,
+        which calls ``later()`` once the payload may be reused. ``extra`` rides
+        after the signature (what differs from pair to pair).
         """
         meta = self.mine if extra is None else [*self.mine, extra]
-        rest = self._plane.send_now(self._ranks[dst], self.key(step), meta, payload)
+        key = (MatchKind.COLLECTIVE, self.g.group_id, self.seq, step)
+        rest = self._plane.send_now(self._ranks[dst], key, meta, payload)
         if rest is None:
-            if then is not None:
-                then()
-            return
-        self.g.spawn(linger(self._finish(rest, then)))
+            return True
+        self.g.spawn(linger(self._finish(rest, later)))
+        return False
 
     async def _finish(
         self, rest: Coroutine[Any, Any, None], then: Callable[[], None] | None
@@ -186,7 +185,8 @@ class Exchange:
     async def send(self, dst: int, step: int, payload: Buffer | None, *, extra: Any = None) -> None:
         """``send_now``, awaited: returns once ``payload`` may be reused."""
         meta = self.mine if extra is None else [*self.mine, extra]
-        rest = self._plane.send_now(self._ranks[dst], self.key(step), meta, payload)
+        key = (MatchKind.COLLECTIVE, self.g.group_id, self.seq, step)
+        rest = self._plane.send_now(self._ranks[dst], key, meta, payload)
         if rest is not None:
             await self._rest(rest)
 
@@ -293,8 +293,8 @@ class _Rows:
         self.one_less()
 
     def send(self, dst: int, step: int, payload: memoryview | bytes | None) -> None:
-        self.one_more()  # until the kernel took it (at once, mostly)
-        self.ex.send_now(dst, step, payload, self.one_less)
+        if not self.ex.send_now(dst, step, payload, self.one_less):
+            self.one_more()  # until the kernel took it all (the task calls one_less)
 
 
 def _in_one_round(rows: _Rows, step: int) -> None:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from aiodist._group.group import ProcessGroup
+    from aiodist._group.group import Bridge, ProcessGroup
     from aiodist._ops.requests import Call
 
 __all__ = ["Slot", "chain", "resolve_group", "run"]
@@ -98,14 +98,15 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
             return Work.completed(req.answer)
         assert g is not None
         if bridge is not None and req.bridged:
-            return _delivered(g.bridge.start_collective(req, seq), req)  # type: ignore[union-attr]
+            return _delivered(bridge.start_collective(req, seq), req)
     first = req.first
     if first is not None and staging.on_device(first):
         return _staged(g, seq, req, start)
     return _delivered(start(g, seq, req), req)
 
 
-def _bridge_for(g: ProcessGroup | None, first: object) -> Any:
+def _bridge_for(g: ProcessGroup | None, first: object) -> Bridge | None:
+    """``g``'s torch bridge if it carries ``first`` (a tensor, or a list of them)."""
     if g is None or g.bridge is None:
         return None
     if isinstance(first, list | tuple):  # reduce_scatter, all_to_all: a list of tensors
