@@ -60,7 +60,7 @@ class Exchange:
     Ranks are group ranks. ``mine`` is this rank's signature (``agreement``).
     """
 
-    __slots__ = ("_opening", "_plane", "_ranks", "g", "mine", "seq", "work")
+    __slots__ = ("_opening", "_plane", "_ranks", "_session", "g", "mine", "seq", "work")
 
     def __init__(
         self,
@@ -72,7 +72,8 @@ class Exchange:
         rides: bool,
     ) -> None:
         self.g, self.work, self.seq, self.mine = g, work, seq, mine
-        self._plane = g.session.plane
+        self._session = session = g.session
+        self._plane = session.plane
         self._ranks = g.ranks
         self._opening: asyncio.Future[None] | None = None
         if not rides and g.world_size > 1:
@@ -100,8 +101,7 @@ class Exchange:
         work = self.work
         if work.is_completed():
             return
-        g = self.g
-        session = g.session
+        g, session = self.g, self._session
         if g.error is not None or g.closed or session.error is not None or session.closed:
             # Broken (or gone) already: a receive posted now would never be failed.
             try:
@@ -281,16 +281,14 @@ class _Rows:
     def one_more(self) -> None:
         self._left += 1
 
-    def one_less(self) -> None:
+    def one_less(self, _: object = None) -> None:
+        """One thing less to wait for (a message in, a send finished)."""
         self._left -= 1
         if self._left == 0 and not self.ex.work.is_completed():
             try:
                 self._done(self.staging)
             except Exception as exc:
                 self.ex.fail(exc)
-
-    def arrived(self, msg: Received) -> None:
-        self.one_less()
 
     def send(self, dst: int, step: int, payload: memoryview | bytes | None) -> None:
         if not self.ex.send_now(dst, step, payload, self.one_less):
@@ -302,7 +300,7 @@ def _in_one_round(rows: _Rows, step: int) -> None:
     p, me = ex.g.world_size, ex.g.rank
     for r in range(p):
         if r != me:
-            ex.post(r, step, rows.row(r), rows.arrived)
+            ex.post(r, step, rows.row(r), rows.one_less)
     for r in schedules.direct_peers(me, p):
         if ex.work.is_completed():
             return  # failed already (a mismatched message was waiting): say no more

@@ -166,7 +166,7 @@ def reduce_scatter_tensor(
             out.copy_(parts[0])
             return _done(out)
         req = _reduce_scatter(parts, out, reduce_op)
-        req.whole["inputs"] = (t, lambda whole: slices(whole, out, size) or [])
+        req.whole = {"inputs": (t, lambda whole: slices(whole, out, size) or [])}
         return req
 
     return Call("reduce_scatter_tensor", group, check, input)

@@ -19,13 +19,13 @@ check itself (``Request.done``): torch.distributed's, and mmengine's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
     from typing import TypeAlias
 
     import torch
@@ -78,9 +78,9 @@ class Request:
     description: str = ""
     tensor: torch.Tensor | None = None
     in_place: bool = False
-    inputs: list[torch.Tensor] = field(default_factory=list)
+    inputs: Sequence[torch.Tensor] = ()
     outputs: list[torch.Tensor] | None = None
-    whole: dict[str, tuple[torch.Tensor, Cut]] = field(default_factory=dict)
+    whole: dict[str, tuple[torch.Tensor, Cut]] | None = None
     fill: Literal["copy", "reshape", "exact"] = "copy"
     reduce_op: str | None = None
     root: int | None = None
@@ -102,7 +102,7 @@ class Request:
         """The tensor whose device says where the call runs."""
         if self.tensor is not None:
             return self.tensor
-        if "inputs" in self.whole:
+        if self.whole is not None and "inputs" in self.whole:
             return self.whole["inputs"][0]
         return self.inputs[0] if self.inputs else None
 

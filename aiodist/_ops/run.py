@@ -87,8 +87,8 @@ class Slot:
 
 def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) -> Work[Any]:
     """Make ``call``: the set-up every collective shares (the module docstring), then ``start``."""
-    g = resolve_group(call.group)
-    bridge = _bridge_for(g, call.first)
+    g = call.group if call.group is not None else get_default_group()
+    bridge = None if g is None or g.bridge is None else _bridge_for(g, call.first)
     torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
     with Slot(g, call.name, torch=torch) as seq:
         req = call.check(g)
@@ -105,9 +105,9 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
     return _delivered(start(g, seq, req), req)
 
 
-def _bridge_for(g: ProcessGroup | None, first: object) -> Bridge | None:
+def _bridge_for(g: ProcessGroup, first: object) -> Bridge | None:
     """``g``'s torch bridge if it carries ``first`` (a tensor, or a list of them)."""
-    if g is None or g.bridge is None:
+    if g.bridge is None:
         return None
     if isinstance(first, list | tuple):  # reduce_scatter, all_to_all: a list of tensors
         first = first[0] if first else None
@@ -127,8 +127,8 @@ def _staged(
     start: Callable[[ProcessGroup, int, Request], Work[Any]],
 ) -> Work[Any]:
     """The same request on host copies of its device tensors; the results copied back."""
-    whole_in = req.whole.get("inputs")
-    whole_out = req.whole.get("outputs")
+    whole = req.whole or {}
+    whole_in, whole_out = whole.get("inputs"), whole.get("outputs")
     named = [*([req.tensor] if req.tensor is not None else [])]
     named += [whole_in[0]] if whole_in is not None else req.inputs
     first = req.first
