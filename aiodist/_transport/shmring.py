@@ -14,6 +14,16 @@ the frames below are the transport's own and never reach the frame sink::
     RING_CHUNK [slot, n]               the payload's next n bytes are in slot
     RING_FREE  [slot]                  (other direction) the receiver is done with slot
 
+None of them is read before the data plane's handshake is done (see
+``base.py``): one that comes earlier closes the connection, so a stranger on
+the host, who can connect to any rank's Unix socket, makes no rank map or
+allocate anything. The connecting side says RING_HELLO once its side of the
+handshake is done, which puts it after the handshake on the wire too. Every
+field that comes from the peer is checked for its type and its range (a ring
+is at most ``MAX_SLOTS`` of ``MAX_SLOT_BYTES``, a segment is this user's
+regular file) before it is used: a bad one is a ``ProtocolError`` that
+closes the connection, never an error of this process.
+
 The sender copies chunk after chunk into free slots and the receiver copies
 each out straight into the sink's memory (the destination tensor) as its
 RING_CHUNK arrives, then frees the slot: two processes copy at once, each
@@ -45,10 +55,21 @@ from aiodist._wire.frame import Frame, Limits, MiB, encode_frame
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aiodist._transport.base import DataChannel, FrameSink
+    from aiodist._transport.admission import Admission
+    from aiodist._transport.base import FrameSink
     from aiodist._wire.frame import Buffer
+    from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["MIN_RING_BYTES", "ShmChannel", "ShmTransport", "connect", "listen", "scheme"]
+__all__ = [
+    "MAX_SLOTS",
+    "MAX_SLOT_BYTES",
+    "MIN_RING_BYTES",
+    "ShmChannel",
+    "ShmTransport",
+    "connect",
+    "listen",
+    "scheme",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +78,9 @@ scheme: Final = "uds"
 MIN_RING_BYTES: Final = 1 * MiB
 SLOT_BYTES: Final = 2 * MiB
 SLOTS: Final = 4
+#: The largest ring a peer may announce (and a ``ShmTransport`` may make): 256 MiB.
+MAX_SLOTS: Final = 16
+MAX_SLOT_BYTES: Final = 16 * MiB
 # Frame kinds of this transport, above every MessageKind (which stop below 96).
 RING_HELLO: Final = 96
 RING_DATA: Final = 97
@@ -70,6 +94,7 @@ class ShmChannel(StreamChannel):
     def __init__(
         self,
         sink: FrameSink,
+        admission: Admission | None = None,
         *,
         connecting: bool,
         min_bytes: int = MIN_RING_BYTES,
@@ -77,8 +102,7 @@ class ShmChannel(StreamChannel):
         slots: int = SLOTS,
         limits: Limits = DATA_LIMITS,
     ) -> None:
-        super().__init__(_RingSink(self, sink), limits)
-        self._user = sink
+        super().__init__(sink, admission, limits=limits)
         self._connecting = connecting
         self._min_bytes = max(1, min_bytes)
         self._slot_bytes = slot_bytes
@@ -101,11 +125,22 @@ class ShmChannel(StreamChannel):
         self._in_frame: Frame | None = None
         self._in_dest: memoryview | None = None
         self._in_offset = 0
+        self._in_slots = 0
         self._in_slot_bytes = 0
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        if self._connecting and self._usable:
+    def handshake_done(self) -> None:
+        first = not self._proved
+        super().handshake_done()
+        # The connecting side offers rings now: right after its last handshake frame.
+        transport = self._transport
+        if (
+            first
+            and self._connecting
+            and self._usable
+            and transport is not None
+            and not self._lost
+            and not transport.is_closing()
+        ):
             self._say_hello()
 
     def _say_hello(self) -> None:
@@ -180,9 +215,15 @@ class ShmChannel(StreamChannel):
             self.abort()  # half a payload is out: the stream is unusable
             raise
 
-    def _slot_free(self, slot: Any) -> None:
-        if type(slot) is not int or not 0 <= slot < self._slots or self._out is None:
-            raise ProtocolError(f"RING_FREE for a slot {slot!r} that was never sent")
+    def _slot_free(self, header: Any) -> None:
+        slot = header[0] if isinstance(header, list) and len(header) == 1 else None
+        if (
+            type(slot) is not int
+            or not 0 <= slot < self._slots
+            or self._out is None
+            or slot in self._free
+        ):
+            raise ProtocolError(f"RING_FREE for slot {_shown(slot)}, which holds nothing sent")
         self._out.unlink()  # the peer has mapped the ring: no file left to clean up
         self._free.append(slot)
         waiter = self._slot_freed
@@ -199,13 +240,28 @@ class ShmChannel(StreamChannel):
             return
         super().close()
 
-    # --- receiving (called by _RingSink) ----------------------------------------------
+    # --- receiving ----------------------------------------------------------------------
+
+    def _frame_received(self, frame: Frame) -> memoryview | None:
+        if frame.kind < RING_HELLO:
+            return self._sink.frame_received(self, frame)
+        self._ring_frame(frame)
+        return None
+
+    def _payload_received(self, frame: Frame) -> None:
+        if frame.kind < RING_HELLO:
+            self._sink.payload_received(self, frame)
+
+    def _channel_closed(self, exc: Exception | None) -> None:
+        self._sink.channel_closed(self, self._ring_closed(exc))
 
     def _ring_frame(self, frame: Frame) -> None:
         kind, header = frame.kind, frame.header
+        if not self._proved:
+            raise ProtocolError(f"a shared-memory frame (kind {kind}) before the handshake")
         if kind == RING_HELLO:
             if header != [os.getuid()]:
-                raise ProtocolError(f"RING_HELLO from another user ({header!r})")
+                raise ProtocolError("RING_HELLO from another user")
             self._peer_ready = self._usable
             if self._usable and not self._said_hello:
                 self._say_hello()
@@ -214,52 +270,68 @@ class ShmChannel(StreamChannel):
         elif kind == RING_CHUNK:
             self._ring_chunk(header)
         elif kind == RING_FREE:
-            self._slot_free(header[0] if isinstance(header, list) and header else None)
+            self._slot_free(header)
+        else:
+            raise ProtocolError(f"unexpected frame kind {kind} on a data channel")
 
     def _ring_data(self, header: Any) -> None:
-        if not isinstance(header, list) or len(header) != 4 or self._in_frame is not None:
-            raise ProtocolError("malformed or unexpected RING_DATA")
+        if self._in_frame is not None:
+            raise ProtocolError("RING_DATA in the middle of another ring payload")
+        if not isinstance(header, list) or len(header) != 4:
+            raise ProtocolError("malformed RING_DATA header")
         kind, inner, nbytes, announce = header
+        if type(kind) is not int or not 0 <= kind < RING_HELLO:
+            raise ProtocolError(f"RING_DATA for a frame of kind {_shown(kind)}")
         if type(nbytes) is not int or not 0 < nbytes <= self._max_payload:
-            raise ProtocolError(f"ring payload of {nbytes!r} bytes is out of bounds")
-        if announce is not None and not (self._in is not None and self._in.name == announce[0]):
+            raise ProtocolError(f"ring payload of {_shown(nbytes)} bytes is out of bounds")
+        if announce is not None:
+            name, slots, slot_bytes = _announced_ring(announce)
             # Every payload announces the ring until the sender learns it is mapped (a
             # RING_FREE) and unlinks its file: a later announcement of the ring already
             # mapped here keeps that mapping; the file may be gone by now.
-            name, slots, slot_bytes = announce
-            self._close_in()
-            try:
-                self._in = shm.map_segment(name, slots * slot_bytes)
-            except (OSError, ValueError) as exc:
-                raise ProtocolError(f"cannot map the peer's ring: {exc}") from exc
-            self._in_view = memoryview(self._in.memory)
-            self._in_slot_bytes = slot_bytes
+            if self._in is None or self._in.name != name:
+                self._close_in()
+                try:
+                    self._in = shm.map_segment(name, slots * slot_bytes)
+                except (OSError, ValueError) as exc:
+                    raise ProtocolError(f"cannot map the peer's ring: {exc}") from None
+                self._in_view = memoryview(self._in.memory)
+                self._in_slots, self._in_slot_bytes = slots, slot_bytes
         if self._in is None:
             raise ProtocolError("RING_DATA before any ring was announced")
         frame = Frame(kind, inner, nbytes)
-        dest = self._user.frame_received(self, frame)
+        dest = self._sink.frame_received(self, frame)
         if dest is None or dest.nbytes != nbytes:
             raise ProtocolError("frame sink gave no buffer of the payload's size")
         self._in_frame, self._in_dest, self._in_offset = frame, dest, 0
 
     def _ring_chunk(self, header: Any) -> None:
         frame, dest, ring = self._in_frame, self._in_dest, self._in_view
-        if frame is None or dest is None or ring is None or not isinstance(header, list):
+        if frame is None or dest is None or ring is None:
             raise ProtocolError("RING_CHUNK outside a ring payload")
+        if not isinstance(header, list) or len(header) != 2:
+            raise ProtocolError("malformed RING_CHUNK header")
         slot, n = header
-        start, offset = slot * self._in_slot_bytes, self._in_offset
-        if not (0 <= start and start + n <= ring.nbytes and 0 < n <= dest.nbytes - offset):
-            raise ProtocolError(f"RING_CHUNK [{slot}, {n}] out of bounds")
+        offset = self._in_offset
+        if not (
+            type(slot) is int
+            and type(n) is int
+            and 0 <= slot < self._in_slots
+            and 0 < n <= min(self._in_slot_bytes, dest.nbytes - offset)
+        ):
+            raise ProtocolError(f"RING_CHUNK [{_shown(slot)}, {_shown(n)}] out of bounds")
+        start = slot * self._in_slot_bytes
         dest[offset : offset + n] = ring[start : start + n]
         self._write_control(RING_FREE, [slot])
         self._in_offset = offset + n
         if self._in_offset == dest.nbytes:
             self._in_frame = self._in_dest = None
-            self._user.payload_received(self, frame)
+            self._sink.payload_received(self, frame)
 
     def _ring_closed(self, exc: Exception | None) -> Exception | None:
         if exc is None and self._in_frame is not None:
             exc = ProtocolError(f"peer {self.peer} closed the connection in the middle of a frame")
+        self._in_frame = self._in_dest = None
         waiter = self._slot_freed
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError(f"connection to {self.peer} was lost"))
@@ -277,27 +349,28 @@ class ShmChannel(StreamChannel):
         if self._in is not None:
             self._in.close()
         self._in = self._in_view = None
+        self._in_slots = self._in_slot_bytes = 0
 
 
-class _RingSink:
-    """Sits between the stream and the data plane's sink: takes the ring's own frames."""
+def _shown(value: Any) -> str:
+    """A peer's value in an error message: an int as it is, anything else by its type."""
+    return str(value) if type(value) is int else f"<{type(value).__name__}>"
 
-    def __init__(self, channel: ShmChannel, user: FrameSink) -> None:
-        self.channel = channel
-        self.user = user
 
-    def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
-        if frame.kind < RING_HELLO:
-            return self.user.frame_received(self.channel, frame)
-        self.channel._ring_frame(frame)
-        return None
-
-    def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if frame.kind < RING_HELLO:
-            self.user.payload_received(self.channel, frame)
-
-    def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
-        self.user.channel_closed(self.channel, self.channel._ring_closed(exc))
+def _announced_ring(announce: Any) -> tuple[str, int, int]:
+    """The ``[name, slots, slot_bytes]`` of a ring a RING_DATA announces, checked."""
+    if not isinstance(announce, list) or len(announce) != 3:
+        raise ProtocolError("malformed ring announcement")
+    name, slots, slot_bytes = announce
+    if type(name) is not str:
+        raise ProtocolError(f"ring announcement names a segment by a {_shown(name)}")
+    if type(slots) is not int or not 1 <= slots <= MAX_SLOTS:
+        raise ProtocolError(f"a ring of {_shown(slots)} slots (at most {MAX_SLOTS})")
+    if type(slot_bytes) is not int or not 1 <= slot_bytes <= MAX_SLOT_BYTES:
+        raise ProtocolError(
+            f"a ring of {_shown(slot_bytes)}-byte slots (at most {MAX_SLOT_BYTES} bytes)"
+        )
+    return name, slots, slot_bytes
 
 
 class ShmTransport:
@@ -308,26 +381,36 @@ class ShmTransport:
     def __init__(
         self, *, min_bytes: int = MIN_RING_BYTES, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS
     ) -> None:
-        if slot_bytes < 1 or slots < 1:
-            raise ValueError(f"need slots >= 1 of >= 1 byte, got {slots} of {slot_bytes}")
+        if not (1 <= slot_bytes <= MAX_SLOT_BYTES and 1 <= slots <= MAX_SLOTS):
+            raise ValueError(
+                f"need 1 to {MAX_SLOTS} slots of 1 to {MAX_SLOT_BYTES} bytes (what peers "
+                f"accept), got {slots} of {slot_bytes}"
+            )
         self.min_bytes, self.slot_bytes, self.slots = min_bytes, slot_bytes, slots
 
-    def _channel(self, sink: FrameSink, connecting: bool) -> ShmChannel:
+    def _channel(self, sink: FrameSink, admission: Admission | None) -> ShmChannel:
         return ShmChannel(
             sink,
-            connecting=connecting,
+            admission,
+            connecting=admission is None,  # an accepted channel has its listener's admission
             min_bytes=self.min_bytes,
             slot_bytes=self.slot_bytes,
             slots=self.slots,
         )
 
-    async def listen(self, host: str, sink_factory: Callable[[], FrameSink]) -> uds.UdsListener:
+    async def listen(
+        self,
+        host: str,
+        sink_factory: Callable[[], FrameSink],
+        *,
+        preauth: PreAuthLimits | None = None,
+    ) -> uds.UdsListener:
         """Listen on a fresh abstract Unix socket; plain ``uds`` peers may connect too."""
-        return await uds.listen(host, sink_factory, lambda sink: self._channel(sink, False))
+        return await uds.listen(host, sink_factory, self._channel, preauth=preauth)
 
     async def connect(self, address: str, sink: FrameSink) -> ShmChannel:
         """Connect to a ``uds:`` address of a rank on this host that listens with rings."""
-        channel = await uds.connect(address, sink, lambda s: self._channel(s, True))
+        channel = await uds.connect(address, sink, self._channel)
         assert isinstance(channel, ShmChannel)
         return channel
 
