@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import TYPE_CHECKING, Final, Protocol
 
 from aiodist._errors import ProtocolError
 from aiodist._wire.preauth import Gate, LogBudget, PreAuthLimits
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
-__all__ = ["DEFAULT_PREAUTH", "Admission", "Admitted"]
+__all__ = ["ACCEPT_BATCH", "DEFAULT_PREAUTH", "LOG_INTERVAL", "Admission", "Admitted", "serve"]
 
 logger = logging.getLogger(__name__)
 
 #: What a listener allows before a handshake when its caller says nothing.
 DEFAULT_PREAUTH: Final = PreAuthLimits()
+#: Seconds between the summaries of refusals not logged one by one. Read when a
+#: listener opens: a test may lower it first.
+LOG_INTERVAL = 10.0
+#: Connections asyncio's own loop accepts in one turn (see ``serve``).
+ACCEPT_BATCH: Final = 64
 # A refusal's detail is cut to this: it may quote what the peer sent.
 _DETAIL_CHARS: Final = 200
 _FLUSH_MARGIN: Final = 0.05
@@ -54,7 +60,7 @@ class Admission:
     def __init__(self, limits: PreAuthLimits | None = None) -> None:
         self.limits = limits or DEFAULT_PREAUTH
         self._gate: Gate[Admitted] = Gate(self.limits)
-        self._log = LogBudget()
+        self._log = LogBudget(interval=LOG_INTERVAL)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -167,3 +173,27 @@ class Admission:
         summary = self._log.flush(asyncio.get_running_loop().time())
         if summary is not None:
             logger.warning("%s", summary)
+
+
+async def serve(
+    sock: socket.socket, protocol_factory: Callable[[], asyncio.BaseProtocol], backlog: int
+) -> asyncio.Server:
+    """Serve the bound ``sock``, with a listen queue of ``backlog``, a batch at a time.
+
+    asyncio's own loop accepts as many queued connections in one turn as the
+    backlog it was given, and only later does each reach its admission: a
+    queue full of strangers would be that many descriptors at once (``EMFILE``
+    for the rank's own sockets and files, and a traceback logged for every
+    accept that failed). Given ``ACCEPT_BATCH`` instead, it accepts that many
+    a turn and the admission sheds between turns; the kernel's queue is set
+    back to ``backlog`` right after (the loop called ``listen`` with its
+    number). uvloop accepts whatever is queued and copes with ``EMFILE`` itself
+    (it accepts and closes what it cannot keep).
+    """
+    loop = asyncio.get_running_loop()
+    if sock.family == socket.AF_UNIX:
+        server = await loop.create_unix_server(protocol_factory, sock=sock, backlog=ACCEPT_BATCH)
+    else:
+        server = await loop.create_server(protocol_factory, sock=sock, backlog=ACCEPT_BATCH)
+    sock.listen(backlog)
+    return server

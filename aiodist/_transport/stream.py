@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from typing import TYPE_CHECKING, Final, cast
 
 from aiodist._errors import ProtocolError
@@ -56,6 +58,20 @@ PREAUTH_SCRATCH_BYTES: Final = 8 * KiB
 WRITE_SLICE_BYTES: Final = 1 * MiB
 COALESCE_BYTES: Final = 64 * KiB  # smaller payloads go out in one write with their header
 DATA_LIMITS: Final = Limits(max_header_bytes=16 * MiB)
+
+
+_UCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _unix_peer(transport: asyncio.BaseTransport) -> str:
+    """The process at the other end of a Unix socket, as the kernel says (``SO_PEERCRED``)."""
+    try:
+        sock = transport.get_extra_info("socket")
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        pid, uid, _ = _UCRED.unpack(raw)
+    except (AttributeError, OSError, struct.error):  # not Linux, or the socket is gone
+        return "a Unix socket"
+    return f"pid {pid} (uid {uid})"
 
 
 class StreamChannel(asyncio.BufferedProtocol):
@@ -94,7 +110,10 @@ class StreamChannel(asyncio.BufferedProtocol):
         self._transport = cast("asyncio.Transport", transport)
         self._transport.set_write_buffer_limits(high=0, low=0)
         peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else repr(peer)
+        if isinstance(peer, tuple):
+            self.peer = f"{peer[0]}:{peer[1]}"
+        else:  # a Unix socket: an accepted one has no name, but the kernel knows its process
+            self.peer = (peer and repr(peer)) or _unix_peer(transport)
         if self._admission is not None:
             self._admission.enter(self)
 
@@ -230,7 +249,8 @@ class StreamChannel(asyncio.BufferedProtocol):
         if not self._proved and self._admission is not None:
             self._admission.protocol_error(self, exc)  # logged within the listener's budget
         elif isinstance(exc, ProtocolError):
-            logger.warning("closing the data channel from %s: %s", self.peer, exc)
+            # As a string: a record kept by a handler must not keep the error's traceback.
+            logger.warning("closing the data channel from %s: %s", self.peer, str(exc))
         if self._transport is not None:
             self._transport.abort()
 

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from aiodist._transport.admission import Admission
+from aiodist._transport.admission import Admission, serve
 from aiodist._transport.stream import StreamChannel
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ __all__ = ["LISTEN_BACKLOG", "TcpListener", "connect", "listen", "scheme"]
 scheme: Final = "tcp"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
 # Connections a listener queues before accepting them: every peer of a large job may
-# connect at once. (The loop's default, 100, would silently replace our listen().)
+# connect at once. (``admission.serve`` keeps the loop's number from replacing it.)
 LISTEN_BACKLOG: Final = 1024
 
 
@@ -50,7 +50,6 @@ async def listen(
     ``preauth`` bounds what a connection may cost before its handshake (see
     ``admission.py``; default ``DEFAULT_PREAUTH``).
     """
-    loop = asyncio.get_running_loop()
     admission = Admission(preauth)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -59,9 +58,7 @@ async def listen(
     sock.bind((host, 0))
     sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    server = await loop.create_server(
-        lambda: StreamChannel(sink_factory(), admission), sock=sock, backlog=LISTEN_BACKLOG
-    )
+    server = await serve(sock, lambda: StreamChannel(sink_factory(), admission), LISTEN_BACKLOG)
     bound_host, port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     return TcpListener(f"tcp://{shown}:{port}", server, admission)

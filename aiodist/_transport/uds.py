@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from aiodist._transport.admission import Admission
+from aiodist._transport.admission import Admission, serve
 from aiodist._transport.stream import StreamChannel
 
 if TYPE_CHECKING:
@@ -80,7 +80,6 @@ async def listen(
     ``admission.py``; default ``DEFAULT_PREAUTH``): the name is visible to every
     user of the host (``/proc/net/unix``), so anyone may connect.
     """
-    loop = asyncio.get_running_loop()
     admission = Admission(preauth)
     name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -88,9 +87,7 @@ async def listen(
     sock.bind("\0" + name)
     sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    server = await loop.create_unix_server(
-        lambda: make_channel(sink_factory(), admission), sock=sock, backlog=LISTEN_BACKLOG
-    )
+    server = await serve(sock, lambda: make_channel(sink_factory(), admission), LISTEN_BACKLOG)
     return UdsListener(f"uds:{name}", server, admission)
 
 
