@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from aiodist import serve_rendezvous
-from aiodist._plane.peers import P2P, DataPlane
-from aiodist._transport import shm, shmring, uds
+from aiodist import ProtocolError, serve_rendezvous
+from aiodist._plane.peers import COLLECTIVE, P2P, DataPlane
+from aiodist._transport import ringwire, shm, shmring, uds
 from aiodist._wire.frame import encode_frame
 from aiodist._wire.messages import MessageKind
 from tests._daemon import TOKEN
@@ -556,9 +558,7 @@ def _malformed(ring: str) -> dict[str, list[tuple[int, Any]]]:
     data_header = [P2P, 0, 0, 1, None]  # a DATA frame's header, for the ring payload
     announce = [MessageKind.DATA, data_header, 100, [ring, 2, 4096]]
     return {
-        "a 2 GiB product of a string": [
-            (shmring.RING_DATA, [65, data_header, 1, [ring, "a", GiB]])
-        ],
+        "a string for the slots": [(shmring.RING_DATA, [65, data_header, 1, [ring, "a", GiB]])],
         "a ring over the limit": [(shmring.RING_DATA, [65, data_header, 100, [ring, 1024, GiB]])],
         "a ring with no name": [(shmring.RING_DATA, [65, data_header, 100, [None, 2, 4096]])],
         "a chunk of a string slot": [
@@ -573,6 +573,46 @@ def _malformed(ring: str) -> dict[str, list[tuple[int, Any]]]:
         "a free of a slot never sent": [(shmring.RING_FREE, [0])],
         "an unknown ring kind": [(shmring.RING_FREE + 1, [])],
     }
+
+
+# What a peer may put in a header: msgpack's values, nested, ints of any size it carries.
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=5),
+    max_leaves=12,
+)
+_small_ints = st.integers(min_value=-2, max_value=70_000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    header=_values
+    | st.tuples(_small_ints, _values, _small_ints, _values).map(list)
+    | st.tuples(_values, _values, _values).map(lambda r: [65, None, 8, list(r)])
+    | st.tuples(_small_ints, _small_ints).map(list)
+)
+def test_ring_headers_of_any_shape_are_checked_fields_or_a_protocol_error(header: Any) -> None:
+    ring = ringwire.Ring("aiodist-0-0-0-x", 4, 4096)
+    with contextlib.suppress(ProtocolError):
+        data = ringwire.parse_ring_data(header, 1 << 20)
+        assert type(data.kind) is int
+        assert 0 <= data.kind < ringwire.RING_HELLO
+        assert type(data.nbytes) is int
+        assert 0 < data.nbytes <= 1 << 20
+        if data.ring is not None:
+            assert type(data.ring.name) is str
+            assert 0 < data.ring.slots * data.ring.slot_bytes <= 256 << 20
+    with contextlib.suppress(ProtocolError):
+        slot, n = ringwire.parse_ring_chunk(header, ring, room=10_000)
+        assert 0 <= slot < ring.slots
+        assert 0 < n <= min(ring.slot_bytes, 10_000)
+    with contextlib.suppress(ProtocolError):
+        assert 0 <= ringwire.parse_ring_free(header, 4) < 4
 
 
 @needs_shm
@@ -603,6 +643,35 @@ async def test_malformed_ring_frame_after_the_handshake_closes_that_connection_w
     assert len(closing) == 1, caplog.text
     assert closing[0].levelno == logging.WARNING
     assert "\n" not in closing[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+
+
+@needs_shm
+async def test_second_free_of_a_ring_slot_closes_the_connection_before_a_slot_is_reused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Rank 1 sends rank 0 a payload through its ring; rank 0 frees the slot, then frees
+    # it again. Taken twice, the slot would carry two chunks at once: wrong data.
+    lost: list[tuple[int, str]] = []
+    news = anyio.Event()
+    a, b, channel = await _authenticated_pair(lost, news)
+    key = (COLLECTIVE, 0, 1, 0)
+    payload = bytes(range(256)) * (shmring.SLOT_BYTES // 256)
+    caplog.set_level(logging.INFO)
+    try:
+        with anyio.fail_after(10):
+            received = a.recv(1, key)
+            await b.send(0, key, "meta", payload)
+            # Rank 0 wrote its RING_FREE before the payload was delivered: this one follows it.
+            assert bytes((await received).data) == payload
+            assert isinstance(b._out[0], shmring.ShmChannel)
+            await channel.send(shmring.RING_FREE, [0])
+            await news.wait()
+    finally:
+        await a.aclose(bye=False)
+        await b.aclose(bye=False)
+    assert lost[0][0] == 0
+    assert "RING_FREE for slot 0" in lost[0][1], lost
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
 
 

@@ -5,24 +5,18 @@ listener as ``uds.py``) whose large payloads skip the socket. Each direction
 that carries one gets its own *ring*: one shared segment (``shm.py``) of
 ``slots`` slots of ``slot_bytes``, created by the sending side on first use.
 The socket stays the channel's only ordered stream and its notification path;
-the frames below are the transport's own and never reach the frame sink::
-
-    RING_HELLO [uid]                   I can receive through rings (both ends say it)
-    RING_DATA  [kind, header, n, ring] frame (kind, header) whose n-byte payload comes
-                                       in RING_CHUNKs; ring = [name, slots, slot_bytes]
-                                       the first time, else None
-    RING_CHUNK [slot, n]               the payload's next n bytes are in slot
-    RING_FREE  [slot]                  (other direction) the receiver is done with slot
+the frames of ``ringwire.py`` (RING_HELLO, RING_DATA, RING_CHUNK, RING_FREE)
+are the transport's own and never reach the frame sink.
 
 None of them is read before the data plane's handshake is done (see
 ``base.py``): one that comes earlier closes the connection, so a stranger on
 the host, who can connect to any rank's Unix socket, makes no rank map or
 allocate anything. The connecting side says RING_HELLO once its side of the
 handshake is done, which puts it after the handshake on the wire too. Every
-field that comes from the peer is checked for its type and its range (a ring
-is at most ``MAX_SLOTS`` of ``MAX_SLOT_BYTES``, a segment is this user's
-regular file) before it is used: a bad one is a ``ProtocolError`` that
-closes the connection, never an error of this process.
+field that comes from the peer is checked (``ringwire``; a segment must be
+this user's regular file, ``shm.map_segment``) before it is used: a bad one
+is a ``ProtocolError`` that closes the connection, never an error of this
+process.
 
 The sender copies chunk after chunk into free slots and the receiver copies
 each out straight into the sink's memory (the destination tensor) as its
@@ -49,6 +43,18 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._errors import ProtocolError
 from aiodist._transport import shm, uds
 from aiodist._transport.base import start_now
+from aiodist._transport.ringwire import (
+    MAX_SLOT_BYTES,
+    MAX_SLOTS,
+    RING_CHUNK,
+    RING_DATA,
+    RING_FREE,
+    RING_HELLO,
+    Ring,
+    parse_ring_chunk,
+    parse_ring_data,
+    parse_ring_free,
+)
 from aiodist._transport.stream import DATA_LIMITS, StreamChannel
 from aiodist._wire.frame import Frame, Limits, MiB, encode_frame
 
@@ -61,9 +67,11 @@ if TYPE_CHECKING:
     from aiodist._wire.preauth import PreAuthLimits
 
 __all__ = [
-    "MAX_SLOTS",
-    "MAX_SLOT_BYTES",
     "MIN_RING_BYTES",
+    "RING_CHUNK",
+    "RING_DATA",
+    "RING_FREE",
+    "RING_HELLO",
     "ShmChannel",
     "ShmTransport",
     "connect",
@@ -78,14 +86,6 @@ scheme: Final = "uds"
 MIN_RING_BYTES: Final = 1 * MiB
 SLOT_BYTES: Final = 2 * MiB
 SLOTS: Final = 4
-#: The largest ring a peer may announce (and a ``ShmTransport`` may make): 256 MiB.
-MAX_SLOTS: Final = 16
-MAX_SLOT_BYTES: Final = 16 * MiB
-# Frame kinds of this transport, above every MessageKind (which stop below 96).
-RING_HELLO: Final = 96
-RING_DATA: Final = 97
-RING_CHUNK: Final = 98
-RING_FREE: Final = 99
 
 
 class ShmChannel(StreamChannel):
@@ -121,12 +121,11 @@ class ShmChannel(StreamChannel):
         self._close_when_free = False
         # Receiving side: the peer's ring and the ring payload in progress.
         self._in: shm.Segment | None = None
+        self._in_ring: Ring | None = None
         self._in_view: memoryview | None = None
         self._in_frame: Frame | None = None
         self._in_dest: memoryview | None = None
         self._in_offset = 0
-        self._in_slots = 0
-        self._in_slot_bytes = 0
 
     def handshake_done(self) -> None:
         first = not self._proved
@@ -216,14 +215,9 @@ class ShmChannel(StreamChannel):
             raise
 
     def _slot_free(self, header: Any) -> None:
-        slot = header[0] if isinstance(header, list) and len(header) == 1 else None
-        if (
-            type(slot) is not int
-            or not 0 <= slot < self._slots
-            or self._out is None
-            or slot in self._free
-        ):
-            raise ProtocolError(f"RING_FREE for slot {_shown(slot)}, which holds nothing sent")
+        slot = parse_ring_free(header, self._slots)
+        if self._out is None or slot in self._free:  # freed twice, it would carry two chunks
+            raise ProtocolError(f"RING_FREE for slot {slot}, which holds nothing sent")
         self._out.unlink()  # the peer has mapped the ring: no file left to clean up
         self._free.append(slot)
         waiter = self._slot_freed
@@ -277,51 +271,35 @@ class ShmChannel(StreamChannel):
     def _ring_data(self, header: Any) -> None:
         if self._in_frame is not None:
             raise ProtocolError("RING_DATA in the middle of another ring payload")
-        if not isinstance(header, list) or len(header) != 4:
-            raise ProtocolError("malformed RING_DATA header")
-        kind, inner, nbytes, announce = header
-        if type(kind) is not int or not 0 <= kind < RING_HELLO:
-            raise ProtocolError(f"RING_DATA for a frame of kind {_shown(kind)}")
-        if type(nbytes) is not int or not 0 < nbytes <= self._max_payload:
-            raise ProtocolError(f"ring payload of {_shown(nbytes)} bytes is out of bounds")
-        if announce is not None:
-            name, slots, slot_bytes = _announced_ring(announce)
-            # Every payload announces the ring until the sender learns it is mapped (a
-            # RING_FREE) and unlinks its file: a later announcement of the ring already
-            # mapped here keeps that mapping; the file may be gone by now.
-            if self._in is None or self._in.name != name:
-                self._close_in()
-                try:
-                    self._in = shm.map_segment(name, slots * slot_bytes)
-                except (OSError, ValueError) as exc:
-                    raise ProtocolError(f"cannot map the peer's ring: {exc}") from None
-                self._in_view = memoryview(self._in.memory)
-                self._in_slots, self._in_slot_bytes = slots, slot_bytes
-        if self._in is None:
+        data = parse_ring_data(header, self._max_payload)
+        ring = data.ring
+        # Every payload announces the ring until the sender learns it is mapped (a
+        # RING_FREE) and unlinks its file: a later announcement of the ring already
+        # mapped here keeps that mapping; the file may be gone by now.
+        if ring is not None and (self._in_ring is None or self._in_ring.name != ring.name):
+            self._close_in()
+            try:
+                self._in = shm.map_segment(ring.name, ring.slots * ring.slot_bytes)
+            except (OSError, ValueError) as exc:
+                raise ProtocolError(f"cannot map the peer's ring: {exc}") from None
+            self._in_view = memoryview(self._in.memory)
+            self._in_ring = ring
+        if self._in_ring is None:
             raise ProtocolError("RING_DATA before any ring was announced")
-        frame = Frame(kind, inner, nbytes)
+        frame = Frame(data.kind, data.header, data.nbytes)
         dest = self._sink.frame_received(self, frame)
-        if dest is None or dest.nbytes != nbytes:
+        if dest is None or dest.nbytes != data.nbytes:
             raise ProtocolError("frame sink gave no buffer of the payload's size")
         self._in_frame, self._in_dest, self._in_offset = frame, dest, 0
 
     def _ring_chunk(self, header: Any) -> None:
-        frame, dest, ring = self._in_frame, self._in_dest, self._in_view
-        if frame is None or dest is None or ring is None:
+        frame, dest, ring, view = self._in_frame, self._in_dest, self._in_ring, self._in_view
+        if frame is None or dest is None or ring is None or view is None:
             raise ProtocolError("RING_CHUNK outside a ring payload")
-        if not isinstance(header, list) or len(header) != 2:
-            raise ProtocolError("malformed RING_CHUNK header")
-        slot, n = header
         offset = self._in_offset
-        if not (
-            type(slot) is int
-            and type(n) is int
-            and 0 <= slot < self._in_slots
-            and 0 < n <= min(self._in_slot_bytes, dest.nbytes - offset)
-        ):
-            raise ProtocolError(f"RING_CHUNK [{_shown(slot)}, {_shown(n)}] out of bounds")
-        start = slot * self._in_slot_bytes
-        dest[offset : offset + n] = ring[start : start + n]
+        slot, n = parse_ring_chunk(header, ring, room=dest.nbytes - offset)
+        start = slot * ring.slot_bytes
+        dest[offset : offset + n] = view[start : start + n]
         self._write_control(RING_FREE, [slot])
         self._in_offset = offset + n
         if self._in_offset == dest.nbytes:
@@ -348,29 +326,7 @@ class ShmChannel(StreamChannel):
             self._in_view.release()
         if self._in is not None:
             self._in.close()
-        self._in = self._in_view = None
-        self._in_slots = self._in_slot_bytes = 0
-
-
-def _shown(value: Any) -> str:
-    """A peer's value in an error message: an int as it is, anything else by its type."""
-    return str(value) if type(value) is int else f"<{type(value).__name__}>"
-
-
-def _announced_ring(announce: Any) -> tuple[str, int, int]:
-    """The ``[name, slots, slot_bytes]`` of a ring a RING_DATA announces, checked."""
-    if not isinstance(announce, list) or len(announce) != 3:
-        raise ProtocolError("malformed ring announcement")
-    name, slots, slot_bytes = announce
-    if type(name) is not str:
-        raise ProtocolError(f"ring announcement names a segment by a {_shown(name)}")
-    if type(slots) is not int or not 1 <= slots <= MAX_SLOTS:
-        raise ProtocolError(f"a ring of {_shown(slots)} slots (at most {MAX_SLOTS})")
-    if type(slot_bytes) is not int or not 1 <= slot_bytes <= MAX_SLOT_BYTES:
-        raise ProtocolError(
-            f"a ring of {_shown(slot_bytes)}-byte slots (at most {MAX_SLOT_BYTES} bytes)"
-        )
-    return name, slots, slot_bytes
+        self._in = self._in_view = self._in_ring = None
 
 
 class ShmTransport:
