@@ -25,11 +25,12 @@ import aiodist
 from aiodist import AuthenticationError, serve_rendezvous
 from aiodist._control.connection import ControlConnection, connect_control
 from aiodist._errors import ErrorCode
-from aiodist._plane.peers import P2P, DataPlane
+from aiodist._plane.peers import DataPlane
 from aiodist._server import connection
 from aiodist._transport import uds
 from aiodist._wire.auth import client_proof, new_nonce, server_proof, verify
 from aiodist._wire.frame import NEED_DATA, Frame, FrameDecoder, Limits, encode_frame, encode_message
+from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import (
     Authenticated,
     Challenge,
@@ -260,7 +261,7 @@ def _attacks(job: str, group_id: int, member: int = 0) -> dict[str, list[bytes]]
     """
     data = _frame(
         MessageKind.DATA,
-        [P2P, group_id, 0, 0, ["float32", [4]]],
+        [MatchKind.P2P, group_id, 0, 0, ["float32", [4]]],
         torch.tensor(FORGED).numpy().tobytes(),
     )
     pid = os.getpid()
@@ -346,7 +347,7 @@ async def test_connecting_rank_checks_the_acceptor_knows_the_token(
 
     a.set_members(0, 2, table, [0, 0])
     b.set_members(1, 2, table, [0, 0])
-    key = (P2P, 0, 0, 0)
+    key = (MatchKind.P2P, 0, 0, 0)
     received = b.recv(0, key)
     try:
         with anyio.fail_after(10):
