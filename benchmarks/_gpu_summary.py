@@ -211,6 +211,7 @@ def parse_lag(output: str, result: Path | None = None) -> dict[str, Any]:
         "busy_ms": data.get("busy_ms", 0.0),
         "blocking": {k: lag["naive"][k] for k in keys},
         "aiodist": {k: lag["bridged"][k] for k in keys},
+        "blocking_error": data.get("naive_error"),
     }
 
 
@@ -413,6 +414,8 @@ def _details(p: dict[str, Any]) -> list[str]:
             for name, key in (("blocking call", "blocking"), ("aiodist awaited", "aiodist"))
         ]
         out += ["  " + line for line in format_table(headers, rows).splitlines()]
+        if f.get("blocking_error"):
+            out.append(f"  the blocking call failed in torch: {f['blocking_error']}")
     if p["status"] not in ("passed", "skipped", "pending") and p.get("output_tail"):
         tail = p["output_tail"].strip().splitlines()[-12:]
         out += ["  output (last lines):", *(f"    {line[:200]}" for line in tail)]
