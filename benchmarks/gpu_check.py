@@ -36,6 +36,7 @@ import datetime
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -283,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return NO_CUDA_EXIT
     started = datetime.datetime.now(datetime.UTC)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = [Path(args.python).name, "-m", "benchmarks.gpu_check", *(argv or sys.argv[1:])]
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = [Path(args.python).name, "-m", "benchmarks.gpu_check", *given]
     device: dict[str, Any] = {}
     env = environment()
     results: list[PartResult] = []
@@ -306,10 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         device.update({k: v for k, v in probe.items() if k != "packages"}, **nvidia_smi())
         env["packages"] = probe.get("packages")
         shown = _progress([first], 0, 1 + len(args.parts))
+        results = [first]
         if args.device == "cuda" and not probe.get("cuda_available"):
+            why = probe.get("error") or "; ".join(probe.get("cuda_warnings") or [])
             first.status = "failed"
             first.note = (first.note + "; " if first.note else "") + (
-                f"torch sees no CUDA device: {probe.get('error') or probe.get('cuda_warnings')}"
+                f"torch sees no CUDA device: {why or 'torch.cuda.is_available() is False'}"
             )
             write([first], finished=True)
             print(
@@ -327,12 +331,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             shown = _progress(results, shown, len(results))
             write(results)
 
-        run_parts(parts, left, cwd=ROOT, log=log, progress=progress)
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            run_parts(parts, left, cwd=ROOT, log=log, progress=progress)
+        except KeyboardInterrupt:  # the part in flight was stopped; keep what was measured
+            write(results, finished=True)
+            print("gpu-check: interrupted; summary so far in", args.out, file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         device["memory_used_mib_after"] = nvidia_smi().get("memory_used_mib")
         write(results, finished=True)
     print(render_text(_read(args.out)))
     print(f"gpu-check: summary in {args.out}/gpu-check.{{txt,json,log}}")
     return 0 if all(r.ok for r in results) else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM, as from a runner's timeout: stop the part, then report
 
 
 def _progress(results: list[PartResult], shown: int, total: int) -> int:

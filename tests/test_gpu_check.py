@@ -270,6 +270,39 @@ def test_processes_that_left_the_parts_session_are_killed(tmp_path: Path, then: 
             os.kill(pid, signal.SIGKILL)
 
 
+def test_sigterm_stops_the_part_in_flight_and_its_strays(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    hang = _spawn_stray(pid_file, "time.sleep(120)")
+    driver = (
+        "import signal, sys\n"
+        "from benchmarks._gpu_parts import Part, run_parts\n"
+        "from benchmarks.gpu_check import _interrupt\n"
+        "signal.signal(signal.SIGTERM, _interrupt)\n"
+        f"part = Part('hang', 'hangs', {hang!r}, timeout=100)\n"
+        "try:\n"
+        "    run_parts([part], budget=100)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", driver], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the part never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+        assert _gone(int(pid_file.read_text()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pid_file.exists() and not _gone(pid := int(pid_file.read_text())):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_the_budget_skips_parts_it_has_no_time_left_for() -> None:
     parts = [
         Part("slow", "sleeps", _py("import time; time.sleep(60)"), timeout=100),
