@@ -50,9 +50,9 @@ bench-quick: install $(BENCH_STAMP)
 	$(PY) -m benchmarks.report --quick
 
 # The GPU path on a real GPU (issue 36), in one run: pytest -m gpu, the overlap example,
-# bus bandwidth and loop lag on CUDA tensors; summary into $$OUT (or benchmarks/results/gpu/).
+# bus bandwidth and loop lag on CUDA tensors; summary into $OUT (or benchmarks/results/gpu/).
 # No install step and no .venv: the system python's torch and packages run the checkout,
-# as on a lent GPU machine that reaches no registry. Without CUDA it fails at once.
+# as on a GPU machine that reaches no package registry. Without CUDA it fails at once.
 GPU_CHECK_ARGS ?=
 
 gpu-check:

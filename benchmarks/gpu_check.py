@@ -1,4 +1,4 @@
-"""``make gpu-check``: aiodist's GPU path, checked in one run whenever a GPU is lent.
+"""``make gpu-check``: aiodist's GPU path, checked in one run whenever a GPU is at hand.
 
 Runs, in order, each part with its own timeout and all of them within one
 budget (7 minutes by default), going on to the next part whatever the last

@@ -6,7 +6,7 @@ outputs: the parts runner (timeouts, keep-going, the time budget, strays in
 sessions of their own, the fallback after a usage error), the readers of each
 part's output (a real pytest run's, the benchmarks' JSON), the summary in both
 forms, the plan of commands, and one run of the check itself with ``--device
-cpu``. The GPU run itself is ``make gpu-check`` on a lent GPU machine.
+cpu``. The GPU run itself is ``make gpu-check`` on a machine with a GPU.
 """
 
 from __future__ import annotations
