@@ -169,6 +169,16 @@ class LogBudget:
         self._counts[key] += 1
         return False, summary
 
+    def due(self) -> float | None:
+        """When ``flush`` will have a summary: the interval's end, if a line was held back.
+
+        The I/O layer arms a timer for it, so the summary of a burst is logged
+        even when no refusal comes after it.
+        """
+        if self._start is None or not self._counts:
+            return None
+        return self._start + self.interval
+
     def flush(self, now: float) -> str | None:
         """The summary of the interval if it ended by ``now`` (then a new one starts)."""
         if self._start is None or now - self._start < self.interval:
