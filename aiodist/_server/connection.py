@@ -22,7 +22,8 @@ and refuses a server that cannot prove it.
 (``_wire/preauth.py``) and can cost it only a small, fixed amount: its frames
 are decoded under ``PREAUTH_FRAME_LIMITS``, it may send ``max_bytes`` in all,
 it is cut off at its deadline (``AUTH_TIMEOUT`` by default), and the oldest
-such connection is shed when ``max_pending`` wait at once. The handshake is
+such connection is shed when ``max_pending`` wait at once (first those that
+have not sent a whole frame yet: a real client speaks at once). The handshake is
 done when the client proved the token; on a server without a token, with the
 client's first well-formed message other than the token handshake's (a real
 client's first heartbeat or request, sent as soon as it connects). The server
@@ -101,6 +102,7 @@ class ServerConnection(asyncio.Protocol):
         self.proved = False
         self._refused = False  # its refusal was counted and logged
         self._answered_auth_start = False
+        self._spoke = False  # it sent a whole frame (the gate sheds silent ones first)
         self._nonce = b""
         self._linger_timer: asyncio.TimerHandle | None = None
         # The client's channel numbers and the server's ids for them; channel 0 is ours.
@@ -140,6 +142,9 @@ class ServerConnection(asyncio.Protocol):
                 if event is CLOSED:
                     break
                 assert isinstance(event, Frame)  # payloads are refused by both limits
+                if not self._spoke:
+                    self._spoke = True
+                    self._server._spoke(self)  # a silent stranger is shed before it
                 if event.kind == MessageKind.CHANNEL and self.authenticated:
                     # Before nearly every request of a shared connection: read it here.
                     header = event.header

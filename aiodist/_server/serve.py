@@ -210,6 +210,9 @@ class RendezvousServer:
     def _passed(self, conn: ServerConnection) -> None:
         self._gate.passed(conn)
 
+    def _spoke(self, conn: ServerConnection) -> None:
+        self._gate.spoke(conn)
+
     def _charge(self, conn: ServerConnection, nbytes: int) -> bool:
         return self._gate.charge(conn, nbytes)
 
