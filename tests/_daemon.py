@@ -80,12 +80,28 @@ class Daemon:
             return await self.proc.wait()
 
 
+# Sets the limit of open files (soft and hard: it cannot be raised again), then execs.
+_NOFILE = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'aiodist', 'serve', *sys.argv[2:]])"
+)
+
+
 @contextlib.asynccontextmanager
-async def serve(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
-    """Start `python -m aiodist serve ARGS` and yield it once it announced its address."""
+async def serve(
+    *args: str, env: dict[str, str] | None = None, nofile: int | None = None
+) -> AsyncIterator[Daemon]:
+    """Start `python -m aiodist serve ARGS` and yield it once it announced its address.
+
+    With ``nofile``, the daemon may hold that many files, soft and hard limit alike.
+    """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "aiodist", "serve", *args]
+    if nofile is None:
+        cmd = [sys.executable, "-m", "aiodist", "serve", *args]
+    else:
+        cmd = [sys.executable, "-c", _NOFILE, str(nofile), *args]
     async with await anyio.open_process(cmd, env=full_env) as proc:
         daemon = Daemon(proc)
         try:
