@@ -106,7 +106,7 @@ class _Seconds:
     def problem(self, value: Any) -> str | None:
         # ``not lo <= v <= hi`` is true for NaN too: every comparison with NaN is false.
         if not self.lo <= value <= self.hi:
-            return f"a finite number of seconds in [{self.lo:g}, {self.hi:g}]"
+            return f"a finite number of seconds in [{self.lo:.15g}, {self.hi:.15g}]"
         return None
 
 
