@@ -342,8 +342,8 @@ class ServerConnection(asyncio.Protocol):
         else:
             self.cut_off(
                 "deadline",
-                f"it sent nothing within {deadline:g} s",
-                f"the rendezvous server closed this connection: nothing came within "
+                f"it sent no request within {deadline:g} s",
+                f"the rendezvous server closed this connection: no request came within "
                 f"{deadline:g} s of connecting",
             )
 
