@@ -148,16 +148,11 @@ class ServerConnection(asyncio.Protocol):
                 if event.kind == MessageKind.CHANNEL and self.authenticated:
                     # Before nearly every request of a shared connection: read it here.
                     header = event.header
-                    if (
-                        type(header) is not list
-                        or len(header) != 1
-                        or type(header[0]) is not int
-                        or header[0] < 0
-                    ):
+                    if type(header) is not list or len(header) != 1 or type(header[0]) is not int:
                         raise ProtocolError(f"malformed CHANNEL message: {header!r:.80}")
+                    self._select(header[0])
                     if not self.proved:
                         self._passed()
-                    self._select(header[0])
                     continue
                 try:
                     msg = frame_message(event)
