@@ -18,6 +18,7 @@ that proved the token, and checks what it uses.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -94,7 +95,12 @@ class FieldError(ProtocolError):
         self.allowed = allowed
 
     def wire_details(self) -> dict[str, Any]:
-        value = self.value if isinstance(self.value, int | float) else None
+        # Numbers travel back, but not NaN or an infinity (no JSON reader takes them).
+        value = self.value
+        if type(value) is float and not math.isfinite(value):
+            value = repr(value)
+        elif type(value) is not int and type(value) is not float:
+            value = None
         return {"field": self.field, "value": value, "allowed": self.allowed}
 
 

@@ -104,6 +104,8 @@ def test_absurd_timeout_refused_naming_field_value_and_range(
     details = exc.wire_details()
     assert details["field"] == exc.field
     assert details["allowed"] == exc.allowed
+    # A number, or the words for one that JSON cannot hold.
+    assert details["value"] == (value if math.isfinite(value) else repr(float(value)))
 
 
 @pytest.mark.parametrize(
