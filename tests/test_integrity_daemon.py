@@ -190,7 +190,7 @@ async def test_stranger_flood_at_fd_limit_legit_job_completes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("AIODIST_TOKEN", TOKEN)
-    async with serve("--port", "0", env={"AIODIST_TOKEN": TOKEN}, nofile=NOFILE) as d:
+    async with serve("--port", "0", env={"AIODIST_TOKEN": TOKEN}, nofile=(NOFILE, NOFILE)) as d:
         daemon = psutil.Process(d.proc.pid)
         assert daemon.rlimit(psutil.RLIMIT_NOFILE) == (NOFILE, NOFILE)
         said = await d.wait_for_line("stderr", lambda line: "file descriptors:" in line)
@@ -210,6 +210,14 @@ async def test_stranger_flood_at_fd_limit_legit_job_completes(
     assert fds < 128 + 64, fds
     assert flood.counts["closed_by_server"] >= 1100 - 128, flood.counts
     assert lines < 100, d.output()
+
+
+async def test_daemon_raises_its_open_files_limit_to_the_hard_limit() -> None:
+    async with serve("--port", "0", nofile=(NOFILE, 4 * NOFILE)) as d:
+        said = await d.wait_for_line("stderr", lambda line: "file descriptors:" in line)
+        limits = psutil.Process(d.proc.pid).rlimit(psutil.RLIMIT_NOFILE)
+    assert f"file descriptors: soft limit raised {NOFILE} -> {4 * NOFILE}" in said
+    assert limits == (4 * NOFILE, 4 * NOFILE)
 
 
 # --- 4: without a token, idle and oversized connections ---------------------------------------
