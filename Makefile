@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # Keep the suite inside its time budget on 2 cores; CI=true gets the same run.
 PYTEST_ARGS ?=
 
-.PHONY: install lint format test demo bench bench-quick clean
+.PHONY: install lint format test demo bench bench-quick gpu-check clean
 
 install: $(STAMP)
 
@@ -48,6 +48,15 @@ bench: install $(BENCH_STAMP)
 
 bench-quick: install $(BENCH_STAMP)
 	$(PY) -m benchmarks.report --quick
+
+# The GPU path on a real GPU (issue 36), in one run: pytest -m gpu, the overlap example,
+# bus bandwidth and loop lag on CUDA tensors; summary into $OUT (or benchmarks/results/gpu/).
+# No install step and no .venv: the system python's torch and packages run the checkout,
+# as on a GPU machine that reaches no package registry. Without CUDA it fails at once.
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

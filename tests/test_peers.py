@@ -8,8 +8,9 @@ import anyio
 import pytest
 
 from aiodist import RankFailedError
-from aiodist._plane.peers import COLLECTIVE, DataPlane
+from aiodist._plane.peers import DataPlane
 from aiodist._wire.frame import encode_frame
+from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ async def test_hello_before_the_member_table_is_accepted(use_uds: bool) -> None:
 
     try:
         a.set_members(0, 2, table, [0, 0])
-        key = (COLLECTIVE, 0, 1, 0)
+        key = (MatchKind.COLLECTIVE, 0, 1, 0)
         future = b.recv(0, key)
         with anyio.fail_after(10):
             await a.send(1, key, ["meta"], b"payload")
@@ -82,7 +83,7 @@ async def test_a_failure_reaches_a_receive_whose_payload_is_still_arriving(
         return {}
 
     plane.set_members(1, 2, table, [0, 0])
-    key = (COLLECTIVE, 0, 1, 0)
+    key = (MatchKind.COLLECTIVE, 0, 1, 0)
     dest = memoryview(bytearray(1 << 20))
     future = plane.recv(0, key, dest)
     host, _, port = address.removeprefix("tcp://").rpartition(":")

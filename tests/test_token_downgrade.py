@@ -24,7 +24,8 @@ import aiodist
 from aiodist import AuthenticationError, open_process_group, serve_rendezvous
 from aiodist._control.connection import connect_control
 from aiodist._errors import from_wire
-from aiodist._plane.peers import P2P, DataPlane
+from aiodist._plane.peers import DataPlane
+from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import StatusRequest
 from aiodist.testing import run_ranks
 from tests._daemon import TOKEN, asyncio_only, run_cli, serve, token_file
@@ -291,7 +292,7 @@ async def test_connecting_rank_refuses_an_acceptor_without_the_token(
 ) -> None:
     a, b = _planes((TOKEN, None), use_uds)
     await _members(a, b)
-    key = (P2P, 0, 0, 0)
+    key = (MatchKind.P2P, 0, 0, 0)
     waiting = a.recv(1, key)  # an operation of rank 0 that needs rank 1
     try:
         start = time.monotonic()
@@ -322,7 +323,7 @@ async def test_accepting_rank_refuses_a_connector_without_the_token(
 ) -> None:
     a, b = _planes((TOKEN, peer_token), use_uds)
     await _members(a, b)
-    key = (P2P, 0, 0, 0)
+    key = (MatchKind.P2P, 0, 0, 0)
     waiting = a.recv(1, key)  # rank 0 only receives: rank 1 is the one who connects
     try:
         start = time.monotonic()

@@ -163,6 +163,14 @@ class ControlChannel:
         """
         self.connection.start_heartbeats(interval, timeout)
 
+    def stalled_for(self) -> float:
+        """The longest this process's loop ran its heartbeat late (see the connection)."""
+        return self.connection.stalled_for()
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.connection.heartbeat_interval
+
     def close(self) -> None:
         """Fail this channel's requests; the server treats its member as disconnected.
 

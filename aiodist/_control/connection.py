@@ -133,6 +133,10 @@ class ControlConnection(asyncio.Protocol):
         # Counted from a heartbeat, not from the last thing heard: a loop that was busy
         # sent none, and the server had nothing to answer.
         self._unanswered_since: float | None = None
+        # When the next heartbeat is due, and the longest this loop ever ran one late: a
+        # loop that stops (SIGSTOP, a debugger, a blocking call) sends none meanwhile.
+        self._beat_due = 0.0
+        self._longest_stall = 0.0
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
 
@@ -271,9 +275,29 @@ class ControlConnection(asyncio.Protocol):
             return
         self._stop_heartbeats()
         self._heartbeat_interval = interval
-        self._heartbeat = self._loop.call_later(interval, self._beat)
+        self._schedule_beat()
+
+    def _schedule_beat(self) -> None:
+        self._beat_due = self._loop.time() + self._heartbeat_interval
+        self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
+
+    def stalled_for(self) -> float:
+        """The longest this process's loop has run its heartbeat late, in seconds.
+
+        Counted now too (a heartbeat overdue right now): after a stop, the loop may
+        handle what arrived meanwhile before it runs its timers. A stall longer than
+        the heartbeat timeout (less one interval) means the server declared this
+        process's members failed meanwhile.
+        """
+        overdue = self._loop.time() - self._beat_due if self._heartbeat is not None else 0.0
+        return max(self._longest_stall, overdue)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self._heartbeat_interval
 
     def _beat(self) -> None:
+        self._longest_stall = max(self._longest_stall, self._loop.time() - self._beat_due)
         if self.closed:
             self._heartbeat = None
             return
@@ -294,7 +318,7 @@ class ControlConnection(asyncio.Protocol):
             self._transport.abort()  # the server, if it still runs, sees this member go
             return
         self._send_heartbeat()
-        self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
+        self._schedule_beat()
 
     def _send_heartbeat(self) -> None:
         self._send_on(self._out_channel, Heartbeat())  # any channel: it counts for all

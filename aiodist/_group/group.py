@@ -37,7 +37,7 @@ from aiodist._errors import (
 from aiodist._group.inflight import Deadlines, start_task
 from aiodist._group.lingering import linger
 from aiodist._group.work import Work
-from aiodist._plane.peers import call_of
+from aiodist._wire.keys import call_of
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ class ProcessGroup:
         # next() of a count is one step under the GIL: metric syncs on the shared board
         # take their numbers from the training loop's thread, everything else here.
         self._seqs = itertools.count(1)
-        self._seq = 0  # the latest number taken (descriptions of point-to-point operations)
+        self._seq = 0  # the latest number taken
+        self._p2p_seqs = itertools.count(1)  # point-to-point's own numbers (descriptions)
         self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
         self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
@@ -227,9 +228,15 @@ class ProcessGroup:
             ) from None
         if seq is None:
             self.check_usable()
-            # Point-to-point takes no sequence number: not every rank calls it.
-            seq = self.next_seq() if collective else self._seq
-        work: Work[Any] = Work.pending(loop, f"{description}#{seq}")
+            if not collective:
+                # Point-to-point has a numbering of its own (not every rank calls it), and
+                # seq 0, which no call has: aborting a call can never reach it.
+                work: Work[Any] = Work.pending(loop, f"{description}#p{next(self._p2p_seqs)}")
+                if timed:
+                    self.deadlines.add(loop, work, None, 0)
+                return loop, work, 0
+            seq = self.next_seq()
+        work = Work.pending(loop, f"{description}#{seq}")
         if self._aborted and collective:
             call = call_of(seq)
             aborted = self._aborted.get(call)

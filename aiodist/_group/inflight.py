@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiodist._errors import AbortedError, DistError, DistTimeoutError, GroupBrokenError
 from aiodist._group.lingering import LingeringTask
-from aiodist._plane.peers import call_of
+from aiodist._wire.keys import call_of
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable

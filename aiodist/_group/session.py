@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -116,6 +118,8 @@ class Session:
         self.inflight: set[asyncio.Task[None]] = set()
         self._members: list[MemberInfo] | None = None
         self.heartbeat_timeout = heartbeat_timeout
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
@@ -175,6 +179,8 @@ class Session:
         usually arrives within milliseconds, so wait for it (up to the heartbeat
         timeout) before blaming ``rank`` on the data plane's evidence alone.
         """
+        if (stalled := self._declared_failed()) is not None:
+            return stalled
         with anyio.move_on_after(self.heartbeat_timeout):
             while self.error is None and rank not in self.plane.left and not self._trouble.is_set():
                 await self._news.wait()
@@ -233,8 +239,45 @@ class Session:
         else:
             group.break_(error, notify=False)
 
+    def _declared_failed(self) -> DistError | None:
+        """This session's error if its loop stopped long enough for the server to fail it.
+
+        A rank that was stopped (SIGSTOP, a debugger, a blocking call on its loop)
+        finds, once it runs again, its peers gone or saying goodbye, or their part
+        of a call already in: they were told that it failed. It must say so, not
+        blame them, nor finish a call they gave up on.
+        """
+        if self.error is None:
+            stalled = self._stall_error()
+            if stalled is None:
+                return None
+            if threading.get_ident() == self._loop_thread:
+                self.fail(stalled)
+            else:  # a metric sync taking its number from the training loop's thread
+                self._loop.call_soon_threadsafe(self.fail, stalled)
+                return stalled
+        return self.error
+
+    def _stall_error(self) -> RankFailedError | None:
+        stall = self.conn.stalled_for()
+        if stall + self.conn.heartbeat_interval <= self.heartbeat_timeout:
+            return None
+        return RankFailedError(
+            f"this rank ({self.rank}, pid {os.getpid()}) was declared failed by the "
+            f"rendezvous server: its event loop stopped for {stall:.1f} s (the process was "
+            "suspended, as by SIGSTOP or a debugger, or a call blocked the loop), longer "
+            f"than the heartbeat timeout of {self.heartbeat_timeout:.1f} s; group "
+            f"{self.group_name!r} is broken on all ranks. Restart the job, and keep the "
+            "loop free of blocking calls (or raise AIODIST_HEARTBEAT_TIMEOUT).",
+            rank=self.rank,
+            pid=os.getpid(),
+            reason=f"its event loop stopped for {stall:.1f} s",
+        )
+
     async def _peer_left(self, rank: int) -> BaseException:
         """The error of operations that need ``rank``, which said goodbye on a data channel."""
+        if (stalled := self._declared_failed()) is not None:
+            return stalled
         if rank not in self._left_info:
             with contextlib.suppress(DistError):  # without the table, the rank is named alone
                 m = (await self.members())[rank]
@@ -243,6 +286,8 @@ class Session:
         return rank_left_error(rank, host, pid)
 
     def _members_left(self, members: list[Any]) -> None:
+        if self._declared_failed() is not None:
+            return  # they left because this rank was declared failed
         for entry in members:
             try:
                 rank, host, pid = entry
@@ -268,6 +313,8 @@ class Session:
             if not self.closed:
                 self.fail(notice.error)  # it names the server, and says what it means
         elif isinstance(notice, MemberFailed):
+            if notice.rank == self.rank and self._declared_failed() is not None:
+                return
             self.fail(
                 RankFailedError(
                     f"rank {notice.rank} (host {notice.host}, pid {notice.pid}) failed: "
@@ -305,6 +352,8 @@ class Session:
             )
         if self.error is not None:
             raise self.error
+        if (stalled := self._declared_failed()) is not None:
+            raise stalled
 
     async def barrier(self, timeout: float | None = None) -> None:
         """Wait until every member reached this barrier (server-side)."""

@@ -25,7 +25,8 @@ from aiodist._group.inflight import fail
 from aiodist._group.lingering import linger
 from aiodist._group.world import get_default_group
 from aiodist._ops import schedules, staging
-from aiodist._plane.peers import COLLECTIVE
+from aiodist._wire import codec
+from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -275,10 +276,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         direct = _NUMPY_VIEWABLE[dtype] = _casts_directly(tensor)
     if direct and not tensor.requires_grad:
         return tensor.numpy().data.cast("B")  # the fast way: half the calls
-    if tensor.dim() == 0:
-        tensor = tensor.view(1)
-    # Viewing the last dimension as bytes keeps the tensor C-contiguous; cast("B") flattens.
-    return tensor.view(torch.uint8).numpy().data.cast("B")
+    flat: torch.Tensor = codec.flat_view(tensor)
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _casts_directly(tensor: torch.Tensor) -> bool:
@@ -340,7 +339,7 @@ async def send(
     then may leave while a large payload to it is still being written: report
     the group's error then, not the closed connection it caused.
     """
-    key = (COLLECTIVE, group.group_id, seq, step)
+    key = (MatchKind.COLLECTIVE, group.group_id, seq, step)
     try:
         await group.session.plane.send(group.ranks[dst], key, meta, payload)
     except ConnectionError:
@@ -357,7 +356,7 @@ def recv(
 ) -> asyncio.Future[Received]:
     """Post the receive of a collective's message from group rank ``src``."""
     group.check_usable()  # a receive posted after break_() would never be failed
-    key = (COLLECTIVE, group.group_id, seq, step)
+    key = (MatchKind.COLLECTIVE, group.group_id, seq, step)
     return group.session.plane.recv(group.ranks[src], key, dest)
 
 
@@ -461,7 +460,7 @@ def _in_one_round(rows: _Rows, seq: int, step: int) -> None:
     g, work = rows.g, rows.work
     p, me = g.world_size, g.rank
     plane, ranks = g.session.plane, g.ranks
-    key = (COLLECTIVE, g.group_id, seq, step)
+    key = (MatchKind.COLLECTIVE, g.group_id, seq, step)
 
     def arrived(msg: Received | BaseException) -> None:
         if rows.accepted(msg) is not None:
@@ -490,7 +489,7 @@ def _in_rounds(rows: _Rows, seq: int, step: int) -> None:
             return
         to, frm = plan[k]
         count = min(1 << k, p - (1 << k))  # rows held before this round: 2**k
-        key = (COLLECTIVE, g.group_id, seq, step + k)
+        key = (MatchKind.COLLECTIVE, g.group_id, seq, step + k)
         held = [rows.row((me - i) % p) for i in range(count)]
         rows.send_now(to, key, b"".join(held) if n else None)
 

@@ -44,6 +44,7 @@ from aiodist._ops.common import (
 from aiodist._ops.outputs import new_outputs
 from aiodist._ops.reductions import slices
 from aiodist._plane.peers import Received
+from aiodist._wire import codec
 
 if TYPE_CHECKING:
     import torch
@@ -324,7 +325,7 @@ def all_gather_coalesced(
 
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The bytes of ``tensors``, one after the other, as one uint8 tensor."""
-    flat = [t.contiguous().reshape(-1) for t in tensors]
+    flat = [codec.flat_view(t.contiguous()) for t in tensors]
     return (
         torch.cat([x.view(torch.uint8) for x in flat])
         if flat

@@ -61,6 +61,7 @@ __all__ = [
     "send_object_list",
     "start_all_gather_object",
     "sync_random_seed",
+    "write_private",
 ]
 
 # The tag of send_object_list's messages: apart from every tag users can pass (>= 0).
@@ -686,13 +687,8 @@ def collect_results_cpu(
     rank, n = g.rank, g.world_size
     path = os.path.join(tmpdir, f"part_{rank}.pkl")
 
-    def write() -> None:
-        os.makedirs(tmpdir, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(payload)
-
     async def written_then_met(seq: int) -> None:
-        await asyncio.to_thread(write)
+        await asyncio.to_thread(write_private, path, payload)
         await movement.meet(g, seq, None, "collect_results_cpu")
 
     met = g.start("collect_results_cpu", written_then_met, seq=seq)
@@ -743,6 +739,19 @@ def collect_results_gpu(
     return _collect_by_gather(result_part, size, resolve_group(group), "collect_results_gpu")
 
 
+def write_private(path: str, payload: bytes) -> None:
+    """Write ``payload`` to ``path``, readable by this user only (a part of collect_results).
+
+    The results are the user's (mmengine leaves them to the umask): the folder is
+    made 0700, the file 0600, and never written through a link planted in its place.
+    """
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # a part left by an earlier run keeps its mode otherwise
+        f.write(payload)
+
+
 def _check_results(results: object, size: object) -> None:
     if not isinstance(results, list):
         raise ArgumentTypeError(f"results must be a list, got {type(results).__name__}")
@@ -774,7 +783,7 @@ def _collect_by_gather(
         part_list = await parts
         return None if part_list is None else _ordered(part_list, size)
 
-    return g.start(name, finish, collective=False)
+    return g.start(name, finish, collective=False, seq=seq)
 
 
 def sync_random_seed(group: ProcessGroup | None = None) -> Work[int]:
@@ -815,4 +824,4 @@ def sync_random_seed(group: ProcessGroup | None = None) -> Work[int]:
         (value,) = await box
         return int(value)
 
-    return g.start("sync_random_seed", finish, collective=False)
+    return g.start("sync_random_seed", finish, collective=False, seq=seq)

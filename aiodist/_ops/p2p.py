@@ -26,8 +26,8 @@ from aiodist._group.inflight import fail, start_task
 from aiodist._group.work import Work
 from aiodist._ops import staging
 from aiodist._ops.common import byte_view, check_tensor, outside, resolve_group
-from aiodist._plane.peers import OBJECT_P2P, P2P
 from aiodist._wire import codec
+from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
     import torch
@@ -171,18 +171,19 @@ def isend(
     if outside(g):
         return Work.completed(None)
     dst = peer_of(g, dst, group_dst, "dst", tag)
-    description, key = f"isend(dst={dst}, tag={tag})", (P2P, g.group_id, tag, 0)
+    description, key = f"isend(dst={dst}, tag={tag})", (MatchKind.P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
         _not_self(g, dst)
         device = staging.device_of(t)
         src = t if device is not None or t.is_contiguous() else t.contiguous()
+        if device is not None:
+            return _staged_send(g, description, dst, key, src)
+        meta, payload = _meta(src), byte_view(src)
     except BaseException as exc:
         _abort_send(g, dst, key, description, exc)
         raise
-    if device is not None:
-        return _staged_send(g, description, dst, key, src)
-    return _send(g, description, dst, key, _meta(src), byte_view(src))
+    return _send(g, description, dst, key, meta, payload)
 
 
 def _send(
@@ -266,7 +267,7 @@ def irecv(
     if outside(g):
         return Work.completed(-1)
     src = _any_peer(g, src, group_src, "src", tag)
-    key = (P2P, g.group_id, tag, 0)
+    key = (MatchKind.P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
     except BaseException:
@@ -355,7 +356,10 @@ def isend_object(
 
 def send_object(g: ProcessGroup, dst: int, tag: int, obj: object) -> Work[None]:
     """Send ``obj`` to global rank ``dst`` with ``tag`` (checked; negative tags are aiodist's)."""
-    description, key = f"isend_object(dst={dst}, tag={tag})", (OBJECT_P2P, g.group_id, tag, 0)
+    description, key = (
+        f"isend_object(dst={dst}, tag={tag})",
+        (MatchKind.OBJECT_P2P, g.group_id, tag, 0),
+    )
     try:
         data = codec.dumps(obj)  # encoded now: later changes to obj do not travel
     except BaseException as exc:
@@ -391,7 +395,7 @@ def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: b
         else:
             work._set_result((obj, msg.src) if with_sender else obj)
 
-    g.session.plane.post(src, (OBJECT_P2P, g.group_id, tag, 0), None, arrived)
+    g.session.plane.post(src, (MatchKind.OBJECT_P2P, g.group_id, tag, 0), None, arrived)
     return work
 
 

@@ -42,8 +42,8 @@ from aiodist._ops.rpc_wire import (
     send_parts,
     tensor_meta,
 )
-from aiodist._plane.peers import RPC
 from aiodist._wire import codec
+from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -344,7 +344,7 @@ class Agent:
         self.server.close()
         # Every receive of ours: the requests', the replies', their tensors'.
         for posted in self.plane.matcher.take_posted_where(
-            lambda k: k[0] == RPC and k[1] == RPC_GROUP
+            lambda k: k[0] == MatchKind.RPC and k[1] == RPC_GROUP
         ):
             posted.settle(reason)
         self._fail_calls(reason)

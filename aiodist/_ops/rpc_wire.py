@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import RemoteError
 from aiodist._ops.common import byte_view
-from aiodist._plane.peers import RPC
 from aiodist._wire import codec
+from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -66,7 +66,7 @@ _SERVING_FILES: Final = (
     os.path.join(os.path.dirname(__file__), "rpc_serve.py"),
     os.path.join(os.path.dirname(__file__), "rpc_threads.py"),
 )
-REQUEST_KEY: Final[Key] = (RPC, RPC_GROUP, 0, 0)
+REQUEST_KEY: Final[Key] = (MatchKind.RPC, RPC_GROUP, 0, 0)
 
 
 class Op(enum.IntEnum):
@@ -92,12 +92,12 @@ class Status(enum.IntEnum):
 
 
 def reply_key(call: int) -> Key:
-    return (RPC, RPC_GROUP, call, 0)
+    return (MatchKind.RPC, RPC_GROUP, call, 0)
 
 
 def part_key(call: int, index: int, *, request: bool) -> Key:
     """The key of tensor ``index`` set aside by a request (or its reply)."""
-    return (RPC, RPC_GROUP, -call if request else call, index + 1)
+    return (MatchKind.RPC, RPC_GROUP, -call if request else call, index + 1)
 
 
 def tensor_meta(tensors: list[torch.Tensor]) -> list[list[Any]] | None:

@@ -22,7 +22,7 @@ from aiodist._group.work import Work
 from aiodist._ops import reduce_ops, staging
 from aiodist._ops.common import Slot, chain, check_tensor, outside, resolve_group
 from aiodist._ops.reductions import all_reduce, start_all_reduce
-from aiodist._plane.peers import sub_seq
+from aiodist._wire.keys import sub_seq
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable

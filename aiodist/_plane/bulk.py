@@ -43,20 +43,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._wire.frame import MiB
+from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
     from aiodist._plane.link import Posted, Received
     from aiodist._plane.peers import DataPlane, Key
 
-__all__ = ["BULK", "BULK_MIN_BYTES", "CLEAR", "CREDIT", "Announced", "BulkTransfers"]
+__all__ = ["BULK_MIN_BYTES", "Announced", "BulkTransfers"]
 
 #: Point-to-point tensor payloads of at least this many bytes wait for clear-to-send.
 BULK_MIN_BYTES: Final = 1 * MiB
-P2P: Final = 0  # _peers.P2P: the kind of point-to-point tensors
-# Message kinds of the match key, beside _peers' P2P (0), COLLECTIVE (1), OBJECT_P2P (2).
-CLEAR: Final = 3
-BULK: Final = 4
-CREDIT: Final = 5
 
 
 @dataclass(slots=True, eq=False)
@@ -92,7 +88,7 @@ class BulkTransfers:
             await plane.send_header(dst, [*key, meta], payload)
             return
         self.announcements += 1
-        cleared = plane.recv(dst, (CLEAR, group_id, ident, 0))
+        cleared = plane.recv(dst, (MatchKind.CLEAR, group_id, ident, 0))
         cleared.add_done_callback(_retrieve)  # a failure reaches the caller via await
         await plane.send_header(dst, [*key, meta, ident, payload.nbytes])
         self._waiting += 1
@@ -103,12 +99,12 @@ class BulkTransfers:
                 self._take_credit(credit)
         finally:
             self._waiting -= 1
-        await plane.send_header(dst, [BULK, group_id, ident, 0, None], payload)
+        await plane.send_header(dst, [MatchKind.BULK, group_id, ident, 0, None], payload)
 
     def credited(self, dst: int, key: Key) -> None:
         """Rank ``dst`` posted a receive for a large payload: ``[CREDIT, group, tag, nbytes]``."""
         _, group_id, tag, nbytes = key
-        credit = (dst, (P2P, group_id, tag, 0), nbytes)
+        credit = (dst, (MatchKind.P2P, group_id, tag, 0), nbytes)
         self._credits[credit] = self._credits.get(credit, 0) + 1
 
     def _take_credit(self, credit: tuple[int, Key, int]) -> bool:
@@ -144,7 +140,7 @@ class BulkTransfers:
             return
         posted.credited = True
         _, group_id, tag, _ = posted.key
-        plane._spawn(plane.send(src, (CREDIT, group_id, tag, dest.nbytes), None, None))
+        plane._spawn(plane.send(src, (MatchKind.CREDIT, group_id, tag, dest.nbytes), None, None))
 
     def deliver(self, posted: Posted, msg: Received) -> None:
         """Complete ``posted`` with announced ``msg`` once its payload is in."""
@@ -187,9 +183,11 @@ class BulkTransfers:
         self._held.discard(announced)
         plane, src = self._plane, announced.src
         group_id, ident = announced.group_id, announced.ident
-        announced.payload = plane.recv(src, (BULK, group_id, ident, 0), dest)
+        announced.payload = plane.recv(src, (MatchKind.BULK, group_id, ident, 0), dest)
         announced.payload.add_done_callback(_retrieve)
-        plane._spawn(plane.send(src, (CLEAR, group_id, ident, 0), 1 if credited else 0, None))
+        plane._spawn(
+            plane.send(src, (MatchKind.CLEAR, group_id, ident, 0), 1 if credited else 0, None)
+        )
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import AbortedError, ProtocolError
-from aiodist._plane.bulk import CREDIT, Announced
+from aiodist._plane.bulk import Announced
 from aiodist._wire import auth
+from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class Link:
             if not isinstance(header, list) or len(header) not in (5, 7):
                 raise ProtocolError("malformed DATA header")
             key: Key = (header[0], header[1], header[2], header[3])
-            if key[0] == CREDIT:  # a peer posted a receive for a large payload of ours
+            if key[0] == MatchKind.CREDIT:  # a peer posted a receive for a large payload of ours
                 self.plane.bulk.credited(self.src, key)
                 return None
             if len(header) == 7:  # announces a large payload: it moves once cleared
@@ -214,7 +215,11 @@ class Link:
         self.plane._adopt(rank, channel)
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if frame.kind != MessageKind.DATA or len(frame.header) == 7 or frame.header[0] == CREDIT:
+        if (
+            frame.kind != MessageKind.DATA
+            or len(frame.header) == 7
+            or frame.header[0] == MatchKind.CREDIT
+        ):
             return  # not data, or an announcement or a credit (handled on arrival)
         assert self.src is not None
         assert self._buffer is not None

@@ -85,6 +85,7 @@ class SharedListener:
         if not self.planes and self.listener is not None:
             self.closed = True  # a plane that listens later opens a new one
             self.listener.close()
+            _forget(self)
 
 
 # Per event loop: the shared listener with rings (True) or plain (False), or its start.
@@ -105,6 +106,22 @@ async def shared_listener(rings: bool) -> SharedListener:
         shared = await asyncio.shield(future)
         if not shared.closed:  # it may have closed while we waited: start another
             return shared
+
+
+def _forget(shared: SharedListener) -> None:
+    # The table's futures hold the listener, whose server holds its loop: left in the
+    # table, the loop (its key, held weakly) would never be freed.
+    for loop, table in list(_shared_listeners.items()):
+        for rings, future in list(table.items()):
+            if (
+                future.done()
+                and not future.cancelled()
+                and future.exception() is None
+                and future.result() is shared
+            ):
+                del table[rings]
+        if not table:
+            del _shared_listeners[loop]
 
 
 async def _start(rings: bool) -> SharedListener:

@@ -2,19 +2,13 @@
 
 Wire use: a channel opens with ``PEER_HELLO [job, rank, pid, member]`` from
 the side that connected; every message after it is ``DATA [kind, group, a, b, meta]``
-with a raw payload. ``(kind, group, a, b)`` is the match key: kind 0 for
-tensor point-to-point (``a`` = tag), 1 for collectives (``a`` = sequence
-number, ``b`` = step), 2 for object point-to-point, 6 for remote calls
-(``_ops/rpc_wire.py``). ``meta`` is small plain
+with a raw payload. ``(kind, group, a, b)`` is the match key (``_wire/keys.py``
+has its kinds, ``MatchKind``). ``meta`` is small plain
 data the operation checks (dtype, shape, op). ``PEER_ERROR`` carries an error
 that breaks a group on every member (or aborts one call of it, see
 ``drop_call``); ``PEER_ABORT`` takes the place of a message whose send failed
 before its data left, so the receive it matches fails instead of taking a later
 message; ``PEER_BYE`` precedes a clean close.
-
-A collective's sequence number ``a`` is the call's place in its group's order,
-or, for the parts of a call that runs several collectives inside (see
-``sub_seq``), a negative number that encodes the call and the part.
 
 A plane that closes says ``PEER_BYE`` on every channel and waits (briefly) for
 each peer to answer with its own before it closes them: once answered, a peer
@@ -61,12 +55,13 @@ import os
 from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import AuthenticationError, DistError, ProtocolError
-from aiodist._plane.bulk import BULK, BULK_MIN_BYTES, CLEAR, BulkTransfers
+from aiodist._plane.bulk import BULK_MIN_BYTES, BulkTransfers
 from aiodist._plane.link import Link, Posted, Received, aborted_message
 from aiodist._plane.listener import SharedListener, preauth_limits, shared_listener
 from aiodist._plane.matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
 from aiodist._wire import auth
+from aiodist._wire.keys import Key, MatchKind, call_of
 from aiodist._wire.messages import HostIds, MessageKind
 
 if TYPE_CHECKING:
@@ -75,36 +70,16 @@ if TYPE_CHECKING:
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DataPlane", "Key", "Received", "call_of", "sub_seq"]
+__all__ = ["DataPlane", "Key", "Received"]
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[int, int, int, int]
 # Each rank's data-plane addresses.
 PeerTable = dict[int, tuple[str, ...]]
-P2P: Final = 0
-COLLECTIVE: Final = 1
-OBJECT_P2P: Final = 2
-# Kinds 3-5 are bulk.py's (CLEAR, BULK, CREDIT).
-RPC: Final = 6  # remote calls: requests, replies and their tensors (aiodist._ops.rpc_wire)
 # How long a connecting rank waits for the accepting rank's proof of the token.
 HANDSHAKE_TIMEOUT: Final = 30.0
-# Parts of one call (see sub_seq): at most 2**20 collectives inside one call.
-_PART_BITS: Final = 20
 # Aborted calls whose late messages are still dropped (see drop_call).
 _DEAD_CALLS_KEPT: Final = 4096
-
-
-def sub_seq(call: int, part: int) -> int:
-    """The sequence number of part ``part`` of call ``call``: negative, unique to the pair."""
-    assert call > 0
-    assert 0 <= part < 1 << _PART_BITS
-    return -((call << _PART_BITS) | part)
-
-
-def call_of(seq: int) -> int:
-    """The call a collective's sequence number belongs to (itself, unless a ``sub_seq``)."""
-    return seq if seq >= 0 else (-seq) >> _PART_BITS
 
 
 # How long a closing plane waits for its peers to answer its goodbyes.
@@ -287,7 +262,7 @@ class DataPlane:
             data = memoryview(bytes(payload) if payload is not None else b"")
             self.arrived(dst, key, Received(dst, meta, data))
             return
-        if key[0] == P2P and payload is not None:
+        if key[0] == MatchKind.P2P and payload is not None:
             view = memoryview(payload).cast("B")
             if view.nbytes >= BULK_MIN_BYTES:
                 await self.bulk.send(dst, key, meta, view)
@@ -322,7 +297,7 @@ class DataPlane:
             channel is None
             or dst in self.left
             or (
-                key[0] == P2P
+                key[0] == MatchKind.P2P
                 and payload is not None
                 and memoryview(payload).nbytes >= BULK_MIN_BYTES
             )
@@ -368,7 +343,7 @@ class DataPlane:
             self._complete(posted, msg)
         elif not (
             self._dead_calls
-            and key[0] == COLLECTIVE
+            and key[0] == MatchKind.COLLECTIVE
             and (key[1], call_of(key[2])) in self._dead_calls
         ):
             self.matcher.buffer(src, key, msg)
@@ -386,7 +361,7 @@ class DataPlane:
             del dead[next(iter(dead))]
 
         def hit(key: tuple[int, ...]) -> bool:
-            return key[0] == COLLECTIVE and key[1] == group_id and call_of(key[2]) == call
+            return key[0] == MatchKind.COLLECTIVE and key[1] == group_id and call_of(key[2]) == call
 
         self.matcher.drop_unexpected_where(hit)
         for posted in self.matcher.take_posted_where(hit):
@@ -607,7 +582,7 @@ class DataPlane:
             self._complete(posted, found[1])
         elif src in self._gone:
             self._settle_left(src)  # nothing more comes from it: fails at once
-        elif key[0] == P2P and src is not None:
+        elif key[0] == MatchKind.P2P and src is not None:
             self.bulk.offer(src, posted)
         return future
 
@@ -632,7 +607,7 @@ class DataPlane:
             self._complete(posted, found[1])
         elif src in self._gone:
             self._settle_left(src)  # nothing more comes from it: fails at once
-        elif key[0] == P2P and src is not None:
+        elif key[0] == MatchKind.P2P and src is not None:
             self.bulk.offer(src, posted)
 
     def _complete(self, posted: Posted, msg: Received) -> None:
@@ -674,7 +649,12 @@ class DataPlane:
 
     def fail_p2p(self, exc: BaseException) -> None:
         """Fail every posted point-to-point receive (tensors and objects) with ``exc``."""
-        kinds = (P2P, OBJECT_P2P, CLEAR, BULK)  # and the large payloads' own messages
+        kinds = (
+            MatchKind.P2P,
+            MatchKind.OBJECT_P2P,
+            MatchKind.CLEAR,
+            MatchKind.BULK,
+        )  # and the large payloads' own messages
         for posted in self.matcher.take_posted_where(lambda k: k[0] in kinds):
             posted.settle(exc)
 

@@ -12,6 +12,12 @@ socket reports: the server never resolves a host name.
 Job events (``events.py``) go to the ``aiodist.events`` logger at INFO, one
 record each, its message the event as JSON and the event itself in the
 record's ``aiodist_event`` attribute (``aiodist serve`` writes them as JSON lines).
+
+Connections that have not finished their handshake wait in one ``Gate``
+(``_wire/preauth.py``, see ``connection``) with one timer for its next
+deadline; refused connections are logged through one ``LogBudget``: the first
+few of each interval in full, then one summary line with counts, so a flood of
+strangers costs a few lines, not one each.
 """
 
 from __future__ import annotations
@@ -20,18 +26,21 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from aiodist._server.connection import ServerConnection
+from aiodist._server.connection import AUTH_TIMEOUT, ServerConnection
 from aiodist._server.jobs import Close
 from aiodist._server.state import ServerState
+from aiodist._wire.preauth import Gate, LogBudget, PreAuthLimits
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
     from aiodist._server.jobs import ConnId
+    from aiodist._wire.bounds import FieldError
     from aiodist._wire.frame import Buffer
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serve_rendezvous"]
@@ -63,10 +72,17 @@ class RendezvousServer:
         bytes_received: Bytes read from all clients so far.
         bytes_sent: Bytes written to all clients so far.
         auth_failures: Connections refused for a missing or wrong token.
+        preauth: What a connection may cost before its handshake is done.
+        preauth_closed: Connections the gate closed before their handshake was
+            done: shed, past the deadline, or over the byte budget.
     """
 
     def __init__(
-        self, *, token: str | None = None, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+        self,
+        *,
+        token: str | None = None,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        preauth: PreAuthLimits | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.state = ServerState(self._loop.time())
@@ -76,6 +92,12 @@ class RendezvousServer:
         self.bytes_received = 0
         self.bytes_sent = 0
         self.auth_failures = 0
+        self.preauth = preauth or PreAuthLimits(deadline=AUTH_TIMEOUT)
+        self.preauth_closed = 0
+        self._gate: Gate[ServerConnection] = Gate(self.preauth)
+        self._gate_timer: asyncio.TimerHandle | None = None
+        self._refusals = LogBudget()
+        self._refusals_timer: asyncio.TimerHandle | None = None
         self.address: tuple[str, int] = ("", 0)
         self._conns: dict[ConnId, ServerConnection] = {}  # every channel's connection
         self._sockets: set[ServerConnection] = set()
@@ -140,6 +162,8 @@ class RendezvousServer:
             "bytes_received": self.bytes_received,
             "bytes_sent": self.bytes_sent,
             "auth_failures": self.auth_failures,
+            "preauth_closed": self.preauth_closed,
+            "preauth_pending": len(self._gate),
         }
 
     async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
@@ -155,11 +179,13 @@ class RendezvousServer:
         self.state.close(reason)
         self._flush()
         for conn in list(self._sockets):
-            conn._cancel_auth_timer()
             if conn.transport is not None:
                 conn.transport.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._gate_timer, self._refusals_timer):
+            if timer is not None:
+                timer.cancel()
+        self._gate_timer = self._refusals_timer = None
+        self._flush_refusals(final=True)
         with anyio.move_on_after(self.shutdown_timeout):
             await self.wait_until(lambda s: not s._sockets)
         for conn in list(self._sockets):
@@ -174,7 +200,55 @@ class RendezvousServer:
     def _connection_made(self, conn: ServerConnection) -> None:
         self._sockets.add(conn)
         self._conns[conn._id] = conn
-        self.state.connection_made(conn._id, conn.peer, self._loop.time())
+        now = self._loop.time()
+        self.state.connection_made(conn._id, conn.peer, now)
+        for oldest in self._gate.admit(conn, now):
+            oldest.shed()
+        if self._gate_timer is None:
+            self._arm_gate_timer()
+
+    def _passed(self, conn: ServerConnection) -> None:
+        self._gate.passed(conn)
+
+    def _spoke(self, conn: ServerConnection) -> None:
+        self._gate.spoke(conn)
+
+    def _charge(self, conn: ServerConnection, nbytes: int) -> bool:
+        return self._gate.charge(conn, nbytes)
+
+    def _arm_gate_timer(self) -> None:
+        when = self._gate.next_deadline()
+        self._gate_timer = None if when is None else self._loop.call_at(when, self._on_gate_timer)
+
+    def _on_gate_timer(self) -> None:
+        for conn in self._gate.expired(self._loop.time()):
+            conn.expired()
+        self._arm_gate_timer()
+
+    def _bad_request(self, conn_id: ConnId, exc: FieldError) -> None:
+        self.state.bad_request(conn_id, exc.req_id, str(exc), exc.wire_details())
+
+    def _log_refusal(self, reason: str, message: str, *args: object) -> None:
+        """Log a refused connection, or count it for the interval's summary line."""
+        full, summary = self._refusals.note(self._loop.time(), reason)
+        if summary is not None:
+            logger.warning("%s", summary)
+        if full:
+            logger.warning(message, *args)
+        elif self._refusals_timer is None and (due := self._refusals.due()) is not None:
+            self._refusals_timer = self._loop.call_at(due, self._on_refusals_timer)
+
+    def _on_refusals_timer(self) -> None:
+        self._refusals_timer = None
+        self._flush_refusals()
+        if (due := self._refusals.due()) is not None:  # woken a hair early: not over yet
+            self._refusals_timer = self._loop.call_at(due, self._on_refusals_timer)
+
+    def _flush_refusals(self, *, final: bool = False) -> None:
+        # Shutting down: whatever was held back is logged now, its interval over or not.
+        now = math.inf if final else self._loop.time()
+        if (summary := self._refusals.flush(now)) is not None:
+            logger.warning("%s", summary)
 
     def _channel_opened(self, conn: ServerConnection) -> ConnId:
         conn_id = self._new_id()
@@ -188,6 +262,7 @@ class RendezvousServer:
 
     def _connection_lost(self, conn: ServerConnection, reason: str) -> None:
         self._sockets.discard(conn)
+        self._gate.left(conn)
         for conn_id in list(conn.channels.values()):
             self._channel_lost(conn_id, reason)
         self._flush()
@@ -242,6 +317,7 @@ async def serve_rendezvous(
     *,
     token: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    preauth: PreAuthLimits | None = None,
     task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a rendezvous server until cancelled.
@@ -253,6 +329,8 @@ async def serve_rendezvous(
             anything else; others are refused with ``AuthenticationError``.
         shutdown_timeout: Seconds a shutdown waits for clients to take the
             closing notice before cutting them off.
+        preauth: What a connection may cost before its handshake is done (bytes,
+            deadline, how many wait at once); the default suits a daemon.
         task_status: Receives the ``RendezvousServer`` once it is listening.
 
     Cancellation:
@@ -263,7 +341,7 @@ async def serve_rendezvous(
         >>> async with anyio.create_task_group() as tg:
         ...     server = await tg.start(serve_rendezvous, "127.0.0.1", 0)
     """
-    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout)
+    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout, preauth=preauth)
     await server._start(host, port)
     try:
         task_status.started(server)

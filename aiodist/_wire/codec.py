@@ -107,6 +107,16 @@ def _default(obj: Any) -> msgpack.ExtType:
     raise _NotPlain
 
 
+def flat_view(t: Any) -> Any:
+    """Contiguous tensor ``t`` as one dimension of stride 1, sharing its memory.
+
+    Not ``reshape(-1)``: torch calls a tensor contiguous whatever the strides of
+    its size-1 dimensions (one element of stride 2 is), and keeps such a stride
+    through ``view``/``reshape``, where ``view(torch.uint8)`` then refuses it.
+    """
+    return t.as_strided((t.numel(),), (1,))
+
+
 def _tensor_ext(t: Any) -> msgpack.ExtType:
     import torch
 
@@ -115,7 +125,7 @@ def _tensor_ext(t: Any) -> msgpack.ExtType:
     if t.device.type != "cpu":
         raise _NotPlain
     # Conjugate and negative views refuse view(dtype): materialise them first.
-    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    flat = flat_view(t.detach().resolve_conj().resolve_neg().contiguous())
     raw = flat.view(torch.uint8).numpy().data if flat.numel() else b""
     return msgpack.ExtType(_EXT_TENSOR, _pack([str(t.dtype), list(t.shape), raw], _PLAIN))
 

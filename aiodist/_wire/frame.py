@@ -163,6 +163,8 @@ def frame_message(frame: Frame) -> Any:
 
     Raises:
         ProtocolError: Unknown kind, or fields of the wrong number or type.
+        FieldError: A field's value is out of range (see ``bounds``): a
+            ``ProtocolError`` naming the field, and the request to refuse.
     """
     try:
         return decode_message(frame.kind, frame.header)
