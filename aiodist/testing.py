@@ -126,8 +126,8 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
     may be reused, ``send_nowait`` keeping call order, clean close seen as
     clean, and abort seen by the peer; and before the handshake
     (``handshake_done``), the listener's limits: no payload, a byte budget, a
-    deadline, the oldest unproved connection shed for a newer one beyond the
-    cap, and the unproved ones closed with the listener.
+    deadline, the oldest silent unproved connection (before any that spoke) shed
+    for a newer one beyond the cap, and the unproved ones closed with the listener.
     """
     accepted: list[_RecordingSink] = []
     new_sink = asyncio.Event()
@@ -240,7 +240,7 @@ async def _check_preauth(transport: Transport, host: str) -> None:
     def refused(sink: _RecordingSink) -> bool:
         return sink.closed.is_set() and isinstance(sink.close_exc, ProtocolError)
 
-    limits = PreAuthLimits(max_bytes=4096, deadline=60.0, max_pending=2)
+    limits = PreAuthLimits(max_bytes=4096, deadline=60.0, max_pending=3)
     listener = await transport.listen(host, factory, preauth=limits)
     try:
         # A payload before the handshake: refused at its frame's prefix.
@@ -260,18 +260,23 @@ async def _check_preauth(transport: Transport, host: str) -> None:
         assert refused(theirs), f"over the byte budget: {theirs.close_exc!r}"
         assert len(theirs.frames) < limits.max_bytes // 16, "the byte budget was not enforced"
 
-        # Beyond max_pending unproved connections, a newcomer sheds the oldest.
+        # Beyond max_pending unproved connections, a newcomer sheds the oldest of those
+        # that said nothing (a real peer speaks at once: it is not shed for a stranger).
+        talking, talker, theirs = await connect(listener.address)
+        await talking.send(65, ["not proved yet"])
+        await theirs.wait_for(1)
         _, oldest, _ = await connect(listener.address)
         _, middle, _ = await connect(listener.address)
         _, newest, _ = await connect(listener.address)
         await oldest.closed.wait()
-        assert not middle.closed.is_set(), "shed a connection that was not the oldest"
+        assert not talker.closed.is_set(), "shed a connection that spoke before a silent one"
+        assert not middle.closed.is_set(), "shed a silent connection that was not the oldest"
         assert not newest.closed.is_set(), "shed the newcomer"
     finally:
         listener.close()
     # Closing the listener closes the connections that never proved themselves.
-    await middle.closed.wait()
-    await newest.closed.wait()
+    for sink in (talker, middle, newest):
+        await sink.closed.wait()
 
     # A connection that says nothing is closed at the deadline.
     listener = await transport.listen(host, factory, preauth=PreAuthLimits(deadline=0.2))

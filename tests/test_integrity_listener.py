@@ -37,9 +37,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodist import ProtocolError, serve_rendezvous
-from aiodist._plane.peers import COLLECTIVE, P2P, DataPlane
+from aiodist._plane.peers import DataPlane
 from aiodist._transport import ringwire, shm, shmring, uds
 from aiodist._wire.frame import encode_frame
+from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import MessageKind
 from tests._daemon import TOKEN
 
@@ -552,7 +553,7 @@ async def _authenticated_pair(
 
     a.set_members(0, 2, table, [0, 0])
     b.set_members(1, 2, table, [0, 0])
-    key = (P2P, 0, 0, 0)
+    key = (MatchKind.P2P, 0, 0, 0)
     received = b.recv(0, key)
     await a.send(1, key, "meta", b"hello")
     assert bytes((await received).data) == b"hello"
@@ -560,7 +561,7 @@ async def _authenticated_pair(
 
 
 def _malformed(ring: str) -> dict[str, list[tuple[int, Any]]]:
-    data_header = [P2P, 0, 0, 1, None]  # a DATA frame's header, for the ring payload
+    data_header = [MatchKind.P2P, 0, 0, 1, None]  # a DATA frame's header, for the ring payload
     announce = [MessageKind.DATA, data_header, 100, [ring, 2, 4096]]
     return {
         "a string for the slots": [(shmring.RING_DATA, [65, data_header, 1, [ring, "a", GiB]])],
@@ -660,7 +661,7 @@ async def test_second_free_of_a_ring_slot_closes_the_connection_before_a_slot_is
     lost: list[tuple[int, str]] = []
     news = anyio.Event()
     a, b, channel = await _authenticated_pair(lost, news)
-    key = (COLLECTIVE, 0, 1, 0)
+    key = (MatchKind.COLLECTIVE, 0, 1, 0)
     payload = bytes(range(256)) * (shmring.SLOT_BYTES // 256)
     caplog.set_level(logging.INFO)
     try:

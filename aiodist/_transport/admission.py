@@ -5,7 +5,8 @@ admits what it accepts through one ``Admission``: the I/O side of the sans-IO
 ``preauth.Gate``. A channel enters when accepted, is charged for every read
 until the data plane says its peer proved itself (``DataChannel.handshake_done``),
 and leaves when it closes. Until then the admission closes it when it sends too
-much, when its deadline passes, or when newer connections shed it; and each
+much, when its deadline passes, or when newer connections shed it (the silent
+ones first, then the oldest); and each
 refusal is logged through a ``preauth.LogBudget``, so a flood of strangers
 writes a few lines and a count, not a line each.
 """
@@ -36,7 +37,6 @@ LOG_INTERVAL = 10.0
 ACCEPT_BATCH: Final = 64
 # A refusal's detail is cut to this: it may quote what the peer sent.
 _DETAIL_CHARS: Final = 200
-_FLUSH_MARGIN: Final = 0.05
 
 
 class Admitted(Protocol):
@@ -80,6 +80,14 @@ class Admission:
         shed = self._gate.admit(conn, loop.time())
         self._refuse_all(shed, "shed", "shed for a newer connection (too many unproved at once)")
         self._arm(loop)
+
+    def spoke(self, conn: Admitted) -> None:
+        """``conn`` sent its first whole frame: the silent ones are shed before it.
+
+        A real peer's hello is on its way as it connects; a stranger holding
+        connections open to push real peers out says nothing.
+        """
+        self._gate.spoke(conn)
 
     def charge(self, conn: Admitted, nbytes: int) -> bool:
         """Count ``nbytes`` read from ``conn``; False (and ``conn`` refused) once over budget."""
@@ -126,13 +134,14 @@ class Admission:
             logger.warning(
                 "refused a data connection from %s: %s", conn.peer, detail[:_DETAIL_CHARS]
             )
-        elif self._flush_timer is None:
-            # Say what was counted once the interval is over, even if nothing else comes
-            # (a little after: the interval may have begun with this very note).
-            self._flush_timer = loop.call_later(self._log.interval + _FLUSH_MARGIN, self._flush)
+        elif self._flush_timer is None and (due := self._log.due()) is not None:
+            # Say what was counted once the interval is over, even if nothing else comes.
+            self._flush_timer = loop.call_at(due, self._flush)
 
     def close(self) -> None:
         """The listener closed: refuse every connection still waiting, quietly."""
+        if not self.closed and (summary := self._log.flush(float("inf"))) is not None:
+            logger.warning("%s", summary)  # what was held back, its interval over or not
         self.closed = True
         for timer in (self._timer, self._flush_timer):
             if timer is not None:
@@ -170,9 +179,12 @@ class Admission:
 
     def _flush(self) -> None:
         self._flush_timer = None
-        summary = self._log.flush(asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        summary = self._log.flush(loop.time())
         if summary is not None:
             logger.warning("%s", summary)
+        elif (due := self._log.due()) is not None:  # woken a hair early: not over yet
+            self._flush_timer = loop.call_at(due, self._flush)
 
 
 async def serve(

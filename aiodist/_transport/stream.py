@@ -208,6 +208,8 @@ class StreamChannel(asyncio.BufferedProtocol):
             if event is NEED_DATA:  # a frame's start, not yet whole
                 return
             assert isinstance(event, Frame)  # no payload is pending, and EOF is not fed here
+            if not self._proved and self._admission is not None:
+                self._admission.spoke(self)  # a peer that speaks is shed after silent ones
             self._frame = event
             dest = self._frame_received(event)
             if event.payload_nbytes:
