@@ -12,19 +12,51 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from aiodist._errors import ProtocolError
 from aiodist._plane.link import Link
 from aiodist._transport import shmring, uds
 from aiodist._wire.messages import MessageKind
+from aiodist._wire.preauth import PreAuthLimits
 
 if TYPE_CHECKING:
     from aiodist._plane.peers import DataPlane
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Frame
 
-__all__ = ["SharedListener", "shared_listener"]
+__all__ = ["HANDSHAKE_DEADLINE", "SharedListener", "preauth_limits", "shared_listener"]
+
+#: Seconds from accept to a finished handshake on a data-plane listener (a real peer's
+#: takes milliseconds; a plane with a token answers a hello once it has its own rank).
+#: Read when a listener opens: a test may lower it first.
+HANDSHAKE_DEADLINE = 10.0
+# Unproved connections one listener keeps at most: an eighth of the process's file
+# descriptors, between PreAuthLimits' default and this.
+_MAX_PENDING: Final = 1024
+
+
+def preauth_limits() -> PreAuthLimits:
+    """What a connection may cost a data-plane listener of this process before its handshake.
+
+    The cap on unproved connections grows with the file descriptors the process
+    may open (an eighth of them, at least ``PreAuthLimits``' default), so that a
+    burst of real peers connecting at once is not shed, and strangers can never
+    take the descriptors the rank needs for itself.
+    """
+    base = PreAuthLimits(deadline=HANDSHAKE_DEADLINE)
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit here
+        return base
+    if soft == resource.RLIM_INFINITY:
+        soft = 8 * _MAX_PENDING
+    return PreAuthLimits(
+        deadline=HANDSHAKE_DEADLINE,
+        max_pending=max(base.max_pending, min(_MAX_PENDING, soft // 8)),
+    )
 
 
 class SharedListener:
@@ -95,7 +127,7 @@ def _forget(shared: SharedListener) -> None:
 async def _start(rings: bool) -> SharedListener:
     shared = SharedListener()
     transport = shmring if rings else uds
-    shared.listener = await transport.listen("", lambda: _Router(shared))
+    shared.listener = await transport.listen("", lambda: _Router(shared), preauth=preauth_limits())
     return shared
 
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._errors import AuthenticationError, DistError, ProtocolError
 from aiodist._plane.bulk import BULK_MIN_BYTES, BulkTransfers
 from aiodist._plane.link import Link, Posted, Received, aborted_message
-from aiodist._plane.listener import SharedListener, shared_listener
+from aiodist._plane.listener import SharedListener, preauth_limits, shared_listener
 from aiodist._plane.matching import Matcher
 from aiodist._transport import shm, shmring, tcp, uds
 from aiodist._wire import auth
@@ -92,6 +92,19 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+async def _last_handshake_frame(channel: DataChannel, kind: MessageKind, header: Any) -> None:
+    """Send this side's last handshake frame, and lift the channel's limits right behind it.
+
+    Both in one turn of the loop: whatever the peer sends once it has read the
+    frame is read under the full limits, and a transport's own frames that
+    follow (``shmring``'s RING_HELLO) come after it on the wire.
+    """
+    rest = channel.send_nowait(kind, header)
+    channel.handshake_done()
+    if rest is not None:
+        await rest
 
 
 async def _no_verdict(rank: int, reason: str) -> BaseException | None:
@@ -177,7 +190,9 @@ class DataPlane:
             self._shared = shared
             addresses.append(address)
         if not (self.use_uds and _is_loopback(host)):
-            self._listeners.append(await tcp.listen(host, lambda: Link(self)))
+            self._listeners.append(
+                await tcp.listen(host, lambda: Link(self), preauth=preauth_limits())
+            )
         addresses += [lst.address for lst in self._listeners]
         if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
             addresses.append(shm.capability())
@@ -433,7 +448,7 @@ class DataPlane:
         hello: list[Any] = [self.job, self.rank, os.getpid(), link.member]
         token = self.token
         if token is None:
-            await channel.send(MessageKind.PEER_HELLO, hello)
+            await _last_handshake_frame(channel, MessageKind.PEER_HELLO, hello)
             return
         mine = auth.new_nonce()
         link.challenge = asyncio.get_running_loop().create_future()
@@ -457,7 +472,8 @@ class DataPlane:
                 "refusing to exchange data with it. Set the same AIODIST_TOKEN on every rank",
             )
         link.src = dst  # only now is what arrives on this channel trusted
-        await channel.send(
+        await _last_handshake_frame(
+            channel,
             MessageKind.PEER_AUTH,
             [b"", auth.connect_proof(token, self.job, self.rank, dst, theirs, mine)],
         )
@@ -481,7 +497,8 @@ class DataPlane:
         """
         if self._closing:
             return
-        logger.warning("refused a data connection claiming to be rank %d: %s", rank, why)
+        # Not a warning of its own: the listener logs each refusal (within its budget).
+        logger.debug("refused a data connection claiming to be rank %d: %s", rank, why)
         if (
             rank == self.rank
             or not 0 <= rank < self.world_size
@@ -535,7 +552,9 @@ class DataPlane:
         return await tcp.connect(tcp_addr[0], link)
 
     def _adopt(self, src: int, channel: DataChannel) -> None:
-        # A peer connected to us first: use its channel for our sends to it too.
+        # A peer connected to us and proved itself (or said hello, without a token): what
+        # it sends next is read under the full limits, and we send to it on this channel.
+        channel.handshake_done()
         self._opened(src, channel)
 
     def _opened(self, peer: int, channel: DataChannel) -> None:
@@ -668,6 +687,8 @@ class DataPlane:
             self._spawn(channel.send(MessageKind.PEER_BYE, []))
 
     def _channel_closed(self, link: Link, channel: DataChannel, exc: Exception | None) -> None:
+        if self._early_hellos:  # a stranger's hello kept for set_members: forget it
+            self._early_hellos = [e for e in self._early_hellos if e[1] is not channel]
         self._channels.discard(channel)
         self._byes.discard(channel)
         if self._bye_news is not None:
