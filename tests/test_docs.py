@@ -275,8 +275,16 @@ async def _check_token_file(command: str, cwd: Path) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}\n", (cwd / "token").read_text())
 
 
+async def _check_chmod(command: str, cwd: Path) -> None:
+    (cwd / "token").write_text(TOKEN)
+    result = await run(shlex.split(command), limit=30, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    assert (cwd / "token").stat().st_mode & 0o777 == 0o600
+
+
 async def _check_run_with_token(command: str, cwd: Path) -> None:
     (cwd / "token").write_text(TOKEN)
+    (cwd / "token").chmod(0o600)  # as the page says: it warns otherwise
     await check_run(command, cwd)
 
 
@@ -315,6 +323,7 @@ BASH: dict[str, Check | str] = {
     "aiodist status --port 29500 --json": check_status,
     # Security
     'python -c "import secrets; print(secrets.token_hex(32))" > token': _check_token_file,
+    "chmod 600 token": _check_chmod,
     "aiodist run -n 4 --token-file token train.py": _check_run_with_token,
     # GPUs
     "aiodist run -n 4 examples/train_overlap.py": check_run,

@@ -1,0 +1,36 @@
+"""A griffe extension for the API reference: read ``Example:`` as ``Examples:``.
+
+aiodist's docstrings are Google style and name their example section
+``Example:`` (napoleon reads both spellings). griffe knows only ``Examples:``,
+and would render the singular as a plain note, its ``>>>`` lines turned into
+nested quotes. Renaming the section as the docstring is loaded lets griffe
+read the ``>>>`` lines as code. ``mkdocs.yml`` loads this module through
+mkdocstrings' ``extensions`` option; nothing else does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import griffe
+
+if TYPE_CHECKING:
+    import ast
+
+_SINGULAR = re.compile(r"^(\s*)Example:\s*$", re.MULTILINE)
+
+
+class SingularExamples(griffe.Extension):
+    """Rename each ``Example:`` section of a loaded docstring to ``Examples:``."""
+
+    def on_instance(
+        self,
+        *,
+        node: ast.AST | griffe.ObjectNode,
+        obj: griffe.Object,
+        agent: griffe.Visitor | griffe.Inspector,
+        **kwargs: Any,
+    ) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = _SINGULAR.sub(r"\1Examples:", obj.docstring.value)
