@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The languages a page's blocks may have: code that runs, and output that is shown.
 LANGUAGES = frozenset({"python", "bash", "text"})
 _FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
-_INDENTED_FENCE = re.compile(r"^[ \t]+```", re.MULTILINE)
+_INDENTED_FENCE = re.compile(r"^[ \t]+```.*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
