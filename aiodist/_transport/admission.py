@@ -105,11 +105,11 @@ class Admission:
         self._gate.passed(conn)
 
     def left(self, conn: Admitted) -> None:
-        """``conn`` closed; one that its peer closed before its handshake is logged."""
+        """``conn`` closed. Not a refusal, so not a warning: a peer closing as the job ends
+        may leave a connection it had just opened, and a stranger that left costs nothing."""
         if conn in self._gate:
             self._gate.left(conn)
-            if not self.closed:
-                self.note(conn, "left early", "closed the connection before its handshake")
+            logger.debug("a data connection from %s closed before its handshake", conn.peer)
         self._refused.discard(conn)
 
     def forget(self, conn: Admitted) -> None:
