@@ -50,17 +50,14 @@ from aiodist._errors import (
     RendezvousTimeout,
     from_wire,
 )
-from aiodist._wire.auth import client_proof, new_nonce, server_proof, verify
 from aiodist._wire.frame import (
-    CLOSED,
-    NEED_DATA,
-    Frame,
     FrameDecoder,
     Limits,
     MiB,
     encode_message,
     frame_message,
 )
+from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -102,10 +99,10 @@ class ControlConnection(asyncio.Protocol):
     """Requests to the rendezvous server and the notices it sends back, for every channel."""
 
     def __init__(self, on_notice: Callable[[Notice], None] | None = None, token: str = "") -> None:
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(CLIENT_LIMITS)
-        self._ids = itertools.count(1)
-        self._routes: dict[int, ControlChannel] = {}  # req_id -> the channel that sent it
+        self.request_ids = itertools.count(1)  # unique on the connection, for every channel
+        self.routes: dict[int, ControlChannel] = {}  # req_id -> the channel that sent it
         self._own = ControlChannel(self, 0, on_notice)
         self._channels: dict[int, ControlChannel] = {0: self._own}
         self._channel_numbers = itertools.count(1)
@@ -116,8 +113,8 @@ class ControlConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._error: DistError | None = None
         self.token = token  # set before connecting: the challenge may come at once
-        self._challenge: asyncio.Future[bytes] = self._loop.create_future()
-        self._expected_proof: bytes | None = None
+        self._challenge: asyncio.Future[bytes] = self.loop.create_future()
+        self._handshake: TokenHandshake | None = None  # sent our proof; the server's is due
         # With a token, nothing the server says is believed before it proved the token.
         self._trusted = not token
         self.server = "?"
@@ -128,7 +125,7 @@ class ControlConnection(asyncio.Protocol):
         # has echoed one (a server that never echoes is never counted as gone for silence).
         self._silence_limit = float("inf")
         self._echoed = False
-        self._last_heard = self._loop.time()
+        self._last_heard = self.loop.time()
         # When the oldest heartbeat that nothing was heard after went out (None: none such).
         # Counted from a heartbeat, not from the last thing heard: a loop that was busy
         # sent none, and the server had nothing to answer.
@@ -155,12 +152,9 @@ class ControlConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self._last_heard = self._loop.time()
-        dec = self._decoder
+        self._last_heard = self.loop.time()
         try:
-            dec.receive_data(data)
-            while (event := dec.next_event()) is not NEED_DATA and event is not CLOSED:
-                assert isinstance(event, Frame)
+            for event in self._decoder.frames(data):
                 header = event.header
                 if (
                     event.kind == MessageKind.REPLY
@@ -226,7 +220,8 @@ class ControlConnection(asyncio.Protocol):
         """Send a message that expects no reply, on channel 0."""
         self._own.send(msg)
 
-    def _send_on(self, channel: int, msg: Any) -> None:
+    def send_on(self, channel: int, msg: Any) -> None:
+        """Send ``msg`` for channel ``channel``, naming the channel first if it changed."""
         if self._error is not None:
             raise self._error
         parts = encode_message(msg)
@@ -246,7 +241,7 @@ class ControlConnection(asyncio.Protocol):
         # Members of one process often send together (a job forming, a barrier): their
         # messages leave in one write at the end of this loop iteration, not one each.
         if not self._outbox:
-            self._loop.call_soon(self._flush_outbox)
+            self.loop.call_soon(self._flush_outbox)
         self._outbox += parts
 
     def _flush_outbox(self) -> None:
@@ -278,8 +273,8 @@ class ControlConnection(asyncio.Protocol):
         self._schedule_beat()
 
     def _schedule_beat(self) -> None:
-        self._beat_due = self._loop.time() + self._heartbeat_interval
-        self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
+        self._beat_due = self.loop.time() + self._heartbeat_interval
+        self._heartbeat = self.loop.call_later(self._heartbeat_interval, self._beat)
 
     def stalled_for(self) -> float:
         """The longest this process's loop has run its heartbeat late, in seconds.
@@ -289,7 +284,7 @@ class ControlConnection(asyncio.Protocol):
         the heartbeat timeout (less one interval) means the server declared this
         process's members failed meanwhile.
         """
-        overdue = self._loop.time() - self._beat_due if self._heartbeat is not None else 0.0
+        overdue = self.loop.time() - self._beat_due if self._heartbeat is not None else 0.0
         return max(self._longest_stall, overdue)
 
     @property
@@ -297,14 +292,14 @@ class ControlConnection(asyncio.Protocol):
         return self._heartbeat_interval
 
     def _beat(self) -> None:
-        self._longest_stall = max(self._longest_stall, self._loop.time() - self._beat_due)
+        self._longest_stall = max(self._longest_stall, self.loop.time() - self._beat_due)
         if self.closed:
             self._heartbeat = None
             return
         since = self._unanswered_since
         if since is not None and self._last_heard >= since:
             since = self._unanswered_since = None  # answered
-        silent = 0.0 if since is None else self._loop.time() - since
+        silent = 0.0 if since is None else self.loop.time() - since
         if self._echoed and silent > self._silence_limit:
             self._heartbeat = None
             self._fail(
@@ -321,9 +316,9 @@ class ControlConnection(asyncio.Protocol):
         self._schedule_beat()
 
     def _send_heartbeat(self) -> None:
-        self._send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
+        self.send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
         if self._unanswered_since is None:
-            self._unanswered_since = self._loop.time()
+            self._unanswered_since = self.loop.time()
 
     def _stop_heartbeats(self) -> None:
         if self._heartbeat is not None:
@@ -338,14 +333,15 @@ class ControlConnection(asyncio.Protocol):
             self._flush_outbox()
             self._transport.close()
 
-    def _channel_closed(self, channel: ControlChannel) -> None:
+    def channel_closed(self, channel: ControlChannel) -> None:
+        """Its member closed ``channel``: tell the server; the last one closes the connection."""
         if channel.number == 0:
             self.close()
             return
         if self._channels.pop(channel.number, None) is None:
             return
         if self._error is None:
-            self._send_on(channel.number, CloseChannel(channel.number))
+            self.send_on(channel.number, CloseChannel(channel.number))
         self._switches.pop(channel.number, None)
         if self._error is None and len(self._channels) == 1:  # its last member left
             self._retire()
@@ -378,9 +374,20 @@ class ControlConnection(asyncio.Protocol):
                 f"the rendezvous server at {self.server} sent no challenge within "
                 f"{timeout:.1f} s; is it an aiodist server?"
             ) from None
-        client_nonce = new_nonce()
-        self._expected_proof = server_proof(token, client_nonce, server_nonce)
-        self.send(Hello(client_nonce, client_proof(token, server_nonce, client_nonce)))
+        handshake = TokenHandshake(Role.RESPONDER, token, CONTROL)
+        try:
+            nonce, proof = handshake.answer(server_nonce)
+        except Refused:  # a malformed challenge: no server of ours sends one
+            self._refuse(self._unproved())
+            raise AuthenticationError(self._unproved()) from None
+        self._handshake = handshake
+        self.send(Hello(nonce, proof))
+
+    def _unproved(self) -> str:
+        return (
+            f"the rendezvous server at {self.server} could not prove that it knows "
+            "AIODIST_TOKEN; check that you are talking to the server you meant to"
+        )
 
     def _on_auth_message(self, msg: Challenge | Authenticated) -> None:
         if isinstance(msg, Challenge):
@@ -399,14 +406,16 @@ class ControlConnection(asyncio.Protocol):
                 )
             elif not self._challenge.done():
                 self._challenge.set_result(msg.nonce)
-        elif self._expected_proof is not None and verify(self._expected_proof, msg.proof):
-            self._expected_proof = None
-            self._trusted = True
+            return
+        handshake, self._handshake = self._handshake, None  # one proof per handshake
+        try:
+            if handshake is None:
+                raise Refused("mismatch")  # a proof nobody asked for
+            handshake.check_proof(msg.proof)
+        except Refused:
+            self._refuse(self._unproved())
         else:
-            self._refuse(
-                f"the rendezvous server at {self.server} could not prove that it knows "
-                "AIODIST_TOKEN; check that you are talking to the server you meant to"
-            )
+            self._trusted = True
 
     def _refuse(self, message: str) -> None:
         self._fail(AuthenticationError(message))
@@ -417,7 +426,7 @@ class ControlConnection(asyncio.Protocol):
             self._on_auth_message(msg)
             return
         if not self._trusted:
-            if isinstance(msg, ErrorReply) and msg.req_id not in self._routes:
+            if isinstance(msg, ErrorReply) and msg.req_id not in self.routes:
                 pass  # the server's refusal (req_id 0): handled below
             elif not isinstance(msg, ServerClosing):
                 self._refuse(
@@ -433,19 +442,19 @@ class ControlConnection(asyncio.Protocol):
             self._in_channel = msg.channel
         elif isinstance(msg, ErrorReply):
             exc = from_wire(msg.code, msg.message, msg.details)
-            if msg.req_id in self._routes:
+            if msg.req_id in self.routes:
                 self._resolve(msg.req_id, exc)
             elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.AUTHENTICATION):
                 self._fail(exc)
                 self.close()  # the server stopped reading us: hang up so it can close too
             elif msg.code == ErrorCode.RANK_FAILED:
                 if (channel := self._channels.get(self._in_channel)) is not None:
-                    channel._fail(exc)
+                    channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
         elif isinstance(msg, MemberFailed | MembersLeft):
             if (channel := self._channels.get(self._in_channel)) is not None:
-                channel._notice(msg)
+                channel.notice(msg)
         elif isinstance(msg, ServerClosing):
             if self._error is None:
                 logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
@@ -465,9 +474,9 @@ class ControlConnection(asyncio.Protocol):
             retired(self)
 
     def _resolve(self, req_id: int, value: Any) -> None:
-        channel = self._routes.get(req_id)
+        channel = self.routes.get(req_id)
         if channel is not None:
-            channel._resolve(req_id, value)
+            channel.resolve(req_id, value)
 
     def _fail(self, exc: DistError) -> None:
         first = self._error is None
@@ -478,12 +487,12 @@ class ControlConnection(asyncio.Protocol):
             self._challenge.set_exception(exc)
             self._challenge.exception()  # retrieved: authenticate() re-raises it
         for channel in list(self._channels.values()):
-            channel._fail_pending(exc)
+            channel.fail_pending(exc)
         if first and not isinstance(exc, ClosedError):
             # Not closed by its members: they lost their server, and must hear of it
             # even when no request of theirs is pending (a rank inside a collective).
             for channel in list(self._channels.values()):
-                channel._notice(ServerLost(exc))
+                channel.notice(ServerLost(exc))
 
 
 async def connect_control(
