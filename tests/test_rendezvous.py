@@ -142,7 +142,7 @@ async def test_ranks_of_other_hosts_on_a_loopback_server_talk_over_unix_sockets(
         out = await aiodist.all_gather_object(float(g.rank), group=g)
         families = {
             c._transport.get_extra_info("socket").family  # type: ignore[attr-defined]
-            for c in g.session.plane._out.values()
+            for c in g.session.plane.routes.values()
         }
         return families, out
 
