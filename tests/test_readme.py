@@ -343,6 +343,7 @@ BASH: dict[str, Check | str] = {
     "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 "
     "--rdzv-id job7 train.py": "two hosts (tests/test_launch_paths.py runs c10d on one host)",
     "aiodist run -n 4 examples/train_overlap.py": _check_run,
+    "aiodist run -n 4 examples/crc_transport.py": _check_run,
     "aiodist run -n 2 examples/train_overlap.py --device cuda --backend none": (
         _check_run if torch.cuda.is_available() else "needs a CUDA GPU"
     ),

@@ -56,6 +56,7 @@ from aiodist._plane.channel import ChannelState
 from aiodist._plane.core import PlaneCore
 from aiodist._plane.listener import SharedListener, preauth_limits, shared_listener
 from aiodist._plane.receives import Received, aborted_message
+from aiodist._plane.routes import Selection
 from aiodist._transport import registry, shm
 from aiodist._wire.keys import Key, MatchKind
 from aiodist._wire.messages import HostIds, MessageKind
@@ -116,7 +117,7 @@ class DataPlane(PlaneCore):
         on_peer_refused: Callable[[AuthenticationError], None] | None = None,
         token: str | None = None,
         on_peer_left: Callable[[int], Awaitable[BaseException]] | None = None,
-        transport: str | Sequence[str] | None = None,
+        transport: str | Sequence[str] | Selection | None = None,
     ) -> None:
         """``token`` defaults to ``$AIODIST_TOKEN``; without one, peers are not authenticated.
 
@@ -126,7 +127,9 @@ class DataPlane(PlaneCore):
         ``routes.py``); ``ValueError`` if one is unknown.
         """
         super().__init__(job, token or os.environ.get("AIODIST_TOKEN") or None)
-        self.selection = routes.selection(transport)
+        self.selection = (
+            transport if isinstance(transport, Selection) else routes.selection(transport)
+        )
         self.on_peer_refused = on_peer_refused or self.fail
         self.on_peer_lost = on_peer_lost or _no_verdict
         self.on_peer_left = on_peer_left or _left_alone  # the error for a peer that said bye
