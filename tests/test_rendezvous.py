@@ -19,6 +19,7 @@ from aiodist import (
     RendezvousTimeout,
     open_process_group,
 )
+from aiodist._control.connection import ControlConnection
 from aiodist._errors import ProtocolError
 from aiodist._transport import uds
 from aiodist._wire.frame import (
@@ -426,7 +427,9 @@ async def test_silent_member_is_declared_failed(
     async def body(g: ProcessGroup) -> int:
         if g.rank == 0:
             # Stop heartbeats: the member stays connected but silent.
-            g.session.conn.connection._stop_heartbeats()
+            connection = g.session.conn.connection
+            assert isinstance(connection, ControlConnection)
+            connection.heartbeats.stop()
             await anyio.sleep_forever()
         with pytest.raises(RankFailedError, match="missed heartbeats") as info:
             await g.store.get("never-set")

@@ -9,18 +9,16 @@ after the server named the channel. Channel 0 is the connection's own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
 from aiodist._wire.messages import MemberFailed, MembersLeft
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
-    from aiodist._control.connection import ControlConnection
-
-__all__ = ["MAX_HELD_NOTICES", "ControlChannel", "Notice", "ServerLost"]
+__all__ = ["MAX_HELD_NOTICES", "Carrier", "ControlChannel", "Notice", "ServerLost"]
 
 # Notices a channel keeps until its member sets a callback (a job breaks with the first).
 MAX_HELD_NOTICES: Final = 16
@@ -36,6 +34,33 @@ class ServerLost:
 Notice = MemberFailed | MembersLeft | ServerLost
 
 
+class Carrier(Protocol):
+    """What a channel needs of the connection it rides (``connection.ControlConnection``)."""
+
+    loop: asyncio.AbstractEventLoop
+    request_ids: Iterator[int]  # unique on the connection, for every channel
+    routes: dict[int, ControlChannel]  # req_id -> the channel waiting for its reply
+    server: str
+    local_host: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def error(self) -> DistError | None: ...
+
+    @property
+    def heartbeat_interval(self) -> float: ...
+
+    def send_on(self, channel: int, msg: Any) -> None: ...
+
+    def channel_closed(self, channel: ControlChannel) -> None: ...
+
+    def start_heartbeats(self, interval: float, timeout: float | None = None) -> None: ...
+
+    def stalled_for(self) -> float: ...
+
+
 class ControlChannel:
     """One member's requests and notices on a (possibly shared) control connection.
 
@@ -44,7 +69,7 @@ class ControlChannel:
 
     def __init__(
         self,
-        conn: ControlConnection,
+        conn: Carrier,
         number: int,
         on_notice: Callable[[Notice], None] | None = None,
     ) -> None:

@@ -12,16 +12,14 @@ connection drops, every pending request of every channel fails with the same
 error and later requests fail at once. ``AIODIST_SHARED_CONTROL=0`` gives each
 member a connection of its own.
 
-With a token, the connection first answers the server's challenge (see
-``_wire/auth.py``) and accepts no reply until the server has proved the token too.
-The handshake is mutual: a client holding a token refuses a server that requires
-none (its challenge carries no nonce) or cannot prove the token, so a token
-never silently downgrades to an open server.
+With a token, the connection first answers the server's challenge (the
+responder of ``_wire/handshake.py``) and accepts no reply until the server has
+proved the token too. A client holding a token refuses a server that requires
+none (its challenge carries no nonce) or cannot prove it: no silent downgrade.
 
-**Losing the server.** The server echoes every heartbeat. A connection that
-has heard an echo, and then sends a heartbeat that nothing answers for its
-heartbeat timeout, counts the server as gone, as does one whose socket closes
-or that the server tells it is shutting down. Then every pending request
+**Losing the server.** A connection counts the server as gone when it leaves
+a heartbeat unanswered for too long (``liveness.py``), when its socket closes,
+or when the server says it is shutting down. Then every pending request
 fails, and every channel's member is told (``ServerLost``) with the same
 error: a rank without its server can no longer learn that other ranks failed,
 so its session breaks its groups.
@@ -39,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import anyio
 
 from aiodist._control.channel import ControlChannel, Notice, ServerLost
+from aiodist._control.liveness import Heartbeats
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -50,13 +49,7 @@ from aiodist._errors import (
     RendezvousTimeout,
     from_wire,
 )
-from aiodist._wire.frame import (
-    FrameDecoder,
-    Limits,
-    MiB,
-    encode_message,
-    frame_message,
-)
+from aiodist._wire.frame import FrameDecoder, Limits, MiB, encode_message, frame_message
 from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
     Authenticated,
@@ -76,7 +69,7 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from aiodist._wire.frame import Buffer
 
@@ -101,7 +94,7 @@ class ControlConnection(asyncio.Protocol):
     def __init__(self, on_notice: Callable[[Notice], None] | None = None, token: str = "") -> None:
         self.loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(CLIENT_LIMITS)
-        self.request_ids = itertools.count(1)  # unique on the connection, for every channel
+        self.request_ids: Iterator[int] = itertools.count(1)  # unique on the connection
         self.routes: dict[int, ControlChannel] = {}  # req_id -> the channel that sent it
         self._own = ControlChannel(self, 0, on_notice)
         self._channels: dict[int, ControlChannel] = {0: self._own}
@@ -119,21 +112,10 @@ class ControlConnection(asyncio.Protocol):
         self._trusted = not token
         self.server = "?"
         self.local_host = "127.0.0.1"
-        self._heartbeat: asyncio.TimerHandle | None = None
-        self._heartbeat_interval = 0.0
-        # How long a heartbeat may go unanswered before the server counts as gone, once it
-        # has echoed one (a server that never echoes is never counted as gone for silence).
-        self._silence_limit = float("inf")
-        self._echoed = False
-        self._last_heard = self.loop.time()
-        # When the oldest heartbeat that nothing was heard after went out (None: none such).
-        # Counted from a heartbeat, not from the last thing heard: a loop that was busy
-        # sent none, and the server had nothing to answer.
-        self._unanswered_since: float | None = None
-        # When the next heartbeat is due, and the longest this loop ever ran one late: a
-        # loop that stops (SIGSTOP, a debugger, a blocking call) sends none meanwhile.
-        self._beat_due = 0.0
-        self._longest_stall = 0.0
+        self.heartbeats = Heartbeats(
+            self.loop, self._send_heartbeat, self._server_silent, lambda: self.closed
+        )
+        self.liveness = self.heartbeats.rules  # when the server counts as gone (liveness.py)
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
 
@@ -152,7 +134,7 @@ class ControlConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self._last_heard = self.loop.time()
+        self.liveness.last_heard = self.loop.time()
         try:
             for event in self._decoder.frames(data):
                 header = event.header
@@ -174,7 +156,7 @@ class ControlConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        self._stop_heartbeats()
+        self.heartbeats.stop()
         if self._error is None:
             why = "it closed" if exc is None else str(exc)
             self._fail(
@@ -252,29 +234,11 @@ class ControlConnection(asyncio.Protocol):
     def start_heartbeats(self, interval: float, timeout: float | None = None) -> None:
         """Send a heartbeat at least every ``interval`` seconds until the connection closes.
 
-        The first goes one interval from now: the server counts any message as
-        one, so the request sent next (the join) is the first. A timer, not a
-        task: a process with many members pays no task per member, and one
-        heartbeat keeps every member of the connection alive. With ``timeout``,
-        a server that echoed heartbeats and then leaves one unanswered that
-        long counts as gone (the shortest timeout of the connection's members
-        applies); the first call with one sends a heartbeat at once (one per
-        connection), so the server's echo arrives before the join's reply and
-        the watch starts with the membership.
+        With ``timeout``, a server that echoed heartbeats and then leaves one
+        unanswered that long counts as gone (the shortest timeout of the
+        connection's members applies; ``liveness.py`` has the rules).
         """
-        if timeout is not None:
-            if self._silence_limit == float("inf") and not self.closed:
-                self._send_heartbeat()
-            self._silence_limit = min(self._silence_limit, timeout)
-        if self._heartbeat is not None and self._heartbeat_interval <= interval:
-            return
-        self._stop_heartbeats()
-        self._heartbeat_interval = interval
-        self._schedule_beat()
-
-    def _schedule_beat(self) -> None:
-        self._beat_due = self.loop.time() + self._heartbeat_interval
-        self._heartbeat = self.loop.call_later(self._heartbeat_interval, self._beat)
+        self.heartbeats.start(interval, timeout)
 
     def stalled_for(self) -> float:
         """The longest this process's loop has run its heartbeat late, in seconds.
@@ -284,49 +248,28 @@ class ControlConnection(asyncio.Protocol):
         the heartbeat timeout (less one interval) means the server declared this
         process's members failed meanwhile.
         """
-        overdue = self.loop.time() - self._beat_due if self._heartbeat is not None else 0.0
-        return max(self._longest_stall, overdue)
+        return self.heartbeats.stalled_for()
 
     @property
     def heartbeat_interval(self) -> float:
-        return self._heartbeat_interval
-
-    def _beat(self) -> None:
-        self._longest_stall = max(self._longest_stall, self.loop.time() - self._beat_due)
-        if self.closed:
-            self._heartbeat = None
-            return
-        since = self._unanswered_since
-        if since is not None and self._last_heard >= since:
-            since = self._unanswered_since = None  # answered
-        silent = 0.0 if since is None else self.loop.time() - since
-        if self._echoed and silent > self._silence_limit:
-            self._heartbeat = None
-            self._fail(
-                GroupBrokenError(
-                    f"the rendezvous server at {self.server} did not answer heartbeats for "
-                    f"{silent:.1f} s (heartbeat timeout {self._silence_limit:.1f} s); "
-                    f"{_WITHOUT_SERVER}"
-                )
-            )
-            assert self._transport is not None
-            self._transport.abort()  # the server, if it still runs, sees this member go
-            return
-        self._send_heartbeat()
-        self._schedule_beat()
+        return self.liveness.interval
 
     def _send_heartbeat(self) -> None:
         self.send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
-        if self._unanswered_since is None:
-            self._unanswered_since = self.loop.time()
 
-    def _stop_heartbeats(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
+    def _server_silent(self, silent: float) -> None:
+        self._fail(
+            GroupBrokenError(
+                f"the rendezvous server at {self.server} did not answer heartbeats for "
+                f"{silent:.1f} s (heartbeat timeout {self.liveness.silence_limit:.1f} s); "
+                f"{_WITHOUT_SERVER}"
+            )
+        )
+        assert self._transport is not None
+        self._transport.abort()  # the server, if it still runs, sees this member go
 
     def close(self) -> None:
-        self._stop_heartbeats()
+        self.heartbeats.stop()
         if self._error is None:
             self._fail(ClosedError("the control connection was closed"))
         if self._transport is not None:
@@ -377,9 +320,16 @@ class ControlConnection(asyncio.Protocol):
         handshake = TokenHandshake(Role.RESPONDER, token, CONTROL)
         try:
             nonce, proof = handshake.answer(server_nonce)
-        except Refused:  # a malformed challenge: no server of ours sends one
-            self._refuse(self._unproved())
-            raise AuthenticationError(self._unproved()) from None
+        except Refused as exc:
+            # A server without a token answers AuthStart with an empty challenge: no
+            # proof of ours can come back, so refuse now, not at a timeout.
+            raise self._refuse(
+                f"the rendezvous server at {self.server} did not prove the job token (it "
+                "requires none); refusing to use it. Start the server with the same token "
+                "(--token-file or AIODIST_TOKEN)"
+                if exc.reason == "no token"
+                else self._unproved()
+            ) from None
         self._handshake = handshake
         self.send(Hello(nonce, proof))
 
@@ -396,15 +346,7 @@ class ControlConnection(asyncio.Protocol):
                     f"the rendezvous server at {self.server} requires a token; set "
                     "AIODIST_TOKEN to the contents of the server's --token-file"
                 )
-            elif not msg.nonce and self.token:
-                # A server without a token answers AuthStart with an empty challenge:
-                # no proof of ours can come back, so refuse now, not at a timeout.
-                self._refuse(
-                    f"the rendezvous server at {self.server} did not prove the job token (it "
-                    "requires none); refusing to use it. Start the server with the same token "
-                    "(--token-file or AIODIST_TOKEN)"
-                )
-            elif not self._challenge.done():
+            elif not self._challenge.done():  # authenticate() answers it
                 self._challenge.set_result(msg.nonce)
             return
         handshake, self._handshake = self._handshake, None  # one proof per handshake
@@ -417,9 +359,11 @@ class ControlConnection(asyncio.Protocol):
         else:
             self._trusted = True
 
-    def _refuse(self, message: str) -> None:
-        self._fail(AuthenticationError(message))
+    def _refuse(self, message: str) -> AuthenticationError:
+        exc = AuthenticationError(message)
+        self._fail(exc)
         self.close()
+        return exc
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, Challenge | Authenticated):
@@ -437,7 +381,7 @@ class ControlConnection(asyncio.Protocol):
         if isinstance(msg, Reply | Welcome):
             self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
         elif isinstance(msg, Heartbeat):
-            self._echoed = True  # from now on, its silence means it is gone
+            self.liveness.echoed = True  # from now on, its silence means it is gone
         elif isinstance(msg, Channel):
             self._in_channel = msg.channel
         elif isinstance(msg, ErrorReply):
