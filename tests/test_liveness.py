@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from aiodist._control.liveness import Liveness
+from typing import Any
+
+from aiodist._control.liveness import Heartbeats, Liveness
 
 
 def _beating(every: float = 1.0, timeout: float = 5.0) -> Liveness:
@@ -35,11 +37,38 @@ def test_silence_counts_from_the_oldest_unanswered_heartbeat() -> None:
     assert rules.beat(6.5) == 5.5  # nothing heard since the heartbeat sent at t=1
 
 
+class _Clock:
+    """A loop as ``Heartbeats`` uses it: the time, and timers it never fires itself."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Any) -> Any:
+        return _Timer()
+
+
+class _Timer:
+    def cancel(self) -> None:
+        pass
+
+
 def test_a_stopped_loop_reports_how_late_its_heartbeat_ran() -> None:
-    rules = _beating(every=1.0)
-    assert rules.stalled_for(0.5, running=True) == 0.0
-    assert rules.stalled_for(31.0, running=True) == 30.0  # overdue right now
-    rules.beat(31.0)
-    rules.scheduled(31.0)
-    assert rules.stalled_for(31.5, running=True) == 30.0  # and remembered
-    assert rules.stalled_for(40.0, running=False) == 30.0
+    clock = _Clock()
+    sent: list[float] = []
+    beats = Heartbeats(clock, lambda: sent.append(clock.now), lambda s: None, lambda: False)  # type: ignore[arg-type]
+    beats.start(1.0, None)
+    assert sent == []  # the first goes one interval from now
+    clock.now = 0.5
+    assert beats.stalled_for() == 0.0
+    clock.now = 31.0
+    assert beats.stalled_for() == 30.0  # overdue right now, before its timer runs
+    beats._beat()  # the timer, 30 s late
+    assert sent == [31.0]
+    clock.now = 31.5
+    assert beats.stalled_for() == 30.0  # and remembered
+    beats.stop()
+    clock.now = 40.0
+    assert beats.stalled_for() == 30.0

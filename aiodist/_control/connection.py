@@ -116,6 +116,8 @@ class ControlConnection(asyncio.Protocol):
             self.loop, self._send_heartbeat, self._server_silent, lambda: self.closed
         )
         self.liveness = self.heartbeats.rules  # when the server counts as gone (liveness.py)
+        # How late this loop ran its heartbeat (asked before every operation: bound here).
+        self.stalled_for = self.heartbeats.stalled_for
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
 
@@ -239,16 +241,6 @@ class ControlConnection(asyncio.Protocol):
         connection's members applies; ``liveness.py`` has the rules).
         """
         self.heartbeats.start(interval, timeout)
-
-    def stalled_for(self) -> float:
-        """The longest this process's loop has run its heartbeat late, in seconds.
-
-        Counted now too (a heartbeat overdue right now): after a stop, the loop may
-        handle what arrived meanwhile before it runs its timers. A stall longer than
-        the heartbeat timeout (less one interval) means the server declared this
-        process's members failed meanwhile.
-        """
-        return self.heartbeats.stalled_for()
 
     @property
     def heartbeat_interval(self) -> float:

@@ -11,7 +11,8 @@ them for one connection:
   server had nothing to answer. A server that never echoes is never counted
   as gone for silence.
 - A loop that stops (SIGSTOP, a debugger, a blocking call) sends no heartbeat
-  meanwhile: how late each one ran is the stall this process can report.
+  meanwhile: how late each one ran is the stall this process can report
+  (``Heartbeats.stalled_for``, asked before every operation: no call more).
 """
 
 from __future__ import annotations
@@ -77,14 +78,6 @@ class Liveness:
         silent = 0.0 if since is None else now - since
         return silent if self.echoed and silent > self.silence_limit else None
 
-    def stalled_for(self, now: float, *, running: bool) -> float:
-        """The longest this loop has run its heartbeat late, counting one overdue ``now``.
-
-        ``running``: a heartbeat timer is set (one can be overdue).
-        """
-        overdue = now - self.beat_due if running else 0.0
-        return max(self.longest_stall, overdue)
-
 
 class Heartbeats:
     """The heartbeat timer of one connection, on its ``Liveness`` (``rules``).
@@ -128,7 +121,16 @@ class Heartbeats:
         self.rules.sent(self.loop.time())
 
     def stalled_for(self) -> float:
-        return self.rules.stalled_for(self.loop.time(), running=self._timer is not None)
+        """The longest this process's loop has run its heartbeat late, in seconds.
+
+        Counted now too (a heartbeat overdue right now): after a stop, the loop may
+        handle what arrived meanwhile before it runs its timers. A stall longer than
+        the heartbeat timeout (less one interval) means the server declared this
+        process's members failed meanwhile.
+        """
+        rules = self.rules
+        overdue = self.loop.time() - rules.beat_due if self._timer is not None else 0.0
+        return max(rules.longest_stall, overdue)
 
     def stop(self) -> None:
         if self._timer is not None:
