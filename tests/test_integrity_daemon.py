@@ -61,6 +61,7 @@ from aiodist._wire.messages import (
     Welcome,
     pack_keys,
 )
+from aiodist._wire.preauth import PreAuthLimits
 from aiodist.testing import run_ranks
 from tests._daemon import TOKEN, asyncio_only, serve
 
@@ -206,9 +207,11 @@ async def test_stranger_flood_at_fd_limit_legit_job_completes(
         lines = len(d.lines["stderr"])
     assert outs == [[[3.0, 3.0, 3.0]] * 2] * 3
     # The strangers' connections were closed as fast as they came: the daemon kept
-    # at most its 128 unproved ones (and a few of its own), far from 1,024.
-    assert fds < 128 + 64, fds
-    assert flood.counts["closed_by_server"] >= 1100 - 128, flood.counts
+    # at most its unproved ones (a quarter of 1,024) and a few of its own: far from 1,024.
+    pending = PreAuthLimits.for_open_files(1024, share=4, most=1 << 16, deadline=10).max_pending
+    assert pending == 256
+    assert fds < pending + 64, fds
+    assert flood.counts["closed_by_server"] >= 1100 - pending, flood.counts
     assert lines < 100, d.output()
 
 
@@ -317,7 +320,8 @@ async def test_daemon_cuts_off_a_stream_of_handshake_frames_at_the_byte_budget()
     assert [type(m) for m in said] == [Challenge, ErrorReply], said
     assert said[0].nonce == b""  # no token here: the client holding one refuses this server
     assert said[1].code == ErrorCode.PROTOCOL
-    assert "over 65536 bytes before the handshake was done" in said[1].message
+    budget = PreAuthLimits().max_bytes
+    assert f"over {budget} bytes before the handshake was done" in said[1].message
     assert d.output().count("holds a token but this server requires none") == 1
 
 

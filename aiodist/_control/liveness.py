@@ -124,9 +124,9 @@ class Heartbeats:
         """The longest this process's loop has run its heartbeat late, in seconds.
 
         Counted now too (a heartbeat overdue right now): after a stop, the loop may
-        handle what arrived meanwhile before it runs its timers. A stall longer than
-        the heartbeat timeout (less one interval) means the server declared this
-        process's members failed meanwhile.
+        handle what arrived meanwhile before it runs its timers. The process sent
+        nothing for at least that long: a stall well past the heartbeat timeout means
+        the server declared its members failed meanwhile.
         """
         rules = self.rules
         overdue = self.loop.time() - rules.beat_due if self._timer is not None else 0.0

@@ -18,7 +18,7 @@ from aiodist._errors import ProtocolError
 from aiodist._plane.channel import ChannelState
 from aiodist._transport import shmring, uds
 from aiodist._wire.messages import MessageKind
-from aiodist._wire.preauth import PreAuthLimits
+from aiodist._wire.preauth import PreAuthLimits, open_files_limit
 
 if TYPE_CHECKING:
     from aiodist._plane.core import PlaneCore
@@ -37,25 +37,9 @@ _MAX_PENDING: Final = 1024
 
 
 def preauth_limits() -> PreAuthLimits:
-    """What a connection may cost a data-plane listener of this process before its handshake.
-
-    The cap on unproved connections grows with the file descriptors the process
-    may open (an eighth of them, at least ``PreAuthLimits``' default), so that a
-    burst of real peers connecting at once is not shed, and strangers can never
-    take the descriptors the rank needs for itself.
-    """
-    base = PreAuthLimits(deadline=HANDSHAKE_DEADLINE)
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):  # no such limit here
-        return base
-    if soft == resource.RLIM_INFINITY:
-        soft = 8 * _MAX_PENDING
-    return PreAuthLimits(
-        deadline=HANDSHAKE_DEADLINE,
-        max_pending=max(base.max_pending, min(_MAX_PENDING, soft // 8)),
+    """What a connection may cost a data-plane listener of this process before its handshake."""
+    return PreAuthLimits.for_open_files(
+        open_files_limit(), share=8, most=_MAX_PENDING, deadline=HANDSHAKE_DEADLINE
     )
 
 

@@ -34,7 +34,7 @@ import anyio
 from aiodist._server.connection import AUTH_TIMEOUT, ServerConnection
 from aiodist._server.jobs import Close
 from aiodist._server.state import ServerState
-from aiodist._wire.preauth import Gate, LogBudget, PreAuthLimits
+from aiodist._wire.preauth import Gate, LogBudget, PreAuthLimits, open_files_limit
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
@@ -53,6 +53,8 @@ DEFAULT_PORT: Final = 29500
 LISTEN_BACKLOG: Final = 4096
 # How long a shutdown waits for clients to take the closing notice before cutting them off.
 DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
+# Connections waiting for their handshake at most (a quarter of the open files, at most this).
+MAX_PENDING_HANDSHAKES: Final = 65536
 
 
 def _version() -> str:
@@ -92,7 +94,11 @@ class RendezvousServer:
         self.bytes_received = 0
         self.bytes_sent = 0
         self.auth_failures = 0
-        self.preauth = preauth or PreAuthLimits(deadline=AUTH_TIMEOUT)
+        # A quarter of the open files may wait for their handshake: a job of thousands of
+        # ranks joining at once is not shed, and strangers never take every descriptor.
+        self.preauth = preauth or PreAuthLimits.for_open_files(
+            open_files_limit(), share=4, most=MAX_PENDING_HANDSHAKES, deadline=AUTH_TIMEOUT
+        )
         self.preauth_closed = 0
         self._gate: Gate[ServerConnection] = Gate(self.preauth)
         self._gate_timer: asyncio.TimerHandle | None = None

@@ -35,10 +35,12 @@ from typing import Final, Generic, TypeVar
 from aiodist._wire.frame import KiB, Limits
 
 __all__ = [
+    "MIN_PENDING",
     "PREAUTH_FRAME_LIMITS",
     "Gate",
     "LogBudget",
     "PreAuthLimits",
+    "open_files_limit",
 ]
 
 #: Frames before the handshake: hellos, challenges and proofs are a few hundred bytes.
@@ -46,18 +48,46 @@ PREAUTH_FRAME_LIMITS: Final = Limits(max_header_bytes=4 * KiB, max_payload_bytes
 
 C = TypeVar("C")
 
+#: The least cap on unproved connections, whatever the limit of open files.
+MIN_PENDING: Final = 128
+
 
 @dataclass(frozen=True, slots=True)
 class PreAuthLimits:
     """What one listener's unproved connections may cost."""
 
-    max_bytes: int = 64 * KiB  # per connection, before its handshake is done
+    max_bytes: int = 16 * KiB  # per connection, before its handshake is done
     deadline: float = 10.0  # seconds from accept to a finished handshake
-    max_pending: int = 128  # unproved connections at once; a newcomer sheds the oldest
+    max_pending: int = MIN_PENDING  # unproved connections at once; a newcomer sheds the oldest
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.max_pending <= 0 or not 0 < self.deadline < 3600:
             raise ValueError(f"pre-authentication limits out of range: {self}")
+
+    @classmethod
+    def for_open_files(
+        cls, open_files: int | None, *, share: int, most: int, deadline: float
+    ) -> PreAuthLimits:
+        """Limits whose cap grows with the files a process may open: ``1/share`` of them.
+
+        A burst of real clients connecting at once (a job of thousands of ranks
+        joining) must not be shed, and strangers must never take the descriptors
+        the process needs for itself: the cap is ``open_files // share``, at least
+        the default and at most ``most``. ``open_files`` None means no limit known.
+        """
+        pending = most if open_files is None else max(MIN_PENDING, min(most, open_files // share))
+        return cls(deadline=deadline, max_pending=pending)
+
+
+def open_files_limit() -> int | None:
+    """This process's soft limit of open files (``RLIMIT_NOFILE``); None if it has none."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit on this platform
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 class Gate(Generic[C]):

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS, Gate, LogBudget, PreAuthLimits
+from aiodist._wire.preauth import (
+    MIN_PENDING,
+    PREAUTH_FRAME_LIMITS,
+    Gate,
+    LogBudget,
+    PreAuthLimits,
+)
 
 # --- PreAuthLimits ---------------------------------------------------------------------------
 
@@ -206,3 +212,14 @@ def test_log_budget_nothing_held_back_is_never_due() -> None:
     log.note(0.0, "shed")
     assert log.due() is None
     assert log.flush(50.0) is None
+
+
+def test_pending_cap_grows_with_the_open_files_between_its_floor_and_most() -> None:
+    def cap(files: int | None) -> int:
+        return PreAuthLimits.for_open_files(files, share=4, most=4096, deadline=5.0).max_pending
+
+    assert cap(256) == MIN_PENDING  # never below the floor
+    assert cap(1024) == 256  # a burst of 200 real clients is not shed at 1,024 files
+    assert cap(1 << 20) == 4096
+    assert cap(None) == 4096  # no limit known: the most
+    assert PreAuthLimits.for_open_files(1024, share=4, most=9, deadline=5.0).deadline == 5.0
