@@ -120,8 +120,10 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
     """Check that ``transport`` behaves as the data plane needs; raise AssertionError if not.
 
     One conformance suite for every transport (as ``trio.testing.check_two_way_stream``
-    is for streams): frames of many sizes both ways and in order, payloads landing
-    in the receiver's memory intact, concurrent senders never interleaving frames,
+    is for streams), built in or registered (see ``aiodist.transport``): addresses
+    that start with the transport's scheme, frames of many sizes both ways and in
+    order, payloads landing in the receiver's memory intact, concurrent senders
+    never interleaving frames,
     ``send`` (and what ``send_nowait`` returns) completing only once the payload
     may be reused, ``send_nowait`` keeping call order, clean close seen as
     clean, and abort seen by the peer; and before the handshake
@@ -152,8 +154,14 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         channel.handshake_done()
         return channel, sink
 
+    scheme = getattr(transport, "scheme", None)
+    assert isinstance(scheme, str), f"a transport names its address scheme; got {scheme!r}"
     listener = await transport.listen(host, factory)
     try:
+        # Peers pick the transport that reaches a rank by the scheme its address starts with.
+        assert listener.address.startswith(f"{scheme}:"), (
+            f"listener address {listener.address!r} does not start with {scheme!r}:"
+        )
         channel, client_sink = await connect(listener.address)
         sizes = [0, 1, 7, 4096, 65_535, 65_536, 1_000_003, 8 * 1024 * 1024]
         payloads = [os.urandom(n) for n in sizes]

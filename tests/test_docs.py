@@ -327,6 +327,7 @@ BASH: dict[str, Check | str] = {
     "aiodist run -n 4 --token-file token train.py": _check_run_with_token,
     # GPUs
     "aiodist run -n 4 examples/train_overlap.py": check_run,
+    "aiodist run -n 4 examples/crc_transport.py": check_run,
     "aiodist run -n 2 examples/train_nccl.py": "needs two CUDA GPUs",
     "aiodist run -n 2 examples/train_overlap.py --device cuda --backend none": _NEEDS_CUDA,
     "python -m benchmarks.bench_bridge": "a benchmark (make bench runs it)",

@@ -557,7 +557,7 @@ async def _authenticated_pair(
     received = b.recv(0, key)
     await a.send(1, key, "meta", b"hello")
     assert bytes((await received).data) == b"hello"
-    return a, b, a._out[1]
+    return a, b, a.routes[1]
 
 
 def _malformed(ring: str) -> dict[str, list[tuple[int, Any]]]:
@@ -670,7 +670,7 @@ async def test_second_free_of_a_ring_slot_closes_the_connection_before_a_slot_is
             await b.send(0, key, "meta", payload)
             # Rank 0 wrote its RING_FREE before the payload was delivered: this one follows it.
             assert bytes((await received).data) == payload
-            assert isinstance(b._out[0], shmring.ShmChannel)
+            assert isinstance(b.routes[0], shmring.ShmChannel)
             await channel.send(shmring.RING_FREE, [0])
             await news.wait()
     finally:

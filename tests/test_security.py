@@ -366,8 +366,8 @@ async def test_connecting_rank_checks_the_acceptor_knows_the_token(
                 with pytest.raises(AuthenticationError) as refused_back:
                     await received
                 assert refused_back.value.rank == 0
-                assert not a._out
-                assert not b._out
+                assert not a.routes
+                assert not b.routes
     finally:
         received.cancel()
         await a.aclose()

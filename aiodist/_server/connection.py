@@ -39,18 +39,15 @@ import socket
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from aiodist._errors import ErrorCode, ProtocolError
-from aiodist._wire.auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
 from aiodist._wire.bounds import FieldError
 from aiodist._wire.frame import (
-    CLOSED,
-    NEED_DATA,
-    Frame,
     FrameDecoder,
     Limits,
     MiB,
     encode_message,
     frame_message,
 )
+from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -103,7 +100,7 @@ class ServerConnection(asyncio.Protocol):
         self._refused = False  # its refusal was counted and logged
         self._answered_auth_start = False
         self._spoke = False  # it sent a whole frame (the gate sheds silent ones first)
-        self._nonce = b""
+        self._handshake: TokenHandshake | None = None  # the challenge it must answer
         self._linger_timer: asyncio.TimerHandle | None = None
         # The client's channel numbers and the server's ids for them; channel 0 is ours.
         self.channels: dict[int, ConnId] = {0: conn_id}
@@ -120,9 +117,10 @@ class ServerConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._server._connection_made(self)  # into the gate: it may shed the oldest there
-        if not self.authenticated:
-            self._nonce = new_nonce()
-            self.write(Challenge(self._nonce))
+        token = self._server.token
+        if token is not None:
+            self._handshake = TokenHandshake(Role.CHALLENGER, token, CONTROL)
+            self.write(Challenge(self._handshake.challenge()))
 
     def data_received(self, data: bytes) -> None:
         self._server.bytes_received += len(data)
@@ -135,13 +133,8 @@ class ServerConnection(asyncio.Protocol):
                 transport.abort()
             return
         gated = not self.proved
-        dec = self._decoder
         try:
-            dec.receive_data(data)
-            while (event := dec.next_event()) is not NEED_DATA:
-                if event is CLOSED:
-                    break
-                assert isinstance(event, Frame)  # payloads are refused by both limits
+            for event in self._decoder.frames(data):  # payloads are refused by both limits
                 if not self._spoke:
                     self._spoke = True
                     self._server._spoke(self)  # a silent stranger is shed before it
@@ -268,15 +261,16 @@ class ServerConnection(asyncio.Protocol):
             return True  # with a token, the challenge went out on connect
         if token is None or self.authenticated:
             return True  # a proof sent to a server that requires none is accepted
-        if isinstance(msg, Hello):
-            nonce = msg.nonce
-            if len(nonce) == NONCE_BYTES and verify(
-                client_proof(token, self._nonce, nonce), msg.proof
-            ):
+        handshake, self._handshake = self._handshake, None  # one answer per challenge
+        if isinstance(msg, Hello) and handshake is not None:
+            try:
+                proof = handshake.check_answer(msg.nonce, msg.proof)
+            except Refused:
+                pass
+            else:
                 self.authenticated = True
-                server_nonce, self._nonce = self._nonce, b""  # one answer per challenge
                 self._passed()
-                self.write(Authenticated(server_proof(token, nonce, server_nonce)))
+                self.write(Authenticated(proof))
                 return True
             why = "its proof of the token does not match the server's token"
             message = (

@@ -41,7 +41,7 @@ LAYERS: Final[tuple[tuple[str, str], ...]] = (
     ("_transport", "bytes between two processes: TCP, Unix sockets, shared memory"),
     ("_server", "the rendezvous server: jobs, store, liveness"),
     ("_control", "a rank's connection to the server: channels, store, init methods"),
-    ("_plane", "the data plane: peers, links, matching, bulk transfers, listeners"),
+    ("_plane", "the data plane: its sans-IO core, channels, matching, bulk transfers, glue"),
     ("_group", "work handles, sessions, joining, process groups, the default world"),
     ("_ops", "collectives, p2p, object operations, new_group"),
     ("_torch", "the bridge to torch.distributed and its store"),
@@ -52,7 +52,7 @@ LAYERS: Final[tuple[tuple[str, str], ...]] = (
     ("_tools", "developer tools (gen_sync, this checker); nothing imports them"),
 )
 #: Modules of the package root that make up the public face.
-PUBLIC: Final = ("__init__", "__main__", "sync", "metrics", "testing", "rpc")
+PUBLIC: Final = ("__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport")
 _INDEX: Final = {name: i for i, (name, _) in enumerate(LAYERS)}
 
 

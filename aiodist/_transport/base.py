@@ -3,7 +3,9 @@
 A transport knows how to *listen* on an address and *connect* to one; both sides
 then hold a ``DataChannel`` that sends whole frames and hands received frames
 to a ``FrameSink``. A new transport (shared memory, RDMA) is one new module
-that provides ``listen``/``connect`` and passes ``aiodist.testing.check_data_channel``.
+that provides ``listen``/``connect``, passes ``aiodist.testing.check_data_channel``
+and is registered by name (``registry.py``). The interface is public:
+``aiodist.transport`` re-exports it and documents it for users who write one.
 
 Until the data plane's handshake is done (the peer proved the job's token, or
 said a valid hello where there is none) a channel trusts nothing it receives:
