@@ -231,7 +231,7 @@ async def test_the_server_dropping_a_connection_tells_every_member_on_it(
     try:
         with anyio.fail_after(10):
             await _members(conn, "dropped", notices, "ab")
-            (server_side,) = server._sockets
+            (server_side,) = server._hub.sockets
             assert server_side.transport is not None
             server_side.transport.abort()  # as if the server's process died
             await notices.all_in.wait()

@@ -382,7 +382,7 @@ async def test_members_of_one_process_share_one_connection(server: RendezvousSer
     # The connection closed with its last member, and the server forgot every channel.
     await server.wait_until(lambda s: s.num_connections == 0)
     assert server.state._conns == {}
-    assert server._conns == {}
+    assert server._hub.conns == {}
 
 
 async def test_own_connection_per_member_when_sharing_is_off(

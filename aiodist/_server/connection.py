@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from aiodist._errors import ErrorCode, ProtocolError
 from aiodist._wire.bounds import FieldError
@@ -65,10 +65,11 @@ from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import ConnId
-    from aiodist._server.serve import RendezvousServer
+    from aiodist._server.state import ServerState
     from aiodist._wire.frame import Buffer
+    from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["AUTH_TIMEOUT", "MAX_CHANNELS", "ServerConnection"]
+__all__ = ["AUTH_TIMEOUT", "MAX_CHANNELS", "ServerConnection", "ServerSide"]
 
 # The server never relays bulk data: any payload is a protocol error.
 SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
@@ -83,12 +84,37 @@ MAX_CHANNELS: Final = 65536
 HEARTBEAT_ECHO: Final = b"".join(encode_message(Heartbeat()))
 
 
+class ServerSide(Protocol):
+    """What a connection asks of the server that keeps it (``hub.Hub``)."""
+
+    token: str | None
+    state: ServerState
+    preauth: PreAuthLimits
+    loop: asyncio.AbstractEventLoop
+    bytes_received: int
+    bytes_sent: int
+    auth_failures: int
+    preauth_closed: int
+
+    def connection_made(self, conn: ServerConnection) -> None: ...
+    def passed(self, conn: ServerConnection) -> None: ...
+    def spoke(self, conn: ServerConnection) -> None: ...
+    def charge(self, conn: ServerConnection, nbytes: int) -> bool: ...
+    def bad_request(self, conn_id: ConnId, exc: FieldError) -> None: ...
+    def log_refusal(self, reason: str, message: str, *args: object) -> None: ...
+    def channel_opened(self, conn: ServerConnection) -> ConnId: ...
+    def channel_lost(self, conn_id: ConnId, reason: str) -> None: ...
+    def connection_lost(self, conn: ServerConnection, reason: str) -> None: ...
+    def receive(self, conn_id: int, msg: Any) -> None: ...
+    def flush(self) -> None: ...
+
+
 class ServerConnection(asyncio.Protocol):
     """One client connection: its channels, its authentication, its writes."""
 
-    def __init__(self, server: RendezvousServer, conn_id: int) -> None:
+    def __init__(self, server: ServerSide, conn_id: int) -> None:
         self._server = server
-        self._id = conn_id
+        self.conn_id = conn_id
         # Until its handshake is done: hellos and proofs, a few hundred bytes.
         self._decoder = FrameDecoder(PREAUTH_FRAME_LIMITS)
         self.transport: asyncio.Transport | None = None
@@ -116,7 +142,7 @@ class ServerConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._server._connection_made(self)  # into the gate: it may shed the oldest there
+        self._server.connection_made(self)  # into the gate: it may shed the oldest there
         token = self._server.token
         if token is not None:
             self._handshake = TokenHandshake(Role.CHALLENGER, token, CONTROL)
@@ -129,7 +155,7 @@ class ServerConnection(asyncio.Protocol):
             return
         if self._linger_timer is not None:
             # Refused: nothing more it sends is read, but it still counts against the gate.
-            if not self.proved and not self._server._charge(self, len(data)):
+            if not self.proved and not self._server.charge(self, len(data)):
                 transport.abort()
             return
         gated = not self.proved
@@ -137,7 +163,7 @@ class ServerConnection(asyncio.Protocol):
             for event in self._decoder.frames(data):  # payloads are refused by both limits
                 if not self._spoke:
                     self._spoke = True
-                    self._server._spoke(self)  # a silent stranger is shed before it
+                    self._server.spoke(self)  # a silent stranger is shed before it
                 if event.kind == MessageKind.CHANNEL and self.authenticated:
                     # Before nearly every request of a shared connection: read it here.
                     header = event.header
@@ -155,7 +181,7 @@ class ServerConnection(asyncio.Protocol):
                     # A request with a value out of range: refused alone, the connection goes on.
                     if not self.proved:
                         self._passed()
-                    self._server._bad_request(self._current, exc)
+                    self._server.bad_request(self._current, exc)
                     continue
                 if not self.authenticated or isinstance(msg, AuthStart | Hello):
                     if not self._authenticate(msg):
@@ -166,22 +192,22 @@ class ServerConnection(asyncio.Protocol):
                 kind = type(msg)
                 if kind is Heartbeat:
                     for conn_id in self.channels.values():
-                        self._server._receive(conn_id, msg)
+                        self._server.receive(conn_id, msg)
                     # Echoed, so that a client can tell a dead server from a quiet one.
                     self.write_parts([HEARTBEAT_ECHO])
                 elif kind is CloseChannel:
                     self._close_channel(msg.channel)
                 else:
-                    self._server._receive(self._current, msg)
+                    self._server.receive(self._current, msg)
         except ProtocolError as exc:
             self._count_refusal()
-            self._server._log_refusal(
+            self._server.log_refusal(
                 "protocol error", "closing connection from %s: %s", self.peer, exc
             )
             self._close_after(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
         if gated and not self.proved and not transport.is_closing():
             # Every byte it sent before its handshake was done counts, read or not.
-            if not self._server._charge(self, len(data)):
+            if not self._server.charge(self, len(data)):
                 limit = self._server.preauth.max_bytes
                 self.cut_off(
                     "byte budget",
@@ -189,13 +215,13 @@ class ServerConnection(asyncio.Protocol):
                     f"the rendezvous server closed this connection: over {limit} bytes before "
                     "the handshake was done",
                 )
-        self._server._flush()
+        self._server.flush()
 
     def _passed(self) -> None:
         """Its handshake is done: out of the gate, and its frames may be as large as any."""
         self.proved = True
         self._decoder.limits = SERVER_LIMITS
-        self._server._passed(self)
+        self._server.passed(self)
 
     def _select(self, channel: int) -> None:
         conn_id = self.channels.get(channel)
@@ -205,7 +231,7 @@ class ServerConnection(asyncio.Protocol):
                     f"channel {channel} refused: channels are numbered from 0, at most "
                     f"{MAX_CHANNELS} per connection"
                 )
-            conn_id = self._server._channel_opened(self)
+            conn_id = self._server.channel_opened(self)
             self.channels[channel] = conn_id
             self._channel_of[conn_id] = channel
         self._current = conn_id
@@ -216,8 +242,8 @@ class ServerConnection(asyncio.Protocol):
             return  # already gone; channel 0 closes with the connection
         del self.channels[channel], self._channel_of[conn_id]
         if self._current == conn_id:
-            self._current = self._id
-        self._server._channel_lost(conn_id, "its channel was closed")
+            self._current = self.conn_id
+        self._server.channel_lost(conn_id, "its channel was closed")
 
     def queue(self, conn_id: ConnId, msg: Any, out: list[Buffer]) -> None:
         """Add ``msg`` for channel ``conn_id`` to ``out``, naming the channel before a notice."""
@@ -233,7 +259,7 @@ class ServerConnection(asyncio.Protocol):
 
     def end_channel(self, conn_id: ConnId) -> None:
         """The server closes channel ``conn_id``; channel 0 closes the whole connection."""
-        if conn_id == self._id:
+        if conn_id == self.conn_id:
             if self.transport is not None:
                 self.transport.close()
             return
@@ -241,8 +267,8 @@ class ServerConnection(asyncio.Protocol):
         if channel is not None:
             del self.channels[channel]
             if self._current == conn_id:
-                self._current = self._id
-            self._server._channel_lost(conn_id, "closed by the server")
+                self._current = self.conn_id
+            self._server.channel_lost(conn_id, "closed by the server")
 
     def _authenticate(self, msg: Any) -> bool:
         token = self._server.token
@@ -251,7 +277,7 @@ class ServerConnection(asyncio.Protocol):
                 self._answered_auth_start = True  # once: a stranger's stream of them costs nothing
                 # Only a client holding a token asks. An empty challenge tells it at once
                 # that no proof will come, and it refuses this server (no downgrade).
-                self._server._log_refusal(
+                self._server.log_refusal(
                     "token holder",
                     "a client at %s holds a token but this server requires none: it will "
                     "refuse to use this server; start it with --token-file or AIODIST_TOKEN",
@@ -294,7 +320,7 @@ class ServerConnection(asyncio.Protocol):
 
     def _refuse(self, why: str, message: str) -> None:
         self._count_refusal()
-        self._server._log_refusal("token", "refused a connection from %s: %s", self.peer, why)
+        self._server.log_refusal("token", "refused a connection from %s: %s", self.peer, why)
         self._close_after(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
 
     def cut_off(self, reason: str, why: str, message: str) -> None:
@@ -311,7 +337,7 @@ class ServerConnection(asyncio.Protocol):
         self._server.preauth_closed += 1
         if not self._refused:
             self._count_refusal()
-            self._server._log_refusal(reason, "refused a connection from %s: %s", self.peer, why)
+            self._server.log_refusal(reason, "refused a connection from %s: %s", self.peer, why)
             token = self._server.token is not None and reason == "deadline"
             code = ErrorCode.AUTHENTICATION if token else ErrorCode.PROTOCOL
             # Small: the kernel takes it at once, before the abort drops what it did not.
@@ -362,7 +388,7 @@ class ServerConnection(asyncio.Protocol):
             transport.close()
             return
         transport.write_eof()
-        self._linger_timer = self._server._loop.call_later(LINGER_TIMEOUT, transport.close)
+        self._linger_timer = self._server.loop.call_later(LINGER_TIMEOUT, transport.close)
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -375,12 +401,12 @@ class ServerConnection(asyncio.Protocol):
             if server.token is not None:
                 # It left before proving the token (a client without one gives up at the challenge).
                 self._count_refusal()
-                server._log_refusal(
+                server.log_refusal(
                     "left",
                     "refused a connection from %s: it left without proving the token",
                     self.peer,
                 )
-        server._connection_lost(self, "connection lost" if exc is None else str(exc))
+        server.connection_lost(self, "connection lost" if exc is None else str(exc))
 
     def write(self, msg: Any) -> None:
         self.write_parts(encode_message(msg))
@@ -392,7 +418,7 @@ class ServerConnection(asyncio.Protocol):
         self._server.bytes_sent += sum(map(len, parts))
         transport.writelines(parts)
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
-            self._server._log_refusal(
+            self._server.log_refusal(
                 "not reading", "closing connection from %s: it stopped reading replies", self.peer
             )
             transport.abort()
