@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # Keep the suite inside its time budget on 2 cores; CI=true gets the same run.
 PYTEST_ARGS ?=
+# Where `make docs` builds the site; the suite's link checks read it there.
+SITE ?= site
 
-.PHONY: install lint format test demo bench bench-quick clean
+.PHONY: install lint format test docs demo bench bench-quick gpu-check clean
 
 install: $(STAMP)
 
@@ -14,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The pinned CPU build first, so nothing pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,docs]'
 	touch $(STAMP)
 
 lint: install
@@ -28,8 +30,14 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: install lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install lint docs
+	AIODIST_DOCS_SITE=$(CURDIR)/$(SITE) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml), offline, into site/: --strict makes any warning,
+# broken link or missing reference fail it. NO_MKDOCS_2_WARNING: Material's banner about
+# MkDocs 2 (we pin mkdocs<2), which is no warning of the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(SITE)
 
 demo: install
 	$(VENV)/bin/aiodist run -n 4 examples/demo.py
@@ -40,7 +48,7 @@ demo: install
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,docs,bench]'
 	touch $(BENCH_STAMP)
 
 bench: install $(BENCH_STAMP)
@@ -49,5 +57,14 @@ bench: install $(BENCH_STAMP)
 bench-quick: install $(BENCH_STAMP)
 	$(PY) -m benchmarks.report --quick
 
+# The GPU path on a real GPU (issue 36), in one run: pytest -m gpu, the overlap example,
+# bus bandwidth and loop lag on CUDA tensors; summary into $OUT (or benchmarks/results/gpu/).
+# No install step and no .venv: the system python's torch and packages run the checkout,
+# as on a GPU machine that reaches no package registry. Without CUDA it fails at once.
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(SITE) .mypy_cache .ruff_cache .pytest_cache .hypothesis *.egg-info

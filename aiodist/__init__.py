@@ -104,6 +104,7 @@ from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_s
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
+from aiodist._transport.registry import register_transport
 
 __version__ = "0.1.0"
 
@@ -210,6 +211,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "register_transport",
     "scatter",
     "scatter_object_list",
     "send",

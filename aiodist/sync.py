@@ -82,6 +82,7 @@ from aiodist import (
     is_xccl_available,
     master_only,
     reduce_op,
+    register_transport,
     supports_complex,
 )
 from aiodist._sync import handoff as _portal
@@ -189,6 +190,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "register_transport",
     "scatter",
     "scatter_object_list",
     "send",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from aiodist._errors import ProtocolError
 from aiodist._group.join import open_process_group
+from aiodist._wire.preauth import PreAuthLimits
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +25,9 @@ __all__ = ["check_data_channel", "run_ranks"]
 
 T = TypeVar("T")
 _job_ids = itertools.count()
+# The suite's handshake: the first frame each way says this, without a payload, and
+# its receiver lifts the channel's pre-handshake limits (as the data plane does).
+_HELLO = ["hello"]
 
 
 async def run_ranks(
@@ -72,20 +78,31 @@ async def run_ranks(
 
 
 class _RecordingSink:
-    """A FrameSink that keeps every frame it receives, payload bytes included."""
+    """A FrameSink that keeps every frame it receives, payload bytes included.
 
-    def __init__(self) -> None:
+    With ``handshake``, the first frame is the peer's hello: it lifts the channel's
+    limits and is not kept.
+    """
+
+    def __init__(self, *, handshake: bool = True) -> None:
         self.frames: list[tuple[int, Any, bytes]] = []
         self.arrived = asyncio.Event()
         self.closed = asyncio.Event()
         self.close_exc: Exception | None = None
         self._buf: bytearray | None = None
+        self._hello_pending = handshake
 
     def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
+        if self._hello_pending:
+            assert frame.header == _HELLO, f"expected the hello first, got {frame.header!r}"
+            channel.handshake_done()
         self._buf = bytearray(frame.payload_nbytes)
         return memoryview(self._buf) if frame.payload_nbytes else None
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
+        if self._hello_pending:
+            self._hello_pending = False
+            return
         self.frames.append((frame.kind, frame.header, bytes(self._buf or b"")))
         self.arrived.set()
 
@@ -103,17 +120,23 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
     """Check that ``transport`` behaves as the data plane needs; raise AssertionError if not.
 
     One conformance suite for every transport (as ``trio.testing.check_two_way_stream``
-    is for streams): frames of many sizes both ways and in order, payloads landing
-    in the receiver's memory intact, concurrent senders never interleaving frames,
+    is for streams), built in or registered (see ``aiodist.transport``): addresses
+    that start with the transport's scheme, frames of many sizes both ways and in
+    order, payloads landing in the receiver's memory intact, concurrent senders
+    never interleaving frames,
     ``send`` (and what ``send_nowait`` returns) completing only once the payload
     may be reused, ``send_nowait`` keeping call order, clean close seen as
-    clean, and abort seen by the peer.
+    clean, and abort seen by the peer; and before the handshake
+    (``handshake_done``), the listener's limits: no payload, a byte budget, a
+    deadline, the oldest silent unproved connection (before any that spoke) shed
+    for a newer one beyond the cap, and the unproved ones closed with the listener.
     """
     accepted: list[_RecordingSink] = []
     new_sink = asyncio.Event()
+    handshake = True
 
     def factory() -> _RecordingSink:
-        sink = _RecordingSink()
+        sink = _RecordingSink(handshake=handshake)
         accepted.append(sink)
         new_sink.set()
         return sink
@@ -124,10 +147,22 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
             await new_sink.wait()
         return accepted[i]
 
+    async def connect(address: str) -> tuple[DataChannel, _RecordingSink]:
+        sink = _RecordingSink()
+        channel = await transport.connect(address, sink)
+        await channel.send(65, _HELLO)
+        channel.handshake_done()
+        return channel, sink
+
+    scheme = getattr(transport, "scheme", None)
+    assert isinstance(scheme, str), f"a transport names its address scheme; got {scheme!r}"
     listener = await transport.listen(host, factory)
     try:
-        client_sink = _RecordingSink()
-        channel = await transport.connect(listener.address, client_sink)
+        # Peers pick the transport that reaches a rank by the scheme its address starts with.
+        assert listener.address.startswith(f"{scheme}:"), (
+            f"listener address {listener.address!r} does not start with {scheme!r}:"
+        )
+        channel, client_sink = await connect(listener.address)
         sizes = [0, 1, 7, 4096, 65_535, 65_536, 1_000_003, 8 * 1024 * 1024]
         payloads = [os.urandom(n) for n in sizes]
         for i, payload in enumerate(payloads):
@@ -178,12 +213,85 @@ async def check_data_channel(transport: Transport, host: str = "127.0.0.1") -> N
         assert server_sink.close_exc is None, f"clean close reported {server_sink.close_exc!r}"
 
         # Abort is visible to the peer.
-        other_sink = _RecordingSink()
-        other = await transport.connect(listener.address, other_sink)
-        await other.send(65, ["hello"], None)
+        other, _ = await connect(listener.address)
+        await other.send(65, ["after the hello"], None)
         second = await accepted_sink(1)
         await second.wait_for(1)
         other.abort()
         await second.closed.wait()
+    finally:
+        listener.close()
+
+    await _check_preauth(transport, host)
+
+
+async def _check_preauth(transport: Transport, host: str) -> None:
+    """``check_data_channel``'s limits before the handshake (the listener's side never proves)."""
+    accepted: list[_RecordingSink] = []
+    new_sink = asyncio.Event()
+
+    def factory() -> _RecordingSink:
+        accepted.append(_RecordingSink(handshake=False))
+        new_sink.set()
+        return accepted[-1]
+
+    async def connect(address: str) -> tuple[DataChannel, _RecordingSink, _RecordingSink]:
+        """A connection that has not proved itself: its sink, and the accepted side's."""
+        sink = _RecordingSink(handshake=False)
+        n = len(accepted)
+        channel = await transport.connect(address, sink)
+        while len(accepted) <= n:
+            new_sink.clear()
+            await new_sink.wait()
+        return channel, sink, accepted[n]
+
+    def refused(sink: _RecordingSink) -> bool:
+        return sink.closed.is_set() and isinstance(sink.close_exc, ProtocolError)
+
+    limits = PreAuthLimits(max_bytes=4096, deadline=60.0, max_pending=3)
+    listener = await transport.listen(host, factory, preauth=limits)
+    try:
+        # A payload before the handshake: refused at its frame's prefix.
+        channel, _, theirs = await connect(listener.address)
+        with contextlib.suppress(OSError):
+            await channel.send(65, ["early"], b"payload")
+        await theirs.closed.wait()
+        assert refused(theirs), f"a payload before the handshake: {theirs.close_exc!r}"
+        assert theirs.frames == [], "a payload before the handshake was delivered"
+
+        # Small frames, each acceptable: refused once they add up to the byte budget.
+        channel, _, theirs = await connect(listener.address)
+        with contextlib.suppress(OSError):
+            for i in range(limits.max_bytes // 16):  # each frame is over 16 bytes
+                await channel.send(65, [i])
+        await theirs.closed.wait()
+        assert refused(theirs), f"over the byte budget: {theirs.close_exc!r}"
+        assert len(theirs.frames) < limits.max_bytes // 16, "the byte budget was not enforced"
+
+        # Beyond max_pending unproved connections, a newcomer sheds the oldest of those
+        # that said nothing (a real peer speaks at once: it is not shed for a stranger).
+        talking, talker, theirs = await connect(listener.address)
+        await talking.send(65, ["not proved yet"])
+        await theirs.wait_for(1)
+        _, oldest, _ = await connect(listener.address)
+        _, middle, _ = await connect(listener.address)
+        _, newest, _ = await connect(listener.address)
+        await oldest.closed.wait()
+        assert not talker.closed.is_set(), "shed a connection that spoke before a silent one"
+        assert not middle.closed.is_set(), "shed a silent connection that was not the oldest"
+        assert not newest.closed.is_set(), "shed the newcomer"
+    finally:
+        listener.close()
+    # Closing the listener closes the connections that never proved themselves.
+    for sink in (talker, middle, newest):
+        await sink.closed.wait()
+
+    # A connection that says nothing is closed at the deadline.
+    listener = await transport.listen(host, factory, preauth=PreAuthLimits(deadline=0.2))
+    try:
+        _, mine, theirs = await connect(listener.address)
+        await mine.closed.wait()
+        await theirs.closed.wait()
+        assert refused(theirs), f"past the deadline: {theirs.close_exc!r}"
     finally:
         listener.close()

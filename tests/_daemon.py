@@ -80,12 +80,28 @@ class Daemon:
             return await self.proc.wait()
 
 
+# Sets the limits of open files ("SOFT:HARD"), then execs the daemon.
+_NOFILE = (
+    "import os, resource, sys; soft, hard = map(int, sys.argv[1].split(':')); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'aiodist', 'serve', *sys.argv[2:]])"
+)
+
+
 @contextlib.asynccontextmanager
-async def serve(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[Daemon]:
-    """Start `python -m aiodist serve ARGS` and yield it once it announced its address."""
+async def serve(
+    *args: str, env: dict[str, str] | None = None, nofile: tuple[int, int] | None = None
+) -> AsyncIterator[Daemon]:
+    """Start `python -m aiodist serve ARGS` and yield it once it announced its address.
+
+    With ``nofile``, the daemon starts with these (soft, hard) limits of open files.
+    """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "aiodist", "serve", *args]
+    if nofile is None:
+        cmd = [sys.executable, "-m", "aiodist", "serve", *args]
+    else:
+        cmd = [sys.executable, "-c", _NOFILE, "{}:{}".format(*nofile), *args]
     async with await anyio.open_process(cmd, env=full_env) as proc:
         daemon = Daemon(proc)
         try:

@@ -82,7 +82,7 @@ async def test_large_send_waits_for_its_receive_while_small_messages_pass(
             return None
         small = torch.empty(1)
         await aiodist.recv(small, 0, tag=6, group=g)
-        held = [(len(plane.bulk._held), plane.matcher.num_unexpected)]
+        held = [(len(plane.bulk.held), plane.matcher.num_unexpected)]
         not_sent = not sends["large"].is_completed()
         big = torch.empty(NUMEL)
         await aiodist.recv(big, 0, tag=5, group=g)
@@ -116,7 +116,7 @@ async def test_a_receive_posted_first_lets_the_send_go_without_announcement(
         w = aiodist.isend(_payload(1), 1, group=g)
         await aiodist.isend_object("second started", 1, group=g)
         await w
-        return announced_first, bulk.announcements, bulk._credits
+        return announced_first, bulk.announcements, bulk.credits
 
     with anyio.fail_after(60):
         outs = await run_ranks(server.address, 2, body, hostnames=hostnames)
@@ -175,7 +175,7 @@ async def test_a_broken_group_fails_a_send_waiting_for_clear_to_send(
         with pytest.raises(CollectiveMismatchError):
             await aiodist.all_reduce(torch.ones(4 + g.rank), group=g)
         if pending is None:
-            return "receiver", len(g.session.plane.bulk._held)
+            return "receiver", len(g.session.plane.bulk.held)
         with pytest.raises(CollectiveMismatchError) as info:
             await pending
         return "sender", info.value.field

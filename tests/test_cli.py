@@ -19,6 +19,7 @@ import pytest
 
 import aiodist
 from aiodist import RendezvousError, open_process_group
+from aiodist._control.connection import ControlConnection
 from aiodist._launch.cli import format_status, main
 from aiodist._launch.daemon import is_loopback, sd_notify
 from aiodist._wire.messages import StoreGet
@@ -182,6 +183,7 @@ async def test_second_signal_exits_at_once_while_a_client_stalls_shutdown() -> N
         async with open_process_group(url, world_size=1, group_name="stall") as g:
             await g.store.set("big", b"x" * 900_000)
             conn = g.session.conn
+            assert isinstance(conn.connection, ControlConnection)
             transport = conn.connection._transport
             assert transport is not None
             transport.pause_reading()  # a client that stops reading its replies

@@ -231,7 +231,7 @@ async def test_the_server_dropping_a_connection_tells_every_member_on_it(
     try:
         with anyio.fail_after(10):
             await _members(conn, "dropped", notices, "ab")
-            (server_side,) = server._sockets
+            (server_side,) = server._hub.sockets
             assert server_side.transport is not None
             server_side.transport.abort()  # as if the server's process died
             await notices.all_in.wait()
@@ -255,7 +255,7 @@ async def test_a_busy_loop_does_not_count_as_the_servers_silence(
         with anyio.fail_after(10):
             conn.start_heartbeats(0.05, timeout=0.2)  # the first heartbeat goes now
             await conn.request(StatusRequest)  # answered after the heartbeat's echo
-            assert conn._echoed
+            assert conn.liveness.echoed
             # Busy: twice the timeout with no heartbeat sent (blocking the loop is the point).
             time.sleep(0.4)  # noqa: ASYNC251
             await conn.request(StatusRequest)  # the overdue heartbeat runs before this

@@ -6,8 +6,8 @@ The same script (``dropin_worker.py``) runs on two ranks under the original
 dtype gloo carries (and a few it does not), edge cases and bad input. Each
 side is one process pair that makes every call in one launch. Results must be
 equal and errors instances of the original's exception class (see
-``dropin_compare.py``). ``python -m tests.test_dropin`` prints the table the
-README quotes.
+``dropin_compare.py``). ``python -m tests.test_dropin`` prints the table
+``docs/guide/sync.md`` quotes.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ async def test_aiodist_sync_matches_mmengine_dist() -> None:
     assert verdicts["same error"] >= 14, verdicts
 
 
-async def _table() -> None:  # pragma: no cover - run by hand for the README
+async def _table() -> None:  # pragma: no cover - run by hand for docs/guide/sync.md
     for suite in ("torch", "mmengine"):
         verdicts, functions, pairs, problems = await _compare(suite)
         print(

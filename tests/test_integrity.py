@@ -188,10 +188,12 @@ async def main():
     t = torch.ones(2)
     await aiodist.all_reduce(t)
     print(json.dumps({"pid": os.getpid(), "ready": rank}), flush=True)
-    if rank == 1:
-        os.kill(os.getpid(), 19)  # SIGSTOP: the test resumes it after its peer has gone
     try:
-        await aiodist.all_reduce(t)
+        if rank == 1:
+            os.kill(os.getpid(), 19)  # SIGSTOP: the test resumes it after its peer is done
+            await aiodist.irecv(torch.zeros(1), src=0, tag=5)  # rank 0 sends nothing more
+        else:
+            await aiodist.all_reduce(t)  # rank 1 stopped: the server declares it failed
         outcome = {"ok": True}
     except aiodist.RankFailedError as exc:
         outcome = {"error": str(exc), "blamed": exc.rank}

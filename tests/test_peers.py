@@ -99,7 +99,7 @@ async def test_a_failure_reaches_a_receive_whose_payload_is_still_arriving(
                 with pytest.raises(RankFailedError):
                     await future
             await dropped.wait()  # the connection then drops: nothing is left waiting
-        assert plane._orphans == []
-        assert not plane._arriving
+        assert plane.orphans == []
+        assert not plane.arriving
     finally:
         await plane.aclose()

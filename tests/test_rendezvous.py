@@ -19,6 +19,7 @@ from aiodist import (
     RendezvousTimeout,
     open_process_group,
 )
+from aiodist._control.connection import ControlConnection
 from aiodist._errors import ProtocolError
 from aiodist._transport import uds
 from aiodist._wire.frame import (
@@ -142,7 +143,7 @@ async def test_ranks_of_other_hosts_on_a_loopback_server_talk_over_unix_sockets(
         out = await aiodist.all_gather_object(float(g.rank), group=g)
         families = {
             c._transport.get_extra_info("socket").family  # type: ignore[attr-defined]
-            for c in g.session.plane._out.values()
+            for c in g.session.plane.routes.values()
         }
         return families, out
 
@@ -381,7 +382,7 @@ async def test_members_of_one_process_share_one_connection(server: RendezvousSer
     # The connection closed with its last member, and the server forgot every channel.
     await server.wait_until(lambda s: s.num_connections == 0)
     assert server.state._conns == {}
-    assert server._conns == {}
+    assert server._hub.conns == {}
 
 
 async def test_own_connection_per_member_when_sharing_is_off(
@@ -426,7 +427,9 @@ async def test_silent_member_is_declared_failed(
     async def body(g: ProcessGroup) -> int:
         if g.rank == 0:
             # Stop heartbeats: the member stays connected but silent.
-            g.session.conn.connection._stop_heartbeats()
+            connection = g.session.conn.connection
+            assert isinstance(connection, ControlConnection)
+            connection.heartbeats.stop()
             await anyio.sleep_forever()
         with pytest.raises(RankFailedError, match="missed heartbeats") as info:
             await g.store.get("never-set")

@@ -26,7 +26,6 @@ from aiodist import AuthenticationError, serve_rendezvous
 from aiodist._control.connection import ControlConnection, connect_control
 from aiodist._errors import ErrorCode
 from aiodist._plane.peers import DataPlane
-from aiodist._server import connection
 from aiodist._transport import uds
 from aiodist._wire.auth import client_proof, new_nonce, server_proof, verify
 from aiodist._wire.frame import NEED_DATA, Frame, FrameDecoder, Limits, encode_frame, encode_message
@@ -40,6 +39,7 @@ from aiodist._wire.messages import (
     Reply,
     StatusRequest,
 )
+from aiodist._wire.preauth import PreAuthLimits
 from aiodist.testing import run_ranks
 from tests._daemon import TOKEN, asyncio_only
 
@@ -235,18 +235,21 @@ async def test_client_refuses_a_server_that_cannot_prove_the_token() -> None:
         tg.cancel_scope.cancel()
 
 
-async def test_silent_connection_is_closed_after_the_auth_timeout(
-    token_server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(connection, "AUTH_TIMEOUT", 0.2)
-    with anyio.fail_after(10):
-        peer = await RawPeer.connect(f"tcp://{token_server.address[0]}:{token_server.address[1]}")
-        frames = await peer.frames_until_closed()  # it sends nothing; the server gives up
-    peer.close()
-    assert [f.kind for f in frames] == [MessageKind.CHALLENGE, MessageKind.ERROR]
-    assert ErrorReply(*frames[1].header).code == ErrorCode.AUTHENTICATION
-    assert token_server.auth_failures == 1
-    await token_server.wait_until(lambda s: s.num_connections == 0)
+async def test_silent_connection_is_closed_after_the_auth_timeout() -> None:
+    async with anyio.create_task_group() as tg:
+        token_server = await tg.start(
+            functools.partial(serve_rendezvous, token=TOKEN, preauth=PreAuthLimits(deadline=0.2))
+        )
+        with anyio.fail_after(10):
+            address = f"tcp://{token_server.address[0]}:{token_server.address[1]}"
+            peer = await RawPeer.connect(address)
+            frames = await peer.frames_until_closed()  # it sends nothing; the server gives up
+        peer.close()
+        assert [f.kind for f in frames] == [MessageKind.CHALLENGE, MessageKind.ERROR]
+        assert ErrorReply(*frames[1].header).code == ErrorCode.AUTHENTICATION
+        assert token_server.auth_failures == 1
+        await token_server.wait_until(lambda s: s.num_connections == 0)
+        tg.cancel_scope.cancel()
 
 
 # --- data plane ---------------------------------------------------------------------------
@@ -363,8 +366,8 @@ async def test_connecting_rank_checks_the_acceptor_knows_the_token(
                 with pytest.raises(AuthenticationError) as refused_back:
                     await received
                 assert refused_back.value.rank == 0
-                assert not a._out
-                assert not b._out
+                assert not a.routes
+                assert not b.routes
     finally:
         received.cancel()
         await a.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import defaultdict
 from typing import Any, cast
@@ -1593,3 +1594,73 @@ def test_store_wait_whose_requests_all_timed_out_is_not_remembered_as_set(
     srv.call(b, StoreSet, "y", b"1")
     srv.only(b, Reply)
     assert srv.reply(a, req) is None
+
+
+# --- absurd values never reach the clock (issue 28) -------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, 0.0, 1e-9, 1e300])
+@pytest.mark.parametrize("request_kind", ["get", "wait", "barrier"])
+def test_absurd_timeout_refused_and_other_jobs_deadlines_still_fire(
+    srv: FakeServer, request_kind: str, timeout: float
+) -> None:
+    a, _ = srv.form(2, group="evil")
+    if request_kind == "get":
+        req = srv.call(a, StoreGet, "k", timeout)
+    elif request_kind == "wait":
+        req = srv.call(a, StoreWait, pack_keys(["k"]), timeout)
+    else:
+        req = srv.call(a, Barrier, 1, timeout)
+    err = srv.error(a, req, ErrorCode.BAD_REQUEST)
+    assert "timeout must be a finite number of seconds in [0.001, 31536000]" in err.message
+    assert err.details["field"].endswith(".timeout")
+    assert all(math.isfinite(t.when) for t in srv.state._timers)
+    # Another job's get times out when it should: the heap is in order.
+    (c,) = srv.form(1, group="legit")
+    req = srv.call(c, StoreGet, "missing", 1.0)
+    srv.advance(srv.now + 0.99)
+    assert srv.take(c) == []
+    srv.advance(srv.now + 0.02)
+    assert (
+        "store get timed out waiting for keys ['missing']"
+        in srv.error(c, req, ErrorCode.TIMEOUT).message
+    )
+
+
+@pytest.mark.parametrize("heartbeat_timeout", [1e-9, math.nan, math.inf, -1.0, 0.05])
+def test_join_absurd_heartbeat_timeout_refused_and_sweeps_stay_spaced(
+    srv: FakeServer, heartbeat_timeout: float
+) -> None:
+    conn = srv.connect()
+    req = srv.call(conn, Join, "spin", 2, -1, "h", 1, [], heartbeat_timeout, LONG)
+    err = srv.error(conn, req, ErrorCode.BAD_REQUEST)
+    assert "Join.heartbeat_timeout must be a finite number of seconds in [0.1, " in err.message
+    assert srv.state.jobs == {}
+    srv.join(world_size=2, heartbeat_timeout=2.0)
+    # Sweeps stay a quarter of the shortest timeout apart: never a spin.
+    first = srv.state.next_deadline()
+    assert first == pytest.approx(0.5)
+
+
+def test_sweep_interval_floor_and_it_slows_down_once_the_fast_job_is_gone(
+    srv: FakeServer,
+) -> None:
+    fast = srv.form(2, group="fast", heartbeat_timeout=0.1)  # the shortest allowed
+    srv.form(1, group="slow", heartbeat_timeout=40.0)
+    assert srv.state.next_deadline() == pytest.approx(0.025)
+    times = []
+    t = 0.0
+    while t < 1.0:  # the fast job heartbeats; count the sweeps
+        srv.heartbeat(*fast)
+        deadline = srv.state.next_deadline()
+        assert deadline is not None
+        times.append(deadline)
+        t = deadline
+        srv.advance(t)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 0.025 - 1e-9
+    for conn in fast:
+        srv.call(conn, Leave)
+        srv.take(conn)
+    srv.advance(srv.now + 0.03)  # one sweep sees only the slow job
+    assert srv.state.next_deadline() == pytest.approx(srv.now + 1.0, abs=0.03)

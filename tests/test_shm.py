@@ -232,7 +232,7 @@ async def test_same_host_peers_exchange_large_tensors_through_rings(
         await aiodist.isend(mine, peer, group=g)
         await w
         expected = torch.arange(numel, dtype=torch.float32) + peer
-        channel = g.session.plane._out[peer]
+        channel = g.session.plane.routes[peer]
         return bool(torch.equal(got, expected)), type(channel).__name__
 
     with anyio.fail_after(60):
@@ -255,7 +255,7 @@ async def test_shm_off_keeps_plain_unix_socket_channels(
     async def body(g: aiodist.ProcessGroup) -> tuple[float, type]:
         t = torch.full((1 << 20,), float(g.rank + 1))
         await aiodist.all_reduce(t, group=g)
-        return float(t[0]), type(g.session.plane._out[1 - g.rank])
+        return float(t[0]), type(g.session.plane.routes[1 - g.rank])
 
     with anyio.fail_after(60):
         outs = await run_ranks(server.address, 2, body)

@@ -24,6 +24,7 @@ import aiodist
 from aiodist import AuthenticationError, open_process_group, serve_rendezvous
 from aiodist._control.connection import connect_control
 from aiodist._errors import from_wire
+from aiodist._plane.core import PeerState
 from aiodist._plane.peers import DataPlane
 from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import StatusRequest
@@ -309,8 +310,8 @@ async def test_connecting_rank_refuses_an_acceptor_without_the_token(
             await a.send(1, key, "meta", b"again")
         with pytest.raises(AuthenticationError):
             await a.recv(1, key)
-        assert not a._out
-        assert not a._connecting
+        assert not a.routes
+        assert a.peers[1].state is PeerState.FAILED  # no channel, and no attempt under way
     finally:
         await a.aclose()
         await b.aclose()

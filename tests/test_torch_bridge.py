@@ -66,7 +66,7 @@ WORKER = textwrap.dedent(
         out["scatter"] = (await aiodist.scatter(torch.empty(2, 3), parts, src=1)).tolist()
         out["all_gather"] = [p.tolist() for p in await aiodist.all_gather(x(rank))]
         # Nothing so far touched aiodist's data plane: no peer connection was opened.
-        out["data_plane_peers"] = len(g.session.plane._out)
+        out["data_plane_peers"] = len(g.session.plane.routes)
         store = aiodist.get_store()  # nobody starts all_to_all (which uses it) before all counted
         await store.set(f"counted/{rank}", b"")
         await store.wait([f"counted/{r}" for r in range(world)])

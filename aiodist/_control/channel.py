@@ -9,18 +9,16 @@ after the server named the channel. Channel 0 is the connection's own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
 from aiodist._wire.messages import MemberFailed, MembersLeft
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
-    from aiodist._control.connection import ControlConnection
-
-__all__ = ["MAX_HELD_NOTICES", "ControlChannel", "Notice", "ServerLost"]
+__all__ = ["MAX_HELD_NOTICES", "Carrier", "ControlChannel", "Notice", "ServerLost"]
 
 # Notices a channel keeps until its member sets a callback (a job breaks with the first).
 MAX_HELD_NOTICES: Final = 16
@@ -36,6 +34,33 @@ class ServerLost:
 Notice = MemberFailed | MembersLeft | ServerLost
 
 
+class Carrier(Protocol):
+    """What a channel needs of the connection it rides (``connection.ControlConnection``)."""
+
+    loop: asyncio.AbstractEventLoop
+    request_ids: Iterator[int]  # unique on the connection, for every channel
+    routes: dict[int, ControlChannel]  # req_id -> the channel waiting for its reply
+    server: str
+    local_host: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def error(self) -> DistError | None: ...
+
+    @property
+    def heartbeat_interval(self) -> float: ...
+
+    def send_on(self, channel: int, msg: Any) -> None: ...
+
+    def channel_closed(self, channel: ControlChannel) -> None: ...
+
+    def start_heartbeats(self, interval: float, timeout: float | None = None) -> None: ...
+
+    def stalled_for(self) -> float: ...
+
+
 class ControlChannel:
     """One member's requests and notices on a (possibly shared) control connection.
 
@@ -44,7 +69,7 @@ class ControlChannel:
 
     def __init__(
         self,
-        conn: ControlConnection,
+        conn: Carrier,
         number: int,
         on_notice: Callable[[Notice], None] | None = None,
     ) -> None:
@@ -73,7 +98,8 @@ class ControlChannel:
             for notice in held:
                 callback(notice)
 
-    def _notice(self, notice: Notice) -> None:
+    def notice(self, notice: Notice) -> None:
+        """A notice for this channel's member: handed on, or held until a callback is set."""
         if self._on_notice is not None:
             self._on_notice(notice)
         elif self._held is None:
@@ -119,24 +145,24 @@ class ControlChannel:
         error = self._error or conn.error
         if error is not None:
             raise error
-        req_id = next(conn._ids)
-        future: asyncio.Future[Any] = conn._loop.create_future()
+        req_id = next(conn.request_ids)
+        future: asyncio.Future[Any] = conn.loop.create_future()
         self._pending[req_id] = future
-        conn._routes[req_id] = self
+        conn.routes[req_id] = self
         # A timer, not a cancel scope: requests are the hot path of a big rendezvous.
         timer = (
             None
             if timeout is None
-            else conn._loop.call_later(timeout, self._expire, future, timeout)
+            else conn.loop.call_later(timeout, self._expire, future, timeout)
         )
         try:
-            conn._send_on(self.number, build(req_id))
+            conn.send_on(self.number, build(req_id))
             return await future
         finally:
             if timer is not None:
                 timer.cancel()
             del self._pending[req_id]
-            conn._routes.pop(req_id, None)
+            conn.routes.pop(req_id, None)
 
     def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
         if not future.done():
@@ -152,7 +178,7 @@ class ControlChannel:
         error = self._error or self.connection.error
         if error is not None:
             raise error
-        self.connection._send_on(self.number, msg)
+        self.connection.send_on(self.number, msg)
 
     def start_heartbeats(self, interval: float, timeout: float | None = None) -> None:
         """Make the connection send a heartbeat at least every ``interval`` seconds.
@@ -177,10 +203,11 @@ class ControlChannel:
         The connection closes with its last channel (channel 0 closes it at once).
         """
         if self._error is None:
-            self._fail(ClosedError("the control connection was closed"))
-        self.connection._channel_closed(self)
+            self.fail(ClosedError("the control connection was closed"))
+        self.connection.channel_closed(self)
 
-    def _resolve(self, req_id: int, value: Any) -> None:
+    def resolve(self, req_id: int, value: Any) -> None:
+        """The reply to request ``req_id``: its value, or the error to raise."""
         future = self._pending.get(req_id)
         if future is None or future.done():
             return
@@ -189,12 +216,14 @@ class ControlChannel:
         else:
             future.set_result(value)
 
-    def _fail(self, exc: DistError) -> None:
+    def fail(self, exc: DistError) -> None:
+        """Make the channel unusable with ``exc``: its pending and later requests raise it."""
         if self._error is None:
             self._error = exc
-        self._fail_pending(exc)
+        self.fail_pending(exc)
 
-    def _fail_pending(self, exc: DistError) -> None:
+    def fail_pending(self, exc: DistError) -> None:
+        """Fail the requests waiting for a reply (the connection failed under them)."""
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(exc)

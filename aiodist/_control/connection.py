@@ -12,16 +12,14 @@ connection drops, every pending request of every channel fails with the same
 error and later requests fail at once. ``AIODIST_SHARED_CONTROL=0`` gives each
 member a connection of its own.
 
-With a token, the connection first answers the server's challenge (see
-``_wire/auth.py``) and accepts no reply until the server has proved the token too.
-The handshake is mutual: a client holding a token refuses a server that requires
-none (its challenge carries no nonce) or cannot prove the token, so a token
-never silently downgrades to an open server.
+With a token, the connection first answers the server's challenge (the
+responder of ``_wire/handshake.py``) and accepts no reply until the server has
+proved the token too. A client holding a token refuses a server that requires
+none (its challenge carries no nonce) or cannot prove it: no silent downgrade.
 
-**Losing the server.** The server echoes every heartbeat. A connection that
-has heard an echo, and then sends a heartbeat that nothing answers for its
-heartbeat timeout, counts the server as gone, as does one whose socket closes
-or that the server tells it is shutting down. Then every pending request
+**Losing the server.** A connection counts the server as gone when it leaves
+a heartbeat unanswered for too long (``liveness.py``), when its socket closes,
+or when the server says it is shutting down. Then every pending request
 fails, and every channel's member is told (``ServerLost``) with the same
 error: a rank without its server can no longer learn that other ranks failed,
 so its session breaks its groups.
@@ -39,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import anyio
 
 from aiodist._control.channel import ControlChannel, Notice, ServerLost
+from aiodist._control.liveness import Heartbeats
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -50,17 +49,8 @@ from aiodist._errors import (
     RendezvousTimeout,
     from_wire,
 )
-from aiodist._wire.auth import client_proof, new_nonce, server_proof, verify
-from aiodist._wire.frame import (
-    CLOSED,
-    NEED_DATA,
-    Frame,
-    FrameDecoder,
-    Limits,
-    MiB,
-    encode_message,
-    frame_message,
-)
+from aiodist._wire.frame import FrameDecoder, Limits, MiB, encode_message, frame_message
+from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -79,7 +69,7 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from aiodist._wire.frame import Buffer
 
@@ -102,10 +92,10 @@ class ControlConnection(asyncio.Protocol):
     """Requests to the rendezvous server and the notices it sends back, for every channel."""
 
     def __init__(self, on_notice: Callable[[Notice], None] | None = None, token: str = "") -> None:
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(CLIENT_LIMITS)
-        self._ids = itertools.count(1)
-        self._routes: dict[int, ControlChannel] = {}  # req_id -> the channel that sent it
+        self.request_ids: Iterator[int] = itertools.count(1)  # unique on the connection
+        self.routes: dict[int, ControlChannel] = {}  # req_id -> the channel that sent it
         self._own = ControlChannel(self, 0, on_notice)
         self._channels: dict[int, ControlChannel] = {0: self._own}
         self._channel_numbers = itertools.count(1)
@@ -116,27 +106,18 @@ class ControlConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._error: DistError | None = None
         self.token = token  # set before connecting: the challenge may come at once
-        self._challenge: asyncio.Future[bytes] = self._loop.create_future()
-        self._expected_proof: bytes | None = None
+        self._challenge: asyncio.Future[bytes] = self.loop.create_future()
+        self._handshake: TokenHandshake | None = None  # sent our proof; the server's is due
         # With a token, nothing the server says is believed before it proved the token.
         self._trusted = not token
         self.server = "?"
         self.local_host = "127.0.0.1"
-        self._heartbeat: asyncio.TimerHandle | None = None
-        self._heartbeat_interval = 0.0
-        # How long a heartbeat may go unanswered before the server counts as gone, once it
-        # has echoed one (a server that never echoes is never counted as gone for silence).
-        self._silence_limit = float("inf")
-        self._echoed = False
-        self._last_heard = self._loop.time()
-        # When the oldest heartbeat that nothing was heard after went out (None: none such).
-        # Counted from a heartbeat, not from the last thing heard: a loop that was busy
-        # sent none, and the server had nothing to answer.
-        self._unanswered_since: float | None = None
-        # When the next heartbeat is due, and the longest this loop ever ran one late: a
-        # loop that stops (SIGSTOP, a debugger, a blocking call) sends none meanwhile.
-        self._beat_due = 0.0
-        self._longest_stall = 0.0
+        self.heartbeats = Heartbeats(
+            self.loop, self._send_heartbeat, self._server_silent, lambda: self.closed
+        )
+        self.liveness = self.heartbeats.rules  # when the server counts as gone (liveness.py)
+        # How late this loop ran its heartbeat (asked before every operation: bound here).
+        self.stalled_for = self.heartbeats.stalled_for
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
 
@@ -155,12 +136,9 @@ class ControlConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self._last_heard = self._loop.time()
-        dec = self._decoder
+        self.liveness.last_heard = self.loop.time()
         try:
-            dec.receive_data(data)
-            while (event := dec.next_event()) is not NEED_DATA and event is not CLOSED:
-                assert isinstance(event, Frame)
+            for event in self._decoder.frames(data):
                 header = event.header
                 if (
                     event.kind == MessageKind.REPLY
@@ -180,7 +158,7 @@ class ControlConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        self._stop_heartbeats()
+        self.heartbeats.stop()
         if self._error is None:
             why = "it closed" if exc is None else str(exc)
             self._fail(
@@ -226,7 +204,8 @@ class ControlConnection(asyncio.Protocol):
         """Send a message that expects no reply, on channel 0."""
         self._own.send(msg)
 
-    def _send_on(self, channel: int, msg: Any) -> None:
+    def send_on(self, channel: int, msg: Any) -> None:
+        """Send ``msg`` for channel ``channel``, naming the channel first if it changed."""
         if self._error is not None:
             raise self._error
         parts = encode_message(msg)
@@ -246,7 +225,7 @@ class ControlConnection(asyncio.Protocol):
         # Members of one process often send together (a job forming, a barrier): their
         # messages leave in one write at the end of this loop iteration, not one each.
         if not self._outbox:
-            self._loop.call_soon(self._flush_outbox)
+            self.loop.call_soon(self._flush_outbox)
         self._outbox += parts
 
     def _flush_outbox(self) -> None:
@@ -257,95 +236,47 @@ class ControlConnection(asyncio.Protocol):
     def start_heartbeats(self, interval: float, timeout: float | None = None) -> None:
         """Send a heartbeat at least every ``interval`` seconds until the connection closes.
 
-        The first goes one interval from now: the server counts any message as
-        one, so the request sent next (the join) is the first. A timer, not a
-        task: a process with many members pays no task per member, and one
-        heartbeat keeps every member of the connection alive. With ``timeout``,
-        a server that echoed heartbeats and then leaves one unanswered that
-        long counts as gone (the shortest timeout of the connection's members
-        applies); the first call with one sends a heartbeat at once (one per
-        connection), so the server's echo arrives before the join's reply and
-        the watch starts with the membership.
+        With ``timeout``, a server that echoed heartbeats and then leaves one
+        unanswered that long counts as gone (the shortest timeout of the
+        connection's members applies; ``liveness.py`` has the rules).
         """
-        if timeout is not None:
-            if self._silence_limit == float("inf") and not self.closed:
-                self._send_heartbeat()
-            self._silence_limit = min(self._silence_limit, timeout)
-        if self._heartbeat is not None and self._heartbeat_interval <= interval:
-            return
-        self._stop_heartbeats()
-        self._heartbeat_interval = interval
-        self._schedule_beat()
-
-    def _schedule_beat(self) -> None:
-        self._beat_due = self._loop.time() + self._heartbeat_interval
-        self._heartbeat = self._loop.call_later(self._heartbeat_interval, self._beat)
-
-    def stalled_for(self) -> float:
-        """The longest this process's loop has run its heartbeat late, in seconds.
-
-        Counted now too (a heartbeat overdue right now): after a stop, the loop may
-        handle what arrived meanwhile before it runs its timers. A stall longer than
-        the heartbeat timeout (less one interval) means the server declared this
-        process's members failed meanwhile.
-        """
-        overdue = self._loop.time() - self._beat_due if self._heartbeat is not None else 0.0
-        return max(self._longest_stall, overdue)
+        self.heartbeats.start(interval, timeout)
 
     @property
     def heartbeat_interval(self) -> float:
-        return self._heartbeat_interval
-
-    def _beat(self) -> None:
-        self._longest_stall = max(self._longest_stall, self._loop.time() - self._beat_due)
-        if self.closed:
-            self._heartbeat = None
-            return
-        since = self._unanswered_since
-        if since is not None and self._last_heard >= since:
-            since = self._unanswered_since = None  # answered
-        silent = 0.0 if since is None else self._loop.time() - since
-        if self._echoed and silent > self._silence_limit:
-            self._heartbeat = None
-            self._fail(
-                GroupBrokenError(
-                    f"the rendezvous server at {self.server} did not answer heartbeats for "
-                    f"{silent:.1f} s (heartbeat timeout {self._silence_limit:.1f} s); "
-                    f"{_WITHOUT_SERVER}"
-                )
-            )
-            assert self._transport is not None
-            self._transport.abort()  # the server, if it still runs, sees this member go
-            return
-        self._send_heartbeat()
-        self._schedule_beat()
+        return self.liveness.interval
 
     def _send_heartbeat(self) -> None:
-        self._send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
-        if self._unanswered_since is None:
-            self._unanswered_since = self._loop.time()
+        self.send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
 
-    def _stop_heartbeats(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
+    def _server_silent(self, silent: float) -> None:
+        self._fail(
+            GroupBrokenError(
+                f"the rendezvous server at {self.server} did not answer heartbeats for "
+                f"{silent:.1f} s (heartbeat timeout {self.liveness.silence_limit:.1f} s); "
+                f"{_WITHOUT_SERVER}"
+            )
+        )
+        assert self._transport is not None
+        self._transport.abort()  # the server, if it still runs, sees this member go
 
     def close(self) -> None:
-        self._stop_heartbeats()
+        self.heartbeats.stop()
         if self._error is None:
             self._fail(ClosedError("the control connection was closed"))
         if self._transport is not None:
             self._flush_outbox()
             self._transport.close()
 
-    def _channel_closed(self, channel: ControlChannel) -> None:
+    def channel_closed(self, channel: ControlChannel) -> None:
+        """Its member closed ``channel``: tell the server; the last one closes the connection."""
         if channel.number == 0:
             self.close()
             return
         if self._channels.pop(channel.number, None) is None:
             return
         if self._error is None:
-            self._send_on(channel.number, CloseChannel(channel.number))
+            self.send_on(channel.number, CloseChannel(channel.number))
         self._switches.pop(channel.number, None)
         if self._error is None and len(self._channels) == 1:  # its last member left
             self._retire()
@@ -378,9 +309,27 @@ class ControlConnection(asyncio.Protocol):
                 f"the rendezvous server at {self.server} sent no challenge within "
                 f"{timeout:.1f} s; is it an aiodist server?"
             ) from None
-        client_nonce = new_nonce()
-        self._expected_proof = server_proof(token, client_nonce, server_nonce)
-        self.send(Hello(client_nonce, client_proof(token, server_nonce, client_nonce)))
+        handshake = TokenHandshake(Role.RESPONDER, token, CONTROL)
+        try:
+            nonce, proof = handshake.answer(server_nonce)
+        except Refused as exc:
+            # A server without a token answers AuthStart with an empty challenge: no
+            # proof of ours can come back, so refuse now, not at a timeout.
+            raise self._refuse(
+                f"the rendezvous server at {self.server} did not prove the job token (it "
+                "requires none); refusing to use it. Start the server with the same token "
+                "(--token-file or AIODIST_TOKEN)"
+                if exc.reason == "no token"
+                else self._unproved()
+            ) from None
+        self._handshake = handshake
+        self.send(Hello(nonce, proof))
+
+    def _unproved(self) -> str:
+        return (
+            f"the rendezvous server at {self.server} could not prove that it knows "
+            "AIODIST_TOKEN; check that you are talking to the server you meant to"
+        )
 
     def _on_auth_message(self, msg: Challenge | Authenticated) -> None:
         if isinstance(msg, Challenge):
@@ -389,35 +338,31 @@ class ControlConnection(asyncio.Protocol):
                     f"the rendezvous server at {self.server} requires a token; set "
                     "AIODIST_TOKEN to the contents of the server's --token-file"
                 )
-            elif not msg.nonce and self.token:
-                # A server without a token answers AuthStart with an empty challenge:
-                # no proof of ours can come back, so refuse now, not at a timeout.
-                self._refuse(
-                    f"the rendezvous server at {self.server} did not prove the job token (it "
-                    "requires none); refusing to use it. Start the server with the same token "
-                    "(--token-file or AIODIST_TOKEN)"
-                )
-            elif not self._challenge.done():
+            elif not self._challenge.done():  # authenticate() answers it
                 self._challenge.set_result(msg.nonce)
-        elif self._expected_proof is not None and verify(self._expected_proof, msg.proof):
-            self._expected_proof = None
-            self._trusted = True
+            return
+        handshake, self._handshake = self._handshake, None  # one proof per handshake
+        try:
+            if handshake is None:
+                raise Refused("mismatch")  # a proof nobody asked for
+            handshake.check_proof(msg.proof)
+        except Refused:
+            self._refuse(self._unproved())
         else:
-            self._refuse(
-                f"the rendezvous server at {self.server} could not prove that it knows "
-                "AIODIST_TOKEN; check that you are talking to the server you meant to"
-            )
+            self._trusted = True
 
-    def _refuse(self, message: str) -> None:
-        self._fail(AuthenticationError(message))
+    def _refuse(self, message: str) -> AuthenticationError:
+        exc = AuthenticationError(message)
+        self._fail(exc)
         self.close()
+        return exc
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, Challenge | Authenticated):
             self._on_auth_message(msg)
             return
         if not self._trusted:
-            if isinstance(msg, ErrorReply) and msg.req_id not in self._routes:
+            if isinstance(msg, ErrorReply) and msg.req_id not in self.routes:
                 pass  # the server's refusal (req_id 0): handled below
             elif not isinstance(msg, ServerClosing):
                 self._refuse(
@@ -428,24 +373,24 @@ class ControlConnection(asyncio.Protocol):
         if isinstance(msg, Reply | Welcome):
             self._resolve(msg.req_id, msg.value if isinstance(msg, Reply) else msg)
         elif isinstance(msg, Heartbeat):
-            self._echoed = True  # from now on, its silence means it is gone
+            self.liveness.echoed = True  # from now on, its silence means it is gone
         elif isinstance(msg, Channel):
             self._in_channel = msg.channel
         elif isinstance(msg, ErrorReply):
             exc = from_wire(msg.code, msg.message, msg.details)
-            if msg.req_id in self._routes:
+            if msg.req_id in self.routes:
                 self._resolve(msg.req_id, exc)
             elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.AUTHENTICATION):
                 self._fail(exc)
                 self.close()  # the server stopped reading us: hang up so it can close too
             elif msg.code == ErrorCode.RANK_FAILED:
                 if (channel := self._channels.get(self._in_channel)) is not None:
-                    channel._fail(exc)
+                    channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
         elif isinstance(msg, MemberFailed | MembersLeft):
             if (channel := self._channels.get(self._in_channel)) is not None:
-                channel._notice(msg)
+                channel.notice(msg)
         elif isinstance(msg, ServerClosing):
             if self._error is None:
                 logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
@@ -465,9 +410,9 @@ class ControlConnection(asyncio.Protocol):
             retired(self)
 
     def _resolve(self, req_id: int, value: Any) -> None:
-        channel = self._routes.get(req_id)
+        channel = self.routes.get(req_id)
         if channel is not None:
-            channel._resolve(req_id, value)
+            channel.resolve(req_id, value)
 
     def _fail(self, exc: DistError) -> None:
         first = self._error is None
@@ -478,12 +423,12 @@ class ControlConnection(asyncio.Protocol):
             self._challenge.set_exception(exc)
             self._challenge.exception()  # retrieved: authenticate() re-raises it
         for channel in list(self._channels.values()):
-            channel._fail_pending(exc)
+            channel.fail_pending(exc)
         if first and not isinstance(exc, ClosedError):
             # Not closed by its members: they lost their server, and must hear of it
             # even when no request of theirs is pending (a rank inside a collective).
             for channel in list(self._channels.values()):
-                channel._notice(ServerLost(exc))
+                channel.notice(ServerLost(exc))
 
 
 async def connect_control(

@@ -43,10 +43,11 @@ from aiodist._group.session import (
     Session,
 )
 from aiodist._plane.peers import DataPlane
+from aiodist._plane.routes import Selection, selection
 from aiodist._wire.messages import Join
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+    from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 
     from aiodist._group.group import ProcessGroup
     from aiodist._server.serve import RendezvousServer
@@ -76,6 +77,7 @@ async def open_process_group(
     heartbeat_timeout: float | None = None,
     hostname: str | None = None,
     addresses: list[str] | None = None,
+    transport: str | Sequence[str] | None = None,
 ) -> AsyncIterator[ProcessGroup]:
     """Join a job and yield its world group; leave the job on exit.
 
@@ -94,8 +96,14 @@ async def open_process_group(
         hostname: The host this rank counts as for local ranks (default: this
             machine's name; never resolved).
         addresses: Data-plane addresses to publish to the other members.
+        transport: The data-plane transports to listen on, by name, in the order
+            peers should try them (``"crc,tcp"`` or a list; default
+            ``$AIODIST_TRANSPORT``, else Unix sockets and TCP as the job needs).
+            A name is a built-in transport's (``tcp``, ``uds``, ``shm``) or one
+            registered with ``register_transport``.
 
     Raises:
+        ValueError: A transport this process does not know.
         RendezvousError: The job refused this process (conflicting rank or world size).
         RendezvousTimeout: The job did not form within ``timeout``.
 
@@ -123,7 +131,8 @@ async def open_process_group(
             f"({hb_timeout})"
         )
     name = group_name or _default_group_name(env)
-    args = (spec, name, timeout, backend, interval, hb_timeout, hostname, addresses)
+    transports = selection(transport)  # an unknown name fails here, before anything starts
+    args = (spec, name, timeout, backend, interval, hb_timeout, hostname, addresses, transports)
     if not may_embed(spec, env):
         # Nothing to run beside the member (heartbeats are a timer): no server task.
         async with _joined(None, *args) as group:
@@ -241,10 +250,11 @@ async def _joined(
     hb_timeout: float,
     hostname: str | None,
     addresses: list[str] | None,
+    transports: Selection,
 ) -> AsyncIterator[ProcessGroup]:
     # Notices that come before the session exists are held by the channel until then.
     conn, server = await connect_rendezvous(spec, servers, timeout=timeout)
-    plane = DataPlane(name)
+    plane = DataPlane(name, transport=transports)
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]
         host, pid = hostname or socket.gethostname(), os.getpid()

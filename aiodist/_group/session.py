@@ -25,7 +25,6 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -66,6 +65,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
 DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
+# A loop late by more than this many heartbeat timeouts was silent past the server's sweep:
+# the server declared its members failed (see Session._declared_failed).
+STALL_FACTOR: Final = 1.25
 # How long closing waits for operations already started (peers may need our part).
 CLOSE_GRACE: Final = 30.0
 # How long closing waits for the server to take note that this member left.
@@ -118,8 +120,6 @@ class Session:
         self.inflight: set[asyncio.Task[None]] = set()
         self._members: list[MemberInfo] | None = None
         self.heartbeat_timeout = heartbeat_timeout
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
@@ -236,42 +236,52 @@ class Session:
             logger.debug("ignoring an error notice from rank %d: no group %r", src, group_id)
         elif isinstance(error, AbortedError):
             group.abort_remote(seq, error)
+        elif isinstance(error, RankFailedError) and error.rank == self.rank:
+            # A member heard that this rank failed: it ran again after the server's verdict.
+            self.fail(self._failed_itself(error.reason, self.conn.stalled_for()))
         else:
             group.break_(error, notify=False)
 
     def _declared_failed(self) -> DistError | None:
         """This session's error if its loop stopped long enough for the server to fail it.
 
-        A rank that was stopped (SIGSTOP, a debugger, a blocking call on its loop)
-        finds, once it runs again, its peers gone or saying goodbye, or their part
-        of a call already in: they were told that it failed. It must say so, not
-        blame them, nor finish a call they gave up on.
+        Asked when a peer went away or left: a rank that was stopped (SIGSTOP, a
+        debugger, a blocking call on its loop) finds, once it runs again, its peers
+        gone or saying goodbye because they were told that it failed. It must say
+        so, not blame them.
         """
         if self.error is None:
             stalled = self._stall_error()
             if stalled is None:
                 return None
-            if threading.get_ident() == self._loop_thread:
-                self.fail(stalled)
-            else:  # a metric sync taking its number from the training loop's thread
-                self._loop.call_soon_threadsafe(self.fail, stalled)
-                return stalled
+            self.fail(stalled)
         return self.error
 
     def _stall_error(self) -> RankFailedError | None:
         stall = self.conn.stalled_for()
-        if stall + self.conn.heartbeat_interval <= self.heartbeat_timeout:
+        # Silent at least that long: past the timeout plus the server's sweep period (a
+        # quarter of it at most), the server has declared this rank failed for certain.
+        if stall <= STALL_FACTOR * self.heartbeat_timeout:
             return None
+        return self._failed_itself(f"its event loop stopped for {stall:.1f} s", stall)
+
+    def _failed_itself(self, reason: str, stall: float) -> RankFailedError:
+        """The error of a rank the server declared failed, as that rank tells it."""
+        why = (
+            f"its event loop stopped for {stall:.1f} s (the process was suspended, as by "
+            "SIGSTOP or a debugger, or a call blocked the loop), longer than the heartbeat "
+            f"timeout of {self.heartbeat_timeout:.1f} s"
+            if stall > self.heartbeat_timeout / 2
+            else reason
+        )
         return RankFailedError(
             f"this rank ({self.rank}, pid {os.getpid()}) was declared failed by the "
-            f"rendezvous server: its event loop stopped for {stall:.1f} s (the process was "
-            "suspended, as by SIGSTOP or a debugger, or a call blocked the loop), longer "
-            f"than the heartbeat timeout of {self.heartbeat_timeout:.1f} s; group "
-            f"{self.group_name!r} is broken on all ranks. Restart the job, and keep the "
-            "loop free of blocking calls (or raise AIODIST_HEARTBEAT_TIMEOUT).",
+            f"rendezvous server: {why}; group {self.group_name!r} is broken on all ranks. "
+            "Restart the job, and keep the loop free of blocking calls (or raise "
+            "AIODIST_HEARTBEAT_TIMEOUT).",
             rank=self.rank,
             pid=os.getpid(),
-            reason=f"its event loop stopped for {stall:.1f} s",
+            reason=reason,
         )
 
     async def _peer_left(self, rank: int) -> BaseException:
@@ -313,7 +323,8 @@ class Session:
             if not self.closed:
                 self.fail(notice.error)  # it names the server, and says what it means
         elif isinstance(notice, MemberFailed):
-            if notice.rank == self.rank and self._declared_failed() is not None:
+            if notice.rank == self.rank:  # told of itself: it ran again after the verdict
+                self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
             self.fail(
                 RankFailedError(
@@ -352,8 +363,6 @@ class Session:
             )
         if self.error is not None:
             raise self.error
-        if (stalled := self._declared_failed()) is not None:
-            raise stalled
 
     async def barrier(self, timeout: float | None = None) -> None:
         """Wait until every member reached this barrier (server-side)."""

@@ -6,6 +6,10 @@ announced once the server listens (``on_ready``, and ``READY=1`` on
 tells every connected job the server is going away and exits 0 within
 ``shutdown_timeout``; a second signal exits at once. Metrics are served by
 ``prometheus_client`` on their own port when asked for.
+
+Every client holds a connection, and so does every stranger until the
+server's gate closes it: at start-up the daemon raises its soft limit of open
+files to the hard limit (systemd's default soft limit is 1,024), and says so.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import signal
 import socket
 import stat
+import sys
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -27,11 +32,60 @@ from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, se
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["is_loopback", "read_token_file", "run_daemon", "sd_notify"]
+__all__ = ["is_loopback", "raise_open_files_limit", "read_token_file", "run_daemon", "sd_notify"]
 
 logger = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES: Final = 4096
+# Fewer open files than this leave little room for clients beside a flood of strangers.
+LOW_OPEN_FILES: Final = 4096
+# What a soft limit is raised to under an unlimited hard limit (Linux refuses "unlimited").
+UNLIMITED_OPEN_FILES: Final = 1 << 20
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Raise this process's soft limit of open files (``RLIMIT_NOFILE``) to its hard limit.
+
+    Returns:
+        The soft limit before and after, or None where there is no such limit
+        (Windows).
+    """
+    if sys.platform == "win32":  # pragma: no cover - no RLIMIT_NOFILE there
+        return None
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = soft
+    targets = [hard] if hard != resource.RLIM_INFINITY else [UNLIMITED_OPEN_FILES]
+    if sys.platform == "darwin":  # its kernel caps a process at OPEN_MAX whatever the hard limit
+        targets.append(min(targets[0], 10240))
+    for target in targets:
+        if soft != resource.RLIM_INFINITY and soft >= target:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            continue
+        soft = target
+        break
+    return before, soft
+
+
+def _log_open_files_limit() -> None:
+    limits = raise_open_files_limit()
+    if limits is None:  # pragma: no cover - Windows
+        return
+    before, after = limits
+    if after != before:
+        logger.info("file descriptors: soft limit raised %d -> %d", before, after)
+    elif after < LOW_OPEN_FILES:
+        logger.warning(
+            "file descriptors: soft limit %d, and the hard limit allows no more; each client "
+            "holds one: raise it (LimitNOFILE= in the systemd unit, or ulimit -Hn)",
+            after,
+        )
+    else:
+        logger.info("file descriptors: soft limit %d (the hard limit)", after)
 
 
 def read_token_file(path: str) -> str:
@@ -112,6 +166,7 @@ async def run_daemon(
     Raises:
         OSError: An address cannot be bound.
     """
+    _log_open_files_limit()
     if token is not None:
         logger.info("a token is required (%s)", token_source or "given by the caller")
     elif not is_loopback(host):

@@ -1,4 +1,4 @@
-"""Large point-to-point payloads: ready-to-send, clear-to-send, then the bytes.
+"""Large point-to-point payloads, sans-IO: ready-to-send, clear-to-send, then the bytes.
 
 A tensor sent with ``isend`` of at least ``BULK_MIN_BYTES`` does not travel
 at once (as gloo's and MPI's rendezvous protocols do): a payload that arrived
@@ -33,89 +33,114 @@ their receives would wait for each other's clear-to-send for ever. So while
 this rank itself waits for a clear-to-send, announcements it holds (and those
 that arrive) are cleared at once, into a buffer, as if the payload had come
 unannounced: such programs behave as they do without rendezvous.
+
+Everything here is callbacks and the plane's one receive (``post``); what
+it sends goes out through the plane's ``send_to`` action. The sender's waits
+(for its announcement to leave, for the clear-to-send) are ``DataPlane``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import itertools
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from aiodist._plane.receives import Received
 from aiodist._wire.frame import MiB
 from aiodist._wire.keys import MatchKind
+from aiodist._wire.messages import MessageKind
 
 if TYPE_CHECKING:
-    from aiodist._plane.link import Posted, Received
-    from aiodist._plane.peers import DataPlane, Key
+    from collections.abc import Callable
 
-__all__ = ["BULK_MIN_BYTES", "Announced", "BulkTransfers"]
+    from aiodist._plane.matching import Matcher
+    from aiodist._plane.receives import Announced, Posted
+    from aiodist._wire.keys import Key
+
+__all__ = ["BULK_MIN_BYTES", "BulkTransfers"]
 
 #: Point-to-point tensor payloads of at least this many bytes wait for clear-to-send.
 BULK_MIN_BYTES: Final = 1 * MiB
 
 
-@dataclass(slots=True, eq=False)
-class Announced:
-    """A large payload announced by ``src``: it moves once this rank clears it."""
+class _Plane(Protocol):
+    """What the transfers need of their data plane (``core.PlaneCore``)."""
 
-    src: int
-    group_id: int
-    ident: int
-    nbytes: int
-    payload: asyncio.Future[Received] | None = None  # its receive, once cleared
+    rank: int
+    matcher: Matcher[Posted, Received]
+
+    def post(
+        self,
+        src: int | None,
+        key: Key,
+        dest: memoryview | None,
+        callback: Callable[[Received | BaseException], None],
+    ) -> None: ...
+
+    def complete(self, posted: Posted, msg: Received) -> None: ...
+
+    def send_to(self, rank: int, kind: MessageKind, header: list[Any]) -> None: ...
 
 
 class BulkTransfers:
     """Both ends of the clear-to-send exchange, for one data plane."""
 
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: _Plane) -> None:
         self._plane = plane
         self._ids = itertools.count()
-        self._held: set[Announced] = set()  # announced, not yet matched nor cleared
+        self.held: set[Announced] = set()  # announced, not yet matched nor cleared
         self._waiting = 0  # this rank's sends waiting for a clear-to-send
         # Receives peers posted for our sends: (dst, key, nbytes) -> how many.
-        self._credits: dict[tuple[int, Key, int], int] = {}
+        self.credits: dict[tuple[int, Key, int], int] = {}
         self.announcements = 0  # sends that had to announce (no credit): a statistic
 
     # --- sending ------------------------------------------------------------------------
 
-    async def send(self, dst: int, key: Key, meta: Any, payload: memoryview) -> None:
-        """Announce ``payload``, wait until ``dst`` clears it, then send it."""
-        plane, group_id, ident = self._plane, key[1], next(self._ids)
-        credit = (dst, key, payload.nbytes)
-        if self._take_credit(credit):  # its receive is posted: no need to ask
-            await plane.send_header(dst, [*key, meta], payload)
-            return
+    def take_credit(self, dst: int, key: Key, nbytes: int) -> bool:
+        """True (and the credit used) if ``dst`` posted a receive for this payload already."""
+        credit = (dst, key, nbytes)
+        left = self.credits.get(credit, 0)
+        if left <= 0:
+            return False
+        if left == 1:
+            del self.credits[credit]
+        else:
+            self.credits[credit] = left - 1
+        return True
+
+    def announce(
+        self,
+        dst: int,
+        key: Key,
+        meta: Any,
+        nbytes: int,
+        cleared: Callable[[Received | BaseException], None],
+    ) -> tuple[list[Any], list[Any]]:
+        """Post the receive of ``dst``'s clear-to-send (its outcome goes to ``cleared``).
+
+        Returns the headers to send: the announcement's now, the payload's once
+        cleared. A clear-to-send whose ``meta`` is 1 took back a credit:
+        ``take_credit`` it.
+        """
+        group_id, ident = key[1], next(self._ids)
         self.announcements += 1
-        cleared = plane.recv(dst, (MatchKind.CLEAR, group_id, ident, 0))
-        cleared.add_done_callback(_retrieve)  # a failure reaches the caller via await
-        await plane.send_header(dst, [*key, meta, ident, payload.nbytes])
+        self._plane.post(dst, (MatchKind.CLEAR, group_id, ident, 0), None, cleared)
+        return [*key, meta, ident, nbytes], [MatchKind.BULK, group_id, ident, 0, None]
+
+    def wait_started(self) -> None:
+        """This rank waits for a clear-to-send: clear what it holds (module docstring)."""
         self._waiting += 1
-        try:
-            for announced in list(self._held):  # break wait-for cycles (module docstring)
-                self._clear(announced, None)
-            if (await cleared).meta:  # that receive had sent a credit: take it back
-                self._take_credit(credit)
-        finally:
-            self._waiting -= 1
-        await plane.send_header(dst, [MatchKind.BULK, group_id, ident, 0, None], payload)
+        for announced in list(self.held):
+            self._clear(announced, None)
+
+    def wait_ended(self) -> None:
+        self._waiting -= 1
 
     def credited(self, dst: int, key: Key) -> None:
         """Rank ``dst`` posted a receive for a large payload: ``[CREDIT, group, tag, nbytes]``."""
         _, group_id, tag, nbytes = key
         credit = (dst, (MatchKind.P2P, group_id, tag, 0), nbytes)
-        self._credits[credit] = self._credits.get(credit, 0) + 1
-
-    def _take_credit(self, credit: tuple[int, Key, int]) -> bool:
-        left = self._credits.get(credit, 0)
-        if left <= 0:
-            return False
-        if left == 1:
-            del self._credits[credit]
-        else:
-            self._credits[credit] = left - 1
-        return True
+        self.credits[credit] = self.credits.get(credit, 0) + 1
 
     # --- receiving ----------------------------------------------------------------------
 
@@ -131,7 +156,7 @@ class BulkTransfers:
         if self._waiting:
             self._clear(announced, None)
         else:
-            self._held.add(announced)
+            self.held.add(announced)
 
     def offer(self, src: int, posted: Posted) -> None:
         """A receive from ``src`` was posted and found nothing: credit ``src`` if it is large."""
@@ -140,56 +165,56 @@ class BulkTransfers:
             return
         posted.credited = True
         _, group_id, tag, _ = posted.key
-        plane._spawn(plane.send(src, (MatchKind.CREDIT, group_id, tag, dest.nbytes), None, None))
+        header = [MatchKind.CREDIT, group_id, tag, dest.nbytes, None]
+        plane.send_to(src, MessageKind.DATA, header)
 
     def deliver(self, posted: Posted, msg: Received) -> None:
         """Complete ``posted`` with announced ``msg`` once its payload is in."""
         announced = msg.announced
         assert announced is not None
-        self._held.discard(announced)
-        if announced.payload is None:
+        self.held.discard(announced)
+        if not announced.cleared:
             dest = posted.dest
             fits = dest is not None and dest.nbytes == announced.nbytes
             self._clear(announced, dest if fits else None, posted.credited)
-        assert announced.payload is not None
-        plane = self._plane
-
-        def arrived(payload: asyncio.Future[Received]) -> None:
-            if posted.settled:
-                return
-            if payload.cancelled():
-                if posted.future is not None:
-                    posted.future.cancel()
-                else:
-                    posted.settle(asyncio.CancelledError())
-                return
-            exc = payload.exception()
-            if exc is not None:
-                posted.settle(exc)
-            else:
-                plane._complete(posted, replace(msg, data=payload.result().data, announced=None))
-
-        announced.payload.add_done_callback(arrived)
+        landed = functools.partial(self._landed_into, posted, msg)
+        if announced.outcome is None:
+            announced.waiting = landed
+        else:
+            landed(announced.outcome)
 
     def forget(self, group_id: int | None) -> None:
         """Stop holding announcements of ``group_id`` (all, if None): it broke or closed."""
-        self._held = {a for a in self._held if group_id is not None and a.group_id != group_id}
-        self._credits = {
-            c: n for c, n in self._credits.items() if group_id is not None and c[1][1] != group_id
+        self.held = {a for a in self.held if group_id is not None and a.group_id != group_id}
+        self.credits = {
+            c: n for c, n in self.credits.items() if group_id is not None and c[1][1] != group_id
         }
 
     def _clear(self, announced: Announced, dest: memoryview | None, credited: bool = False) -> None:
         # Post the payload's receive first: it may follow the clear-to-send at once.
-        self._held.discard(announced)
+        self.held.discard(announced)
+        announced.cleared = True
         plane, src = self._plane, announced.src
         group_id, ident = announced.group_id, announced.ident
-        announced.payload = plane.recv(src, (MatchKind.BULK, group_id, ident, 0), dest)
-        announced.payload.add_done_callback(_retrieve)
-        plane._spawn(
-            plane.send(src, (MatchKind.CLEAR, group_id, ident, 0), 1 if credited else 0, None)
-        )
+        landed = functools.partial(self._landed, announced)
+        plane.post(src, (MatchKind.BULK, group_id, ident, 0), dest, landed)
+        header = [MatchKind.CLEAR, group_id, ident, 0, 1 if credited else 0]
+        plane.send_to(src, MessageKind.DATA, header)
 
+    @staticmethod
+    def _landed(announced: Announced, outcome: Received | BaseException) -> None:
+        waiting, announced.waiting = announced.waiting, None
+        if waiting is None:
+            announced.outcome = outcome  # cleared before its receive came: kept for it
+        else:
+            waiting(outcome)
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
+    def _landed_into(
+        self, posted: Posted, msg: Received, outcome: Received | BaseException
+    ) -> None:
+        if posted.settled:
+            return  # failed while its payload was arriving: the operation reported that
+        if isinstance(outcome, BaseException):
+            posted.settle(outcome)
+        else:
+            self._plane.complete(posted, Received(msg.src, msg.meta, outcome.data))

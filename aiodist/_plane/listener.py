@@ -2,7 +2,7 @@
 
 Each plane that listens on it gets a member number and publishes
 ``uds:NAME#MEMBER``; a peer's ``PEER_HELLO`` names the member it wants, and the
-channel's frames go to that plane's ``Link`` from then on (``_Router``). A
+channel's frames go to a ``ChannelState`` of that plane from then on (``_Router``). A
 process of many ranks then holds one listening socket, not one per rank. The
 listener closes with its last plane; a plane that listens later opens a new one.
 """
@@ -12,19 +12,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from aiodist._errors import ProtocolError
-from aiodist._plane.link import Link
+from aiodist._plane.channel import ChannelState
 from aiodist._transport import shmring, uds
 from aiodist._wire.messages import MessageKind
+from aiodist._wire.preauth import PreAuthLimits, open_files_limit
 
 if TYPE_CHECKING:
-    from aiodist._plane.peers import DataPlane
+    from aiodist._plane.core import PlaneCore
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Frame
 
-__all__ = ["SharedListener", "shared_listener"]
+__all__ = ["HANDSHAKE_DEADLINE", "SharedListener", "preauth_limits", "shared_listener"]
+
+#: Seconds from accept to a finished handshake on a data-plane listener (a real peer's
+#: takes milliseconds; a plane with a token answers a hello once it has its own rank).
+#: Read when a listener opens: a test may lower it first.
+HANDSHAKE_DEADLINE = 10.0
+# Unproved connections one listener keeps at most: an eighth of the process's file
+# descriptors, between PreAuthLimits' default and this.
+_MAX_PENDING: Final = 1024
+
+
+def preauth_limits() -> PreAuthLimits:
+    """What a connection may cost a data-plane listener of this process before its handshake."""
+    return PreAuthLimits.for_open_files(
+        open_files_limit(), share=8, most=_MAX_PENDING, deadline=HANDSHAKE_DEADLINE
+    )
 
 
 class SharedListener:
@@ -37,11 +53,11 @@ class SharedListener:
 
     def __init__(self) -> None:
         self.listener: Listener | None = None
-        self.planes: dict[int, DataPlane] = {}
+        self.planes: dict[int, PlaneCore] = {}
         self._members = itertools.count(1)
         self.closed = False
 
-    def add(self, plane: DataPlane) -> tuple[int, str]:
+    def add(self, plane: PlaneCore) -> tuple[int, str]:
         assert self.listener is not None
         assert not self.closed
         member = next(self._members)
@@ -95,7 +111,7 @@ def _forget(shared: SharedListener) -> None:
 async def _start(rings: bool) -> SharedListener:
     shared = SharedListener()
     transport = shmring if rings else uds
-    shared.listener = await transport.listen("", lambda: _Router(shared))
+    shared.listener = await transport.listen("", lambda: _Router(shared), preauth=preauth_limits())
     return shared
 
 
@@ -103,14 +119,14 @@ class _Router:
     """The frame sink of a channel accepted on the shared listener, until its hello.
 
     The hello names the member (plane) the peer wants; from then on the frames go
-    to that plane's ``Link``.
+    to that plane's ``ChannelState``.
     """
 
     __slots__ = ("_link", "_shared")
 
     def __init__(self, shared: SharedListener) -> None:
         self._shared = shared
-        self._link: Link | None = None
+        self._link: ChannelState | None = None
 
     def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
         link = self._link
@@ -126,7 +142,7 @@ class _Router:
             plane = self._shared.planes.get(header[3])
             if plane is None:
                 raise ProtocolError(f"no member {header[3]} listens here (it left, or never was)")
-            link = self._link = Link(plane)
+            link = self._link = ChannelState(plane)
         return link.frame_received(channel, frame)
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:

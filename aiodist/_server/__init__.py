@@ -2,9 +2,10 @@
 
 Owns the sans-IO job table (``state``: membership, ranks, deadlines, liveness;
 ``store``: the key-value store and barriers; ``jobs``: its records), its asyncio
-shell (``serve``), one client connection (``connection``) and its Prometheus
-metrics (``metrics``). It speaks msgpack only, never unpickles, never imports
-torch.
+shell (``serve``), the connections it keeps and the job table's I/O (``hub``),
+one client connection (``connection``, which sees its server only as
+``ServerSide``) and its Prometheus metrics (``metrics``). It speaks msgpack
+only, never unpickles, never imports torch.
 
 May import: ``_errors``, ``_wire``.
 """

@@ -13,32 +13,41 @@ A server started with a token authenticates each connection before anything it
 sends reaches the job table: it sends a fresh nonce (``Challenge``) as soon as
 the client connects, and the client's first message must be a ``Hello`` whose
 HMAC answers that nonce (checked in constant time, see ``_wire/auth.py``); anything
-else gets one AUTHENTICATION error and the connection is closed, as is one that
-has not authenticated within ``AUTH_TIMEOUT`` seconds. The token never crosses
-the wire and is never logged. A server without a token answers a client's
-``AuthStart`` with an empty ``Challenge``: that client holds a token, and
-refuses a server that cannot prove it.
+else gets one AUTHENTICATION error and the connection is closed. The token
+never crosses the wire and is never logged. A server without a token answers a
+client's ``AuthStart`` with an empty ``Challenge``: that client holds a token,
+and refuses a server that cannot prove it.
+
+**Before its handshake** a connection is in the server's ``Gate``
+(``_wire/preauth.py``) and can cost it only a small, fixed amount: its frames
+are decoded under ``PREAUTH_FRAME_LIMITS``, it may send ``max_bytes`` in all,
+it is cut off at its deadline (``AUTH_TIMEOUT`` by default), and the oldest
+such connection is shed when ``max_pending`` wait at once (first those that
+have not sent a whole frame yet: a real client speaks at once). The handshake is
+done when the client proved the token; on a server without a token, with the
+client's first well-formed message other than the token handshake's (a real
+client's first heartbeat or request, sent as soon as it connects). The server
+then decodes its frames under ``SERVER_LIMITS``. A connection cut off by the
+gate is sent why, then aborted: it holds no descriptor while a close lingers.
+Refusals are logged through the server's ``LogBudget``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from aiodist._errors import ErrorCode, ProtocolError
-from aiodist._wire.auth import NONCE_BYTES, client_proof, new_nonce, server_proof, verify
+from aiodist._wire.bounds import FieldError
 from aiodist._wire.frame import (
-    CLOSED,
-    NEED_DATA,
-    Frame,
     FrameDecoder,
     Limits,
     MiB,
     encode_message,
     frame_message,
 )
+from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -52,21 +61,21 @@ from aiodist._wire.messages import (
     Reply,
     Welcome,
 )
+from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import ConnId
-    from aiodist._server.serve import RendezvousServer
+    from aiodist._server.state import ServerState
     from aiodist._wire.frame import Buffer
+    from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["AUTH_TIMEOUT", "MAX_CHANNELS", "ServerConnection"]
-
-logger = logging.getLogger("aiodist._server.serve")  # one logger for the whole server
+__all__ = ["AUTH_TIMEOUT", "MAX_CHANNELS", "ServerConnection", "ServerSide"]
 
 # The server never relays bulk data: any payload is a protocol error.
 SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
 # A client that stops reading its replies is cut off rather than buffered forever.
 MAX_WRITE_BUFFER_BYTES: Final = 64 * MiB
-# A connection that has not proved the token by then is closed: it holds no slot forever.
+# A connection that has not finished its handshake by then is closed (the gate's deadline).
 AUTH_TIMEOUT: Final = 10.0
 # How long a refused connection is drained after its error went out (see ``_close_after``).
 LINGER_TIMEOUT: Final = 5.0
@@ -75,18 +84,49 @@ MAX_CHANNELS: Final = 65536
 HEARTBEAT_ECHO: Final = b"".join(encode_message(Heartbeat()))
 
 
+class ServerSide(Protocol):
+    """What a connection asks of the server that keeps it (``hub.Hub``)."""
+
+    token: str | None
+    state: ServerState
+    preauth: PreAuthLimits
+    loop: asyncio.AbstractEventLoop
+    bytes_received: int
+    bytes_sent: int
+    auth_failures: int
+    preauth_closed: int
+
+    def connection_made(self, conn: ServerConnection) -> None: ...
+    def passed(self, conn: ServerConnection) -> None: ...
+    def spoke(self, conn: ServerConnection) -> None: ...
+    def charge(self, conn: ServerConnection, nbytes: int) -> bool: ...
+    def bad_request(self, conn_id: ConnId, exc: FieldError) -> None: ...
+    def log_refusal(self, reason: str, message: str, *args: object) -> None: ...
+    def channel_opened(self, conn: ServerConnection) -> ConnId: ...
+    def channel_lost(self, conn_id: ConnId, reason: str) -> None: ...
+    def connection_lost(self, conn: ServerConnection, reason: str) -> None: ...
+    def receive(self, conn_id: int, msg: Any) -> None: ...
+    def flush(self) -> None: ...
+
+
 class ServerConnection(asyncio.Protocol):
     """One client connection: its channels, its authentication, its writes."""
 
-    def __init__(self, server: RendezvousServer, conn_id: int) -> None:
+    def __init__(self, server: ServerSide, conn_id: int) -> None:
         self._server = server
-        self._id = conn_id
-        self._decoder = FrameDecoder(SERVER_LIMITS)
+        self.conn_id = conn_id
+        # Until its handshake is done: hellos and proofs, a few hundred bytes.
+        self._decoder = FrameDecoder(PREAUTH_FRAME_LIMITS)
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        # What it sends may reach the job table (it proved the token, or none is needed).
         self.authenticated = server.token is None
-        self._nonce = b""
-        self._auth_timer: asyncio.TimerHandle | None = None
+        # Its handshake is done: it left the gate, and its frames may be as large as any.
+        self.proved = False
+        self._refused = False  # its refusal was counted and logged
+        self._answered_auth_start = False
+        self._spoke = False  # it sent a whole frame (the gate sheds silent ones first)
+        self._handshake: TokenHandshake | None = None  # the challenge it must answer
         self._linger_timer: asyncio.TimerHandle | None = None
         # The client's channel numbers and the server's ids for them; channel 0 is ours.
         self.channels: dict[int, ConnId] = {0: conn_id}
@@ -102,49 +142,86 @@ class ServerConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._server._connection_made(self)
-        if not self.authenticated:
-            self._nonce = new_nonce()
-            self.write(Challenge(self._nonce))
-            self._auth_timer = self._server._loop.call_later(AUTH_TIMEOUT, self._auth_expired)
+        self._server.connection_made(self)  # into the gate: it may shed the oldest there
+        token = self._server.token
+        if token is not None:
+            self._handshake = TokenHandshake(Role.CHALLENGER, token, CONTROL)
+            self.write(Challenge(self._handshake.challenge()))
 
     def data_received(self, data: bytes) -> None:
         self._server.bytes_received += len(data)
-        if self.transport is None or self.transport.is_closing() or self._linger_timer:
-            return  # refused or cut off: nothing more it sends is read
-        dec = self._decoder
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._linger_timer is not None:
+            # Refused: nothing more it sends is read, but it still counts against the gate.
+            if not self.proved and not self._server.charge(self, len(data)):
+                transport.abort()
+            return
+        gated = not self.proved
         try:
-            dec.receive_data(data)
-            while (event := dec.next_event()) is not NEED_DATA:
-                if event is CLOSED:
-                    break
-                assert isinstance(event, Frame)  # payloads are refused by SERVER_LIMITS
+            for event in self._decoder.frames(data):  # payloads are refused by both limits
+                if not self._spoke:
+                    self._spoke = True
+                    self._server.spoke(self)  # a silent stranger is shed before it
                 if event.kind == MessageKind.CHANNEL and self.authenticated:
                     # Before nearly every request of a shared connection: read it here.
                     header = event.header
                     if type(header) is not list or len(header) != 1 or type(header[0]) is not int:
                         raise ProtocolError(f"malformed CHANNEL message: {header!r:.80}")
                     self._select(header[0])
+                    if not self.proved:
+                        self._passed()
                     continue
-                msg = frame_message(event)
+                try:
+                    msg = frame_message(event)
+                except FieldError as exc:
+                    if not (exc.req_id and self.authenticated):
+                        raise
+                    # A request with a value out of range: refused alone, the connection goes on.
+                    if not self.proved:
+                        self._passed()
+                    self._server.bad_request(self._current, exc)
+                    continue
                 if not self.authenticated or isinstance(msg, AuthStart | Hello):
                     if not self._authenticate(msg):
                         break
                     continue
+                if not self.proved:
+                    self._passed()  # no token: its first message (but the handshake's) is its hello
                 kind = type(msg)
                 if kind is Heartbeat:
                     for conn_id in self.channels.values():
-                        self._server._receive(conn_id, msg)
+                        self._server.receive(conn_id, msg)
                     # Echoed, so that a client can tell a dead server from a quiet one.
                     self.write_parts([HEARTBEAT_ECHO])
                 elif kind is CloseChannel:
                     self._close_channel(msg.channel)
                 else:
-                    self._server._receive(self._current, msg)
+                    self._server.receive(self._current, msg)
         except ProtocolError as exc:
-            logger.warning("closing connection from %s: %s", self.peer, exc)
+            self._count_refusal()
+            self._server.log_refusal(
+                "protocol error", "closing connection from %s: %s", self.peer, exc
+            )
             self._close_after(ErrorReply(0, ErrorCode.PROTOCOL, str(exc), {}))
-        self._server._flush()
+        if gated and not self.proved and not transport.is_closing():
+            # Every byte it sent before its handshake was done counts, read or not.
+            if not self._server.charge(self, len(data)):
+                limit = self._server.preauth.max_bytes
+                self.cut_off(
+                    "byte budget",
+                    f"it sent over {limit} bytes without finishing its handshake",
+                    f"the rendezvous server closed this connection: over {limit} bytes before "
+                    "the handshake was done",
+                )
+        self._server.flush()
+
+    def _passed(self) -> None:
+        """Its handshake is done: out of the gate, and its frames may be as large as any."""
+        self.proved = True
+        self._decoder.limits = SERVER_LIMITS
+        self._server.passed(self)
 
     def _select(self, channel: int) -> None:
         conn_id = self.channels.get(channel)
@@ -154,7 +231,7 @@ class ServerConnection(asyncio.Protocol):
                     f"channel {channel} refused: channels are numbered from 0, at most "
                     f"{MAX_CHANNELS} per connection"
                 )
-            conn_id = self._server._channel_opened(self)
+            conn_id = self._server.channel_opened(self)
             self.channels[channel] = conn_id
             self._channel_of[conn_id] = channel
         self._current = conn_id
@@ -165,8 +242,8 @@ class ServerConnection(asyncio.Protocol):
             return  # already gone; channel 0 closes with the connection
         del self.channels[channel], self._channel_of[conn_id]
         if self._current == conn_id:
-            self._current = self._id
-        self._server._channel_lost(conn_id, "its channel was closed")
+            self._current = self.conn_id
+        self._server.channel_lost(conn_id, "its channel was closed")
 
     def queue(self, conn_id: ConnId, msg: Any, out: list[Buffer]) -> None:
         """Add ``msg`` for channel ``conn_id`` to ``out``, naming the channel before a notice."""
@@ -182,7 +259,7 @@ class ServerConnection(asyncio.Protocol):
 
     def end_channel(self, conn_id: ConnId) -> None:
         """The server closes channel ``conn_id``; channel 0 closes the whole connection."""
-        if conn_id == self._id:
+        if conn_id == self.conn_id:
             if self.transport is not None:
                 self.transport.close()
             return
@@ -190,16 +267,18 @@ class ServerConnection(asyncio.Protocol):
         if channel is not None:
             del self.channels[channel]
             if self._current == conn_id:
-                self._current = self._id
-            self._server._channel_lost(conn_id, "closed by the server")
+                self._current = self.conn_id
+            self._server.channel_lost(conn_id, "closed by the server")
 
     def _authenticate(self, msg: Any) -> bool:
         token = self._server.token
         if isinstance(msg, AuthStart):
-            if token is None:
+            if token is None and not self._answered_auth_start:
+                self._answered_auth_start = True  # once: a stranger's stream of them costs nothing
                 # Only a client holding a token asks. An empty challenge tells it at once
                 # that no proof will come, and it refuses this server (no downgrade).
-                logger.warning(
+                self._server.log_refusal(
+                    "token holder",
                     "a client at %s holds a token but this server requires none: it will "
                     "refuse to use this server; start it with --token-file or AIODIST_TOKEN",
                     self.peer,
@@ -208,15 +287,16 @@ class ServerConnection(asyncio.Protocol):
             return True  # with a token, the challenge went out on connect
         if token is None or self.authenticated:
             return True  # a proof sent to a server that requires none is accepted
-        if isinstance(msg, Hello):
-            nonce = msg.nonce
-            if len(nonce) == NONCE_BYTES and verify(
-                client_proof(token, self._nonce, nonce), msg.proof
-            ):
+        handshake, self._handshake = self._handshake, None  # one answer per challenge
+        if isinstance(msg, Hello) and handshake is not None:
+            try:
+                proof = handshake.check_answer(msg.nonce, msg.proof)
+            except Refused:
+                pass
+            else:
                 self.authenticated = True
-                server_nonce, self._nonce = self._nonce, b""  # one answer per challenge
-                self._cancel_auth_timer()
-                self.write(Authenticated(server_proof(token, nonce, server_nonce)))
+                self._passed()
+                self.write(Authenticated(proof))
                 return True
             why = "its proof of the token does not match the server's token"
             message = (
@@ -232,16 +312,65 @@ class ServerConnection(asyncio.Protocol):
         self._refuse(why, message)
         return False
 
-    def _cancel_auth_timer(self) -> None:
-        if self._auth_timer is not None:
-            self._auth_timer.cancel()
-            self._auth_timer = None
+    def _count_refusal(self) -> None:
+        if not self._refused and not self.proved:
+            self._refused = True
+            if self._server.token is not None:
+                self._server.auth_failures += 1
 
     def _refuse(self, why: str, message: str) -> None:
-        self._cancel_auth_timer()
-        self._server.auth_failures += 1
-        logger.warning("refused a connection from %s: %s", self.peer, why)
+        self._count_refusal()
+        self._server.log_refusal("token", "refused a connection from %s: %s", self.peer, why)
         self._close_after(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
+
+    def cut_off(self, reason: str, why: str, message: str) -> None:
+        """Close a connection the gate gave up on: tell it why, then abort (no lingering).
+
+        Args:
+            reason: The short fixed phrase the log's summary counts it under.
+            why: What the log says it did.
+            message: What the client is told.
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._server.preauth_closed += 1
+        if not self._refused:
+            self._count_refusal()
+            self._server.log_refusal(reason, "refused a connection from %s: %s", self.peer, why)
+            token = self._server.token is not None and reason == "deadline"
+            code = ErrorCode.AUTHENTICATION if token else ErrorCode.PROTOCOL
+            # Small: the kernel takes it at once, before the abort drops what it did not.
+            self.write(ErrorReply(0, code, message, {}))
+        transport.abort()
+
+    def expired(self) -> None:
+        """The gate's deadline passed before its handshake was done."""
+        deadline = self._server.preauth.deadline
+        if self._server.token is not None:
+            self.cut_off(
+                "deadline",
+                f"it did not prove the token within {deadline:g} s",
+                "the rendezvous server requires a token and got no proof of it in time; set "
+                "AIODIST_TOKEN to the contents of the server's --token-file",
+            )
+        else:
+            self.cut_off(
+                "deadline",
+                f"it sent no request within {deadline:g} s",
+                f"the rendezvous server closed this connection: no request came within "
+                f"{deadline:g} s of connecting",
+            )
+
+    def shed(self) -> None:
+        """Too many connections wait for their handshake, and this one is the oldest."""
+        most = self._server.preauth.max_pending
+        self.cut_off(
+            "shed",
+            f"{most} connections were waiting for their handshake; it was the oldest",
+            f"the rendezvous server closed this connection: {most} connections were waiting "
+            "for their handshake, and this one had waited longest; connect again",
+        )
 
     def _close_after(self, error: ErrorReply) -> None:
         """Send `error` last, then close without letting the peer lose it.
@@ -259,16 +388,7 @@ class ServerConnection(asyncio.Protocol):
             transport.close()
             return
         transport.write_eof()
-        self._linger_timer = self._server._loop.call_later(LINGER_TIMEOUT, transport.close)
-
-    def _auth_expired(self) -> None:
-        self._auth_timer = None
-        if self.transport is not None and not self.transport.is_closing():
-            self._refuse(
-                f"it did not prove the token within {AUTH_TIMEOUT:.0f} s",
-                "the rendezvous server requires a token and got no proof of it in time; set "
-                "AIODIST_TOKEN to the contents of the server's --token-file",
-            )
+        self._linger_timer = self._server.loop.call_later(LINGER_TIMEOUT, transport.close)
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -276,14 +396,17 @@ class ServerConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._linger_timer is not None:
             self._linger_timer.cancel()
-        if self._auth_timer is not None:
-            # It left before proving the token (a client without one gives up at the challenge).
-            self._cancel_auth_timer()
-            self._server.auth_failures += 1
-            logger.warning(
-                "refused a connection from %s: it left without proving the token", self.peer
-            )
-        self._server._connection_lost(self, "connection lost" if exc is None else str(exc))
+        server = self._server
+        if not self.proved and not self._refused and not server.state.closing:
+            if server.token is not None:
+                # It left before proving the token (a client without one gives up at the challenge).
+                self._count_refusal()
+                server.log_refusal(
+                    "left",
+                    "refused a connection from %s: it left without proving the token",
+                    self.peer,
+                )
+        server.connection_lost(self, "connection lost" if exc is None else str(exc))
 
     def write(self, msg: Any) -> None:
         self.write_parts(encode_message(msg))
@@ -295,5 +418,7 @@ class ServerConnection(asyncio.Protocol):
         self._server.bytes_sent += sum(map(len, parts))
         transport.writelines(parts)
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
-            logger.warning("closing connection from %s: it stopped reading replies", self.peer)
+            self._server.log_refusal(
+                "not reading", "closing connection from %s: it stopped reading replies", self.peer
+            )
             transport.abort()

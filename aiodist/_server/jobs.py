@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgpack
 
+from aiodist._errors import ErrorCode
+from aiodist._wire.bounds import FieldError, check_message
 from aiodist._wire.messages import Packed, unpack_keys
-
-if TYPE_CHECKING:
-    from aiodist._errors import ErrorCode
 
 __all__ = [
     "BadRequest",
@@ -24,6 +23,7 @@ __all__ = [
     "Timer",
     "Waiter",
     "assign_ranks",
+    "check_values",
 ]
 
 ConnId = int
@@ -246,3 +246,18 @@ class Timer:
     when: float
     seq: int
     target: Any = field(compare=False)  # Member (join deadline) | Waiter | LeaveNotice
+
+
+def check_values(msg: Any) -> None:
+    """Refuse a request whose values are out of range (``_wire/bounds.py``).
+
+    Messages from the wire were checked on decoding; this guards the table's
+    own input (an embedded caller, a test) before a deadline is computed.
+
+    Raises:
+        BadRequest: A field is out of range; the message names it.
+    """
+    try:
+        check_message(msg)
+    except FieldError as exc:
+        raise BadRequest(ErrorCode.BAD_REQUEST, str(exc), exc.wire_details()) from None

@@ -44,6 +44,11 @@ _COUNTERS: Final = (
     ("bytes_received", "aiodist_received_bytes", "Bytes received from clients."),
     ("bytes_sent", "aiodist_sent_bytes", "Bytes sent to clients."),
     ("auth_failures", "aiodist_authentication_failures", "Connections refused for their token."),
+    (
+        "preauth_closed",
+        "aiodist_preauth_closed_connections",
+        "Connections closed before their handshake was done: shed, late or over the byte budget.",
+    ),
 )
 
 
@@ -89,6 +94,11 @@ class _ServerCollector(Collector):
         yield jobs
         yield GaugeMetricFamily(
             "aiodist_members", "Members joined to the jobs the server holds.", sample["members"]
+        )
+        yield GaugeMetricFamily(
+            "aiodist_preauth_connections",
+            "Connections waiting for their handshake to be done.",
+            sample["preauth_pending"],
         )
         for key, name, help_text in _COUNTERS:
             yield CounterMetricFamily(name, help_text, sample[key])

@@ -1,13 +1,12 @@
-"""The rendezvous server's asyncio shell: accept, decode, feed ``ServerState``, write.
+"""The rendezvous server's asyncio shell: listen, and run the job table on the loop.
 
-All decisions live in ``state.py``; this module moves bytes. Each client
-connection is a ``connection.ServerConnection`` (its channels, its
-authentication); ``state.py`` sees each channel as a connection of its own,
-so a job table never knows which members share a socket. The replies of one
-batch of actions leave in one write per connection. Deadlines (store waits, barriers,
-joins, the heartbeat sweep) are one ``loop.call_at`` timer, re-armed after
-every batch of actions. Peer addresses are logged as the numeric addresses the
-socket reports: the server never resolves a host name.
+All decisions live in ``state.py``; this module and ``hub.py`` move bytes. Each
+client connection is a ``connection.ServerConnection`` (its channels, its
+authentication), kept by the server's ``hub.Hub``, which feeds the job table
+and writes its actions back; ``state.py`` sees each channel as a connection of
+its own, so a job table never knows which members share a socket. Peer
+addresses are logged as the numeric addresses the socket reports: the server
+never resolves a host name.
 
 Job events (``events.py``) go to the ``aiodist.events`` logger at INFO, one
 record each, its message the event as JSON and the event itself in the
@@ -18,32 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from aiodist._server.connection import ServerConnection
-from aiodist._server.jobs import Close
+from aiodist._server.connection import AUTH_TIMEOUT
+from aiodist._server.hub import Hub
 from aiodist._server.state import ServerState
+from aiodist._wire.preauth import PreAuthLimits, open_files_limit
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
-    from aiodist._server.jobs import ConnId
-    from aiodist._wire.frame import Buffer
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serve_rendezvous"]
 
 logger = logging.getLogger(__name__)
-event_logger = logging.getLogger("aiodist.events")
 
 DEFAULT_PORT: Final = 29500
 # asyncio's default backlog of 100 overflows when a large job connects at once.
 LISTEN_BACKLOG: Final = 4096
 # How long a shutdown waits for clients to take the closing notice before cutting them off.
 DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
+# Connections waiting for their handshake at most (a quarter of the open files, at most this).
+MAX_PENDING_HANDSHAKES: Final = 65536
 
 
 def _version() -> str:
@@ -60,57 +58,69 @@ class RendezvousServer:
         address: ``(host, port)`` it listens on, with the port the OS picked.
         state: The job table (read it; never change it from outside).
         token: The token clients must send, or None when none is required.
-        bytes_received: Bytes read from all clients so far.
-        bytes_sent: Bytes written to all clients so far.
-        auth_failures: Connections refused for a missing or wrong token.
+        preauth: What a connection may cost before its handshake is done.
     """
 
     def __init__(
-        self, *, token: str | None = None, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+        self,
+        *,
+        token: str | None = None,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        preauth: PreAuthLimits | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.state = ServerState(self._loop.time())
         self.state.version = _version()
         self.token = token or None
         self.shutdown_timeout = shutdown_timeout
-        self.bytes_received = 0
-        self.bytes_sent = 0
-        self.auth_failures = 0
+        # A quarter of the open files may wait for their handshake: a job of thousands of
+        # ranks joining at once is not shed, and strangers never take every descriptor.
+        self.preauth = preauth or PreAuthLimits.for_open_files(
+            open_files_limit(), share=4, most=MAX_PENDING_HANDSHAKES, deadline=AUTH_TIMEOUT
+        )
+        self._hub = Hub(self.state, token=self.token, preauth=self.preauth, loop=self._loop)
         self.address: tuple[str, int] = ("", 0)
-        self._conns: dict[ConnId, ServerConnection] = {}  # every channel's connection
-        self._sockets: set[ServerConnection] = set()
-        self._next_id = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_when = 0.0
         self._server: asyncio.Server | None = None
-        self._changed = asyncio.Event()
 
     async def _start(self, host: str, port: int) -> None:
         self._server = await self._loop.create_server(
-            lambda: ServerConnection(self, self._new_id()),
-            host,
-            port,
-            reuse_address=True,
-            backlog=LISTEN_BACKLOG,
+            self._hub.new_connection, host, port, reuse_address=True, backlog=LISTEN_BACKLOG
         )
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))
         logger.info("rendezvous server listening on %s:%d", *self.address)
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
-
     @property
     def num_connections(self) -> int:
         """Client connections open (each may carry several members' channels)."""
-        return len(self._sockets)
+        return len(self._hub.sockets)
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes read from all clients so far."""
+        return self._hub.bytes_received
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to all clients so far."""
+        return self._hub.bytes_sent
+
+    @property
+    def auth_failures(self) -> int:
+        """Connections refused for a missing or wrong token."""
+        return self._hub.auth_failures
+
+    @property
+    def preauth_closed(self) -> int:
+        """Connections closed before their handshake: shed, past the deadline, over budget."""
+        return self._hub.preauth_closed
 
     async def wait_until(self, predicate: Any) -> None:
         """Wait until ``predicate(server)`` holds; re-checked after every state change."""
+        changed = self._hub.changed
         while not predicate(self):
-            self._changed.clear()
-            await self._changed.wait()
+            changed.clear()
+            await changed.wait()
 
     async def wait_for_members(self, group_name: str, n: int) -> None:
         """Wait until job ``group_name`` has ``n`` members joined."""
@@ -126,10 +136,11 @@ class RendezvousServer:
         for job in self.state.jobs.values():
             jobs["failed" if job.failures else "running" if job.complete else "forming"] += 1
             members += len(job.members)
+        hub = self._hub
         return {
             "version": self.state.version,
             "uptime": self._loop.time() - self.state.started_at,
-            "connections": len(self._sockets),
+            "connections": len(hub.sockets),
             "jobs": jobs,
             "members": members,
             "joins": stats.joins,
@@ -137,9 +148,11 @@ class RendezvousServer:
             "failures": stats.failures,
             "store_ops": stats.store_ops,
             "messages": stats.messages,
-            "bytes_received": self.bytes_received,
-            "bytes_sent": self.bytes_sent,
-            "auth_failures": self.auth_failures,
+            "bytes_received": hub.bytes_received,
+            "bytes_sent": hub.bytes_sent,
+            "auth_failures": hub.auth_failures,
+            "preauth_closed": hub.preauth_closed,
+            "preauth_pending": hub.pending,
         }
 
     async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
@@ -151,89 +164,22 @@ class RendezvousServer:
         if self._server is None:
             return
         server, self._server = self._server, None
+        hub = self._hub
         server.close()
         self.state.close(reason)
-        self._flush()
-        for conn in list(self._sockets):
-            conn._cancel_auth_timer()
+        hub.flush()
+        for conn in list(hub.sockets):
             if conn.transport is not None:
                 conn.transport.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        hub.close()
         with anyio.move_on_after(self.shutdown_timeout):
-            await self.wait_until(lambda s: not s._sockets)
-        for conn in list(self._sockets):
+            await self.wait_until(lambda s: not hub.sockets)
+        for conn in list(hub.sockets):
             logger.warning("cutting off %s: it did not take the closing notice", conn.peer)
             if conn.transport is not None:
                 conn.transport.abort()
         with anyio.move_on_after(self.shutdown_timeout):
             await server.wait_closed()
-
-    # --- called by connections -------------------------------------------------------
-
-    def _connection_made(self, conn: ServerConnection) -> None:
-        self._sockets.add(conn)
-        self._conns[conn._id] = conn
-        self.state.connection_made(conn._id, conn.peer, self._loop.time())
-
-    def _channel_opened(self, conn: ServerConnection) -> ConnId:
-        conn_id = self._new_id()
-        self._conns[conn_id] = conn
-        self.state.connection_made(conn_id, conn.peer, self._loop.time())
-        return conn_id
-
-    def _channel_lost(self, conn_id: ConnId, reason: str) -> None:
-        if self._conns.pop(conn_id, None) is not None:
-            self.state.connection_lost(conn_id, self._loop.time(), reason)
-
-    def _connection_lost(self, conn: ServerConnection, reason: str) -> None:
-        self._sockets.discard(conn)
-        for conn_id in list(conn.channels.values()):
-            self._channel_lost(conn_id, reason)
-        self._flush()
-
-    def _receive(self, conn_id: int, msg: Any) -> None:
-        self.state.receive(conn_id, msg, self._loop.time())
-
-    def _flush(self) -> None:
-        # One write per connection for the whole batch: a barrier released for 256
-        # members of one process is one syscall, not 256.
-        out: dict[ServerConnection, list[Buffer]] = {}
-        while actions := self.state.take_actions():  # closing a channel may add some
-            for action in actions:
-                conn = self._conns.get(action.conn)
-                if conn is None:
-                    continue
-                if isinstance(action, Close):
-                    if (parts := out.pop(conn, None)) is not None:
-                        conn.write_parts(parts)  # what went before the close goes first
-                    conn.end_channel(action.conn)
-                else:
-                    conn.queue(action.conn, action.msg, out.setdefault(conn, []))
-        for conn, parts in out.items():
-            if parts:
-                conn.write_parts(parts)
-        if (events := self.state.take_events()) and event_logger.isEnabledFor(logging.INFO):
-            for event in events:
-                event_logger.info(json.dumps(event), extra={"aiodist_event": event})
-        self._arm_timer()
-        self._changed.set()
-
-    def _arm_timer(self) -> None:
-        when = self.state.next_deadline()
-        if when is None:
-            return
-        if self._timer is not None and not self._timer.cancelled() and self._timer_when <= when:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_when = when
-        self._timer = self._loop.call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.state.handle_timeouts(self._loop.time())
-        self._flush()
 
 
 async def serve_rendezvous(
@@ -242,6 +188,7 @@ async def serve_rendezvous(
     *,
     token: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    preauth: PreAuthLimits | None = None,
     task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a rendezvous server until cancelled.
@@ -253,6 +200,8 @@ async def serve_rendezvous(
             anything else; others are refused with ``AuthenticationError``.
         shutdown_timeout: Seconds a shutdown waits for clients to take the
             closing notice before cutting them off.
+        preauth: What a connection may cost before its handshake is done (bytes,
+            deadline, how many wait at once); the default suits a daemon.
         task_status: Receives the ``RendezvousServer`` once it is listening.
 
     Cancellation:
@@ -263,7 +212,7 @@ async def serve_rendezvous(
         >>> async with anyio.create_task_group() as tg:
         ...     server = await tg.start(serve_rendezvous, "127.0.0.1", 0)
     """
-    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout)
+    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout, preauth=preauth)
     await server._start(host, port)
     try:
         task_status.started(server)

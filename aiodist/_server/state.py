@@ -32,6 +32,12 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   table's other half (``store.py``).
 - Nothing here blocks or allocates per byte; deadlines live in one heap, and
   heartbeats are checked by a periodic sweep.
+- Every timeout is checked before it is added to the clock (``_wire/bounds.py``,
+  as on decoding): the heap only ever holds finite deadlines (one NaN breaks a
+  heap's order for every job), and the sweep runs every quarter of the
+  shortest heartbeat timeout of the members present, never more often than
+  every ``MIN_SWEEP_INTERVAL``: it speeds up for a job with a short timeout,
+  and slows down again once that job is gone.
 """
 
 from __future__ import annotations
@@ -45,8 +51,17 @@ import msgpack
 
 from aiodist._errors import ErrorCode
 from aiodist._server.events import JobLog
-from aiodist._server.jobs import BadRequest, Close, Job, LeaveNotice, Member, assign_ranks
+from aiodist._server.jobs import (
+    BadRequest,
+    Close,
+    Job,
+    LeaveNotice,
+    Member,
+    assign_ranks,
+    check_values,
+)
 from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers, left_error
+from aiodist._wire.bounds import MIN_HEARTBEAT_TIMEOUT
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
@@ -68,9 +83,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ServerState"]
 
-MAX_GROUP_NAME_CHARS: Final = 256
-MAX_ADDRESSES: Final = 64
 MAX_SWEEP_INTERVAL: Final = 1.0
+# The sweep for silent members runs at most this often, whatever a member asked for.
+MIN_SWEEP_INTERVAL: Final = MIN_HEARTBEAT_TIMEOUT / 4
 # The least time between two notices of members that left one job (the first goes at once).
 LEAVE_NOTICE_INTERVAL: Final = 0.1
 RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
@@ -134,6 +149,15 @@ class ServerState(StoreAndBarriers):
             self._dispatch(conn, state, msg, now)
         except BadRequest as exc:
             self._send(conn, ErrorReply(req_id, exc.code, str(exc), exc.details))
+
+    def bad_request(self, conn: ConnId, req_id: int, message: str, details: dict[str, Any]) -> None:
+        """Refuse request ``req_id`` of ``conn``: a value of it was out of range on decoding.
+
+        Queued with the other actions, so the error leaves in order with the
+        replies before it; the connection goes on.
+        """
+        self.stats.messages += 1
+        self._send(conn, ErrorReply(req_id, ErrorCode.BAD_REQUEST, message, details))
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeouts`` must next be called; None when nothing is pending."""
@@ -278,7 +302,7 @@ class ServerState(StoreAndBarriers):
         job.add(member)
         state.member = member
         self.log.rank_joined(member)
-        self._sweep_interval = min(self._sweep_interval, member.heartbeat_timeout / 4)
+        self._sweep_interval = min(self._sweep_interval, _sweep_interval(member.heartbeat_timeout))
         # A shorter heartbeat timeout than any before must not wait for a sweep planned
         # with the old, longer interval.
         if self._next_sweep is None or now + self._sweep_interval < self._next_sweep:
@@ -443,8 +467,10 @@ class ServerState(StoreAndBarriers):
         job.barriers.clear()
 
     def _sweep(self, now: float) -> None:
+        shortest = MAX_SWEEP_INTERVAL  # what the members still here need: it may grow again
         for job in list(self.jobs.values()):
             for member in list(job.members):
+                shortest = min(shortest, _sweep_interval(member.heartbeat_timeout))
                 silent = now - member.last_seen
                 if member.status == "active" and silent > member.heartbeat_timeout:
                     self._fail(member, f"missed heartbeats for {silent:.1f} s", now)
@@ -457,6 +483,7 @@ class ServerState(StoreAndBarriers):
                     )
                     self._actions.append(Close(member.conn, "missed heartbeats"))
                     self._conns[member.conn].member = None
+        self._sweep_interval = shortest
         self._next_sweep = now + self._sweep_interval if self.jobs else None
 
     # --- helpers ---------------------------------------------------------------------
@@ -488,17 +515,15 @@ def _rank_taken(job: Job, rank: int, holder: Member) -> BadRequest:
     )
 
 
+def _sweep_interval(heartbeat_timeout: float) -> float:
+    return min(max(heartbeat_timeout / 4, MIN_SWEEP_INTERVAL), MAX_SWEEP_INTERVAL)
+
+
 def _validate_join(msg: Join) -> None:
-    problems = []
-    if not 0 < len(msg.group_name) <= MAX_GROUP_NAME_CHARS:
-        problems.append(f"group_name must have 1 to {MAX_GROUP_NAME_CHARS} characters")
-    if msg.world_size < 1:
-        problems.append(f"world_size must be >= 1, got {msg.world_size}")
-    if not -1 <= msg.rank < max(msg.world_size, 1):
-        problems.append(f"rank must be -1 (automatic) or in [0, {msg.world_size}), got {msg.rank}")
-    if len(msg.addresses) > MAX_ADDRESSES:
-        problems.append(f"at most {MAX_ADDRESSES} addresses, got {len(msg.addresses)}")
-    if not msg.heartbeat_timeout > 0 or not msg.timeout > 0:
-        problems.append("heartbeat_timeout and timeout must be > 0")
-    if problems:
-        raise BadRequest(ErrorCode.BAD_REQUEST, "; ".join(problems))
+    check_values(msg)
+    if msg.rank >= msg.world_size:
+        raise BadRequest(
+            ErrorCode.BAD_REQUEST,
+            f"Join.rank must be -1 (automatic) or in [0, {msg.world_size}), got {msg.rank}",
+            {"field": "Join.rank", "value": msg.rank, "allowed": f"[-1, {msg.world_size})"},
+        )

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from aiodist._errors import ErrorCode, rank_left_error
-from aiodist._server.jobs import BadRequest, Send, Timer, Waiter
+from aiodist._server.jobs import BadRequest, Send, Timer, Waiter, check_values
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
@@ -88,6 +89,7 @@ class StoreAndBarriers:
         self._timer_seq = itertools.count()
 
     def _barrier(self, member: Member, msg: Barrier, now: float) -> None:
+        check_values(msg)  # before its deadline is computed: the heap holds finite ones only
         job = member.job
         if not job.complete:
             raise BadRequest(ErrorCode.NOT_JOINED, f"job {job.name!r} has not formed yet")
@@ -164,8 +166,7 @@ class StoreAndBarriers:
         elif isinstance(msg, StoreCheck):
             self._send(conn, Reply(msg.req_id, all(k in kv for k in msg.keys)))
         else:  # StoreGet | StoreWait
-            if msg.timeout <= 0:
-                raise BadRequest(ErrorCode.BAD_REQUEST, f"timeout must be > 0, got {msg.timeout}")
+            check_values(msg)  # a finite timeout in range, before anything waits on it
             kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
             if isinstance(msg, StoreGet):
                 if msg.key in kv:
@@ -273,4 +274,7 @@ class StoreAndBarriers:
         self._actions.append(Send(conn, msg))
 
     def _push_timer(self, when: float, target: Member | Waiter | LeaveNotice) -> None:
+        # Timeouts were checked on the way in: one NaN here would break the heap's
+        # order, and with it every other job's deadlines.
+        assert math.isfinite(when), when
         heapq.heappush(self._timers, Timer(when, next(self._timer_seq), target))

@@ -67,7 +67,7 @@ LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("_transport", "bytes between two processes: TCP, Unix sockets, shared memory", ("_wire",)),
     ("_server", "the rendezvous server: jobs, store, liveness", ("_transport",)),
     ("_control", "a rank's connection to the server: channels, store, init methods", ("_server",)),
-    ("_plane", "the data plane: peers, links, matching, bulk transfers, listeners", ("_control",)),
+    ("_plane", "the data plane: its sans-IO core, channels, matching, bulk transfers, glue", ("_control",)),
     ("_group", "work handles, sessions, joining, process groups, the default world", ("_plane",)),
     ("_ops", "collectives, p2p, object operations, new_group", ("_group",)),
     ("_rpc", "remote calls and remote references", ("_group",)),
@@ -83,7 +83,7 @@ LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("_tools", "developer tools (gen_sync, this checker); nothing imports them", ("public",)),
 )
 #: Modules of the package root that make up the public face.
-PUBLIC: Final = ("__init__", "__main__", "sync", "metrics", "testing", "rpc")
+PUBLIC: Final = ("__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport")
 #: Packages (or modules) whose cycles through ``TYPE_CHECKING`` imports are still
 #: tolerated: the data plane, the server side and the session, reworked next. A
 #: type-only import from or to one of them does not count; every other one does.

@@ -3,7 +3,16 @@
 A transport knows how to *listen* on an address and *connect* to one; both sides
 then hold a ``DataChannel`` that sends whole frames and hands received frames
 to a ``FrameSink``. A new transport (shared memory, RDMA) is one new module
-that provides ``listen``/``connect`` and passes ``aiodist.testing.check_data_channel``.
+that provides ``listen``/``connect``, passes ``aiodist.testing.check_data_channel``
+and is registered by name (``registry.py``). The interface is public:
+``aiodist.transport`` re-exports it and documents it for users who write one.
+
+Until the data plane's handshake is done (the peer proved the job's token, or
+said a valid hello where there is none) a channel trusts nothing it receives:
+it accepts only small header-only frames, parses none of its transport's own
+frames, and on the accepting side costs its listener no more than the
+``PreAuthLimits`` that ``listen`` was given allow (bytes, time, a share of the
+unproved connections, the oldest shed first). ``handshake_done`` lifts all that.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator
 
     from aiodist._wire.frame import Buffer, Frame
+    from aiodist._wire.preauth import PreAuthLimits
 
 __all__ = ["DataChannel", "FrameSink", "Listener", "Transport", "start_now"]
 
@@ -55,6 +65,17 @@ class DataChannel(Protocol):
         before reusing it. Raises ``OSError`` as ``send`` would.
         """
 
+    def handshake_done(self) -> None:
+        """The peer proved itself: lift the limits that held until now (again is fine).
+
+        Until then, the channel decodes only small frames without payload
+        (``PREAUTH_FRAME_LIMITS``), refuses its transport's own frames, and (on the
+        accepting side) counts against its listener's ``PreAuthLimits``. The data
+        plane calls it on both ends, each once its side of the handshake is
+        done, right after writing its last handshake frame: what the peer sends
+        next is then read under the full limits.
+        """
+
     def close(self) -> None:
         """Close the channel; frames already sent are still delivered."""
 
@@ -75,7 +96,15 @@ class Transport(Protocol):
 
     scheme: str
 
-    async def listen(self, host: str, sink_factory: Callable[[], FrameSink]) -> Listener: ...
+    async def listen(
+        self,
+        host: str,
+        sink_factory: Callable[[], FrameSink],
+        *,
+        preauth: PreAuthLimits | None = None,
+    ) -> Listener:
+        """Listen; ``preauth`` bounds what an unproved connection may cost (default: a
+        transport's own, e.g. ``preauth.PreAuthLimits()``)."""
 
     async def connect(self, address: str, sink: FrameSink) -> DataChannel: ...
 

@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 SHM_DIR: Final = "/dev/shm"
 #: Segments grow in steps of this many bytes, so slightly larger tensors reuse them.
 ROUND_BYTES: Final = 1 << 20
+_MAX_NAME_CHARS: Final = 255  # a file name's limit
 
 
 def available() -> bool:
@@ -203,12 +205,27 @@ def create_segment(nbytes: int) -> Segment:
 
 
 def map_segment(name: str, nbytes: int) -> Segment:
-    """Map a peer's segment ``name`` of ``nbytes`` (checked to be one of ours first)."""
-    if "/" in name or not name.startswith("aiodist-"):
-        raise ValueError(f"invalid shared segment name {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    """Map a peer's segment ``name`` of ``nbytes`` (checked to be one of ours first).
+
+    Only a regular file of this user, named as this user's segments are, is
+    mapped: never a link, nor another user's file (a stranger's memory).
+    """
+    if (
+        type(name) is not str
+        or not name.startswith(f"aiodist-{os.getuid()}-")
+        or len(name) > _MAX_NAME_CHARS
+        or "/" in name
+        or "\0" in name
+    ):
+        raise ValueError(f"invalid shared segment name {name!r:.80}")
+    if type(nbytes) is not int or nbytes <= 0:
+        raise ValueError(f"invalid shared segment size {nbytes!r:.40}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        if os.fstat(fd).st_size < nbytes:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ValueError(f"shared segment {name!r} is not a file of this user")
+        if st.st_size < nbytes:
             raise ValueError(f"shared segment {name!r} is smaller than the {nbytes} bytes sent")
         memory = mmap.mmap(fd, nbytes)
     finally:

@@ -5,14 +5,18 @@ listener as ``uds.py``) whose large payloads skip the socket. Each direction
 that carries one gets its own *ring*: one shared segment (``shm.py``) of
 ``slots`` slots of ``slot_bytes``, created by the sending side on first use.
 The socket stays the channel's only ordered stream and its notification path;
-the frames below are the transport's own and never reach the frame sink::
+the frames of ``ringwire.py`` (RING_HELLO, RING_DATA, RING_CHUNK, RING_FREE)
+are the transport's own and never reach the frame sink.
 
-    RING_HELLO [uid]                   I can receive through rings (both ends say it)
-    RING_DATA  [kind, header, n, ring] frame (kind, header) whose n-byte payload comes
-                                       in RING_CHUNKs; ring = [name, slots, slot_bytes]
-                                       the first time, else None
-    RING_CHUNK [slot, n]               the payload's next n bytes are in slot
-    RING_FREE  [slot]                  (other direction) the receiver is done with slot
+None of them is read before the data plane's handshake is done (see
+``base.py``): one that comes earlier closes the connection, so a stranger on
+the host, who can connect to any rank's Unix socket, makes no rank map or
+allocate anything. The connecting side says RING_HELLO once its side of the
+handshake is done, which puts it after the handshake on the wire too. Every
+field that comes from the peer is checked (``ringwire``; a segment must be
+this user's regular file, ``shm.map_segment``) before it is used: a bad one
+is a ``ProtocolError`` that closes the connection, never an error of this
+process.
 
 The sender copies chunk after chunk into free slots and the receiver copies
 each out straight into the sink's memory (the destination tensor) as its
@@ -39,16 +43,41 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._errors import ProtocolError
 from aiodist._transport import shm, uds
 from aiodist._transport.base import start_now
+from aiodist._transport.ringwire import (
+    MAX_SLOT_BYTES,
+    MAX_SLOTS,
+    RING_CHUNK,
+    RING_DATA,
+    RING_FREE,
+    RING_HELLO,
+    Ring,
+    parse_ring_chunk,
+    parse_ring_data,
+    parse_ring_free,
+)
 from aiodist._transport.stream import DATA_LIMITS, StreamChannel
 from aiodist._wire.frame import Frame, Limits, MiB, encode_frame
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aiodist._transport.base import DataChannel, FrameSink
+    from aiodist._transport.admission import Admission
+    from aiodist._transport.base import FrameSink
     from aiodist._wire.frame import Buffer
+    from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["MIN_RING_BYTES", "ShmChannel", "ShmTransport", "connect", "listen", "scheme"]
+__all__ = [
+    "MIN_RING_BYTES",
+    "RING_CHUNK",
+    "RING_DATA",
+    "RING_FREE",
+    "RING_HELLO",
+    "ShmChannel",
+    "ShmTransport",
+    "connect",
+    "listen",
+    "scheme",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +86,6 @@ scheme: Final = "uds"
 MIN_RING_BYTES: Final = 1 * MiB
 SLOT_BYTES: Final = 2 * MiB
 SLOTS: Final = 4
-# Frame kinds of this transport, above every MessageKind (which stop below 96).
-RING_HELLO: Final = 96
-RING_DATA: Final = 97
-RING_CHUNK: Final = 98
-RING_FREE: Final = 99
 
 
 class ShmChannel(StreamChannel):
@@ -70,6 +94,7 @@ class ShmChannel(StreamChannel):
     def __init__(
         self,
         sink: FrameSink,
+        admission: Admission | None = None,
         *,
         connecting: bool,
         min_bytes: int = MIN_RING_BYTES,
@@ -77,8 +102,7 @@ class ShmChannel(StreamChannel):
         slots: int = SLOTS,
         limits: Limits = DATA_LIMITS,
     ) -> None:
-        super().__init__(_RingSink(self, sink), limits)
-        self._user = sink
+        super().__init__(sink, admission, limits=limits)
         self._connecting = connecting
         self._min_bytes = max(1, min_bytes)
         self._slot_bytes = slot_bytes
@@ -97,15 +121,25 @@ class ShmChannel(StreamChannel):
         self._close_when_free = False
         # Receiving side: the peer's ring and the ring payload in progress.
         self._in: shm.Segment | None = None
+        self._in_ring: Ring | None = None
         self._in_view: memoryview | None = None
         self._in_frame: Frame | None = None
         self._in_dest: memoryview | None = None
         self._in_offset = 0
-        self._in_slot_bytes = 0
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        if self._connecting and self._usable:
+    def handshake_done(self) -> None:
+        first = not self._proved
+        super().handshake_done()
+        # The connecting side offers rings now: right after its last handshake frame.
+        transport = self._transport
+        if (
+            first
+            and self._connecting
+            and self._usable
+            and transport is not None
+            and not self._lost
+            and not transport.is_closing()
+        ):
             self._say_hello()
 
     def _say_hello(self) -> None:
@@ -180,9 +214,10 @@ class ShmChannel(StreamChannel):
             self.abort()  # half a payload is out: the stream is unusable
             raise
 
-    def _slot_free(self, slot: Any) -> None:
-        if type(slot) is not int or not 0 <= slot < self._slots or self._out is None:
-            raise ProtocolError(f"RING_FREE for a slot {slot!r} that was never sent")
+    def _slot_free(self, header: Any) -> None:
+        slot = parse_ring_free(header, self._slots)
+        if self._out is None or slot in self._free:  # freed twice, it would carry two chunks
+            raise ProtocolError(f"RING_FREE for slot {slot}, which holds nothing sent")
         self._out.unlink()  # the peer has mapped the ring: no file left to clean up
         self._free.append(slot)
         waiter = self._slot_freed
@@ -199,13 +234,28 @@ class ShmChannel(StreamChannel):
             return
         super().close()
 
-    # --- receiving (called by _RingSink) ----------------------------------------------
+    # --- receiving ----------------------------------------------------------------------
+
+    def _frame_received(self, frame: Frame) -> memoryview | None:
+        if frame.kind < RING_HELLO:
+            return self._sink.frame_received(self, frame)
+        self._ring_frame(frame)
+        return None
+
+    def _payload_received(self, frame: Frame) -> None:
+        if frame.kind < RING_HELLO:
+            self._sink.payload_received(self, frame)
+
+    def _channel_closed(self, exc: Exception | None) -> None:
+        self._sink.channel_closed(self, self._ring_closed(exc))
 
     def _ring_frame(self, frame: Frame) -> None:
         kind, header = frame.kind, frame.header
+        if not self._proved:
+            raise ProtocolError(f"a shared-memory frame (kind {kind}) before the handshake")
         if kind == RING_HELLO:
             if header != [os.getuid()]:
-                raise ProtocolError(f"RING_HELLO from another user ({header!r})")
+                raise ProtocolError("RING_HELLO from another user")
             self._peer_ready = self._usable
             if self._usable and not self._said_hello:
                 self._say_hello()
@@ -214,52 +264,52 @@ class ShmChannel(StreamChannel):
         elif kind == RING_CHUNK:
             self._ring_chunk(header)
         elif kind == RING_FREE:
-            self._slot_free(header[0] if isinstance(header, list) and header else None)
+            self._slot_free(header)
+        else:
+            raise ProtocolError(f"unexpected frame kind {kind} on a data channel")
 
     def _ring_data(self, header: Any) -> None:
-        if not isinstance(header, list) or len(header) != 4 or self._in_frame is not None:
-            raise ProtocolError("malformed or unexpected RING_DATA")
-        kind, inner, nbytes, announce = header
-        if type(nbytes) is not int or not 0 < nbytes <= self._max_payload:
-            raise ProtocolError(f"ring payload of {nbytes!r} bytes is out of bounds")
-        if announce is not None and not (self._in is not None and self._in.name == announce[0]):
-            # Every payload announces the ring until the sender learns it is mapped (a
-            # RING_FREE) and unlinks its file: a later announcement of the ring already
-            # mapped here keeps that mapping; the file may be gone by now.
-            name, slots, slot_bytes = announce
+        if self._in_frame is not None:
+            raise ProtocolError("RING_DATA in the middle of another ring payload")
+        data = parse_ring_data(header, self._max_payload)
+        ring = data.ring
+        # Every payload announces the ring until the sender learns it is mapped (a
+        # RING_FREE) and unlinks its file: a later announcement of the ring already
+        # mapped here keeps that mapping; the file may be gone by now.
+        if ring is not None and (self._in_ring is None or self._in_ring.name != ring.name):
             self._close_in()
             try:
-                self._in = shm.map_segment(name, slots * slot_bytes)
+                self._in = shm.map_segment(ring.name, ring.slots * ring.slot_bytes)
             except (OSError, ValueError) as exc:
-                raise ProtocolError(f"cannot map the peer's ring: {exc}") from exc
+                raise ProtocolError(f"cannot map the peer's ring: {exc}") from None
             self._in_view = memoryview(self._in.memory)
-            self._in_slot_bytes = slot_bytes
-        if self._in is None:
+            self._in_ring = ring
+        if self._in_ring is None:
             raise ProtocolError("RING_DATA before any ring was announced")
-        frame = Frame(kind, inner, nbytes)
-        dest = self._user.frame_received(self, frame)
-        if dest is None or dest.nbytes != nbytes:
+        frame = Frame(data.kind, data.header, data.nbytes)
+        dest = self._sink.frame_received(self, frame)
+        if dest is None or dest.nbytes != data.nbytes:
             raise ProtocolError("frame sink gave no buffer of the payload's size")
         self._in_frame, self._in_dest, self._in_offset = frame, dest, 0
 
     def _ring_chunk(self, header: Any) -> None:
-        frame, dest, ring = self._in_frame, self._in_dest, self._in_view
-        if frame is None or dest is None or ring is None or not isinstance(header, list):
+        frame, dest, ring, view = self._in_frame, self._in_dest, self._in_ring, self._in_view
+        if frame is None or dest is None or ring is None or view is None:
             raise ProtocolError("RING_CHUNK outside a ring payload")
-        slot, n = header
-        start, offset = slot * self._in_slot_bytes, self._in_offset
-        if not (0 <= start and start + n <= ring.nbytes and 0 < n <= dest.nbytes - offset):
-            raise ProtocolError(f"RING_CHUNK [{slot}, {n}] out of bounds")
-        dest[offset : offset + n] = ring[start : start + n]
+        offset = self._in_offset
+        slot, n = parse_ring_chunk(header, ring, room=dest.nbytes - offset)
+        start = slot * ring.slot_bytes
+        dest[offset : offset + n] = view[start : start + n]
         self._write_control(RING_FREE, [slot])
         self._in_offset = offset + n
         if self._in_offset == dest.nbytes:
             self._in_frame = self._in_dest = None
-            self._user.payload_received(self, frame)
+            self._sink.payload_received(self, frame)
 
     def _ring_closed(self, exc: Exception | None) -> Exception | None:
         if exc is None and self._in_frame is not None:
             exc = ProtocolError(f"peer {self.peer} closed the connection in the middle of a frame")
+        self._in_frame = self._in_dest = None
         waiter = self._slot_freed
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError(f"connection to {self.peer} was lost"))
@@ -276,28 +326,7 @@ class ShmChannel(StreamChannel):
             self._in_view.release()
         if self._in is not None:
             self._in.close()
-        self._in = self._in_view = None
-
-
-class _RingSink:
-    """Sits between the stream and the data plane's sink: takes the ring's own frames."""
-
-    def __init__(self, channel: ShmChannel, user: FrameSink) -> None:
-        self.channel = channel
-        self.user = user
-
-    def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
-        if frame.kind < RING_HELLO:
-            return self.user.frame_received(self.channel, frame)
-        self.channel._ring_frame(frame)
-        return None
-
-    def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if frame.kind < RING_HELLO:
-            self.user.payload_received(self.channel, frame)
-
-    def channel_closed(self, channel: DataChannel, exc: Exception | None) -> None:
-        self.user.channel_closed(self.channel, self.channel._ring_closed(exc))
+        self._in = self._in_view = self._in_ring = None
 
 
 class ShmTransport:
@@ -308,26 +337,36 @@ class ShmTransport:
     def __init__(
         self, *, min_bytes: int = MIN_RING_BYTES, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS
     ) -> None:
-        if slot_bytes < 1 or slots < 1:
-            raise ValueError(f"need slots >= 1 of >= 1 byte, got {slots} of {slot_bytes}")
+        if not (1 <= slot_bytes <= MAX_SLOT_BYTES and 1 <= slots <= MAX_SLOTS):
+            raise ValueError(
+                f"need 1 to {MAX_SLOTS} slots of 1 to {MAX_SLOT_BYTES} bytes (what peers "
+                f"accept), got {slots} of {slot_bytes}"
+            )
         self.min_bytes, self.slot_bytes, self.slots = min_bytes, slot_bytes, slots
 
-    def _channel(self, sink: FrameSink, connecting: bool) -> ShmChannel:
+    def _channel(self, sink: FrameSink, admission: Admission | None) -> ShmChannel:
         return ShmChannel(
             sink,
-            connecting=connecting,
+            admission,
+            connecting=admission is None,  # an accepted channel has its listener's admission
             min_bytes=self.min_bytes,
             slot_bytes=self.slot_bytes,
             slots=self.slots,
         )
 
-    async def listen(self, host: str, sink_factory: Callable[[], FrameSink]) -> uds.UdsListener:
+    async def listen(
+        self,
+        host: str,
+        sink_factory: Callable[[], FrameSink],
+        *,
+        preauth: PreAuthLimits | None = None,
+    ) -> uds.UdsListener:
         """Listen on a fresh abstract Unix socket; plain ``uds`` peers may connect too."""
-        return await uds.listen(host, sink_factory, lambda sink: self._channel(sink, False))
+        return await uds.listen(host, sink_factory, self._channel, preauth=preauth)
 
     async def connect(self, address: str, sink: FrameSink) -> ShmChannel:
         """Connect to a ``uds:`` address of a rank on this host that listens with rings."""
-        channel = await uds.connect(address, sink, lambda s: self._channel(s, True))
+        channel = await uds.connect(address, sink, self._channel)
         assert isinstance(channel, ShmChannel)
         return channel
 

@@ -7,19 +7,21 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from aiodist._transport.admission import Admission, serve
 from aiodist._transport.stream import StreamChannel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from aiodist._transport.base import FrameSink
+    from aiodist._wire.preauth import PreAuthLimits
 
 __all__ = ["LISTEN_BACKLOG", "TcpListener", "connect", "listen", "scheme"]
 
 scheme: Final = "tcp"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
 # Connections a listener queues before accepting them: every peer of a large job may
-# connect at once. (The loop's default, 100, would silently replace our listen().)
+# connect at once. (``admission.serve`` keeps the loop's number from replacing it.)
 LISTEN_BACKLOG: Final = 1024
 
 
@@ -33,21 +35,22 @@ def _tune(sock: socket.socket) -> None:
 class TcpListener:
     address: str
     server: asyncio.Server
+    admission: Admission
 
     def close(self) -> None:
         self.server.close()
+        self.admission.close()
 
 
-def _factory(sink_factory: Callable[[], FrameSink]) -> Callable[[], StreamChannel]:
-    def make() -> StreamChannel:
-        return StreamChannel(sink_factory())
+async def listen(
+    host: str, sink_factory: Callable[[], FrameSink], *, preauth: PreAuthLimits | None = None
+) -> TcpListener:
+    """Listen on ``host`` (numeric) at a port the OS picks.
 
-    return make
-
-
-async def listen(host: str, sink_factory: Callable[[], FrameSink]) -> TcpListener:
-    """Listen on ``host`` (numeric) at a port the OS picks."""
-    loop = asyncio.get_running_loop()
+    ``preauth`` bounds what a connection may cost before its handshake (see
+    ``admission.py``; default ``DEFAULT_PREAUTH``).
+    """
+    admission = Admission(preauth)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -55,10 +58,10 @@ async def listen(host: str, sink_factory: Callable[[], FrameSink]) -> TcpListene
     sock.bind((host, 0))
     sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    server = await loop.create_server(_factory(sink_factory), sock=sock, backlog=LISTEN_BACKLOG)
+    server = await serve(sock, lambda: StreamChannel(sink_factory(), admission), LISTEN_BACKLOG)
     bound_host, port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    return TcpListener(f"tcp://{shown}:{port}", server)
+    return TcpListener(f"tcp://{shown}:{port}", server, admission)
 
 
 def parse(address: str) -> tuple[str, int]:

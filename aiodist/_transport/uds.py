@@ -15,12 +15,18 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from aiodist._transport.admission import Admission, serve
 from aiodist._transport.stream import StreamChannel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from aiodist._transport.base import FrameSink
+    from aiodist._wire.preauth import PreAuthLimits
+
+    # Makes the protocol of one connection: its sink, and its listener's admission
+    # (None on the connecting side).
+    MakeChannel = Callable[[FrameSink, Admission | None], StreamChannel]
 
 __all__ = [
     "LISTEN_BACKLOG",
@@ -48,9 +54,11 @@ def available() -> bool:
 class UdsListener:
     address: str
     server: asyncio.Server
+    admission: Admission
 
     def close(self) -> None:
         self.server.close()
+        self.admission.close()
 
 
 def _tune(sock: socket.socket) -> None:
@@ -61,23 +69,26 @@ def _tune(sock: socket.socket) -> None:
 async def listen(
     host: str,
     sink_factory: Callable[[], FrameSink],
-    make_channel: Callable[[FrameSink], StreamChannel] = StreamChannel,
+    make_channel: MakeChannel = StreamChannel,
+    *,
+    preauth: PreAuthLimits | None = None,
 ) -> UdsListener:
     """Listen on a fresh abstract name (``host`` is unused: same-host only).
 
     ``make_channel`` makes the protocol of each accepted connection (``shmring``'s).
+    ``preauth`` bounds what a connection may cost before its handshake (see
+    ``admission.py``; default ``DEFAULT_PREAUTH``): the name is visible to every
+    user of the host (``/proc/net/unix``), so anyone may connect.
     """
-    loop = asyncio.get_running_loop()
+    admission = Admission(preauth)
     name = f"aiodist-{os.getpid()}-{secrets.token_hex(8)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     _tune(sock)
     sock.bind("\0" + name)
     sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
-    server = await loop.create_unix_server(
-        lambda: make_channel(sink_factory()), sock=sock, backlog=LISTEN_BACKLOG
-    )
-    return UdsListener(f"uds:{name}", server)
+    server = await serve(sock, lambda: make_channel(sink_factory(), admission), LISTEN_BACKLOG)
+    return UdsListener(f"uds:{name}", server, admission)
 
 
 def socket_name(address: str) -> str:
@@ -94,7 +105,7 @@ def member_of(address: str) -> int:
 async def connect(
     address: str,
     sink: FrameSink,
-    make_channel: Callable[[FrameSink], StreamChannel] = StreamChannel,
+    make_channel: MakeChannel = StreamChannel,
 ) -> StreamChannel:
     """Connect to a ``uds:`` address a rank on this host published."""
     loop = asyncio.get_running_loop()
@@ -103,7 +114,7 @@ async def connect(
         _tune(sock)
         sock.setblocking(False)
         await loop.sock_connect(sock, "\0" + socket_name(address))
-        _, channel = await loop.create_unix_connection(lambda: make_channel(sink), sock=sock)
+        _, channel = await loop.create_unix_connection(lambda: make_channel(sink, None), sock=sock)
     except BaseException:
         sock.close()
         raise

@@ -32,6 +32,10 @@ a ``PEER_HELLO`` without a nonce, or a wrong proof, and then connects to the
 rank that hello claimed to be: the genuine rank proves the token (the hello
 came from a stranger) or is refused in turn. Proofs are compared with
 ``hmac.compare_digest`` (constant time).
+
+Both exchanges are one three-message handshake with the roles swapped (the
+server and the connecting rank draw the first nonce): ``handshake.py`` runs
+it, for all four ends; the functions below name each end's proof.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ __all__ = [
     "accept_proof",
     "client_proof",
     "connect_proof",
+    "mac",
     "new_nonce",
     "server_proof",
     "verify",
@@ -59,23 +64,24 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def _mac(token: str, *parts: bytes) -> bytes:
-    mac = hmac.new(token.encode(), digestmod=hashlib.sha256)
+def mac(token: str, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``parts`` under ``token``, each part length-prefixed."""
+    digest = hmac.new(token.encode(), digestmod=hashlib.sha256)
     for part in parts:
         # Length-prefixed: no two different part lists feed the same bytes to the MAC.
-        mac.update(len(part).to_bytes(4, "big"))
-        mac.update(part)
-    return mac.digest()
+        digest.update(len(part).to_bytes(4, "big"))
+        digest.update(part)
+    return digest.digest()
 
 
 def client_proof(token: str, server_nonce: bytes, client_nonce: bytes) -> bytes:
     """The control client's answer to the server's challenge."""
-    return _mac(token, b"aiodist-control-client", server_nonce, client_nonce)
+    return mac(token, b"aiodist-control-client", server_nonce, client_nonce)
 
 
 def server_proof(token: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
     """The server's answer to the client's nonce."""
-    return _mac(token, b"aiodist-control-server", client_nonce, server_nonce)
+    return mac(token, b"aiodist-control-server", client_nonce, server_nonce)
 
 
 def _pair(job: str, connector: int, acceptor: int) -> tuple[bytes, bytes, bytes]:
@@ -86,7 +92,7 @@ def accept_proof(
     token: str, job: str, connector: int, acceptor: int, connect_nonce: bytes, accept_nonce: bytes
 ) -> bytes:
     """The accepting rank's proof, over the connector's nonce."""
-    return _mac(
+    return mac(
         token, b"aiodist-peer-accept", *_pair(job, connector, acceptor), connect_nonce, accept_nonce
     )
 
@@ -95,7 +101,7 @@ def connect_proof(
     token: str, job: str, connector: int, acceptor: int, accept_nonce: bytes, connect_nonce: bytes
 ) -> bytes:
     """The connecting rank's proof, over the acceptor's nonce."""
-    return _mac(
+    return mac(
         token,
         b"aiodist-peer-connect",
         *_pair(job, connector, acceptor),

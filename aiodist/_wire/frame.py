@@ -29,13 +29,16 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 
 from aiodist._errors import ProtocolError
 from aiodist._wire.headers import decode_message, message_header
 from aiodist._wire.messages import MessageKind, Packed
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = [
     "CLOSED",
@@ -163,6 +166,8 @@ def frame_message(frame: Frame) -> Any:
 
     Raises:
         ProtocolError: Unknown kind, or fields of the wrong number or type.
+        FieldError: A field's value is out of range (see ``bounds``): a
+            ``ProtocolError`` naming the field, and the request to refuse.
     """
     try:
         return decode_message(frame.kind, frame.header)
@@ -249,6 +254,20 @@ class FrameDecoder:
             self._advance(n)
             self._payload_left -= n
         return max(n, 0)
+
+    def frames(self, data: Buffer) -> Iterator[Frame]:
+        """Feed ``data``; yield the whole frames it completes (the stream protocols' loop).
+
+        For decoders whose limits allow no payload (the control plane's): every
+        event is then a ``Frame``. Stops at ``NEED_DATA`` or ``CLOSED``.
+
+        Raises:
+            ProtocolError: The stream is malformed; close the connection.
+        """
+        self.receive_data(data)
+        while (event := self.next_event()) is not NEED_DATA and event is not CLOSED:
+            assert isinstance(event, Frame)  # no payload passes the limits
+            yield event
 
     def next_event(self) -> Event:
         """The next ``Frame`` or ``PayloadChunk``, else ``NEED_DATA`` or ``CLOSED``.

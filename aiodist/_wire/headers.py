@@ -5,7 +5,8 @@ A header is the array of a message's fields in declaration order.
 the server's state machine only ever sees well-typed messages: a peer that
 sends a string where a rank belongs gets a ``ProtocolError``, not a crash three
 layers down. ``MESSAGE_TYPES`` finds a kind's class; the checks are derived once
-per class from its type hints.
+per class from its type hints. The values of a client's message are checked
+next (``bounds``): a NaN timeout or a negative size is refused on decoding too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any, Union, cast
 
+from aiodist._wire.bounds import check_fields
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -132,6 +134,8 @@ def decode_message(kind: int, header: object) -> Any:
 
     Raises:
         ValueError: Unknown kind, wrong field count or a field of the wrong type.
+        FieldError: A field of the right type holds a value out of its range
+            (``bounds``); a ``ProtocolError`` whose ``req_id`` names the request.
     """
     cls = MESSAGE_TYPES.get(kind)  # type: ignore[call-overload]  # an int finds its IntEnum key
     if cls is None:  # unknown, or a data-plane kind (which has no message class)
@@ -148,6 +152,7 @@ def decode_message(kind: int, header: object) -> Any:
         # map(type) runs in C: a wait on 1024 keys is checked in microseconds.
         if items is not None and not items.issuperset(map(type, cast("list[Any]", value))):
             raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
+    check_fields(cls, header)
     return cls(*header)
 
 

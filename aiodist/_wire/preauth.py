@@ -10,7 +10,12 @@ proved or, where there is no token, its hello accepted. Until then:
 - it is closed ``deadline`` seconds after it connected;
 - it is one of at most ``max_pending`` such connections of that listener: a
   newcomer beyond that sheds the oldest (a real peer's handshake takes
-  milliseconds, so the oldest is the likeliest stranger);
+  milliseconds, so the oldest is the likeliest stranger), and first the
+  oldest that has said nothing yet (a real peer speaks as soon as it
+  connects: its first frame is in flight before the accept; the I/O layer
+  reports it with ``spoke``). So a stranger who holds silent connections,
+  and reopens each one shed, never sheds a peer in the middle of its
+  handshake, however many connections it holds;
 - nothing else reads what it sends: no transport frame, no job table.
 
 What it costs is then bounded by ``max_pending`` times ``max_bytes`` of memory
@@ -30,10 +35,12 @@ from typing import Final, Generic, TypeVar
 from aiodist._wire.frame import KiB, Limits
 
 __all__ = [
+    "MIN_PENDING",
     "PREAUTH_FRAME_LIMITS",
     "Gate",
     "LogBudget",
     "PreAuthLimits",
+    "open_files_limit",
 ]
 
 #: Frames before the handshake: hellos, challenges and proofs are a few hundred bytes.
@@ -41,18 +48,46 @@ PREAUTH_FRAME_LIMITS: Final = Limits(max_header_bytes=4 * KiB, max_payload_bytes
 
 C = TypeVar("C")
 
+#: The least cap on unproved connections, whatever the limit of open files.
+MIN_PENDING: Final = 128
+
 
 @dataclass(frozen=True, slots=True)
 class PreAuthLimits:
     """What one listener's unproved connections may cost."""
 
-    max_bytes: int = 64 * KiB  # per connection, before its handshake is done
+    max_bytes: int = 16 * KiB  # per connection, before its handshake is done
     deadline: float = 10.0  # seconds from accept to a finished handshake
-    max_pending: int = 128  # unproved connections at once; a newcomer sheds the oldest
+    max_pending: int = MIN_PENDING  # unproved connections at once; a newcomer sheds the oldest
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.max_pending <= 0 or not 0 < self.deadline < 3600:
             raise ValueError(f"pre-authentication limits out of range: {self}")
+
+    @classmethod
+    def for_open_files(
+        cls, open_files: int | None, *, share: int, most: int, deadline: float
+    ) -> PreAuthLimits:
+        """Limits whose cap grows with the files a process may open: ``1/share`` of them.
+
+        A burst of real clients connecting at once (a job of thousands of ranks
+        joining) must not be shed, and strangers must never take the descriptors
+        the process needs for itself: the cap is ``open_files // share``, at least
+        the default and at most ``most``. ``open_files`` None means no limit known.
+        """
+        pending = most if open_files is None else max(MIN_PENDING, min(most, open_files // share))
+        return cls(deadline=deadline, max_pending=pending)
+
+
+def open_files_limit() -> int | None:
+    """This process's soft limit of open files (``RLIMIT_NOFILE``); None if it has none."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit on this platform
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 class Gate(Generic[C]):
@@ -68,14 +103,21 @@ class Gate(Generic[C]):
         ([], ['a'])
         >>> gate.charge("b", 100), gate.expired(now=6.0)
         (True, ['b'])
+        >>> gate = Gate(PreAuthLimits(max_pending=2))
+        >>> gate.admit("a", now=0.0), gate.admit("b", now=1.0), gate.spoke("a")
+        ([], [], None)
+        >>> gate.admit("c", now=2.0)  # "a" is older, but "b" said nothing yet
+        ['b']
     """
 
-    __slots__ = ("_pending", "limits")
+    __slots__ = ("_pending", "_silent", "limits")
 
     def __init__(self, limits: PreAuthLimits | None = None) -> None:
         self.limits = limits or PreAuthLimits()
         # conn -> [deadline, bytes so far]; insertion order is age order.
         self._pending: dict[C, list[float]] = {}
+        # Those of them that have not spoken yet, as an ordered set (age order too).
+        self._silent: dict[C, None] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -86,13 +128,19 @@ class Gate(Generic[C]):
     def admit(self, conn: C, now: float) -> list[C]:
         """Let ``conn`` in; return the oldest connections to close to make room for it."""
         shed: list[C] = []
-        pending = self._pending
+        pending, silent = self._pending, self._silent
         while len(pending) >= self.limits.max_pending:
-            oldest = next(iter(pending))
+            oldest = next(iter(silent or pending))
             del pending[oldest]
+            silent.pop(oldest, None)
             shed.append(oldest)
         pending[conn] = [now + self.limits.deadline, 0.0]
+        silent[conn] = None
         return shed
+
+    def spoke(self, conn: C) -> None:
+        """``conn`` sent its first whole frame: shed the connections that said nothing first."""
+        self._silent.pop(conn, None)
 
     def charge(self, conn: C, nbytes: int) -> bool:
         """Count ``nbytes`` received from ``conn``; False once it is over its budget.
@@ -108,6 +156,7 @@ class Gate(Generic[C]):
     def passed(self, conn: C) -> None:
         """``conn`` finished its handshake: no limit of the gate applies to it any more."""
         self._pending.pop(conn, None)
+        self._silent.pop(conn, None)
 
     left = passed  # closed before (or after) its handshake: forget it either way
 
@@ -119,6 +168,7 @@ class Gate(Generic[C]):
             if deadline > now:
                 break  # deadlines grow with age: the rest are later
             del pending[conn]
+            self._silent.pop(conn, None)
             out.append(conn)
         return out
 
@@ -168,6 +218,16 @@ class LogBudget:
         key = reason if reason in self._counts or len(self._counts) < self.MAX_REASONS else "other"
         self._counts[key] += 1
         return False, summary
+
+    def due(self) -> float | None:
+        """When ``flush`` will have a summary: the interval's end, if a line was held back.
+
+        The I/O layer arms a timer for it, so the summary of a burst is logged
+        even when no refusal comes after it.
+        """
+        if self._start is None or not self._counts:
+            return None
+        return self._start + self.interval
 
     def flush(self, now: float) -> str | None:
         """The summary of the interval if it ended by ``now`` (then a new one starts)."""

@@ -1,0 +1,207 @@
+"""The rendezvous server's connections, as its asyncio shell keeps them (see ``serve``).
+
+``Hub`` is what every ``connection.ServerConnection`` talks to (the
+``connection.ServerSide`` it was given): it numbers connections and their
+channels, admits them through the pre-authentication ``Gate`` with one timer
+for the next deadline, logs refusals through one ``LogBudget`` (the first few
+of each interval in full, then one summary line with counts), feeds what they
+receive to the job table (``state.py``) and writes the table's actions back:
+one write per connection for a whole batch. Deadlines of the table (store
+waits, barriers, joins, the heartbeat sweep) are one ``loop.call_at`` timer,
+re-armed after every batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from aiodist._server.connection import ServerConnection
+from aiodist._server.jobs import Close
+from aiodist._wire.preauth import Gate, LogBudget
+
+if TYPE_CHECKING:
+    from aiodist._server.jobs import ConnId
+    from aiodist._server.state import ServerState
+    from aiodist._wire.bounds import FieldError
+    from aiodist._wire.frame import Buffer
+    from aiodist._wire.preauth import PreAuthLimits
+
+__all__ = ["Hub"]
+
+logger = logging.getLogger("aiodist._server.serve")  # one logger for the whole server
+event_logger = logging.getLogger("aiodist.events")
+
+
+class Hub:
+    """The connections of one server, their gate and log budget, and the job table's I/O."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        *,
+        token: str | None,
+        preauth: PreAuthLimits,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.state = state
+        self.token = token
+        self.preauth = preauth
+        self.loop = loop
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.auth_failures = 0
+        self.preauth_closed = 0
+        self.conns: dict[ConnId, ServerConnection] = {}  # every channel's connection
+        self.sockets: set[ServerConnection] = set()
+        self.changed = asyncio.Event()  # set after every batch of actions
+        self._next_id = 0
+        self._gate: Gate[ServerConnection] = Gate(preauth)
+        self._gate_timer: asyncio.TimerHandle | None = None
+        self._refusals = LogBudget()
+        self._refusals_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0
+
+    def new_connection(self) -> ServerConnection:
+        """The protocol of a connection just accepted."""
+        return ServerConnection(self, self._new_id())
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    @property
+    def pending(self) -> int:
+        """Connections waiting for their handshake."""
+        return len(self._gate)
+
+    def close(self) -> None:
+        """Stop the timers; what the log budget held back is logged now."""
+        for timer in (self._timer, self._gate_timer, self._refusals_timer):
+            if timer is not None:
+                timer.cancel()
+        self._gate_timer = self._refusals_timer = None
+        self._flush_refusals(final=True)
+
+    # --- called by connections (connection.ServerSide) ---------------------------------
+
+    def connection_made(self, conn: ServerConnection) -> None:
+        self.sockets.add(conn)
+        self.conns[conn.conn_id] = conn
+        now = self.loop.time()
+        self.state.connection_made(conn.conn_id, conn.peer, now)
+        for oldest in self._gate.admit(conn, now):
+            oldest.shed()
+        if self._gate_timer is None:
+            self._arm_gate_timer()
+
+    def passed(self, conn: ServerConnection) -> None:
+        self._gate.passed(conn)
+
+    def spoke(self, conn: ServerConnection) -> None:
+        self._gate.spoke(conn)
+
+    def charge(self, conn: ServerConnection, nbytes: int) -> bool:
+        return self._gate.charge(conn, nbytes)
+
+    def bad_request(self, conn_id: ConnId, exc: FieldError) -> None:
+        self.state.bad_request(conn_id, exc.req_id, str(exc), exc.wire_details())
+
+    def log_refusal(self, reason: str, message: str, *args: object) -> None:
+        """Log a refused connection, or count it for the interval's summary line."""
+        full, summary = self._refusals.note(self.loop.time(), reason)
+        if summary is not None:
+            logger.warning("%s", summary)
+        if full:
+            logger.warning(message, *args)
+        elif self._refusals_timer is None and (due := self._refusals.due()) is not None:
+            self._refusals_timer = self.loop.call_at(due, self._on_refusals_timer)
+
+    def channel_opened(self, conn: ServerConnection) -> ConnId:
+        conn_id = self._new_id()
+        self.conns[conn_id] = conn
+        self.state.connection_made(conn_id, conn.peer, self.loop.time())
+        return conn_id
+
+    def channel_lost(self, conn_id: ConnId, reason: str) -> None:
+        if self.conns.pop(conn_id, None) is not None:
+            self.state.connection_lost(conn_id, self.loop.time(), reason)
+
+    def connection_lost(self, conn: ServerConnection, reason: str) -> None:
+        self.sockets.discard(conn)
+        self._gate.left(conn)
+        for conn_id in list(conn.channels.values()):
+            self.channel_lost(conn_id, reason)
+        self.flush()
+
+    def receive(self, conn_id: int, msg: Any) -> None:
+        self.state.receive(conn_id, msg, self.loop.time())
+
+    def flush(self) -> None:
+        """Write the job table's actions: one write per connection for the whole batch.
+
+        A barrier released for 256 members of one process is one syscall, not 256.
+        """
+        out: dict[ServerConnection, list[Buffer]] = {}
+        while actions := self.state.take_actions():  # closing a channel may add some
+            for action in actions:
+                conn = self.conns.get(action.conn)
+                if conn is None:
+                    continue
+                if isinstance(action, Close):
+                    if (parts := out.pop(conn, None)) is not None:
+                        conn.write_parts(parts)  # what went before the close goes first
+                    conn.end_channel(action.conn)
+                else:
+                    conn.queue(action.conn, action.msg, out.setdefault(conn, []))
+        for conn, parts in out.items():
+            if parts:
+                conn.write_parts(parts)
+        if (events := self.state.take_events()) and event_logger.isEnabledFor(logging.INFO):
+            for event in events:
+                event_logger.info(json.dumps(event), extra={"aiodist_event": event})
+        self._arm_timer()
+        self.changed.set()
+
+    # --- timers ---------------------------------------------------------------------
+
+    def _arm_gate_timer(self) -> None:
+        when = self._gate.next_deadline()
+        self._gate_timer = None if when is None else self.loop.call_at(when, self._on_gate_timer)
+
+    def _on_gate_timer(self) -> None:
+        for conn in self._gate.expired(self.loop.time()):
+            conn.expired()
+        self._arm_gate_timer()
+
+    def _on_refusals_timer(self) -> None:
+        self._refusals_timer = None
+        self._flush_refusals()
+        if (due := self._refusals.due()) is not None:  # woken a hair early: not over yet
+            self._refusals_timer = self.loop.call_at(due, self._on_refusals_timer)
+
+    def _flush_refusals(self, *, final: bool = False) -> None:
+        # Shutting down: whatever was held back is logged now, its interval over or not.
+        now = math.inf if final else self.loop.time()
+        if (summary := self._refusals.flush(now)) is not None:
+            logger.warning("%s", summary)
+
+    def _arm_timer(self) -> None:
+        when = self.state.next_deadline()
+        if when is None:
+            return
+        if self._timer is not None and not self._timer.cancelled() and self._timer_when <= when:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_when = when
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.state.handle_timeouts(self.loop.time())
+        self.flush()
