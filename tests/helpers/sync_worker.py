@@ -1,0 +1,155 @@
+"""One rank of plain, blocking code on ``aiodist.sync``, run as a subprocess by test_sync_mp.py.
+
+Usage: ``python tests/helpers/sync_worker.py MODE RANK WORLD_SIZE``. The rendezvous
+comes from ``MASTER_ADDR``/``MASTER_PORT`` (and, for mode ``mmengine``, the
+rest of torchrun's variables). The last line printed is a JSON report.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+import threading
+from typing import Any
+
+import torch
+
+import aiodist.sync as dist
+
+
+def _loop_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "aiodist-loop"]
+
+
+def workload(rank: int, world: int) -> dict[str, Any]:
+    """A training-loop-shaped script: collectives, handles overlapped with compute, p2p."""
+    dist.init_process_group(backend="gloo", rank=rank, world_size=world, timeout=60)
+    out: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "is_main": dist.is_main_process(),
+        "loop_threads": _loop_threads(),
+    }
+    small = torch.full((3,), float(rank))
+    large = torch.full((100_000,), float(rank + 1))  # above 64 KiB: the ring path
+    handles: list[dist.Work[Any]] = [
+        dist.all_reduce(small, async_op=True),
+        dist.all_reduce(large, op="mean", async_op=True),
+        dist.all_gather_object({"rank": rank}, async_op=True),
+    ]
+    m = torch.eye(64) + rank
+    for _ in range(20):  # compute while the collectives run
+        m = (m @ m.T) / m.norm()
+    out["results"] = [handles[0].wait(timeout=60).tolist()]
+    out["results"].append(handles[1].wait(timeout=60)[:2].tolist())
+    out["results"].append(handles[2].wait(timeout=60))
+    out["all_completed"] = all(h.is_completed() for h in handles)
+
+    data: list[Any] = ["cfg", {"lr": 0.1}] if rank == 0 else [None, None]
+    dist.broadcast_object_list(data)
+    out["broadcast_object_list"] = data
+    # A distributed sampler gives rank r the samples r, r + world, ...; 10 samples in all.
+    mine = [f"s{i}" for i in range(rank, 12, world)]
+    out["collect_results"] = dist.collect_results(mine, 10)
+    out["seed"] = dist.sync_random_seed()
+
+    store = dist.get_store()  # blocking methods, like TCPStore's
+    store.set(f"ready/{rank}", str(rank))
+    store.wait([f"ready/{r}" for r in range(world)], timeout=60)
+    out["store"] = [store.get("ready/0").decode(), store.add("count", 1) >= 1]
+
+    right, left = (rank + 1) % world, (rank - 1) % world
+    send = dist.isend(torch.full((4,), float(rank)), dst=right)  # running, as torch's
+    buf = torch.zeros(4)
+    out["recv_from"] = dist.recv(buf, src=left)
+    send.wait(timeout=60)
+    out["recv"] = buf.tolist()
+    dist.barrier()
+    dist.destroy_process_group()
+    out["loop_threads_after"] = _loop_threads()
+    out["initialized_after"] = dist.is_initialized()
+    return out
+
+
+def mmengine(rank: int, world: int) -> dict[str, Any]:
+    """The examples of mmengine.dist's docstrings (world size 2), through init_dist."""
+    dist.init_dist("pytorch", backend="gloo", timeout=60)
+    out: dict[str, Any] = {"rank": dist.get_rank(), "local_rank": dist.get_local_rank()}
+
+    data = torch.arange(2, dtype=torch.int64) + 1 + 2 * rank
+    dist.all_reduce(data)
+    out["all_reduce"] = data.tolist()
+
+    data = torch.arange(2, dtype=torch.int64) + 1 + 2 * rank
+    out["all_gather"] = [t.tolist() for t in dist.all_gather(data)]
+    out["gather"] = [t.tolist() for t in dist.gather(data)]
+
+    data = torch.arange(2, dtype=torch.int64) + 1 + 2 * rank
+    dist.broadcast(data)
+    out["broadcast"] = data.tolist()
+
+    out["sync_random_seed"] = dist.sync_random_seed()
+
+    objs: list[Any] = ["foo", 12, {1: 2}] if rank == 0 else [None, None, None]
+    dist.broadcast_object_list(objs)
+    out["broadcast_object_list"] = repr(objs)
+
+    tensors = {
+        "key1": torch.arange(2, dtype=torch.int64) + 2 * rank,
+        "key2": torch.arange(3, dtype=torch.int64) + 3 * rank,
+    }
+    dist.all_reduce_dict(tensors)
+    out["all_reduce_dict"] = {k: v.tolist() for k, v in tensors.items()}
+    means = {"loss": torch.tensor([1.0 + rank])}
+    dist.all_reduce_dict(means, op="mean")
+    out["all_reduce_dict_mean"] = means["loss"].tolist()
+
+    picklable = ["foo", 12, {1: 2}]
+    out["all_gather_object"] = repr(dist.all_gather_object(picklable[rank]))
+    out["gather_object"] = repr(dist.gather_object(picklable[rank]))
+
+    results: list[Any] = ["foo", {1: 2}] if rank == 0 else [24, {"a": "b"}]
+    out["collect_results"] = repr(dist.collect_results(results, 4, device="cpu"))
+
+    params = [torch.ones(2) * (rank + 1), torch.ones(3, dtype=torch.float64) * (rank + 1)]
+    dist.all_reduce_params(params, op="mean")
+    out["all_reduce_params"] = [p.tolist() for p in params]
+
+    saved: list[int] = []
+    dist.master_only(saved.append)(rank)
+    out["master_only"] = saved
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def no_destroy(rank: int, world: int) -> dict[str, Any]:
+    """Leave without destroy_process_group: interpreter exit tears the group down.
+
+    The report is printed at exit, by a handler registered before aiodist.sync
+    starts its loop thread, so it runs after aiodist's own exit handler.
+    """
+    out: dict[str, Any] = {"rank": rank}
+
+    def report_at_exit() -> None:
+        out["at_exit"] = {"initialized": dist.is_initialized(), "loop_threads": _loop_threads()}
+        print(json.dumps(out), flush=True)
+
+    atexit.register(report_at_exit)
+    dist.init_process_group(backend="gloo", rank=rank, world_size=world, timeout=60)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out.update(all_reduce=t.tolist(), loop_threads=_loop_threads())
+    return out
+
+
+def main() -> None:
+    mode, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    modes = {"workload": workload, "mmengine": mmengine, "no_destroy": no_destroy}
+    print(json.dumps(modes[mode](rank, world)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""``aiodist.rpc`` in real processes: a master (rank 0) and workers, each its own interpreter.
+
+Each test runs one scenario of tests/helpers/rpc_worker.py on every rank (rank 0
+embeds the rendezvous server) and checks the JSON line each rank prints. The
+workers are nothing but ``init_process_group`` and ``rpc.shutdown``: they
+serve the master's calls meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers import HELPERS, ROOT
+
+pytestmark = pytest.mark.slow
+
+WORKER = HELPERS / "rpc_worker.py"
+HEARTBEAT_TIMEOUT = 2.0  # rpc_worker.py's
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(
+    scenario: str,
+    world: int = 3,
+    *,
+    env: dict[int, dict[str, str]] | None = None,
+    timeout: float = 90,
+    victim: int | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Run ``scenario`` on ``world`` ranks; each rank's report (and ``returncode``).
+
+    The victim of a death scenario may never exit by itself (a stopped process):
+    it is killed once the others are done. No process outlives this call.
+    """
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    base["PYTHONPATH"] = str(ROOT)
+    procs: dict[int, subprocess.Popen[str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for rank in range(world):
+            procs[rank] = subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**base, **(env or {}).get(rank, {})},
+            )
+        reports: dict[int, dict[str, Any]] = {}
+        for rank in sorted(procs, key=lambda r: r == victim):  # the victim last
+            proc = procs[rank]
+            if rank == victim and proc.poll() is None:
+                proc.kill()
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            lines = stdout.strip().splitlines()
+            report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+            report["returncode"] = proc.returncode
+            report["stderr"] = stderr[-3000:]
+            reports[rank] = report
+        return reports
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        assert all(p.returncode is not None for p in procs.values())
+
+
+def _ok(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    for rank, report in reports.items():
+        assert report["returncode"] == 0, f"rank {rank}: {report}"
+        assert report["shutdown"] == "ok", report
+    return reports[0]
+
+
+def test_calls_return_values_of_every_kind_with_a_job_token() -> None:
+    # With a token, every data-plane channel proves it: rpc rides authenticated channels.
+    token = {"AIODIST_TOKEN": "rpc-test-token"}
+    out = _ok(_run("values", env=dict.fromkeys(range(3), token)))
+    assert out["plain"] == 5
+    assert out["async_kwargs"] == 7
+    assert out["returns_coroutine"] == 5
+    assert out["self"] == "ab"
+    assert out["builtin"] == 6
+    # A plain function runs in an rpc thread, a coroutine function on the worker's loop.
+    assert out["whoami"]["rank"] == 1
+    assert out["whoami"]["thread"].startswith("aiodist-rpc")
+    assert out["whoami"]["loop"] is False
+    assert out["async_whoami"]["thread"] == "MainThread"
+    assert out["types"] is True  # tuples, bytes, int keys, big ints: as sent
+    assert out["point"] is True
+    assert out["tensor_args"] == out["tensor_expected"]
+    assert out["strided"] == out["strided_expected"]
+    assert out["tensor_result"] is True
+    assert out["mixed"] is True
+    assert out["numpy"] is True
+    assert out["nested_plain"] == 105
+    assert out["nested_async"] == 1005
+    assert out["from_thread"] == 42
+    assert out["from_thread_async"] == 2
+    assert "event-loop thread" in out["sync_on_loop"]
+    assert out["many"] is True
+
+
+def test_calls_run_concurrently_on_the_worker() -> None:
+    out = _ok(_run("concurrency"))
+    # Six plain calls met at a barrier of six: six threads at once; six coroutines alike.
+    assert len(out["threads"]) == 6
+    assert all(name.startswith("aiodist-rpc") for name in out["threads"])
+    assert out["coroutines"] == [6] * 6
+    # While a plain call blocks in its thread, other calls to that rank complete.
+    assert out["meanwhile_async"] == 3
+    assert out["meanwhile_plain"] == 7
+    assert out["blocked_still_running"] is True
+    assert out["blocked"] == "released"
+
+
+def test_remote_errors_are_raised_on_the_caller_with_rank_and_traceback() -> None:
+    reports = _run("errors", env={1: {"AIODIST_RPC_THREADS": "1"}})
+    out = _ok(reports)
+    kind, rank, message, exc_type = out["value"]
+    assert (kind, rank, exc_type) == ("ValueError", 1, "ValueError")
+    assert message.startswith("bad value 42")
+    assert "on rank 1" in message
+    assert "Remote traceback" in message
+    assert 'raise ValueError("bad value 42")' in message  # the remote frame's source line
+    assert "_rpc/serve.py" not in message  # serving machinery is left out
+    assert "_rpc/threads.py" not in message
+    assert out["custom"][:2] == ["CustomError", 1]
+    assert out["custom_code"] == 7  # attributes survive
+    # A type the caller cannot rebuild: RemoteError, naming the rank and the type.
+    kind, rank, message, exc_type = out["local"]
+    assert (kind, rank) == ("RemoteError", 1)
+    assert exc_type.endswith("LocalError")
+    assert "from a local class" in message
+    # SystemExit on the worker must not stop the caller; the worker lives on.
+    assert out["exit"][:2] == ["RemoteError", 1]
+    assert out["key"][:2] == ["KeyError", 1]
+    assert out["async"][:2] == ["ZeroDivisionError", 2]
+    assert out["unpicklable_result"][:2] == ["TypeError", 2]
+    assert "cannot be sent back" in out["unpicklable_result"][2]
+    refused = out["refused"]
+    assert refused["outside"][0] == "ValueError"
+    assert "to=3 is not a rank of the job" in refused["outside"][1]
+    assert refused["negative"][0] == "ValueError"
+    assert refused["lambda"][0] == "TypeError"
+    assert "lambda" in refused["lambda"][1]
+    assert refused["argument"][0] == "TypeError"
+    assert refused["not_callable"][0] == "TypeError"
+    assert refused["huge_callable"][0] == "TypeError"
+    assert "pass large data as arguments" in refused["huge_callable"][1]
+    assert all(r[2] < 1.0 for r in refused.values())  # at once, not after a round trip
+    assert out["usable_after"] == 3
+    # A timeout: DistTimeoutError naming the rank, within the timeout, cancelled there.
+    kind, rank, message, _ = out["timeout"]
+    assert kind == "DistTimeoutError"
+    assert "cancelled on rank 2" in message
+    assert 0.45 <= out["timeout_s"] < 3.0  # (uvloop may fire a timer a hair early)
+    assert out["cancelled_there"] is True
+    assert out["queued_timeout"][0] == "DistTimeoutError"
+    assert out["blocked"] == "released"
+    assert out["started"] == []  # the timed-out plain call never started
+    assert out["usable_after_timeout"] == 4
+
+
+def test_rrefs_keep_objects_while_referenced_and_release_them() -> None:
+    reports = _run("rrefs")
+    out = _ok(reports)
+    assert out["owner"] == 1
+    assert out["is_owner"] is False
+    assert out["add"] == [2, 5]
+    assert out["get_name"] == "a"
+    assert out["to_here"] == ["Tracked", "a", 5]
+    assert out["remote_method"] == [1, "aa"]
+    assert out["alive_while_held"] is True
+    assert out["released"] is True
+    assert out["kept_repr"].startswith("RRef(owner=1")
+    assert out["alive_while_forwarded"] is True
+    assert out["forwarded_use"] == 10
+    assert out["released_forwarded"] is True
+    assert out["method_after_drop"] == 4
+    assert out["released_slow"] is True
+    assert out["owned_left"] == 0
+    assert out["local_value"] == "mine"
+    assert out["local_value_direct"] == "mine"
+    assert out["bad_to_here"][:2] == ["ValueError", 2]
+    assert out["bad_method"][:2] == ["ValueError", 2]
+    # Objects still referenced when rpc shuts down are dropped then.
+    assert {"a", "b", "end", "end2"} <= set(reports[1]["deleted"])
+    assert "mine" in reports[0]["deleted"]
+
+
+@pytest.mark.parametrize("how", ["exit", "stop"])
+def test_worker_death_fails_every_pending_call_with_its_rank(how: str) -> None:
+    # "exit": the process dies (its connections drop); "stop": it freezes (SIGSTOP),
+    # so only its missed heartbeats tell. Either way within the heartbeat timeout.
+    reports = _run("death", env={r: {"RPC_DEATH": how} for r in range(3)}, victim=2)
+    out = reports[0]
+    assert out["returncode"] == 0, out
+    assert reports[2]["returncode"] == (17 if how == "exit" else -9)
+    assert len(out["pending"]) == 5
+    for kind, rank, message, _ in out["pending"]:
+        assert kind == "RankFailedError", out
+        assert rank == 2
+        assert "rank 2" in message
+    assert out["elapsed_s"] < HEARTBEAT_TIMEOUT + 3.0
+    # The job is broken on every rank, as for any operation: calls elsewhere fail too.
+    assert out["other"][:2] == ["RankFailedError", 2]
+    assert out["after"][:2] == ["RankFailedError", 2]
+    assert reports[1]["returncode"] == 0
+    assert reports[1]["shutdown"][:2] == ["RankFailedError", 2]
+
+
+def test_shutdown_waits_for_calls_in_flight_and_serves_meanwhile() -> None:
+    reports = _run("shutdown")
+    out = _ok(reports)
+    assert out["all_done"] is True
+    assert out["results"] == [
+        "released",
+        "released",
+        "released",
+        *[i + 1000 for i in range(5)],
+        *[i + 100 for i in range(5)],
+        2,
+    ]
+    assert out["after"][0] == "ClosedError"
+    assert "rpc.shutdown() completed" in out["after"][2]
+    assert out["rref_after"][0] == "ClosedError"
+    assert out["second_shutdown"] is True
+    assert "to-the-end" in reports[2]["deleted"]
+
+
+def test_plain_code_uses_blocking_calls_and_a_blocking_shutdown() -> None:
+    reports = _run("plain")
+    for rank, report in reports.items():
+        assert report["returncode"] == 0, f"rank {rank}: {report}"
+        assert report["shutdown_done"] is True
+    out = reports[0]
+    assert out["rpc_sync"] == 3
+    assert out["async_wait"] == 7
+    assert out["method_sync"] == 5
+    assert out["to_here_wait"] == 5
+    assert out["tensor"] == [float(1 << 18), [1 << 18], "torch.float32", True]
+    assert out["error"] == ["CustomError", 7]
+    assert "plain" in reports[2]["deleted"]
