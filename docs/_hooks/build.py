@@ -45,8 +45,9 @@ log = logging.getLogger("mkdocs.hooks.aiodist")
 # --- the architecture: the layers' own docstrings ---------------------------------------------
 
 
-def layer_order() -> list[tuple[str, str]]:
-    """``LAYERS`` of ``aiodist/_tools/layers.py``, read from its source."""
+def layer_order() -> list[tuple[str, str, tuple[str, ...]]]:
+    """``LAYERS`` of ``aiodist/_tools/layers.py``, read from its source: each layer's
+    name, what it owns and the layers right beneath it."""
     tree = ast.parse((PACKAGE / "_tools" / "layers.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.AnnAssign | ast.Assign):
@@ -54,7 +55,7 @@ def layer_order() -> list[tuple[str, str]]:
             if any(isinstance(t, ast.Name) and t.id == "LAYERS" for t in targets):
                 assert node.value is not None
                 value = ast.literal_eval(node.value)
-                return [(str(name), str(owns)) for name, owns in value]
+                return [(str(name), str(owns), tuple(below)) for name, owns, below in value]
     raise RuntimeError("aiodist/_tools/layers.py defines no LAYERS")
 
 
@@ -96,9 +97,10 @@ def _demote_rst(text: str) -> str:
 def render_layers() -> str:
     """One section per layer, bottom up, each its package docstring."""
     out = []
-    for index, (name, owns) in enumerate(layer_order()):
+    for index, (name, owns, below) in enumerate(layer_order()):
         out.append(f"### {index}. `{name}`\n")
-        out.append(f"*{owns}*\n")
+        on = ", ".join(f"`{b}`" for b in below)
+        out.append(f"*{owns}*" + (f" (builds on {on})" if on else "") + "\n")
         source = _layer_source(name)
         if source is None:
             out.append(_public_face())
