@@ -408,5 +408,7 @@ async def test_flush_hands_syncs_to_the_peers_before_returning(
         for rank in range(2):
             tg.start_soon(one, rank)
     assert results[0].returncode == 0, results[0].stderr
-    out = reports_by_rank(results[1].stdout)[1]
+    reports = reports_by_rank(results[1].stdout)
+    assert 1 in reports, f"rank 1 reported nothing:\n{results[1].stderr}"
+    out = reports[1]
     assert out["n"] == [3.0, 3.0, 3.0], (out, results[1].stderr)
