@@ -79,6 +79,9 @@ class ControlChannel:
         self._held: list[Notice] | None = None  # notices that came before a callback
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._error: DistError | None = None
+        # What its member is doing, for the connection's heartbeats: ``[current, last]``
+        # (``Heartbeat.where``); set by the member's session (its flight recorder).
+        self.where: Callable[[], list[Any]] | None = None
 
     @property
     def on_notice(self) -> Callable[[Notice], None] | None:

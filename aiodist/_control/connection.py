@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import anyio
 
 from aiodist._control.channel import ControlChannel, Notice, ServerLost
-from aiodist._control.liveness import Heartbeats
+from aiodist._control.liveness import Heartbeats, where_of
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -247,7 +247,8 @@ class ControlConnection(asyncio.Protocol):
         return self.liveness.interval
 
     def _send_heartbeat(self) -> None:
-        self.send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
+        # Any channel: it counts for all; it carries what each member is doing.
+        self.send_on(self._out_channel, Heartbeat(where_of(self._channels)))
 
     def _server_silent(self, silent: float) -> None:
         self._fail(

@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--token-file", default=None, help="the server's token (default: $AIODIST_TOKEN)"
     )
+    status.add_argument(
+        "--job", default=None, help="one job: what each rank is doing, who the others wait for"
+    )
 
     run = sub.add_parser(
         "run",
@@ -372,6 +375,17 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
         return _fail("status", f"the server at {where} did not report its status ({exc})")
     finally:
         conn.close()
+    if args.job is not None:
+        from aiodist._launch.status_job import find_job, format_job
+
+        job = find_job(snap, args.job)
+        if job is None:
+            return _fail("status", f"the server at {where} holds no job {args.job!r}")
+        if args.json:
+            print(json.dumps({"server": where, "job": job}, indent=2, sort_keys=True))
+        else:
+            print(format_job(job))
+        return 0
     if args.json:
         print(json.dumps({"server": where, **snap}, indent=2, sort_keys=True))
     else:

@@ -61,6 +61,7 @@ from aiodist._server.jobs import (
     check_values,
 )
 from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers, left_error
+from aiodist._server.where import heard
 from aiodist._wire.bounds import MIN_HEARTBEAT_TIMEOUT
 from aiodist._wire.messages import (
     Barrier,
@@ -143,6 +144,8 @@ class ServerState(StoreAndBarriers):
         if state.member is not None:
             state.member.last_seen = now
         if isinstance(msg, Heartbeat):
+            if msg.where and state.member is not None:
+                heard(state.member, msg.where[0], now)
             return
         req_id = getattr(msg, "req_id", 0)
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
 
 import msgpack
@@ -121,7 +121,16 @@ class Leave:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
+    """I am alive; ``where`` says what each member on the connection is doing.
+
+    ``where`` holds one ``[channel, current, last]`` per member that reports:
+    ``current`` its oldest unfinished operation and ``last`` the collective it
+    finished last, each ``[group, seq, name, seconds]`` (running for, ended ago)
+    or None. The server echoes a heartbeat with an empty ``where``.
+    """
+
     KIND: ClassVar[MessageKind] = MessageKind.HEARTBEAT
+    where: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,292 @@
+"""The flight recorder: every rank's last operations, in a bounded ring.
+
+Each session owns one ``Recorder``. Every collective (``_ops.run``) and every
+point-to-point call records one ``Entry``: its name, group, sequence number,
+peer, dtype and shape, when it was called, started and ended, and how it
+ended. The ring holds the last ``capacity`` entries (``AIODIST_RECORDER_SIZE``,
+by default 2,048); it is always on, so its hot path is a few attribute stores
+into a preallocated entry and one ``Work.when_done`` listener, with
+``time.perf_counter_ns`` for the clock. Sizes are derived only when read.
+
+An entry still running when the ring wraps is kept aside (``_held``) until it
+ends: the oldest unfinished operation (``oldest``, what each heartbeat
+carries, see ``where``) is never lost to the ring's bound.
+
+``dump`` is the recorder as plain data (the documented dump format,
+``FORMAT``); ``trace_events`` the same operations as Chrome trace events
+(``_launch/trace.py`` writes and merges them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from aiodist._group.work import Work
+
+__all__ = ["DEFAULT_CAPACITY", "FORMAT", "Entry", "Recorder", "capacity_from_env"]
+
+#: How many operations a rank's recorder keeps, unless ``AIODIST_RECORDER_SIZE`` says.
+DEFAULT_CAPACITY: Final = 2048
+#: The ``format`` field of a dump (bumped when a field changes meaning).
+FORMAT: Final = "aiodist.flight-recorder/1"
+# Wire bounds (``_wire/bounds.py`` checks them again on the server).
+_NAME_CHARS: Final = 64
+
+
+def capacity_from_env() -> int:
+    """``AIODIST_RECORDER_SIZE`` as a ring size (at least 16), else ``DEFAULT_CAPACITY``."""
+    raw = os.environ.get("AIODIST_RECORDER_SIZE", "")
+    try:
+        return max(16, int(raw)) if raw else DEFAULT_CAPACITY
+    except ValueError:
+        raise ValueError(f"AIODIST_RECORDER_SIZE must be an integer, got {raw!r}") from None
+
+
+class Entry:
+    """One recorded operation (a slot of the ring, reused once it ended)."""
+
+    __slots__ = (
+        "dtype",
+        "ended",
+        "enqueued",
+        "error",
+        "group",
+        "id",
+        "name",
+        "peer",
+        "seq",
+        "shape",
+        "started",
+        "work",
+    )
+
+    def __init__(self) -> None:
+        self.id = -1  # the how-many-th operation of its recorder (-1: slot never used)
+        self.name = ""
+        self.group = ""
+        self.seq = 0  # the group's sequence number; 0 for point-to-point
+        self.peer = -1  # point-to-point: the other rank (-1: any, or a collective)
+        self.dtype: Any = None
+        self.shape: Any = None
+        self.enqueued = 0  # perf_counter_ns when the call was made
+        self.started = 0  # ... when the operation was handed to its algorithm
+        self.ended = 0  # ... when its handle settled; 0 while running
+        self.error: BaseException | None = None
+        self.work: Work[Any] | None = None  # while running (its result is not kept)
+
+    def finish(self, work: Work[Any]) -> None:
+        """``Work.when_done`` listener: the operation ended."""
+        self.ended = time.perf_counter_ns()
+        self.error = work.exception()
+        self.work = None
+
+    @property
+    def state(self) -> str:
+        if self.ended == 0:
+            return "pending"
+        return "done" if self.error is None else "failed"
+
+    @property
+    def nbytes(self) -> int:
+        if self.shape is None or self.dtype is None:
+            return 0
+        try:
+            return int(self.shape.numel()) * int(self.dtype.itemsize)
+        except (AttributeError, TypeError):
+            return 0
+
+
+class Recorder:
+    """One rank's ring of its last operations (see the module docstring)."""
+
+    __slots__ = (
+        "_count",
+        "_held",
+        "_ring",
+        "_scan",
+        "capacity",
+        "job",
+        "last",
+        "perf0",
+        "pid",
+        "rank",
+        "trace",
+        "wall0",
+    )
+
+    def __init__(self, rank: int, job: str, capacity: int | None = None) -> None:
+        self.capacity = capacity_from_env() if capacity is None else max(1, capacity)
+        self._ring = [Entry() for _ in range(self.capacity)]
+        self._count = 0  # operations recorded so far
+        self._scan = 0  # no operation before this one is still running (but the held ones)
+        self._held: list[Entry] = []  # running entries the ring wrapped over
+        self.rank = rank
+        self.job = job
+        self.pid = os.getpid()
+        self.last: Entry | None = None  # the last collective that ended (``where``)
+        # One clock for all: perf_counter_ns, with the wall-clock time of its zero.
+        self.perf0 = time.perf_counter_ns()
+        self.wall0 = time.time_ns()
+        self.trace: list[Entry] | None = None  # AIODIST_TRACE: every entry, unbounded
+
+    def record(
+        self,
+        work: Work[Any],
+        name: str,
+        group: str,
+        seq: int,
+        peer: int,
+        dtype: Any,
+        shape: Any,
+        enqueued: int,
+    ) -> None:
+        """Record operation ``work`` (running or done), called at ``enqueued`` (perf ns)."""
+        count = self._count
+        ring = self._ring
+        i = count % self.capacity
+        e = ring[i]
+        if e.work is not None:  # still running: keep it aside, take a fresh slot
+            self._held.append(e)
+            e = ring[i] = Entry()
+        e.id = count
+        e.name = name
+        e.group = group
+        e.seq = seq
+        e.peer = peer
+        e.dtype = dtype
+        e.shape = shape
+        e.enqueued = enqueued
+        e.started = time.perf_counter_ns()
+        e.ended = 0
+        e.error = None
+        self._count = count + 1
+        if self.trace is not None:
+            self.trace.append(e)
+            ring[i] = Entry()  # the trace keeps this one: the ring takes another
+        if work.is_completed():
+            e.finish(work)
+        else:
+            e.work = work
+            work.when_done(e.finish)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def entries(self) -> list[Entry]:
+        """The entries kept, oldest first (the held ones included)."""
+        count, cap = self._count, self.capacity
+        first = max(0, count - cap)
+        ring = [self._ring[k % cap] for k in range(first, count)]
+        kept = [e for e in ring if e.id >= first]
+        held = [e for e in self._held if e.id < first]
+        if self.trace is not None:
+            kept = [e for e in self.trace if e.id >= first]
+        return sorted(held, key=_by_id) + kept
+
+    def oldest(self) -> Entry | None:
+        """The oldest operation still running (None: none)."""
+        self._held = [e for e in self._held if e.ended == 0]
+        count, cap = self._count, self.capacity
+        k = max(self._scan, count - cap)
+        found: Entry | None = None
+        if self.trace is not None:
+            trace = self.trace
+            k = self._scan
+            while k < len(trace) and trace[k].ended:
+                k += 1
+            self._scan = k
+            found = trace[k] if k < len(trace) else None
+        else:
+            ring = self._ring
+            while k < count:
+                e = ring[k % cap]
+                if e.id == k and e.ended == 0:
+                    found = e
+                    break
+                k += 1
+            self._scan = k
+        if self._held and (found is None or self._held[0].id < found.id):
+            return self._held[0]
+        return found
+
+    def last_ended(self) -> Entry | None:
+        """The collective (sequence number > 0) that ended last, among those kept."""
+        best: Entry | None = None
+        for e in self.entries():
+            if e.seq and e.ended and (best is None or e.ended > best.ended):
+                best = e
+        return best
+
+    def where(self, now_ns: int | None = None) -> list[Any]:
+        """``[current, last]`` for a heartbeat: each ``[group, seq, name, age_s]`` or None.
+
+        ``current`` is the oldest running operation and how long it has run;
+        ``last`` the collective that ended last and how long ago.
+        """
+        now = time.perf_counter_ns() if now_ns is None else now_ns
+        current = self.oldest()
+        last = self.last_ended() if current is None or current.seq else None
+        return [
+            _pos(current, now, current.enqueued) if current is not None else None,
+            _pos(last, now, last.ended) if last is not None else None,
+        ]
+
+    def wall(self, perf_ns: int) -> float:
+        """``perf_ns`` (a perf_counter_ns reading) as seconds since the epoch."""
+        return (self.wall0 + (perf_ns - self.perf0)) / 1e9
+
+    def dump(self, reason: str = "") -> dict[str, Any]:
+        """The recorder as plain data: the dump format (``docs/guide/observability.md``)."""
+        now = time.perf_counter_ns()
+        return {
+            "format": FORMAT,
+            "job": self.job,
+            "rank": self.rank,
+            "pid": self.pid,
+            "host": _hostname(),
+            "reason": reason,
+            "time": self.wall(now),
+            "capacity": self.capacity,
+            "recorded": self._count,
+            "operations": [self.describe(e, now) for e in self.entries()],
+        }
+
+    def describe(self, e: Entry, now: int) -> dict[str, Any]:
+        """One entry as plain data (times in seconds since the epoch)."""
+        return {
+            "id": e.id,
+            "name": e.name,
+            "group": e.group,
+            "seq": e.seq,
+            "peer": e.peer,
+            "bytes": e.nbytes,
+            "dtype": str(e.dtype).removeprefix("torch.") if e.dtype is not None else None,
+            "shape": list(e.shape) if e.shape is not None else None,
+            "enqueued": self.wall(e.enqueued),
+            "started": self.wall(e.started),
+            "ended": self.wall(e.ended) if e.ended else None,
+            "seconds": ((e.ended or now) - e.enqueued) / 1e9,
+            "state": e.state,
+            "error": f"{type(e.error).__name__}: {e.error}" if e.error is not None else None,
+        }
+
+
+def _by_id(e: Entry) -> int:
+    return e.id
+
+
+def _pos(e: Entry, now: int, since: int) -> list[Any]:
+    return [e.group[:256], e.seq, e.name[:_NAME_CHARS], max(0.0, (now - since) / 1e9)]
+
+
+_HOST: list[str] = []
+
+
+def _hostname() -> str:
+    if not _HOST:
+        import socket
+
+        _HOST.append(socket.gethostname())
+    return _HOST[0]
