@@ -33,7 +33,7 @@ async def ranks(url: str, n: int, job: str, mode: str) -> AsyncIterator[list[Pro
     try:
         for r in range(n):
             argv = [sys.executable, WORKER, url, str(r), str(n), job, mode]
-            procs.append(await anyio.open_process(argv, env=env))  # noqa: PERF401
+            procs.append(await anyio.open_process(argv, env=env))
         yield procs
     finally:
         for p in procs:

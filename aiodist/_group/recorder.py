@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from aiodist._group.work import Work
 
-__all__ = ["DEFAULT_CAPACITY", "FORMAT", "Entry", "Recorder", "capacity_from_env"]
+__all__ = ["DEFAULT_CAPACITY", "FORMAT", "Entry", "Recorder", "capacity_from_env", "new_recorder"]
 
 #: How many operations a rank's recorder keeps, unless ``AIODIST_RECORDER_SIZE`` says.
 DEFAULT_CAPACITY: Final = 2048
@@ -37,12 +37,19 @@ _NAME_CHARS: Final = 64
 
 
 def capacity_from_env() -> int:
-    """``AIODIST_RECORDER_SIZE`` as a ring size (at least 16), else ``DEFAULT_CAPACITY``."""
+    """``AIODIST_RECORDER_SIZE`` as a ring size, else ``DEFAULT_CAPACITY``; 0 turns it off."""
     raw = os.environ.get("AIODIST_RECORDER_SIZE", "")
     try:
-        return max(16, int(raw)) if raw else DEFAULT_CAPACITY
+        size = int(raw) if raw else DEFAULT_CAPACITY
     except ValueError:
         raise ValueError(f"AIODIST_RECORDER_SIZE must be an integer, got {raw!r}") from None
+    return 0 if size <= 0 else max(16, size)
+
+
+def new_recorder(rank: int, job: str) -> Recorder | None:
+    """A session's recorder, sized by ``AIODIST_RECORDER_SIZE`` (None when that is 0)."""
+    capacity = capacity_from_env()
+    return Recorder(rank, job, capacity) if capacity else None
 
 
 class Entry:

@@ -44,7 +44,7 @@ from aiodist._errors import (
 )
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
-from aiodist._group.recorder import Recorder
+from aiodist._group.recorder import Recorder, new_recorder
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
 
 if TYPE_CHECKING:
@@ -114,8 +114,10 @@ class Session:
         self.local_rank = welcome.local_rank
         self.local_size = welcome.local_size
         self.store = Store(conn, timeout)
-        self.recorder = Recorder(welcome.rank, group_name)  # the flight recorder (recorder.py)
-        conn.where = self.recorder.where  # each heartbeat says where this rank is
+        # The flight recorder (recorder.py); each heartbeat says where this rank is.
+        self.recorder: Recorder | None = new_recorder(welcome.rank, group_name)
+        if self.recorder is not None:
+            conn.where = self.recorder.where
         self.error: DistError | None = None
         self.closed = False
         self._barrier_seq = 0

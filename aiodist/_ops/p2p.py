@@ -192,7 +192,8 @@ def isend(
         raise
     if device is None:
         work = send_message(g, description, dst, key, meta, payload)
-    g.session.recorder.record(work, "isend", g.name, 0, dst, t.dtype, t.shape, called)
+    if (rec := g.session.recorder) is not None:
+        rec.record(work, "isend", g.name, 0, dst, t.dtype, t.shape, called)
     return work
 
 
@@ -329,9 +330,8 @@ def irecv(
             work.set_result(sender)
 
     g.session.plane.post(src, key, byte_view(dest), arrived)
-    g.session.recorder.record(
-        work, "irecv", g.name, 0, -1 if src is None else src, t.dtype, t.shape, called
-    )
+    if (rec := g.session.recorder) is not None:
+        rec.record(work, "irecv", g.name, 0, -1 if src is None else src, t.dtype, t.shape, called)
     return work
 
 

@@ -114,10 +114,13 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
 
 def _record(g: ProcessGroup, work: Work[Any], name: str, seq: int, first: Any, at: int) -> None:
     """Record the call in its session's flight recorder (``_group/recorder.py``)."""
+    rec = g.session.recorder
+    if rec is None:
+        return
     if first is None:
-        g.session.recorder.record(work, name, g.name, seq, -1, None, None, at)
+        rec.record(work, name, g.name, seq, -1, None, None, at)
     else:
-        g.session.recorder.record(work, name, g.name, seq, -1, first.dtype, first.shape, at)
+        rec.record(work, name, g.name, seq, -1, first.dtype, first.shape, at)
 
 
 def _bridge_for(g: ProcessGroup, first: object) -> Bridge | None:
