@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,13 @@ ENV = {"AIODIST_HEARTBEAT_INTERVAL": "0.1"}
 
 
 @contextlib.asynccontextmanager
-async def ranks(url: str, n: int, job: str, mode: str) -> AsyncIterator[list[Process]]:
+async def ranks(
+    url: str, n: int, job: str, mode: str, dump_dir: Path | None = None
+) -> AsyncIterator[list[Process]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     env.update(ENV)
+    if dump_dir is not None:
+        env["AIODIST_DUMP_DIR"] = str(dump_dir)
     procs: list[Process] = []
     try:
         for r in range(n):
@@ -62,11 +67,13 @@ async def status_json(port: int, job: str) -> dict[str, Any] | None:
     return json.loads(done.stdout)["job"]  # type: ignore[no-any-return]
 
 
-async def test_status_job_names_the_rank_outside_the_all_reduce() -> None:
+async def test_status_job_names_the_rank_outside_the_all_reduce(tmp_path: Path) -> None:
+    signalled = tmp_path / "signal"
+    signalled.mkdir()
     with anyio.fail_after(60):
         async with serve("--port", "0") as daemon:
             url = f"tcp://127.0.0.1:{daemon.port}"
-            async with ranks(url, 3, "obs", "sleep") as procs:
+            async with ranks(url, 3, "obs", "sleep", dump_dir=signalled) as procs:
                 # Until the server heard ranks 0 and 1 in the all_reduce (heartbeats: 0.1 s).
                 while True:
                     job = await status_json(daemon.port, "obs")
@@ -95,6 +102,33 @@ async def test_status_job_names_the_rank_outside_the_all_reduce() -> None:
                 assert f"all_reduce #{call['seq']} on group 'obs': ranks 0, 1 waiting" in line
                 assert f"rank 2 not entered (last: barrier #{call['seq'] - 1}, done" in line
 
+                # Dumps through the server: one file per rank, and one for the job.
+                done = await run_cli(
+                    "status", "--port", str(daemon.port), "--job", "obs", "--dump", str(tmp_path)
+                )
+                assert done.returncode == 0, done.stderr
+                merged = json.loads((tmp_path / "aiodist-dump-obs.json").read_text())
+                assert [d["rank"] for d in merged["ranks"]] == [0, 1, 2]
+                for d in merged["ranks"]:
+                    assert d["format"] == "aiodist.flight-recorder/1"
+                    assert (tmp_path / f"aiodist-dump-obs-rank{d['rank']}.json").exists()
+                    ops = [(o["name"], o["seq"], o["state"]) for o in d["operations"]]
+                    assert ("barrier", call["seq"] - 1, "done") in ops
+                    if d["rank"] < 2:
+                        assert ops[-1] == ("all_reduce", call["seq"], "pending")
+                        assert d["operations"][-1]["bytes"] == 16
+                        assert d["operations"][-1]["shape"] == [4]
+                        assert d["operations"][-1]["dtype"] == "float32"
+                    else:
+                        assert ops[-1][0] == "barrier"
+
+                # SIGUSR1: the rank writes its recorder into AIODIST_DUMP_DIR.
+                procs[2].send_signal(signal.SIGUSR1)
+                dumped = signalled / "aiodist-dump-obs-rank2.json"
+                while not dumped.exists():  # noqa: ASYNC110
+                    await anyio.sleep(0.05)  # a file appears: there is no event to await
+                assert json.loads(dumped.read_text())["reason"] == "SIGUSR1"
+
                 # The sleeping rank wakes up: the all_reduce completes on every rank.
                 assert procs[2].stdin is not None
                 await procs[2].stdin.send(b"go\n")
@@ -111,11 +145,11 @@ async def test_status_job_unknown_job_fails() -> None:
             assert "no job 'nope'" in done.stderr
 
 
-async def test_timeout_error_names_the_rank_that_never_entered() -> None:
+async def test_timeout_error_names_the_rank_that_never_entered(tmp_path: Path) -> None:
     with anyio.fail_after(60):
         async with serve("--port", "0") as daemon:
             url = f"tcp://127.0.0.1:{daemon.port}"
-            async with ranks(url, 3, "late", "timeout") as procs:
+            async with ranks(url, 3, "late", "timeout", dump_dir=tmp_path) as procs:
                 first, second = await read_lines(procs[0]), await read_lines(procs[1])
                 assert procs[2].stdin is not None
                 await procs[2].stdin.aclose()  # the sleeping rank exits
@@ -124,3 +158,9 @@ async def test_timeout_error_names_the_rank_that_never_entered() -> None:
                     assert kind == "DistTimeoutError", message
                     assert "rank 2 not entered (last: barrier #" in message, message
                     assert "ranks 0, 1 waiting" in message, message
+                # The timeout broke the group: ranks 0 and 1 wrote their recorders.
+                for rank in (0, 1):
+                    dump = json.loads((tmp_path / f"aiodist-dump-late-rank{rank}.json").read_text())
+                    last = dump["operations"][-1]
+                    assert (last["name"], last["state"]) == ("all_reduce", "failed")
+                    assert "DistTimeoutError" in last["error"]

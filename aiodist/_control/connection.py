@@ -57,6 +57,7 @@ from aiodist._wire.messages import (
     Challenge,
     Channel,
     CloseChannel,
+    DumpNotice,
     ErrorReply,
     Heartbeat,
     Hello,
@@ -389,7 +390,7 @@ class ControlConnection(asyncio.Protocol):
                     channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed | MembersLeft):
+        elif isinstance(msg, MemberFailed | MembersLeft | DumpNotice):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel.notice(msg)
         elif isinstance(msg, ServerClosing):

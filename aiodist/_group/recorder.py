@@ -110,6 +110,7 @@ class Recorder:
     """One rank's ring of its last operations (see the module docstring)."""
 
     __slots__ = (
+        "__weakref__",  # dumps.py keeps the live ones for SIGUSR1, weakly
         "_count",
         "_held",
         "_ring",

@@ -148,6 +148,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--job", default=None, help="one job: what each rank is doing, who the others wait for"
     )
+    status.add_argument(
+        "--dump",
+        default=None,
+        metavar="DIR",
+        help="with --job: have every rank write its flight recorder into DIR (one file per "
+        "rank), then collect them into one file there",
+    )
 
     run = sub.add_parser(
         "run",
@@ -368,6 +375,20 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
     except (OSError, DistError) as exc:
         return _fail("status", f"no rendezvous server answers at {where} ({exc})")
     try:
+        if args.dump is not None:
+            from aiodist._launch.status_job import collect_dumps
+
+            if args.job is None:
+                return _fail("status", "--dump needs --job", 2)
+            try:
+                path, missing = await collect_dumps(conn, args.job, args.dump, args.timeout)
+            except (ValueError, DistError) as exc:
+                return _fail("status", str(exc))
+            print(f"flight recorders of job {args.job!r} collected in {path}")
+            if missing:
+                print(f"ranks {', '.join(map(str, missing))} wrote none in time", file=sys.stderr)
+                return 1
+            return 0
         snap = await conn.request(StatusRequest, timeout=args.timeout)
     except AuthenticationError as exc:
         return _fail("status", f"the server at {where} refused us: {exc}")

@@ -7,11 +7,63 @@ Reads the server's status snapshot (``_server/jobs.py`` fills each member's
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import anyio
+
+from aiodist._group.dumps import dump_path
+from aiodist._group.recorder import FORMAT
 from aiodist._server.where import describe_wait
+from aiodist._wire.messages import DumpRequest
 
-__all__ = ["find_job", "format_job", "rank_state"]
+if TYPE_CHECKING:
+    from aiodist._control.connection import ControlConnection
+
+__all__ = ["collect_dumps", "find_job", "format_job", "rank_state"]
+
+# How often the command looks for the ranks' files while they write them.
+_POLL = 0.05
+
+
+async def collect_dumps(
+    conn: ControlConnection, job: str, directory: str, timeout: float
+) -> tuple[Path, list[int]]:
+    """Have every rank of ``job`` write its recorder into ``directory``; collect them in one file.
+
+    Returns the collected file (``aiodist-dump-<job>.json``: ``{"format", "job",
+    "ranks": [one dump per rank]}``) and the ranks whose file did not appear within
+    ``timeout``. The ranks write on their own hosts: ``directory`` must be one that
+    they see (this host, or a shared filesystem).
+
+    Raises:
+        ValueError: ``directory`` is not an existing directory.
+        DistError: The server refused (no such job).
+    """
+    where = Path(await anyio.Path(directory).resolve())
+    if not await anyio.Path(where).is_dir():
+        raise ValueError(f"--dump {directory}: no such directory")
+    asked = time.time() - 1.0  # a file older than this is from an earlier dump
+    told: list[int] = await conn.request(
+        lambda r: DumpRequest(r, job, os.fspath(where)), timeout=timeout
+    )
+    paths = {rank: anyio.Path(dump_path(where, job, rank)) for rank in told}
+    dumps: dict[int, Any] = {}
+    with anyio.move_on_after(timeout):
+        while len(dumps) < len(paths):
+            for rank, path in paths.items():
+                if rank not in dumps and await path.exists():
+                    if (await path.stat()).st_mtime >= asked:
+                        dumps[rank] = json.loads(await path.read_text())
+            if len(dumps) < len(paths):
+                await anyio.sleep(_POLL)  # files appear: nothing to await but the filesystem
+    out = dump_path(where, job)
+    merged = {"format": FORMAT, "job": job, "ranks": [dumps[r] for r in sorted(dumps)]}
+    await anyio.Path(out).write_text(json.dumps(merged, indent=1))
+    return out, sorted(set(paths) - set(dumps))
 
 
 def find_job(snap: dict[str, Any], name: str) -> dict[str, Any] | None:

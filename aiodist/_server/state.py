@@ -65,6 +65,8 @@ from aiodist._server.where import heard
 from aiodist._wire.bounds import MIN_HEARTBEAT_TIMEOUT
 from aiodist._wire.messages import (
     Barrier,
+    DumpNotice,
+    DumpRequest,
     ErrorReply,
     Heartbeat,
     Join,
@@ -208,6 +210,9 @@ class ServerState(StoreAndBarriers):
         if isinstance(msg, StatusRequest):
             self._send(conn, Reply(msg.req_id, self.snapshot(now)))
             return
+        if isinstance(msg, DumpRequest):
+            self._send(conn, Reply(msg.req_id, self._ask_dumps(msg)))
+            return
         member = state.member
         if member is None:
             if isinstance(msg, Leave):
@@ -240,6 +245,19 @@ class ServerState(StoreAndBarriers):
             self._store_op(conn, job, msg, now)
         else:
             raise BadRequest(ErrorCode.BAD_REQUEST, f"a client may not send {type(msg).__name__}")
+
+    def _ask_dumps(self, msg: DumpRequest) -> list[int]:
+        """Tell every active rank of job ``msg.job`` to write its flight recorder; their ranks."""
+        job = self.jobs.get(msg.job)
+        if job is None:
+            raise BadRequest(ErrorCode.BAD_REQUEST, f"no job {msg.job!r} on this server")
+        told = []
+        notice = DumpNotice(msg.directory)
+        for m in job.members:
+            if m.status == "active":
+                self._send(m.conn, notice)
+                told.append(m.rank)
+        return sorted(told)
 
     # --- membership ----------------------------------------------------------------
 

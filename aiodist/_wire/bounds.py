@@ -27,6 +27,7 @@ from aiodist._wire.messages import (
     Barrier,
     Channel,
     CloseChannel,
+    DumpRequest,
     Heartbeat,
     Hello,
     Join,
@@ -220,6 +221,11 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     StoreCheck: {"req_id": _REQ_ID},
     Barrier: {"req_id": _REQ_ID, "seq": _Int(0, _U64), "timeout": _TIMEOUT},
     StatusRequest: {"req_id": _REQ_ID},
+    DumpRequest: {
+        "req_id": _REQ_ID,
+        "job": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "directory": _Len(1, MAX_ADDRESS_CHARS, "characters"),
+    },
     MembersRequest: {"req_id": _REQ_ID},
     Hello: {
         "nonce": _Len(0, MAX_NONCE_BYTES, "bytes"),
