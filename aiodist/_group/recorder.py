@@ -26,7 +26,17 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from aiodist._group.work import Work
 
-__all__ = ["DEFAULT_CAPACITY", "FORMAT", "Entry", "Recorder", "capacity_from_env", "new_recorder"]
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "FORMAT",
+    "TRACED",
+    "Entry",
+    "Recorder",
+    "capacity_from_env",
+    "new_recorder",
+    "wait_ended",
+    "wait_started",
+]
 
 #: How many operations a rank's recorder keeps, unless ``AIODIST_RECORDER_SIZE`` says.
 DEFAULT_CAPACITY: Final = 2048
@@ -47,9 +57,23 @@ def capacity_from_env() -> int:
 
 
 def new_recorder(rank: int, job: str) -> Recorder | None:
-    """A session's recorder, sized by ``AIODIST_RECORDER_SIZE`` (None when that is 0)."""
+    """A session's recorder, sized by ``AIODIST_RECORDER_SIZE`` (None when that is 0).
+
+    With ``AIODIST_TRACE=DIR`` (or inside ``aiodist.trace(DIR)``) it keeps every
+    operation for the rank's trace, written into DIR when the session closes.
+    """
     capacity = capacity_from_env()
-    return Recorder(rank, job, capacity) if capacity else None
+    if not capacity:
+        return None
+    rec = Recorder(rank, job, capacity)
+    directory = TRACE_DIR[0] if TRACE_DIR else os.environ.get("AIODIST_TRACE")
+    if directory:
+        rec.start_trace(directory)
+    return rec
+
+
+#: ``aiodist.trace(DIR)``: the directory that sessions made inside it trace into.
+TRACE_DIR: list[str] = []
 
 
 class Entry:
@@ -67,6 +91,8 @@ class Entry:
         "seq",
         "shape",
         "started",
+        "wait_end",
+        "wait_start",
         "work",
     )
 
@@ -83,12 +109,16 @@ class Entry:
         self.ended = 0  # ... when its handle settled; 0 while running
         self.error: BaseException | None = None
         self.work: Work[Any] | None = None  # while running (its result is not kept)
+        self.wait_start = 0  # tracing: when the program first awaited it (0: never)
+        self.wait_end = 0
 
     def finish(self, work: Work[Any]) -> None:
         """``Work.when_done`` listener: the operation ended."""
         self.ended = time.perf_counter_ns()
         self.error = work.exception()
         self.work = None
+        if TRACED:
+            TRACED.pop(id(work), None)
 
     @property
     def state(self) -> str:
@@ -104,6 +134,25 @@ class Entry:
             return int(self.shape.numel()) * int(self.dtype.itemsize)
         except (AttributeError, TypeError):
             return 0
+
+
+#: Tracing only: running handles (by id) -> their entries, for the waits on them.
+TRACED: dict[int, Entry] = {}
+
+
+def wait_started(work: Work[Any]) -> Entry | None:
+    """The program awaits running ``work``: its entry, if traced (the wait's start noted)."""
+    e = TRACED.get(id(work))
+    if e is None or e.work is not work:
+        return None
+    if not e.wait_start:
+        e.wait_start = time.perf_counter_ns()
+    return e
+
+
+def wait_ended(e: Entry) -> None:
+    """The wait that ``wait_started`` noted is over."""
+    e.wait_end = time.perf_counter_ns()
 
 
 class Recorder:
@@ -122,6 +171,7 @@ class Recorder:
         "pid",
         "rank",
         "trace",
+        "trace_dir",
         "wall0",
     )
 
@@ -139,6 +189,7 @@ class Recorder:
         self.perf0 = time.perf_counter_ns()
         self.wall0 = time.time_ns()
         self.trace: list[Entry] | None = None  # AIODIST_TRACE: every entry, unbounded
+        self.trace_dir: str | None = None  # where the trace goes when the session closes
 
     def record(
         self,
@@ -174,11 +225,30 @@ class Recorder:
         if self.trace is not None:
             self.trace.append(e)
             ring[i] = Entry()  # the trace keeps this one: the ring takes another
+            e.wait_start = e.wait_end = 0
+            if not work.is_completed():
+                TRACED[id(work)] = e
         if work.is_completed():
             e.finish(work)
         else:
             e.work = work
             work.when_done(e.finish)
+
+    def start_trace(self, directory: str) -> None:
+        """Keep every operation from now on, for a trace written into ``directory``."""
+        if self.trace is None:
+            self.trace = []
+            self._scan = self._count
+        self.trace_dir = directory
+
+    def stop_trace(self) -> None:
+        """Keep only the ring again (the trace was written)."""
+        if self.trace is not None:
+            for k, e in enumerate(self.trace[-self.capacity :]):
+                self._ring[(e.id if e.id >= 0 else k) % self.capacity] = e
+            self.trace = None
+            self._scan = max(0, self._count - self.capacity)
+        self.trace_dir = None
 
     # --- reading -------------------------------------------------------------------------
 

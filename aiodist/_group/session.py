@@ -42,7 +42,7 @@ from aiodist._errors import (
     from_wire,
     rank_left_error,
 )
-from aiodist._group import dumps
+from aiodist._group import dumps, tracefile
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
 from aiodist._group.recorder import Recorder, new_recorder
@@ -430,6 +430,8 @@ class Session:
                 await asyncio.gather(*self.inflight, *running, return_exceptions=True)
         for g in self.groups.values():
             g.deadlines.close()
+        if self.recorder is not None and self.recorder.trace_dir is not None:
+            tracefile.write_trace(self.recorder, self.recorder.trace_dir)  # AIODIST_TRACE
         # A rank that lost its server does not leave cleanly (the server cannot hear it):
         # no goodbye, so that its peers learn why from their own server connection.
         await self.plane.aclose(bye=self.conn.error is None)

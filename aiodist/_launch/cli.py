@@ -1,4 +1,4 @@
-"""The ``aiodist`` command: ``serve``, ``status`` and ``run``. The only module that prints.
+"""The ``aiodist`` command: ``serve``, ``status``, ``trace``, ``run``. The only module that prints.
 
 Every ``serve`` flag can also come from an ``AIODIST_*`` environment variable
 (``--token-file`` from ``AIODIST_TOKEN_FILE``, ...); a flag on the command line wins.
@@ -156,6 +156,15 @@ def _parser() -> argparse.ArgumentParser:
         "rank), then collect them into one file there",
     )
 
+    trace = sub.add_parser("trace", help="timelines: merge the ranks' trace files")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    merge = trace_sub.add_parser(
+        "merge",
+        help="merge DIR's aiodist-trace-*.json (AIODIST_TRACE=DIR) into one trace-event file",
+    )
+    merge.add_argument("directory", metavar="DIR")
+    merge.add_argument("-o", "--output", required=True, help="the merged file (Perfetto, chrome)")
+
     run = sub.add_parser(
         "run",
         help="start the ranks of a script on this node (like torchrun)",
@@ -250,7 +259,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "trace":
+        return _trace(args)
     return _run(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from aiodist._launch.trace import merge_traces
+
+    try:
+        out, ranks = merge_traces(args.directory, args.output)
+    except (OSError, ValueError) as exc:
+        return _fail("trace merge", str(exc))
+    print(f"merged {ranks} ranks' traces into {out}")
+    return 0
 
 
 def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:

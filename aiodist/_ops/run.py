@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from aiodist._group.group import Bridge, ProcessGroup
     from aiodist._ops.requests import Call
 
-__all__ = ["Slot", "chain", "resolve_group", "run"]
+__all__ = ["Slot", "chain", "record", "resolve_group", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,19 +100,19 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
             return Work.completed(req.answer)
         assert g is not None
         if bridge is not None and req.bridged:
-            work = bridge.start_collective(req, seq)
-            _record(g, work, call.name, seq, req.first, called)
-            return _delivered(work, req)
+            work = _delivered(bridge.start_collective(req, seq), req)
+            record(g, work, call.name, seq, req.first, called)
+            return work
     first = req.first
     if first is not None and staging.on_device(first):
         work = _staged(g, seq, req, start)
     else:
-        work = start(g, seq, req)
-    _record(g, work, call.name, seq, first, called)
-    return _delivered(work, req)
+        work = _delivered(start(g, seq, req), req)
+    record(g, work, call.name, seq, first, called)
+    return work
 
 
-def _record(g: ProcessGroup, work: Work[Any], name: str, seq: int, first: Any, at: int) -> None:
+def record(g: ProcessGroup, work: Work[Any], name: str, seq: int, first: Any, at: int) -> None:
     """Record the call in its session's flight recorder (``_group/recorder.py``)."""
     rec = g.session.recorder
     if rec is None:
