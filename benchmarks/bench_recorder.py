@@ -76,7 +76,7 @@ def record_ns(calls: int = 20000, pairs: int = 5) -> dict[str, float]:
         for _ in range(pairs):
             times = {"on": 0.0, "off": 0.0}
             for mode in ("on", "off", "off", "on"):
-                works = [Work.pending(loop, "all_reduce#1") for _ in range(calls)]
+                works: list[Work[None]] = [Work.pending(loop, "all_reduce#1") for _ in range(calls)]
                 start = time.perf_counter_ns()
                 if mode == "on":
                     for w in works:

@@ -21,10 +21,19 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
-    from aiodist._group.work import Work
+    from collections.abc import Callable
+
+
+class Work(Protocol):
+    """What the recorder needs of a handle (``work.Work``, which imports this module)."""
+
+    def is_completed(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+    def when_done(self, fn: Callable[[Any], object]) -> None: ...
+
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -108,11 +117,11 @@ class Entry:
         self.started = 0  # ... when the operation was handed to its algorithm
         self.ended = 0  # ... when its handle settled; 0 while running
         self.error: BaseException | None = None
-        self.work: Work[Any] | None = None  # while running (its result is not kept)
+        self.work: Work | None = None  # while running (its result is not kept)
         self.wait_start = 0  # tracing: when the program first awaited it (0: never)
         self.wait_end = 0
 
-    def finish(self, work: Work[Any]) -> None:
+    def finish(self, work: Work) -> None:
         """``Work.when_done`` listener: the operation ended."""
         self.ended = time.perf_counter_ns()
         self.error = work.exception()
@@ -140,7 +149,7 @@ class Entry:
 TRACED: dict[int, Entry] = {}
 
 
-def wait_started(work: Work[Any]) -> Entry | None:
+def wait_started(work: Work) -> Entry | None:
     """The program awaits running ``work``: its entry, if traced (the wait's start noted)."""
     e = TRACED.get(id(work))
     if e is None or e.work is not work:
@@ -193,7 +202,7 @@ class Recorder:
 
     def record(
         self,
-        work: Work[Any],
+        work: Work,
         name: str,
         group: str,
         seq: int,
