@@ -112,6 +112,9 @@ class Job:
     leave_notice: LeaveNotice | None = None
     next_leave_notice: float = 0.0
     _packed_table: Packed | None = None
+    # For the dashboard's rates: messages received from its members, bytes sent to them.
+    messages: int = 0
+    bytes_sent: int = 0
     # The keys of the latest wait, decoded, and the value of ``deletions`` when they were
     # last seen all set (-1: not known to be).
     _last_keys: tuple[bytes, list[str]] = (b"", [])

@@ -145,6 +145,7 @@ class ServerState(StoreAndBarriers):
         self.stats.messages += 1
         if state.member is not None:
             state.member.last_seen = now
+            state.member.job.messages += 1
         if isinstance(msg, Heartbeat):
             if msg.where and state.member is not None:
                 heard(state.member, msg.where[0], now)
@@ -154,6 +155,11 @@ class ServerState(StoreAndBarriers):
             self._dispatch(conn, state, msg, now)
         except BadRequest as exc:
             self._send(conn, ErrorReply(req_id, exc.code, str(exc), exc.details))
+
+    def job_of(self, conn: ConnId) -> Job | None:
+        """The job of the member on connection (channel) ``conn``, if any."""
+        state = self._conns.get(conn)
+        return None if state is None or state.member is None else state.member.job
 
     def bad_request(self, conn: ConnId, req_id: int, message: str, details: dict[str, Any]) -> None:
         """Refuse request ``req_id`` of ``conn``: a value of it was out of range on decoding.
