@@ -27,7 +27,8 @@ function operation(m) {
 function waitLine(call) {
   const ranks = call.waiting.map((w) => w.rank).join(", ");
   const longest = Math.max(...call.waiting.map((w) => w["for"]));
-  let text = call.name + " #" + call.seq + " on group '" + call.group + "': ranks " + ranks + " waiting " + age(longest);
+  const who = call.waiting.length > 1 ? "ranks " : "rank ";
+  let text = call.name + " #" + call.seq + " on group '" + call.group + "': " + who + ranks + " waiting " + age(longest);
   for (const n of call.not_entered) {
     text += "; rank " + n.rank + " not entered";
     if (n.last) text += " (last: " + n.last.name + " #" + n.last.seq + ", done " + age(n.last.ago) + " ago)";
