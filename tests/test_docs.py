@@ -322,8 +322,7 @@ BASH: dict[str, Check | str] = {
     "aiodist status --port 29500": check_status,
     "aiodist status --port 29500 --json": check_status,
     # Seeing inside a running job
-    "aiodist status --job train": "tests/test_status_job.py runs it on a live job of three "
-    "ranks",
+    "aiodist status --job train": "tests/test_status_job.py runs it on a live job of three ranks",
     "aiodist status --job train --json": "tests/test_status_job.py runs it on a live job",
     "aiodist status --job train --dump dumps": "tests/test_status_job.py runs it on a live job",
     "kill -USR1 4121": "tests/test_status_job.py sends SIGUSR1 to a rank and reads its dump",
