@@ -8,8 +8,8 @@ by default 2,048); it is always on, so its hot path is a few attribute stores
 into a preallocated entry and one ``Work.when_done`` listener, with
 ``time.perf_counter_ns`` for the clock. Sizes are derived only when read.
 
-An entry still running when the ring wraps is kept aside (``_held``) until it
-ends: the oldest unfinished operation (``oldest``, what each heartbeat
+An entry still running when the ring wraps is kept aside (``_held``), also
+once it ended: the oldest unfinished operation (``oldest``, what each heartbeat
 carries, see ``where``) is never lost to the ring's bound.
 
 ``dump`` is the recorder as plain data (the documented dump format,
@@ -189,7 +189,9 @@ class Recorder:
         self._ring = [Entry() for _ in range(self.capacity)]
         self._count = 0  # operations recorded so far
         self._scan = 0  # no operation before this one is still running (but the held ones)
-        self._held: list[Entry] = []  # running entries the ring wrapped over
+        # Entries the ring wrapped over while they ran: kept (the last ``capacity`` of
+        # them, ended or not) so that a dump still shows the operation that hung.
+        self._held: list[Entry] = []
         self.rank = rank
         self.job = job
         self.pid = os.getpid()
@@ -218,6 +220,8 @@ class Recorder:
         e = ring[i]
         if e.work is not None:  # still running: keep it aside, take a fresh slot
             self._held.append(e)
+            if len(self._held) > self.capacity:
+                self._held = [h for h in self._held if h.ended == 0] or self._held[1:]
             e = ring[i] = Entry()
         e.id = count
         e.name = name
@@ -274,7 +278,7 @@ class Recorder:
 
     def oldest(self) -> Entry | None:
         """The oldest operation still running (None: none)."""
-        self._held = [e for e in self._held if e.ended == 0]
+        running = [e for e in self._held if e.ended == 0]
         count, cap = self._count, self.capacity
         k = max(self._scan, count - cap)
         found: Entry | None = None
@@ -294,8 +298,8 @@ class Recorder:
                     break
                 k += 1
             self._scan = k
-        if self._held and (found is None or self._held[0].id < found.id):
-            return self._held[0]
+        if running and (found is None or running[0].id < found.id):
+            return running[0]
         return found
 
     def last_ended(self) -> Entry | None:
@@ -314,7 +318,7 @@ class Recorder:
         """
         now = time.perf_counter_ns() if now_ns is None else now_ns
         current = self.oldest()
-        last = self.last_ended() if current is None or current.seq else None
+        last = self.last_ended()
         return [
             _pos(current, now, current.enqueued) if current is not None else None,
             _pos(last, now, last.ended) if last is not None else None,

@@ -14,10 +14,13 @@ Sans-IO, like the job table: the caller gives the time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import Job, Member
+
+#: The most ranks a collective's ``waiting`` and ``not_entered`` list (the counts say all).
+LISTED: Final = 64
 
 __all__ = ["describe_wait", "heard", "member_position", "positions", "positions_line"]
 
@@ -82,8 +85,10 @@ def positions(job: Job, now: float) -> list[dict[str, Any]]:
                 continue  # past it already (it ran it, the others did not finish yet)
             last = member_position(m, now)
             call["not_entered"].append({"rank": m.rank, "op": last["op"], "last": last["last"]})
-        call["waiting"].sort(key=lambda w: w["rank"])
-        call["not_entered"].sort(key=lambda w: w["rank"])
+        for key in ("waiting", "not_entered"):  # bounded: a job may have 10,000 ranks
+            ranks = sorted(call[key], key=lambda w: w["rank"])
+            call[f"{key}_count"] = len(ranks)
+            call[key] = ranks[:LISTED]
     return sorted(calls.values(), key=lambda c: (c["group"], c["seq"]))
 
 
@@ -99,6 +104,8 @@ def describe_wait(call: dict[str, Any]) -> str:
     plural = "ranks" if len(waiting) > 1 else "rank"
     text = f"{call['name']} #{call['seq']} on group {call['group']!r}: {plural} {ranks} "
     text += f"waiting {longest:.1f} s"
+    if (more := call.get("waiting_count", len(waiting)) - len(waiting)) > 0:
+        text += f" (and {more} more ranks)"
     for n in call["not_entered"]:
         text += f"; rank {n['rank']} not entered"
         op, last = n.get("op"), n.get("last")
@@ -110,6 +117,8 @@ def describe_wait(call: dict[str, Any]) -> str:
             text += f" (last: {last['name']} #{last['seq']}, done {last['ago']:.1f} s ago)"
         else:
             text += " (no operation reported)"
+    if (more := call.get("not_entered_count", 0) - len(call["not_entered"])) > 0:
+        text += f"; {more} more ranks not entered"
     return text
 
 
