@@ -30,7 +30,7 @@ extra), and each section's own JSON.
 
 Modes: the full run (about 5-7 minutes on 2 busy cores), ``--quick`` (about 2-3),
 ``--smoke`` (a few seconds of measuring: two sizes, world size 2, one repeat,
-no bridge or metrics; plots only when matplotlib is installed), which the
+no bridge, metrics or recorder; plots only when matplotlib is installed), which the
 test suite runs to keep this script working.
 
 Usage::
@@ -108,7 +108,8 @@ class Plan:
     load: tuple[int, int, int]  # connections, jobs, rounds
     rpc: tuple[int, float]  # alternating pairs per case, batch milliseconds
     small_world_sizes: tuple[int, ...]  # small messages (same repeats and batches as collectives)
-    recorder: tuple[int, int] = (9, 2000)  # the flight recorder's cost: A B B A pairs, calls
+    # The flight recorder's cost: A B B A pairs, calls per block (None: not in this mode).
+    recorder: tuple[int, int] | None = (9, 2000)
 
 
 PLANS: Final[dict[Mode, Plan]] = {
@@ -151,7 +152,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         (20, 2, 1),
         (1, 20.0),
         _small.SMALL_WORLD_SIZES["smoke"],
-        (1, 100),
+        None,
     ),
 }
 
@@ -201,6 +202,7 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         data = bench_rpc.bench(pairs, batch_ms, mode=mode)
         return data, bench_rpc.goal_list(data), bench_rpc.render(data)
     if name == "recorder":
+        assert plan.recorder is not None
         data = bench_recorder.bench(*plan.recorder)
         return data, bench_recorder.goal_list(data), bench_recorder.render(data)
     raise ValueError(f"unknown section {name!r}")
@@ -209,7 +211,11 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
 def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> str | None:
     if name not in chosen:
         return "not chosen with --sections"
-    if (name == "bridge" and plan.bridge is None) or (name == "metrics" and plan.metrics is None):
+    if (
+        (name == "bridge" and plan.bridge is None)
+        or (name == "metrics" and plan.metrics is None)
+        or (name == "recorder" and plan.recorder is None)
+    ):
         return f"not part of --{mode} (it spawns several more jobs)"
     return None
 

@@ -168,3 +168,36 @@ def test_describe_wait_names_who_is_missing() -> None:
         "all_reduce #1042 on group 'default': ranks 0, 1, 3 waiting 12.3 s; "
         "rank 2 not entered (last: barrier #1041, done 14.0 s ago)"
     )
+
+
+# --- make bench's recorder section ----------------------------------------------------------
+
+
+def test_recorder_cost_is_the_median_of_the_pairs_ratios() -> None:
+    from benchmarks.bench_recorder import costs
+
+    blocks = [["on", 1.1], ["off", 1.0], ["off", 1.0], ["on", 1.1]]  # +10 %
+    blocks += [["on", 2.0], ["off", 2.0], ["off", 2.0], ["on", 2.0]]  # +0 %
+    blocks += [["on", 3.3], ["off", 3.0], ["off", 3.0], ["on", 3.0]]  # +5 %
+    c = costs(blocks)
+    assert c["pairs"] == 3
+    assert c["cost_median"] == pytest.approx(0.05)
+    assert (c["cost_min"], c["cost_max"]) == (pytest.approx(0.0), pytest.approx(0.1))
+
+
+@pytest.mark.slow
+@asyncio_only
+async def test_recorder_bench_runs_two_ranks_and_judges_the_goal() -> None:
+    import anyio
+
+    from benchmarks import bench_recorder
+
+    with anyio.fail_after(120):
+        data = await anyio.to_thread.run_sync(lambda: bench_recorder.bench(1, 20))
+    assert set(data["costs"]) == {"all_reduce 4 B", "p2p_round_trip 8 B"}
+    for blocks in data["blocks"].values():
+        assert [mode for mode, _ in blocks] == ["on", "off", "off", "on"]
+        assert all(t > 0 for _, t in blocks)
+    goals = bench_recorder.goal_list(data)
+    assert [g.target for g in goals] == ["<= 0.02", "<= 0.02"]
+    assert "flight recorder cost" in bench_recorder.render(data)
