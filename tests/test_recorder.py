@@ -103,17 +103,26 @@ async def test_dump_file_has_the_documented_fields(tmp_path: Path) -> None:
 async def test_trace_puts_overlapping_operations_on_separate_lanes() -> None:
     loop = asyncio.get_running_loop()
     rec = Recorder(1, "job", capacity=16)
+    before = op(rec, loop, "barrier", 1)  # running when the trace starts
     rec.start_trace("unused")
-    a, b = op(rec, loop, "all_reduce", 1), op(rec, loop, "all_reduce", 2)
+    a, b = op(rec, loop, "all_reduce", 2), op(rec, loop, "all_reduce", 3)
+    oldest = rec.oldest()
+    assert oldest is not None
+    assert oldest.seq == 1
+    before.set_result(None)
     a.set_result(None)
+    oldest = rec.oldest()
+    assert oldest is not None
+    assert oldest.seq == 3
     b.set_result(None)
+    assert rec.oldest() is None
     events = trace_events(rec)["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
-    assert [e["name"] for e in slices] == ["all_reduce #1", "all_reduce #2"]
-    assert slices[0]["tid"] != slices[1]["tid"]  # they overlap: never on one row
+    assert [e["name"] for e in slices] == ["barrier #1", "all_reduce #2", "all_reduce #3"]
+    assert len({e["tid"] for e in slices}) == 3  # they overlap: never on one row
     assert {e["pid"] for e in events} == {1}
-    assert slices[0]["args"]["seq"] == 1
-    assert slices[0]["args"]["bytes"] == 16
+    assert slices[1]["args"]["seq"] == 2
+    assert slices[1]["args"]["bytes"] == 16
 
 
 def test_recorder_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,7 +186,9 @@ class Recorder:
 
     def __init__(self, rank: int, job: str, capacity: int | None = None) -> None:
         self.capacity = capacity_from_env() if capacity is None else max(1, capacity)
-        self._ring = [Entry() for _ in range(self.capacity)]
+        # Slots get their entry on first use: a process of many members (ranks as tasks)
+        # pays for the operations it makes, not for capacity x members up front.
+        self._ring: list[Entry | None] = [None] * self.capacity
         self._count = 0  # operations recorded so far
         self._scan = 0  # no operation before this one is still running (but the held ones)
         # Entries the ring wrapped over while they ran: kept (the last ``capacity`` of
@@ -218,7 +220,9 @@ class Recorder:
         ring = self._ring
         i = count % self.capacity
         e = ring[i]
-        if e.work is not None:  # still running: keep it aside, take a fresh slot
+        if e is None:
+            e = ring[i] = Entry()
+        elif e.work is not None:  # still running: keep it aside, take a fresh slot
             self._held.append(e)
             if len(self._held) > self.capacity:
                 self._held = [h for h in self._held if h.ended == 0] or self._held[1:]
@@ -237,7 +241,7 @@ class Recorder:
         self._count = count + 1
         if self.trace is not None:
             self.trace.append(e)
-            ring[i] = Entry()  # the trace keeps this one: the ring takes another
+            ring[i] = None  # the trace keeps this one: the ring takes another
             e.wait_start = e.wait_end = 0
             if not work.is_completed():
                 TRACED[id(work)] = e
@@ -250,8 +254,14 @@ class Recorder:
     def start_trace(self, directory: str) -> None:
         """Keep every operation from now on, for a trace written into ``directory``."""
         if self.trace is None:
+            # Operations running now stay findable (``oldest``) beside the trace's.
+            for i, e in enumerate(self._ring):
+                if e is not None and e.work is not None:
+                    self._held.append(e)
+                    self._ring[i] = None
+            self._held.sort(key=_by_id)
             self.trace = []
-            self._scan = self._count
+            self._scan = 0  # an index into the trace from now on
         self.trace_dir = directory
 
     def stop_trace(self) -> None:
@@ -269,12 +279,13 @@ class Recorder:
         """The entries kept, oldest first (the held ones included)."""
         count, cap = self._count, self.capacity
         first = max(0, count - cap)
-        ring = [self._ring[k % cap] for k in range(first, count)]
-        kept = [e for e in ring if e.id >= first]
-        held = [e for e in self._held if e.id < first]
         if self.trace is not None:
             kept = [e for e in self.trace if e.id >= first]
-        return sorted(held, key=_by_id) + kept
+        else:
+            ring = [self._ring[k % cap] for k in range(first, count)]
+            kept = [e for e in ring if e is not None and e.id >= first]
+        lowest = kept[0].id if kept else count
+        return sorted((e for e in self._held if e.id < lowest), key=_by_id) + kept
 
     def oldest(self) -> Entry | None:
         """The oldest operation still running (None: none)."""
@@ -293,7 +304,7 @@ class Recorder:
             ring = self._ring
             while k < count:
                 e = ring[k % cap]
-                if e.id == k and e.ended == 0:
+                if e is not None and e.id == k and e.ended == 0:
                     found = e
                     break
                 k += 1
