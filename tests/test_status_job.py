@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
+from aiodist._control.connection import connect_control
+from aiodist._wire.messages import StatusRequest
 from tests._daemon import asyncio_only, run_cli, serve
 
 if TYPE_CHECKING:
@@ -67,6 +69,20 @@ async def status_json(port: int, job: str) -> dict[str, Any] | None:
     return json.loads(done.stdout)["job"]  # type: ignore[no-any-return]
 
 
+async def heard_in_all_reduce(port: int, job: str, ranks: int) -> None:
+    """Return once the server's status shows ``ranks`` ranks of ``job`` in a collective."""
+    conn = await connect_control("127.0.0.1", port, timeout=10)
+    try:
+        while True:
+            snap = await conn.request(StatusRequest, timeout=10)
+            found = [j for j in snap["jobs"] if j["name"] == job]
+            if found and found[0]["waits"] and len(found[0]["waits"][0]["waiting"]) == ranks:
+                return
+            await anyio.sleep(0.1)
+    finally:
+        conn.close()
+
+
 async def test_status_job_names_the_rank_outside_the_all_reduce(tmp_path: Path) -> None:
     signalled = tmp_path / "signal"
     signalled.mkdir()
@@ -74,14 +90,12 @@ async def test_status_job_names_the_rank_outside_the_all_reduce(tmp_path: Path) 
         async with serve("--port", "0") as daemon:
             url = f"tcp://127.0.0.1:{daemon.port}"
             async with ranks(url, 3, "obs", "sleep", dump_dir=signalled) as procs:
-                # Until the server heard ranks 0 and 1 in the all_reduce (heartbeats: 0.1 s).
-                while True:
-                    job = await status_json(daemon.port, "obs")
-                    waits = job["waits"] if job is not None else []
-                    if waits and len(waits[0]["waiting"]) == 2:
-                        break
-                    await anyio.sleep(0.2)  # the server's view changes with heartbeats
+                # Until the server heard ranks 0 and 1 in the all_reduce (heartbeats: 0.1 s),
+                # asked in this process; then the command, once.
+                await heard_in_all_reduce(daemon.port, "obs", 2)
+                job = await status_json(daemon.port, "obs")
                 assert job is not None
+                waits = job["waits"]
                 (call,) = waits
                 assert call["name"] == "all_reduce"
                 assert call["group"] == "obs"

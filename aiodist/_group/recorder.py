@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
 
 class Work(Protocol):
@@ -314,12 +314,20 @@ class Recorder:
         return found
 
     def last_ended(self) -> Entry | None:
-        """The collective (sequence number > 0) that ended last, among those kept."""
-        best: Entry | None = None
-        for e in self.entries():
-            if e.seq and e.ended and (best is None or e.ended > best.ended):
-                best = e
-        return best
+        """The latest collective (sequence number > 0) that has ended, among those kept.
+
+        Scans back from the newest operation: each heartbeat asks, and it usually
+        stops at once.
+        """
+        if self.trace is not None:
+            newest: Iterable[Entry | None] = reversed(self.trace)
+        else:
+            count, cap, ring = self._count, self.capacity, self._ring
+            newest = (ring[k % cap] for k in range(count - 1, max(0, count - cap) - 1, -1))
+        for e in newest:
+            if e is not None and e.seq and e.ended:
+                return e
+        return None
 
     def where(self, now_ns: int | None = None) -> list[Any]:
         """``[current, last]`` for a heartbeat: each ``[group, seq, name, age_s]`` or None.
