@@ -109,7 +109,7 @@ class Plan:
     rpc: tuple[int, float]  # alternating pairs per case, batch milliseconds
     small_world_sizes: tuple[int, ...]  # small messages (same repeats and batches as collectives)
     # The flight recorder's cost: A B B A pairs, calls per block (None: not in this mode).
-    recorder: tuple[int, int] | None = (9, 2000)
+    recorder: tuple[int, int] | None = (25, 800)
 
 
 PLANS: Final[dict[Mode, Plan]] = {
@@ -138,7 +138,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         (400, 20, 2),
         (7, 120.0),
         _small.SMALL_WORLD_SIZES["quick"],
-        (5, 1000),
+        (9, 500),
     ),
     "smoke": Plan(
         (2,),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aiodist._errors import DistTimeoutError
+from aiodist._group import dumps
 from aiodist._group.dumps import dump_path, write_dump
 from aiodist._group.recorder import FORMAT, Recorder, capacity_from_env
 from aiodist._group.tracefile import trace_events
@@ -64,7 +65,7 @@ async def test_running_operation_outlives_the_ring_and_is_the_oldest() -> None:
     assert last[:3] == ["g", 39, "all_reduce"]  # the collective that ended last
     stuck.set_exception(DistTimeoutError("barrier#1 timed out"))
     assert rec.oldest() is None
-    dump = rec.dump("test")
+    dump = dumps.dump(rec, "test")
     failed = [o for o in dump["operations"] if o["state"] == "failed"]
     assert [o["seq"] for o in failed] == [1]
     assert failed[0]["error"] == "DistTimeoutError: barrier#1 timed out"

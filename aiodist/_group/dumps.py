@@ -1,6 +1,6 @@
 """Writing a rank's flight recorder to a file: on failure, on SIGUSR1, on the server's request.
 
-A dump is ``Recorder.dump()`` as JSON (the format is documented in
+A dump is ``dump(recorder)`` as JSON (the format is documented in
 ``docs/guide/observability.md``), one file per rank named
 ``aiodist-dump-<job>-rank<R>.json``, written atomically (a temporary file,
 then a rename) so that a reader never sees half of one. A dump is written:
@@ -23,21 +23,63 @@ import logging
 import os
 import re
 import signal
+import socket
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from aiodist._group.recorder import Recorder
+from aiodist._group.recorder import FORMAT
 
-__all__ = ["dump_path", "on_failure", "register", "write_dump"]
+if TYPE_CHECKING:
+    from aiodist._group.recorder import Entry, Recorder
+
+__all__ = ["describe", "dump", "dump_path", "on_failure", "register", "write_dump"]
 
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakKeyDictionary[Recorder, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
 _installed: list[bool] = []
+
+
+def dump(recorder: Recorder, reason: str = "") -> dict[str, Any]:
+    """The recorder as plain data: the dump format (``docs/guide/observability.md``)."""
+    now = time.perf_counter_ns()
+    return {
+        "format": FORMAT,
+        "job": recorder.job,
+        "rank": recorder.rank,
+        "pid": recorder.pid,
+        "host": socket.gethostname(),
+        "reason": reason,
+        "time": recorder.wall(now),
+        "capacity": recorder.capacity,
+        "recorded": recorder.recorded,
+        "operations": [describe(recorder, e, now) for e in recorder.entries()],
+    }
+
+
+def describe(recorder: Recorder, e: Entry, now: int) -> dict[str, Any]:
+    """One entry as plain data (times in seconds since the epoch)."""
+    wall = recorder.wall
+    return {
+        "id": e.id,
+        "name": e.name,
+        "group": e.group,
+        "seq": e.seq,
+        "peer": e.peer,
+        "bytes": e.nbytes,
+        "dtype": str(e.dtype).removeprefix("torch.") if e.dtype is not None else None,
+        "shape": list(e.shape) if e.shape is not None else None,
+        "enqueued": wall(e.enqueued),
+        "started": wall(e.started),
+        "ended": wall(e.ended) if e.ended else None,
+        "seconds": ((e.ended or now) - e.enqueued) / 1e9,
+        "state": e.state,
+        "error": f"{type(e.error).__name__}: {e.error}" if e.error is not None else None,
+    }
 
 
 def dump_path(directory: str | Path, job: str, rank: int | None = None) -> Path:
@@ -53,7 +95,7 @@ def write_dump(recorder: Recorder, directory: str | Path, reason: str) -> Path |
     if not Path(directory).is_dir():
         logger.warning("not writing the flight recorder: %s is no directory", directory)
         return None
-    text = json.dumps(recorder.dump(reason), default=str)
+    text = json.dumps(dump(recorder, reason), default=str)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".aiodist-dump-", dir=directory)
         with os.fdopen(fd, "w") as f:

@@ -12,9 +12,9 @@ An entry still running when the ring wraps is kept aside (``_held``), also
 once it ended: the oldest unfinished operation (``oldest``, what each heartbeat
 carries, see ``where``) is never lost to the ring's bound.
 
-``dump`` is the recorder as plain data (the documented dump format,
-``FORMAT``); ``trace_events`` the same operations as Chrome trace events
-(``_launch/trace.py`` writes and merges them).
+``dumps.dump`` is the recorder as plain data (the documented dump format,
+``FORMAT``); ``tracefile.trace_events`` the same operations as Chrome trace
+events.
 """
 
 from __future__ import annotations
@@ -343,44 +343,14 @@ class Recorder:
             _pos(last, now, last.ended) if last is not None else None,
         ]
 
+    @property
+    def recorded(self) -> int:
+        """How many operations were recorded in all."""
+        return self._count
+
     def wall(self, perf_ns: int) -> float:
         """``perf_ns`` (a perf_counter_ns reading) as seconds since the epoch."""
         return (self.wall0 + (perf_ns - self.perf0)) / 1e9
-
-    def dump(self, reason: str = "") -> dict[str, Any]:
-        """The recorder as plain data: the dump format (``docs/guide/observability.md``)."""
-        now = time.perf_counter_ns()
-        return {
-            "format": FORMAT,
-            "job": self.job,
-            "rank": self.rank,
-            "pid": self.pid,
-            "host": _hostname(),
-            "reason": reason,
-            "time": self.wall(now),
-            "capacity": self.capacity,
-            "recorded": self._count,
-            "operations": [self.describe(e, now) for e in self.entries()],
-        }
-
-    def describe(self, e: Entry, now: int) -> dict[str, Any]:
-        """One entry as plain data (times in seconds since the epoch)."""
-        return {
-            "id": e.id,
-            "name": e.name,
-            "group": e.group,
-            "seq": e.seq,
-            "peer": e.peer,
-            "bytes": e.nbytes,
-            "dtype": str(e.dtype).removeprefix("torch.") if e.dtype is not None else None,
-            "shape": list(e.shape) if e.shape is not None else None,
-            "enqueued": self.wall(e.enqueued),
-            "started": self.wall(e.started),
-            "ended": self.wall(e.ended) if e.ended else None,
-            "seconds": ((e.ended or now) - e.enqueued) / 1e9,
-            "state": e.state,
-            "error": f"{type(e.error).__name__}: {e.error}" if e.error is not None else None,
-        }
 
 
 def _by_id(e: Entry) -> int:
@@ -389,14 +359,3 @@ def _by_id(e: Entry) -> int:
 
 def _pos(e: Entry, now: int, since: int) -> list[Any]:
     return [e.group[:256], e.seq, e.name[:_NAME_CHARS], max(0.0, (now - since) / 1e9)]
-
-
-_HOST: list[str] = []
-
-
-def _hostname() -> str:
-    if not _HOST:
-        import socket
-
-        _HOST.append(socket.gethostname())
-    return _HOST[0]
