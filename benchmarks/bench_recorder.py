@@ -67,6 +67,9 @@ def bench(pairs: int, iters: int, timeout: float = 600.0) -> dict[str, Any]:
 def record_ns(calls: int = 20000, pairs: int = 5) -> dict[str, float]:
     """The recorder's own time per operation, in one process: record + settle, minus settle.
 
+    Recording includes what the calls pay for it besides ``record``: a clock
+    reading and the tensor's dtype and shape.
+
     A B B A over ``pairs``: handles settled with the recorder listening, and
     without. Less noisy than the ranks' blocks (no sockets, no other process).
     """
@@ -88,7 +91,9 @@ def record_ns(calls: int = 20000, pairs: int = 5) -> dict[str, float]:
                 start = time.perf_counter_ns()
                 if mode == "on":
                     for w in works:
-                        rec.record(w, "all_reduce", "g", 1, -1, t.dtype, t.shape, start)
+                        # What a call pays for it: its clock, the tensor's dtype and shape.
+                        called = time.perf_counter_ns()
+                        rec.record(w, "all_reduce", "g", 1, -1, t.dtype, t.shape, called)
                         w.set_result(None)
                 else:
                     for w in works:
