@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 
-.PHONY: install lint format test docs demo bench bench-quick gpu-check clean
+.PHONY: install browser lint format test docs demo bench bench-quick gpu-check clean
 
 install: $(STAMP)
 
@@ -18,6 +18,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,docs]'
 	touch $(STAMP)
+
+# The dashboard's browser test: chromium and its driver from the distribution, where
+# missing and where apt-get can install them (as root). Without them that test skips.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null \
+		|| echo "browser: could not install chromium; the dashboard's browser test will skip"; \
+	else echo "browser: no chromium; the dashboard's browser test will skip"; fi
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -30,7 +39,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: install lint docs
+test: install browser lint docs
 	AIODIST_DOCS_SITE=$(CURDIR)/$(SITE) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml), offline, into site/: --strict makes any warning,

@@ -63,6 +63,7 @@ from aiodist._group.world import (
 )
 from aiodist._launch.init import destroy_process_group, init_dist, init_process_group
 from aiodist._launch.launchers import infer_launcher
+from aiodist._launch.trace import trace
 from aiodist._ops.collect import (
     collect_results,
     collect_results_cpu,
@@ -220,4 +221,5 @@ __all__ = [
     "split_group",
     "supports_complex",
     "sync_random_seed",
+    "trace",
 ]

@@ -84,6 +84,7 @@ from aiodist import (
     reduce_op,
     register_transport,
     supports_complex,
+    trace,
 )
 from aiodist._sync import handoff as _portal
 from aiodist._sync.blocking import batch_isend_irecv, get_store
@@ -198,6 +199,7 @@ __all__ = [
     "split_group",
     "supports_complex",
     "sync_random_seed",
+    "trace",
 ]
 
 

@@ -30,6 +30,7 @@ SECTION_TITLES: Final = {
     "metrics": "Metric sync step time",
     "load": "Server load",
     "rpc": "Remote calls vs torch.distributed.rpc (TensorPipe)",
+    "recorder": "Flight recorder cost (on vs off)",
 }
 
 
@@ -442,6 +443,32 @@ def _rpc(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _recorder(data: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            case,
+            f"{c['on_us']:.1f}",
+            f"{c['off_us']:.1f}",
+            f"{100 * c['cost_median']:+.2f} %",
+            f"{100 * c['cost_min']:+.2f} .. {100 * c['cost_max']:+.2f} %",
+            f"{100 * c['derived']:.2f} %",
+        ]
+        for case, c in data["costs"].items()
+    ]
+    own = data["record_ns"]
+    return [
+        f"Two ranks time each case in {_count(data['pairs'], 'alternating pair')} of "
+        f"{data['iters']}-call blocks, recorder on, off, off, on (off: a session without a "
+        "recorder, as `AIODIST_RECORDER_SIZE=0`). The cost is the median over the pairs of "
+        "(on + on) / (off + off) - 1, with its spread (min..max). The recorder's own time "
+        f"per operation, in one process: {own['median']:.0f} ns "
+        f"({own['min']:.0f}-{own['max']:.0f}); `derived` is that time for the operations "
+        "one rank records per call (1 for the all_reduce, 2 for the round trip) over the "
+        "time per call without the recorder: the cost without the machine's noise.",
+        _table(["case", "on us/call", "off us/call", "cost", "spread", "derived"], rows),
+    ]
+
+
 _RENDER: Final = {
     "small": _small_messages,
     "rendezvous": _rendezvous,
@@ -449,6 +476,7 @@ _RENDER: Final = {
     "metrics": _metrics,
     "load": _load,
     "rpc": _rpc,
+    "recorder": _recorder,
 }
 
 

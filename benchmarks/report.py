@@ -18,7 +18,9 @@ and servers, and stops them before the next starts):
   step) and 2 ranks (small step) (``bench_metrics``);
 - ``load``: thousands of control connections on one server (``bench_load``);
 - ``rpc``: remote calls vs torch.distributed.rpc (TensorPipe): no-op round
-  trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``).
+  trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``);
+- ``recorder``: the flight recorder's cost on a 4 B all_reduce and an 8 B
+  round trip, on and off in alternating pairs (A B B A) (``bench_recorder``).
 
 Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
 ``report.md`` (header with machine facts and goals met, then every table),
@@ -28,7 +30,7 @@ extra), and each section's own JSON.
 
 Modes: the full run (about 5-7 minutes on 2 busy cores), ``--quick`` (about 2-3),
 ``--smoke`` (a few seconds of measuring: two sizes, world size 2, one repeat,
-no bridge or metrics; plots only when matplotlib is installed), which the
+no bridge, metrics or recorder; plots only when matplotlib is installed), which the
 test suite runs to keep this script working.
 
 Usage::
@@ -57,6 +59,7 @@ from benchmarks import (
     bench_collectives,
     bench_load,
     bench_metrics,
+    bench_recorder,
     bench_rendezvous,
     bench_rpc,
 )
@@ -78,7 +81,16 @@ if TYPE_CHECKING:
     from benchmarks._collective_ranks import Mode
     from benchmarks._common import Goal
 
-SECTIONS: Final = ("collectives", "small", "rendezvous", "bridge", "metrics", "load", "rpc")
+SECTIONS: Final = (
+    "collectives",
+    "small",
+    "rendezvous",
+    "bridge",
+    "metrics",
+    "load",
+    "rpc",
+    "recorder",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +108,8 @@ class Plan:
     load: tuple[int, int, int]  # connections, jobs, rounds
     rpc: tuple[int, float]  # alternating pairs per case, batch milliseconds
     small_world_sizes: tuple[int, ...]  # small messages (same repeats and batches as collectives)
+    # The flight recorder's cost: A B B A pairs, calls per block (None: not in this mode).
+    recorder: tuple[int, int] | None = (25, 800)
 
 
 PLANS: Final[dict[Mode, Plan]] = {
@@ -124,6 +138,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         (400, 20, 2),
         (7, 120.0),
         _small.SMALL_WORLD_SIZES["quick"],
+        (9, 500),
     ),
     "smoke": Plan(
         (2,),
@@ -137,6 +152,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         (20, 2, 1),
         (1, 20.0),
         _small.SMALL_WORLD_SIZES["smoke"],
+        None,
     ),
 }
 
@@ -185,13 +201,21 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         pairs, batch_ms = plan.rpc
         data = bench_rpc.bench(pairs, batch_ms, mode=mode)
         return data, bench_rpc.goal_list(data), bench_rpc.render(data)
+    if name == "recorder":
+        assert plan.recorder is not None
+        data = bench_recorder.bench(*plan.recorder)
+        return data, bench_recorder.goal_list(data), bench_recorder.render(data)
     raise ValueError(f"unknown section {name!r}")
 
 
 def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> str | None:
     if name not in chosen:
         return "not chosen with --sections"
-    if (name == "bridge" and plan.bridge is None) or (name == "metrics" and plan.metrics is None):
+    if (
+        (name == "bridge" and plan.bridge is None)
+        or (name == "metrics" and plan.metrics is None)
+        or (name == "recorder" and plan.recorder is None)
+    ):
         return f"not part of --{mode} (it spawns several more jobs)"
     return None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
-from aiodist._wire.messages import MemberFailed, MembersLeft
+from aiodist._wire.messages import DumpNotice, MemberFailed, MembersLeft
 
 if TYPE_CHECKING:
     import asyncio
@@ -31,7 +31,7 @@ class ServerLost:
     error: DistError
 
 
-Notice = MemberFailed | MembersLeft | ServerLost
+Notice = MemberFailed | MembersLeft | DumpNotice | ServerLost
 
 
 class Carrier(Protocol):
@@ -79,6 +79,9 @@ class ControlChannel:
         self._held: list[Notice] | None = None  # notices that came before a callback
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._error: DistError | None = None
+        # What its member is doing, for the connection's heartbeats: ``[current, last]``
+        # (``Heartbeat.where``); set by the member's session (its flight recorder).
+        self.where: Callable[[], list[Any]] | None = None
 
     @property
     def on_notice(self) -> Callable[[Notice], None] | None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import anyio
 
 from aiodist._control.channel import ControlChannel, Notice, ServerLost
-from aiodist._control.liveness import Heartbeats
+from aiodist._control.liveness import Heartbeats, where_of
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -57,6 +57,7 @@ from aiodist._wire.messages import (
     Challenge,
     Channel,
     CloseChannel,
+    DumpNotice,
     ErrorReply,
     Heartbeat,
     Hello,
@@ -247,7 +248,8 @@ class ControlConnection(asyncio.Protocol):
         return self.liveness.interval
 
     def _send_heartbeat(self) -> None:
-        self.send_on(self._out_channel, Heartbeat())  # any channel: it counts for all
+        # Any channel: it counts for all; it carries what each member is doing.
+        self.send_on(self._out_channel, Heartbeat(where_of(self._channels)))
 
     def _server_silent(self, silent: float) -> None:
         self._fail(
@@ -388,7 +390,7 @@ class ControlConnection(asyncio.Protocol):
                     channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed | MembersLeft):
+        elif isinstance(msg, MemberFailed | MembersLeft | DumpNotice):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel.notice(msg)
         elif isinstance(msg, ServerClosing):

@@ -18,13 +18,28 @@ them for one connection:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from aiodist._wire.bounds import MAX_WHERE
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
-__all__ = ["Heartbeats", "Liveness"]
+    from aiodist._control.channel import ControlChannel
+
+__all__ = ["Heartbeats", "Liveness", "where_of"]
+
+
+def where_of(channels: Mapping[int, ControlChannel]) -> list[Any]:
+    """``Heartbeat.where``: ``[channel, current, last]`` per member that reports (bounded)."""
+    where: list[Any] = []
+    for number, channel in channels.items():
+        if channel.where is not None:
+            where.append([number, *channel.where()])
+            if len(where) == MAX_WHERE:
+                break
+    return where
 
 
 class Liveness:

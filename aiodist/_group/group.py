@@ -35,6 +35,7 @@ from aiodist._errors import (
     ErrorCode,
     GroupBrokenError,
 )
+from aiodist._group import stalls
 from aiodist._group.inflight import Deadlines
 from aiodist._group.lingering import LingeringTask, linger
 from aiodist._group.work import Work
@@ -339,10 +340,27 @@ class ProcessGroup:
         work.set_exception(exc)
 
     def expired(self, work: Work[Any]) -> None:
-        """``work`` passed the group's timeout (``Deadlines``): fail it, break the group."""
+        """``work`` passed the group's timeout (``Deadlines``): fail it, break the group.
+
+        A collective first asks the server who it waits for (``stalls.py``, briefly).
+        """
+        seq = stalls.seq_of(work.description)
+        if seq and not self._session.conn.closed:
+            self._spawn(self._expire_named(work, seq))
+        else:
+            self._expire(work, "")
+
+    async def _expire_named(self, work: Work[Any], seq: int) -> None:
+        where = await stalls.where_others_are(self._session, self.name, seq)
+        self._expire(work, where)
+
+    def _expire(self, work: Work[Any], where: str) -> None:
+        if work.is_completed():
+            return
+        said = f" Where the ranks are: {where}." if where else ""
         timed_out = DistTimeoutError(
             f"{work.description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
-            "a rank may not have called it, or may be stuck. The group is broken."
+            f"a rank may not have called it, or may be stuck.{said} The group is broken."
         )
         work.set_exception(timed_out)
         self.break_(timed_out)

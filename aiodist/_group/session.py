@@ -42,9 +42,18 @@ from aiodist._errors import (
     from_wire,
     rank_left_error,
 )
+from aiodist._group import dumps, tracefile
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
-from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
+from aiodist._group.recorder import Recorder, new_recorder
+from aiodist._wire.messages import (
+    Barrier,
+    DumpNotice,
+    Leave,
+    MemberFailed,
+    MembersLeft,
+    MembersRequest,
+)
 
 if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel, Notice
@@ -113,6 +122,11 @@ class Session:
         self.local_rank = welcome.local_rank
         self.local_size = welcome.local_size
         self.store = Store(conn, timeout)
+        # The flight recorder (recorder.py); each heartbeat says where this rank is.
+        self.recorder: Recorder | None = new_recorder(welcome.rank, group_name)
+        if self.recorder is not None:
+            conn.where = self.recorder.where
+            dumps.register(self.recorder)  # SIGUSR1 writes it
         self.error: DistError | None = None
         self.closed = False
         self._barrier_seq = 0
@@ -317,7 +331,10 @@ class Session:
         news.set()
 
     def on_notice(self, notice: Notice) -> None:
-        if isinstance(notice, MembersLeft):
+        if isinstance(notice, DumpNotice):
+            if self.recorder is not None:
+                dumps.write_dump(self.recorder, notice.directory, "aiodist status --dump")
+        elif isinstance(notice, MembersLeft):
             self._members_left(notice.members)
         elif isinstance(notice, ServerLost):
             if not self.closed:
@@ -340,6 +357,8 @@ class Session:
 
     def note_trouble(self) -> None:
         """A group of this session broke: wake whoever waits for the first sign of trouble."""
+        if not self._trouble.is_set():
+            dumps.on_failure(self.recorder, "a group broke")
         self._trouble.set()
         self._wake()
 
@@ -352,6 +371,8 @@ class Session:
         if self.error is None:
             self.error = exc
             logger.error("%s", exc)
+            if not self._trouble.is_set():
+                dumps.on_failure(self.recorder, f"{type(exc).__name__}: {exc}")
             self._trouble.set()
             self._wake()
         self.plane.fail(self.error)
@@ -409,6 +430,8 @@ class Session:
                 await asyncio.gather(*self.inflight, *running, return_exceptions=True)
         for g in self.groups.values():
             g.deadlines.close()
+        if self.recorder is not None and self.recorder.trace_dir is not None:
+            tracefile.write_trace(self.recorder, self.recorder.trace_dir)  # AIODIST_TRACE
         # A rank that lost its server does not leave cleanly (the server cannot hear it):
         # no goodbye, so that its peers learn why from their own server connection.
         await self.plane.aclose(bye=self.conn.error is None)

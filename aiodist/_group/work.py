@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from aiodist._errors import DistTimeoutError
 from aiodist._group.polling import poller
+from aiodist._group.recorder import TRACED, wait_ended, wait_started
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -189,10 +190,13 @@ class Work(Generic[T]):
                 self._waiters.append(waiter)
             polling = poller(self._loop)
             polling.wait_started()
+            traced = wait_started(self) if TRACED else None  # a trace shows the wait
             try:
                 yield from waiter.__await__()
             finally:
                 polling.wait_ended()
+                if traced is not None:
+                    wait_ended(traced)
         return self.result()
 
     def is_completed(self) -> bool:

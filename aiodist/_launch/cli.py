@@ -1,4 +1,4 @@
-"""The ``aiodist`` command: ``serve``, ``status`` and ``run``. The only module that prints.
+"""The ``aiodist`` command: ``serve``, ``status``, ``trace``, ``run``. The only module that prints.
 
 Every ``serve`` flag can also come from an ``AIODIST_*`` environment variable
 (``--token-file`` from ``AIODIST_TOKEN_FILE``, ...); a flag on the command line wins.
@@ -145,6 +145,25 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--token-file", default=None, help="the server's token (default: $AIODIST_TOKEN)"
     )
+    status.add_argument(
+        "--job", default=None, help="one job: what each rank is doing, who the others wait for"
+    )
+    status.add_argument(
+        "--dump",
+        default=None,
+        metavar="DIR",
+        help="with --job: have every rank write its flight recorder into DIR (one file per "
+        "rank), then collect them into one file there",
+    )
+
+    trace = sub.add_parser("trace", help="timelines: merge the ranks' trace files")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    merge = trace_sub.add_parser(
+        "merge",
+        help="merge DIR's aiodist-trace-*.json (AIODIST_TRACE=DIR) into one trace-event file",
+    )
+    merge.add_argument("directory", metavar="DIR")
+    merge.add_argument("-o", "--output", required=True, help="the merged file (Perfetto, chrome)")
 
     run = sub.add_parser(
         "run",
@@ -240,7 +259,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "trace":
+        return _trace(args)
     return _run(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from aiodist._launch.trace import merge_traces
+
+    try:
+        out, ranks = merge_traces(args.directory, args.output)
+    except (OSError, ValueError) as exc:
+        return _fail("trace merge", str(exc))
+    print(f"merged {ranks} ranks' traces into {out}")
+    return 0
 
 
 def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -365,6 +397,20 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
     except (OSError, DistError) as exc:
         return _fail("status", f"no rendezvous server answers at {where} ({exc})")
     try:
+        if args.dump is not None:
+            from aiodist._launch.status_job import collect_dumps
+
+            if args.job is None:
+                return _fail("status", "--dump needs --job", 2)
+            try:
+                path, missing = await collect_dumps(conn, args.job, args.dump, args.timeout)
+            except (ValueError, DistError) as exc:
+                return _fail("status", str(exc))
+            print(f"flight recorders of job {args.job!r} collected in {path}")
+            if missing:
+                print(f"ranks {', '.join(map(str, missing))} wrote none in time", file=sys.stderr)
+                return 1
+            return 0
         snap = await conn.request(StatusRequest, timeout=args.timeout)
     except AuthenticationError as exc:
         return _fail("status", f"the server at {where} refused us: {exc}")
@@ -372,6 +418,17 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
         return _fail("status", f"the server at {where} did not report its status ({exc})")
     finally:
         conn.close()
+    if args.job is not None:
+        from aiodist._launch.status_job import find_job, format_job
+
+        job = find_job(snap, args.job)
+        if job is None:
+            return _fail("status", f"the server at {where} holds no job {args.job!r}")
+        if args.json:
+            print(json.dumps({"server": where, "job": job}, indent=2, sort_keys=True))
+        else:
+            print(format_job(job))
+        return 0
     if args.json:
         print(json.dumps({"server": where, **snap}, indent=2, sort_keys=True))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 from aiodist._control.store import as_seconds
@@ -15,7 +16,7 @@ from aiodist._group.group import ProcessGroup
 from aiodist._group.world import get_default_group, get_local_group, install_local_group
 from aiodist._ops.objects import start_all_gather_object
 from aiodist._ops.requests import Request
-from aiodist._ops.run import Slot
+from aiodist._ops.run import Slot, record
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ async def new_groups(
     if world is None:
         raise RuntimeError("new_group needs init_process_group first")
     session = world.session
+    called = perf_counter_ns()
     with Slot(world, "new_group") as seq:
         # Every rank numbers its groups in call order, whatever fails next.
         ids = [session.next_group_id() for _ in rank_lists]
@@ -128,9 +130,11 @@ async def new_groups(
         group.group_backend = backend
         session.groups[group.group_id] = group
     try:
-        seen = await start_all_gather_object(
+        agreeing = start_all_gather_object(
             world, seq, Request(op="all_gather_object", description="new_group", payload=payload)
         )
+        record(world, agreeing, "new_group", seq, None, called)
+        seen = await agreeing
     except BaseException:
         for group in groups:
             session.groups.pop(group.group_id, None)

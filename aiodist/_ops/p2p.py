@@ -25,6 +25,7 @@ through ``run``: its set-up is the group (``p2p_group``), the peer
 from __future__ import annotations
 
 import asyncio
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentError, CollectiveMismatchError
@@ -171,6 +172,7 @@ def isend(
     Example:
         >>> await aiodist.isend(torch.ones(4), dst=1)
     """
+    called = perf_counter_ns()
     g = p2p_group(group, "isend")
     if outsider(g):
         return Work.completed(None)
@@ -182,12 +184,17 @@ def isend(
         device = staging.device_of(t)
         src = t if device is not None or t.is_contiguous() else t.contiguous()
         if device is not None:
-            return _staged_send(g, description, dst, key, src)
-        meta, payload = _meta(src), byte_view(src)
+            work = _staged_send(g, description, dst, key, src)
+        else:
+            meta, payload = _meta(src), byte_view(src)
     except BaseException as exc:
         abort_send(g, dst, key, description, exc)
         raise
-    return send_message(g, description, dst, key, meta, payload)
+    if device is None:
+        work = send_message(g, description, dst, key, meta, payload)
+    if (rec := g.session.recorder) is not None:
+        rec.record(work, "isend", g.name, 0, dst, t.dtype, t.shape, called)
+    return work
 
 
 def send_message(
@@ -276,6 +283,7 @@ def irecv(
     Cancellation:
         Cancelling the awaiting task does not cancel the receive.
     """
+    called = perf_counter_ns()
     g = p2p_group(group, "irecv")
     if outsider(g):
         return Work.completed(-1)
@@ -322,6 +330,8 @@ def irecv(
             work.set_result(sender)
 
     g.session.plane.post(src, key, byte_view(dest), arrived)
+    if (rec := g.session.recorder) is not None:
+        rec.record(work, "irecv", g.name, 0, -1 if src is None else src, t.dtype, t.shape, called)
     return work
 
 

@@ -25,6 +25,7 @@ Point-to-point is not here: it takes no place in a group's order (``p2p``).
 from __future__ import annotations
 
 import logging
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._group.work import Work
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from aiodist._group.group import Bridge, ProcessGroup
     from aiodist._ops.requests import Call
 
-__all__ = ["Slot", "chain", "resolve_group", "run"]
+__all__ = ["Slot", "chain", "record", "resolve_group", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Slot:
 
 def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) -> Work[Any]:
     """Make ``call``: the set-up every collective shares (the module docstring), then ``start``."""
+    called = perf_counter_ns()
     g = call.group if call.group is not None else get_default_group()
     bridge = None if g is None or g.bridge is None else _bridge_for(g, call.first)
     torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
@@ -98,11 +100,27 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
             return Work.completed(req.answer)
         assert g is not None
         if bridge is not None and req.bridged:
-            return _delivered(bridge.start_collective(req, seq), req)
+            work = _delivered(bridge.start_collective(req, seq), req)
+            record(g, work, call.name, seq, req.first, called)
+            return work
     first = req.first
     if first is not None and staging.on_device(first):
-        return _staged(g, seq, req, start)
-    return _delivered(start(g, seq, req), req)
+        work = _staged(g, seq, req, start)
+    else:
+        work = _delivered(start(g, seq, req), req)
+    record(g, work, call.name, seq, first, called)
+    return work
+
+
+def record(g: ProcessGroup, work: Work[Any], name: str, seq: int, first: Any, at: int) -> None:
+    """Record the call in its session's flight recorder (``_group/recorder.py``)."""
+    rec = g.session.recorder
+    if rec is None:
+        return
+    if first is None:
+        rec.record(work, name, g.name, seq, -1, None, None, at)
+    else:
+        rec.record(work, name, g.name, seq, -1, first.dtype, first.shape, at)
 
 
 def _bridge_for(g: ProcessGroup, first: object) -> Bridge | None:

@@ -81,7 +81,8 @@ AUTH_TIMEOUT: Final = 10.0
 LINGER_TIMEOUT: Final = 5.0
 # Members' channels one connection may open: a process's ranks, with room to spare.
 MAX_CHANNELS: Final = 65536
-HEARTBEAT_ECHO: Final = b"".join(encode_message(Heartbeat()))
+_HEARTBEAT: Final = Heartbeat()
+HEARTBEAT_ECHO: Final = b"".join(encode_message(_HEARTBEAT))
 
 
 class ServerSide(Protocol):
@@ -191,8 +192,14 @@ class ServerConnection(asyncio.Protocol):
                     self._passed()  # no token: its first message (but the handshake's) is its hello
                 kind = type(msg)
                 if kind is Heartbeat:
-                    for conn_id in self.channels.values():
-                        self._server.receive(conn_id, msg)
+                    if msg.where:  # each channel's member hears its own position only
+                        where = {entry[0]: entry for entry in msg.where}
+                        for channel, conn_id in self.channels.items():
+                            own = where.get(channel)
+                            self._server.receive(conn_id, Heartbeat([own]) if own else _HEARTBEAT)
+                    else:
+                        for conn_id in self.channels.values():
+                            self._server.receive(conn_id, msg)
                     # Echoed, so that a client can tell a dead server from a quiet one.
                     self.write_parts([HEARTBEAT_ECHO])
                 elif kind is CloseChannel:

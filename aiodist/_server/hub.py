@@ -24,6 +24,8 @@ from aiodist._server.jobs import Close
 from aiodist._wire.preauth import Gate, LogBudget
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from aiodist._server.jobs import ConnId
     from aiodist._server.state import ServerState
     from aiodist._wire.bounds import FieldError
@@ -65,6 +67,8 @@ class Hub:
         self._refusals_timer: asyncio.TimerHandle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0
+        # Called with each batch of job events (the dashboard keeps the recent ones).
+        self.on_events: Callable[[list[dict[str, Any]]], None] | None = None
 
     def new_connection(self) -> ServerConnection:
         """The protocol of a connection just accepted."""
@@ -157,11 +161,18 @@ class Hub:
                         conn.write_parts(parts)  # what went before the close goes first
                     conn.end_channel(action.conn)
                 else:
-                    conn.queue(action.conn, action.msg, out.setdefault(conn, []))
+                    parts = out.setdefault(conn, [])
+                    before = len(parts)
+                    conn.queue(action.conn, action.msg, parts)
+                    if (job := self.state.job_of(action.conn)) is not None:  # the dashboard's
+                        job.bytes_sent += sum(map(len, parts[before:]))
         for conn, parts in out.items():
             if parts:
                 conn.write_parts(parts)
-        if (events := self.state.take_events()) and event_logger.isEnabledFor(logging.INFO):
+        events = self.state.take_events()
+        if events and self.on_events is not None:
+            self.on_events(events)
+        if events and event_logger.isEnabledFor(logging.INFO):
             for event in events:
                 event_logger.info(json.dumps(event), extra={"aiodist_event": event})
         self._arm_timer()

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import msgpack
 
 from aiodist._errors import ErrorCode
+from aiodist._server.where import member_position, positions
 from aiodist._wire.bounds import FieldError, check_message
 from aiodist._wire.messages import Packed, unpack_keys
 
@@ -47,6 +48,8 @@ class Member:
     local_rank: int = -1
     status: MemberStatus = "joining"
     done: bool = False  # its join deadline no longer applies
+    # What its heartbeats say it does: (current, last) operations (``where.py``).
+    position: tuple[Any, Any] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -109,6 +112,9 @@ class Job:
     leave_notice: LeaveNotice | None = None
     next_leave_notice: float = 0.0
     _packed_table: Packed | None = None
+    # For the dashboard's rates: messages received from its members, bytes sent to them.
+    messages: int = 0
+    bytes_sent: int = 0
     # The keys of the latest wait, decoded, and the value of ``deletions`` when they were
     # last seen all set (-1: not known to be).
     _last_keys: tuple[bytes, list[str]] = (b"", [])
@@ -186,6 +192,7 @@ class Job:
                     "peer": m.peer,
                     "status": m.status,
                     "heartbeat_age": now - m.last_seen,
+                    **member_position(m, now),
                 }
                 for m in members
                 if m in self.members
@@ -194,6 +201,7 @@ class Job:
                 {"rank": r, "host": h, "pid": p, "reason": why} for r, h, p, why in self.failures
             ],
             "keys": len(self.kv),
+            "waits": positions(self, now) if self.complete else [],
         }
 
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from aiodist._server.dashboard import DashboardApp
+
 if TYPE_CHECKING:
     import asyncio
-    import threading
     from collections.abc import Iterator
     from wsgiref.simple_server import WSGIServer
 
@@ -33,6 +37,10 @@ __all__ = ["MetricsEndpoint", "start_metrics"]
 logger = logging.getLogger(__name__)
 
 SAMPLE_TIMEOUT: Final = 5.0
+#: Requests the endpoint serves at once (scrapes, dashboard pages and their polls).
+MAX_REQUESTS: Final = 32
+#: Seconds a request may take to arrive before its connection is dropped.
+REQUEST_TIMEOUT: Final = 10.0
 
 # (sample key, metric name without _total, help) for every counter.
 _COUNTERS: Final = (
@@ -138,7 +146,50 @@ def start_metrics(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_ServerCollector(server, loop))
     ProcessCollector(registry=registry)
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    app = DashboardApp(server, loop, make_wsgi_app(registry))
+    httpd = make_server(host, port, app, _BoundedServer, handler_class=_Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name="aiodist-metrics", daemon=True)
+    thread.start()
     endpoint = MetricsEndpoint(httpd, thread)
-    logger.info("metrics on http://%s:%d/metrics", *endpoint.address)
+    logger.info(
+        "metrics on http://%s:%d/metrics, dashboard on http://%s:%d/", *endpoint.address * 2
+    )
     return endpoint
+
+
+class _Handler(WSGIRequestHandler):
+    """Quiet, and a request that dawdles loses its thread after ``REQUEST_TIMEOUT``."""
+
+    timeout = REQUEST_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per request, at most ``MAX_REQUESTS`` at once: a stranger cannot exhaust it.
+
+    A connection over the bound is closed at once, unanswered.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

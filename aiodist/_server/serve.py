@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 from aiodist._server.connection import AUTH_TIMEOUT
+from aiodist._server.dashboard import Dashboard
 from aiodist._server.hub import Hub
 from aiodist._server.state import ServerState
 from aiodist._wire.preauth import PreAuthLimits, open_files_limit
@@ -79,6 +80,8 @@ class RendezvousServer:
             open_files_limit(), share=4, most=MAX_PENDING_HANDSHAKES, deadline=AUTH_TIMEOUT
         )
         self._hub = Hub(self.state, token=self.token, preauth=self.preauth, loop=self._loop)
+        self.dashboard = Dashboard()  # what the metrics port's page shows (dashboard.py)
+        self._hub.on_events = self.dashboard.note_events
         self.address: tuple[str, int] = ("", 0)
         self._server: asyncio.Server | None = None
 
@@ -89,6 +92,10 @@ class RendezvousServer:
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))
         logger.info("rendezvous server listening on %s:%d", *self.address)
+
+    def loop_time(self) -> float:
+        """The server loop's clock (the job table's time)."""
+        return self._loop.time()
 
     @property
     def num_connections(self) -> int:

@@ -61,9 +61,12 @@ from aiodist._server.jobs import (
     check_values,
 )
 from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers, left_error
+from aiodist._server.where import heard
 from aiodist._wire.bounds import MIN_HEARTBEAT_TIMEOUT
 from aiodist._wire.messages import (
     Barrier,
+    DumpNotice,
+    DumpRequest,
     ErrorReply,
     Heartbeat,
     Join,
@@ -142,13 +145,21 @@ class ServerState(StoreAndBarriers):
         self.stats.messages += 1
         if state.member is not None:
             state.member.last_seen = now
+            state.member.job.messages += 1
         if isinstance(msg, Heartbeat):
+            if msg.where and state.member is not None:
+                heard(state.member, msg.where[0], now)
             return
         req_id = getattr(msg, "req_id", 0)
         try:
             self._dispatch(conn, state, msg, now)
         except BadRequest as exc:
             self._send(conn, ErrorReply(req_id, exc.code, str(exc), exc.details))
+
+    def job_of(self, conn: ConnId) -> Job | None:
+        """The job of the member on connection (channel) ``conn``, if any."""
+        state = self._conns.get(conn)
+        return None if state is None or state.member is None else state.member.job
 
     def bad_request(self, conn: ConnId, req_id: int, message: str, details: dict[str, Any]) -> None:
         """Refuse request ``req_id`` of ``conn``: a value of it was out of range on decoding.
@@ -205,6 +216,9 @@ class ServerState(StoreAndBarriers):
         if isinstance(msg, StatusRequest):
             self._send(conn, Reply(msg.req_id, self.snapshot(now)))
             return
+        if isinstance(msg, DumpRequest):
+            self._send(conn, Reply(msg.req_id, self._ask_dumps(msg)))
+            return
         member = state.member
         if member is None:
             if isinstance(msg, Leave):
@@ -237,6 +251,19 @@ class ServerState(StoreAndBarriers):
             self._store_op(conn, job, msg, now)
         else:
             raise BadRequest(ErrorCode.BAD_REQUEST, f"a client may not send {type(msg).__name__}")
+
+    def _ask_dumps(self, msg: DumpRequest) -> list[int]:
+        """Tell every active rank of job ``msg.job`` to write its flight recorder; their ranks."""
+        job = self.jobs.get(msg.job)
+        if job is None:
+            raise BadRequest(ErrorCode.BAD_REQUEST, f"no job {msg.job!r} on this server")
+        told = []
+        notice = DumpNotice(msg.directory)
+        for m in job.members:
+            if m.status == "active":
+                self._send(m.conn, notice)
+                told.append(m.rank)
+        return sorted(told)
 
     # --- membership ----------------------------------------------------------------
 

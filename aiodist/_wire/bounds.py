@@ -27,6 +27,8 @@ from aiodist._wire.messages import (
     Barrier,
     Channel,
     CloseChannel,
+    DumpRequest,
+    Heartbeat,
     Hello,
     Join,
     Leave,
@@ -48,7 +50,9 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_ADDRESSES",
     "MAX_GROUP_NAME_CHARS",
+    "MAX_OP_NAME_CHARS",
     "MAX_TIMEOUT",
+    "MAX_WHERE",
     "MAX_WORLD_SIZE",
     "MIN_HEARTBEAT_TIMEOUT",
     "MIN_TIMEOUT",
@@ -69,6 +73,9 @@ MAX_HOST_CHARS: Final = 1024
 MAX_ADDRESSES: Final = 64
 MAX_ADDRESS_CHARS: Final = 4096
 MAX_NONCE_BYTES: Final = 256
+#: ``Heartbeat.where``: entries (members of one connection), and an operation's name.
+MAX_WHERE: Final = 1024
+MAX_OP_NAME_CHARS: Final = 64
 _U64: Final = 2**64 - 1
 _I64: Final = 2**63
 
@@ -142,7 +149,48 @@ class _Len:
         return None
 
 
-_Bound = _Seconds | _Int | _Len
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """``Heartbeat.where``: what each member of a connection is doing, bounded and typed."""
+
+    def problem(self, value: Any) -> str | None:
+        allowed = (
+            f"at most {MAX_WHERE} entries [channel, op, op], each op None or "
+            f"[group, seq, name, seconds] with a group of at most {MAX_GROUP_NAME_CHARS} "
+            f"and a name of at most {MAX_OP_NAME_CHARS} characters"
+        )
+        if len(value) > MAX_WHERE:
+            return allowed
+        for entry in value:
+            if type(entry) is not list or len(entry) != 3:
+                return allowed
+            channel, current, last = entry
+            if type(channel) is not int or not 0 <= channel <= _U64:
+                return allowed
+            if not (_op_ok(current) and _op_ok(last)):
+                return allowed
+        return None
+
+
+def _op_ok(op: Any) -> bool:
+    if op is None:
+        return True
+    if type(op) is not list or len(op) != 4:
+        return False
+    group, seq, name, seconds = op
+    return (
+        type(group) is str
+        and len(group) <= MAX_GROUP_NAME_CHARS
+        and type(seq) is int
+        and 0 <= seq < _I64
+        and type(name) is str
+        and len(name) <= MAX_OP_NAME_CHARS
+        and type(seconds) in (int, float)
+        and 0.0 <= seconds <= MAX_TIMEOUT
+    )
+
+
+_Bound = _Seconds | _Int | _Len | _Where
 _REQ_ID: Final = _Int(0, _U64)
 _TIMEOUT: Final = _Seconds(MIN_TIMEOUT)
 
@@ -162,6 +210,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
         "generation": _Int(0, _I64 - 1),
     },
     Leave: {"req_id": _REQ_ID},
+    Heartbeat: {"where": _Where()},
     StoreSet: {"req_id": _REQ_ID},
     StoreGet: {"req_id": _REQ_ID, "timeout": _TIMEOUT},
     StoreAdd: {"req_id": _REQ_ID, "amount": _Int(-_I64, _I64 - 1)},  # TCPStore's int64
@@ -172,6 +221,11 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     StoreCheck: {"req_id": _REQ_ID},
     Barrier: {"req_id": _REQ_ID, "seq": _Int(0, _U64), "timeout": _TIMEOUT},
     StatusRequest: {"req_id": _REQ_ID},
+    DumpRequest: {
+        "req_id": _REQ_ID,
+        "job": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "directory": _Len(1, MAX_ADDRESS_CHARS, "characters"),
+    },
     MembersRequest: {"req_id": _REQ_ID},
     Hello: {
         "nonce": _Len(0, MAX_NONCE_BYTES, "bytes"),

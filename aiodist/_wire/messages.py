@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
 
 import msgpack
@@ -24,6 +24,8 @@ __all__ = [
     "Challenge",
     "Channel",
     "CloseChannel",
+    "DumpNotice",
+    "DumpRequest",
     "ErrorReply",
     "Heartbeat",
     "Hello",
@@ -73,6 +75,7 @@ class MessageKind(enum.IntEnum):
     CHANNEL = 17  # both ways: which member's channel the messages after it belong to
     CLOSE_CHANNEL = 18
     MEMBERS = 20
+    DUMP = 29  # ask every rank of a job to write its flight recorder (``status --dump``)
     # server -> client
     REPLY = 32
     WELCOME = 33
@@ -82,6 +85,7 @@ class MessageKind(enum.IntEnum):
     CHALLENGE = 37
     AUTHENTICATED = 38
     MEMBERS_LEFT = 39
+    DUMP_NOTICE = 47  # to each rank of the job a DUMP names
     # rank <-> rank (data plane)
     PEER_HELLO = 64
     DATA = 65
@@ -121,7 +125,16 @@ class Leave:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
+    """I am alive; ``where`` says what each member on the connection is doing.
+
+    ``where`` holds one ``[channel, current, last]`` per member that reports:
+    ``current`` its oldest unfinished operation and ``last`` the collective it
+    finished last, each ``[group, seq, name, seconds]`` (running for, ended ago)
+    or None. The server echoes a heartbeat with an empty ``where``.
+    """
+
     KIND: ClassVar[MessageKind] = MessageKind.HEARTBEAT
+    where: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +207,20 @@ class Barrier:
     req_id: int
     seq: int
     timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class DumpRequest:
+    """Ask every active rank of job ``job`` to write its flight recorder into ``directory``.
+
+    The reply is the list of ranks told. Each rank writes one file of a fixed
+    name into ``directory`` if it is an existing directory on its host.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.DUMP
+    req_id: int
+    job: str
+    directory: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +404,14 @@ class MembersLeft:
 
 
 @dataclass(frozen=True, slots=True)
+class DumpNotice:
+    """Write your flight recorder into ``directory`` (a ``DumpRequest`` named your job)."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.DUMP_NOTICE
+    directory: str
+
+
+@dataclass(frozen=True, slots=True)
 class Challenge:
     """The server's nonce; empty when the server requires no token."""
 
@@ -412,6 +447,8 @@ Message = (
     | StoreCheck
     | Barrier
     | StatusRequest
+    | DumpRequest
+    | DumpNotice
     | MembersRequest
     | AuthStart
     | Hello

@@ -323,6 +323,14 @@ BASH: dict[str, Check | str] = {
     "AIODIST_TOKEN=... aiodist serve --port 29500": check_serve_token_from_env,
     "aiodist status --port 29500": check_status,
     "aiodist status --port 29500 --json": check_status,
+    # Seeing inside a running job
+    "aiodist status --job train": "tests/test_status_job.py runs it on a live job of three ranks",
+    "aiodist status --job train --json": "tests/test_status_job.py runs it on a live job",
+    "aiodist status --job train --dump dumps": "tests/test_status_job.py runs it on a live job",
+    "kill -USR1 4121": "tests/test_status_job.py sends SIGUSR1 to a rank and reads its dump",
+    "AIODIST_TRACE=traces aiodist run -n 4 examples/demo.py": "tests/test_trace.py runs the "
+    "demo so and checks the merged trace",
+    "aiodist trace merge traces -o job.json": "tests/test_trace.py runs it on the demo's traces",
     # Security
     'python -c "import secrets; print(secrets.token_hex(32))" > token': _check_token_file,
     "chmod 600 token": _check_chmod,

@@ -1,0 +1,55 @@
+"""Who a timed-out collective waited for: the server's view, for the ``DistTimeoutError``.
+
+When a collective passes its group's timeout, the group asks the rendezvous
+server (briefly) where every rank of the job is, from the positions their
+heartbeats carry (``_server/where.py``), and names in the error the ranks
+that had not entered the call and what they did last. Without an answer in
+time the error says so and names nobody.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+from aiodist._errors import DistError
+from aiodist._server.where import describe_wait, positions_line
+from aiodist._wire.messages import StatusRequest
+
+if TYPE_CHECKING:
+    from aiodist._group.session import Session
+
+__all__ = ["ASK_TIMEOUT", "seq_of", "where_others_are"]
+
+#: How long a timed-out collective waits for the server's view before failing.
+ASK_TIMEOUT: Final = 1.0
+_SEQ = re.compile(r"#(\d+)$")
+
+
+def seq_of(description: str) -> int:
+    """The sequence number a handle's description ends with (``all_reduce#12``); 0 if none."""
+    m = _SEQ.search(description)
+    return int(m.group(1)) if m else 0
+
+
+async def where_others_are(session: Session, group: str, seq: int) -> str:
+    """A sentence on who call ``seq`` of ``group`` waits for, from the server ('' if unknown)."""
+    if session.conn.closed or not seq:
+        return ""
+    snap: Any = None
+    with anyio.move_on_after(ASK_TIMEOUT):
+        try:
+            snap = await session.conn.request(StatusRequest, timeout=ASK_TIMEOUT)
+        except DistError:
+            return ""
+    if not isinstance(snap, dict):
+        return ""
+    job = next((j for j in snap.get("jobs", []) if j.get("name") == session.group_name), None)
+    if job is None:
+        return ""
+    for call in job.get("waits", []):
+        if call["group"] == group and call["seq"] == seq:
+            return describe_wait(call)
+    return positions_line(job)

@@ -1,0 +1,177 @@
+"""The daemon's dashboard: ``/`` on the metrics port, a page that polls ``/api/state``.
+
+The HTTP side runs in the metrics endpoint's threads (``metrics.py``); it
+reads the server only through ``Dashboard.sample``, which runs on the
+server's loop (asked with ``call_soon_threadsafe``, bounded by a timeout),
+and caches the answer for ``CACHE_SECONDS`` so that many open pages cost the
+loop one sample per interval.
+
+What ``/api/state`` carries: the server (version, uptime, connections), each
+job (state, world size, members joined, age, messages per second received
+from its members and bytes per second sent to them) with its ranks (host,
+pid, status, heartbeat age, current operation) and the collectives some rank
+waits in; the recent job events (created, formed, rank failed, finished),
+newest last; how recent jobs ended.
+
+Security: with a token, ``/api/state`` answers 401 and no job data unless the
+request carries ``Authorization: Bearer <token>`` (compared in constant
+time); the page asks for the token and keeps it in the tab's session storage.
+The page and its script are static files: they render every value as text
+(``textContent``), never as HTML, and a Content-Security-Policy allows only
+the daemon's own script. Requests are bounded by the endpoint (``metrics.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hmac
+import json
+import threading
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Iterable
+
+    from aiodist._server.serve import RendezvousServer
+
+__all__ = ["CACHE_SECONDS", "EVENTS_KEPT", "Dashboard", "DashboardApp"]
+
+#: How long one sample of the server serves every page that polls.
+CACHE_SECONDS: Final = 0.5
+#: Job events the dashboard keeps (newest last).
+EVENTS_KEPT: Final = 200
+SAMPLE_TIMEOUT: Final = 5.0
+# The most ranks listed per job (a job of 10,000 ranks would make a huge page).
+RANKS_SHOWN: Final = 512
+_STATIC: Final = {
+    "/": ("dashboard.html", "text/html; charset=utf-8"),
+    "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+_SECURITY_HEADERS: Final = [
+    ("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cache-Control", "no-store"),
+]
+
+
+class Dashboard:
+    """The loop's side: recent events and message/byte rates per job (call on the loop)."""
+
+    def __init__(self) -> None:
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
+        self._counts: dict[str, tuple[int, int]] = {}  # job -> (messages, bytes) at _at
+        self._rates: dict[str, tuple[float, float]] = {}
+        self._at = 0.0
+
+    def note_events(self, events: Iterable[dict[str, Any]]) -> None:
+        """Job events just recorded by the job table (``ServerState.take_events``)."""
+        now = time.time()
+        self.events.extend({"time": now, **e} for e in events)
+
+    def sample(self, server: RendezvousServer) -> dict[str, Any]:
+        """Everything the page shows, as plain data."""
+        state = server.state
+        now = server.loop_time()
+        snap = state.snapshot(now)
+        if now - self._at >= 1.0:  # rates over at least a second
+            counts = {j.name: (j.messages, j.bytes_sent) for j in state.jobs.values()}
+            span = now - self._at if self._at else 0.0
+            self._rates = {
+                name: (
+                    (m - self._counts.get(name, (0, 0))[0]) / span if span else 0.0,
+                    (b - self._counts.get(name, (0, 0))[1]) / span if span else 0.0,
+                )
+                for name, (m, b) in counts.items()
+            }
+            self._counts, self._at = counts, now
+        for job in snap["jobs"]:
+            rates = self._rates.get(job["name"], (0.0, 0.0))
+            job["messages_per_second"], job["bytes_per_second"] = rates
+            job["ranks_hidden"] = max(0, len(job["members"]) - RANKS_SHOWN)
+            job["members"] = job["members"][:RANKS_SHOWN]
+        snap["events"] = list(self.events)
+        snap["token_required"] = server.token is not None
+        return snap
+
+
+class DashboardApp:
+    """The WSGI side, run by the endpoint's threads: the page, its files, ``/api/state``."""
+
+    def __init__(
+        self,
+        server: RendezvousServer,
+        loop: asyncio.AbstractEventLoop,
+        metrics: Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]],
+    ) -> None:
+        self._server = server
+        self._loop = loop
+        self._metrics = metrics
+        self._token = server.token.encode() if server.token is not None else None
+        self._lock = threading.Lock()
+        self._cached: tuple[float, bytes] = (0.0, b"")
+        self._files = {
+            path: (resources.files("aiodist._server").joinpath("static", name).read_bytes(), kind)
+            for path, (name, kind) in _STATIC.items()
+        }
+
+    def __call__(self, environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path == "/metrics":
+            return self._metrics(environ, start)
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            return _answer(start, "405 Method Not Allowed", b"GET only\n", "text/plain")
+        if path in self._files:
+            body, kind = self._files[path]
+            return _answer(start, "200 OK", body, kind)
+        if path == "/api/state":
+            if not self._authorized(environ):
+                body = b'{"error": "this server requires its token", "token_required": true}'
+                return _answer(start, "401 Unauthorized", body, "application/json")
+            data = self._state()
+            if data is None:
+                return _answer(start, "503 Service Unavailable", b"{}", "application/json")
+            return _answer(start, "200 OK", data, "application/json")
+        return _answer(start, "404 Not Found", b"not found\n", "text/plain")
+
+    def _authorized(self, environ: dict[str, Any]) -> bool:
+        if self._token is None:
+            return True
+        given = environ.get("HTTP_AUTHORIZATION", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(value.strip().encode(), self._token)
+
+    def _state(self) -> bytes | None:
+        with self._lock:  # one sample per interval, whoever asks
+            at, body = self._cached
+            if time.monotonic() - at < CACHE_SECONDS and body:
+                return body
+            future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+            def take() -> None:
+                try:
+                    future.set_result(self._server.dashboard.sample(self._server))
+                except Exception as exc:  # pragma: no cover - reported to the HTTP thread
+                    future.set_exception(exc)
+
+            try:
+                self._loop.call_soon_threadsafe(take)
+                data = future.result(timeout=SAMPLE_TIMEOUT)
+            except (RuntimeError, concurrent.futures.TimeoutError):
+                return None
+            body = json.dumps(data, default=str).encode()
+            self._cached = (time.monotonic(), body)
+            return body
+
+
+def _answer(start: Callable[..., Any], status: str, body: bytes, kind: str) -> list[bytes]:
+    headers = [("Content-Type", kind), ("Content-Length", str(len(body))), *_SECURITY_HEADERS]
+    start(status, headers)
+    return [body]

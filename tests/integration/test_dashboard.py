@@ -1,0 +1,273 @@
+"""The daemon's dashboard: its page, files and /api/state over real HTTP, and in a real browser."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+import torch
+
+import aiodist
+from aiodist._server.metrics import MAX_REQUESTS, start_metrics
+from aiodist.testing import run_ranks
+from tests.helpers import HELPERS
+from tests.helpers.daemon import asyncio_only, serve
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from aiodist._server.metrics import MetricsEndpoint
+
+TOKEN = "dashboard-test-token"
+WORKER = str(HELPERS / "observe_worker.py")
+
+
+def get(
+    address: tuple[str, int], path: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection(*address, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+async def fetch(address: tuple[str, int], path: str, **headers: str) -> tuple[int, Any, bytes]:
+    return await anyio.to_thread.run_sync(lambda: get(address, path, headers))
+
+
+@pytest.fixture
+async def endpoint(server: aiodist.RendezvousServer) -> AsyncIterator[MetricsEndpoint]:
+    ep = start_metrics(server, asyncio.get_running_loop(), "127.0.0.1", 0)
+    try:
+        yield ep
+    finally:
+        await anyio.to_thread.run_sync(ep.close)
+
+
+@asyncio_only
+async def test_page_and_files_are_served_with_a_strict_policy(endpoint: MetricsEndpoint) -> None:
+    status, headers, body = await fetch(endpoint.address, "/")
+    assert status == 200
+    assert headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in headers["content-security-policy"]
+    assert headers["x-content-type-options"] == "nosniff"
+    assert b'<script src="/dashboard.js"' in body
+    assert b"<script>" not in body  # no inline script: the policy would refuse it
+    status, headers, js = await fetch(endpoint.address, "/dashboard.js")
+    assert status == 200
+    assert b"innerHTML" not in js  # every value is rendered as text
+    status, _, _ = await fetch(endpoint.address, "/nope")
+    assert status == 404
+    status, _, metrics = await fetch(endpoint.address, "/metrics")
+    assert status == 200
+    assert b"aiodist_uptime_seconds" in metrics
+
+
+@asyncio_only
+async def test_state_lists_a_job_its_ranks_and_where_they_are(
+    server: aiodist.RendezvousServer, endpoint: MetricsEndpoint
+) -> None:
+    entered = anyio.Event()
+    release = anyio.Event()
+
+    async def body(g: aiodist.ProcessGroup) -> None:
+        await aiodist.barrier(group=g)
+        if g.rank == 1:
+            await release.wait()  # rank 1 stays out of the all_reduce for a while
+        else:
+            entered.set()
+        await aiodist.all_reduce(torch.ones(2), group=g)
+
+    async def watch() -> dict[str, Any]:
+        await entered.wait()
+        while True:
+            status, _, raw = await fetch(endpoint.address, "/api/state")
+            assert status == 200
+            state = json.loads(raw)
+            jobs = [j for j in state["jobs"] if j["name"] == "dash"]
+            if jobs and jobs[0]["waits"]:
+                release.set()
+                found: dict[str, Any] = jobs[0]
+                return found
+            await anyio.sleep(0.1)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: run_ranks(
+                    server.address, 2, body, group_name="dash", heartbeat_interval=0.05
+                )
+            )
+            job = await watch()
+    assert job["state"] == "running"
+    assert [m["rank"] for m in job["members"]] == [0, 1]
+    assert all(m["pid"] == os.getpid() for m in job["members"])
+    (call,) = job["waits"]
+    assert call["name"] == "all_reduce"
+    assert [w["rank"] for w in call["waiting"]] == [0]
+    assert [n["rank"] for n in call["not_entered"]] == [1]
+    assert job["messages_per_second"] >= 0
+    _, _, raw = await fetch(endpoint.address, "/api/state")
+    events = json.loads(raw)["events"]
+    kinds = [e["event"] for e in events if e["job"] == "dash"]
+    assert kinds[:2] == ["job_created", "rank_joined"]
+    assert "job_formed" in kinds
+
+
+@asyncio_only
+async def test_state_needs_the_token_when_the_daemon_has_one() -> None:
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            server = await tg.start(partial(aiodist.serve_rendezvous, "127.0.0.1", 0, token=TOKEN))
+
+            ep = start_metrics(server, asyncio.get_running_loop(), "127.0.0.1", 0)
+            try:
+                status, _, raw = await fetch(ep.address, "/api/state")
+                assert status == 401
+                assert json.loads(raw) == {
+                    "error": "this server requires its token",
+                    "token_required": True,
+                }
+                status, _, _ = await fetch(ep.address, "/api/state", Authorization="Bearer wrong")
+                assert status == 401
+                status, _, raw = await fetch(
+                    ep.address, "/api/state", Authorization=f"Bearer {TOKEN}"
+                )
+                assert status == 200
+                assert json.loads(raw)["token_required"] is True
+                status, _, _ = await fetch(ep.address, "/")  # the page itself holds no data
+                assert status == 200
+            finally:
+                await anyio.to_thread.run_sync(ep.close)
+            tg.cancel_scope.cancel()
+
+
+@asyncio_only
+async def test_idle_connections_cannot_take_more_than_their_share(
+    endpoint: MetricsEndpoint,
+) -> None:
+    idle = [socket.create_connection(endpoint.address) for _ in range(MAX_REQUESTS)]
+    try:
+        # Every request slot is held by a connection that says nothing: the next is dropped.
+        def refused() -> bool:
+            try:
+                get(endpoint.address, "/api/state")
+            except (ConnectionError, http.client.HTTPException, OSError):
+                return True
+            return False
+
+        with anyio.fail_after(20):
+            assert await anyio.to_thread.run_sync(refused)
+    finally:
+        for s in idle:
+            s.close()
+    with anyio.fail_after(20):
+        while True:  # the slots come back as the server notices the closed connections
+            try:
+                status, _, _ = await fetch(endpoint.address, "/api/state")
+                break
+            except (ConnectionError, http.client.HTTPException, OSError):
+                await anyio.sleep(0.05)
+    assert status == 200
+
+
+# --- a real browser -----------------------------------------------------------------------
+
+
+def _browser() -> tuple[str, str] | None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (chromium, driver) if chromium and driver else None
+
+
+def _skip_reason() -> str | None:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (pip install -e '.[dev]')"
+    if _browser() is None:
+        return "no chromium and chromedriver here (make browser installs them)"
+    return None
+
+
+@asyncio_only
+@pytest.mark.slow
+@pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    found = _browser()
+    assert found is not None
+    chromium, chromedriver = found
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,900"):
+        options.add_argument(arg)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env["AIODIST_HEARTBEAT_INTERVAL"] = "0.1"
+    with anyio.fail_after(90):
+        async with serve("--port", "0", "--metrics-port", "0") as daemon:
+            line = daemon.ready
+            page = line.split("metrics on ", 1)[1].strip().removesuffix("/metrics") + "/"
+            driver = await anyio.to_thread.run_sync(
+                lambda: webdriver.Chrome(options=options, service=Service(chromedriver))
+            )
+            procs = []
+            try:
+                await anyio.to_thread.run_sync(driver.get, page)
+                url = f"tcp://127.0.0.1:{daemon.port}"
+                for r in range(2):
+                    argv = [sys.executable, WORKER, url, str(r), "2", "<b>web</b>", "sleep"]
+                    procs.append(await anyio.open_process(argv, env=env))
+
+                async def text() -> str:
+                    return str(
+                        await anyio.to_thread.run_sync(
+                            lambda: driver.find_element(By.TAG_NAME, "body").text
+                        )
+                    )
+
+                # The page polls; so does the test, reading what the page shows.
+                while "job <b>web</b> running" not in await text():  # noqa: ASYNC110
+                    await anyio.sleep(0.2)  # shown as text, not markup
+                while "all_reduce #2" not in await text():  # noqa: ASYNC110
+                    await anyio.sleep(0.2)  # rank 0 inside, rank 1 outside
+                shot = Path(os.environ.get("AIODIST_SCREENSHOT", tmp_path / "dashboard.png"))
+                await anyio.to_thread.run_sync(driver.save_screenshot, str(shot))
+                assert (await anyio.Path(shot).stat()).st_size > 0
+                procs[1].send_signal(signal.SIGKILL)
+                with anyio.fail_after(10):  # the page says so within seconds
+                    while "rank_failed" not in await text():  # noqa: ASYNC110
+                        await anyio.sleep(0.2)
+                rows = await anyio.to_thread.run_sync(
+                    lambda: [
+                        r.text for r in driver.find_elements(By.CSS_SELECTOR, "#events tbody tr")
+                    ]
+                )
+                failed = [r for r in rows if "rank_failed" in r]
+                assert failed, rows
+                assert '"rank":1' in failed[0], failed
+            finally:
+                await anyio.to_thread.run_sync(driver.quit)
+                for p in procs:
+                    if p.returncode is None:
+                        p.kill()
+                with anyio.CancelScope(shield=True):
+                    for p in procs:
+                        await p.wait()
