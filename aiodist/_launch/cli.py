@@ -136,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", type=str.lower, choices=LOG_LEVELS, default=_env("LOG_LEVEL", "info")
     )
     serve.add_argument("--log-format", choices=LOG_FORMATS, default=_env("LOG_FORMAT", "text"))
+    serve.add_argument(
+        "--state-dir",
+        default=_env("STATE_DIR", None),
+        help="keep the jobs' state here (a log and snapshots) so that a restart keeps them "
+        "(AIODIST_STATE_DIR)",
+    )
 
     status = sub.add_parser("status", help="show the jobs a rendezvous server holds")
     status.add_argument("--host", default=_env("HOST", "127.0.0.1"))
@@ -333,6 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
                     metrics_port=args.metrics_port,
                     shutdown_timeout=args.shutdown_timeout,
                     on_ready=on_ready,
+                    state_dir=args.state_dir,
                 )
             )
         )

@@ -150,6 +150,7 @@ async def run_daemon(
     metrics_port: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     on_ready: Callable[[RendezvousServer, tuple[str, int] | None], None] | None = None,
+    state_dir: str | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; return the exit code (0 after a clean shutdown).
 
@@ -162,6 +163,8 @@ async def run_daemon(
         metrics_port: Port of the Prometheus endpoint; None serves no metrics.
         shutdown_timeout: Seconds a shutdown waits for clients to take the notice.
         on_ready: Called once listening, with the server and the metrics address.
+        state_dir: Where the jobs' durable state lives (None: memory only; the
+            members re-register their jobs after a restart, the store is lost).
 
     Raises:
         OSError: An address cannot be bound.
@@ -202,7 +205,13 @@ async def run_daemon(
         async with anyio.create_task_group() as tg:
             server: RendezvousServer = await tg.start(
                 functools.partial(
-                    serve_rendezvous, host, port, token=token, shutdown_timeout=shutdown_timeout
+                    serve_rendezvous,
+                    host,
+                    port,
+                    token=token,
+                    shutdown_timeout=shutdown_timeout,
+                    state_dir=state_dir,
+                    restartable=True,  # a daemon may be restarted: its members wait for it
                 )
             )
             metrics = None

@@ -115,6 +115,7 @@ class ServerState(StoreAndBarriers):
         self.started_at = now
         self.version = ""  # reported by status; the shell fills it in
         self.closing = False
+        self.restartable = False  # told to members in their Welcome (see restart.py)
         self.jobs: dict[str, Job] = {}
         self.log = JobLog()
         self.stats = Stats()
@@ -339,6 +340,7 @@ class ServerState(StoreAndBarriers):
                     m.local_rank,
                     local_sizes[m.host],
                     host_runs,
+                    self.restartable,
                 ),
             )
 

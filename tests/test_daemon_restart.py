@@ -1,0 +1,174 @@
+"""A daemon killed and started again: the jobs on it go on (real processes, real sockets).
+
+Two jobs of two ranks each run on one `aiodist serve`. The daemon is SIGKILLed
+while rank 0 of each job waits in an all-reduce, and started again on the same
+port (with the same state directory, or without one). Both jobs finish the
+collective with the right sum, use the store and a barrier through the server
+that came back, and a rank killed after the restart is reported to its peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from tests._daemon import TOKEN, asyncio_only, serve, token_file
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from anyio.abc import Process
+
+    from tests._daemon import Daemon
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("restart_worker.py")
+HB_TIMEOUT = 1.5
+
+
+class Rank:
+    """A worker process: its JSON lines, and a line to send it."""
+
+    def __init__(self, proc: Process, job: str, rank: int) -> None:
+        self.proc, self.job, self.rank = proc, job, rank
+        assert proc.stdout is not None
+        self._out = BufferedByteReceiveStream(proc.stdout)
+
+    async def line(self) -> dict[str, Any]:
+        try:
+            raw = await self._out.receive_until(b"\n", 1 << 20)
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            raise AssertionError(f"{self.job} rank {self.rank} printed no more") from None
+        out: dict[str, Any] = json.loads(raw)
+        return out
+
+    async def tell(self) -> None:
+        assert self.proc.stdin is not None
+        await self.proc.stdin.send(b"go\n")
+
+
+@contextlib.asynccontextmanager
+async def ranks(
+    address: tuple[str, int], jobs: list[str], env: dict[str, str]
+) -> AsyncIterator[list[Rank]]:
+    """Two ranks per job, started at once; every one is killed on the way out."""
+    url = f"tcp://{address[0]}:{address[1]}"
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    full.update({"HB_TIMEOUT": str(HB_TIMEOUT), **env})
+    procs: list[Rank] = []
+    try:
+        for job in jobs:
+            for r in range(2):
+                argv = [sys.executable, str(WORKER), url, job, str(r), "2"]
+                procs.append(Rank(await anyio.open_process(argv, env=full), job, r))
+        yield procs
+    finally:
+        for p in procs:
+            if p.proc.returncode is None:
+                p.proc.kill()
+            with anyio.CancelScope(shield=True):
+                await p.proc.wait()
+                await p.proc.aclose()
+
+
+async def wait_reattached(daemon: Daemon, n: int) -> None:
+    """Until the daemon logged ``n`` distinct members re-attached."""
+    seen: set[tuple[str, int]] = set()
+
+    def count(line: str) -> bool:
+        if '"rank_reattached"' in line:
+            event = json.loads(line[line.index("{") :])
+            seen.add((event["job"], event["rank"]))
+        return len(seen) >= n
+
+    await daemon.wait_for_line("stderr", count)
+
+
+async def _kill(daemon: Daemon) -> None:
+    daemon.proc.send_signal(signal.SIGKILL)
+    await daemon.proc.wait()
+
+
+@asyncio_only
+@pytest.mark.parametrize("durable", [True, False], ids=["state-dir", "no-state-dir"])
+async def test_daemon_sigkilled_mid_collective_two_jobs_finish_after_restart(
+    tmp_path: Path, durable: bool
+) -> None:
+    state = ["--state-dir", str(tmp_path / "state")] if durable else []
+    auth = ["--token-file", str(token_file(tmp_path))]
+    env = {"AIODIST_TOKEN": TOKEN, "AIODIST_SERVER_GRACE": "30"}
+    jobs = ["job-a", "job-b"]
+    with anyio.fail_after(90):
+        async with serve("--port", "0", *auth, *state) as first:
+            port = first.port
+            async with ranks(first.address, jobs, env) as procs:
+                a0, a1, b0, b1 = procs
+                for p in procs:
+                    assert (await p.line())["ready"]
+                for p in (a0, b0):
+                    assert (await p.line())["in_collective"]
+                await _kill(first)
+                killed = time.monotonic()
+                async with serve("--port", str(port), *auth, *state) as second:
+                    restarted = time.monotonic() - killed
+                    assert restarted < 10, restarted
+                    for p in (a1, b1):
+                        await p.tell()  # now it joins the all-reduce rank 0 has waited in
+                    for p in procs:
+                        assert (await p.line())["reduced"] == [3.0] * 4, (p.job, p.rank)
+                    for p in procs:
+                        out = await p.line()
+                        assert out["after"], out
+                        assert out["kept"] == (f"value-of-{p.job}" if durable else None), out
+                    await wait_reattached(second, 4)
+                    # Job A finishes; in job B, rank 1 is killed while rank 0 waits for it.
+                    await a1.tell()
+                    b1.proc.kill()
+                    for p in (a0, a1):
+                        assert (await p.line()).get("finished"), (p.job, p.rank)
+                    error = (await b0.line())["error"]
+                    assert error["type"] == "RankFailedError", error
+                    assert error["rank"] == 1, error
+                    for p in (a0, a1, b0):
+                        assert await p.proc.wait() == 0
+    if durable:
+        assert (tmp_path / "state" / "log").exists()
+
+
+@asyncio_only
+async def test_daemon_restarted_with_another_token_is_refused_by_the_ranks(
+    tmp_path: Path,
+) -> None:
+    env = {"AIODIST_TOKEN": TOKEN, "AIODIST_SERVER_GRACE": "20"}
+    state = ["--state-dir", str(tmp_path / "state")]
+    with anyio.fail_after(60):
+        async with serve("--port", "0", "--token-file", str(token_file(tmp_path)), *state) as d:
+            port = d.port
+            async with ranks(d.address, ["job-t"], env) as (r0, r1):
+                for p in (r0, r1):
+                    assert (await p.line())["ready"]
+                assert (await r0.line())["in_collective"]
+                await _kill(d)
+                (tmp_path / "other").mkdir()
+                other = token_file(tmp_path / "other", "another-token")
+                async with serve("--port", str(port), "--token-file", str(other), *state):
+                    # Rank 0's all-reduce breaks once its rank refused the server; rank 1's
+                    # starts after that, and fails at once.
+                    errors = [(await r0.line())["error"]]
+                    await r1.tell()
+                    errors.append((await r1.line())["error"])
+                    for p, error in zip((r0, r1), errors, strict=True):
+                        assert error["type"] == "AuthenticationError", error
+                        assert f"127.0.0.1:{port}" in error["message"], error
+                        assert await p.proc.wait() == 0
