@@ -492,6 +492,13 @@ class ControlConnection(asyncio.Protocol):
             channel.resolve(req_id, value)
 
     def _fail(self, exc: DistError) -> None:
+        if self.reconnect is not None and isinstance(exc, AuthenticationError):
+            self.reconnect = None  # refused: never retried
+            exc = AuthenticationError(
+                f"the rendezvous server at {self.server} came back but the token handshake "
+                f"failed ({exc}); a server started again with another token cannot take its "
+                "jobs back: restart it with the token it had, or restart the job"
+            )
         first = self._error is None
         if first:
             self._error = exc
