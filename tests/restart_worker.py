@@ -65,6 +65,8 @@ async def main() -> None:
             await aiodist.all_reduce(t)
     except aiodist.DistError as exc:
         report(error=describe(exc))
+        if os.environ.get("LINGER") == "1":
+            await readline()  # stays a member (its server connection too) until told
         return
     report(reduced=t.tolist())
     kept = await store.check(["kept"])

@@ -172,3 +172,85 @@ async def test_daemon_restarted_with_another_token_is_refused_by_the_ranks(
                         assert error["type"] == "AuthenticationError", error
                         assert f"127.0.0.1:{port}" in error["message"], error
                         assert await p.proc.wait() == 0
+
+
+@asyncio_only
+async def test_rank_killed_while_the_daemon_is_down_is_reported_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    state = ["--state-dir", str(tmp_path / "state")]
+    env = {"AIODIST_SERVER_GRACE": "30", "LINGER": "1"}
+    with anyio.fail_after(60):
+        async with serve("--port", "0", *state) as first:
+            async with ranks(first.address, ["job-d"], env) as (r0, r1):
+                for p in (r0, r1):
+                    assert (await p.line())["ready"]
+                assert (await r0.line())["in_collective"]
+                await _kill(first)
+                r1.proc.kill()  # dies while no server can see it
+                await r1.proc.wait()
+                async with serve("--port", str(first.port), *state) as second:
+                    error = (await r0.line())["error"]
+                    # The server, once back, reaches the same verdict on its own.
+                    line = await second.wait_for_line("stderr", lambda s: '"rank_failed"' in s)
+                    failed = json.loads(line[line.index("{") :])
+                    await r0.tell()
+                    assert await r0.proc.wait() == 0
+    assert error["type"] == "RankFailedError", error
+    assert error["rank"] == 1, error
+    assert (failed["job"], failed["rank"]) == ("job-d", 1), failed
+    assert "did not come back" in failed["reason"], failed
+
+
+@asyncio_only
+async def test_daemon_not_back_within_the_grace_period_breaks_the_groups(
+    tmp_path: Path,
+) -> None:
+    grace = 2.0
+    with anyio.fail_after(60):
+        async with serve("--port", "0") as daemon:
+            env = {"AIODIST_SERVER_GRACE": str(grace)}
+            async with ranks(daemon.address, ["job-g"], env) as (r0, r1):
+                for p in (r0, r1):
+                    assert (await p.line())["ready"]
+                assert (await r0.line())["in_collective"]
+                await _kill(daemon)
+                killed = time.monotonic()
+                out = await r0.line()
+                waited = out["t"] - killed
+                await r1.tell()
+                later = await r1.line()
+    error = out["error"]
+    assert error["type"] == "GroupBrokenError", error
+    assert f"did not come back within {grace:.1f} s (AIODIST_SERVER_GRACE)" in error["message"]
+    # Counted from the moment the rank saw the server go, a hair before ``killed``.
+    assert grace - 0.5 <= waited < grace + HB_TIMEOUT + 5, waited
+    assert later["error"]["type"] == "GroupBrokenError", later
+
+
+@asyncio_only
+async def test_daemon_stopped_past_the_heartbeat_timeout_loses_no_member(tmp_path: Path) -> None:
+    env = {"AIODIST_SERVER_GRACE": "30"}
+    with anyio.fail_after(60):
+        async with serve("--port", "0") as daemon:
+            async with ranks(daemon.address, ["job-s"], env) as (r0, r1):
+                for p in (r0, r1):
+                    assert (await p.line())["ready"]
+                assert (await r0.line())["in_collective"]
+                daemon.proc.send_signal(signal.SIGSTOP)
+                try:
+                    # The fault itself: a server frozen for twice the ranks' heartbeat timeout.
+                    await anyio.sleep(2 * HB_TIMEOUT + 0.5)
+                finally:
+                    daemon.proc.send_signal(signal.SIGCONT)
+                await r1.tell()
+                for p in (r0, r1):
+                    assert (await p.line())["reduced"] == [3.0] * 4
+                for p in (r0, r1):
+                    assert (await p.line())["after"]
+                await wait_reattached(daemon, 2)
+                await r1.tell()
+                for p in (r0, r1):
+                    assert (await p.line()).get("finished"), p.rank
+                    assert await p.proc.wait() == 0
+    assert '"rank_failed"' not in daemon.output()

@@ -93,6 +93,7 @@ class RendezvousServer:
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))
         logger.info("rendezvous server listening on %s:%d", *self.address)
+        self._hub.flush()  # jobs restored from a state directory have deadlines already
 
     @property
     def num_connections(self) -> int:
