@@ -40,8 +40,8 @@ HB_TIMEOUT = 1.5
 class Rank:
     """A worker process: its JSON lines, and a line to send it."""
 
-    def __init__(self, proc: Process, job: str, rank: int) -> None:
-        self.proc, self.job, self.rank = proc, job, rank
+    def __init__(self, proc: Process, job: str, rank: int, stderr: Path) -> None:
+        self.proc, self.job, self.rank, self.stderr = proc, job, rank, stderr
         assert proc.stdout is not None
         self._out = BufferedByteReceiveStream(proc.stdout)
 
@@ -49,7 +49,9 @@ class Rank:
         try:
             raw = await self._out.receive_until(b"\n", 1 << 20)
         except (anyio.EndOfStream, anyio.IncompleteRead):
-            raise AssertionError(f"{self.job} rank {self.rank} printed no more") from None
+            raise AssertionError(
+                f"{self.job} rank {self.rank} printed no more: {self.stderr.read_text()}"
+            ) from None
         out: dict[str, Any] = json.loads(raw)
         return out
 
@@ -60,7 +62,7 @@ class Rank:
 
 @contextlib.asynccontextmanager
 async def ranks(
-    address: tuple[str, int], jobs: list[str], env: dict[str, str]
+    address: tuple[str, int], jobs: list[str], env: dict[str, str], logs: Path
 ) -> AsyncIterator[list[Rank]]:
     """Two ranks per job, started at once; every one is killed on the way out."""
     url = f"tcp://{address[0]}:{address[1]}"
@@ -71,7 +73,10 @@ async def ranks(
         for job in jobs:
             for r in range(2):
                 argv = [sys.executable, str(WORKER), url, job, str(r), "2"]
-                procs.append(Rank(await anyio.open_process(argv, env=full), job, r))
+                stderr = logs / f"{job}-{r}-{time.monotonic_ns()}.txt"
+                with stderr.open("wb") as err:  # a local file: opening it does not block
+                    proc = await anyio.open_process(argv, env=full, stderr=err)
+                procs.append(Rank(proc, job, r, stderr))
         yield procs
     finally:
         for p in procs:
@@ -101,9 +106,13 @@ async def _kill(daemon: Daemon) -> None:
 
 
 @asyncio_only
-@pytest.mark.parametrize("durable", [True, False], ids=["state-dir", "no-state-dir"])
-async def test_daemon_sigkilled_mid_collective_two_jobs_finish_after_restart(
-    tmp_path: Path, durable: bool
+@pytest.mark.parametrize(
+    ("durable", "how"),
+    [(True, "SIGKILL"), (False, "SIGKILL"), (True, "SIGTERM")],
+    ids=["state-dir", "no-state-dir", "state-dir-sigterm"],
+)
+async def test_daemon_killed_mid_collective_two_jobs_finish_after_restart(
+    tmp_path: Path, durable: bool, how: str
 ) -> None:
     state = ["--state-dir", str(tmp_path / "state")] if durable else []
     auth = ["--token-file", str(token_file(tmp_path))]
@@ -112,13 +121,16 @@ async def test_daemon_sigkilled_mid_collective_two_jobs_finish_after_restart(
     with anyio.fail_after(90):
         async with serve("--port", "0", *auth, *state) as first:
             port = first.port
-            async with ranks(first.address, jobs, env) as procs:
+            async with ranks(first.address, jobs, env, tmp_path) as procs:
                 a0, a1, b0, b1 = procs
                 for p in procs:
                     assert (await p.line())["ready"]
                 for p in (a0, b0):
                     assert (await p.line())["in_collective"]
-                await _kill(first)
+                if how == "SIGKILL":
+                    await _kill(first)
+                else:  # an upgrade: a daemon with a state directory says it comes back
+                    assert await first.stop() == 0
                 killed = time.monotonic()
                 async with serve("--port", str(port), *auth, *state) as second:
                     restarted = time.monotonic() - killed
@@ -155,7 +167,7 @@ async def test_daemon_restarted_with_another_token_is_refused_by_the_ranks(
     with anyio.fail_after(60):
         async with serve("--port", "0", "--token-file", str(token_file(tmp_path)), *state) as d:
             port = d.port
-            async with ranks(d.address, ["job-t"], env) as (r0, r1):
+            async with ranks(d.address, ["job-t"], env, tmp_path) as (r0, r1):
                 for p in (r0, r1):
                     assert (await p.line())["ready"]
                 assert (await r0.line())["in_collective"]
@@ -182,7 +194,7 @@ async def test_rank_killed_while_the_daemon_is_down_is_reported_once_it_is_back(
     env = {"AIODIST_SERVER_GRACE": "30", "LINGER": "1"}
     with anyio.fail_after(60):
         async with serve("--port", "0", *state) as first:
-            async with ranks(first.address, ["job-d"], env) as (r0, r1):
+            async with ranks(first.address, ["job-d"], env, tmp_path) as (r0, r1):
                 for p in (r0, r1):
                     assert (await p.line())["ready"]
                 assert (await r0.line())["in_collective"]
@@ -210,7 +222,7 @@ async def test_daemon_not_back_within_the_grace_period_breaks_the_groups(
     with anyio.fail_after(60):
         async with serve("--port", "0") as daemon:
             env = {"AIODIST_SERVER_GRACE": str(grace)}
-            async with ranks(daemon.address, ["job-g"], env) as (r0, r1):
+            async with ranks(daemon.address, ["job-g"], env, tmp_path) as (r0, r1):
                 for p in (r0, r1):
                     assert (await p.line())["ready"]
                 assert (await r0.line())["in_collective"]
@@ -233,7 +245,7 @@ async def test_daemon_stopped_past_the_heartbeat_timeout_loses_no_member(tmp_pat
     env = {"AIODIST_SERVER_GRACE": "30"}
     with anyio.fail_after(60):
         async with serve("--port", "0") as daemon:
-            async with ranks(daemon.address, ["job-s"], env) as (r0, r1):
+            async with ranks(daemon.address, ["job-s"], env, tmp_path) as (r0, r1):
                 for p in (r0, r1):
                     assert (await p.line())["ready"]
                 assert (await r0.line())["in_collective"]

@@ -105,6 +105,10 @@ class RestartableState(ServerState):
 
     def connection_lost(self, conn: ConnId, now: float, reason: str = "connection lost") -> None:
         self._tick(now)
+        if self.closing and self.durable is not None:
+            # Shutting down to come back: the members stay, as the state directory has them.
+            self._conns.pop(conn, None)
+            return
         state = self._conns.get(conn)
         member = None if state is None else state.member
         if (
