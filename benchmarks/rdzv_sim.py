@@ -21,8 +21,8 @@ rank passed the barrier; each step's time is when its last rank finished it.
 At most ``CONNECTS_IN_FLIGHT`` connects per worker are outstanding (until
 connected for aiodist, whose join is answered only once all joined; until the
 first reply for TCPStore, whose ``add`` is answered at once), so that a full
-accept queue (and the kernel's retransmissions) is not what is measured. aiodist ranks then leave (``Leave``)
-before they close, outside the clock.
+accept queue (and the kernel's retransmissions) is not what is measured.
+aiodist ranks then leave (``Leave``) before they close, outside the clock.
 
 TCPStore's master runs with ``DNS_WORKAROUND`` as in the full-client benchmark
 (its reverse look-up of each client otherwise waits out a 5 s resolver timeout
@@ -276,23 +276,40 @@ def _worker(
                 rank.out += rank.steps[rank.step][0]
                 send(rank)
     conn.send({"finished": finished, "done": done, "errors": errors, "error": first_error})
-    # Outside the clock: aiodist ranks leave before they close (a close is a failure).
-    leave = None
+    # Outside the clock: aiodist ranks leave before they close (a close is a failure):
+    # every Leave goes out, then each socket is closed once the server closed its end.
+    leave = b""
     if system == "aiodist":
         from aiodist._wire.frame import encode_message
         from aiodist._wire.messages import Leave
 
         leave = b"".join(bytes(p) for p in encode_message(Leave(5)))
-    for key in list(sel.get_map().values()):
-        sock = key.fileobj
+    socks = [key.fileobj for key in list(sel.get_map().values())]
+    for sock in socks:
         assert isinstance(sock, socket.socket)
-        if leave is not None:
-            with contextlib.suppress(OSError):
-                sock.setblocking(True)
+        with contextlib.suppress(OSError):
+            sock.setblocking(True)
+            if leave:
                 sock.sendall(leave)
-                sock.settimeout(10)
-                sock.recv(1 << 16)
-        sock.close()
+            sock.shutdown(socket.SHUT_WR)
+            sock.setblocking(False)
+        sel.modify(sock, selectors.EVENT_READ)
+    end = time.monotonic() + 120
+    while sel.get_map() and time.monotonic() < end:
+        for key, _ in sel.select(1.0):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            try:
+                if sock.recv(1 << 16):
+                    continue
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            sel.unregister(sock)
+            sock.close()
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()  # type: ignore[union-attr]
     sel.close()
     conn.send("closed")
 
@@ -323,7 +340,7 @@ def _run(
             p.send("go")
         reports = [p.recv() if p.poll(timeout + 30) else None for p in pipes]
         for p in pipes:  # let the workers close their sockets before the next run
-            if p.poll(60):
+            if p.poll(150):
                 p.recv()
     finally:
         for proc in procs:

@@ -450,11 +450,15 @@ class ServerState(StoreAndBarriers):
         member.status = "failed"
         self.stats.failures += 1
         self.log.rank_failed(member, reason, now)
+        first = not job.failures
         job.failures.append((member.rank, member.host, member.pid, reason))
-        notice = MemberFailed(member.rank, member.host, member.pid, reason)
-        for other in job.members:
-            if other is not member and other.status == "active":
-                self._send(other.conn, notice)
+        if first:
+            # Told once: a member's groups break with the first failure, so telling every
+            # member of every later one (a whole job killed) cost O(N^2) and changed nothing.
+            notice = MemberFailed(member.rank, member.host, member.pid, reason)
+            for other in job.members:
+                if other is not member and other.status == "active":
+                    self._send(other.conn, notice)
         message = (
             f"rank {member.rank} (host {member.host}, pid {member.pid}) failed: {reason}; "
             f"job {job.name!r} is broken on all ranks. Restart the job."
