@@ -319,6 +319,7 @@ def _main_sim(args: argparse.Namespace) -> int:
         systems=args.systems,
         timeout=max(args.timeout, 120.0),
         profile_server=args.profile_server,
+        open_files=fds,
     )
     path = write_results("rendezvous_sim", data)
     print()

@@ -348,13 +348,14 @@ def _run(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    if any(r is None for r in reports):
+    got: list[dict[str, Any]] = [r for r in reports if r is not None]
+    if len(got) < len(reports):
         return {"wall": None, "phases": None, "error": "a worker did not report"}
-    done = sum(r["done"] for r in reports)
-    error = next((r["error"] for r in reports if r["error"]), "")
+    done = sum(r["done"] for r in got)
+    error = next((r["error"] for r in got if r["error"]), "")
     if done < n:
         return {"wall": None, "phases": None, "error": error or f"{done} of {n} done in time"}
-    phases = [max(r["finished"][i] for r in reports) - start for i in range(len(SIM_PHASES))]
+    phases = [max(r["finished"][i] for r in got) - start for i in range(len(SIM_PHASES))]
     return {"wall": phases[-1], "phases": phases, "error": ""}
 
 
@@ -366,8 +367,13 @@ def sim_bench(
     workers: int = SIM_WORKERS,
     timeout: float = 120.0,
     profile_server: str | None = None,
+    open_files: int | None = None,
 ) -> dict[str, Any]:
-    """Each size for each system, ``repeats`` times; a system that failed skips larger sizes."""
+    """Each size for each system, ``repeats`` times; a system that failed skips larger sizes.
+
+    A size the open-files limit cannot hold (the server needs one descriptor
+    per rank) is not run; its row says why.
+    """
     ctx = multiprocessing.get_context("spawn")
     results = []
     tags = itertools.count()
@@ -381,6 +387,12 @@ def sim_bench(
         for n in sizes:
             row: dict[str, Any] = {"world_size": n}
             for system in systems:
+                if open_files is not None and n + 256 > open_files:
+                    why = f"not run: the open-files limit is {open_files} (hard), N needs {n + 256}"
+                    print(f"  sim N={n:<6} {system:<8} {why}", flush=True)
+                    row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
+                                   "errors": [why]}  # fmt: skip
+                    continue
                 if system in stopped:
                     row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
                                    "errors": ["not run: failed at a smaller size"]}  # fmt: skip
@@ -423,6 +435,7 @@ def sim_bench(
             "connects_in_flight_per_worker": CONNECTS_IN_FLIGHT,
             "cpus": os.cpu_count(),
             "load_average_at_end": os.getloadavg(),
+            "open_files": open_files,
         },
         "phases": list(SIM_PHASES),
         "results": results,
@@ -443,7 +456,14 @@ def render_sim(data: dict[str, Any]) -> str:
             if s is None:
                 cells.append("not run")
             elif s["summary_s"] is None:
-                cells.append("failed" if s["errors"] else "-")
+                errors = s["errors"]
+                cells.append(
+                    "fd limit"
+                    if errors and "open-files" in errors[0]
+                    else "failed"
+                    if errors
+                    else "-"
+                )
             else:
                 cells.append(_s(s["summary_s"]))
         ratio = res["ratio_tcpstore_over_aiodist"]
