@@ -22,7 +22,7 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from tests._daemon import TOKEN, asyncio_only, serve, token_file
+from tests._daemon import TOKEN, asyncio_only, run_cli, serve, token_file
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -266,3 +266,15 @@ async def test_daemon_stopped_past_the_heartbeat_timeout_loses_no_member(tmp_pat
                     assert (await p.line()).get("finished"), p.rank
                     assert await p.proc.wait() == 0
     assert '"rank_failed"' not in daemon.output()
+
+
+@asyncio_only
+async def test_second_daemon_on_a_state_dir_in_use_exits_with_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    state = str(tmp_path / "state")
+    async with serve("--port", "0", "--state-dir", state) as daemon:
+        result = await run_cli("serve", "--port", "0", "--state-dir", state)
+        assert "jobs are kept in the state directory" in daemon.output()
+    assert result.returncode == 1, result
+    assert "is in use by another aiodist server" in result.stderr

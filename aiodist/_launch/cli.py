@@ -309,6 +309,7 @@ def _serve_token(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def _serve(args: argparse.Namespace) -> int:
     from aiodist._launch.daemon import run_daemon
+    from aiodist._server.durable import StateDirError
 
     try:
         token, token_source = _serve_token(args)
@@ -343,6 +344,8 @@ def _serve(args: argparse.Namespace) -> int:
                 )
             )
         )
+    except StateDirError as exc:
+        return _fail("serve", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
         if (error := _os_error(exc)) is None:
             raise

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from aiodist._control.addresses import is_loopback
+from aiodist._server.durable import StateDir
 from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
 
 if TYPE_CHECKING:
@@ -184,6 +185,8 @@ async def run_daemon(
             "no token is required; clients holding one will refuse this server (pass "
             "--token-file or set AIODIST_TOKEN to require one)"
         )
+    if state_dir is not None:
+        StateDir(state_dir).close()  # StateDirError now, before anything listens
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -220,6 +223,13 @@ async def run_daemon(
                     from aiodist._server.metrics import start_metrics
 
                     metrics = start_metrics(server, loop, metrics_host or host, metrics_port)
+                if state_dir is not None:
+                    logger.info(
+                        "jobs are kept in the state directory %s (fsync'd before each batch "
+                        "of replies); %d jobs restored, their members may re-attach",
+                        state_dir,
+                        server.state.restored_jobs,
+                    )
                 if on_ready is not None:
                     on_ready(server, None if metrics is None else metrics.address)
                 bound = f"{server.address[0]}:{server.address[1]}"
