@@ -158,6 +158,8 @@ class RendezvousServer:
             "auth_failures": hub.auth_failures,
             "preauth_closed": hub.preauth_closed,
             "preauth_pending": hub.pending,
+            "reattached": self.state.reattached,
+            "restored_jobs": self.state.restored_jobs,
         }
 
     async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
