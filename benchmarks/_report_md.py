@@ -26,6 +26,7 @@ SECTION_TITLES: Final = {
     "collectives": "Collectives vs torch.distributed gloo",
     "small": "Small messages vs torch.distributed gloo, 2 to 16 ranks",
     "rendezvous": "Rendezvous at scale vs torch TCPStore",
+    "rendezvous_sim": "Join storm on the server itself (simulator) vs torch TCPStore",
     "bridge": "Torch bridge: loop lag and overlap",
     "metrics": "Metric sync step time",
     "load": "Server load",
@@ -308,6 +309,28 @@ def _rendezvous(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _rendezvous_sim(data: dict[str, Any]) -> list[str]:
+    rows = []
+    for res in data["results"]:
+        cells = [str(res["world_size"])]
+        for system in ("aiodist", "tcpstore"):
+            entry = res.get(system) or {}
+            s = as_summary(entry.get("summary_s"))
+            errors = entry.get("errors") or []
+            cells.append(_duration(s) if s is not None else (errors[0][:60] if errors else "-"))
+        ratio = res.get("ratio_tcpstore_over_aiodist")
+        cells.append("-" if ratio is None else f"{ratio:.2f}x")
+        rows.append(cells)
+    cfg = data["config"]
+    return [
+        "N simulated ranks (plain sockets, pre-encoded frames, "
+        f"{_count(cfg['workers'], 'worker process', 'es')}) join one job, set a key and get "
+        "a neighbour's, and pass a barrier, on each server in its own process. Time from "
+        "release to the last rank past the barrier; TCPStore/aiodist above 1: aiodist faster.",
+        _table(["N", "aiodist", "TCPStore", "TCPStore/aiodist"], rows),
+    ]
+
+
 def _bridge(data: dict[str, Any]) -> list[str]:
     lag = data["loop_lag"]
     a, t = lag["bridged"], lag["naive"]
@@ -472,6 +495,7 @@ def _recorder(data: dict[str, Any]) -> list[str]:
 _RENDER: Final = {
     "small": _small_messages,
     "rendezvous": _rendezvous,
+    "rendezvous_sim": _rendezvous_sim,
     "bridge": _bridge,
     "metrics": _metrics,
     "load": _load,

@@ -67,6 +67,7 @@ from benchmarks._servers import (
     TCPStoreMaster,
     running,
 )
+from benchmarks.rdzv_sim import SIM_SIZES, render_sim, sim_bench, sim_goals
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -265,14 +266,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--profile-server", metavar="PATH", help="run `aiodist serve` under cProfile, write PATH"
     )
+    parser.add_argument(
+        "--sim",
+        action="store_true",
+        help="the join-storm simulator (rdzv_sim.py): N lightweight ranks with pre-encoded "
+        "frames, N = 1K, 4K, 16K, 64K by default",
+    )
     args = parser.parse_args(argv)
+    if not args.no_dns_workaround:
+        for key, value in DNS_WORKAROUND.items():
+            os.environ.setdefault(key, value)  # spawned processes inherit it
+    if args.sim:
+        return _main_sim(args)
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     repeats = args.repeats or (QUICK_REPEATS if args.quick else None)
     if min(sizes) < 1 or args.workers < 1 or (repeats is not None and repeats < 1):
         parser.error("sizes, --repeats and --workers must be >= 1")
-    if not args.no_dns_workaround:
-        for key, value in DNS_WORKAROUND.items():
-            os.environ.setdefault(key, value)  # spawned processes inherit it
     # Each server holds one socket per client; children inherit the limit.
     fds = raise_fd_limit(2 * max(sizes) + 1024)
     if fds < max(sizes) + 64:
@@ -294,6 +303,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(render(data))
     print(goal_table(goal_list(data)))
+    print(f"\nresults: {path}")
+    return 0
+
+
+def _main_sim(args: argparse.Namespace) -> int:
+    sizes = args.sizes or (SIM_SIZES[:2] if args.quick else SIM_SIZES)
+    fds = raise_fd_limit(2 * max(sizes) + 1024)
+    print(f"join storm of N simulated ranks, sizes {list(sizes)}; open files {fds}", flush=True)
+    if fds < max(sizes) + 64:
+        print(f"warning: only {fds} file descriptors allowed; large N may fail", file=sys.stderr)
+    data = sim_bench(
+        sizes,
+        args.repeats or 1,
+        systems=args.systems,
+        timeout=max(args.timeout, 120.0),
+        profile_server=args.profile_server,
+        open_files=fds,
+    )
+    path = write_results("rendezvous_sim", data)
+    print()
+    print(render_sim(data))
+    print(goal_table(sim_goals(data)))
     print(f"\nresults: {path}")
     return 0
 

@@ -12,6 +12,9 @@ and servers, and stops them before the next starts):
   vs gloo, and how the barrier grows with the ranks (``bench_collectives``
   with ``_small.SMALL_CASES``);
 - ``rendezvous``: N clients joining, up to 1024, vs TCPStore (``bench_rendezvous``);
+- ``rendezvous_sim``: the join-storm simulator, N lightweight ranks with
+  pre-encoded frames up to 64K, on aiodist's server and TCPStore's
+  (``bench_rendezvous --sim``, ``rdzv_sim.py``);
 - ``bridge``: event-loop lag during a bridged all_reduce vs torch.distributed
   called in the loop, and training overlap (``bench_bridge``);
 - ``metrics``: step time with per-step metric sync, 4 ranks (small and large
@@ -62,6 +65,7 @@ from benchmarks import (
     bench_recorder,
     bench_rendezvous,
     bench_rpc,
+    rdzv_sim,
 )
 from benchmarks._common import (
     RESULTS_DIR,
@@ -85,6 +89,7 @@ SECTIONS: Final = (
     "collectives",
     "small",
     "rendezvous",
+    "rendezvous_sim",
     "bridge",
     "metrics",
     "load",
@@ -110,6 +115,7 @@ class Plan:
     small_world_sizes: tuple[int, ...]  # small messages (same repeats and batches as collectives)
     # The flight recorder's cost: A B B A pairs, calls per block (None: not in this mode).
     recorder: tuple[int, int] | None = (25, 800)
+    sim_sizes: tuple[int, ...] = rdzv_sim.SIM_SIZES  # the join-storm simulator
 
 
 PLANS: Final[dict[Mode, Plan]] = {
@@ -139,6 +145,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         (7, 120.0),
         _small.SMALL_WORLD_SIZES["quick"],
         (9, 500),
+        (1024, 4096),
     ),
     "smoke": Plan(
         (2,),
@@ -153,8 +160,16 @@ PLANS: Final[dict[Mode, Plan]] = {
         (1, 20.0),
         _small.SMALL_WORLD_SIZES["smoke"],
         None,
+        (64,),
     ),
 }
+
+
+def open_files_limit() -> int:
+    """This process's soft limit of open files (the simulator's servers inherit it)."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], list[Goal], str]:
@@ -181,6 +196,9 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
             timeout=bench_rendezvous.DEFAULT_RUN_TIMEOUT,
         )
         return data, bench_rendezvous.goal_list(data), bench_rendezvous.render(data)
+    if name == "rendezvous_sim":
+        data = rdzv_sim.sim_bench(plan.sim_sizes, 1, open_files=open_files_limit())
+        return data, rdzv_sim.sim_goals(data), rdzv_sim.render_sim(data)
     if name == "bridge":
         assert plan.bridge is not None
         data = bench_bridge.bench(*plan.bridge)
@@ -303,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for key, value in bench_rendezvous.DNS_WORKAROUND.items():
         os.environ.setdefault(key, value)  # every spawned rank and store inherits it
-    raise_fd_limit(2 * max(max(PLANS[mode].rendezvous_sizes), PLANS[mode].load[0]) + 1024)
+    plan = PLANS[mode]
+    raise_fd_limit(2 * max(max(plan.rendezvous_sizes), max(plan.sim_sizes), plan.load[0]) + 1024)
     report = run(mode, args.out, args.sections, plots=not args.no_plots)
     print(goal_table(report["goals"]))
     print(f"\nreport: {args.out / 'report.md'} ({report['wall_s']:.0f} s)")

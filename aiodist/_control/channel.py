@@ -78,10 +78,13 @@ class ControlChannel:
         self._on_notice = on_notice
         self._held: list[Notice] | None = None  # notices that came before a callback
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._sent: dict[int, Any] = {}  # the pending requests, to send again after a reconnect
         self._error: DistError | None = None
         # What its member is doing, for the connection's heartbeats: ``[current, last]``
         # (``Heartbeat.where``); set by the member's session (its flight recorder).
         self.where: Callable[[], list[Any]] | None = None
+        # Builds this member's ``Reattach`` (set once it joined a server that may come back).
+        self.reattach: Callable[[int], Any] | None = None
 
     @property
     def on_notice(self) -> Callable[[Notice], None] | None:
@@ -159,13 +162,21 @@ class ControlChannel:
             else conn.loop.call_later(timeout, self._expire, future, timeout)
         )
         try:
-            conn.send_on(self.number, build(req_id))
+            self._sent[req_id] = msg = build(req_id)
+            conn.send_on(self.number, msg)
             return await future
         finally:
             if timer is not None:
                 timer.cancel()
             del self._pending[req_id]
+            self._sent.pop(req_id, None)
             conn.routes.pop(req_id, None)
+
+    def resend_pending(self, but: int = 0) -> None:
+        """Send the requests still waiting for a reply again (on a new connection)."""
+        for req_id, msg in list(self._sent.items()):
+            if req_id != but and not self._pending[req_id].done():
+                self.connection.send_on(self.number, msg)
 
     def _expire(self, future: asyncio.Future[Any], timeout: float) -> None:
         if not future.done():

@@ -23,6 +23,14 @@ or when the server says it is shutting down. Then every pending request
 fails, and every channel's member is told (``ServerLost``) with the same
 error: a rank without its server can no longer learn that other ranks failed,
 so its session breaks its groups.
+
+**A server that comes back.** A member of a job on a server that may come
+back (its ``Welcome`` said so: a daemon) does not give up at once: the
+connection reconnects with backoff and jitter for ``AIODIST_SERVER_GRACE``
+seconds, authenticates again, re-attaches each member and sends its pending
+requests again (``reconnect.py``). Meanwhile the members' pending requests
+wait, and their operations among themselves go on. Past the grace period, the
+members are told as above.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import anyio
 
 from aiodist._control.channel import ControlChannel, Notice, ServerLost
 from aiodist._control.liveness import Heartbeats, where_of
+from aiodist._control.reconnect import Reconnect
 from aiodist._errors import (
     AuthenticationError,
     ClosedError,
@@ -121,6 +130,8 @@ class ControlConnection(asyncio.Protocol):
         self.stalled_for = self.heartbeats.stalled_for
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
+        self.address: tuple[str, int] | None = None  # where connect_control reached the server
+        self.reconnect: Reconnect | None = None  # while the server is away and we look for it
 
     # --- asyncio.Protocol ------------------------------------------------------------
 
@@ -160,8 +171,10 @@ class ControlConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self.heartbeats.stop()
+        why = "it closed" if exc is None else str(exc)
+        if self._error is None and self._server_away(f"lost the connection ({why})"):
+            return
         if self._error is None:
-            why = "it closed" if exc is None else str(exc)
             self._fail(
                 GroupBrokenError(
                     f"lost the connection to the rendezvous server at {self.server} ({why}); "
@@ -219,7 +232,10 @@ class ControlConnection(asyncio.Protocol):
         self._write(parts)
 
     def _write(self, parts: list[Buffer]) -> None:
-        assert self._transport is not None
+        if self._transport is None:
+            # The server is away: requests wait in their channels, sent again on reconnecting.
+            assert self.reconnect is not None
+            return
         if len(self._channels) <= 2 and not self._outbox:  # one member: write at once
             self._transport.writelines(parts)
             return
@@ -252,6 +268,10 @@ class ControlConnection(asyncio.Protocol):
         self.send_on(self._out_channel, Heartbeat(where_of(self._channels)))
 
     def _server_silent(self, silent: float) -> None:
+        if self._server_away(f"it did not answer heartbeats for {silent:.1f} s"):
+            assert self._transport is not None
+            self._transport.abort()
+            return
         self._fail(
             GroupBrokenError(
                 f"the rendezvous server at {self.server} did not answer heartbeats for "
@@ -264,6 +284,9 @@ class ControlConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self.heartbeats.stop()
+        if self.reconnect is not None:
+            self.reconnect.cancel()
+            self.reconnect = None
         if self._error is None:
             self._fail(ClosedError("the control connection was closed"))
         if self._transport is not None:
@@ -394,6 +417,10 @@ class ControlConnection(asyncio.Protocol):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel.notice(msg)
         elif isinstance(msg, ServerClosing):
+            if msg.coming_back and self._server_away(f"it is restarting ({msg.reason})"):
+                if self._transport is not None:
+                    self._transport.abort()
+                return
             if self._error is None:
                 logger.warning("the rendezvous server at %s shut down: %s", self.server, msg.reason)
             self._fail(
@@ -404,6 +431,56 @@ class ControlConnection(asyncio.Protocol):
             )
         else:
             self._fail(ProtocolError(f"the server sent an unexpected {type(msg).__name__}"))
+
+    # --- a server that may come back (reconnect.py drives these) -------------------------
+
+    def _server_away(self, why: str) -> bool:
+        """The server went away: look for it if it may come back. False: give up now."""
+        if self.reconnect is not None:
+            self.reconnect.lost(why)  # already looking: this attempt's connection failed
+            return True
+        if self.address is None or not any(c.reattach for c in self._channels.values()):
+            return False
+        self.reconnect = Reconnect.start(self, why)
+        return self.reconnect is not None
+
+    def transport_or_none(self) -> asyncio.Transport | None:
+        return self._transport
+
+    def member_channels(self) -> list[ControlChannel]:
+        return list(self._channels.values())
+
+    def fresh_transport_state(self) -> None:
+        """A new transport for this protocol: framing, channels and the handshake start over."""
+        self._decoder = FrameDecoder(CLIENT_LIMITS)
+        self._out_channel = self._in_channel = 0
+        self._outbox = []
+        self._challenge = self.loop.create_future()
+        self._handshake = None
+        self._trusted = not self.token
+        rules = self.liveness
+        rules.echoed = False
+        rules.unanswered_since = None
+        rules.last_heard = self.loop.time()
+
+    def back(self) -> None:
+        """Every member re-attached: heartbeats again, at once (the echo restarts the watch)."""
+        self.reconnect = None
+        if self.liveness.interval > 0 and self._transport is not None:
+            self.heartbeats.start(self.liveness.interval, None)
+            self.heartbeats.send_one()
+
+    def give_up(self, why: str, grace: float) -> None:
+        """The server did not come back within ``grace`` seconds: fail as if never waited."""
+        self.reconnect = None
+        self._fail(
+            GroupBrokenError(
+                f"the rendezvous server at {self.server} went away ({why}) and did not come "
+                f"back within {grace:.1f} s (AIODIST_SERVER_GRACE); {_WITHOUT_SERVER}"
+            )
+        )
+        if self._transport is not None:
+            self._transport.abort()
 
     def _retire(self) -> None:
         # Failed, or its last member left: no member may open a channel on it again.
@@ -417,6 +494,13 @@ class ControlConnection(asyncio.Protocol):
             channel.resolve(req_id, value)
 
     def _fail(self, exc: DistError) -> None:
+        if self.reconnect is not None and isinstance(exc, AuthenticationError):
+            self.reconnect = None  # refused: never retried
+            exc = AuthenticationError(
+                f"the rendezvous server at {self.server} came back but the token handshake "
+                f"failed ({exc}); a server started again with another token cannot take its "
+                "jobs back: restart it with the token it had, or restart the job"
+            )
         first = self._error is None
         if first:
             self._error = exc
@@ -482,6 +566,7 @@ async def connect_control(
             # Not a sleep-wait for an event: the server is another process; poll for it.
             await anyio.sleep(CONNECT_RETRY_INTERVAL)
             continue
+        protocol.address = (host, port)
         if token:
             try:
                 await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))

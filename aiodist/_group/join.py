@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import secrets
 import socket
 from typing import TYPE_CHECKING, Any, Final
 
@@ -44,7 +46,7 @@ from aiodist._group.session import (
 )
 from aiodist._plane.peers import DataPlane
 from aiodist._plane.routes import Selection, selection
-from aiodist._wire.messages import Join
+from aiodist._wire.messages import Join, Reattach
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
@@ -258,6 +260,7 @@ async def _joined(
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]
         host, pid = hostname or socket.gethostname(), os.getpid()
+        secret = secrets.token_bytes(32)  # proves this membership if the server comes back
         conn.start_heartbeats(interval, hb_timeout)
         welcome: Any = await conn.request(
             lambda r: Join(
@@ -271,9 +274,24 @@ async def _joined(
                 hb_timeout,
                 timeout,
                 spec.generation,
+                secret,
             ),
             timeout=timeout + REPLY_GRACE,
         )
+        if welcome.restartable:
+            conn.reattach = functools.partial(
+                Reattach,
+                group_name=name,
+                generation=spec.generation,
+                world_size=welcome.world_size,
+                rank=welcome.rank,
+                local_rank=welcome.local_rank,
+                host=host,
+                pid=pid,
+                addresses=published,
+                heartbeat_timeout=hb_timeout,
+                secret=secret,
+            )
         session = Session(  # ProtocolError if the Welcome is malformed
             conn,
             welcome,

@@ -136,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", type=str.lower, choices=LOG_LEVELS, default=_env("LOG_LEVEL", "info")
     )
     serve.add_argument("--log-format", choices=LOG_FORMATS, default=_env("LOG_FORMAT", "text"))
+    serve.add_argument(
+        "--state-dir",
+        default=_env("STATE_DIR", None),
+        help="keep the jobs' state here (a log and snapshots) so that a restart keeps them "
+        "(AIODIST_STATE_DIR)",
+    )
 
     status = sub.add_parser("status", help="show the jobs a rendezvous server holds")
     status.add_argument("--host", default=_env("HOST", "127.0.0.1"))
@@ -335,6 +341,7 @@ def _serve_token(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def _serve(args: argparse.Namespace) -> int:
     from aiodist._launch.daemon import run_daemon
+    from aiodist._server.durable import StateDirError
 
     try:
         token, token_source = _serve_token(args)
@@ -365,9 +372,12 @@ def _serve(args: argparse.Namespace) -> int:
                     metrics_port=args.metrics_port,
                     shutdown_timeout=args.shutdown_timeout,
                     on_ready=on_ready,
+                    state_dir=args.state_dir,
                 )
             )
         )
+    except StateDirError as exc:
+        return _fail("serve", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
         if (error := _os_error(exc)) is None:
             raise

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from aiodist._control.addresses import is_loopback
+from aiodist._server.durable import StateDir
 from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
 
 if TYPE_CHECKING:
@@ -150,6 +151,7 @@ async def run_daemon(
     metrics_port: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     on_ready: Callable[[RendezvousServer, tuple[str, int] | None], None] | None = None,
+    state_dir: str | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; return the exit code (0 after a clean shutdown).
 
@@ -162,6 +164,8 @@ async def run_daemon(
         metrics_port: Port of the Prometheus endpoint; None serves no metrics.
         shutdown_timeout: Seconds a shutdown waits for clients to take the notice.
         on_ready: Called once listening, with the server and the metrics address.
+        state_dir: Where the jobs' durable state lives (None: memory only; the
+            members re-register their jobs after a restart, the store is lost).
 
     Raises:
         OSError: An address cannot be bound.
@@ -181,6 +185,8 @@ async def run_daemon(
             "no token is required; clients holding one will refuse this server (pass "
             "--token-file or set AIODIST_TOKEN to require one)"
         )
+    if state_dir is not None:
+        StateDir(state_dir).close()  # StateDirError now, before anything listens
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -202,7 +208,13 @@ async def run_daemon(
         async with anyio.create_task_group() as tg:
             server: RendezvousServer = await tg.start(
                 functools.partial(
-                    serve_rendezvous, host, port, token=token, shutdown_timeout=shutdown_timeout
+                    serve_rendezvous,
+                    host,
+                    port,
+                    token=token,
+                    shutdown_timeout=shutdown_timeout,
+                    state_dir=state_dir,
+                    restartable=True,  # a daemon may be restarted: its members wait for it
                 )
             )
             metrics = None
@@ -211,6 +223,13 @@ async def run_daemon(
                     from aiodist._server.metrics import start_metrics
 
                     metrics = start_metrics(server, loop, metrics_host or host, metrics_port)
+                if state_dir is not None:
+                    logger.info(
+                        "jobs are kept in the state directory %s (fsync'd before each batch "
+                        "of replies); %d jobs restored, their members may re-attach",
+                        state_dir,
+                        server.state.restored_jobs,
+                    )
                 if on_ready is not None:
                     on_ready(server, None if metrics is None else metrics.address)
                 bound = f"{server.address[0]}:{server.address[1]}"

@@ -54,6 +54,10 @@ class JobLog:
             {"event": event, "job": job.name, "generation": job.generation, **fields}
         )
 
+    def record(self, event: str, job: Job, **fields: Any) -> None:
+        """Record an event of ``job`` that has no method of its own (``restart.py``'s)."""
+        self._add(event, job, **fields)
+
     def job_created(self, job: Job, previous: Job | None) -> None:
         self._add("job_created", job, world_size=job.world_size)
         if job.generation == 0 and previous is None:

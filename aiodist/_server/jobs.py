@@ -152,6 +152,10 @@ class Job:
             self._packed_table = Packed(msgpack.packb(table, use_bin_type=True))
         return self._packed_table
 
+    def forget_table(self) -> None:
+        """A member's entry changed (it re-registered): encode the table again when asked."""
+        self._packed_table = None
+
     def add(self, member: Member) -> None:
         self.members[member] = None
         if member.requested_rank >= 0:

@@ -52,6 +52,8 @@ _COUNTERS: Final = (
     ("bytes_received", "aiodist_received_bytes", "Bytes received from clients."),
     ("bytes_sent", "aiodist_sent_bytes", "Bytes sent to clients."),
     ("auth_failures", "aiodist_authentication_failures", "Connections refused for their token."),
+    ("reattached", "aiodist_reattached_members", "Members taken back after they reconnected."),
+    ("restored_jobs", "aiodist_restored_jobs", "Jobs taken back from the state directory."),
     (
         "preauth_closed",
         "aiodist_preauth_closed_connections",

@@ -24,8 +24,9 @@ import anyio
 
 from aiodist._server.connection import AUTH_TIMEOUT
 from aiodist._server.dashboard import Dashboard
+from aiodist._server.durable import StateDir
 from aiodist._server.hub import Hub
-from aiodist._server.state import ServerState
+from aiodist._server.restart import RestartableState
 from aiodist._wire.preauth import PreAuthLimits, open_files_limit
 
 if TYPE_CHECKING:
@@ -68,9 +69,12 @@ class RendezvousServer:
         token: str | None = None,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         preauth: PreAuthLimits | None = None,
+        state_dir: str | None = None,
+        restartable: bool = False,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self.state = ServerState(self._loop.time())
+        durable = None if state_dir is None else StateDir(state_dir)
+        self.state = RestartableState(self._loop.time(), state_dir=durable, restartable=restartable)
         self.state.version = _version()
         self.token = token or None
         self.shutdown_timeout = shutdown_timeout
@@ -92,6 +96,7 @@ class RendezvousServer:
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))
         logger.info("rendezvous server listening on %s:%d", *self.address)
+        self._hub.flush()  # jobs restored from a state directory have deadlines already
 
     def loop_time(self) -> float:
         """The server loop's clock (the job table's time)."""
@@ -160,6 +165,8 @@ class RendezvousServer:
             "auth_failures": hub.auth_failures,
             "preauth_closed": hub.preauth_closed,
             "preauth_pending": hub.pending,
+            "reattached": self.state.reattached,
+            "restored_jobs": self.state.restored_jobs,
         }
 
     async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
@@ -187,6 +194,7 @@ class RendezvousServer:
                 conn.transport.abort()
         with anyio.move_on_after(self.shutdown_timeout):
             await server.wait_closed()
+        self.state.close_state_dir()
 
 
 async def serve_rendezvous(
@@ -196,6 +204,8 @@ async def serve_rendezvous(
     token: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     preauth: PreAuthLimits | None = None,
+    state_dir: str | None = None,
+    restartable: bool = False,
     task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a rendezvous server until cancelled.
@@ -209,6 +219,11 @@ async def serve_rendezvous(
             closing notice before cutting them off.
         preauth: What a connection may cost before its handshake is done (bytes,
             deadline, how many wait at once); the default suits a daemon.
+        state_dir: A directory for the jobs' durable state (``durable.py``): a
+            server started again on it takes its jobs back. Implies ``restartable``.
+        restartable: Tell members that this server may come back when it goes
+            away (a daemon): they reconnect and re-attach for their grace period
+            (``AIODIST_SERVER_GRACE``) instead of breaking their groups at once.
         task_status: Receives the ``RendezvousServer`` once it is listening.
 
     Cancellation:
@@ -219,7 +234,13 @@ async def serve_rendezvous(
         >>> async with anyio.create_task_group() as tg:
         ...     server = await tg.start(serve_rendezvous, "127.0.0.1", 0)
     """
-    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout, preauth=preauth)
+    server = RendezvousServer(
+        token=token,
+        shutdown_timeout=shutdown_timeout,
+        preauth=preauth,
+        state_dir=state_dir,
+        restartable=restartable,
+    )
     await server._start(host, port)
     try:
         task_status.started(server)

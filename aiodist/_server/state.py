@@ -18,8 +18,9 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   has *failed*: every other member is told once, pending waits of the job fail
   with RANK_FAILED, and the job is broken for good. A member that leaves
   cleanly has not failed: the others are told (``MembersLeft``, at most one
-  notice per ``LEAVE_NOTICE_INTERVAL``, so a job of N members ending costs
-  O(N) notices, not O(N^2)), and the barriers it will not reach fail. A
+  notice per ``LEAVE_NOTICE_INTERVAL``, stretched for jobs of more than
+  ``LEAVE_NOTICE_FANOUT`` members, so a job of N members ending costs O(N)
+  notices, not O(N^2)), and the barriers it will not reach fail. A
   forming member that disconnects simply drops out.
 - A job's state is dropped when its last member is gone.
 - A job is started anew under the same name with a later *generation* (a
@@ -91,6 +92,8 @@ MAX_SWEEP_INTERVAL: Final = 1.0
 MIN_SWEEP_INTERVAL: Final = MIN_HEARTBEAT_TIMEOUT / 4
 # The least time between two notices of members that left one job (the first goes at once).
 LEAVE_NOTICE_INTERVAL: Final = 0.1
+# Members a notice of leaves may go to per interval before the next one waits longer.
+LEAVE_NOTICE_FANOUT: Final = 1024
 RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
 
 
@@ -118,6 +121,7 @@ class ServerState(StoreAndBarriers):
         self.started_at = now
         self.version = ""  # reported by status; the shell fills it in
         self.closing = False
+        self.restartable = False  # told to members in their Welcome (see restart.py)
         self.jobs: dict[str, Job] = {}
         self.log = JobLog()
         self.stats = Stats()
@@ -366,6 +370,7 @@ class ServerState(StoreAndBarriers):
                     m.local_rank,
                     local_sizes[m.host],
                     host_runs,
+                    self.restartable,
                 ),
             )
 
@@ -463,7 +468,11 @@ class ServerState(StoreAndBarriers):
             job.leave_notice.done = True
             job.leave_notice = None
         entries, job.unannounced = job.unannounced, []
-        job.next_leave_notice = now + LEAVE_NOTICE_INTERVAL
+        # A big job's notices are spaced out: each goes to every member, and a job of N
+        # ending must not cost N sends every interval (16K members: minutes of sends).
+        job.next_leave_notice = now + LEAVE_NOTICE_INTERVAL * max(
+            1.0, len(job.members) / LEAVE_NOTICE_FANOUT
+        )
         # Encoded once for the whole job: every member gets the same bytes.
         notice = MembersLeft(cast("list[Any]", Packed(msgpack.packb(entries))))
         for m in job.members:
@@ -475,11 +484,15 @@ class ServerState(StoreAndBarriers):
         member.status = "failed"
         self.stats.failures += 1
         self.log.rank_failed(member, reason, now)
+        first = not job.failures
         job.failures.append((member.rank, member.host, member.pid, reason))
-        notice = MemberFailed(member.rank, member.host, member.pid, reason)
-        for other in job.members:
-            if other is not member and other.status == "active":
-                self._send(other.conn, notice)
+        if first:
+            # Told once: a member's groups break with the first failure, so telling every
+            # member of every later one (a whole job killed) cost O(N^2) and changed nothing.
+            notice = MemberFailed(member.rank, member.host, member.pid, reason)
+            for other in job.members:
+                if other is not member and other.status == "active":
+                    self._send(other.conn, notice)
         message = (
             f"rank {member.rank} (host {member.host}, pid {member.pid}) failed: {reason}; "
             f"job {job.name!r} is broken on all ranks. Restart the job."

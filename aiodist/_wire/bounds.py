@@ -33,6 +33,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MembersRequest,
+    Reattach,
     StatusRequest,
     StoreAdd,
     StoreCheck,
@@ -50,7 +51,9 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_ADDRESSES",
     "MAX_GROUP_NAME_CHARS",
+    "MAX_HOST_CHARS",
     "MAX_OP_NAME_CHARS",
+    "MAX_SECRET_BYTES",
     "MAX_TIMEOUT",
     "MAX_WHERE",
     "MAX_WORLD_SIZE",
@@ -76,6 +79,7 @@ MAX_NONCE_BYTES: Final = 256
 #: ``Heartbeat.where``: entries (members of one connection), and an operation's name.
 MAX_WHERE: Final = 1024
 MAX_OP_NAME_CHARS: Final = 64
+MAX_SECRET_BYTES: Final = 64  # a member's re-attach secret (``Join.secret``)
 _U64: Final = 2**64 - 1
 _I64: Final = 2**63
 
@@ -208,6 +212,20 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
         "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
         "timeout": _TIMEOUT,
         "generation": _Int(0, _I64 - 1),
+        "secret": _Len(0, MAX_SECRET_BYTES, "bytes"),
+    },
+    Reattach: {
+        "req_id": _REQ_ID,
+        "group_name": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "generation": _Int(0, _I64 - 1),
+        "world_size": _Int(1, MAX_WORLD_SIZE),
+        "rank": _Int(0, MAX_WORLD_SIZE - 1),
+        "local_rank": _Int(0, MAX_WORLD_SIZE - 1),
+        "host": _Len(0, MAX_HOST_CHARS, "characters"),
+        "pid": _Int(0, _U64),
+        "addresses": _Len(0, MAX_ADDRESSES, "items", each=MAX_ADDRESS_CHARS),
+        "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
+        "secret": _Len(0, MAX_SECRET_BYTES, "bytes"),
     },
     Leave: {"req_id": _REQ_ID},
     Heartbeat: {"where": _Where()},

@@ -38,6 +38,7 @@ __all__ = [
     "Message",
     "MessageKind",
     "Packed",
+    "Reattach",
     "Reply",
     "ServerClosing",
     "StatusRequest",
@@ -76,6 +77,7 @@ class MessageKind(enum.IntEnum):
     CLOSE_CHANNEL = 18
     MEMBERS = 20
     DUMP = 29  # ask every rank of a job to write its flight recorder (``status --dump``)
+    REATTACH = 21
     # server -> client
     REPLY = 32
     WELCOME = 33
@@ -115,6 +117,9 @@ class Join:
     # The how-many-th start of the job (a launcher's restart count): a later
     # generation replaces the job's earlier one, an earlier one is refused.
     generation: int = 0
+    # A random secret of this member: proof of membership when it re-attaches to a
+    # server that came back (``Reattach``); kept in the server's durable state.
+    secret: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +282,30 @@ class CloseChannel:
     channel: int
 
 
+@dataclass(frozen=True, slots=True)
+class Reattach:
+    """A member of a formed job, back on a server that went away: take me back.
+
+    Sent on a new connection (after its token handshake) for every member of
+    the process. ``secret`` is the one its ``Join`` carried: the server that kept
+    its state (``--state-dir``) checks it; one that did not rebuilds the job's
+    membership from these re-attachments.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.REATTACH
+    req_id: int
+    group_name: str
+    generation: int
+    world_size: int
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    addresses: list[str]
+    heartbeat_timeout: float
+    secret: bytes
+
+
 # --- control plane: server -> client ------------------------------------------------
 
 
@@ -310,6 +339,9 @@ class Welcome:
     # mean the same host. Ranks of one host are usually contiguous, so a job of N
     # ranks on H hosts sends H pairs to each member, not N ids.
     host_runs: list[list[int]]
+    # The server keeps jobs across a restart (a daemon): its members reconnect and
+    # re-attach when it goes away, for their grace period (``AIODIST_SERVER_GRACE``).
+    restartable: bool = False
 
     def host_ids(self) -> HostIds:
         """The host id of every rank, in rank order.
@@ -431,6 +463,9 @@ class Authenticated:
 class ServerClosing:
     KIND: ClassVar[MessageKind] = MessageKind.SERVER_CLOSING
     reason: str
+    # The server keeps its jobs on disk and is expected back (a daemon with a state
+    # directory being restarted): members wait for it, for their grace period.
+    coming_back: bool = False
 
 
 Message = (
@@ -450,6 +485,7 @@ Message = (
     | DumpRequest
     | DumpNotice
     | MembersRequest
+    | Reattach
     | AuthStart
     | Hello
     | Channel

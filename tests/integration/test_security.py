@@ -432,7 +432,8 @@ async def test_server_gone_mid_job_breaks_groups_naming_the_server_restart_serve
             daemon, port = await _start_daemon(0)
             procs.append(daemon)
             url = f"tcp://127.0.0.1:{port}"
-            env = {**os.environ, "PYTHONPATH": ROOT}
+            # A daemon may come back: ranks would wait for it. With no grace, they break at once.
+            env = {**os.environ, "PYTHONPATH": ROOT, "AIODIST_SERVER_GRACE": "0"}
             workers = [
                 await anyio.open_process([sys.executable, str(script), url, str(r)], env=env)
                 for r in range(2)

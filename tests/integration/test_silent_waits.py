@@ -399,7 +399,8 @@ async def test_daemon_killed_every_rank_learns_within_the_heartbeat_timeout(
     tmp_path: Path, how: str, idle: str
 ) -> None:
     hb_timeout = 1.5
-    env = {"IDLE": idle, "HB_TIMEOUT": str(hb_timeout)}
+    # A daemon may come back: ranks would wait for it. With no grace, they break at once.
+    env = {"IDLE": idle, "HB_TIMEOUT": str(hb_timeout), "AIODIST_SERVER_GRACE": "0"}
     async with serve("--port", "0") as daemon:
         url = f"tcp://{daemon.host}:{daemon.port}"
         try:

@@ -1,0 +1,267 @@
+"""The daemon's state directory and re-attachment, sans-IO: messages, a fake clock, real files."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import pytest
+
+from aiodist._errors import ErrorCode
+from aiodist._server.durable import MAGIC, StateDir, StateDirError, frame
+from aiodist._server.jobs import Send
+from aiodist._server.restart import MIN_REATTACH_WINDOW, STALL_GAP, RestartableState
+from aiodist._wire.messages import (
+    Barrier,
+    ErrorReply,
+    Heartbeat,
+    Join,
+    MemberFailed,
+    Reattach,
+    Reply,
+    StoreDeleteKey,
+    StoreGet,
+    StoreSet,
+    Welcome,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+HB = 1.0
+_OPEN: list[Table] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_tables() -> Any:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def secret_of(rank: int) -> bytes:
+    return bytes([rank + 1]) * 32
+
+
+class Table:
+    """A ``RestartableState`` with a fake clock; its replies sorted by connection."""
+
+    def __init__(self, state_dir: Path | None, now: float = 0.0) -> None:
+        self.now = now
+        self.dir = None if state_dir is None else StateDir(state_dir)
+        self.state = RestartableState(now, state_dir=self.dir, restartable=True)
+        self.inbox: dict[int, list[Any]] = defaultdict(list)
+        self._conns = itertools.count(1)
+        self._reqs = itertools.count(1)
+        _OPEN.append(self)
+
+    def connect(self) -> int:
+        conn = next(self._conns)
+        self.state.connection_made(conn, f"127.0.0.1:{40000 + conn}", self.now)
+        return conn
+
+    def send(self, conn: int, build: Any) -> Any:
+        """Send ``build(req_id)``; the last message ``conn`` got back."""
+        msg = build(next(self._reqs)) if callable(build) else build
+        self.state.receive(conn, msg, self.now)
+        self.collect()
+        return self.inbox[conn][-1] if self.inbox[conn] else None
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        deadline = self.state.next_deadline()
+        while deadline is not None and deadline <= self.now:
+            self.state.handle_timeouts(self.now)
+            deadline = self.state.next_deadline()
+        self.collect()
+
+    def collect(self) -> None:
+        for action in self.state.take_actions():
+            if isinstance(action, Send):
+                self.inbox[action.conn].append(action.msg)
+
+    def close(self) -> None:
+        self.state.close_state_dir()
+        self.state.durable = None  # closed once
+
+
+def beat(table: Table, conn: int, seconds: float, *others: int) -> None:
+    """Let ``seconds`` pass while ``conn`` (and ``others``) heartbeat every quarter timeout."""
+    for _ in range(round(seconds / (HB / 4))):
+        table.advance(HB / 4)
+        for c in (conn, *others):
+            table.send(c, Heartbeat())
+
+
+def join(table: Table, rank: int, world: int = 2, name: str = "job") -> int:
+    conn = table.connect()
+    table.send(
+        conn,
+        lambda r: Join(
+            r,
+            name,
+            world,
+            rank,
+            f"host{rank}",
+            100 + rank,
+            [f"tcp://h:{rank}"],
+            HB,
+            60.0,
+            0,
+            secret_of(rank),
+        ),
+    )
+    return conn
+
+
+def reattach(table: Table, rank: int, secret: bytes, world: int = 2, name: str = "job") -> Any:
+    conn = table.connect()
+    reply = table.send(
+        conn,
+        lambda r: Reattach(
+            r, name, 0, world, rank, 0, f"host{rank}", 100 + rank, [f"tcp://h:{rank}"], HB, secret
+        ),
+    )
+    return conn, reply
+
+
+def formed_job(tmp_path: Path) -> tuple[Table, list[int]]:
+    table = Table(tmp_path)
+    conns = [join(table, r) for r in range(2)]
+    assert all(isinstance(table.inbox[c][-1], Welcome) for c in conns)
+    assert all(table.inbox[c][-1].restartable for c in conns)
+    table.send(conns[0], lambda r: StoreSet(r, "kept", b"v1"))
+    table.send(conns[0], lambda r: StoreSet(r, "gone", b"x"))
+    table.send(conns[1], lambda r: StoreDeleteKey(r, "gone"))
+    for c in conns:
+        table.send(c, lambda r: Barrier(r, 1, 60.0))
+    return table, conns
+
+
+def test_state_dir_replays_job_members_keys_and_barriers(tmp_path: Path) -> None:
+    table, _ = formed_job(tmp_path)
+    table.close()  # as after SIGKILL: nothing more is written than what each batch wrote
+    again = Table(tmp_path, now=500.0)
+    job = again.state.jobs["job"]
+    assert job.complete
+    assert job.world_size == 2
+    assert job.kv == {"kept": b"v1"}
+    assert [(m.rank, m.host, m.pid) for m in job.by_rank] == [(0, "host0", 100), (1, "host1", 101)]
+    conn, reply = reattach(again, 0, secret_of(0))
+    assert isinstance(reply, Reply)
+    # Barrier 1 was passed before the restart: sent again, it answers at once.
+    assert isinstance(again.send(conn, lambda r: Barrier(r, 1, 60.0)), Reply)
+    assert again.send(conn, lambda r: StoreGet(r, "kept", 5.0)).value == b"v1"
+
+
+def test_reattach_without_the_members_secret_is_refused(tmp_path: Path) -> None:
+    table, _ = formed_job(tmp_path)
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    _, reply = reattach(again, 1, b"a stranger's guess".ljust(32, b"\0"))
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == ErrorCode.AUTHENTICATION
+    assert "secret" in reply.message
+    _, reply = reattach(again, 1, secret_of(1))  # the member itself is still taken back
+    assert isinstance(reply, Reply)
+
+
+def test_member_that_never_comes_back_is_declared_failed_to_the_others(tmp_path: Path) -> None:
+    table, _ = formed_job(tmp_path)
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    conn, reply = reattach(again, 0, secret_of(0))
+    assert isinstance(reply, Reply)
+    beat(again, conn, MIN_REATTACH_WINDOW / 2)
+    assert not any(isinstance(m, MemberFailed) for m in again.inbox[conn])
+    beat(again, conn, MIN_REATTACH_WINDOW)
+    failed = [m for m in again.inbox[conn] if isinstance(m, MemberFailed)]
+    assert [(f.rank, f.host, f.pid) for f in failed] == [(1, "host1", 101)]
+    assert "did not come back" in failed[0].reason
+    # The verdict is durable too, and a member back late hears it at once.
+    again.close()
+    third = Table(tmp_path, now=50.0)
+    _, reply = reattach(third, 1, secret_of(1))
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == ErrorCode.RANK_FAILED
+    conn, _ = reattach(third, 0, secret_of(0))
+    assert isinstance(third.inbox[conn][0], Reply)  # taken back, then told
+    assert isinstance(third.inbox[conn][-1], MemberFailed)
+    assert third.inbox[conn][-1].rank == 1
+
+
+def test_without_state_dir_members_rebuild_their_job_and_the_store_is_empty() -> None:
+    table = Table(None)
+    conn0, reply = reattach(table, 0, secret_of(0))
+    assert isinstance(reply, Reply)
+    job = table.state.jobs["job"]
+    assert job.complete
+    assert job.kv == {}
+    _, reply = reattach(table, 1, secret_of(1))
+    assert isinstance(reply, Reply)
+    _, reply = reattach(table, 1, secret_of(1))  # taken: a second claim is a stranger's
+    assert isinstance(reply, Reply) or reply.code == ErrorCode.AUTHENTICATION
+    assert table.send(conn0, lambda r: Barrier(r, 7, 60.0)) is not None
+
+
+def test_torn_log_tail_replays_up_to_the_last_whole_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table, _ = formed_job(tmp_path)
+    table.send(table.connect(), Heartbeat())
+    table.close()
+    log = tmp_path / "log"
+    whole = log.read_bytes()
+    extra = frame(["kv", "job", "late", b"never whole"])
+    log.write_bytes(whole + extra[:-3])  # a crash in the middle of a write
+    with caplog.at_level(logging.WARNING):
+        again = Table(tmp_path)
+    assert again.state.jobs["job"].kv == {"kept": b"v1"}
+    assert "truncated record" in caplog.text
+
+
+def test_record_failing_its_checksum_or_its_bounds_ends_the_replay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = msgpack.packb(["job", "j", 0, 2, []])  # 0 members for a world of 2
+    bad_crc = frame(["kv", "j", "k", b"v"])
+    bad_crc = bad_crc[:4] + b"\0\0\0\0" + bad_crc[8:]
+    (tmp_path / "snapshot").write_bytes(MAGIC + frame(msgpack.unpackb(body)) + bad_crc)
+    with caplog.at_level(logging.WARNING):
+        table = Table(tmp_path)
+    assert table.state.jobs == {}
+    assert "malformed" in caplog.text
+    table.close()
+    (tmp_path / "log").write_bytes(
+        MAGIC + frame(["job", "j", 0, 1, [[0, 0, "h", 1, [], 1.0, b""]]]) + bad_crc
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        table = Table(tmp_path)
+    assert list(table.state.jobs) == ["j"]
+    assert "checksum" in caplog.text
+
+
+def test_state_dir_held_by_one_server_at_a_time(tmp_path: Path) -> None:
+    first = StateDir(tmp_path)
+    with pytest.raises(StateDirError, match="in use by another aiodist server"):
+        StateDir(tmp_path)
+    first.close()
+    second = StateDir(tmp_path)
+    second.load()
+    second.close()
+
+
+def test_stalled_server_counts_a_dropped_member_as_away_not_failed(tmp_path: Path) -> None:
+    table, conns = formed_job(tmp_path)
+    table.now += STALL_GAP + 1  # the server's loop stood still (SIGSTOP)
+    table.state.connection_lost(conns[1], table.now, "connection reset")
+    table.collect()
+    assert not any(isinstance(m, MemberFailed) for m in table.inbox[conns[0]])
+    back, reply = reattach(table, 1, secret_of(1))
+    assert isinstance(reply, Reply)
+    beat(table, conns[0], 2 * MIN_REATTACH_WINDOW, back)
+    assert not any(isinstance(m, MemberFailed) for m in table.inbox[conns[0]])
