@@ -216,17 +216,17 @@ class _EmbeddedServer:
         self._servers.append(started.result())
         return started.result()
 
-    async def aclose(self) -> None:
+    async def aclose(self, grace: float = HANG_UP_GRACE) -> None:
         """Stop every server started here (each tells its clients first).
 
         Clients still connected hear that the server shuts down, which they
-        report: members that just left get a moment to hang up first.
+        report: members that just left get ``grace`` seconds to hang up first.
         """
         servers, self._servers = self._servers, []
         tasks, self._tasks = self._tasks, []
         try:
             for server in servers:
-                with anyio.move_on_after(HANG_UP_GRACE):
+                with anyio.move_on_after(grace):
                     await server.wait_until(lambda s: s.num_connections == 0)
         finally:
             for task in tasks:  # even if that wait was cancelled: the loop's end waits for them
@@ -303,4 +303,6 @@ async def _joined(
             await session.aclose()
         if servers is not None:
             with anyio.CancelScope(shield=True):
-                await servers.aclose()  # the embedded server, if this process started one
+                # The embedded server, if this process started one; a process being
+                # interrupted or failing does not wait for the others to hang up.
+                await servers.aclose(0.0 if session.abandoned else HANG_UP_GRACE)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -149,9 +150,18 @@ async def init_process_group(
                     return
             raise
 
+    def on_shutdown() -> None:
+        # The loop's shutdown: asyncio.run returning, or its main task ending with an
+        # exception (Ctrl-C included), which is then being raised (``_group.ending``).
+        if default is not None:
+            default.group.session.end_with(sys.exc_info()[1])
+        stop.set()
+
     # The loop's shutdown (asyncio.run returning without destroy_process_group) leaves
     # the job the way destroy_process_group does, rather than cancelling the holder.
-    task = LingeringTask(hold_open(), loop=loop, name="aiodist-default-group", on_shutdown=stop.set)
+    task = LingeringTask(
+        hold_open(), loop=loop, name="aiodist-default-group", on_shutdown=on_shutdown
+    )
     try:
         group = await started
     except BaseException:

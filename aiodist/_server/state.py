@@ -185,6 +185,10 @@ class ServerState(StoreAndBarriers):
     def close(self, reason: str) -> None:
         """Tell every connection that the server is going away."""
         self.closing = True
+        for job in self.jobs.values():
+            # Its members are dropped with the server: the job did not end well.
+            if not job.end_reason:
+                job.end_reason = f"cut off: the rendezvous server shut down ({reason})"
         for conn in list(self._conns):
             self._send(conn, ServerClosing(reason))
 
@@ -216,7 +220,14 @@ class ServerState(StoreAndBarriers):
         job = member.job
         if isinstance(msg, Leave):
             was_active = member.status == "active"  # a member of a formed job, not failed
-            member.status = "left"
+            if was_active and msg.reason and not job.failures:
+                # It failed (its program ended with an uncaught exception): the others
+                # hear that, not that it left; a member failing after the first failure
+                # is one of its victims, and leaves as usual.
+                self._fail(member, msg.reason, now)
+                was_active = False
+            if member.status != "failed":
+                member.status = "left"
             if was_active:
                 job.left[member.rank] = (member.host, member.pid)
                 if not job.failures:  # after a failure, every member knows the job is broken
