@@ -8,6 +8,8 @@ should it outlive the test), then runs its mode:
 - ``crash``: rank 1 raises an uncaught ``ValueError``; rank 0 awaits an ``all_reduce``.
 - ``exit1``: rank 1 calls ``sys.exit(1)``; rank 0 awaits an ``all_reduce``.
 - ``sync_crash``: as ``crash``, on ``aiodist.sync``.
+- ``join``: only joins (``timeout`` from ``$NEWUSER_TIMEOUT``); reports the error and
+  how long it took.
 
 argv: MODE [INIT_METHOD RANK WORLD]; without an init method, env:// (``aiodist run``).
 """
@@ -34,6 +36,17 @@ RANK = int(os.environ.get("RANK", KWARGS.get("rank", -1)))
 
 def report(**fields: object) -> None:
     print(json.dumps({"pid": os.getpid(), "rank": RANK, **fields}), flush=True)
+
+
+async def join() -> None:
+    t0 = time.monotonic()
+    try:
+        await aiodist.init_process_group(**KWARGS, timeout=float(os.environ["NEWUSER_TIMEOUT"]))
+    except Exception as exc:
+        report(error=type(exc).__name__, message=str(exc), after=time.monotonic() - t0)
+        return
+    report(joined=True)
+    await aiodist.destroy_process_group()
 
 
 async def main() -> None:
@@ -76,5 +89,7 @@ def sync_main() -> None:
 if __name__ == "__main__":
     if MODE.startswith("sync_"):
         sync_main()
+    elif MODE == "join":
+        asyncio.run(join())
     else:
         asyncio.run(main())

@@ -28,6 +28,7 @@ from aiodist._errors import ProtocolError
 from aiodist._wire.frame import NEED_DATA, FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Channel,
+    Heartbeat,
     Join,
     Leave,
     MemberFailed,
@@ -181,6 +182,8 @@ async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
             msg = frame_message(event)  # type: ignore[arg-type]
             if isinstance(msg, Channel):
                 channel = msg.channel
+            elif isinstance(msg, Heartbeat):  # the client's probe: a server echoes it
+                writer.writelines(encode_message(Heartbeat()))
             elif isinstance(msg, Join):
                 writer.writelines(
                     [

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from tests import _procs
@@ -217,3 +218,48 @@ async def test_daemon_stopped_by_sigterm_records_the_job_it_cut_off_as_failed() 
     # Before: "state": "succeeded".
     assert record["state"] == "failed", record
     assert record["reason"].startswith("cut off: the rendezvous server shut down"), record
+
+
+# --- 5. A wrong port is an error, or at least a word, never a silent wait -------------------
+
+
+async def _join_alone(port: int, timeout: float) -> tuple[dict[str, Any], str]:
+    argv = [sys.executable, WORKER, "join", f"tcp://127.0.0.1:{port}", "1", "2"]
+    env = {**_env(), "NEWUSER_TIMEOUT": str(timeout)}
+    result = await _procs.run(argv, LIMIT, env=env)
+    (report,) = [r for r in _reports(result.stdout) if "error" in r]
+    return report, result.stderr
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+async def test_tcp_init_at_a_port_where_something_else_listens_fails_within_seconds(
+    answer: bytes,
+) -> None:
+    async def serve_one(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                await stream.receive()
+                if answer:  # an HTTP server answers what it cannot parse
+                    await stream.send(answer)
+                await anyio.sleep_forever()
+
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, serve_one)
+            report, _ = await _join_alone(port, 60.0)
+            tg.cancel_scope.cancel()
+    # Before: a wait in silence until the timeout (an HTTP server: 53 s, "lost the connection").
+    assert report["error"] == ("RendezvousError" if answer else "RendezvousTimeout"), report
+    assert f"listens at 127.0.0.1:{port}" in report["message"], report
+    assert "as an aiodist rendezvous server" in report["message"], report
+    assert report["after"] < 8.0, report
+
+
+async def test_tcp_init_where_nothing_listens_says_that_it_waits() -> None:
+    report, stderr = await _join_alone(_procs.free_port(), 7.0)
+    # Before: no output until the timeout.
+    assert "waiting for the rendezvous server at 127.0.0.1:" in stderr, stderr
+    assert "nothing listens there" in stderr, stderr
+    assert report["error"] == "RendezvousTimeout", report
+    assert "within 7.0 s" in report["message"], report

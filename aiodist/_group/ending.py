@@ -1,8 +1,8 @@
 """How a program that ends with an exception uncaught ends its membership.
 
-A rank whose program ends by an uncaught exception, ``sys.exit`` with a
-non-zero code, or Ctrl-C has not finished its part of the job: it did not
-leave, it failed. Its session then closes at once (the operations in flight
+A rank whose program ends by an uncaught exception or ``sys.exit`` with a
+non-zero code has not finished its part of the job: it did not leave, it
+failed. Its session then closes at once (the operations in flight
 fail instead of being waited for: the process is going away) and tells the
 server why, so that its peers hear that it *failed* (``RankFailedError``
 naming it and the exception) and the job is recorded as failed, not as
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["MAX_REASON_CHARS", "failure_of"]
+__all__ = ["MAX_REASON_CHARS", "failure_of", "interrupted"]
 
 #: The longest failure reason sent to the server (the wire's bound on ``Leave.reason``).
 MAX_REASON_CHARS: Final = 1000
@@ -28,7 +28,8 @@ def failure_of(exc: BaseException | None) -> str | None:
     """Why a program that ends with ``exc`` uncaught failed; None if it did not fail.
 
     ``SystemExit`` with code 0 or None is a normal end; a cancellation is not an
-    end of the program (only a task of it ended).
+    end of the program (only a task of it ended). Ctrl-C (``KeyboardInterrupt``)
+    is no failure either: the rank leaves at once, and its peers hear that it left.
     """
     if exc is None or isinstance(exc, GeneratorExit):
         return None
@@ -36,10 +37,13 @@ def failure_of(exc: BaseException | None) -> str | None:
         if exc.code is None or exc.code == 0:
             return None
         return f"its program exited with sys.exit({exc.code!r})"[:MAX_REASON_CHARS]
-    if isinstance(exc, KeyboardInterrupt):
-        return "its program was interrupted (KeyboardInterrupt: Ctrl-C or SIGINT)"
     if not isinstance(exc, Exception):
         return None  # CancelledError and the like: not the program's end
     text = str(exc).splitlines()[0] if str(exc) else ""
     what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return f"its program ended with an uncaught exception ({what})"[:MAX_REASON_CHARS]
+
+
+def interrupted(exc: BaseException | None) -> bool:
+    """True if the program is ending by Ctrl-C: it leaves at once, without waiting."""
+    return isinstance(exc, KeyboardInterrupt)

@@ -42,7 +42,7 @@ from aiodist._errors import (
     from_wire,
     rank_left_error,
 )
-from aiodist._group.ending import failure_of
+from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
@@ -387,11 +387,13 @@ class Session:
         """The program is ending with ``exc`` uncaught (None: normally); see ``ending``.
 
         An exception, a non-zero ``sys.exit`` or Ctrl-C: closing fails what is in
-        flight at once, and the peers hear that this rank failed, and why.
+        flight at once. The peers hear that this rank failed, and why (Ctrl-C:
+        that it left, as ``abandon`` has it).
         """
         reason = failure_of(exc)
         if reason is not None:
             self.failed_reason = reason
+        if reason is not None or interrupted(exc):
             self.abandon()
 
     async def aclose(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import importlib.metadata
 import json
 import logging
@@ -339,7 +340,15 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, BaseExceptionGroup) as exc:
         if (error := _os_error(exc)) is None:
             raise
-        return _fail("serve", f"cannot listen: {error}")
+        hint = ""
+        if error.errno == errno.EADDRINUSE:
+            # The usual culprit: a tcp:// job started while no daemon ran, whose rank 0
+            # hosts its server embedded on this port until the job ends.
+            hint = (
+                f"; `aiodist status --port {args.port}` says whether an aiodist server holds "
+                "it (a tcp:// job's rank 0 hosts one there when no daemon listens)"
+            )
+        return _fail("serve", f"cannot listen: {error}{hint}")
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -64,6 +64,15 @@ def first_failed_rank(server: RendezvousServer, job_id: str) -> int | None:
     return int(first["rank"]) if isinstance(first, dict) else None
 
 
+def _not_a_server(where: str, port: int, exc: DistError) -> RendezvousError:
+    why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
+    return RendezvousError(
+        f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
+        f"request; start a rendezvous server there with `aiodist serve --port {port}`, "
+        "or point at one"
+    )
+
+
 def _warn_if_open(host: str, token: str | None) -> None:
     if token is None and not is_loopback(host):
         logger.warning(
@@ -124,17 +133,16 @@ async def _join_or_host(
         return server.address, server
     except OSError as exc:
         raise RendezvousError(f"cannot reach the rendezvous server at {where}: {exc}") from exc
+    except AuthenticationError:
+        raise
+    except DistError as exc:  # it answered the connection's probe wrongly, or not at all
+        raise _not_a_server(where, port, exc) from exc
     try:
         status = await conn.request(StatusRequest, timeout=PROBE_TIMEOUT)
     except AuthenticationError:
         raise
     except DistError as exc:
-        why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
-        raise RendezvousError(
-            f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
-            f"request; start a rendezvous server there with `aiodist serve --port {port}`, "
-            "or point at one"
-        ) from exc
+        raise _not_a_server(where, port, exc) from exc
     finally:
         conn.close()
     logger.info(

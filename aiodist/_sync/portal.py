@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from aiodist._group.ending import failure_of
+from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
@@ -380,7 +380,7 @@ def _at_exit() -> None:
         return
     try:
         last = getattr(sys, "last_value", None)  # the uncaught exception ending the program
-        if isinstance(last, BaseException) and failure_of(last) is not None:
+        if isinstance(last, BaseException) and (interrupted(last) or failure_of(last)):
             # Ctrl-C in a Work.wait(), or an exception: do not wait for what is in flight,
             # and tell the peers that this rank failed (``_group.ending``).
             _abandon(lt, last)
