@@ -25,6 +25,7 @@ through ``run``: its set-up is the group (``p2p_group``), the peer
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentError, CollectiveMismatchError
@@ -321,7 +322,9 @@ def irecv(
         else:
             work.set_result(sender)
 
-    g.session.plane.post(src, key, byte_view(dest), arrived)
+    plane = g.session.plane
+    posted = plane.post(src, key, byte_view(dest), arrived)
+    work.withdrawable(functools.partial(plane.withdraw, src, posted))
     return work
 
 
