@@ -1451,8 +1451,12 @@ def init_process_group(
     (started on first use, stopped once nothing is initialised).
 
     Args:
-        backend: ``None`` for aiodist's own data plane; ``"gloo"`` or ``"nccl"`` also
-            bring up torch.distributed (see the torch bridge).
+        backend: ``None`` (torch's default): aiodist's calls ride its own data
+            plane, and torch.distributed's default group is brought up for torch's
+            code (``cpu:gloo,cuda:nccl``, gloo alone without CUDA; off with
+            ``AIODIST_TORCH_GROUP=0``). ``"aiodist"``: its data plane alone.
+            ``"gloo"`` or ``"nccl"`` also route tensor collectives on that backend's
+            device to torch.distributed (see the torch bridge).
         init_method: ``tcp://HOST:PORT``, ``env://`` (default, torchrun's variables)
             or ``file:///shared/path``. With ``tcp://``, rank 0 (or any process with
             ``AIODIST_EMBED=1``) starts the server itself if none listens there.

@@ -8,6 +8,8 @@ should it outlive the test), then runs its mode:
 - ``crash``: rank 1 raises an uncaught ``ValueError``; rank 0 awaits an ``all_reduce``.
 - ``exit1``: rank 1 calls ``sys.exit(1)``; rank 0 awaits an ``all_reduce``.
 - ``sync_crash``: as ``crash``, on ``aiodist.sync``.
+- ``ddp``: plain torch training code on ``aiodist.sync`` with no backend: DDP and
+  ``DistributedSampler`` need torch's default group; reports what they saw.
 - ``join``: only joins (``timeout`` from ``$NEWUSER_TIMEOUT``); reports the error and
   how long it took.
 
@@ -86,9 +88,39 @@ def sync_main() -> None:
         raise
 
 
+def ddp_main() -> None:
+    import torch.distributed
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data.distributed import DistributedSampler
+
+    from aiodist import sync as dist
+
+    dist.init_process_group()  # no backend, as torch scripts do
+    up = torch.distributed.is_initialized()
+    out: dict[str, object] = {"torch_initialized": up}
+    if up:
+        rank = dist.get_rank()
+        out["torch_backend"] = torch.distributed.get_backend()
+        model = DistributedDataParallel(torch.nn.Linear(2, 1, bias=False))
+        with torch.no_grad():
+            model.module.weight.fill_(1.0)
+        model(torch.full((1, 2), float(rank + 1))).sum().backward()
+        out["grad"] = model.module.weight.grad.tolist()  # averaged over ranks by DDP
+        data: Any = list(range(6))
+        out["indices"] = list(DistributedSampler(data, shuffle=False))
+    t = torch.ones(2)
+    dist.all_reduce(t)  # aiodist's own call still works (on its data plane)
+    out["all_reduce"] = t.tolist()
+    report(**out)
+    dist.destroy_process_group()
+    report(torch_after_destroy=torch.distributed.is_initialized())
+
+
 if __name__ == "__main__":
     if MODE.startswith("sync_"):
         sync_main()
+    elif MODE == "ddp":
+        ddp_main()
     elif MODE == "join":
         asyncio.run(join())
     else:

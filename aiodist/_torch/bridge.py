@@ -391,6 +391,9 @@ async def bring_up(
         ) from exc
     bridge.torch_group = dist.group.WORLD
     world.bridge = bridge
+    # No rank returns before every rank's group is up: one that returned and destroyed
+    # its group at once would cut a peer's gloo mesh short ("Connection closed by peer").
+    await world.session.barrier()
 
 
 async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: str | None) -> None:
