@@ -129,7 +129,10 @@ async def new_groups(
         session.groups[group.group_id] = group
     try:
         seen = await start_all_gather_object(
-            world, seq, Request(op="all_gather_object", description="new_group", payload=payload)
+            world,
+            seq,
+            Request(op="all_gather_object", description="new_group", payload=payload),
+            name="new_group",
         )
     except BaseException:
         for group in groups:
