@@ -341,8 +341,9 @@ class ProcessGroup:
     def expired(self, work: Work[Any]) -> None:
         """``work`` passed the group's timeout (``Deadlines``): fail it, break the group."""
         timed_out = DistTimeoutError(
-            f"{work.description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
-            "a rank may not have called it, or may be stuck. The group is broken."
+            f"Timed out: {work.description} on group {self.name!r} timed out after "
+            f"{self.timeout:.1f} s (timeout); a rank may not have called it, or may be stuck. "
+            "The group is broken."
         )
         work.set_exception(timed_out)
         self.break_(timed_out)
