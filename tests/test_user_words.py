@@ -111,3 +111,22 @@ def test_get_debug_level_is_torchs() -> None:
 
     assert aiodist.get_debug_level() == dist.get_debug_level()  # type: ignore[attr-defined]
     assert aiodist.sync.get_debug_level() == dist.get_debug_level()  # type: ignore[attr-defined]
+
+
+def test_cli_help_and_status_json_speak_to_the_user(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from aiodist._launch.cli import main
+    from tests._procs import free_port
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    # Before: "The only module that prints" (an internal docstring).
+    assert "only module" not in capsys.readouterr().out
+    port = free_port()
+    assert main(["status", "--port", str(port), "--json"]) == 1
+    out = capsys.readouterr()
+    # Before: plain text only, on stderr.
+    report = json.loads(out.out)
+    assert report["server"] == f"127.0.0.1:{port}"
+    assert "no rendezvous server answers" in report["error"]

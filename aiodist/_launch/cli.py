@@ -103,7 +103,11 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiodist", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="aiodist",
+        description="aiodist's command line: run a rendezvous server (serve), ask one how "
+        "its jobs are doing (status), or start the ranks of a job (run).",
+    )
     parser.add_argument("--version", action="version", version=f"aiodist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -365,20 +369,26 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
     from aiodist._wire.messages import StatusRequest
 
     where = f"{args.host}:{args.port}"
+
+    def fail(message: str) -> int:
+        if args.json:  # a script reading --json gets JSON, failure or not
+            print(json.dumps({"server": where, "error": message}, indent=2, sort_keys=True))
+        return _fail("status", message)
+
     try:
         conn = await connect_control(
             args.host, args.port, timeout=args.timeout, retry_refused=False, token=token
         )
     except AuthenticationError as exc:  # refused us, or could not prove our token
-        return _fail("status", str(exc))
+        return fail(str(exc))
     except (OSError, DistError) as exc:
-        return _fail("status", f"no rendezvous server answers at {where} ({exc})")
+        return fail(f"no rendezvous server answers at {where} ({exc})")
     try:
         snap = await conn.request(StatusRequest, timeout=args.timeout)
     except AuthenticationError as exc:
-        return _fail("status", f"the server at {where} refused us: {exc}")
+        return fail(f"the server at {where} refused us: {exc}")
     except DistError as exc:
-        return _fail("status", f"the server at {where} did not report its status ({exc})")
+        return fail(f"the server at {where} did not report its status ({exc})")
     finally:
         conn.close()
     if args.json:
