@@ -10,6 +10,8 @@ should it outlive the test), then runs its mode:
 - ``sync_crash``: as ``crash``, on ``aiodist.sync``.
 - ``ddp``: plain torch training code on ``aiodist.sync`` with no backend: DDP and
   ``DistributedSampler`` need torch's default group; reports what they saw.
+- ``seed``: mmengine's own ``test_sync_random_seed`` on ``aiodist.sync``: with
+  ``torch.tensor`` patched to return 1024, the seed is 1024 and torch.tensor was called.
 - ``join``: only joins (``timeout`` from ``$NEWUSER_TIMEOUT``); reports the error and
   how long it took.
 
@@ -116,9 +118,23 @@ def ddp_main() -> None:
     report(torch_after_destroy=torch.distributed.is_initialized())
 
 
+def seed_main() -> None:
+    from unittest.mock import patch
+
+    from aiodist import sync as dist
+
+    dist.init_process_group()
+    with patch.object(torch, "tensor", return_value=torch.tensor(1024)) as patched:
+        seed = dist.sync_random_seed()
+    report(seed=seed, called=patched.called)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if MODE.startswith("sync_"):
         sync_main()
+    elif MODE == "seed":
+        seed_main()
     elif MODE == "ddp":
         ddp_main()
     elif MODE == "join":

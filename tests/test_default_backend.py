@@ -1,4 +1,6 @@
-"""``init_process_group()`` with no backend brings up torch's default group, as torch does.
+"""Scripts written for torch and mmengine, unchanged: torch's default group, mmengine's seed.
+
+``init_process_group()`` with no backend brings up torch's default group, as torch does.
 
 Plain torch training code (DDP, ``DistributedSampler``) on ``aiodist.sync``,
 under ``aiodist run`` as real processes. The suite turns the default off
@@ -71,3 +73,16 @@ async def test_torch_group_off_leaves_torch_distributed_alone() -> None:
     for rank in (0, 1):
         assert reports[rank]["torch_initialized"] is False, reports[rank]
         assert reports[rank]["all_reduce"] == [2.0, 2.0], reports[rank]
+
+
+async def test_sync_random_seed_comes_through_torch_tensor_as_mmengine_tests_expect() -> None:
+    # mmengine's tests/test_dist/test_dist.py::test_sync_random_seed, on two ranks.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env.update(PYTHONPATH=str(ROOT), AIODIST_TORCH_GROUP="0")
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+    argv += [sys.executable, "-m", "aiodist", "run", "-n", "2", WORKER, "seed"]
+    result = await _procs.run(argv, 60.0)
+    assert result.returncode == 0, result.stderr
+    reports = _reports(result.stdout)
+    # Before: the seed was drawn and broadcast as an int, never through torch.tensor.
+    assert [(reports[r]["seed"], reports[r]["called"]) for r in (0, 1)] == [(1024, True)] * 2
