@@ -12,6 +12,9 @@ should it outlive the test), then runs its mode:
   ``DistributedSampler`` need torch's default group; reports what they saw.
 - ``seed``: mmengine's own ``test_sync_random_seed`` on ``aiodist.sync``: with
   ``torch.tensor`` patched to return 1024, the seed is 1024 and torch.tensor was called.
+- ``gloo_extra`` / ``gloo_shape``: with ``backend="gloo"``, rank 0 calls an extra
+  ``all_reduce`` before a ``barrier`` / the ranks' tensors differ in shape; reports
+  what each rank got.
 - ``join``: only joins (``timeout`` from ``$NEWUSER_TIMEOUT``); reports the error and
   how long it took.
 
@@ -130,9 +133,35 @@ def seed_main() -> None:
     dist.destroy_process_group()
 
 
+async def gloo_main() -> None:
+    await aiodist.init_process_group(backend="gloo", timeout=20)
+    rank = aiodist.get_rank()
+    t0 = time.monotonic()
+    try:
+        if MODE == "gloo_extra":
+            if rank == 0:
+                await aiodist.all_reduce(torch.ones(2))
+            await aiodist.barrier()
+        else:
+            await aiodist.all_reduce(torch.ones(2 + rank))
+        report(ok=True, after=time.monotonic() - t0)
+    except aiodist.DistError as exc:
+        fields = getattr(exc, "values_by_rank", None)
+        report(
+            error=type(exc).__name__,
+            message=str(exc),
+            after=time.monotonic() - t0,
+            field=getattr(exc, "field", None),
+            values=repr(fields),
+        )
+    await aiodist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if MODE.startswith("sync_"):
         sync_main()
+    elif MODE.startswith("gloo_"):
+        asyncio.run(gloo_main())
     elif MODE == "seed":
         seed_main()
     elif MODE == "ddp":

@@ -86,3 +86,22 @@ async def test_sync_random_seed_comes_through_torch_tensor_as_mmengine_tests_exp
     reports = _reports(result.stdout)
     # Before: the seed was drawn and broadcast as an int, never through torch.tensor.
     assert [(reports[r]["seed"], reports[r]["called"]) for r in (0, 1)] == [(1024, True)] * 2
+
+
+@pytest.mark.parametrize(("mode", "field"), [("gloo_extra", "op"), ("gloo_shape", "shape")])
+async def test_gloo_calls_that_disagree_fail_cleanly_on_every_rank_with_the_check_on(
+    mode: str, field: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env.update(PYTHONPATH=str(ROOT), AIODIST_TORCH_GROUP="0", AIODIST_CHECK_SIGNATURES="1")
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+    argv += [sys.executable, "-m", "aiodist", "run", "-n", "2", WORKER, mode]
+    result = await _procs.run(argv, 60.0)
+    reports = _reports(result.stdout)
+    # Before: the extra all_reduce hung until the timeout; with shapes [2] and [3],
+    # rank 0 returned a wrong result and rank 1 saw gloo's "Connection closed by peer".
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r.get("error") == "CollectiveMismatchError", r
+        assert r["field"] == field, r
+        assert r["after"] < 5.0, r
