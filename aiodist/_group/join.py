@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds an embedded server waits for its clients to hang up before it shuts down.
 HANG_UP_GRACE: Final = 2.0
+#: Seconds an embedded server of a process that is interrupted or failing gives its
+#: clients to take the closing notice before cutting them off.
+ABANDON_SHUTDOWN: Final = 0.2
 
 
 def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
@@ -224,6 +227,11 @@ class _EmbeddedServer:
         """
         servers, self._servers = self._servers, []
         tasks, self._tasks = self._tasks, []
+        if grace == 0:
+            # A process being interrupted or failing: its clients get their notice, and
+            # those that do not take it at once are cut off (not ``shutdown_timeout``).
+            for server in servers:
+                server.shutdown_timeout = min(server.shutdown_timeout, ABANDON_SHUTDOWN)
         try:
             for server in servers:
                 with anyio.move_on_after(grace):
