@@ -213,8 +213,15 @@ async def test_daemon_stopped_by_sigterm_records_the_job_it_cut_off_as_failed() 
             async with _started(argvs[0]) as (_, out0), _started(argvs[1]) as (_, out1):
                 await out0.wait_for(1)
                 await out1.wait_for(1)
+                status = await anyio.run_process(
+                    [*AIODIST, "status", "--port", str(daemon.port), "--json"],
+                    env=_env(),
+                    check=False,
+                )
                 assert await daemon.stop() == 0, daemon.output()
         record = await _finished(daemon, "default")
+    # Before: 5 connections for 2 ranks (their channels and the asking one counted).
+    assert json.loads(status.stdout)["connections"] == 2, status.stdout
     # Before: "state": "succeeded".
     assert record["state"] == "failed", record
     assert record["reason"].startswith("cut off: the rendezvous server shut down"), record

@@ -96,6 +96,7 @@ class _Conn:
     peer: str
     opened_at: float
     member: Member | None = None
+    channel: bool = False  # a member's channel on a shared connection, not a socket
 
 
 @dataclass(slots=True)
@@ -124,8 +125,10 @@ class ServerState(StoreAndBarriers):
 
     # --- inputs ------------------------------------------------------------------
 
-    def connection_made(self, conn: ConnId, peer: str, now: float) -> None:
-        self._conns[conn] = _Conn(peer=peer, opened_at=now)
+    def connection_made(
+        self, conn: ConnId, peer: str, now: float, *, channel: bool = False
+    ) -> None:
+        self._conns[conn] = _Conn(peer=peer, opened_at=now, channel=channel)
 
     def connection_lost(self, conn: ConnId, now: float, reason: str = "connection lost") -> None:
         state = self._conns.pop(conn, None)
@@ -207,7 +210,7 @@ class ServerState(StoreAndBarriers):
             self._join(conn, state, msg, now)
             return
         if isinstance(msg, StatusRequest):
-            self._send(conn, Reply(msg.req_id, self.snapshot(now)))
+            self._send(conn, Reply(msg.req_id, self.snapshot(now, asking=conn)))
             return
         member = state.member
         if member is None:
@@ -499,12 +502,19 @@ class ServerState(StoreAndBarriers):
 
     # --- helpers ---------------------------------------------------------------------
 
-    def snapshot(self, now: float) -> dict[str, Any]:
-        """Plain data describing the server and every job (for ``aiodist status``)."""
+    def snapshot(self, now: float, asking: ConnId | None = None) -> dict[str, Any]:
+        """Plain data describing the server and every job (for ``aiodist status``).
+
+        ``connections`` counts client sockets other than ``asking``'s (what ``ss``
+        and the metrics endpoint show while no status request is open);
+        ``channels`` counts the members' channels on them too.
+        """
+        sockets = sum(1 for cid, c in self._conns.items() if not c.channel and cid != asking)
         return {
             "version": self.version,
             "uptime": now - self.started_at,
-            "connections": len(self._conns),
+            "connections": sockets,
+            "channels": len(self._conns),
             "stats": {
                 "joins": self.stats.joins,
                 "jobs_formed": self.stats.jobs_formed,
