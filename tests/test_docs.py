@@ -179,6 +179,7 @@ if rank in (0, 2):
             prelude=_JOINED + "import asyncio\npeer = 1 - rank",
             epilogue="""
 assert w.is_completed() and not w.cancel()
+await aiodist.barrier()  # both withdrew theirs before either sends
 await aiodist.isend_object(rank, dst=peer, tag=9)
 assert await aiodist.irecv_object(src=peer, tag=9) == peer  # not lost to the withdrawn one
 """,
