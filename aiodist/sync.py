@@ -54,6 +54,7 @@ from aiodist import (
     get_backend_config,
     get_comm_device,
     get_data_device,
+    get_debug_level,
     get_default_backend_for_device,
     get_default_group,
     get_dist_info,
@@ -145,6 +146,7 @@ __all__ = [
     "get_backend_config",
     "get_comm_device",
     "get_data_device",
+    "get_debug_level",
     "get_default_backend_for_device",
     "get_default_group",
     "get_dist_info",
@@ -1453,8 +1455,12 @@ def init_process_group(
     (started on first use, stopped once nothing is initialised).
 
     Args:
-        backend: ``None`` for aiodist's own data plane; ``"gloo"`` or ``"nccl"`` also
-            bring up torch.distributed (see the torch bridge).
+        backend: ``None`` (torch's default): aiodist's calls ride its own data
+            plane, and torch.distributed's default group is brought up for torch's
+            code (``cpu:gloo,cuda:nccl``, gloo alone without CUDA; off with
+            ``AIODIST_TORCH_GROUP=0``). ``"aiodist"``: its data plane alone.
+            ``"gloo"`` or ``"nccl"`` also route tensor collectives on that backend's
+            device to torch.distributed (see the torch bridge).
         init_method: ``tcp://HOST:PORT``, ``env://`` (default, torchrun's variables)
             or ``file:///shared/path``. With ``tcp://``, rank 0 (or any process with
             ``AIODIST_EMBED=1``) starts the server itself if none listens there.
@@ -2229,7 +2235,8 @@ def scatter(
         tensor: A dense tensor that receives this rank's part.
         scatter_list: On ``src``, one tensor per rank, each shaped like ``tensor``;
             None (or empty) elsewhere.
-        src: Global rank that scatters (torch's convention).
+        src: Global rank that scatters (torch's convention); global rank 0 when
+            neither ``src`` nor ``group_src`` is given, as torch's.
         group: Defaults to the world group.
         async_op: torch.distributed's flag; the handle is returned either way.
         group_src: ``src`` as a rank of ``group``.
@@ -2240,7 +2247,7 @@ def scatter(
 
     Raises:
         TypeError: ``tensor`` or an entry of ``scatter_list`` is not a tensor.
-        ValueError: Neither ``src`` nor ``group_src``; ``src`` not a member of ``group``;
+        ValueError: Both ``src`` and ``group_src``; ``src`` not a member of ``group``;
             ``scatter_list`` missing on ``src`` or given elsewhere, or of the wrong
             length, dtype or shape.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.

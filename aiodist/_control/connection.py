@@ -96,6 +96,12 @@ _WITHOUT_SERVER: Final = (
 )
 # The least time given to a server's challenge, even when the connect timeout is nearly spent.
 AUTH_WAIT: Final = 5.0
+# How long a server may take to echo the first heartbeat (it does so in milliseconds):
+# past it, what listens is not an aiodist server (``aiodist run --rdzv-endpoint``'s too).
+PROBE_WAIT: Final = 5.0
+# While nothing listens: the first word after this many seconds, then one every so often.
+FIRST_WAITING_WORD: Final = 5.0
+WAITING_WORD_INTERVAL: Final = 30.0
 
 
 class ControlConnection(asyncio.Protocol):
@@ -128,6 +134,8 @@ class ControlConnection(asyncio.Protocol):
         self.liveness = self.heartbeats.rules  # when the server counts as gone (liveness.py)
         # How late this loop ran its heartbeat (asked before every operation: bound here).
         self.stalled_for = self.heartbeats.stalled_for
+        # Resolved by the first frame the server sends (``probe``), failed if it cannot be.
+        self.heard: asyncio.Future[None] = self.loop.create_future()
         # Called once when the connection fails or its last member leaves (the shared table).
         self.on_retired: Callable[[ControlConnection], None] | None = None
         self.address: tuple[str, int] | None = None  # where connect_control reached the server
@@ -151,6 +159,8 @@ class ControlConnection(asyncio.Protocol):
         self.liveness.last_heard = self.loop.time()
         try:
             for event in self._decoder.frames(data):
+                if not self.heard.done():
+                    self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
                 header = event.header
                 if (
                     event.kind == MessageKind.REPLY
@@ -308,6 +318,36 @@ class ControlConnection(asyncio.Protocol):
             self.close()
 
     # --- internals ---------------------------------------------------------------------
+
+    async def probe(self, timeout: float) -> None:
+        """Check that an aiodist rendezvous server answers here (it echoes a heartbeat).
+
+        A port where something else listens (a torch TCPStore, an HTTP server,
+        a silent listener) would otherwise hold the join until its timeout.
+
+        Raises:
+            RendezvousError: What listens there does not speak aiodist's protocol.
+            RendezvousTimeout: It said nothing within ``timeout`` seconds.
+        """
+        self.send(Heartbeat())
+        try:
+            with anyio.fail_after(timeout):
+                await asyncio.shield(self.heard)
+        except TimeoutError:
+            self.close()
+            raise RendezvousTimeout(
+                f"something listens at {self.server}, but it did not answer as an aiodist "
+                f"rendezvous server within {timeout:.1f} s (a torch TCPStore, another service?); "
+                "point init_method at the port `aiodist serve` or rank 0 listens on"
+            ) from None
+        except DistError as exc:
+            if isinstance(exc, AuthenticationError):
+                raise
+            raise RendezvousError(
+                f"something listens at {self.server}, but it does not speak as an aiodist "
+                f"rendezvous server ({exc}); "
+                "point init_method at the port `aiodist serve` or rank 0 listens on"
+            ) from None
 
     async def authenticate(self, token: str, timeout: float) -> None:
         """Answer the server's challenge with a proof of ``token``.
@@ -508,6 +548,9 @@ class ControlConnection(asyncio.Protocol):
         if not self._challenge.done():
             self._challenge.set_exception(exc)
             self._challenge.exception()  # retrieved: authenticate() re-raises it
+        if not self.heard.done():
+            self.heard.set_exception(exc)
+            self.heard.exception()  # retrieved: probe() re-raises it
         for channel in list(self._channels.values()):
             channel.fail_pending(exc)
         if first and not isinstance(exc, ClosedError):
@@ -549,6 +592,7 @@ async def connect_control(
         token = os.environ.get("AIODIST_TOKEN", "")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    next_word = loop.time() + FIRST_WAITING_WORD  # a wait in silence says so, now and then
     while True:
         try:
             _, protocol = await loop.create_connection(
@@ -557,6 +601,19 @@ async def connect_control(
         except OSError as exc:
             if not retry_refused and isinstance(exc, ConnectionRefusedError):
                 raise
+            if loop.time() >= next_word:
+                next_word = loop.time() + WAITING_WORD_INTERVAL
+                logger.warning(
+                    "waiting for the rendezvous server at %s:%d (%s) for %.0f s more; rank 0 "
+                    "starts it (tcp://), or run `aiodist serve --port %d`",
+                    host,
+                    port,
+                    "nothing listens there"
+                    if isinstance(exc, ConnectionRefusedError)
+                    else exc.strerror or exc,
+                    max(deadline - loop.time(), 0.0),
+                    port,
+                )
             if loop.time() >= deadline:
                 raise RendezvousTimeout(
                     f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s "
@@ -567,10 +624,12 @@ async def connect_control(
             await anyio.sleep(CONNECT_RETRY_INTERVAL)
             continue
         protocol.address = (host, port)
-        if token:
-            try:
+        try:
+            if token:  # the server's challenge is its answer
                 await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))
-            except BaseException:
-                protocol.close()
-                raise
+            else:
+                await protocol.probe(min(PROBE_WAIT, max(deadline - loop.time(), 0.1)))
+        except BaseException:
+            protocol.close()
+            raise
         return protocol

@@ -100,6 +100,8 @@ async def open_channel(
                 if future.done()
                 else await asyncio.wait_for(asyncio.shield(future), deadline - loop.time())
             )
+        except RendezvousTimeout:
+            raise  # the connect's own verdict (what listens there never answered)
         except TimeoutError:
             raise RendezvousTimeout(
                 f"no rendezvous server answered at {host}:{port} within {timeout:.1f} s; start "

@@ -359,8 +359,9 @@ class ProcessGroup:
             return
         said = f" Where the ranks are: {where}." if where else ""
         timed_out = DistTimeoutError(
-            f"{work.description} on group {self.name!r} timed out after {self.timeout:.1f} s; "
-            f"a rank may not have called it, or may be stuck.{said} The group is broken."
+            f"Timed out: {work.description} on group {self.name!r} timed out after "
+            f"{self.timeout:.1f} s (timeout); a rank may not have called it, or may be stuck."
+            f"{said} The group is broken."
         )
         work.set_exception(timed_out)
         self.break_(timed_out)

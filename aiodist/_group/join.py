@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds an embedded server waits for its clients to hang up before it shuts down.
 HANG_UP_GRACE: Final = 2.0
+#: Seconds an embedded server of a process that is interrupted or failing gives its
+#: clients to take the closing notice before cutting them off.
+ABANDON_SHUTDOWN: Final = 0.2
 
 
 def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
@@ -218,17 +221,22 @@ class _EmbeddedServer:
         self._servers.append(started.result())
         return started.result()
 
-    async def aclose(self) -> None:
+    async def aclose(self, grace: float = HANG_UP_GRACE) -> None:
         """Stop every server started here (each tells its clients first).
 
         Clients still connected hear that the server shuts down, which they
-        report: members that just left get a moment to hang up first.
+        report: members that just left get ``grace`` seconds to hang up first.
         """
         servers, self._servers = self._servers, []
         tasks, self._tasks = self._tasks, []
+        if grace == 0:
+            # A process being interrupted or failing: its clients get their notice, and
+            # those that do not take it at once are cut off (not ``shutdown_timeout``).
+            for server in servers:
+                server.shutdown_timeout = min(server.shutdown_timeout, ABANDON_SHUTDOWN)
         try:
             for server in servers:
-                with anyio.move_on_after(HANG_UP_GRACE):
+                with anyio.move_on_after(grace):
                     await server.wait_until(lambda s: s.num_connections == 0)
         finally:
             for task in tasks:  # even if that wait was cancelled: the loop's end waits for them
@@ -321,4 +329,6 @@ async def _joined(
             await session.aclose()
         if servers is not None:
             with anyio.CancelScope(shield=True):
-                await servers.aclose()  # the embedded server, if this process started one
+                # The embedded server, if this process started one; a process being
+                # interrupted or failing does not wait for the others to hang up.
+                await servers.aclose(0.0 if session.abandoned else HANG_UP_GRACE)

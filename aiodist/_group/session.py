@@ -43,6 +43,7 @@ from aiodist._errors import (
     rank_left_error,
 )
 from aiodist._group import dumps, tracefile
+from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
 from aiodist._group.recorder import Recorder, new_recorder
@@ -138,6 +139,8 @@ class Session:
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
         self.abandoned = False  # close without waiting for operations in flight
+        self.failed_reason = ""  # why this rank failed (its program's end), told on leaving
+        self._left = False
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
         try:
             host_ids = welcome.host_ids()
@@ -401,6 +404,19 @@ class Session:
         """
         self.abandoned = True
 
+    def end_with(self, exc: BaseException | None) -> None:
+        """The program is ending with ``exc`` uncaught (None: normally); see ``ending``.
+
+        An exception, a non-zero ``sys.exit`` or Ctrl-C: closing fails what is in
+        flight at once. The peers hear that this rank failed, and why (Ctrl-C:
+        that it left, as ``abandon`` has it).
+        """
+        reason = failure_of(exc)
+        if reason is not None:
+            self.failed_reason = reason
+        if reason is not None or interrupted(exc):
+            self.abandon()
+
     async def aclose(self) -> None:
         if self.closed:
             return
@@ -432,12 +448,15 @@ class Session:
             g.deadlines.close()
         if self.recorder is not None and self.recorder.trace_dir is not None:
             tracefile.write_trace(self.recorder, self.recorder.trace_dir)  # AIODIST_TRACE
+        # A rank that failed tells the server first, and says no goodbye: its peers see
+        # the connection drop and hear from the server that it failed, and why.
+        failed = bool(self.failed_reason)
+        if failed:
+            await self._leave()
         # A rank that lost its server does not leave cleanly (the server cannot hear it):
         # no goodbye, so that its peers learn why from their own server connection.
-        await self.plane.aclose(bye=self.conn.error is None)
-        if not self.conn.closed:
-            with contextlib.suppress(DistError):  # DistTimeoutError included
-                await self.conn.request(Leave, timeout=LEAVE_TIMEOUT)
+        await self.plane.aclose(bye=self.conn.error is None and not failed)
+        await self._leave()
         self.conn.close()
         if self.server is not None and not self.abandoned:
             # Others may still be using the server this process embeds: wait for them.
@@ -449,3 +468,11 @@ class Session:
                     "stopping the embedded rendezvous server while %d jobs still use it",
                     len(server.state.jobs),
                 )
+
+    async def _leave(self) -> None:
+        """Tell the server this member leaves (or failed: ``failed_reason``); once."""
+        if not self.conn.closed and not self._left:
+            self._left = True
+            reason = self.failed_reason
+            with contextlib.suppress(DistError):  # DistTimeoutError included
+                await self.conn.request(lambda r: Leave(r, reason), timeout=LEAVE_TIMEOUT)

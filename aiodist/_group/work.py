@@ -53,7 +53,16 @@ class Work(Generic[T]):
         >>> await w                        # or w.wait() from another thread
     """
 
-    __slots__ = ("_done", "_error", "_listeners", "_loop", "_value", "_waiters", "description")
+    __slots__ = (
+        "_done",
+        "_error",
+        "_listeners",
+        "_loop",
+        "_value",
+        "_waiters",
+        "_withdraw",
+        "description",
+    )
 
     def __init__(
         self,
@@ -77,6 +86,7 @@ class Work(Generic[T]):
             self._value = None if value is _UNSET else value
         self._waiters: list[asyncio.Future[None]] | None = None
         self._listeners: list[Callable[[Work[T]], object]] | None = None
+        self._withdraw: Callable[[], bool] | None = None
         if future is not None:
             future.add_done_callback(self._follow)
 
@@ -141,6 +151,13 @@ class Work(Generic[T]):
         else:
             self.set_result(done.result())
 
+    def withdrawable(self, withdraw: Callable[[], bool]) -> None:
+        """Let ``cancel`` take the operation back with ``withdraw()`` (True: taken back).
+
+        For an operation that can be withdrawn before it matched (a receive).
+        """
+        self._withdraw = withdraw
+
     def _follow(self, future: asyncio.Future[T]) -> None:
         if future.cancelled():
             self.set_exception(asyncio.CancelledError(f"{self.description} was cancelled"))
@@ -198,6 +215,46 @@ class Work(Generic[T]):
                 if traced is not None:
                     wait_ended(traced)
         return self.result()
+
+    def cancel(self) -> bool:
+        """Withdraw an operation that has not started to complete (``MPI_Cancel``).
+
+        Only a receive (``irecv``, ``irecv_object``, ``recv_object``) that no
+        message has matched yet can be withdrawn: a message sent to it later goes
+        to the next matching receive instead. The handle then fails with
+        ``asyncio.CancelledError``. Anything else (a send, a collective, a receive
+        that matched) runs its course, since peers take part in it. Callable from
+        any thread.
+
+        Returns:
+            True if the operation was withdrawn; False if it could not be (or ended).
+
+        Example:
+            >>> w = aiodist.irecv_object(src=0, tag=9)
+            >>> try:
+            ...     obj = await asyncio.wait_for(w, 0.3)
+            ... except TimeoutError:
+            ...     w.cancel()      # the next message with tag 9 is not lost to it
+        """
+        loop = self._loop
+        if self._done or self._withdraw is None or loop is None:
+            return False
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:
+            return bool(asyncio.run_coroutine_threadsafe(self._cancel_async(), loop).result())
+        return self._cancel_now()
+
+    async def _cancel_async(self) -> bool:
+        return self._cancel_now()
+
+    def _cancel_now(self) -> bool:
+        if self._done or self._withdraw is None or not self._withdraw():
+            return False
+        self._withdraw = None
+        return self.set_exception(asyncio.CancelledError(f"{self.description} was withdrawn"))
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not. Never blocks."""

@@ -34,6 +34,7 @@ __all__ = [
     "default_pg_timeout",
     "get_backend",
     "get_backend_config",
+    "get_debug_level",
     "get_default_backend_for_device",
     "get_default_group",
     "get_dist_info",
@@ -323,6 +324,18 @@ def is_backend_available(backend: str) -> bool:
     import torch.distributed as dist
 
     return bool(dist.is_backend_available(backend))
+
+
+def get_debug_level() -> Any:
+    """torch.distributed's debug level (``TORCH_DISTRIBUTED_DEBUG``): a ``DebugLevel``.
+
+    aiodist's own data plane always checks that ranks agree on each collective's
+    signature (op, dtype, shape, root), whatever the level; torch checks it only
+    at ``DETAIL``, which is what this returns for torch's own groups.
+    """
+    import torch.distributed as dist
+
+    return dist.get_debug_level()  # type: ignore[attr-defined]
 
 
 def is_torchelastic_launched() -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import importlib.metadata
 import json
 import logging
@@ -102,7 +103,11 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiodist", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="aiodist",
+        description="aiodist's command line: run a rendezvous server (serve), ask one how "
+        "its jobs are doing (status), or start the ranks of a job (run).",
+    )
     parser.add_argument("--version", action="version", version=f"aiodist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -381,7 +386,15 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, BaseExceptionGroup) as exc:
         if (error := _os_error(exc)) is None:
             raise
-        return _fail("serve", f"cannot listen: {error}")
+        hint = ""
+        if error.errno == errno.EADDRINUSE:
+            # The usual culprit: a tcp:// job started while no daemon ran, whose rank 0
+            # hosts its server embedded on this port until the job ends.
+            hint = (
+                f"; `aiodist status --port {args.port}` says whether an aiodist server holds "
+                "it (a tcp:// job's rank 0 hosts one there when no daemon listens)"
+            )
+        return _fail("serve", f"cannot listen: {error}{hint}")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -398,14 +411,20 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
     from aiodist._wire.messages import StatusRequest
 
     where = f"{args.host}:{args.port}"
+
+    def fail(message: str) -> int:
+        if args.json:  # a script reading --json gets JSON, failure or not
+            print(json.dumps({"server": where, "error": message}, indent=2, sort_keys=True))
+        return _fail("status", message)
+
     try:
         conn = await connect_control(
             args.host, args.port, timeout=args.timeout, retry_refused=False, token=token
         )
     except AuthenticationError as exc:  # refused us, or could not prove our token
-        return _fail("status", str(exc))
+        return fail(str(exc))
     except (OSError, DistError) as exc:
-        return _fail("status", f"no rendezvous server answers at {where} ({exc})")
+        return fail(f"no rendezvous server answers at {where} ({exc})")
     try:
         if args.dump is not None:
             from aiodist._launch.status_job import collect_dumps
@@ -423,9 +442,9 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
             return 0
         snap = await conn.request(StatusRequest, timeout=args.timeout)
     except AuthenticationError as exc:
-        return _fail("status", f"the server at {where} refused us: {exc}")
+        return fail(f"the server at {where} refused us: {exc}")
     except DistError as exc:
-        return _fail("status", f"the server at {where} did not report its status ({exc})")
+        return fail(f"the server at {where} did not report its status ({exc})")
     finally:
         conn.close()
     if args.job is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -37,6 +38,7 @@ from aiodist._group.world import (
 from aiodist._launch.launchers import launcher_env
 from aiodist._rpc.agent import agent_for
 from aiodist._torch.bridge import bring_up, parse_backend, tear_down
+from aiodist._torch.default import bring_up_default, wants_default_group
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -64,8 +66,12 @@ async def init_process_group(
     """Join the job and make it the default process group.
 
     Args:
-        backend: ``None`` for aiodist's own data plane; ``"gloo"`` or ``"nccl"`` also
-            bring up torch.distributed (see the torch bridge).
+        backend: ``None`` (torch's default): aiodist's calls ride its own data
+            plane, and torch.distributed's default group is brought up for torch's
+            code (``cpu:gloo,cuda:nccl``, gloo alone without CUDA; off with
+            ``AIODIST_TORCH_GROUP=0``). ``"aiodist"``: its data plane alone.
+            ``"gloo"`` or ``"nccl"`` also route tensor collectives on that backend's
+            device to torch.distributed (see the torch bridge).
         init_method: ``tcp://HOST:PORT``, ``env://`` (default, torchrun's variables)
             or ``file:///shared/path``. With ``tcp://``, rank 0 (or any process with
             ``AIODIST_EMBED=1``) starts the server itself if none listens there.
@@ -149,9 +155,18 @@ async def init_process_group(
                     return
             raise
 
+    def on_shutdown() -> None:
+        # The loop's shutdown: asyncio.run returning, or its main task ending with an
+        # exception (Ctrl-C included), which is then being raised (``_group.ending``).
+        if default is not None:
+            default.group.session.end_with(sys.exc_info()[1])
+        stop.set()
+
     # The loop's shutdown (asyncio.run returning without destroy_process_group) leaves
     # the job the way destroy_process_group does, rather than cancelling the holder.
-    task = LingeringTask(hold_open(), loop=loop, name="aiodist-default-group", on_shutdown=stop.set)
+    task = LingeringTask(
+        hold_open(), loop=loop, name="aiodist-default-group", on_shutdown=on_shutdown
+    )
     try:
         group = await started
     except BaseException:
@@ -162,13 +177,16 @@ async def init_process_group(
     install_default(default)
     agent_for(group.session)  # every rank serves remote calls from now on (aiodist.rpc)
     _leave_at_exit_of_this_process()
-    if devices is not None:
-        assert backend is not None
-        try:
+    try:
+        if devices is not None:
+            assert backend is not None
             await bring_up(group, backend, devices, device_id=device_id)
-        except BaseException:
-            await destroy_process_group()
-            raise
+        elif wants_default_group(backend):
+            # As torch: code written for it (DDP, DistributedSampler) finds its group.
+            await bring_up_default(group)
+    except BaseException:
+        await destroy_process_group()
+        raise
 
 
 async def init_dist(

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from aiodist._launch.run import LaunchSpec
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["PROBE_TIMEOUT", "parse_endpoint", "place_server"]
+__all__ = ["PROBE_TIMEOUT", "first_failed_rank", "parse_endpoint", "place_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,25 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
             f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got {endpoint!r}"
         )
     return host, int(port)
+
+
+def first_failed_rank(server: RendezvousServer, job_id: str) -> int | None:
+    """The rank of job ``job_id`` that ``server`` (hosted here) saw fail first, if any."""
+    job = server.state.jobs.get(job_id)
+    if job is not None and job.failures:
+        return job.failures[0][0]
+    record = server.state.log.finished.get(job_id)
+    first = record.get("first_failure") if record is not None else None
+    return int(first["rank"]) if isinstance(first, dict) else None
+
+
+def _not_a_server(where: str, port: int, exc: DistError) -> RendezvousError:
+    why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
+    return RendezvousError(
+        f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
+        f"request; start a rendezvous server there with `aiodist serve --port {port}`, "
+        "or point at one"
+    )
 
 
 def _warn_if_open(host: str, token: str | None) -> None:
@@ -114,17 +133,16 @@ async def _join_or_host(
         return server.address, server
     except OSError as exc:
         raise RendezvousError(f"cannot reach the rendezvous server at {where}: {exc}") from exc
+    except AuthenticationError:
+        raise
+    except DistError as exc:  # it answered the connection's probe wrongly, or not at all
+        raise _not_a_server(where, port, exc) from exc
     try:
         status = await conn.request(StatusRequest, timeout=PROBE_TIMEOUT)
     except AuthenticationError:
         raise
     except DistError as exc:
-        why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
-        raise RendezvousError(
-            f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
-            f"request; start a rendezvous server there with `aiodist serve --port {port}`, "
-            "or point at one"
-        ) from exc
+        raise _not_a_server(where, port, exc) from exc
     finally:
         conn.close()
     logger.info(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from typing import IO, TYPE_CHECKING, Final
 import anyio
 
 from aiodist._launch.output import Sink, pump
-from aiodist._launch.placement import parse_endpoint, place_server
+from aiodist._launch.placement import first_failed_rank, parse_endpoint, place_server
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 STOP_GRACE: Final = 5.0
 SERVER_LINGER: Final = 60.0
 PUMP_DRAIN: Final = 2.0  # after the ranks exit, how long their last output may take
+CULPRIT_GRACE: Final = 2.0  # how long the rank that failed first may take to exit
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +294,8 @@ async def launch(
         job_id = spec.job_name(master)
         for restart in range(spec.max_restarts + 1):
             ranks = _Ranks(spec)
-            result = await _run_ranks(spec, ranks, master, job_id, restart, out, err)
+            blame = None if server is None else functools.partial(first_failed_rank, server, job_id)
+            result = await _run_ranks(spec, ranks, master, job_id, restart, out, err, blame)
             if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
                 break
             err.line(
@@ -331,6 +334,7 @@ async def _run_ranks(
     restart: int,
     out: Sink,
     err: Sink,
+    blame: Callable[[], int | None] | None = None,
 ) -> LaunchResult:
     loop = asyncio.get_running_loop()
     width = len(str(spec.world_size - 1))
@@ -355,6 +359,8 @@ async def _run_ranks(
                 pumps.start_soon(pump, proc.stdout, out, tag)
                 pumps.start_soon(pump, proc.stderr, err, tag)
             failed = await ranks.wait_all()
+            if failed is not None and blame is not None:
+                failed = await _culprit(spec, ranks, failed, blame())
             running = len(ranks.running())
         finally:
             with anyio.CancelScope(shield=True):
@@ -383,6 +389,24 @@ async def _run_ranks(
         128 - code if code < 0 else code,
         f"aiodist run: rank {rank} (pid {ranks.procs[i].pid}){where} {_describe(code)}{others}",
     )
+
+
+async def _culprit(
+    spec: LaunchSpec, ranks: _Ranks, failed: tuple[int, int], rank: int | None
+) -> tuple[int, int]:
+    """The rank to blame: the server's first failed member when it is one of ours.
+
+    The first rank to exit non-zero may be a victim (its peer crashed, and it
+    raised ``RankFailedError``) that happened to exit first; the server knows
+    which member failed first. That one is ending too: give it a moment.
+    """
+    i = -1 if rank is None else rank - spec.node_rank * spec.nproc
+    if not 0 <= i < spec.nproc or i == failed[0]:
+        return failed
+    with anyio.move_on_after(CULPRIT_GRACE):
+        await ranks.procs[i].wait()
+    code = ranks.procs[i].returncode
+    return failed if code is None or code == 0 else (i, code)
 
 
 def _describe(code: int | None) -> str:

@@ -43,9 +43,9 @@ __all__ = [
 _done = Request.done
 
 
-def _reduction(op: object, dtype: torch.dtype) -> str:
+def _reduction(op: object, dtype: torch.dtype, call: str) -> str:
     reduce_op = reduce_ops.reduce_op(op)
-    reduce_ops.check_op_dtype(reduce_op, dtype)
+    reduce_ops.check_op_dtype(reduce_op, dtype, call)
     return reduce_op
 
 
@@ -55,7 +55,7 @@ def _reduction(op: object, dtype: torch.dtype) -> str:
 def all_reduce(tensor: object, op: object, group: ProcessGroup | None) -> Call:
     def check(g: ProcessGroup | None) -> Request:
         t = check_tensor(tensor, "tensor")
-        reduce_op = _reduction(op, t.dtype)
+        reduce_op = _reduction(op, t.dtype, "all_reduce")
         if g is None or g.rank < 0:
             return _done(t)
         return Request(
@@ -74,7 +74,7 @@ def reduce(
 ) -> Call:
     def check(g: ProcessGroup | None) -> Request:
         t = check_tensor(tensor, "tensor")
-        reduce_op = _reduction(op, t.dtype)
+        reduce_op = _reduction(op, t.dtype, "reduce")
         if outsider(g):
             return _done(t)
         root = root_of(g, dst, group_dst, "dst")
@@ -152,7 +152,7 @@ def reduce_scatter_tensor(
     def check(g: ProcessGroup | None) -> Request:
         out = check_tensor(output, "output")
         t = check_tensor(input, "input")
-        reduce_op = _reduction(op, t.dtype)
+        reduce_op = _reduction(op, t.dtype, "reduce_scatter")
         size = size_of(g)
         parts = slices(t, out, size)
         if parts is None or t.dtype != out.dtype:
@@ -260,7 +260,9 @@ def scatter(
         t = check_tensor(tensor, "tensor")
         if outsider(g):
             return _done(t)
-        root = root_of(g, src, group_src, "src")
+        # As torch: with neither src nor group_src, the source is global rank 0.
+        source = 0 if src is None and group_src is None else src
+        root = root_of(g, source, group_src, "src")
         parts: list[torch.Tensor] = []
         if (0 if g is None else g.rank) == root:
             if not scatter_list:

@@ -131,7 +131,10 @@ async def new_groups(
         session.groups[group.group_id] = group
     try:
         agreeing = start_all_gather_object(
-            world, seq, Request(op="all_gather_object", description="new_group", payload=payload)
+            world,
+            seq,
+            Request(op="all_gather_object", description="new_group", payload=payload),
+            name="new_group",
         )
         record(world, agreeing, "new_group", seq, None, called)
         seen = await agreeing

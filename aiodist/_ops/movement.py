@@ -453,9 +453,16 @@ async def meet(ex: Exchange, timeout: float | None, name: str) -> None:
             raise
         assert timeout is not None  # only a deadline expires
         missing = [g.ranks[r] for r, f in zip(peers, futures, strict=True) if not f.done()]
+        # torch's words lead ("Rank 1 failed to pass monitoredBarrier", "Timed out"), so
+        # that code and tests written against torch's message still match.
+        torch_words = (
+            "; ".join(f"Rank {r} failed to pass monitoredBarrier" for r in missing)
+            if name == "monitored_barrier"
+            else "Timed out"
+        )
         raise BarrierTimeoutError(
-            f"{name} on group {g.name!r} timed out after {timeout:g} s: ranks {missing} "
-            f"never arrived (rank {g.ranks[me]} waited); the group is broken. Check "
+            f"{torch_words}: {name} on group {g.name!r} timed out after {timeout:g} s: ranks "
+            f"{missing} never arrived (rank {g.ranks[me]} waited); the group is broken. Check "
             f"that every rank calls {name}, and why those ranks are late.",
             ranks=missing,
         ) from None

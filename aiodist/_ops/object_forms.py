@@ -274,9 +274,14 @@ def sync_random_seed(group: ProcessGroup | None) -> Call:
     seed = int(np.random.randint(2**31))  # every rank draws, as mmengine's do
 
     def check(g: ProcessGroup | None) -> Request:
-        if g is None or g.rank < 0:
+        if g is None or g.rank < 0 or g.world_size == 1:
             return _done(seed)
-        req = _broadcast_objects([seed], 0, g.rank == 0)
+        import torch
+
+        # Through torch.tensor, as mmengine's travels (its tests patch torch.tensor
+        # and expect the seed to come from it); rank 0's value is broadcast.
+        value = int(torch.tensor(seed if g.rank == 0 else 0, dtype=torch.int32).item())
+        req = _broadcast_objects([value], 0, g.rank == 0)
         req.resolve = lambda got: int(got[0])
         return req
 

@@ -103,17 +103,21 @@ def all_gather_object(
     return run(object_forms.all_gather_object(object_list, obj, group), start_all_gather_object)
 
 
-def start_all_gather_object(g: ProcessGroup, seq: int, req: Request) -> Work[list[Any]]:
+def start_all_gather_object(
+    g: ProcessGroup, seq: int, req: Request, *, name: str = "all_gather_object"
+) -> Work[list[Any]]:
     """``all_gather_object`` of the encoded ``req.payload`` as ``g``'s operation ``seq``.
 
     One round: every rank sends to every other at step ``OPEN``, ``r + 1`` first.
+    ``name`` is the call the user made (``new_group`` gathers its members' lists):
+    the signature the ranks agree on, and so what a mismatch names, is that call's.
     """
 
     payload = req.payload
 
     async def op(seq: int) -> list[Any]:
         peers = schedules.direct_peers(g.rank, g.world_size)
-        async with Exchange(g, work, seq, signature("all_gather_object"), rides=True) as ex:
+        async with Exchange(g, work, seq, signature(name), rides=True) as ex:
             got = await _exchange(ex, [(r, payload) for r in peers], peers, OPEN)
         out: list[Any] = [None] * g.world_size
         out[g.rank] = codec.loads(payload)
@@ -121,7 +125,7 @@ def start_all_gather_object(g: ProcessGroup, seq: int, req: Request) -> Work[lis
             out[r] = codec.loads(buf)
         return out
 
-    work: Work[list[Any]] = g.begin("all_gather_object", seq=seq)
+    work: Work[list[Any]] = g.begin(name, seq=seq)
     return g.drive(work, op, seq)
 
 

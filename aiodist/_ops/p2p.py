@@ -25,6 +25,7 @@ through ``run``: its set-up is the group (``p2p_group``), the peer
 from __future__ import annotations
 
 import asyncio
+import functools
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
@@ -329,7 +330,9 @@ def irecv(
         else:
             work.set_result(sender)
 
-    g.session.plane.post(src, key, byte_view(dest), arrived)
+    plane = g.session.plane
+    posted = plane.post(src, key, byte_view(dest), arrived)
+    work.withdrawable(functools.partial(plane.withdraw, src, posted))
     if (rec := g.session.recorder) is not None:
         rec.record(work, "irecv", g.name, 0, -1 if src is None else src, t.dtype, t.shape, called)
     return work

@@ -10,6 +10,7 @@ messages match by (group, source, tag) in send order, and a send that fails
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
@@ -92,7 +93,9 @@ def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: b
         else:
             work.set_result((obj, msg.src) if with_sender else obj)
 
-    g.session.plane.post(src, (MatchKind.OBJECT_P2P, g.group_id, tag, 0), None, arrived)
+    plane = g.session.plane
+    posted = plane.post(src, (MatchKind.OBJECT_P2P, g.group_id, tag, 0), None, arrived)
+    work.withdrawable(functools.partial(plane.withdraw, src, posted))
     return work
 
 

@@ -76,7 +76,7 @@ def reduce_op(op: object) -> str:
     return key
 
 
-def check_op_dtype(op: str, dtype: torch.dtype) -> None:
+def check_op_dtype(op: str, dtype: torch.dtype, call: str = "all_reduce") -> None:
     """Raise as torch.distributed does if reduce op ``op`` (canonical) does not suit ``dtype``.
 
     ``mean`` suits every dtype: on integers it is mmengine's (sum, true divide,
@@ -87,7 +87,12 @@ def check_op_dtype(op: str, dtype: torch.dtype) -> None:
         ArgumentError: An op torch refuses on complex tensors (``supports_complex``).
     """
     if dtype.is_complex and op in _NOT_COMPLEX:
-        raise ArgumentError(f"op {op!r} does not support complex tensors (got {dtype})")
+        # torch's words first ("all_reduce does not support ... on complex tensors"),
+        # so that code written against torch's message still matches.
+        raise ArgumentError(
+            f"{call} does not support {op} on complex tensors: op {op!r} has no order "
+            f"on complex numbers (got {dtype})"
+        )
     if op in ("band", "bor", "bxor") and dtype.is_floating_point:
         raise ArgumentTypeError(f"op {op!r} needs an integer or bool tensor, got {dtype}")
     if not _computable(op, dtype):

@@ -199,7 +199,8 @@ def scatter(
         tensor: A dense tensor that receives this rank's part.
         scatter_list: On ``src``, one tensor per rank, each shaped like ``tensor``;
             None (or empty) elsewhere.
-        src: Global rank that scatters (torch's convention).
+        src: Global rank that scatters (torch's convention); global rank 0 when
+            neither ``src`` nor ``group_src`` is given, as torch's.
         group: Defaults to the world group.
         async_op: torch.distributed's flag; the handle is returned either way.
         group_src: ``src`` as a rank of ``group``.
@@ -210,7 +211,7 @@ def scatter(
 
     Raises:
         TypeError: ``tensor`` or an entry of ``scatter_list`` is not a tensor.
-        ValueError: Neither ``src`` nor ``group_src``; ``src`` not a member of ``group``;
+        ValueError: Both ``src`` and ``group_src``; ``src`` not a member of ``group``;
             ``scatter_list`` missing on ``src`` or given elsewhere, or of the wrong
             length, dtype or shape.
         CollectiveMismatchError: Ranks passed another dtype, shape or ``src``.

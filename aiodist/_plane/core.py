@@ -276,7 +276,7 @@ class PlaneCore:
         key: Key,
         dest: memoryview | None,
         callback: Callable[[Received | BaseException], None],
-    ) -> None:
+    ) -> Posted:
         """Post a receive that calls ``callback`` once, with the message or the error.
 
         ``src`` None receives from any source. With ``dest``, a payload of the
@@ -284,10 +284,10 @@ class PlaneCore:
         ``callback`` runs inside the data plane's own callbacks (or right here, if
         the message came first), so it must not raise.
         """
-        if self.refused and src in self.refused:
-            callback(self.refused[src])
-            return
         posted = Posted(dest, key, callback)
+        if self.refused and src in self.refused:
+            posted.settle(self.refused[src])
+            return posted
         found = self.matcher.post(src, key, posted)
         if found is not None:
             self.complete(posted, found[1])
@@ -295,6 +295,21 @@ class PlaneCore:
             self._settle_left(src)  # nothing more comes from it: fails at once
         elif key[0] == MatchKind.P2P and src is not None:
             self.bulk.offer(src, posted)
+        return posted
+
+    def withdraw(self, src: int | None, posted: Posted) -> bool:
+        """Take back a receive that nothing matched yet (``MPI_Cancel``); True if taken.
+
+        A receive whose sender was told it is posted (a large one, credited) may
+        have its payload on the way into its buffer: it stays. A withdrawn
+        receive's callback is never called.
+        """
+        if posted.settled or posted.credited:
+            return False
+        if not self.matcher.withdraw(src, posted.key, posted):
+            return False
+        posted.callback = None
+        return True
 
     def arrived(self, src: int, key: Key, msg: Received) -> None:
         """A whole message from ``src``: settle the receive it matches, or keep it for one.

@@ -86,6 +86,23 @@ class Matcher(Generic[R, M]):
             return recv
         return None
 
+    def withdraw(self, src: int | None, key: Key, recv: R) -> bool:
+        """Take back ``recv``, posted with ``src`` and ``key``, if nothing matched it yet."""
+        table: dict[object, deque[tuple[int, R]]] = (
+            self._posted_any if src is None else self._posted  # type: ignore[assignment]
+        )
+        where: object = key if src is None else (src, key)
+        queue = table.get(where)
+        if queue is None:
+            return False
+        for i, (_, posted) in enumerate(queue):
+            if posted is recv:
+                del queue[i]
+                if not queue:
+                    del table[where]
+                return True
+        return False
+
     def buffer(self, src: int, key: Key, msg: M) -> None:
         """Keep a message nobody has asked for yet."""
         self._unexpected.setdefault(key, deque()).append((src, msg))

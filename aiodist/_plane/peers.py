@@ -150,18 +150,20 @@ class DataPlane(Connections):
             channel = self.routes.get(dst) or await self.connect(dst)
             await channel.send(MessageKind.DATA, header, payload)
         except OSError as exc:
-            raise await self._send_failed(dst, exc) from exc
+            raise await self._send_failed(dst, exc) from None
 
     async def _finish_send(self, dst: int, rest: Awaitable[None]) -> None:
         try:
             await rest
         except OSError as exc:
-            raise await self._send_failed(dst, exc) from exc
+            raise await self._send_failed(dst, exc) from None
 
     async def _raise_send_failed(self, dst: int, exc: OSError) -> None:
-        raise await self._send_failed(dst, exc) from exc
+        raise await self._send_failed(dst, exc) from None
 
     async def _send_failed(self, dst: int, exc: OSError) -> BaseException:
+        # Raised ``from None``: the session's verdict names the rank and why; the broken
+        # socket behind it is not news to the user (and ``exc`` itself says it all).
         # A peer we cannot reach or whose connection broke mid-send: the session works
         # out who failed (the peer, or another rank whose failure made the peer leave).
         if self.closing:

@@ -200,7 +200,9 @@ class Agent:
         record.work.set_exception(
             DistTimeoutError(
                 f"{record.what} did not complete within {record.timeout} s; it was cancelled on "
-                f"rank {record.to}. Pass a longer timeout (0: none) if it needs more time."
+                f"rank {record.to} (a coroutine function is cancelled there; a plain function "
+                "already running in its thread runs to its end, its result dropped). Pass a "
+                "longer timeout (0: none) if it needs more time."
             )
         )
         header = [*REQUEST_KEY, [int(Op.CANCEL), 0, None, None, call]]

@@ -109,8 +109,8 @@ class JobLog:
         )
 
     def job_finished(self, job: Job, now: float) -> None:
-        if job.failures:
-            state = "failed"
+        if job.failures or (job.formed_at is not None and job.end_reason):
+            state = "failed"  # a rank failed, or the job was cut off
         elif job.formed_at is not None:
             state = "succeeded"
         else:
@@ -126,6 +126,9 @@ class JobLog:
         }
         if job.end_reason:
             record["reason"] = job.end_reason
+        if job.failures:  # the first to fail: the others may have failed because of it
+            rank, _, _, why = job.failures[0]
+            record["first_failure"] = {"rank": rank, "reason": why}
         self._pending.append({"event": "job_finished", **record})
         self.finished.pop(job.name, None)
         self.finished[job.name] = {**record, "ended_at": now}

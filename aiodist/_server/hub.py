@@ -128,7 +128,7 @@ class Hub:
     def channel_opened(self, conn: ServerConnection) -> ConnId:
         conn_id = self._new_id()
         self.conns[conn_id] = conn
-        self.state.connection_made(conn_id, conn.peer, self.loop.time())
+        self.state.connection_made(conn_id, conn.peer, self.loop.time(), channel=True)
         return conn_id
 
     def channel_lost(self, conn_id: ConnId, reason: str) -> None:

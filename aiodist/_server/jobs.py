@@ -91,7 +91,7 @@ class Job:
     generation: int = 0  # the how-many-th start of the job under this name
     formed_at: float | None = None
     ended: bool = False  # its last member is gone (its ``job_finished`` was recorded)
-    end_reason: str = ""  # why a job that never formed was dropped
+    end_reason: str = ""  # why a job was dropped: it never formed, or the server shut down
     # In join order; a dict as an ordered set: a leave or a lookup is O(1), not O(N).
     members: dict[Member, None] = field(default_factory=dict)
     requested: dict[int, Member] = field(default_factory=dict)

@@ -99,9 +99,11 @@ class RestartableState(ServerState):
 
     # --- inputs ------------------------------------------------------------------
 
-    def connection_made(self, conn: ConnId, peer: str, now: float) -> None:
+    def connection_made(
+        self, conn: ConnId, peer: str, now: float, *, channel: bool = False
+    ) -> None:
         self._tick(now)
-        super().connection_made(conn, peer, now)
+        super().connection_made(conn, peer, now, channel=channel)
 
     def connection_lost(self, conn: ConnId, now: float, reason: str = "connection lost") -> None:
         self._tick(now)
@@ -200,9 +202,15 @@ class RestartableState(ServerState):
         return super().take_actions()
 
     def close(self, reason: str) -> None:
-        """Tell every connection that the server is going away (and whether it comes back)."""
+        """Tell every connection that the server is going away (and whether it comes back).
+
+        Without a state directory its jobs end here, cut off (the table's own close).
+        """
+        if self.durable is None:
+            super().close(reason)
+            return
         self.closing = True
-        notice = ServerClosing(reason, coming_back=self.durable is not None)
+        notice = ServerClosing(reason, coming_back=True)
         for conn in list(self._conns):
             self._send(conn, notice)
 

@@ -102,6 +102,7 @@ class _Conn:
     peer: str
     opened_at: float
     member: Member | None = None
+    channel: bool = False  # a member's channel on a shared connection, not a socket
 
 
 @dataclass(slots=True)
@@ -131,8 +132,10 @@ class ServerState(StoreAndBarriers):
 
     # --- inputs ------------------------------------------------------------------
 
-    def connection_made(self, conn: ConnId, peer: str, now: float) -> None:
-        self._conns[conn] = _Conn(peer=peer, opened_at=now)
+    def connection_made(
+        self, conn: ConnId, peer: str, now: float, *, channel: bool = False
+    ) -> None:
+        self._conns[conn] = _Conn(peer=peer, opened_at=now, channel=channel)
 
     def connection_lost(self, conn: ConnId, now: float, reason: str = "connection lost") -> None:
         state = self._conns.pop(conn, None)
@@ -200,6 +203,10 @@ class ServerState(StoreAndBarriers):
     def close(self, reason: str) -> None:
         """Tell every connection that the server is going away."""
         self.closing = True
+        for job in self.jobs.values():
+            # Its members are dropped with the server: the job did not end well.
+            if not job.end_reason:
+                job.end_reason = f"cut off: the rendezvous server shut down ({reason})"
         for conn in list(self._conns):
             self._send(conn, ServerClosing(reason))
 
@@ -218,7 +225,7 @@ class ServerState(StoreAndBarriers):
             self._join(conn, state, msg, now)
             return
         if isinstance(msg, StatusRequest):
-            self._send(conn, Reply(msg.req_id, self.snapshot(now)))
+            self._send(conn, Reply(msg.req_id, self.snapshot(now, asking=conn)))
             return
         if isinstance(msg, DumpRequest):
             self._send(conn, Reply(msg.req_id, self._ask_dumps(msg)))
@@ -234,7 +241,14 @@ class ServerState(StoreAndBarriers):
         job = member.job
         if isinstance(msg, Leave):
             was_active = member.status == "active"  # a member of a formed job, not failed
-            member.status = "left"
+            if was_active and msg.reason and not job.failures:
+                # It failed (its program ended with an uncaught exception): the others
+                # hear that, not that it left; a member failing after the first failure
+                # is one of its victims, and leaves as usual.
+                self._fail(member, msg.reason, now)
+                was_active = False
+            if member.status != "failed":
+                member.status = "left"
             if was_active:
                 job.left[member.rank] = (member.host, member.pid)
                 if not job.failures:  # after a failure, every member knows the job is broken
@@ -528,12 +542,19 @@ class ServerState(StoreAndBarriers):
 
     # --- helpers ---------------------------------------------------------------------
 
-    def snapshot(self, now: float) -> dict[str, Any]:
-        """Plain data describing the server and every job (for ``aiodist status``)."""
+    def snapshot(self, now: float, asking: ConnId | None = None) -> dict[str, Any]:
+        """Plain data describing the server and every job (for ``aiodist status``).
+
+        ``connections`` counts client sockets other than ``asking``'s (what ``ss``
+        and the metrics endpoint show while no status request is open);
+        ``channels`` counts the members' channels on them too.
+        """
+        sockets = sum(1 for cid, c in self._conns.items() if not c.channel and cid != asking)
         return {
             "version": self.version,
             "uptime": now - self.started_at,
-            "connections": len(self._conns),
+            "connections": sockets,
+            "channels": len(self._conns),
             "stats": {
                 "joins": self.stats.joins,
                 "jobs_formed": self.stats.jobs_formed,

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
@@ -197,7 +198,7 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
         if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
             if future is not None:
                 future.cancel()  # a join still under way is abandoned
-            _abandon(lt)
+            _abandon(lt, exc)
         raise
     finally:
         if not is_initialized():
@@ -245,7 +246,7 @@ def submit(
         return box.result()  # type: ignore[no-any-return]
     except BaseException as exc:
         if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
-            _abandon(lt)
+            _abandon(lt, exc)
             if not is_initialized():
                 stop(lt)
         raise
@@ -352,19 +353,23 @@ def stop(only: _LoopThread | None = None) -> None:
     lt.close()
 
 
-async def _destroy_abandoned() -> None:
+async def _destroy_abandoned(exc: BaseException | None) -> None:
     group = get_default_group()
     if group is not None:
         group.session.abandon()
+        group.session.end_with(exc)
     await destroy_process_group()
 
 
-def _abandon(lt: _LoopThread) -> None:
-    """Close the default group at once, failing what is in flight (the caller was interrupted)."""
+def _abandon(lt: _LoopThread, exc: BaseException | None = None) -> None:
+    """Close the default group at once, failing what is in flight (the caller was interrupted).
+
+    ``exc``: the exception ending the program, if it is ending (the peers hear why).
+    """
     if default_group_loop() is not lt.loop or lt.portal is None:
         return
     try:
-        lt.portal.call(_destroy_abandoned)
+        lt.portal.call(_destroy_abandoned, exc)
     except Exception:
         logger.exception("closing the default process group after an interrupt failed")
 
@@ -374,8 +379,11 @@ def _at_exit() -> None:
     if lt is None or lt.pid != os.getpid():
         return
     try:
-        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
-            _abandon(lt)  # a Work.wait() was interrupted: do not wait for what it waited on
+        last = getattr(sys, "last_value", None)  # the uncaught exception ending the program
+        if isinstance(last, BaseException) and (interrupted(last) or failure_of(last)):
+            # Ctrl-C in a Work.wait(), or an exception: do not wait for what is in flight,
+            # and tell the peers that this rank failed (``_group.ending``).
+            _abandon(lt, last)
         if default_group_loop() is lt.loop:
             call(destroy_process_group)
     except Exception:

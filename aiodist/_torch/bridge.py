@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
 from aiodist._ops import staging
 from aiodist._torch import ops
+from aiodist._torch.agree import agree, checking, signature_of
 from aiodist._torch.issuing import IssuingThread
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
+    from aiodist._ops.agreement import Signature
     from aiodist._ops.requests import Request
 
 __all__ = [
@@ -109,6 +111,11 @@ class GroupBridge:
         self.cuda_device: int | None = None  # the GPU bring_up put this rank on (NCCL)
         self.stuck: str | None = None  # the operation the group broke under, if it did
         self._executor = IssuingThread(f"aiodist-torch-{group.name}")
+        # AIODIST_CHECK_SIGNATURES: each call meets its peers with its signature first
+        # (``agree.py``); its turn to go to torch comes after the call before it went.
+        self._checking = checking()
+        self._signature: Signature | None = None
+        self._last_turn: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return f"<GroupBridge {self.group.name!r} {self.backend}>"
@@ -125,7 +132,11 @@ class GroupBridge:
         the group on every member, since the others may have issued their part
         to torch already.
         """
-        return ops.start(self.group, self, request, seq)
+        self._signature = signature_of(request) if self._checking else None
+        try:
+            return ops.start(self.group, self, request, seq)
+        finally:
+            self._signature = None
 
     async def new_group(self, group: ProcessGroup, backend: str | None) -> None:
         """Bring up torch's side of ``group`` (made by ``new_group`` on every rank of ours)."""
@@ -162,9 +173,25 @@ class GroupBridge:
         done: asyncio.Future[T] = loop.create_future()
         cuda = stream_of.device.type == "cuda"
         stream = _current_stream(stream_of) if cuda else None
+        mine, self._signature = self._signature, None
+        previous, turn = self._last_turn, loop.create_future() if mine is not None else None
+        if turn is not None:
+            self._last_turn = turn
 
         async def op(seq: int) -> T:
             try:
+                if mine is not None and turn is not None:
+                    try:  # agree with the peers first; then go to torch in call order
+                        await agree(self.group, work, seq, mine)
+                        if previous is not None:
+                            await asyncio.shield(previous)
+                        self._executor.submit(issue_in_thread)
+                    except BaseException:
+                        done.cancel()  # never issued: nothing of torch's to wait for
+                        raise
+                    finally:
+                        if not turn.done():
+                            turn.set_result(None)
                 return await done
             except asyncio.CancelledError:
                 if self.group.error is not None:  # timed out, or a peer broke the group
@@ -225,7 +252,8 @@ class GroupBridge:
 
             future.add_done_callback(completed)
 
-        self._executor.submit(issue_in_thread)
+        if mine is None:
+            self._executor.submit(issue_in_thread)
         return work
 
     def _abort(self, description: str) -> None:
@@ -391,6 +419,9 @@ async def bring_up(
         ) from exc
     bridge.torch_group = dist.group.WORLD
     world.bridge = bridge
+    # No rank returns before every rank's group is up: one that returned and destroyed
+    # its group at once would cut a peer's gloo mesh short ("Connection closed by peer").
+    await world.session.barrier()
 
 
 async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: str | None) -> None:

@@ -73,6 +73,7 @@ MIN_HEARTBEAT_TIMEOUT: Final = 0.1
 MAX_WORLD_SIZE: Final = 2**31 - 1  # torch's ranks are int32
 MAX_GROUP_NAME_CHARS: Final = 256
 MAX_HOST_CHARS: Final = 1024
+MAX_REASON_CHARS: Final = 1024  # a failed member's reason (Leave.reason)
 MAX_ADDRESSES: Final = 64
 MAX_ADDRESS_CHARS: Final = 4096
 MAX_NONCE_BYTES: Final = 256
@@ -227,7 +228,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
         "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
         "secret": _Len(0, MAX_SECRET_BYTES, "bytes"),
     },
-    Leave: {"req_id": _REQ_ID},
+    Leave: {"req_id": _REQ_ID, "reason": _Len(0, MAX_REASON_CHARS, "characters")},
     Heartbeat: {"where": _Where()},
     StoreSet: {"req_id": _REQ_ID},
     StoreGet: {"req_id": _REQ_ID, "timeout": _TIMEOUT},

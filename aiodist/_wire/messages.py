@@ -126,6 +126,10 @@ class Join:
 class Leave:
     KIND: ClassVar[MessageKind] = MessageKind.LEAVE
     req_id: int
+    # Empty: a clean leave. Otherwise the member failed (its program ended with an
+    # uncaught exception, a non-zero exit or Ctrl-C) and this says why: the others
+    # hear that it failed, and the job is recorded as failed.
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

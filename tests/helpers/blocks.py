@@ -227,7 +227,13 @@ def _serve_args(command: str, cwd: Path) -> list[str]:
     token = cwd / "token"
     token.write_text(TOKEN)
     args = shlex.split(command)[2:]
-    for flag, value in (("--port", "0"), ("--metrics-port", "0"), ("--token-file", str(token))):
+    state = cwd / "state"
+    for flag, value in (
+        ("--port", "0"),
+        ("--metrics-port", "0"),
+        ("--token-file", str(token)),
+        ("--state-dir", str(state)),
+    ):
         if flag in args:
             args[args.index(flag) + 1] = value
     return args

@@ -36,7 +36,11 @@ SWAPPED = HELPERS / "swapped_worker.py"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+    }
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 

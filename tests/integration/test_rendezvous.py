@@ -29,7 +29,7 @@ from aiodist._wire.frame import (
     encode_message,
     frame_message,
 )
-from aiodist._wire.messages import Join, StatusRequest, Welcome
+from aiodist._wire.messages import Heartbeat, Join, StatusRequest, Welcome
 from aiodist.testing import run_ranks
 
 if TYPE_CHECKING:
@@ -683,6 +683,8 @@ async def test_malformed_welcome_raises_protocol_error_and_hangs_up() -> None:
             while (event := dec.next_event()) is NEED_DATA:
                 dec.receive_data(await reader.read(65536))
             join = frame_message(event)  # type: ignore[arg-type]
+            if isinstance(join, Heartbeat):  # the client's probe: a server echoes it
+                writer.writelines(encode_message(Heartbeat()))
         writer.writelines(encode_message(Welcome(join.req_id, 0, 2, 0, 2, [[0, 3]])))
         await reader.read()  # the client closes its end
         hung_up.set()

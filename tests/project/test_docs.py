@@ -173,6 +173,17 @@ if rank in (0, 2):
             prelude=_JOINED + "t = torch.ones(1024) * rank",
             epilogue="assert t.tolist() == [1.0] * 1024 and objs == [{'loss': 0.5}] * 2",
         ),
+        "w = aiodist.irecv_object(src=peer, tag=9)": Harness(
+            runs=(("aiodist run", 2),),
+            wrap_async=True,
+            prelude=_JOINED + "import asyncio\npeer = 1 - rank",
+            epilogue="""
+assert w.is_completed() and not w.cancel()
+await aiodist.barrier()  # both withdrew theirs before either sends
+await aiodist.isend_object(rank, dst=peer, tag=9)
+assert await aiodist.irecv_object(src=peer, tag=9) == peer  # not lost to the withdrawn one
+""",
+        ),
         "w = aiodist.all_reduce(t)": Harness(
             runs=(("aiodist run", 2),),
             wrap_async=True,
@@ -318,6 +329,7 @@ BASH: dict[str, Check | str] = {
     "python block runs init_dist on Open MPI's variables",
     # The daemon
     "aiodist serve --port 29500": check_serve,
+    "aiodist serve --port 29500 --state-dir /var/lib/aiodist": check_serve,
     "aiodist serve --host 0.0.0.0 --token-file /etc/aiodist/token --metrics-port 9500 "
     "--log-format json": check_serve,
     "AIODIST_TOKEN=... aiodist serve --port 29500": check_serve_token_from_env,

@@ -28,6 +28,7 @@ from aiodist._errors import ProtocolError
 from aiodist._wire.frame import NEED_DATA, FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Channel,
+    Heartbeat,
     Join,
     Leave,
     MemberFailed,
@@ -107,7 +108,9 @@ async def test_each_channel_is_a_member_of_its_own(server: RendezvousServer) -> 
             with pytest.raises(ClosedError):  # a closed channel refuses at once
                 await a.request(lambda r: StoreAdd(r, "n", 1), timeout=5)
             # The connection itself still serves its other channels.
-            assert (await conn.request(StatusRequest, timeout=5))["connections"] == 3
+            status = await conn.request(StatusRequest, timeout=5)
+            # One socket (the asking one, not counted) carrying 3 channels: its own, b's, c's.
+            assert (status["connections"], status["channels"]) == (0, 3)
     finally:
         conn.close()
     await server.wait_until(lambda s: s.num_connections == 0 and not s.state.jobs)
@@ -181,6 +184,8 @@ async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
             msg = frame_message(event)  # type: ignore[arg-type]
             if isinstance(msg, Channel):
                 channel = msg.channel
+            elif isinstance(msg, Heartbeat):  # the client's probe: a server echoes it
+                writer.writelines(encode_message(Heartbeat()))
             elif isinstance(msg, Join):
                 writer.writelines(
                     [

@@ -1,0 +1,132 @@
+"""Errors name the calls the user made, and say what torch says (issue 33, items 8, 11).
+
+Real server, real clients and sockets on 127.0.0.1 (``run_ranks``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+import torch
+
+import aiodist
+import aiodist.sync
+from aiodist import CollectiveMismatchError
+from aiodist._ops.groups import new_groups
+from aiodist._ops.objects import all_gather_object
+from aiodist.testing import run_ranks
+
+if TYPE_CHECKING:
+    from aiodist import ProcessGroup, RendezvousServer
+
+
+async def test_new_group_called_by_its_members_only_names_new_group(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> Any:
+        try:
+            if g.rank in (0, 1):
+                await new_groups([[0, 1]], parent=g)  # rank 2 never calls new_group
+            else:
+                await all_gather_object({"x": 1}, group=g)
+        except CollectiveMismatchError as exc:
+            return exc.field, str(exc)
+        return None
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 3, body)
+    # Before: "ranks disagree on the op of collective 'all_gather_object'" on every rank.
+    for rank, out in enumerate(outs):
+        assert out is not None, outs
+        field, message = out
+        assert field == "op", out
+        assert "'new_group'" in message, (rank, message)
+    assert "collective 'new_group'" in outs[0][1]
+    assert "collective 'all_gather_object'" in outs[2][1]
+
+
+async def test_scatter_without_src_scatters_from_rank_0_as_torch(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> list[float]:
+        parts = [torch.full((2,), float(r)) for r in range(g.world_size)] if g.rank == 0 else None
+        out = torch.zeros(2)
+        await aiodist.scatter(out, parts, group=g)  # neither src nor group_src
+        return out.tolist()
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 3, body)
+    # Before: ArgumentError "Must specify src or group_src".
+    assert outs == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+
+
+async def test_timeouts_and_refusals_carry_torchs_words(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> Any:
+        if g.rank == 1:
+            # Rank 1 never reaches the barrier: its group breaks when rank 0 gives up.
+            with pytest.raises(aiodist.DistError):
+                await aiodist.irecv_object(src=0, tag=5, group=g)
+            return None
+        with pytest.raises(ValueError, match="all_reduce does not support") as refused:
+            aiodist.all_reduce(
+                torch.ones(2, dtype=torch.complex64), op=aiodist.ReduceOp.MAX, group=g
+            )
+        with pytest.raises(aiodist.BarrierTimeoutError) as monitored:
+            await aiodist.monitored_barrier(g, timeout=timedelta(seconds=0.3))
+        return str(monitored.value), str(refused.value)
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 2, body)
+    monitored, refused = outs[0]
+    # Before: "ranks [1] never arrived" and "op 'max' does not support complex tensors".
+    assert "Rank 1 failed to pass monitoredBarrier" in monitored, monitored
+    assert "ranks [1] never arrived" in monitored, monitored  # aiodist's words stay
+    assert refused.startswith("all_reduce does not support"), refused
+    assert "complex tensors" in refused, refused
+
+
+async def test_group_timeout_says_timed_out_as_torch(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> str | None:
+        g.timeout = 0.5
+        if g.rank == 1:
+            with pytest.raises(aiodist.DistTimeoutError):  # its group broke with rank 0's
+                await aiodist.irecv_object(src=0, tag=6, group=g)
+            return None
+        with pytest.raises(aiodist.DistTimeoutError) as info:
+            await aiodist.all_reduce(torch.ones(1), group=g)  # rank 1 never joins it
+        return str(info.value)
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 2, body)
+    message = outs[0]
+    assert message is not None
+    # torch's tests look for "Timed out", "closed" or "timeout": before, only "timed out".
+    assert message.startswith("Timed out"), message
+    assert "timeout" in message, message
+
+
+def test_get_debug_level_is_torchs() -> None:
+    import torch.distributed as dist
+
+    assert aiodist.get_debug_level() == dist.get_debug_level()  # type: ignore[attr-defined]
+    assert aiodist.sync.get_debug_level() == dist.get_debug_level()  # type: ignore[attr-defined]
+
+
+def test_cli_help_and_status_json_speak_to_the_user(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from aiodist._launch.cli import main
+    from tests.helpers.procs import free_port
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    # Before: "The only module that prints" (an internal docstring).
+    assert "only module" not in capsys.readouterr().out
+    port = free_port()
+    assert main(["status", "--port", str(port), "--json"]) == 1
+    out = capsys.readouterr()
+    # Before: plain text only, on stderr.
+    report = json.loads(out.out)
+    assert report["server"] == f"127.0.0.1:{port}"
+    assert "no rendezvous server answers" in report["error"]
