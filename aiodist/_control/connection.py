@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
@@ -49,6 +50,7 @@ from aiodist._errors import (
     RendezvousTimeout,
     from_wire,
 )
+from aiodist._transport import tls
 from aiodist._wire.frame import FrameDecoder, Limits, MiB, encode_message, frame_message
 from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
@@ -159,7 +161,10 @@ class ControlConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self.heartbeats.stop()
-        if self._error is None:
+        if self._error is None and isinstance(exc, ssl.SSLError):  # refused, or altered in flight
+            peer = f"the rendezvous server at {self.server}"
+            self._fail(AuthenticationError(tls.describe_ssl_error(exc, peer)))
+        elif self._error is None:
             why = "it closed" if exc is None else str(exc)
             self._fail(
                 GroupBrokenError(
@@ -439,6 +444,7 @@ async def connect_control(
     on_notice: Callable[[Notice], None] | None = None,
     retry_refused: bool = True,
     token: str | None = None,
+    tls_config: tls.TlsConfig | None = None,
 ) -> ControlConnection:
     """Connect to the rendezvous server, retrying while nothing listens yet.
 
@@ -452,22 +458,39 @@ async def connect_control(
             connection answers the server's challenge with a proof of it (the
             token itself is never sent) before it returns, and believes no
             reply before the server proved the token in turn.
+        tls_config: Mutual TLS to use; None reads ``$AIODIST_TLS_*`` (none set:
+            clear TCP). With TLS, the connection is never clear: a server
+            that answers in clear is refused.
 
     Raises:
         ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
         RendezvousTimeout: Nothing answered within ``timeout``.
-        AuthenticationError: The server refused the token, or requires none
-            (never retried).
+        AuthenticationError: The server refused the token, or requires none; or
+            TLS failed: the server speaks clear, or one side refused the other's
+            certificate (never retried).
+        ValueError: ``$AIODIST_TLS_*`` is set but unusable (the message names it).
     """
     if token is None:
         token = os.environ.get("AIODIST_TOKEN", "")
+    if tls_config is None:
+        tls_config = tls.from_env()
+    ssl_args: dict[str, Any] = {}
+    if tls_config is not None:
+        ssl_args = {
+            "ssl": tls_config.client_context(),
+            "server_hostname": host,
+            "ssl_handshake_timeout": max(timeout, AUTH_WAIT),
+        }
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         try:
             _, protocol = await loop.create_connection(
-                lambda: ControlConnection(on_notice, token), host, port
+                lambda: ControlConnection(on_notice, token), host, port, **ssl_args
             )
+        except ssl.SSLError as exc:
+            peer = f"the rendezvous server at {host}:{port}"
+            raise AuthenticationError(tls.describe_ssl_error(exc, peer)) from exc
         except OSError as exc:
             if not retry_refused and isinstance(exc, ConnectionRefusedError):
                 raise

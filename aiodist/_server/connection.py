@@ -48,6 +48,7 @@ from aiodist._wire.frame import (
     frame_message,
 )
 from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
+from aiodist._wire.tls import TLS_HANDSHAKE_BYTE, speaks_clear_message
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -82,6 +83,10 @@ LINGER_TIMEOUT: Final = 5.0
 # Members' channels one connection may open: a process's ranks, with room to spare.
 MAX_CHANNELS: Final = 65536
 HEARTBEAT_ECHO: Final = b"".join(encode_message(Heartbeat()))
+
+
+# A client that opens with a TLS handshake record: it began TLS with a clear server.
+TLS_HELLO: Final = bytes([TLS_HANDSHAKE_BYTE])
 
 
 class ServerSide(Protocol):
@@ -160,6 +165,8 @@ class ServerConnection(asyncio.Protocol):
             return
         gated = not self.proved
         try:
+            if not self._spoke and data[:1] == TLS_HELLO:
+                raise ProtocolError(speaks_clear_message("rendezvous server"))
             for event in self._decoder.frames(data):  # payloads are refused by both limits
                 if not self._spoke:
                     self._spoke = True

@@ -22,10 +22,15 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist._errors import ErrorCode
 from aiodist._server.connection import AUTH_TIMEOUT
 from aiodist._server.hub import Hub
 from aiodist._server.state import ServerState
+from aiodist._transport import tls as tls_module
+from aiodist._wire.frame import encode_message
+from aiodist._wire.messages import ErrorReply
 from aiodist._wire.preauth import PreAuthLimits, open_files_limit
+from aiodist._wire.tls import speaks_tls_message
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
@@ -59,6 +64,7 @@ class RendezvousServer:
         state: The job table (read it; never change it from outside).
         token: The token clients must send, or None when none is required.
         preauth: What a connection may cost before its handshake is done.
+        tls: The mutual TLS it requires of every client, or None (clear TCP).
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class RendezvousServer:
         token: str | None = None,
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         preauth: PreAuthLimits | None = None,
+        tls: tls_module.TlsConfig | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.state = ServerState(self._loop.time())
@@ -80,15 +87,32 @@ class RendezvousServer:
         )
         self._hub = Hub(self.state, token=self.token, preauth=self.preauth, loop=self._loop)
         self.address: tuple[str, int] = ("", 0)
-        self._server: asyncio.Server | None = None
+        self.tls = tls
+        self._server: asyncio.Server | tls_module.TlsServer | None = None
 
     async def _start(self, host: str, port: int) -> None:
-        self._server = await self._loop.create_server(
-            self._hub.new_connection, host, port, reuse_address=True, backlog=LISTEN_BACKLOG
-        )
+        if self.tls is None:
+            self._server = await self._loop.create_server(
+                self._hub.new_connection, host, port, reuse_address=True, backlog=LISTEN_BACKLOG
+            )
+        else:  # accepts itself: a clear client is told what to set (tls.py)
+            refusal = ErrorReply(0, ErrorCode.PROTOCOL, speaks_tls_message("rendezvous server"), {})
+            self._server = tls_module.TlsServer(
+                tls_module.bind(host, port),
+                self._hub.new_connection,
+                self.tls.server_context(),
+                refusal=b"".join(encode_message(refusal)),
+                deadline=self.preauth.deadline,
+                max_pending=self.preauth.max_pending,
+                what="rendezvous server",
+            )
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))
-        logger.info("rendezvous server listening on %s:%d", *self.address)
+        logger.info(
+            "rendezvous server listening on %s:%d%s",
+            *self.address,
+            "" if self.tls is None else " (mutual TLS)",
+        )
 
     @property
     def num_connections(self) -> int:
@@ -189,6 +213,7 @@ async def serve_rendezvous(
     token: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     preauth: PreAuthLimits | None = None,
+    tls: tls_module.TlsConfig | None = None,
     task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a rendezvous server until cancelled.
@@ -202,6 +227,8 @@ async def serve_rendezvous(
             closing notice before cutting them off.
         preauth: What a connection may cost before its handshake is done (bytes,
             deadline, how many wait at once); the default suits a daemon.
+        tls: Require mutual TLS of every client (``tls.TlsConfig``); a clear
+            client is refused at once with an error that says what to set.
         task_status: Receives the ``RendezvousServer`` once it is listening.
 
     Cancellation:
@@ -212,7 +239,9 @@ async def serve_rendezvous(
         >>> async with anyio.create_task_group() as tg:
         ...     server = await tg.start(serve_rendezvous, "127.0.0.1", 0)
     """
-    server = RendezvousServer(token=token, shutdown_timeout=shutdown_timeout, preauth=preauth)
+    server = RendezvousServer(
+        token=token, shutdown_timeout=shutdown_timeout, preauth=preauth, tls=tls
+    )
     await server._start(host, port)
     try:
         task_status.started(server)
