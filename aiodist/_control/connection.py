@@ -113,6 +113,8 @@ class ControlConnection(asyncio.Protocol):
         # With a token, nothing the server says is believed before it proved the token.
         self._trusted = not token
         self.server = "?"
+        self.tls = False  # over TLS (set by connect_control)
+        self._heard = False  # the server sent something
         self.local_host = "127.0.0.1"
         self.heartbeats = Heartbeats(
             self.loop, self._send_heartbeat, self._server_silent, lambda: self.closed
@@ -138,6 +140,7 @@ class ControlConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         self.liveness.last_heard = self.loop.time()
         try:
             for event in self._decoder.frames(data):
@@ -164,6 +167,17 @@ class ControlConnection(asyncio.Protocol):
         if self._error is None and isinstance(exc, ssl.SSLError):  # refused, or altered in flight
             peer = f"the rendezvous server at {self.server}"
             self._fail(AuthenticationError(tls.describe_ssl_error(exc, peer)))
+        elif self._error is None and self.tls and not self._heard:
+            # A server that refused our certificate may close without a word (or its
+            # alert may be lost): before it said anything, that is the likely reason.
+            self._fail(
+                AuthenticationError(
+                    f"the rendezvous server at {self.server} closed the TLS connection before "
+                    "answering: it refused this process's certificate, most likely. "
+                    "AIODIST_TLS_CERT (--tls-cert) must be signed by the CA the server trusts "
+                    "(its --tls-ca); the server's log says why"
+                )
+            )
         elif self._error is None:
             why = "it closed" if exc is None else str(exc)
             self._fail(
@@ -503,6 +517,7 @@ async def connect_control(
             # Not a sleep-wait for an event: the server is another process; poll for it.
             await anyio.sleep(CONNECT_RETRY_INTERVAL)
             continue
+        protocol.tls = tls_config is not None
         if token:
             try:
                 await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))

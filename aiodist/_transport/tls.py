@@ -328,6 +328,14 @@ class TlsChannel(StreamChannel):
     """A ``StreamChannel`` over TLS: a TLS failure is reported as a ``ProtocolError`` naming
     the peer (a record altered in flight, a certificate refused after the handshake)."""
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # The SSL layer copies (encrypts) a write at once: the payload may be reused when
+        # nothing of it waits in that layer. Its high-water mark pauses when the size is
+        # >= high, so 0 would pause with nothing pending, and nothing would resume it.
+        assert self._transport is not None
+        self._transport.set_write_buffer_limits(high=1, low=0)
+
     def connection_lost(self, exc: Exception | None) -> None:
         if isinstance(exc, ssl.SSLError):
             exc = ProtocolError(describe_ssl_error(exc, f"the data-plane peer at {self.peer}"))
