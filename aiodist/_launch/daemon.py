@@ -32,6 +32,8 @@ from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, se
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from aiodist._transport.tls import TlsConfig
+
 __all__ = ["is_loopback", "raise_open_files_limit", "read_token_file", "run_daemon", "sd_notify"]
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,7 @@ async def run_daemon(
     metrics_port: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     on_ready: Callable[[RendezvousServer, tuple[str, int] | None], None] | None = None,
+    tls: TlsConfig | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; return the exit code (0 after a clean shutdown).
 
@@ -162,6 +165,7 @@ async def run_daemon(
         metrics_port: Port of the Prometheus endpoint; None serves no metrics.
         shutdown_timeout: Seconds a shutdown waits for clients to take the notice.
         on_ready: Called once listening, with the server and the metrics address.
+        tls: Require mutual TLS of every client (``--tls-cert/--tls-key/--tls-ca``).
 
     Raises:
         OSError: An address cannot be bound.
@@ -202,7 +206,12 @@ async def run_daemon(
         async with anyio.create_task_group() as tg:
             server: RendezvousServer = await tg.start(
                 functools.partial(
-                    serve_rendezvous, host, port, token=token, shutdown_timeout=shutdown_timeout
+                    serve_rendezvous,
+                    host,
+                    port,
+                    token=token,
+                    shutdown_timeout=shutdown_timeout,
+                    tls=tls,
                 )
             )
             metrics = None

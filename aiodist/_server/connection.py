@@ -48,7 +48,6 @@ from aiodist._wire.frame import (
     frame_message,
 )
 from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
-from aiodist._wire.tls import TLS_HANDSHAKE_BYTE, speaks_clear_message
 from aiodist._wire.messages import (
     Authenticated,
     AuthStart,
@@ -63,6 +62,7 @@ from aiodist._wire.messages import (
     Welcome,
 )
 from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS
+from aiodist._wire.tls import TLS_HANDSHAKE_BYTE, speaks_clear_message
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import ConnId

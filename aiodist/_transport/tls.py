@@ -288,11 +288,16 @@ async def _peek(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> int | N
             return data[0] if data else None
         readable: asyncio.Future[None] = loop.create_future()
         fd = conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        loop.add_reader(fd, _wake, readable)
         try:
             await readable
         finally:
             loop.remove_reader(fd)
+
+
+def _wake(readable: asyncio.Future[None]) -> None:
+    if not readable.done():
+        readable.set_result(None)
 
 
 def _drain(conn: socket.socket) -> None:
@@ -370,7 +375,9 @@ async def listen(
     preauth: PreAuthLimits | None = None,
     config: TlsConfig | None = None,
 ) -> TlsListener:
-    """Listen with TLS on ``host`` (numeric) at a port the OS picks (``config``: ``$AIODIST_TLS_*``).
+    """Listen with TLS on ``host`` (numeric) at a port the OS picks.
+
+    ``config`` defaults to ``$AIODIST_TLS_*``.
 
     ``preauth`` bounds a connection before the data plane's handshake (see
     ``admission.py``), and its deadline the TLS handshake before that.

@@ -29,6 +29,7 @@ from aiodist._plane import routes
 from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
 from aiodist.testing import run_ranks
+from tests.helpers.daemon import asyncio_only, run_cli, serve
 from tests.helpers.proxy import RecordingProxy
 from tests.helpers.tls import TLS_VARIABLES, make_tls
 
@@ -75,9 +76,7 @@ def use_tls(job_tls: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[st
 
 
 @pytest.fixture
-async def tls_server(
-    tmp_path: Path, job_ca: trustme.CA
-) -> AsyncIterator[RendezvousServer]:
+async def tls_server(tmp_path: Path, job_ca: trustme.CA) -> AsyncIterator[RendezvousServer]:
     config = tls.from_env(make_tls(tmp_path, "server", job_ca))
     async with anyio.create_task_group() as tg:
         yield await tg.start(functools.partial(serve_rendezvous, tls=config))
@@ -246,6 +245,9 @@ async def test_ranks_talk_tls_through_a_proxy_that_sees_nothing_in_clear(
     _assert_nothing_in_clear(seen)
 
 
+# uvloop's loop.close() hangs after one of its SSL transports failed a record's check
+# (the test itself passes there): run on asyncio's loop only.
+@asyncio_only
 async def test_a_byte_changed_between_ranks_fails_the_connection_naming_the_peer(
     use_tls: dict[str, str],
     tls_server: RendezvousServer,
@@ -279,7 +281,8 @@ async def test_a_byte_changed_between_ranks_fails_the_connection_naming_the_peer
     with anyio.fail_after(30):
         outs = await run_ranks(tls_server.address, 2, body, timeout=15)
     assert any(p.tampered.is_set() for p in proxies)
-    assert "completed" not in outs[1:], outs  # the receiver never takes a changed payload
+    # The receiver never takes a changed payload: its receive fails.
+    assert outs[1] in {"RankFailedError", "GroupBrokenError", "ProtocolError"}, outs
     messages = [r.getMessage() for r in caplog.records]
     assert any(
         "failed its integrity check" in m and "the data-plane peer at 127.0.0.1:" in m
@@ -311,10 +314,10 @@ def test_bad_configuration_names_the_variable(tmp_path: Path, job_tls: dict[str,
     with pytest.raises(ValueError, match="AIODIST_TLS_KEY and AIODIST_TLS_CA are missing"):
         tls.from_env(some)
     missing = {**job_tls, "AIODIST_TLS_CA": str(tmp_path / "nope.pem")}
-    with pytest.raises(ValueError, match="AIODIST_TLS_CA=.*nope.pem.* cannot be read"):
+    with pytest.raises(ValueError, match=r"AIODIST_TLS_CA=.*nope\.pem.* cannot be read"):
         tls.from_env(missing)
     other_key = make_tls(tmp_path, "other")["AIODIST_TLS_KEY"]
-    with pytest.raises(ValueError, match="AIODIST_TLS_KEY .* does not match AIODIST_TLS_CERT"):
+    with pytest.raises(ValueError, match=r"AIODIST_TLS_KEY .* does not match AIODIST_TLS_CERT"):
         tls.from_env({**job_tls, "AIODIST_TLS_KEY": other_key})
     with pytest.raises(ValueError, match="--tls-ca is missing"):
         tls.config_from(job_tls["AIODIST_TLS_CERT"], job_tls["AIODIST_TLS_KEY"], None)
@@ -328,3 +331,64 @@ def test_tls_init_method_needs_the_variables(
         parse_init_method("tls://127.0.0.1:29500", environ={})
     spec = parse_init_method("tls://127.0.0.1:29500", rank=0, world_size=2, environ=job_tls)
     assert (spec.scheme, spec.host, spec.port) == ("tcp", "127.0.0.1", 29500)
+
+
+# --- the CLI: aiodist serve, status, run ------------------------------------------------------
+
+
+def _flags(files: dict[str, str]) -> list[str]:
+    return [
+        "--tls-cert",
+        files["AIODIST_TLS_CERT"],
+        "--tls-key",
+        files["AIODIST_TLS_KEY"],
+        "--tls-ca",
+        files["AIODIST_TLS_CA"],
+    ]
+
+
+@asyncio_only
+async def test_serve_and_status_with_tls_flags(tmp_path: Path, job_ca: trustme.CA) -> None:
+    server_files = make_tls(tmp_path, "daemon", job_ca)
+    client_files = make_tls(tmp_path, "operator", job_ca)
+    async with serve("--port", "0", *_flags(server_files)) as daemon:
+        assert "mutual TLS required" in daemon.ready
+        where = ["--host", daemon.host, "--port", str(daemon.port)]
+        ok = await run_cli("status", *where, *_flags(client_files))
+        assert ok.returncode == 0, ok.stderr
+        assert "0 jobs" in ok.stdout or "no jobs" in ok.stdout
+        by_env = await run_cli("status", *where, env=client_files)  # AIODIST_TLS_* as defaults
+        assert by_env.returncode == 0, by_env.stderr
+        clear = await run_cli("status", *where)
+        assert clear.returncode != 0
+        assert "requires TLS and this client spoke clear TCP" in clear.stderr
+
+
+@asyncio_only
+async def test_cli_names_the_flag_of_an_incomplete_tls_configuration(tmp_path: Path) -> None:
+    files = make_tls(tmp_path, "half")
+    for command in ("serve", "status"):
+        result = await run_cli(command, "--tls-cert", files["AIODIST_TLS_CERT"])
+        assert result.returncode == 2, result.stderr
+        assert "--tls-key (AIODIST_TLS_KEY) and --tls-ca (AIODIST_TLS_CA) are missing" in (
+            result.stderr
+        )
+
+
+@asyncio_only
+async def test_run_with_tls_flags_runs_ranks_over_tls(tmp_path: Path, job_ca: trustme.CA) -> None:
+    files = make_tls(tmp_path, "ranks", job_ca)
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import aiodist.sync as dist, torch\n"
+        "dist.init_process_group()\n"
+        "t = torch.ones(4) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "from aiodist._transport import tls\n"
+        "print('SUM', float(t[0]), tls.from_env() is not None, flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {"AIODIST_UDS": "0", "AIODIST_SHM": "0"}
+    result = await run_cli("run", "-n", "2", *_flags(files), str(script), env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("SUM 3.0 True") == 2, result.stdout
