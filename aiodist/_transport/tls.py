@@ -246,12 +246,15 @@ class TlsServer:
                 self._factory, conn, ssl=self._context, ssl_handshake_timeout=left
             )
         except TimeoutError:
+            handed = False  # the loop may not have closed it yet
             self.refused += 1
             self._note("deadline", peer, f"no TLS handshake within {self._deadline:g} s")
         except ssl.SSLError as exc:
+            handed = False
             self.refused += 1
             self._note("tls", peer, describe_ssl_error(exc, "the client"))
         except OSError as exc:
+            handed = False
             self._note("tls", peer, f"it left during the TLS handshake ({exc!r})")
         finally:
             if not handed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 
 class RecordingProxy:
@@ -21,12 +22,17 @@ class RecordingProxy:
         self.tampered = asyncio.Event()
         self.address: tuple[str, int] = ("", 0)
         self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> RecordingProxy:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.address = self._server.sockets[0].getsockname()[:2]
+        # Bound here, so that aclose() closes it even if this start is cancelled midway.
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
+        self.address = self._sock.getsockname()[:2]
+        self._server = await asyncio.start_server(self._serve, sock=self._sock)
         return self
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -62,6 +68,8 @@ class RecordingProxy:
     async def aclose(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._sock is not None:
+            self._sock.close()
         for writer in self._writers:
             with contextlib.suppress(OSError):
                 writer.close()

@@ -219,8 +219,9 @@ async def test_ranks_talk_tls_through_a_proxy_that_sees_nothing_in_clear(
 
     async def through_proxy(address: str, sink: Any, **kwargs: Any) -> Any:
         host, port = address.removeprefix("tls://").rsplit(":", 1)
-        proxy = await RecordingProxy((host, int(port))).start()
-        proxies.append(proxy)
+        proxy = RecordingProxy((host, int(port)))
+        proxies.append(proxy)  # before it starts: closed even if its start is cancelled
+        await proxy.start()
         return await real_connect(f"tls://{proxy.address[0]}:{proxy.address[1]}", sink, **kwargs)
 
     monkeypatch.setattr(tls, "connect", through_proxy)  # the real transport, dialing the proxy
@@ -260,8 +261,9 @@ async def test_a_byte_changed_between_ranks_fails_the_connection_naming_the_peer
     async def through_proxy(address: str, sink: Any, **kwargs: Any) -> Any:
         host, port = address.removeprefix("tls://").rsplit(":", 1)
         # Well past the handshake: inside the payload's records.
-        proxy = await RecordingProxy((host, int(port)), tamper_at=200_000).start()
+        proxy = RecordingProxy((host, int(port)), tamper_at=200_000)
         proxies.append(proxy)
+        await proxy.start()
         return await real_connect(f"tls://{proxy.address[0]}:{proxy.address[1]}", sink, **kwargs)
 
     monkeypatch.setattr(tls, "connect", through_proxy)
@@ -278,8 +280,12 @@ async def test_a_byte_changed_between_ranks_fails_the_connection_naming_the_peer
             return type(exc).__name__
         return "completed"
 
-    with anyio.fail_after(30):
-        outs = await run_ranks(tls_server.address, 2, body, timeout=15)
+    try:
+        with anyio.fail_after(30):
+            outs = await run_ranks(tls_server.address, 2, body, timeout=15)
+    finally:
+        for proxy in proxies:
+            await proxy.aclose()
     assert any(p.tampered.is_set() for p in proxies)
     # The receiver never takes a changed payload: its receive fails.
     assert outs[1] in {"RankFailedError", "GroupBrokenError", "ProtocolError"}, outs
