@@ -18,7 +18,11 @@ and servers, and stops them before the next starts):
   step) and 2 ranks (small step) (``bench_metrics``);
 - ``load``: thousands of control connections on one server (``bench_load``);
 - ``rpc``: remote calls vs torch.distributed.rpc (TensorPipe): no-op round
-  trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``).
+  trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``);
+- ``tls``: p2p and all_reduce of 64 MiB between two network namespaces on a
+  veth pair, mutual TLS vs clear TCP vs gloo, in alternating runs
+  (``bench_tls``; skipped, saying why, where namespaces are not permitted;
+  not part of ``--smoke``).
 
 Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
 ``report.md`` (header with machine facts and goals met, then every table),
@@ -59,6 +63,7 @@ from benchmarks import (
     bench_metrics,
     bench_rendezvous,
     bench_rpc,
+    bench_tls,
 )
 from benchmarks._common import (
     RESULTS_DIR,
@@ -78,7 +83,16 @@ if TYPE_CHECKING:
     from benchmarks._collective_ranks import Mode
     from benchmarks._common import Goal
 
-SECTIONS: Final = ("collectives", "small", "rendezvous", "bridge", "metrics", "load", "rpc")
+SECTIONS: Final = (
+    "collectives",
+    "small",
+    "rendezvous",
+    "bridge",
+    "metrics",
+    "load",
+    "rpc",
+    "tls",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +199,17 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         pairs, batch_ms = plan.rpc
         data = bench_rpc.bench(pairs, batch_ms, mode=mode)
         return data, bench_rpc.goal_list(data), bench_rpc.render(data)
+    if name == "tls":
+        data = bench_tls.bench(rounds=2 if mode == "full" else 1)
+        return data, bench_tls.goal_list(data), bench_tls.render(data)
     raise ValueError(f"unknown section {name!r}")
 
 
 def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> str | None:
     if name not in chosen:
         return "not chosen with --sections"
+    if name == "tls" and mode == "smoke":
+        return "not part of --smoke (it makes network namespaces and spawns six pairs of ranks)"
     if (name == "bridge" and plan.bridge is None) or (name == "metrics" and plan.metrics is None):
         return f"not part of --{mode} (it spawns several more jobs)"
     return None
