@@ -1,7 +1,7 @@
 """Transports by name: the built-in ones, and those a user registers.
 
 A transport (``base.Transport``: a ``scheme``, ``listen`` and ``connect``) is
-known to a process under a name: ``tcp``, ``uds`` and ``shm`` are built in,
+known to a process under a name: ``tcp``, ``uds``, ``shm`` and ``tls`` are built in,
 and more come from ``register_transport`` or from an entry point of the group
 ``aiodist.transports`` in an installed package (its name the transport's, its
 object the transport), loaded the first time a name or scheme is asked for::

@@ -398,3 +398,12 @@ async def test_run_with_tls_flags_runs_ranks_over_tls(tmp_path: Path, job_ca: tr
     result = await run_cli("run", "-n", "2", *_flags(files), str(script), env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("SUM 3.0 True") == 2, result.stdout
+
+
+async def test_tls_transport_passes_the_data_channel_conformance_suite(
+    use_tls: dict[str, str],
+) -> None:
+    from aiodist.testing import check_data_channel
+
+    with anyio.fail_after(60):
+        await check_data_channel(tls)  # type: ignore[arg-type]
