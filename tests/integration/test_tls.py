@@ -406,4 +406,4 @@ async def test_tls_transport_passes_the_data_channel_conformance_suite(
     from aiodist.testing import check_data_channel
 
     with anyio.fail_after(60):
-        await check_data_channel(tls)  # type: ignore[arg-type]
+        await check_data_channel(tls)
