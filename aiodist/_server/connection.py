@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from aiodist._errors import ErrorCode, ProtocolError
+from aiodist._transport.tls import describe_ssl_error
 from aiodist._wire.bounds import FieldError
 from aiodist._wire.frame import (
     FrameDecoder,
@@ -404,6 +406,9 @@ class ServerConnection(asyncio.Protocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         server = self._server
+        if isinstance(exc, ssl.SSLError):  # a record altered in flight, a TLS alert
+            why = describe_ssl_error(exc, f"the client at {self.peer}")
+            server.log_refusal("tls", "closing connection from %s: %s", self.peer, why)
         if not self.proved and not self._refused and not server.state.closing:
             if server.token is not None:
                 # It left before proving the token (a client without one gives up at the challenge).

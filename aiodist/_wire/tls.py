@@ -87,10 +87,10 @@ def explain_ssl_failure(peer: str, reason: str | None, detail: str, *, verify: b
             "--tls-cert/--tls-key/--tls-ca (AIODIST_TLS_* for an embedded server or a rank), "
             "or unset AIODIST_TLS_* here"
         )
-    if code in _TAMPERED:
+    if any(mark in code for mark in _TAMPERED):  # here, or the peer's alert saying so
         return (
-            f"a TLS record from {peer} failed its integrity check ({detail}): the connection "
-            "was altered in flight, so it was closed"
+            f"a TLS record between this process and {peer} failed its integrity check "
+            f"({detail}): the connection was altered in flight, so it was closed"
         )
     if "ALERT" in code:
         return (

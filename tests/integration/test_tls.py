@@ -407,3 +407,37 @@ async def test_tls_transport_passes_the_data_channel_conformance_suite(
 
     with anyio.fail_after(60):
         await check_data_channel(tls)
+
+
+async def _until_it_fails(conn: Any) -> None:
+    while True:  # requests until the changed byte arrives
+        await conn.request(StatusRequest, timeout=20)
+
+
+@asyncio_only
+async def test_a_byte_changed_towards_the_server_fails_the_connection_naming_it(
+    tls_server: RendezvousServer,
+    job_tls: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _clear_env(monkeypatch)
+    caplog.set_level(logging.WARNING)
+    # Past the TLS handshake (a few KiB): inside the first requests' records.
+    proxy = await RecordingProxy(tls_server.address, tamper_at=6000).start()
+    try:
+        conn = await connect_control(*proxy.address, timeout=20, tls_config=tls.from_env(job_tls))
+        with anyio.fail_after(30), pytest.raises(DistError) as info:
+            await _until_it_fails(conn)
+        conn.close()
+    finally:
+        await proxy.aclose()
+    assert proxy.tampered.is_set()
+    where = f"{proxy.address[0]}:{proxy.address[1]}"
+    assert where in str(info.value), info.value
+    # The server names the connection and why it closed it (the client may only see it close).
+    assert any(
+        "failed its integrity check" in r.getMessage()
+        and "the client at 127.0.0.1:" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
