@@ -17,8 +17,10 @@ byte of each (``MSG_PEEK``, within the pre-authentication deadline) before
 the TLS handshake: a clear aiodist peer is sent one clear error frame that
 says what to set, then closed; a TLS ClientHello is handed to the loop with
 the server context (the handshake bounded by what is left of the deadline).
-Until then a connection costs the listener one descriptor and no reads, and
-at most ``max_pending`` wait at once (newcomers beyond that are closed).
+Before the handshake a connection costs the listener one descriptor and no
+reads; during it, what OpenSSL reads of a handshake (within its own limits on
+handshake messages). At most ``max_pending`` wait at once: newcomers beyond
+that are closed (not the oldest shed, as ``admission.py`` does after TLS).
 
 **The data plane's transport** (``scheme`` ``tls``): ``listen``/``connect`` as
 ``tcp.py``'s, addresses ``tls://HOST:PORT``. A rank configured for TLS
