@@ -24,6 +24,10 @@ and servers, and stops them before the next starts):
   trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``);
 - ``recorder``: the flight recorder's cost on a 4 B all_reduce and an 8 B
   round trip, on and off in alternating pairs (A B B A) (``bench_recorder``).
+- ``tls``: p2p and all_reduce of 64 MiB between two network namespaces on a
+  veth pair, mutual TLS vs clear TCP vs gloo, in alternating runs
+  (``bench_tls``; skipped, saying why, where namespaces are not permitted;
+  not part of ``--smoke``).
 
 Output, in ``--out`` (default ``benchmarks/results/``, which git ignores):
 ``report.md`` (header with machine facts and goals met, then every table),
@@ -65,6 +69,7 @@ from benchmarks import (
     bench_recorder,
     bench_rendezvous,
     bench_rpc,
+    bench_tls,
     rdzv_sim,
 )
 from benchmarks._common import (
@@ -95,6 +100,7 @@ SECTIONS: Final = (
     "load",
     "rpc",
     "recorder",
+    "tls",
 )
 
 
@@ -223,12 +229,17 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         assert plan.recorder is not None
         data = bench_recorder.bench(*plan.recorder)
         return data, bench_recorder.goal_list(data), bench_recorder.render(data)
+    if name == "tls":
+        data = bench_tls.bench(rounds=2 if mode == "full" else 1)
+        return data, bench_tls.goal_list(data), bench_tls.render(data)
     raise ValueError(f"unknown section {name!r}")
 
 
 def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> str | None:
     if name not in chosen:
         return "not chosen with --sections"
+    if name == "tls" and mode == "smoke":
+        return "not part of --smoke (it makes network namespaces and spawns six pairs of ranks)"
     if (
         (name == "bridge" and plan.bridge is None)
         or (name == "metrics" and plan.metrics is None)

@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
@@ -58,6 +59,7 @@ from aiodist._errors import (
     RendezvousTimeout,
     from_wire,
 )
+from aiodist._transport import tls
 from aiodist._wire.frame import FrameDecoder, Limits, MiB, encode_message, frame_message
 from aiodist._wire.handshake import CONTROL, Refused, Role, TokenHandshake
 from aiodist._wire.messages import (
@@ -127,6 +129,8 @@ class ControlConnection(asyncio.Protocol):
         # With a token, nothing the server says is believed before it proved the token.
         self._trusted = not token
         self.server = "?"
+        self.tls = False  # over TLS (set by connect_control)
+        self._heard = False  # the server sent something
         self.local_host = "127.0.0.1"
         self.heartbeats = Heartbeats(
             self.loop, self._send_heartbeat, self._server_silent, lambda: self.closed
@@ -156,6 +160,7 @@ class ControlConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         self.liveness.last_heard = self.loop.time()
         try:
             for event in self._decoder.frames(data):
@@ -181,10 +186,24 @@ class ControlConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self.heartbeats.stop()
-        why = "it closed" if exc is None else str(exc)
-        if self._error is None and self._server_away(f"lost the connection ({why})"):
-            return
-        if self._error is None:
+        if self._error is None and isinstance(exc, ssl.SSLError):  # refused, or altered in flight
+            peer = f"the rendezvous server at {self.server}"
+            self._fail(AuthenticationError(tls.describe_ssl_error(exc, peer)))
+        elif self._error is None and self.tls and not self._heard:
+            # A server that refused our certificate may close without a word (or its
+            # alert may be lost): before it said anything, that is the likely reason.
+            self._fail(
+                AuthenticationError(
+                    f"the rendezvous server at {self.server} closed the TLS connection before "
+                    "answering: it refused this process's certificate, most likely. "
+                    "AIODIST_TLS_CERT (--tls-cert) must be signed by the CA the server trusts "
+                    "(its --tls-ca); the server's log says why"
+                )
+            )
+        elif self._error is None:
+            why = "it closed" if exc is None else str(exc)
+            if self._server_away(f"lost the connection ({why})"):
+                return
             self._fail(
                 GroupBrokenError(
                     f"lost the connection to the rendezvous server at {self.server} ({why}); "
@@ -568,6 +587,7 @@ async def connect_control(
     on_notice: Callable[[Notice], None] | None = None,
     retry_refused: bool = True,
     token: str | None = None,
+    tls_config: tls.TlsConfig | None = None,
 ) -> ControlConnection:
     """Connect to the rendezvous server, retrying while nothing listens yet.
 
@@ -581,23 +601,40 @@ async def connect_control(
             connection answers the server's challenge with a proof of it (the
             token itself is never sent) before it returns, and believes no
             reply before the server proved the token in turn.
+        tls_config: Mutual TLS to use; None reads ``$AIODIST_TLS_*`` (none set:
+            clear TCP). With TLS, the connection is never clear: a server
+            that answers in clear is refused.
 
     Raises:
         ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
         RendezvousTimeout: Nothing answered within ``timeout``.
-        AuthenticationError: The server refused the token, or requires none
-            (never retried).
+        AuthenticationError: The server refused the token, or requires none; or
+            TLS failed: the server speaks clear, or one side refused the other's
+            certificate (never retried).
+        ValueError: ``$AIODIST_TLS_*`` is set but unusable (the message names it).
     """
     if token is None:
         token = os.environ.get("AIODIST_TOKEN", "")
+    if tls_config is None:
+        tls_config = tls.from_env()
+    ssl_args: dict[str, Any] = {}
+    if tls_config is not None:
+        ssl_args = {
+            "ssl": tls_config.client_context(),
+            "server_hostname": host,
+            "ssl_handshake_timeout": max(timeout, AUTH_WAIT),
+        }
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     next_word = loop.time() + FIRST_WAITING_WORD  # a wait in silence says so, now and then
     while True:
         try:
             _, protocol = await loop.create_connection(
-                lambda: ControlConnection(on_notice, token), host, port
+                lambda: ControlConnection(on_notice, token), host, port, **ssl_args
             )
+        except ssl.SSLError as exc:
+            peer = f"the rendezvous server at {host}:{port}"
+            raise AuthenticationError(tls.describe_ssl_error(exc, peer)) from exc
         except OSError as exc:
             if not retry_refused and isinstance(exc, ConnectionRefusedError):
                 raise
@@ -624,6 +661,7 @@ async def connect_control(
             await anyio.sleep(CONNECT_RETRY_INTERVAL)
             continue
         protocol.address = (host, port)
+        protocol.tls = tls_config is not None
         try:
             if token:  # the server's challenge is its answer
                 await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))

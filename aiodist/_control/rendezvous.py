@@ -1,7 +1,9 @@
 """Turning ``init_method`` into a control connection: ``tcp://``, ``env://``, ``file://``.
 
-- ``tcp://HOST:PORT`` connects there. If nothing listens and this process is
-  rank 0 (or ``AIODIST_EMBED=1``), it starts the server embedded in itself.
+- ``tcp://HOST:PORT`` connects there (``tls://HOST:PORT`` too, insisting that
+  ``AIODIST_TLS_*`` is set; with it set, ``tcp://`` uses TLS as well). If
+  nothing listens and this process is rank 0 (or ``AIODIST_EMBED=1``), it
+  starts the server embedded in itself.
   Other ranks retry until the rendezvous timeout, as TCPStore clients do.
 - ``env://`` reads torchrun's variables and then behaves as ``tcp://``, as
   under ``aiodist run``, whose server listens at ``MASTER_ADDR:MASTER_PORT``.
@@ -42,6 +44,7 @@ from aiodist._control.shared import open_channel
 from aiodist._control.torchrun import Torchrun, find_server, publish_server, torchrun_env
 from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
+from aiodist._transport import tls
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Mapping
@@ -146,13 +149,20 @@ def parse_init_method(
             generation=generation,
             torchrun=run,
         )
-    if url.scheme == "tcp":
+    if url.scheme == "tls" and tls.from_env(env) is None:
+        raise ValueError(
+            f"init_method {method!r} asks for TLS: set AIODIST_TLS_CERT, AIODIST_TLS_KEY and "
+            "AIODIST_TLS_CA (this process's certificate, its key, the job's CA)"
+        )
+    if url.scheme in ("tcp", "tls"):  # tls:// is tcp:// that insists on AIODIST_TLS_*
         try:
             tcp_host, tcp_port = url.hostname, url.port
         except ValueError as exc:
             raise ValueError(f"malformed init_method {method!r}: {exc}") from None
         if not tcp_host or tcp_port is None:
-            raise ValueError(f"init_method {method!r} needs a host and a port: tcp://HOST:PORT")
+            raise ValueError(
+                f"init_method {method!r} needs a host and a port: {url.scheme}://HOST:PORT"
+            )
         return RendezvousSpec(
             "tcp", tcp_host, tcp_port, rank=rank, world_size=world_size, generation=generation
         )
@@ -176,7 +186,8 @@ def parse_init_method(
             generation=generation,
         )
     raise ValueError(
-        f"init_method {method!r} has an unknown scheme; use tcp://HOST:PORT, env:// or file:///path"
+        f"init_method {method!r} has an unknown scheme; use tcp://HOST:PORT, tls://HOST:PORT, "
+        "env:// or file:///path"
     )
 
 
@@ -235,9 +246,12 @@ async def connect_rendezvous(
 
 
 async def _embed(tg: ServerHost, host: str, port: int, token: str) -> RendezvousServer:
-    """Start a server in ``tg`` at ``host:port``; warn if it is open beyond loopback."""
+    """Start a server in ``tg`` at ``host:port``; warn if it is open beyond loopback.
+
+    With ``$AIODIST_TLS_*`` set it requires mutual TLS of its clients.
+    """
     server: RendezvousServer = await tg.start(
-        functools.partial(serve_rendezvous, token=token or None), host, port
+        functools.partial(serve_rendezvous, token=token or None, tls=tls.from_env()), host, port
     )
     if not token and not is_loopback(server.address[0]):
         logger.warning(

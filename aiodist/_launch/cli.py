@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT
+from aiodist._wire.tls import VARIABLES as TLS_VARIABLES
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Sequence
 
     from aiodist._server.serve import RendezvousServer
+    from aiodist._transport.tls import TlsConfig
 
 __all__ = ["main"]
 
@@ -127,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         help="require clients to prove this file's token (AIODIST_TOKEN_FILE; without it, "
         "the token is $AIODIST_TOKEN, if set)",
     )
+    _add_tls(serve, "require mutual TLS of every client: this server's certificate")
     serve.add_argument(
         "--metrics-port", type=int, default=_env("METRICS_PORT", None), help="Prometheus port"
     )
@@ -156,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--token-file", default=None, help="the server's token (default: $AIODIST_TOKEN)"
     )
+    _add_tls(status, "talk to a TLS server: this client's certificate")
     status.add_argument(
         "--job", default=None, help="one job: what each rank is doing, who the others wait for"
     )
@@ -243,6 +247,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the server requires this file's token; the ranks get it (default: $AIODIST_TOKEN)",
     )
+    _add_tls(run, "mutual TLS for the server and between ranks: each rank's certificate")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     run.add_argument("-m", "--module", action="store_true", help="run script as a module")
     run.add_argument(
@@ -251,6 +256,29 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _add_tls(parser: argparse.ArgumentParser, cert_help: str) -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca``, each defaulting to its ``AIODIST_TLS_*``."""
+    parser.add_argument(
+        "--tls-cert", default=_env("TLS_CERT", None), help=f"{cert_help} (AIODIST_TLS_CERT)"
+    )
+    parser.add_argument(
+        "--tls-key", default=_env("TLS_KEY", None), help="its private key (AIODIST_TLS_KEY)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        default=_env("TLS_CA", None),
+        help="the job's CA, which must sign the other side's certificate (AIODIST_TLS_CA)",
+    )
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS flags, checked. Raises ``ValueError`` naming the flag that is wrong."""
+    from aiodist._transport.tls import config_from
+
+    cert, key, ca = (f"--{v[8:].lower().replace('_', '-')} ({v})" for v in TLS_VARIABLES)
+    return config_from(args.tls_cert, args.tls_key, args.tls_ca, names=(cert, key, ca))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -350,6 +378,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         token, token_source = _serve_token(args)
+        tls = _tls(args)
     except ValueError as exc:
         return _fail("serve", str(exc), 2)
 
@@ -362,7 +391,10 @@ def _serve(args: argparse.Namespace) -> int:
             text += f", metrics on {line['metrics']}"
         if token is not None:
             text += ", token required"
+        if tls is not None:
+            text += ", mutual TLS required"
         line["token_required"] = token is not None
+        line["tls"] = tls is not None
         print(json.dumps(line) if args.log_format == "json" else text, flush=True)
 
     try:
@@ -378,6 +410,7 @@ def _serve(args: argparse.Namespace) -> int:
                     shutdown_timeout=args.shutdown_timeout,
                     on_ready=on_ready,
                     state_dir=args.state_dir,
+                    tls=tls,
                 )
             )
         )
@@ -400,12 +433,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     try:
         token = _token(args)
+        tls = _tls(args)
     except ValueError as exc:
         return _fail("status", str(exc), 2)
-    return int(_run_async(_status_async(args, token)))
+    return int(_run_async(_status_async(args, token, tls)))
 
 
-async def _status_async(args: argparse.Namespace, token: str | None) -> int:
+async def _status_async(
+    args: argparse.Namespace, token: str | None, tls: TlsConfig | None = None
+) -> int:
     from aiodist._control.connection import connect_control
     from aiodist._errors import AuthenticationError, DistError
     from aiodist._wire.messages import StatusRequest
@@ -419,7 +455,12 @@ async def _status_async(args: argparse.Namespace, token: str | None) -> int:
 
     try:
         conn = await connect_control(
-            args.host, args.port, timeout=args.timeout, retry_refused=False, token=token
+            args.host,
+            args.port,
+            timeout=args.timeout,
+            retry_refused=False,
+            token=token,
+            tls_config=tls,
         )
     except AuthenticationError as exc:  # refused us, or could not prove our token
         return fail(str(exc))
@@ -533,6 +574,7 @@ def _run(args: argparse.Namespace) -> int:
             2,
         )
     try:
+        tls = _tls(args)
         spec = LaunchSpec(
             cmd,
             nproc=args.nproc,
@@ -548,6 +590,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _fail("run", str(exc), 2)
+    if tls is not None:  # the ranks and the server this launcher may host read them
+        os.environ.update(zip(TLS_VARIABLES, (tls.cert, tls.key, tls.ca), strict=True))
 
     def on_server(address: tuple[str, int]) -> None:
         if spec.nnodes > 1:

@@ -33,6 +33,8 @@ from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, se
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from aiodist._transport.tls import TlsConfig
+
 __all__ = ["is_loopback", "raise_open_files_limit", "read_token_file", "run_daemon", "sd_notify"]
 
 logger = logging.getLogger(__name__)
@@ -152,6 +154,7 @@ async def run_daemon(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     on_ready: Callable[[RendezvousServer, tuple[str, int] | None], None] | None = None,
     state_dir: str | None = None,
+    tls: TlsConfig | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; return the exit code (0 after a clean shutdown).
 
@@ -166,6 +169,7 @@ async def run_daemon(
         on_ready: Called once listening, with the server and the metrics address.
         state_dir: Where the jobs' durable state lives (None: memory only; the
             members re-register their jobs after a restart, the store is lost).
+        tls: Require mutual TLS of every client (``--tls-cert/--tls-key/--tls-ca``).
 
     Raises:
         OSError: An address cannot be bound.
@@ -215,6 +219,7 @@ async def run_daemon(
                     shutdown_timeout=shutdown_timeout,
                     state_dir=state_dir,
                     restartable=True,  # a daemon may be restarted: its members wait for it
+                    tls=tls,
                 )
             )
             metrics = None

@@ -24,6 +24,7 @@ from aiodist._control.addresses import is_local, is_loopback, reachable_host
 from aiodist._control.connection import connect_control
 from aiodist._errors import AuthenticationError, DistError, DistTimeoutError, RendezvousError
 from aiodist._server.serve import serve_rendezvous
+from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def _warn_if_open(host: str, token: str | None) -> None:
 async def _host(tg: TaskGroup, host: str, port: int, token: str | None) -> RendezvousServer:
     _warn_if_open(host, token)
     server: RendezvousServer = await tg.start(
-        functools.partial(serve_rendezvous, host, port, token=token)
+        functools.partial(serve_rendezvous, host, port, token=token, tls=tls.from_env())
     )
     return server
 

@@ -136,7 +136,7 @@ class Connections(PlaneCore):
                     self._shared = shared
                     addresses.append(address)
                 continue
-            if name == "tcp" and self.use_uds and routes.is_loopback(host):
+            if name in ("tcp", "tls") and self.use_uds and routes.is_loopback(host):
                 continue  # every member is on this host: the Unix socket reaches them
             transport = registry.get_transport(name)
             listener = await transport.listen(
@@ -222,9 +222,12 @@ class Connections(PlaneCore):
         side = ChannelState(self)
         addresses = (await self.addresses()).get(dst, ())
         local = self.all_local([dst])
-        channel = await routes.connect(
-            dst, addresses, side, local=local, use_uds=self.use_uds, use_shm=self.use_shm
-        )
+        try:
+            channel = await routes.connect(
+                dst, addresses, side, local=local, use_uds=self.use_uds, use_shm=self.use_shm
+            )
+        except routes.TlsMismatch as exc:
+            raise self.refuse(dst, str(exc)) from None  # for good: it would be refused again
         proved: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._handshakes[channel] = proved
         try:

@@ -23,15 +23,15 @@ import logging
 import os
 from typing import TYPE_CHECKING, Final
 
-from aiodist._transport import registry, shm, shmring, tcp, uds
+from aiodist._transport import registry, shm, shmring, tcp, tls, uds
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from aiodist._plane.channel import ChannelState
     from aiodist._transport.base import DataChannel
 
-__all__ = ["Selection", "connect", "scheme_of", "selection"]
+__all__ = ["Selection", "TlsMismatch", "connect", "scheme_of", "selection", "tls_route"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +48,23 @@ class Selection:
 
     def __init__(self, names: Sequence[str] | None) -> None:
         self.named = names is not None
+        # With TLS configured, TCP means TLS: this rank never listens in clear over TCP.
+        self.tls = tls.from_env() is not None
         if names is None:
             self.use_uds = uds.available() and os.environ.get("AIODIST_UDS", "1") != "0"
             self.use_shm = shm.available()
             self.use_tcp = True
-            self.order: tuple[str, ...] = ("uds", "tcp")
+            self.order: tuple[str, ...] = ("uds", "tls" if self.tls else "tcp")
             self.custom: tuple[str, ...] = ()
             return
         for name in names:
             registry.get_transport(name)  # ValueError for a name nobody registered
+        if self.tls:
+            names = ["tls" if n == "tcp" else n for n in names]
         self.order = tuple(dict.fromkeys(names))
         self.use_shm = "shm" in self.order and shm.available()
         self.use_uds = uds.available() and ("uds" in self.order or "shm" in self.order)
-        self.use_tcp = "tcp" in self.order
+        self.use_tcp = "tcp" in self.order or "tls" in self.order
         self.custom = tuple(n for n in self.order if n not in registry.BUILTIN)
 
 
@@ -110,7 +114,7 @@ async def connect(
     """
     for address in addresses:
         scheme = scheme_of(address)
-        if scheme in ("tcp", "uds"):
+        if scheme in ("tcp", "uds", "tls"):
             break  # the built-in ones: chosen together, below
         if scheme == _CAPABILITY_SCHEME:
             continue
@@ -119,7 +123,7 @@ async def connect(
             sink.member = 0  # a plane's own listener
             return await transport.connect(address, sink)
     uds_addr = [a for a in addresses if a.startswith("uds:")]
-    tcp_addr = [a for a in addresses if a.startswith("tcp://")]
+    tcp_addr, tcp_connect = tls_route(dst, addresses, local=local and use_uds and bool(uds_addr))
     # A peer that published no TCP address listens on this host only (see listen):
     # its Unix socket is the way, whatever this rank's AIODIST_UDS or host name says.
     if uds_addr and (not tcp_addr or (use_uds and local)):
@@ -143,4 +147,41 @@ async def connect(
         )
         raise ConnectionError(f"rank {dst} published no reachable data-plane address{hint}")
     sink.member = 0  # a plane's own TCP listener: no member to name
-    return await tcp.connect(tcp_addr[0], sink)
+    return await tcp_connect(tcp_addr[0], sink)
+
+
+def tls_route(
+    dst: int, addresses: Sequence[str], *, local: bool
+) -> tuple[list[str], Callable[[str, ChannelState], Awaitable[DataChannel]]]:
+    """The addresses of ``dst`` this rank may reach it at over TCP, and how to connect.
+
+    A rank with ``AIODIST_TLS_*`` set takes only ``tls://`` ones; a rank without
+    takes only ``tcp://`` ones. A peer that offers none of the kind this rank
+    needs (and no Unix socket this rank uses, ``local``) is refused at once,
+    with what to set: TLS is never given up for clear TCP, either way.
+
+    Raises:
+        TlsMismatch: Only the other kind is published.
+    """
+    want_tls = tls.from_env() is not None
+    mine = [a for a in addresses if a.startswith("tls://" if want_tls else "tcp://")]
+    other = [a for a in addresses if a.startswith("tcp://" if want_tls else "tls://")]
+    if not mine and other and not local:
+        if want_tls:
+            why = (
+                f"rank {dst} speaks clear TCP (it published {other[0]}) and this rank requires "
+                "TLS (AIODIST_TLS_* is set); set AIODIST_TLS_CERT, AIODIST_TLS_KEY and "
+                "AIODIST_TLS_CA on every rank of the job, or on none"
+            )
+        else:
+            why = (
+                f"rank {dst} requires TLS (it published {other[0]}) and this rank has no TLS "
+                "configuration; set AIODIST_TLS_CERT, AIODIST_TLS_KEY and AIODIST_TLS_CA on "
+                "this rank too"
+            )
+        raise TlsMismatch(why)
+    return mine, (tls.connect if want_tls else tcp.connect)
+
+
+class TlsMismatch(ConnectionError):
+    """A peer publishes TCP addresses of the other kind (clear, or TLS) only."""

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
 from aiodist._errors import ErrorCode, ProtocolError
+from aiodist._transport.tls import describe_ssl_error
 from aiodist._wire.bounds import FieldError
 from aiodist._wire.frame import (
     FrameDecoder,
@@ -62,6 +64,7 @@ from aiodist._wire.messages import (
     Welcome,
 )
 from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS
+from aiodist._wire.tls import TLS_HANDSHAKE_BYTE, speaks_clear_message
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import ConnId
@@ -83,6 +86,10 @@ LINGER_TIMEOUT: Final = 5.0
 MAX_CHANNELS: Final = 65536
 _HEARTBEAT: Final = Heartbeat()
 HEARTBEAT_ECHO: Final = b"".join(encode_message(_HEARTBEAT))
+
+
+# A client that opens with a TLS handshake record: it began TLS with a clear server.
+TLS_HELLO: Final = bytes([TLS_HANDSHAKE_BYTE])
 
 
 class ServerSide(Protocol):
@@ -161,6 +168,8 @@ class ServerConnection(asyncio.Protocol):
             return
         gated = not self.proved
         try:
+            if not self._spoke and data[:1] == TLS_HELLO:
+                raise ProtocolError(speaks_clear_message("rendezvous server"))
             for event in self._decoder.frames(data):  # payloads are refused by both limits
                 if not self._spoke:
                     self._spoke = True
@@ -404,6 +413,9 @@ class ServerConnection(asyncio.Protocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         server = self._server
+        if isinstance(exc, ssl.SSLError):  # a record altered in flight, a TLS alert
+            why = describe_ssl_error(exc, f"the client at {self.peer}")
+            server.log_refusal("tls", "closing connection from %s: %s", self.peer, why)
         if not self.proved and not self._refused and not server.state.closing:
             if server.token is not None:
                 # It left before proving the token (a client without one gives up at the challenge).

@@ -22,12 +22,17 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist._errors import ErrorCode
 from aiodist._server.connection import AUTH_TIMEOUT
 from aiodist._server.dashboard import Dashboard
 from aiodist._server.durable import StateDir
 from aiodist._server.hub import Hub
 from aiodist._server.restart import RestartableState
+from aiodist._transport import tls as tls_module
+from aiodist._wire.frame import encode_message
+from aiodist._wire.messages import ErrorReply
 from aiodist._wire.preauth import PreAuthLimits, open_files_limit
+from aiodist._wire.tls import speaks_tls_message
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus
@@ -61,6 +66,7 @@ class RendezvousServer:
         state: The job table (read it; never change it from outside).
         token: The token clients must send, or None when none is required.
         preauth: What a connection may cost before its handshake is done.
+        tls: The mutual TLS it requires of every client, or None (clear TCP).
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class RendezvousServer:
         preauth: PreAuthLimits | None = None,
         state_dir: str | None = None,
         restartable: bool = False,
+        tls: tls_module.TlsConfig | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         durable = None if state_dir is None else StateDir(state_dir)
@@ -87,15 +94,32 @@ class RendezvousServer:
         self.dashboard = Dashboard()  # what the metrics port's page shows (dashboard.py)
         self._hub.on_events = self.dashboard.note_events
         self.address: tuple[str, int] = ("", 0)
-        self._server: asyncio.Server | None = None
+        self.tls = tls
+        self._server: asyncio.Server | tls_module.TlsServer | None = None
 
     async def _start(self, host: str, port: int) -> None:
-        self._server = await self._loop.create_server(
-            self._hub.new_connection, host, port, reuse_address=True, backlog=LISTEN_BACKLOG
-        )
+        if self.tls is None:
+            self._server = await self._loop.create_server(
+                self._hub.new_connection, host, port, reuse_address=True, backlog=LISTEN_BACKLOG
+            )
+        else:  # accepts itself: a clear client is told what to set (tls.py)
+            refusal = ErrorReply(0, ErrorCode.PROTOCOL, speaks_tls_message("rendezvous server"), {})
+            self._server = tls_module.TlsServer(
+                tls_module.bind(host, port),
+                self._hub.new_connection,
+                self.tls.server_context(),
+                refusal=b"".join(encode_message(refusal)),
+                deadline=self.preauth.deadline,
+                max_pending=self.preauth.max_pending,
+                what="rendezvous server",
+            )
         sockname = self._server.sockets[0].getsockname()
         self.address = (str(sockname[0]), int(sockname[1]))
-        logger.info("rendezvous server listening on %s:%d", *self.address)
+        logger.info(
+            "rendezvous server listening on %s:%d%s",
+            *self.address,
+            "" if self.tls is None else " (mutual TLS)",
+        )
         self._hub.flush()  # jobs restored from a state directory have deadlines already
 
     def loop_time(self) -> float:
@@ -206,6 +230,7 @@ async def serve_rendezvous(
     preauth: PreAuthLimits | None = None,
     state_dir: str | None = None,
     restartable: bool = False,
+    tls: tls_module.TlsConfig | None = None,
     task_status: TaskStatus[RendezvousServer] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a rendezvous server until cancelled.
@@ -224,6 +249,8 @@ async def serve_rendezvous(
         restartable: Tell members that this server may come back when it goes
             away (a daemon): they reconnect and re-attach for their grace period
             (``AIODIST_SERVER_GRACE``) instead of breaking their groups at once.
+        tls: Require mutual TLS of every client (``tls.TlsConfig``); a clear
+            client is refused at once with an error that says what to set.
         task_status: Receives the ``RendezvousServer`` once it is listening.
 
     Cancellation:
@@ -240,6 +267,7 @@ async def serve_rendezvous(
         preauth=preauth,
         state_dir=state_dir,
         restartable=restartable,
+        tls=tls,
     )
     await server._start(host, port)
     try:

@@ -1,7 +1,7 @@
 """Transports by name: the built-in ones, and those a user registers.
 
 A transport (``base.Transport``: a ``scheme``, ``listen`` and ``connect``) is
-known to a process under a name: ``tcp``, ``uds`` and ``shm`` are built in,
+known to a process under a name: ``tcp``, ``uds``, ``shm`` and ``tls`` are built in,
 and more come from ``register_transport`` or from an entry point of the group
 ``aiodist.transports`` in an installed package (its name the transport's, its
 object the transport), loaded the first time a name or scheme is asked for::
@@ -23,7 +23,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Final
 
-from aiodist._transport import shmring, tcp, uds
+from aiodist._transport import shmring, tcp, tls, uds
 
 if TYPE_CHECKING:
     from aiodist._transport.base import Transport
@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: The entry point group packages register transports under.
 ENTRY_POINT_GROUP: Final = "aiodist.transports"
-#: The built-in transports, by name (``shm``: Unix sockets whose large payloads use rings).
-BUILTIN: Final[dict[str, Transport]] = {"tcp": tcp, "uds": uds, "shm": shmring}
+#: The built-in transports, by name (``shm``: Unix sockets whose large payloads use rings;
+#: ``tls``: TCP in mutual TLS, see ``tls.py``).
+BUILTIN: Final[dict[str, Transport]] = {"tcp": tcp, "uds": uds, "shm": shmring, "tls": tls}
 _NAME: Final = re.compile(r"[a-z][a-z0-9_.+-]{0,31}")
 _SCHEME: Final = re.compile(r"[a-z][a-z0-9.+-]{0,31}")
 
@@ -147,8 +148,8 @@ def by_scheme(scheme: str) -> Transport | None:
 
 
 def _owner(scheme: str) -> str | None:
-    if scheme in ("tcp", "uds"):
-        return "tcp" if scheme == "tcp" else "uds"
+    if scheme in ("tcp", "uds", "tls"):
+        return scheme
     return next((n for n, t in list(_registered.items()) if t.scheme == scheme), None)
 
 

@@ -293,6 +293,33 @@ async def _check_chmod(command: str, cwd: Path) -> None:
     assert (cwd / "token").stat().st_mode & 0o777 == 0o600
 
 
+# The security page's certificates, made with openssl as it says (each step runs them all).
+OPENSSL_STEPS = (
+    "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key "
+    '-out ca.pem -days 365 -subj "/CN=aiodist job CA"',
+    "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout rank.key "
+    '-out rank.csr -subj "/CN=aiodist rank"',
+    "openssl x509 -req -in rank.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out rank.pem "
+    "-days 365",
+    "chmod 600 ca.key rank.key",
+)
+_TLS_TESTED = (
+    "tests/integration/test_tls.py runs serve, status and run with --tls-* and AIODIST_TLS_* "
+    "on certificates trustme makes"
+)
+
+
+async def _check_openssl(command: str, cwd: Path) -> None:
+    for step in OPENSSL_STEPS:
+        result = await run(shlex.split(step), limit=60, cwd=cwd)
+        assert result.returncode == 0, result.stderr
+    from aiodist._transport.tls import config_from
+
+    config = config_from(str(cwd / "rank.pem"), str(cwd / "rank.key"), str(cwd / "ca.pem"))
+    assert config is not None
+    assert (cwd / "rank.key").stat().st_mode & 0o777 == 0o600
+
+
 async def _check_run_with_token(command: str, cwd: Path) -> None:
     (cwd / "token").write_text(TOKEN)
     (cwd / "token").chmod(0o600)  # as the page says: it warns otherwise
@@ -347,6 +374,12 @@ BASH: dict[str, Check | str] = {
     'python -c "import secrets; print(secrets.token_hex(32))" > token': _check_token_file,
     "chmod 600 token": _check_chmod,
     "aiodist run -n 4 --token-file token train.py": _check_run_with_token,
+    **dict.fromkeys(OPENSSL_STEPS, _check_openssl),
+    "aiodist serve --host 0.0.0.0 --token-file token --tls-cert server.pem --tls-key server.key "
+    "--tls-ca ca.pem": _TLS_TESTED,
+    "export AIODIST_TLS_CERT=rank.pem AIODIST_TLS_KEY=rank.key AIODIST_TLS_CA=ca.pem": _TLS_TESTED,
+    "aiodist run -n 4 --rdzv-endpoint server-host:29500 train.py": _TLS_TESTED,
+    "aiodist status --tls-cert op.pem --tls-key op.key --tls-ca ca.pem": _TLS_TESTED,
     # GPUs
     "aiodist run -n 4 examples/train_overlap.py": check_run,
     "aiodist run -n 4 examples/crc_transport.py": check_run,
