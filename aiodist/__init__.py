@@ -77,6 +77,7 @@ from aiodist._ops.groups import (
     new_subgroups_by_enumeration,
     split_group,
 )
+from aiodist._ops.shrink import shrink_group
 from aiodist._ops.movement import (
     all_gather,
     all_gather_coalesced,
@@ -217,6 +218,7 @@ __all__ = [
     "send",
     "send_object_list",
     "serve_rendezvous",
+    "shrink_group",
     "split_group",
     "supports_complex",
     "sync_random_seed",

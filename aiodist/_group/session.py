@@ -44,6 +44,7 @@ from aiodist._errors import (
 )
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
+from aiodist._group.membership import isolate_failure
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
 
 if TYPE_CHECKING:
@@ -123,6 +124,10 @@ class Session:
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
+        self.failed_ranks: dict[int, RankFailedError] = {}  # members that failed (membership.py)
+        # After shrink_group replaced the default group: the global rank a user names ->
+        # the job's rank (its data-plane address); None while they are the same.
+        self.numbering: tuple[int, ...] | None = None
         self.abandoned = False  # close without waiting for operations in flight
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
         try:
@@ -181,16 +186,25 @@ class Session:
         """
         if (stalled := self._declared_failed()) is not None:
             return stalled
+        # Groups broken before (a failure the survivors went on from) explain nothing now.
+        before = {id(g) for g in self.groups.values() if g.error is not None}
+
+        def newly_broken() -> DistError | None:
+            return next(
+                (g.error for g in self.groups.values() if g.error is not None and id(g) not in before),
+                None,
+            )
+
         with anyio.move_on_after(self.heartbeat_timeout):
-            while self.error is None and rank not in self.plane.left and not self._trouble.is_set():
+            while self.error is None and rank not in self.plane.left and newly_broken() is None:
                 await self._news.wait()
         left = self.plane.left.get(rank)
         if self.error is None and left is not None:
-            # It left the job (its goodbye may have been lost with a reset connection):
+            # It left or failed (its goodbye may have been lost with a reset connection):
             # only what needs it fails.
             self.plane.peer_left(rank, left)
             return left
-        broken = next((g.error for g in self.groups.values() if g.error is not None), None)
+        broken = newly_broken()
         if self.error is None and broken is not None:
             # A member's notice explained it (say, a mismatch made everyone leave):
             # the peer did not fail, and the session stays as usable as it was.
@@ -326,17 +340,8 @@ class Session:
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
                 self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
-            self.fail(
-                RankFailedError(
-                    f"rank {notice.rank} (host {notice.host}, pid {notice.pid}) failed: "
-                    f"{notice.reason}; group {self.group_name!r} is broken on all ranks. "
-                    "Restart the job.",
-                    rank=notice.rank,
-                    host=notice.host,
-                    pid=notice.pid,
-                    reason=notice.reason,
-                )
-            )
+            # Only what needs it breaks (failure isolation, membership.py).
+            isolate_failure(self, notice.rank, notice.host, notice.pid, notice.reason)
 
     def note_trouble(self) -> None:
         """A group of this session broke: wake whoever waits for the first sign of trouble."""

@@ -330,8 +330,13 @@ class PlaneCore:
 
     # --- failing ------------------------------------------------------------------------
 
-    def fail(self, exc: BaseException, group_id: int | None = None) -> None:
+    def fail(
+        self, exc: BaseException, group_id: int | None = None, *, keep_p2p: bool = False
+    ) -> None:
         """Fail every posted receive (of ``group_id``, if given) with ``exc``.
+
+        With ``keep_p2p``, point-to-point receives stay posted (a member of the
+        group failed: receives from the others may still be matched).
 
         That includes receives whose payload is arriving: they left the matcher, and
         the connection carrying the rest may outlive the failure (a dead rank's last
@@ -339,7 +344,9 @@ class PlaneCore:
         """
 
         def hit(key: tuple[int, ...]) -> bool:
-            return group_id is None or key[1] == group_id
+            return (group_id is None or key[1] == group_id) and not (
+                keep_p2p and key[0] in _P2P_KINDS
+            )
 
         self.bulk.forget(group_id)  # their senders fail too: never clear them
         posted_list = self.matcher.take_posted_where(hit)

@@ -15,12 +15,17 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   order hosts first joined, so ranks on one host are contiguous and
   ``local_rank`` means what torchrun means.
 - A member of a complete job whose connection drops, or who misses heartbeats,
-  has *failed*: every other member is told once, pending waits of the job fail
-  with RANK_FAILED, and the job is broken for good. A member that leaves
-  cleanly has not failed: the others are told (``MembersLeft``, at most one
-  notice per ``LEAVE_NOTICE_INTERVAL``, so a job of N members ending costs
+  has *failed*: every other member is told once, and the job's barriers (which
+  need every member) fail with RANK_FAILED, now and later. Nothing else
+  breaks: the store, and the groups that do not contain it, go on (failure
+  isolation; the members break the groups that contain it). A member that
+  leaves cleanly has not failed: the others are told (``MembersLeft``, at most
+  one notice per ``LEAVE_NOTICE_INTERVAL``, so a job of N members ending costs
   O(N) notices, not O(N^2)), and the barriers it will not reach fail. A
   forming member that disconnects simply drops out.
+- Members agree on a group's next membership through the server
+  (``Regroup``, ``elastic.py``): a failure or a leave is fed to the pending
+  agreements, so that every caller gets the same answer.
 - A job's state is dropped when its last member is gone.
 - A job is started anew under the same name with a later *generation* (a
   launcher's restart count, in ``Join``): the first member of the later
@@ -50,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import msgpack
 
 from aiodist._errors import ErrorCode
+from aiodist._server.elastic import Agreement, Agreements
 from aiodist._server.events import JobLog
 from aiodist._server.jobs import (
     BadRequest,
@@ -72,6 +78,7 @@ from aiodist._wire.messages import (
     MembersLeft,
     MembersRequest,
     Packed,
+    Regroup,
     Reply,
     ServerClosing,
     StatusRequest,
@@ -107,11 +114,12 @@ class Stats:
     messages: int = 0
 
 
-class ServerState(StoreAndBarriers):
+class ServerState(StoreAndBarriers, Agreements):
     """All jobs of one server. Feed it messages and time; collect actions."""
 
     def __init__(self, now: float) -> None:
-        super().__init__()
+        StoreAndBarriers.__init__(self)
+        Agreements.__init__(self)
         self.started_at = now
         self.version = ""  # reported by status; the shell fills it in
         self.closing = False
@@ -177,6 +185,8 @@ class ServerState(StoreAndBarriers):
                 self._join_timed_out(timer.target, now)
             elif isinstance(timer.target, LeaveNotice):
                 self._send_leave_notice(timer.target.job, now)
+            elif isinstance(timer.target, Agreement):
+                self._agreement_timed_out(timer.target)
             else:
                 self._waiter_timed_out(timer.target)
         if self._next_sweep is not None and self._next_sweep <= now:
@@ -219,13 +229,16 @@ class ServerState(StoreAndBarriers):
             member.status = "left"
             if was_active:
                 job.left[member.rank] = (member.host, member.pid)
-                if not job.failures:  # after a failure, every member knows the job is broken
-                    self._announce_leave(member, now)
+                self._announce_leave(member, now)
             self._send(conn, Reply(msg.req_id, None))
             self._remove(member, now)
             state.member = None
+            if was_active:
+                self._members_gone(job)
         elif isinstance(msg, Barrier):
             self._barrier(member, msg, now)
+        elif isinstance(msg, Regroup):
+            self._regroup(member, msg, now)
         elif isinstance(msg, MembersRequest):
             if not job.complete:
                 raise BadRequest(
@@ -417,6 +430,7 @@ class ServerState(StoreAndBarriers):
                 waiter.done = True
             if job.leave_notice is not None:
                 job.leave_notice.done = True  # nobody is left to tell
+            self._jobs_ended(job)
             self.log.job_finished(job, now)
 
     def _announce_leave(self, member: Member, now: float) -> None:
@@ -455,16 +469,19 @@ class ServerState(StoreAndBarriers):
                 self._send(other.conn, notice)
         message = (
             f"rank {member.rank} (host {member.host}, pid {member.pid}) failed: {reason}; "
-            f"job {job.name!r} is broken on all ranks. Restart the job."
+            f"the barriers of job {job.name!r} need every member and fail from now on. "
+            "Groups that do not contain it go on (see shrink_group)."
         )
         details = {"rank": member.rank, "host": member.host, "pid": member.pid, "reason": reason}
-        for waiter in job.all_waiters():
+        # Only the job's barriers need every member; the store goes on (failure isolation).
+        for waiter in [w for b in job.barriers.values() for w in b.arrived.values()]:
             if not waiter.done:
                 waiter.done = True
                 self._send(
                     waiter.conn, ErrorReply(waiter.req_id, ErrorCode.RANK_FAILED, message, details)
                 )
         job.barriers.clear()
+        self._members_gone(job)
 
     def _sweep(self, now: float) -> None:
         shortest = MAX_SWEEP_INTERVAL  # what the members still here need: it may grow again

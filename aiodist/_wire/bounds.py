@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._errors import ProtocolError
 from aiodist._wire.messages import (
     Barrier,
+    Regroup,
     Channel,
     CloseChannel,
     Hello,
@@ -171,6 +172,13 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     StoreNumKeys: {"req_id": _REQ_ID},
     StoreCheck: {"req_id": _REQ_ID},
     Barrier: {"req_id": _REQ_ID, "seq": _Int(0, _U64), "timeout": _TIMEOUT},
+    Regroup: {
+        "req_id": _REQ_ID,
+        "key": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "group_id": _Int(0, _U64),
+        "members": _Len(1, MAX_WORLD_SIZE, "items"),
+        "timeout": _TIMEOUT,
+    },
     StatusRequest: {"req_id": _REQ_ID},
     MembersRequest: {"req_id": _REQ_ID},
     Hello: {

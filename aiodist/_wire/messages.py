@@ -36,6 +36,7 @@ __all__ = [
     "Message",
     "MessageKind",
     "Packed",
+    "Regroup",
     "Reply",
     "ServerClosing",
     "StatusRequest",
@@ -73,6 +74,7 @@ class MessageKind(enum.IntEnum):
     CHANNEL = 17  # both ways: which member's channel the messages after it belong to
     CLOSE_CHANNEL = 18
     MEMBERS = 20
+    REGROUP = 21
     # server -> client
     REPLY = 32
     WELCOME = 33
@@ -193,6 +195,25 @@ class Barrier:
     KIND: ClassVar[MessageKind] = MessageKind.BARRIER
     req_id: int
     seq: int
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Regroup:
+    """Agree with other members on a group's next membership (``shrink_group``).
+
+    Every caller names the same ``key`` (the group and how many times it was
+    regrouped), the ``group_id`` the new group takes, and the ranks it expects
+    in it (``members``, its own among them). The server answers every caller
+    with the same sorted list: the members proposed that are still in the job
+    (a member that fails or leaves meanwhile is left out), or the same error.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.REGROUP
+    req_id: int
+    key: str
+    group_id: int
+    members: list[int]
     timeout: float
 
 
@@ -411,6 +432,7 @@ Message = (
     | StoreNumKeys
     | StoreCheck
     | Barrier
+    | Regroup
     | StatusRequest
     | MembersRequest
     | AuthStart
