@@ -77,7 +77,6 @@ from aiodist._ops.groups import (
     new_subgroups_by_enumeration,
     split_group,
 )
-from aiodist._ops.shrink import shrink_group
 from aiodist._ops.movement import (
     all_gather,
     all_gather_coalesced,
@@ -103,6 +102,7 @@ from aiodist._ops.p2p_objects import (
 from aiodist._ops.reduce_ops import ReduceOp, supports_complex
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
 from aiodist._ops.rooted import broadcast, gather, scatter
+from aiodist._ops.shrink import shrink_group
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
 from aiodist._transport.registry import register_transport

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import torch
 
 import aiodist
@@ -53,7 +54,7 @@ async def until_failure(out: dict[str, Any], victim: int) -> aiodist.RankFailedE
         t = torch.ones(4)
         if rank == victim and i == 3:
             work = aiodist.all_reduce(t)  # started: its part is on the way
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             del work
             die(out)
         try:

@@ -191,7 +191,11 @@ class Session:
 
         def newly_broken() -> DistError | None:
             return next(
-                (g.error for g in self.groups.values() if g.error is not None and id(g) not in before),
+                (
+                    g.error
+                    for g in self.groups.values()
+                    if g.error is not None and id(g) not in before
+                ),
                 None,
             )
 

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Final
 from aiodist._errors import ProtocolError
 from aiodist._wire.messages import (
     Barrier,
-    Regroup,
     Channel,
     CloseChannel,
     Hello,
     Join,
     Leave,
     MembersRequest,
+    Regroup,
     StatusRequest,
     StoreAdd,
     StoreCheck,
