@@ -169,9 +169,11 @@ class ProcessGroup:
         if self.error is not None:
             return
         self.error = exc
-        # A member failed or left: only what needs it fails, point-to-point with the others goes on.
-        gone = self._session.failed_ranks.keys() | self._session.plane.left.keys()
-        self.keeps_p2p = keep_p2p or (isinstance(exc, RankFailedError) and exc.rank in gone)
+        # A member failed or left (as the server, the data plane or a member said): only what
+        # needs it fails, point-to-point with the others goes on.
+        self.keeps_p2p = keep_p2p or (
+            isinstance(exc, RankFailedError) and exc.rank not in (-1, self._session.rank)
+        )
         self._aborted.clear()
         logger.error("group %r broken: %s", self.name, exc)
         self._session.note_trouble()

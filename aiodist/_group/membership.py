@@ -18,7 +18,7 @@ from aiodist._errors import RankFailedError
 if TYPE_CHECKING:
     from aiodist._group.session import Session
 
-__all__ = ["failed_error", "isolate_failure"]
+__all__ = ["failed_error", "isolate_failure", "ranks_alive"]
 
 
 def failed_error(rank: int, host: str, pid: int, reason: str) -> RankFailedError:
@@ -41,10 +41,18 @@ def isolate_failure(session: Session, rank: int, host: str, pid: int, reason: st
         return
     exc = failed_error(rank, host, pid, reason)
     session.failed_ranks[rank] = exc
-    # Sends to it fail now, receives from it once what it sent before dying is in.
-    session.plane.peer_left(rank, exc)
+    # Sends to it and receives from it fail now (its channels are dropped).
+    session.plane.peer_failed(rank, exc)
     for group in list(session.groups.values()):
         if rank in group.ranks and group.error is None and not group.closed:
             # Every member of the group hears the same notice: no need to tell them.
             group.break_(exc, notify=False, keep_p2p=True)
     session.note_trouble()
+    for hook in list(session.on_member_failed):
+        hook(rank)
+
+
+def ranks_alive(session: Session) -> list[int]:
+    """The job's ranks that neither failed nor left, as this member knows them."""
+    gone = session.failed_ranks.keys() | session.plane.left.keys()
+    return [r for r in range(session.world_size) if r not in gone]

@@ -48,6 +48,8 @@ from aiodist._group.membership import isolate_failure
 from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from aiodist._control.channel import ControlChannel, Notice
     from aiodist._plane.peers import DataPlane
     from aiodist._server.serve import RendezvousServer
@@ -125,6 +127,7 @@ class Session:
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
         self.failed_ranks: dict[int, RankFailedError] = {}  # members that failed (membership.py)
+        self.on_member_failed: list[Callable[[int], object]] = []  # called with its rank
         # After shrink_group replaced the default group: the global rank a user names ->
         # the job's rank (its data-plane address); None while they are the same.
         self.numbering: tuple[int, ...] | None = None

@@ -394,6 +394,16 @@ class PlaneCore:
         if not peer.channels:
             self._settle_left(rank)  # else channel_closed settles it
 
+    def peer_failed(self, rank: int, exc: BaseException) -> None:
+        """``rank`` failed (the server said so): what needs it fails with ``exc``, now.
+
+        As ``peer_left``, but its channels are dropped at once: a failed rank may be
+        frozen with its connections open, and nothing it sent last is awaited.
+        """
+        self.peer_left(rank, exc)
+        for channel in list(self.peer(rank).channels):
+            self.abort(channel)  # closed: channel_closed then settles what waits on it
+
     def forget_channels(self) -> None:
         """Every channel was closed (the plane closed): none is open any more."""
         self.channels.clear()

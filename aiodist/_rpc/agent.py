@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
 from aiodist._group.work import Work
+from aiodist._group.membership import ranks_alive
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._rpc.calls import Call, Deadlines, Request
 from aiodist._rpc.rref import AGENTS, DECODING, RRefId
@@ -78,6 +79,7 @@ class Agent:
         self._idle: list[asyncio.Future[None]] = []
         self.server = Server(self)
         self.termination = Termination(self)
+        session.on_member_failed.append(self.termination.member_gone)
 
     # --- state --------------------------------------------------------------------------
 
@@ -88,6 +90,10 @@ class Agent:
         self.session.check_usable()
         if self.shut_down:
             raise self.closed_reason()
+
+    def ranks_alive(self) -> list[int]:
+        """The ranks that neither failed nor left (rpc.shutdown completes among them)."""
+        return ranks_alive(self.session)
 
     def closed_reason(self) -> ClosedError:
         if self.closed:
