@@ -25,8 +25,8 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
-from aiodist._group.work import Work
 from aiodist._group.membership import ranks_alive
+from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._rpc.calls import Call, Deadlines, Request
 from aiodist._rpc.rref import AGENTS, DECODING, RRefId
