@@ -133,8 +133,29 @@ import aiodist
 assert aiodist.infer_launcher() == "mpi"
 """
 
+def _survivors_shrank(result: Finished, cwd: Path, world: int) -> None:
+    lines = result.stdout.splitlines()
+    for old, new in ((0, 0), (1, 1), (2, 2)):
+        line = f"[rank {old}] rank {old} is now {new} of 3: [3.0, 3.0]"
+        assert line in lines, result.stdout
+
+
+# The survivors' aiodist logs the broken group (an error) on stderr, which a run must not write.
+_QUIET = "import logging\nlogging.disable(logging.CRITICAL)"
+
 #: page -> first line of a python block -> how it runs.
 PYTHON: dict[str, dict[str, Harnesses]] = {
+    "docs/guide/elastic.md": {
+        "try:": Harness(
+            runs=(("aiodist run", 2),),
+            wrap_async=True,
+            prelude=_JOINED + "grad = torch.ones(2)",
+            epilogue="assert grad.tolist() == [2.0, 2.0], grad",
+        ),
+        "import anyio, torch, aiodist": Harness(
+            runs=(("aiodist run", 4),), prelude=_QUIET, check=_survivors_shrank
+        ),
+    },
     "docs/index.md": {
         'objs = await aiodist.all_gather_object({"loss": 0.5})  # one object per rank': Harness(
             runs=(("aiodist run", 2),),

@@ -54,7 +54,7 @@ def layer_order() -> list[tuple[str, str]]:
             if any(isinstance(t, ast.Name) and t.id == "LAYERS" for t in targets):
                 assert node.value is not None
                 value = ast.literal_eval(node.value)
-                return [(str(name), str(owns)) for name, owns in value]
+                return [(str(name), str(owns)) for name, owns, *_ in value]
     raise RuntimeError("aiodist/_tools/layers.py defines no LAYERS")
 
 
