@@ -11,6 +11,8 @@ Rules this module keeps (the job table in ``state.py`` feeds it):
   has called: every caller gets the same sorted list of ranks. A member that
   fails or leaves before that is left out (and no longer awaited); one that
   fails after it breaks the new group, as any failure breaks a group.
+- A caller that comes after the decision gets the same answer; one that the
+  others left out gets an error saying so.
 - Proposals that differ (other ranks, or another group id) fail the
   agreement: every caller, and every later one with that key, gets the same
   ``MISMATCH`` error. So does its timeout (``TIMEOUT``, naming who never
@@ -75,6 +77,14 @@ class Agreements:
             )
         settled = self._settled.get(job, {}).get(msg.key)
         if settled is not None:
+            if len(settled) == 1 and member.rank not in settled[0]:
+                raise BadRequest(
+                    ErrorCode.GROUP_BROKEN,
+                    f"rank {member.rank} was left out: the other members already shrank this "
+                    f"group to ranks {settled[0]} (their ranks_to_exclude named this rank); a "
+                    "rank that is left out does not call shrink_group",
+                    {"kept": settled[0]},
+                )
             self._answer(member.conn, msg.req_id, settled)
             return
         agreements = self._agreements.setdefault(job, {})
