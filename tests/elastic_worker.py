@@ -23,6 +23,7 @@ import anyio.lowlevel
 import torch
 
 import aiodist
+from aiodist.metrics import MetricAggregator
 
 HEARTBEAT_TIMEOUT = 2.0
 
@@ -104,6 +105,10 @@ async def main() -> None:
         out["new"] = [aiodist.get_rank(), aiodist.get_world_size(), list(new.ranks)]
         out["default_is_new"] = aiodist.group.WORLD is new
         out["sums"] = await steps(100)
+        # aiodist.metrics follows the new default group.
+        agg = MetricAggregator({"ranks": "sum"})
+        agg.update(1, ranks=1.0)
+        out["metrics_ranks"] = (await agg.sync())["ranks"]
         # A global rank now means a rank of the new default group: 2 is the old rank 3.
         if aiodist.get_rank() == 0:
             await aiodist.send_object_list(["renumbered"], dst=2)

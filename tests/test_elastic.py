@@ -72,6 +72,7 @@ async def test_rank_killed_mid_collective_survivors_shrink_and_go_on(
         assert out["default_is_new"] is True
         expected = [float((step + 1) * (1 + 2 + 3)) for step in range(100)]
         assert out["sums"] == expected
+        assert out["metrics_ranks"] == 3.0  # aiodist.metrics follows the new default group
     assert outs[0]["pair_sum"] == outs[1]["pair_sum"] == 3.0
     assert outs[3]["p2p"] == {"to": 3}
     assert outs[3]["renumbered_p2p"] == "renumbered"
