@@ -134,5 +134,37 @@ async def main() -> None:
     await aiodist.destroy_process_group()
 
 
+def sync_main() -> None:
+    """Mode ``sync``: plain code on ``aiodist.sync``; rank 1 of 3 is killed, the others shrink."""
+    import aiodist.sync as dist
+
+    url, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group(
+        init_method=url,
+        world_size=world,
+        rank=rank,
+        group_name="elastic-sync",
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+    )
+    out: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
+    dist.barrier()
+    if rank == 1:
+        die(out)
+    try:
+        dist.all_reduce(torch.ones(1))
+    except aiodist.RankFailedError as exc:
+        out["error"] = [type(exc).__name__, exc.rank]
+        dist.shrink_group([exc.rank])
+    out["new"] = [dist.get_rank(), dist.get_world_size()]
+    t = torch.ones(3)
+    dist.all_reduce(t)  # no group: the new default group
+    out["sum"] = t.tolist()
+    report(out)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    anyio.run(main)
+    if sys.argv[4] == "sync":
+        sync_main()
+    else:
+        anyio.run(main)

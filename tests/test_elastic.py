@@ -92,3 +92,16 @@ async def test_second_death_during_shrink_leaves_survivors_in_one_group(
         assert out["sums"] == [float((step + 1) * (1 + 2)) for step in range(20)]
     # The same group on both: ranks 0 and 2, renumbered 0 and 1.
     assert [out["new"] for out in survivors] == [[0, 2, [0, 2]], [1, 2, [0, 2]]]
+
+
+async def test_sync_facade_shrinks_and_follows_the_new_default_group(
+    server: RendezvousServer,
+) -> None:
+    outs = await _run_job(server, 3, "sync")
+    assert outs[1]["returncode"] == -9
+    for rank, new_rank in ((0, 0), (2, 1)):
+        out = outs[rank]
+        assert out["returncode"] == 0, out["stderr"]
+        assert out["error"] == ["RankFailedError", 1]
+        assert out["new"] == [new_rank, 2]
+        assert out["sum"] == [2.0, 2.0, 2.0]
