@@ -133,6 +133,7 @@ import aiodist
 assert aiodist.infer_launcher() == "mpi"
 """
 
+
 def _survivors_shrank(result: Finished, cwd: Path, world: int) -> None:
     lines = result.stdout.splitlines()
     for old, new in ((0, 0), (1, 1), (2, 2)):
