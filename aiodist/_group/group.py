@@ -178,7 +178,7 @@ class ProcessGroup:
         logger.error("group %r broken: %s", self.name, exc)
         self._session.note_trouble()
         plane = self._session.plane
-        plane.fail(exc, self.group_id, keep_p2p=keep_p2p)
+        plane.fail(exc, self.group_id, keep_p2p=self.keeps_p2p)
         if notify:
             header = [self.group_id, exc.code, str(exc), exc.wire_details()]
             for rank in self.ranks:
