@@ -101,6 +101,7 @@ from aiodist._ops.p2p_objects import (
 )
 from aiodist._ops.reduce_ops import ReduceOp, supports_complex
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
+from aiodist._ops.regroup import MembershipView, membership, regroup, watch_membership
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.shrink import shrink_group
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
@@ -127,6 +128,7 @@ __all__ = [
     "GroupBrokenError",
     "GroupMember",
     "MemberInfo",
+    "MembershipView",
     "P2POp",
     "ProcessGroup",
     "ProtocolError",
@@ -200,6 +202,7 @@ __all__ = [
     "isend",
     "isend_object",
     "master_only",
+    "membership",
     "monitored_barrier",
     "new_group",
     "new_subgroups",
@@ -213,6 +216,7 @@ __all__ = [
     "reduce_scatter_single",
     "reduce_scatter_tensor",
     "register_transport",
+    "regroup",
     "scatter",
     "scatter_object_list",
     "send",
@@ -222,4 +226,5 @@ __all__ = [
     "split_group",
     "supports_complex",
     "sync_random_seed",
+    "watch_membership",
 ]

@@ -61,6 +61,7 @@ from aiodist._wire.messages import (
     Heartbeat,
     Hello,
     MemberFailed,
+    MembersJoined,
     MembersLeft,
     MessageKind,
     Reply,
@@ -388,7 +389,7 @@ class ControlConnection(asyncio.Protocol):
                     channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed | MembersLeft):
+        elif isinstance(msg, MemberFailed | MembersLeft | MembersJoined):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel.notice(msg)
         elif isinstance(msg, ServerClosing):

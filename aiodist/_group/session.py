@@ -45,7 +45,15 @@ from aiodist._errors import (
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
 from aiodist._group.membership import isolate_failure
-from aiodist._wire.messages import Barrier, Leave, MemberFailed, MembersLeft, MembersRequest
+from aiodist._group.views import Views, follow_join
+from aiodist._wire.messages import (
+    Barrier,
+    Leave,
+    MemberFailed,
+    MembersJoined,
+    MembersLeft,
+    MembersRequest,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -133,6 +141,10 @@ class Session:
         self.numbering: tuple[int, ...] | None = None
         self.abandoned = False  # close without waiting for operations in flight
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
+        # Membership views (views.py): epoch 0 is the job as it formed; a newcomer's
+        # first view (-1 until then) comes with the server's notice of its join.
+        self.views = Views(0, range(self.world_size))
+        self.hostname = ""  # the host this member joined as (newcomers' local ranks)
         try:
             host_ids = welcome.host_ids()
         except ValueError as exc:
@@ -145,8 +157,24 @@ class Session:
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
+    def admitted(self) -> None:
+        """This process joined a formed elastic job: it is alone in its default group.
+
+        Its first view comes with the server's notice of its join; it forms a group
+        with the others when they all call ``regroup`` over that view.
+        """
+        self.views = Views(-1, [self.rank])
+        self.world = ProcessGroup(self, (self.rank,), name=self.group_name, group_id=0)
+        self.groups = {0: self.world}
+        self.numbering = (self.rank,)
+
     def next_group_id(self) -> int:
         return next(self._group_ids)
+
+    def number_groups_from(self, first: int) -> None:
+        """Number the next groups from ``first`` (after ``regroup``: a newcomer's count
+        of groups made before it came would differ from the others')."""
+        self._group_ids = itertools.count(first)
 
     async def members(self) -> list[MemberInfo]:
         """Every member of the job in rank order: host, pid and data-plane addresses.
@@ -162,6 +190,11 @@ class Session:
         if self._members_loading is None:
             self._members_loading = linger(self._load_members())  # an operation waits on it
         return await asyncio.shield(self._members_loading)
+
+    def forget_members(self) -> None:
+        """The job grew: fetch the member table again on next use."""
+        self._members = None
+        self._members_loading = None
 
     async def _load_members(self) -> list[MemberInfo]:
         try:
@@ -330,6 +363,7 @@ class Session:
             if rank == self.rank or not 0 <= rank < self.world_size:
                 continue
             self._left_info[rank] = (host, pid)
+            self.views.gone(rank)
             self.plane.peer_left(rank, rank_left_error(rank, host, pid))
         self._wake()
 
@@ -343,10 +377,13 @@ class Session:
         elif isinstance(notice, ServerLost):
             if not self.closed:
                 self.fail(notice.error)  # it names the server, and says what it means
+        elif isinstance(notice, MembersJoined):
+            follow_join(self, notice)
         elif isinstance(notice, MemberFailed):
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
                 self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
+            self.views.gone(notice.rank)
             # Only what needs it breaks (failure isolation, membership.py).
             isolate_failure(self, notice.rank, notice.host, notice.pid, notice.reason)
 

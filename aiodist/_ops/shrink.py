@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from datetime import timedelta
 
-__all__ = ["shrink_group"]
+    from aiodist._group.session import Session
+
+__all__ = ["adopt_group", "agree", "shrink_group"]
 
 #: torch's flag values for ``shrink_flags``; aiodist has one way to shrink.
 SHRINK_DEFAULT = 0
@@ -103,8 +105,17 @@ async def shrink_group(
     group_id = session.next_group_id()  # every survivor numbers its groups alike
     seconds = as_seconds(timeout, old.timeout)
     key = f"shrink/{old.group_id}/{count}"
+    ranks = await agree(session, key, group_id, keep, seconds, what="shrink_group")
+    return adopt_group(old, ranks, name=f"{old.name}/shrunk{count}", group_id=group_id)
+
+
+async def agree(
+    session: Session, key: str, group_id: int, keep: Sequence[int], seconds: float, *, what: str
+) -> tuple[int, ...]:
+    """Agree with the other members on the ranks of a new group (``Regroup``); return them."""
+    proposal = list(keep)
     reply = await session.conn.request(
-        lambda r: Regroup(r, key, group_id, keep, seconds), timeout=seconds + REPLY_GRACE
+        lambda r: Regroup(r, key, group_id, proposal, seconds), timeout=seconds + REPLY_GRACE
     )
     if (
         type(reply) is not list
@@ -112,11 +123,18 @@ async def shrink_group(
         or session.rank not in reply
     ):
         raise ProtocolError(
-            f"the rendezvous server answered shrink_group with {reply!r}, not a list of the "
-            f"ranks kept ({keep}) with this rank's"
+            f"the rendezvous server answered {what} with {reply!r}, not a list of the "
+            f"ranks kept ({proposal}) with this rank's"
         )
-    ranks = tuple(reply)
-    new = ProcessGroup(session, ranks, name=f"{old.name}/shrunk{count}", group_id=group_id)
+    return tuple(reply)
+
+
+def adopt_group(
+    old: ProcessGroup, ranks: tuple[int, ...], *, name: str, group_id: int
+) -> ProcessGroup:
+    """The group the members agreed on, in place of ``old`` (the default group too)."""
+    session = old.session
+    new = ProcessGroup(session, ranks, name=name, group_id=group_id)
     new.timeout = old.timeout
     new.group_backend = old.group_backend
     session.groups[group_id] = new

@@ -109,6 +109,7 @@ class PlaneCore:
         self.token = token
         self.rank = -1
         self.world_size = 0
+        self.elastic = False  # an elastic job: ranks may join (DataPlane.grow)
         self.matcher: Matcher[Posted, Received] = Matcher()
         self.bulk = BulkTransfers(self)
         self.peers: dict[int, Peer] = {}

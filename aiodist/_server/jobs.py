@@ -86,6 +86,12 @@ class Job:
     world_size: int
     created_at: float
     generation: int = 0  # the how-many-th start of the job under this name
+    # Elastic jobs (``grow.py``): it forms with ``min_world_size`` members and admits
+    # joiners while fewer than ``max_world_size`` are alive (0: not elastic);
+    # ``world_size`` is then its rank space. ``epoch`` counts membership changes.
+    min_world_size: int = 0
+    max_world_size: int = 0
+    epoch: int = 0
     formed_at: float | None = None
     ended: bool = False  # its last member is gone (its ``job_finished`` was recorded)
     end_reason: str = ""  # why a job that never formed was dropped
@@ -145,6 +151,13 @@ class Job:
             table = [[m.rank, m.local_rank, m.host, m.pid, m.addresses] for m in self.by_rank]
             self._packed_table = Packed(msgpack.packb(table, use_bin_type=True))
         return self._packed_table
+
+    def grown(self, member: Member) -> None:
+        """Admit ``member`` into the formed job as its next rank (``grow.py``)."""
+        member.rank = self.world_size
+        self.world_size += 1
+        self.by_rank.append(member)
+        self._packed_table = None
 
     def add(self, member: Member) -> None:
         self.members[member] = None

@@ -48,7 +48,6 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -57,6 +56,7 @@ import msgpack
 from aiodist._errors import ErrorCode
 from aiodist._server.elastic import Agreement, Agreements
 from aiodist._server.events import JobLog
+from aiodist._server.grow import Growth, check_admission, host_runs
 from aiodist._server.jobs import (
     BadRequest,
     Close,
@@ -114,7 +114,7 @@ class Stats:
     messages: int = 0
 
 
-class ServerState(StoreAndBarriers, Agreements):
+class ServerState(StoreAndBarriers, Agreements, Growth):
     """All jobs of one server. Feed it messages and time; collect actions."""
 
     def __init__(self, now: float) -> None:
@@ -228,6 +228,7 @@ class ServerState(StoreAndBarriers, Agreements):
             was_active = member.status == "active"  # a member of a formed job, not failed
             member.status = "left"
             if was_active:
+                job.epoch += 1
                 job.left[member.rank] = (member.host, member.pid)
                 self._announce_leave(member, now)
             self._send(conn, Reply(msg.req_id, None))
@@ -263,6 +264,7 @@ class ServerState(StoreAndBarriers, Agreements):
         _validate_join(msg)
         job = self.jobs.get(msg.group_name)
         previous = None
+        grow = False  # a join of a formed elastic job (grow.py)
         if job is not None and msg.generation != job.generation:
             if msg.generation < job.generation:
                 raise BadRequest(
@@ -275,19 +277,29 @@ class ServerState(StoreAndBarriers, Agreements):
             previous, job = job, None
             del self.jobs[previous.name]  # its members go on in the record they hold
         if job is None:
-            job = Job(msg.group_name, msg.world_size, created_at=now, generation=msg.generation)
+            job = Job(
+                msg.group_name,
+                msg.world_size,
+                created_at=now,
+                generation=msg.generation,
+                min_world_size=msg.world_size,
+                max_world_size=msg.max_world_size,
+            )
             self.jobs[msg.group_name] = job
             self.log.job_created(job, previous)
-        elif job.world_size != msg.world_size:
+        elif job.min_world_size != msg.world_size:
             if not job.complete:
                 self._break_forming_job(job, msg, now)  # raises for the newcomer
             raise BadRequest(
                 ErrorCode.WORLD_SIZE_MISMATCH,
-                f"job {job.name!r} is running with world_size {job.world_size}, but this "
+                f"job {job.name!r} is running with world_size {job.min_world_size}, but this "
                 f"process asked for {msg.world_size}; start every rank with the same world "
                 "size, or use another group_name",
-                {"world_sizes": [job.world_size, msg.world_size]},
+                {"world_sizes": [job.min_world_size, msg.world_size]},
             )
+        elif job.complete and job.max_world_size:
+            check_admission(job, msg)
+            grow = True
         elif job.complete:
             if msg.rank >= 0 and (taken := job.by_rank[msg.rank]) in job.members:
                 raise _rank_taken(job, msg.rank, taken)
@@ -320,6 +332,9 @@ class ServerState(StoreAndBarriers, Agreements):
         # with the old, longer interval.
         if self._next_sweep is None or now + self._sweep_interval < self._next_sweep:
             self._next_sweep = now + self._sweep_interval
+        if grow:
+            self._admit(member)
+            return
         if len(job.members) < job.world_size:
             self._push_timer(now + msg.timeout, member)
             return
@@ -328,17 +343,9 @@ class ServerState(StoreAndBarriers, Agreements):
         job.formed_at = now
         self.stats.jobs_formed += 1
         self.log.job_formed(job, now)
-        local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
-        host_index = {host: i for i, host in enumerate(local_sizes)}
-        runs: list[list[int]] = []
-        for m in job.by_rank:
-            host_id = host_index[m.host]
-            if runs and runs[-1][0] == host_id:
-                runs[-1][1] += 1
-            else:
-                runs.append([host_id, 1])
+        local_sizes, runs = host_runs(job.by_rank)
         # Encoded once for the whole job: every member gets the same bytes.
-        host_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
+        packed_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
@@ -351,7 +358,7 @@ class ServerState(StoreAndBarriers, Agreements):
                     job.world_size,
                     m.local_rank,
                     local_sizes[m.host],
-                    host_runs,
+                    packed_runs,
                 ),
             )
 
@@ -460,6 +467,7 @@ class ServerState(StoreAndBarriers, Agreements):
     def _fail(self, member: Member, reason: str, now: float) -> None:
         job = member.job
         member.status = "failed"
+        job.epoch += 1
         self.stats.failures += 1
         self.log.rank_failed(member, reason, now)
         job.failures.append((member.rank, member.host, member.pid, reason))

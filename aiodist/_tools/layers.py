@@ -67,7 +67,7 @@ LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("_transport", "bytes between two processes: TCP, Unix sockets, shared memory", ("_wire",)),
     ("_server", "the rendezvous server: jobs, store, liveness", ("_transport",)),
     ("_control", "a rank's connection to the server: channels, store, init methods", ("_server",)),
-    ("_plane", "the data plane: its sans-IO core, channels, matching, bulk transfers, glue", ("_control",)),
+    ("_plane", "the data plane: sans-IO core, channels, matching, bulk transfers", ("_control",)),
     ("_group", "work handles, sessions, joining, process groups, the default world", ("_plane",)),
     ("_ops", "collectives, p2p, object operations, new_group", ("_group",)),
     ("_rpc", "remote calls and remote references", ("_group",)),

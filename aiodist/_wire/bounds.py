@@ -161,6 +161,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
         "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
         "timeout": _TIMEOUT,
         "generation": _Int(0, _I64 - 1),
+        "max_world_size": _Int(0, MAX_WORLD_SIZE),
     },
     Leave: {"req_id": _REQ_ID},
     StoreSet: {"req_id": _REQ_ID},

@@ -31,6 +31,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersJoined,
     MembersLeft,
     MembersRequest,
     MessageKind,
@@ -82,6 +83,7 @@ MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
         Welcome,
         ErrorReply,
         MemberFailed,
+        MembersJoined,
         MembersLeft,
         ServerClosing,
     )

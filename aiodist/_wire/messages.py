@@ -84,6 +84,7 @@ class MessageKind(enum.IntEnum):
     CHALLENGE = 37
     AUTHENTICATED = 38
     MEMBERS_LEFT = 39
+    MEMBERS_JOINED = 40
     # rank <-> rank (data plane)
     PEER_HELLO = 64
     DATA = 65
@@ -113,6 +114,9 @@ class Join:
     # The how-many-th start of the job (a launcher's restart count): a later
     # generation replaces the job's earlier one, an earlier one is refused.
     generation: int = 0
+    # Above 0: the job is elastic (torchrun's ``--nnodes MIN:MAX``): it forms with
+    # ``world_size`` members, and admits later joiners while fewer than this many are alive.
+    max_world_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +399,23 @@ class MembersLeft:
 
     KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_LEFT
     members: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MembersJoined:
+    """Members that joined a formed elastic job, and the view they make.
+
+    ``epoch`` counts the job's membership changes (joins, failures, leaves);
+    ``world_size`` is the job's rank space now (every rank ever given),
+    ``ranks`` the ranks alive, ``joined`` the newcomers as ``[rank, host, pid]``.
+    The newcomer gets it too, right after its ``Welcome``.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_JOINED
+    epoch: int
+    world_size: int
+    ranks: list[int]
+    joined: list[Any]
 
 
 @dataclass(frozen=True, slots=True)
