@@ -101,7 +101,13 @@ from aiodist._ops.p2p_objects import (
 )
 from aiodist._ops.reduce_ops import ReduceOp, supports_complex
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
-from aiodist._ops.regroup import MembershipView, membership, regroup, watch_membership
+from aiodist._ops.regroup import (
+    MembershipView,
+    joined_late,
+    membership,
+    regroup,
+    watch_membership,
+)
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.shrink import shrink_group
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
@@ -201,6 +207,7 @@ __all__ = [
     "is_xccl_available",
     "isend",
     "isend_object",
+    "joined_late",
     "master_only",
     "membership",
     "monitored_barrier",

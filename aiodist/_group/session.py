@@ -145,6 +145,7 @@ class Session:
         # first view (-1 until then) comes with the server's notice of its join.
         self.views = Views(0, range(self.world_size))
         self.hostname = ""  # the host this member joined as (newcomers' local ranks)
+        self.joined_late = False  # it joined the job after it formed (admitted())
         try:
             host_ids = welcome.host_ids()
         except ValueError as exc:
@@ -164,6 +165,7 @@ class Session:
         with the others when they all call ``regroup`` over that view.
         """
         self.views = Views(-1, [self.rank])
+        self.joined_late = True
         self.world = ProcessGroup(self, (self.rank,), name=self.group_name, group_id=0)
         self.groups = {0: self.world}
         self.numbering = (self.rank,)

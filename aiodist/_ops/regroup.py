@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.session import Session
 
-__all__ = ["MembershipView", "membership", "regroup", "watch_membership"]
+__all__ = ["MembershipView", "joined_late", "membership", "regroup", "watch_membership"]
 
 # The group id of the group formed over view ``e`` is ``REGROUP_IDS + e * REGROUP_STRIDE``:
 # every member, newcomers included, computes the same one, and numbers the groups it
@@ -72,6 +72,23 @@ async def membership(epoch: int | None = None, *, timeout: float | None = None) 
     if epoch is None:
         return views.current
     return await _with_timeout(views.after(epoch - 1), timeout)
+
+
+def joined_late() -> bool:
+    """Return True in a process that joined its elastic job after the job formed.
+
+    Such a process (a replacement for a failed rank, a node past MIN) starts
+    alone in its default group: it calls ``regroup`` over its first view, and
+    receives the state the others hold (``broadcast_object_list``).
+
+    Raises:
+        RuntimeError: Not initialised.
+
+    Example:
+        >>> if aiodist.joined_late():
+        ...     await aiodist.regroup(await aiodist.membership())
+    """
+    return _session("joined_late").joined_late
 
 
 async def watch_membership() -> AsyncIterator[MembershipView]:
