@@ -65,7 +65,6 @@ class Agent:
         self.session = session
         self.plane = session.plane
         self.rank = session.rank
-        self.world_size = session.world_size
         self.loop = asyncio.get_running_loop()
         self.thread = threading.get_ident()
         self.calls: dict[int, Call] = {}
@@ -82,6 +81,11 @@ class Agent:
         session.on_member_failed.append(self.termination.member_gone)
 
     # --- state --------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks so far (an elastic job admits newcomers with the next ranks)."""
+        return self.session.world_size
 
     def check_usable(self) -> None:
         """Raise if this rank may not make calls (session broken or closed, rpc shut down)."""

@@ -58,7 +58,10 @@ class Host(Protocol):
     """What ``rpc.shutdown`` needs of its rank's agent (``agent.Agent``)."""
 
     rank: int
-    world_size: int
+
+    @property
+    def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
+
     loop: asyncio.AbstractEventLoop
     plane: DataPlane
     sent: int  # calls this rank made
