@@ -156,6 +156,16 @@ PYTHON: dict[str, dict[str, Harnesses]] = {
         "import anyio, torch, aiodist": Harness(
             runs=(("aiodist run", 4),), prelude=_QUIET, check=_survivors_shrank
         ),
+        # Three ranks that formed the job: none joined late, the view is the job's first.
+        "await aiodist.init_process_group(world_size=3, max_world_size=4)": Harness(
+            runs=(("aiodist run", 3),),
+            wrap_async=True,
+            prelude="import aiodist",
+            epilogue="view = await aiodist.membership()\n"
+            "await aiodist.barrier()  # nobody leaves (a new view) before all looked\n"
+            "assert (view.epoch, view.ranks) == (0, (0, 1, 2)), view\n"
+            "await aiodist.destroy_process_group()",
+        ),
     },
     "docs/index.md": {
         'objs = await aiodist.all_gather_object({"loss": 0.5})  # one object per rank': Harness(
