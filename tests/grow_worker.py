@@ -8,6 +8,8 @@ Roles:
               receives the state by broadcast, then steps with them.
     dying     joins the formed job and kills itself (SIGKILL) once the next process
               joined, before it regroups.
+    stranger  tries to join the formed job with a wrong token (AIODIST_TOKEN): it is
+              refused before it can join, and reports the error.
 
 Every rank runs the same loop: each step, an all_reduce(MAX) of [the latest epoch
 this rank knows, rank 0's wish to stop] makes every rank agree on when to regroup
@@ -55,6 +57,17 @@ async def receive_state(state: dict[str, Any], w: torch.Tensor) -> dict[str, Any
 async def main() -> None:
     url, role = sys.argv[1], sys.argv[2]
     lo, hi, target = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    if role == "stranger":
+        os.environ["AIODIST_TOKEN"] = "not-the-token"
+        try:
+            await aiodist.init_process_group(
+                init_method=url, world_size=lo, group_name="grow", max_world_size=hi, timeout=10
+            )
+        except aiodist.AuthenticationError as exc:
+            report({"role": role, "refused": type(exc).__name__})
+            return
+        report({"role": role, "refused": None})
+        return
     await aiodist.init_process_group(
         init_method=url,
         world_size=lo,

@@ -7,6 +7,7 @@ the job has formed (an event of the server, not a sleep).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
+from aiodist import serve_rendezvous
+
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from aiodist import RendezvousServer
 
 pytestmark = pytest.mark.slow
@@ -57,9 +62,14 @@ async def _run(
             for _ in range(members):
                 tg.start_soon(one, "member")
             await server.wait_until(formed)
-            for i, role in enumerate(late):  # one by one: each admitted before the next starts
+            admitted = 0
+            for role in late:  # one by one: each admitted before the next starts
+                if role == "stranger":
+                    await one(role)  # refused: it never joins
+                    continue
+                admitted += 1
                 tg.start_soon(one, role)
-                await server.wait_until(lambda s, n=members + i + 1: grown_to(s, n))
+                await server.wait_until(lambda s, n=members + admitted: grown_to(s, n))
     return outs
 
 
@@ -121,3 +131,27 @@ async def test_newcomer_dying_while_joining_leaves_survivors_in_one_group(
     assert len({json.dumps([o["w"], o["step"]]) for o in alive}) == 1
     for out in alive:
         assert all(s[2] == {3: 6.0, 4: 10.0}[s[1]] for s in out["steps"])
+
+
+TOKEN = "grow-secret"
+
+
+@pytest.fixture
+async def token_server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RendezvousServer]:
+    monkeypatch.setenv("AIODIST_TOKEN", TOKEN)  # the workers inherit it
+    async with anyio.create_task_group() as tg:
+        yield await tg.start(functools.partial(serve_rendezvous, token=TOKEN))
+        tg.cancel_scope.cancel()
+
+
+async def test_process_without_the_token_cannot_join_a_formed_elastic_job(
+    token_server: RendezvousServer,
+) -> None:
+    outs = await _run(token_server, 3, ["stranger", "newcomer"], hi=4, target=4)
+    stranger = next(o for o in outs if o["role"] == "stranger")
+    assert stranger["refused"] == "AuthenticationError"
+    # The job went on, and the newcomer that proved the token joined it as rank 3.
+    for out in outs:
+        assert out["returncode"] == 0, out["stderr"]
+        if out["role"] != "stranger":
+            assert out["group"] == [0, 1, 2, 3]
