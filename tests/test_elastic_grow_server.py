@@ -12,7 +12,15 @@ import msgpack
 import pytest
 
 from aiodist._errors import ErrorCode
-from aiodist._wire.messages import ErrorReply, Join, MemberFailed, MembersJoined, Packed, Welcome
+from aiodist._wire.messages import (
+    ErrorReply,
+    Join,
+    Leave,
+    MemberFailed,
+    MembersJoined,
+    Packed,
+    Welcome,
+)
 from tests.test_server_state import LONG, FakeServer
 
 
@@ -109,3 +117,24 @@ def test_job_that_is_not_elastic_never_grows(srv: FakeServer) -> None:
     (err,) = srv.take(late)
     assert isinstance(err, ErrorReply)
     assert err.code == ErrorCode.JOB_FULL
+
+
+def test_leave_not_yet_announced_goes_out_before_a_join_and_not_to_the_newcomer(
+    srv: FakeServer,
+) -> None:
+    a, b, c = _form(srv, 3, 4)
+    srv.call(c, Leave)  # epoch 1; its notice goes at once (the first of the job)
+    srv.take(c)
+    assert srv.left(a) == [[2, "node0", 102]]
+    srv.left(b)
+    srv.call(b, Leave)  # epoch 2; its notice is planned a moment later
+    srv.take(b)
+    assert srv.take(a) == []
+    late = _join(srv, 3, 4, pid=300)  # epoch 3
+    # rank 0 gets the leave first, then the join: it counts epochs 2 and 3 in order.
+    left, joined = srv.take(a)
+    assert msgpack.unpackb(left.members.data) == [[1, "node0", 101]]
+    assert _view(joined) == [3, 4, [0, 3], [[3, "node0", 300]]]
+    welcome, first = srv.take(late)  # the newcomer: its Welcome and its view, nothing else
+    assert welcome.rank == 3
+    assert _view(first) == [3, 4, [0, 3], [[3, "node0", 300]]]

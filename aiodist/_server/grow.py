@@ -11,10 +11,11 @@ Rules this module keeps:
   failure, so a late notice about it can never be read as one about the
   newcomer). The job's rank space (``Job.world_size``) grows by one.
 - Each membership change of a formed job (a join, a failure, a leave) bumps
-  the job's ``epoch``. A join is announced to every member alive, the
-  newcomer included, with the new view (``MembersJoined``: epoch, rank space,
-  ranks alive, the newcomer); failures and leaves are announced as before, and
-  members count them into their views in the same order.
+  the job's ``epoch``; leaves not yet announced are announced before a join.
+  A join is announced to every member alive, the newcomer included, with the
+  new view (``MembersJoined``: epoch, rank space, ranks alive, the newcomer);
+  failures and leaves are announced as before, and members count them into
+  their views in the same order.
 - The newcomer proves the token as every member does (the connection's
   handshake, before a ``Join`` is read); it then forms groups with the others
   by a ``Regroup`` agreement (``elastic.py``), so a newcomer that dies while
@@ -91,9 +92,17 @@ class Growth:
     def _send(self, conn: ConnId, msg: Any) -> None:
         raise NotImplementedError
 
-    def _admit(self, member: Member) -> None:
+    def _send_leave_notice(self, job: Job, now: float) -> None:
+        raise NotImplementedError
+
+    def _admit(self, member: Member, now: float) -> None:
         """Give ``member``, which joined formed elastic job, the next rank; tell everyone."""
         job = member.job
+        if job.unannounced:
+            # Leaves wait a moment to go out together: send them before the join, so
+            # that every member counts the epochs in the server's order, and the
+            # newcomer (whose first view is the join's) is not told of them.
+            self._send_leave_notice(job, now)
         job.grown(member)
         used = {
             m.local_rank

@@ -333,7 +333,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
         if self._next_sweep is None or now + self._sweep_interval < self._next_sweep:
             self._next_sweep = now + self._sweep_interval
         if grow:
-            self._admit(member)
+            self._admit(member, now)
             return
         if len(job.members) < job.world_size:
             self._push_timer(now + msg.timeout, member)
