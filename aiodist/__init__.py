@@ -103,7 +103,15 @@ from aiodist._ops.p2p_objects import (
 )
 from aiodist._ops.reduce_ops import ReduceOp, supports_complex
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
+from aiodist._ops.regroup import (
+    MembershipView,
+    joined_late,
+    membership,
+    regroup,
+    watch_membership,
+)
 from aiodist._ops.rooted import broadcast, gather, scatter
+from aiodist._ops.shrink import shrink_group
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
 from aiodist._transport.registry import register_transport
@@ -128,6 +136,7 @@ __all__ = [
     "GroupBrokenError",
     "GroupMember",
     "MemberInfo",
+    "MembershipView",
     "P2POp",
     "ProcessGroup",
     "ProtocolError",
@@ -201,7 +210,9 @@ __all__ = [
     "is_xccl_available",
     "isend",
     "isend_object",
+    "joined_late",
     "master_only",
+    "membership",
     "monitored_barrier",
     "new_group",
     "new_subgroups",
@@ -215,13 +226,16 @@ __all__ = [
     "reduce_scatter_single",
     "reduce_scatter_tensor",
     "register_transport",
+    "regroup",
     "scatter",
     "scatter_object_list",
     "send",
     "send_object_list",
     "serve_rendezvous",
+    "shrink_group",
     "split_group",
     "supports_complex",
     "sync_random_seed",
     "trace",
+    "watch_membership",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
-from aiodist._wire.messages import DumpNotice, MemberFailed, MembersLeft
+from aiodist._wire.messages import DumpNotice, MemberFailed, MembersJoined, MembersLeft
 
 if TYPE_CHECKING:
     import asyncio
@@ -31,7 +31,7 @@ class ServerLost:
     error: DistError
 
 
-Notice = MemberFailed | MembersLeft | DumpNotice | ServerLost
+Notice = MemberFailed | MembersLeft | MembersJoined | DumpNotice | ServerLost
 
 
 class Carrier(Protocol):

@@ -73,6 +73,7 @@ from aiodist._wire.messages import (
     Heartbeat,
     Hello,
     MemberFailed,
+    MembersJoined,
     MembersLeft,
     MessageKind,
     Reply,
@@ -472,7 +473,7 @@ class ControlConnection(asyncio.Protocol):
                     channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed | MembersLeft | DumpNotice):
+        elif isinstance(msg, MemberFailed | MembersLeft | MembersJoined | DumpNotice):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel.notice(msg)
         elif isinstance(msg, ServerClosing):

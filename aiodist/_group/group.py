@@ -34,6 +34,7 @@ from aiodist._errors import (
     DistTimeoutError,
     ErrorCode,
     GroupBrokenError,
+    RankFailedError,
 )
 from aiodist._group import stalls
 from aiodist._group.inflight import Deadlines
@@ -101,6 +102,7 @@ class ProcessGroup:
         self.group_backend: str | None = None  # new_group(backend=...); else the session's
         self.bridge: Bridge | None = None  # torch.distributed's side of this group, if any
         self.error: DistError | None = None
+        self.keeps_p2p = False  # broken by a member's failure: point-to-point goes on
         self.closed = False
         # next() of a count is one step under the GIL: metric syncs on the shared board
         # take their numbers from the training loop's thread, everything else here.
@@ -113,12 +115,16 @@ class ProcessGroup:
         # Calls a member aborted before this rank made them: they fail when made.
         self._aborted: dict[int, AbortedError] = {}
 
-    def check_usable(self) -> None:
-        """Raise the error that broke this group (or its session), if any."""
+    def check_usable(self, *, p2p: bool = False) -> None:
+        """Raise the error that broke this group (or its session), if any.
+
+        With ``p2p`` (a point-to-point call), a group broken by a member's failure
+        is usable: the plane fails what needs the failed rank.
+        """
         self._session.check_usable()
         if self.closed:
             raise ClosedError(f"{self!r} was destroyed; create a new group with new_group")
-        if self.error is not None:
+        if self.error is not None and not (p2p and self.keeps_p2p):
             raise self.error
         if self.rank < 0:
             raise ValueError(f"this process (rank {self._session.rank}) is not in {self!r}")
@@ -155,16 +161,25 @@ class ProcessGroup:
         self._session.plane.fail(ClosedError(f"{self!r} was destroyed"), self.group_id)
         self.deadlines.close()
 
-    def break_(self, exc: DistError, *, notify: bool = True) -> None:
-        """Mark this group unusable with ``exc`` on this rank and (``notify``) on every member."""
+    def break_(self, exc: DistError, *, notify: bool = True, keep_p2p: bool = False) -> None:
+        """Mark this group unusable with ``exc`` on this rank and (``notify``) on every member.
+
+        With ``keep_p2p`` (a member failed: ``membership.py``), its collectives
+        break and its point-to-point with the other members goes on.
+        """
         if self.error is not None:
             return
         self.error = exc
+        # A member failed or left (as the server, the data plane or a member said): only what
+        # needs it fails, point-to-point with the others goes on.
+        self.keeps_p2p = keep_p2p or (
+            isinstance(exc, RankFailedError) and exc.rank not in (-1, self._session.rank)
+        )
         self._aborted.clear()
         logger.error("group %r broken: %s", self.name, exc)
         self._session.note_trouble()
         plane = self._session.plane
-        plane.fail(exc, self.group_id)
+        plane.fail(exc, self.group_id, keep_p2p=self.keeps_p2p)
         if notify:
             header = [self.group_id, exc.code, str(exc), exc.wire_details()]
             for rank in self.ranks:
@@ -221,7 +236,7 @@ class ProcessGroup:
                 "from plain code use aiodist.sync"
             ) from None
         if seq is None:
-            self.check_usable()
+            self.check_usable(p2p=not collective)
             if not collective:
                 work: Work[Any] = Work.pending(loop, f"{description}#p{next(self._p2p_seqs)}")
                 if timed:
@@ -442,6 +457,14 @@ class ProcessGroup:
         """
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise ArgumentTypeError(f"{name} must be an int rank, got {type(rank).__name__}")
+        if (numbering := self._session.numbering) is not None:
+            # The default group was shrunk: global ranks are renumbered, as in torch.
+            if not 0 <= rank < len(numbering):
+                raise ArgumentError(
+                    f"{name}={rank} is not a global rank: the default group has "
+                    f"{len(numbering)} ranks since shrink_group renumbered them"
+                )
+            rank = numbering[rank]
         if isinstance(self.ranks, range):
             if rank in self.ranks:
                 return self.ranks.index(rank)

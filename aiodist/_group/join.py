@@ -83,6 +83,7 @@ async def open_process_group(
     hostname: str | None = None,
     addresses: list[str] | None = None,
     transport: str | Sequence[str] | None = None,
+    max_world_size: int | None = None,
 ) -> AsyncIterator[ProcessGroup]:
     """Join a job and yield its world group; leave the job on exit.
 
@@ -106,6 +107,12 @@ async def open_process_group(
             ``$AIODIST_TRANSPORT``, else Unix sockets and TCP as the job needs).
             A name is a built-in transport's (``tcp``, ``uds``, ``shm``) or one
             registered with ``register_transport``.
+        max_world_size: Make the job elastic (torchrun's ``--nnodes MIN:MAX``): it
+            forms with ``world_size`` ranks and admits processes that join later
+            while fewer than this many are alive (default ``$AIODIST_MAX_WORLD_SIZE``;
+            0: not elastic). A process that joins a formed elastic job gets the
+            next free rank and a default group of its own until it calls
+            ``regroup`` with the others (see the elastic guide).
 
     Raises:
         ValueError: A transport this process does not know.
@@ -135,9 +142,31 @@ async def open_process_group(
             f"heartbeat_interval ({interval}) must be > 0 and below heartbeat_timeout "
             f"({hb_timeout})"
         )
+    max_ws = int(env.get("AIODIST_MAX_WORLD_SIZE", 0)) if max_world_size is None else max_world_size
+    if max_ws and max_ws < spec.world_size:
+        raise ValueError(
+            f"max_world_size ({max_ws}) must be 0 (not elastic) or >= world_size "
+            f"({spec.world_size})"
+        )
+    if max_ws and backend is not None:
+        raise ValueError(
+            f"an elastic job (max_world_size={max_ws}) runs on aiodist's own data plane: "
+            f"torch.distributed cannot grow its groups; start it without backend={backend!r}"
+        )
     name = group_name or _default_group_name(env)
     transports = selection(transport)  # an unknown name fails here, before anything starts
-    args = (spec, name, timeout, backend, interval, hb_timeout, hostname, addresses, transports)
+    args = (
+        spec,
+        name,
+        timeout,
+        backend,
+        interval,
+        hb_timeout,
+        hostname,
+        addresses,
+        transports,
+        max_ws,
+    )
     if not may_embed(spec, env):
         # Nothing to run beside the member (heartbeats are a timer): no server task.
         async with _joined(None, *args) as group:
@@ -261,10 +290,12 @@ async def _joined(
     hostname: str | None,
     addresses: list[str] | None,
     transports: Selection,
+    max_ws: int,
 ) -> AsyncIterator[ProcessGroup]:
     # Notices that come before the session exists are held by the channel until then.
     conn, server = await connect_rendezvous(spec, servers, timeout=timeout)
     plane = DataPlane(name, transport=transports)
+    plane.elastic = max_ws > 0
     try:
         published = [*(addresses or []), *await plane.listen(conn.local_host)]
         host, pid = hostname or socket.gethostname(), os.getpid()
@@ -283,6 +314,7 @@ async def _joined(
                 timeout,
                 spec.generation,
                 secret,
+                max_ws,
             ),
             timeout=timeout + REPLY_GRACE,
         )
@@ -310,6 +342,11 @@ async def _joined(
             plane=plane,
             heartbeat_timeout=hb_timeout,
         )
+        session.hostname = host
+        # Admitted to a formed elastic job: its rank space is past the size it formed with.
+        newcomer = max_ws > 0 and welcome.world_size > spec.world_size
+        if newcomer:
+            session.admitted()
         del welcome  # held by this frame for the whole membership otherwise
     except BaseException:
         conn.close()
@@ -322,6 +359,9 @@ async def _joined(
         session.local_size = spec.local_world_size
     conn.on_notice = session.on_notice
     try:
+        if newcomer:  # its first view: the notice of its own join, right behind the Welcome
+            with anyio.fail_after(timeout):
+                await session.views.after(-1)
         yield session.world
     finally:
         with anyio.CancelScope(shield=True):

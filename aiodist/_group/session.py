@@ -46,17 +46,22 @@ from aiodist._group import dumps, tracefile
 from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
+from aiodist._group.membership import isolate_failure
 from aiodist._group.recorder import Recorder, new_recorder
+from aiodist._group.views import Views, follow_join
 from aiodist._wire.messages import (
     Barrier,
     DumpNotice,
     Leave,
     MemberFailed,
+    MembersJoined,
     MembersLeft,
     MembersRequest,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from aiodist._control.channel import ControlChannel, Notice
     from aiodist._plane.peers import DataPlane
     from aiodist._server.serve import RendezvousServer
@@ -138,10 +143,20 @@ class Session:
         self._trouble = asyncio.Event()  # set with the first error of the session or a group
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
+        self.failed_ranks: dict[int, RankFailedError] = {}  # members that failed (membership.py)
+        self.on_member_failed: list[Callable[[int], object]] = []  # called with its rank
+        # After shrink_group replaced the default group: the global rank a user names ->
+        # the job's rank (its data-plane address); None while they are the same.
+        self.numbering: tuple[int, ...] | None = None
         self.abandoned = False  # close without waiting for operations in flight
         self.failed_reason = ""  # why this rank failed (its program's end), told on leaving
         self._left = False
         self._members_loading: asyncio.Future[list[MemberInfo]] | None = None
+        # Membership views (views.py): epoch 0 is the job as it formed; a newcomer's
+        # first view (-1 until then) comes with the server's notice of its join.
+        self.views = Views(0, range(self.world_size))
+        self.hostname = ""  # the host this member joined as (newcomers' local ranks)
+        self.joined_late = False  # it joined the job after it formed (admitted())
         try:
             host_ids = welcome.host_ids()
         except ValueError as exc:
@@ -154,8 +169,25 @@ class Session:
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
+    def admitted(self) -> None:
+        """This process joined a formed elastic job: it is alone in its default group.
+
+        Its first view comes with the server's notice of its join; it forms a group
+        with the others when they all call ``regroup`` over that view.
+        """
+        self.views = Views(-1, [self.rank])
+        self.joined_late = True
+        self.world = ProcessGroup(self, (self.rank,), name=self.group_name, group_id=0)
+        self.groups = {0: self.world}
+        self.numbering = (self.rank,)
+
     def next_group_id(self) -> int:
         return next(self._group_ids)
+
+    def number_groups_from(self, first: int) -> None:
+        """Number the next groups from ``first`` (after ``regroup``: a newcomer's count
+        of groups made before it came would differ from the others')."""
+        self._group_ids = itertools.count(first)
 
     async def members(self) -> list[MemberInfo]:
         """Every member of the job in rank order: host, pid and data-plane addresses.
@@ -171,6 +203,11 @@ class Session:
         if self._members_loading is None:
             self._members_loading = linger(self._load_members())  # an operation waits on it
         return await asyncio.shield(self._members_loading)
+
+    def forget_members(self) -> None:
+        """The job grew: fetch the member table again on next use."""
+        self._members = None
+        self._members_loading = None
 
     async def _load_members(self) -> list[MemberInfo]:
         try:
@@ -198,16 +235,29 @@ class Session:
         """
         if (stalled := self._declared_failed()) is not None:
             return stalled
+        # Groups broken before (a failure the survivors went on from) explain nothing now.
+        before = {id(g) for g in self.groups.values() if g.error is not None}
+
+        def newly_broken() -> DistError | None:
+            return next(
+                (
+                    g.error
+                    for g in self.groups.values()
+                    if g.error is not None and id(g) not in before
+                ),
+                None,
+            )
+
         with anyio.move_on_after(self.heartbeat_timeout):
-            while self.error is None and rank not in self.plane.left and not self._trouble.is_set():
+            while self.error is None and rank not in self.plane.left and newly_broken() is None:
                 await self._news.wait()
         left = self.plane.left.get(rank)
         if self.error is None and left is not None:
-            # It left the job (its goodbye may have been lost with a reset connection):
+            # It left or failed (its goodbye may have been lost with a reset connection):
             # only what needs it fails.
             self.plane.peer_left(rank, left)
             return left
-        broken = next((g.error for g in self.groups.values() if g.error is not None), None)
+        broken = newly_broken()
         if self.error is None and broken is not None:
             # A member's notice explained it (say, a mismatch made everyone leave):
             # the peer did not fail, and the session stays as usable as it was.
@@ -326,6 +376,7 @@ class Session:
             if rank == self.rank or not 0 <= rank < self.world_size:
                 continue
             self._left_info[rank] = (host, pid)
+            self.views.gone(rank)
             self.plane.peer_left(rank, rank_left_error(rank, host, pid))
         self._wake()
 
@@ -342,21 +393,15 @@ class Session:
         elif isinstance(notice, ServerLost):
             if not self.closed:
                 self.fail(notice.error)  # it names the server, and says what it means
+        elif isinstance(notice, MembersJoined):
+            follow_join(self, notice)
         elif isinstance(notice, MemberFailed):
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
                 self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
-            self.fail(
-                RankFailedError(
-                    f"rank {notice.rank} (host {notice.host}, pid {notice.pid}) failed: "
-                    f"{notice.reason}; group {self.group_name!r} is broken on all ranks. "
-                    "Restart the job.",
-                    rank=notice.rank,
-                    host=notice.host,
-                    pid=notice.pid,
-                    reason=notice.reason,
-                )
-            )
+            self.views.gone(notice.rank)
+            # Only what needs it breaks (failure isolation, membership.py).
+            isolate_failure(self, notice.rank, notice.host, notice.pid, notice.reason)
 
     def note_trouble(self) -> None:
         """A group of this session broke: wake whoever waits for the first sign of trouble."""

@@ -64,6 +64,7 @@ __all__ = [
     "is_ucc_available",
     "is_xccl_available",
     "master_only",
+    "replace_default_group",
     "take_default",
 ]
 
@@ -134,6 +135,12 @@ def install_default(default: DefaultGroup) -> None:
             "the default process group is already initialised; call destroy_process_group() first"
         )
     _default = default
+
+
+def replace_default_group(old: ProcessGroup, new: ProcessGroup) -> None:
+    """Make ``new`` the default group in place of ``old`` (``shrink_group`` of the default)."""
+    if _default is not None and _default.group is old:
+        _default.group = new
 
 
 def take_default() -> DefaultGroup | None:
@@ -220,7 +227,7 @@ def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
         return group_rank
     if not isinstance(group_rank, int) or not 0 <= group_rank < g.world_size:
         raise ArgumentError(f"Group rank {group_rank} is not part of group {g!r}")
-    return g.global_rank(group_rank)
+    return _renumbered(g, g.global_rank(group_rank))
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
@@ -234,7 +241,15 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
         raise ArgumentError(
             "Default process group has not been initialized, call init_process_group"
         )
-    return list(g.ranks)
+    if g is get_default_group():
+        return list(range(g.world_size))
+    return [_renumbered(g, r) for r in g.ranks]
+
+
+def _renumbered(g: ProcessGroup, job_rank: int) -> int:
+    """The global rank a user knows job rank ``job_rank`` by (it changes with shrink_group)."""
+    numbering = g.session.numbering
+    return job_rank if numbering is None else numbering.index(job_rank)
 
 
 def _registered(group: ProcessGroup | None) -> ProcessGroup:

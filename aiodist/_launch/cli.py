@@ -190,7 +190,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "-n", "--nproc-per-node", "--nproc_per_node", type=int, default=1, dest="nproc"
     )
-    run.add_argument("--nnodes", type=int, default=1, help="nodes, one launcher each")
+    run.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="nodes, one launcher each; MIN:MAX makes the job elastic, as with torchrun: it "
+        "forms with MIN nodes' ranks, and nodes up to MAX join it later (next free ranks)",
+    )
     run.add_argument(
         "--node-rank",
         "--node_rank",
@@ -241,6 +247,20 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="when a rank fails, stop the others and start them all again, up to this "
         "many times (each start is a new generation of the job)",
+    )
+    run.add_argument(
+        "--replace-failed",
+        "--replace_failed",
+        action="store_true",
+        help="when a rank fails, start a replacement that joins the running (elastic) job "
+        "with the next free rank; the other ranks are not stopped",
+    )
+    run.add_argument(
+        "--max-replacements",
+        "--max_replacements",
+        type=int,
+        default=16,
+        help="with --replace-failed, how many replacements to start at most",
     )
     run.add_argument(
         "--token-file",
@@ -566,7 +586,12 @@ def _run(args: argparse.Namespace) -> int:
     from aiodist._launch.run import LaunchSpec, launch
 
     cmd = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
-    if args.standalone and (args.nnodes != 1 or args.rdzv_endpoint or args.master_addr):
+    try:
+        lo, _, hi = args.nnodes.partition(":")
+        nnodes, max_nnodes = int(lo), int(hi) if hi else 0
+    except ValueError:
+        return _fail("run", f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}", 2)
+    if args.standalone and (nnodes != 1 or max_nnodes or args.rdzv_endpoint or args.master_addr):
         return _fail(
             "run",
             "--standalone runs one node with a server of its own: leave out --nnodes, "
@@ -578,7 +603,10 @@ def _run(args: argparse.Namespace) -> int:
         spec = LaunchSpec(
             cmd,
             nproc=args.nproc,
-            nnodes=args.nnodes,
+            nnodes=nnodes,
+            max_nnodes=max_nnodes,
+            replace_failed=args.replace_failed,
+            max_replacements=args.max_replacements,
             node_rank=args.node_rank,
             master_addr=args.master_addr,
             master_port=args.master_port,

@@ -62,6 +62,7 @@ async def init_process_group(
     heartbeat_interval: float | None = None,
     heartbeat_timeout: float | None = None,
     hostname: str | None = None,
+    max_world_size: int | None = None,
 ) -> None:
     """Join the job and make it the default process group.
 
@@ -89,6 +90,10 @@ async def init_process_group(
         heartbeat_interval: Seconds between heartbeats.
         heartbeat_timeout: Silence after which a rank is declared failed.
         hostname: The host this rank counts as when computing local ranks.
+        max_world_size: Make the job elastic (torchrun's ``--nnodes MIN:MAX``, with
+            ``world_size`` the MIN): processes that join it after it formed get
+            the next free rank and join the others with ``regroup`` (default
+            ``$AIODIST_MAX_WORLD_SIZE``; 0: not elastic). See the elastic guide.
 
     With ``backend="gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``, torch.distributed's
     default group is brought up too, through this job's store (no second port):
@@ -136,6 +141,7 @@ async def init_process_group(
                 heartbeat_interval=heartbeat_interval,
                 heartbeat_timeout=heartbeat_timeout,
                 hostname=hostname,
+                max_world_size=max_world_size,
             ) as group:
                 started.set_result(group)
                 try:

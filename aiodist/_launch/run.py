@@ -44,7 +44,7 @@ from aiodist._launch.output import Sink, pump
 from aiodist._launch.placement import first_failed_rank, parse_endpoint, place_server
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
     from aiodist._server.serve import RendezvousServer
 
@@ -53,6 +53,7 @@ __all__ = ["LaunchResult", "LaunchSpec", "launch", "rank_env"]
 logger = logging.getLogger(__name__)
 
 STOP_GRACE: Final = 5.0
+DEFAULT_MAX_REPLACEMENTS: Final = 16
 SERVER_LINGER: Final = 60.0
 PUMP_DRAIN: Final = 2.0  # after the ranks exit, how long their last output may take
 CULPRIT_GRACE: Final = 2.0  # how long the rank that failed first may take to exit
@@ -79,6 +80,13 @@ class LaunchSpec:
         token: The token the server requires (default ``$AIODIST_TOKEN``);
             the ranks get it as ``AIODIST_TOKEN``.
         prefix: Prefix each output line with the rank.
+        max_nnodes: torchrun's ``--nnodes MIN:MAX``: ``nnodes`` is MIN, and the job
+            is elastic up to this many nodes (0: not elastic). The nodes past MIN
+            join the formed job: their ranks get the next free ranks.
+        replace_failed: Start a replacement for a rank that fails, without
+            stopping the others; the job is elastic, and the replacement joins
+            it with the next free rank (at most ``max_replacements`` in all).
+        max_replacements: How many replacements this launcher starts at most.
     """
 
     cmd: list[str]
@@ -92,13 +100,22 @@ class LaunchSpec:
     max_restarts: int = 0
     token: str | None = None
     prefix: bool = True
+    max_nnodes: int = 0
+    replace_failed: bool = False
+    max_replacements: int = DEFAULT_MAX_REPLACEMENTS
 
     def __post_init__(self) -> None:
+        if self.max_nnodes and self.max_nnodes < self.nnodes:
+            raise ValueError(
+                f"--nnodes MIN:MAX needs MIN <= MAX, got {self.nnodes}:{self.max_nnodes}"
+            )
+        if self.max_replacements < 0:
+            raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
         if self.nproc < 1:
             raise ValueError(f"-n/--nproc-per-node must be >= 1, got {self.nproc}")
         if self.nnodes < 1:
             raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
+        if not 0 <= self.node_rank < max(self.nnodes, self.max_nnodes):
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}")
@@ -125,6 +142,17 @@ class LaunchSpec:
     def world_size(self) -> int:
         return self.nnodes * self.nproc
 
+    @property
+    def max_world_size(self) -> int:
+        """The elastic job's largest size (``AIODIST_MAX_WORLD_SIZE``); 0: not elastic."""
+        if self.max_nnodes:
+            return self.max_nnodes * self.nproc
+        return self.world_size if self.replace_failed else 0
+
+    def joins_late(self) -> bool:
+        """This node is past MIN of ``--nnodes MIN:MAX``: its ranks join the formed job."""
+        return self.node_rank >= self.nnodes
+
     def job_name(self, master: tuple[str, int]) -> str:
         """The job's name: ``job_id``, else one every node derives alike, else a fresh one."""
         if self.job_id:
@@ -149,6 +177,8 @@ def rank_env(
     job_id: str,
     base: Mapping[str, str],
     restart: int = 0,
+    *,
+    replacement: bool = False,
 ) -> dict[str, str]:
     """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables.
 
@@ -176,6 +206,12 @@ def rank_env(
         AIODIST_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
     )
+    if spec.max_world_size:
+        env["AIODIST_MAX_WORLD_SIZE"] = str(spec.max_world_size)
+    if replacement or spec.joins_late():
+        # It joins the formed elastic job: the server gives it the next free rank.
+        for name in ("RANK", "ROLE_RANK"):
+            del env[name]
     if spec.token is not None:
         env["AIODIST_TOKEN"] = spec.token
     if spec.nproc > 1:
@@ -221,8 +257,14 @@ class _Ranks:
             self.kill(signal.SIGKILL)
         self.changed.set()
 
-    async def wait_all(self) -> tuple[int, int] | None:
-        """Wait until all ranks exit 0 (None), one fails ((index, code)), or a signal came."""
+    async def wait_all(
+        self, replace: Callable[[int, int], Awaitable[bool]] | None = None
+    ) -> tuple[int, int] | None:
+        """Wait until all ranks exit 0 (None), one fails ((index, code)), or a signal came.
+
+        With ``replace``, a rank that fails is first offered to it (its index and
+        code): when it started a replacement in ``procs[index]``, the run goes on.
+        """
         waiters = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self.procs)}
         changed = asyncio.ensure_future(self.changed.wait())
         try:
@@ -235,6 +277,9 @@ class _Ranks:
                         continue
                     i = waiters.pop(fut)
                     if fut.result() != 0 and not self.signals:
+                        if replace is not None and await replace(i, fut.result()):
+                            waiters[asyncio.ensure_future(self.procs[i].wait())] = i
+                            continue
                         return i, fut.result()
             return None
         finally:
@@ -339,26 +384,56 @@ async def _run_ranks(
     loop = asyncio.get_running_loop()
     width = len(str(spec.world_size - 1))
     failed: tuple[int, int] | None = None
+    where = _where(spec)
     async with anyio.create_task_group() as pumps:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, ranks.on_signal, sig)
-            for i in range(spec.nproc):
+            replaced = 0
+            generations = [0] * spec.nproc  # replacements started per local rank
+
+            async def start(i: int, replacement: bool = False) -> None:
+                env = rank_env(
+                    spec, i, master, job_id, os.environ, restart, replacement=replacement
+                )
                 proc = await asyncio.create_subprocess_exec(
                     *spec.cmd,
-                    env=rank_env(spec, i, master, job_id, os.environ, restart),
+                    env=env,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                     start_new_session=True,
                 )
-                ranks.procs.append(proc)
-                tag = f"[rank {ranks.global_rank(i):>{width}}] ".encode() if spec.prefix else b""
+                if replacement:
+                    ranks.procs[i] = proc
+                else:
+                    ranks.procs.append(proc)
+                name = f"{ranks.global_rank(i):>{width}}"
+                if replacement:  # "rank 3+1": the first replacement of local rank 3's process
+                    generations[i] += 1
+                    name += f"+{generations[i]}"
+                tag = f"[rank {name}] ".encode() if spec.prefix else b""
                 assert proc.stdout is not None
                 assert proc.stderr is not None
                 pumps.start_soon(pump, proc.stdout, out, tag)
                 pumps.start_soon(pump, proc.stderr, err, tag)
-            failed = await ranks.wait_all()
+
+            async def replace(i: int, code: int) -> bool:
+                nonlocal replaced
+                if not spec.replace_failed or replaced >= spec.max_replacements:
+                    return False
+                replaced += 1
+                err.line(
+                    f"aiodist run: rank {ranks.global_rank(i)}'s process (pid "
+                    f"{ranks.procs[i].pid}){where} {_describe(code)}; starting a replacement "
+                    f"({replaced} of at most {spec.max_replacements}), the others go on"
+                )
+                await start(i, replacement=True)
+                return True
+
+            for i in range(spec.nproc):
+                await start(i)
+            failed = await ranks.wait_all(replace if spec.replace_failed else None)
             if failed is not None and blame is not None:
                 failed = await _culprit(spec, ranks, failed, blame())
             running = len(ranks.running())
@@ -369,7 +444,6 @@ async def _run_ranks(
                     loop.remove_signal_handler(sig)
             # A rank's child may hold its pipes open: bound the wait for the last output.
             pumps.cancel_scope.deadline = anyio.current_time() + PUMP_DRAIN
-    where = _where(spec)
     if ranks.signals:
         sig = ranks.signals[0]
         codes = ", ".join(

@@ -340,6 +340,9 @@ def _check_group_ranks(
     if ranks is None:
         return list(parent.ranks)
     allowed = set(parent.ranks)
+    numbering = parent.session.numbering  # the default group was shrunk: global ranks renumbered
+    if numbering is not None and not isinstance(ranks, str | bytes) and hasattr(ranks, "__iter__"):
+        ranks = [_job_rank(r, numbering) for r in ranks]
     if isinstance(ranks, str | bytes) or not hasattr(ranks, "__iter__"):
         raise ArgumentTypeError(f"ranks must be a sequence of ints, got {type(ranks).__name__}")
     members = list(ranks)
@@ -353,6 +356,18 @@ def _check_group_ranks(
     if not members:
         raise ArgumentError("ranks must name at least one rank")
     return sorted(members) if sort_ranks else members
+
+
+def _job_rank(rank: object, numbering: tuple[int, ...]) -> Any:
+    """The job rank of global ``rank`` after shrink_group renumbered the default group."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return rank  # refused with the others
+    if not 0 <= rank < len(numbering):
+        raise ArgumentError(
+            f"rank {rank} is not a global rank: the default group has {len(numbering)} ranks "
+            "since shrink_group renumbered them"
+        )
+    return numbering[rank]
 
 
 def _by_rank(values: list[Any]) -> str:

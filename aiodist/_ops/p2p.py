@@ -84,8 +84,8 @@ def peer_of(
         return g.global_rank(group_peer)
     if peer is None:
         raise ArgumentError(f"Must specify {name} or group_{name}")
-    g.group_rank_of(peer, name)  # a member, as in torch.distributed
-    return peer
+    # A member, as in torch.distributed; its job rank (renumbered after shrink_group).
+    return g.global_rank(g.group_rank_of(peer, name))
 
 
 def any_peer(

@@ -31,6 +31,9 @@ from aiodist._wire.handshake import Refused, Role, TokenHandshake, peer_binding
 from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import MessageKind
 
+# Hellos a plane keeps from newcomers of an elastic job that it does not know yet.
+MAX_EARLY_HELLOS = 64
+
 if TYPE_CHECKING:
     from aiodist._plane.core import PlaneCore
     from aiodist._plane.receives import Posted
@@ -135,6 +138,13 @@ class ChannelState:
             core.early_hellos.append((self, channel, header))
             return
         known = core.world_size
+        if core.elastic and known and job == core.job and type(rank) is int and rank >= known:
+            # A newcomer of an elastic job whose hello came before the server's news of
+            # it: answer once the plane grows (``DataPlane.grow``), bounded like a stranger.
+            if len(core.early_hellos) >= MAX_EARLY_HELLOS:
+                raise ProtocolError(f"too many hellos from ranks not known yet (rank {rank})")
+            core.early_hellos.append((self, channel, header))
+            return
         if job != core.job or type(rank) is not int or not 0 <= rank < (known or rank + 1):
             raise ProtocolError(f"peer hello from job {job!r} rank {rank!r} does not belong here")
         token = core.token

@@ -163,6 +163,21 @@ class Connections(PlaneCore):
         self._host_ids = host_ids
         self.set_rank(rank, world_size)
 
+    @property
+    def host_ids(self) -> Sequence[int]:
+        """The host id of every rank (equal ids, same host)."""
+        return self._host_ids
+
+    def grow(self, world_size: int, host_ids: Sequence[int]) -> None:
+        """The job grew to ``world_size`` ranks (an elastic job admitted newcomers).
+
+        The peer table is fetched again on the next connect; hellos of newcomers
+        that came before this news are answered now.
+        """
+        self._host_ids = host_ids
+        self._table = None
+        self.set_rank(self.rank, world_size)
+
     def all_local(self, ranks: Sequence[int]) -> bool:
         """True if every one of ``ranks`` (global) runs on this host."""
         ids = self._host_ids
@@ -221,6 +236,9 @@ class Connections(PlaneCore):
     async def _open_channel(self, dst: int) -> DataChannel:
         side = ChannelState(self)
         addresses = (await self.addresses()).get(dst, ())
+        if not addresses and dst < self.world_size:
+            self._table = None  # fetched before the job grew: fetch it again
+            addresses = (await self.addresses()).get(dst, ())
         local = self.all_local([dst])
         try:
             channel = await routes.connect(

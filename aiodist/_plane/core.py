@@ -109,6 +109,7 @@ class PlaneCore:
         self.token = token
         self.rank = -1
         self.world_size = 0
+        self.elastic = False  # an elastic job: ranks may join (DataPlane.grow)
         self.matcher: Matcher[Posted, Received] = Matcher()
         self.bulk = BulkTransfers(self)
         self.peers: dict[int, Peer] = {}
@@ -345,8 +346,13 @@ class PlaneCore:
 
     # --- failing ------------------------------------------------------------------------
 
-    def fail(self, exc: BaseException, group_id: int | None = None) -> None:
+    def fail(
+        self, exc: BaseException, group_id: int | None = None, *, keep_p2p: bool = False
+    ) -> None:
         """Fail every posted receive (of ``group_id``, if given) with ``exc``.
+
+        With ``keep_p2p``, point-to-point receives stay posted (a member of the
+        group failed: receives from the others may still be matched).
 
         That includes receives whose payload is arriving: they left the matcher, and
         the connection carrying the rest may outlive the failure (a dead rank's last
@@ -354,7 +360,9 @@ class PlaneCore:
         """
 
         def hit(key: tuple[int, ...]) -> bool:
-            return group_id is None or key[1] == group_id
+            return (group_id is None or key[1] == group_id) and not (
+                keep_p2p and key[0] in _P2P_KINDS
+            )
 
         self.bulk.forget(group_id)  # their senders fail too: never clear them
         posted_list = self.matcher.take_posted_where(hit)
@@ -401,6 +409,16 @@ class PlaneCore:
         self._restate(peer)
         if not peer.channels:
             self._settle_left(rank)  # else channel_closed settles it
+
+    def peer_failed(self, rank: int, exc: BaseException) -> None:
+        """``rank`` failed (the server said so): what needs it fails with ``exc``, now.
+
+        As ``peer_left``, but its channels are dropped at once: a failed rank may be
+        frozen with its connections open, and nothing it sent last is awaited.
+        """
+        self.peer_left(rank, exc)
+        for channel in list(self.peer(rank).channels):
+            self.abort(channel)  # closed: channel_closed then settles what waits on it
 
     def forget_channels(self) -> None:
         """Every channel was closed (the plane closed): none is open any more."""

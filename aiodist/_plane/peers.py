@@ -222,9 +222,11 @@ class DataPlane(Connections):
     def send_to(self, rank: int, kind: MessageKind, header: list[Any]) -> None:
         self.send_notice(rank, kind, header)  # the core's action (bulk's clears and credits)
 
-    def fail(self, exc: BaseException, group_id: int | None = None) -> None:
+    def fail(
+        self, exc: BaseException, group_id: int | None = None, *, keep_p2p: bool = False
+    ) -> None:
         """Fail every posted receive (of ``group_id``, if given) with ``exc`` (``PlaneCore``)."""
-        if group_id is None and self.use_shm:  # a rank died (or the session broke)
+        if (group_id is None or keep_p2p) and self.use_shm:  # a rank died (or the session broke)
             self.failed = True
             shm.remove_stale()  # its segments may linger
-        super().fail(exc, group_id)
+        super().fail(exc, group_id, keep_p2p=keep_p2p)

@@ -25,6 +25,7 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
+from aiodist._group.membership import ranks_alive
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._rpc.calls import Call, Deadlines, Request
@@ -64,7 +65,6 @@ class Agent:
         self.session = session
         self.plane = session.plane
         self.rank = session.rank
-        self.world_size = session.world_size
         self.loop = asyncio.get_running_loop()
         self.thread = threading.get_ident()
         self.calls: dict[int, Call] = {}
@@ -78,8 +78,14 @@ class Agent:
         self._idle: list[asyncio.Future[None]] = []
         self.server = Server(self)
         self.termination = Termination(self)
+        session.on_member_failed.append(self.termination.member_gone)
 
     # --- state --------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks so far (an elastic job admits newcomers with the next ranks)."""
+        return self.session.world_size
 
     def check_usable(self) -> None:
         """Raise if this rank may not make calls (session broken or closed, rpc shut down)."""
@@ -88,6 +94,10 @@ class Agent:
         self.session.check_usable()
         if self.shut_down:
             raise self.closed_reason()
+
+    def ranks_alive(self) -> list[int]:
+        """The ranks that neither failed nor left (rpc.shutdown completes among them)."""
+        return ranks_alive(self.session)
 
     def closed_reason(self) -> ClosedError:
         if self.closed:

@@ -101,7 +101,9 @@ def _encode_function(fn: object) -> tuple[bytes, str]:
 class Caller(Protocol):
     """What ``prepare`` needs of the agent a call is for."""
 
-    world_size: int
+    @property
+    def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
+
     default_timeout: float
 
 

@@ -61,7 +61,10 @@ class RRefAgent(Protocol):
     """What an RRef needs of its rank's rpc agent (``agent.Agent``)."""
 
     rank: int
-    world_size: int
+
+    @property
+    def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
+
     default_timeout: float
     loop: asyncio.AbstractEventLoop
     thread: int

@@ -58,7 +58,10 @@ class Host(Protocol):
     """What ``rpc.shutdown`` needs of its rank's agent (``agent.Agent``)."""
 
     rank: int
-    world_size: int
+
+    @property
+    def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
+
     loop: asyncio.AbstractEventLoop
     plane: DataPlane
     sent: int  # calls this rank made
@@ -67,6 +70,8 @@ class Host(Protocol):
     def server(self) -> _Served: ...
 
     def closed_reason(self) -> DistError: ...
+
+    def ranks_alive(self) -> list[int]: ...
 
     def finish_shutdown(self, *, force: bool = False) -> None: ...
 
@@ -123,7 +128,7 @@ class Termination:
     def _late_message(self, timeout: float | None) -> str:
         if self.agent.rank == COORDINATOR:
             got = self._reports.get(self._wave, {})
-            late = [r for r in range(self.agent.world_size) if r not in got]
+            late = [r for r in self.agent.ranks_alive() if r not in got]
             who = (
                 f"ranks {late} had not called it or were still busy"
                 if late
@@ -166,12 +171,24 @@ class Termination:
     def _collect(self, src: int, wave: int, counters: tuple[int, int]) -> None:
         got = self._reports.setdefault(wave, {})
         got[src] = counters
-        if len(got) < self.agent.world_size:
+        self._decide(wave)
+
+    def member_gone(self, rank: int) -> None:
+        """``rank`` failed: the coordinator no longer waits for its report."""
+        if self.agent.rank == COORDINATOR and self._wave in self._reports:
+            self._decide(self._wave)
+
+    def _decide(self, wave: int) -> None:
+        got = self._reports.get(wave, {})
+        alive = self.agent.ranks_alive()  # shutdown completes among the ranks still alive
+        if not set(alive) <= got.keys() or self._verdict(wave).done():
             return
+        got = {r: c for r, c in got.items() if r in alive}
         stop = self._reports.get(wave - 1) == got
+        self._reports[wave] = got
         self._reports.pop(wave - 1, None)
         logger.debug("rpc.shutdown wave %d complete: %s", wave, "stop" if stop else "again")
-        for rank in range(self.agent.world_size):
+        for rank in alive:
             if rank == self.agent.rank:
                 self.on_message(rank, [_Kind.VERDICT, wave, stop])
             else:

@@ -89,6 +89,12 @@ class Job:
     world_size: int
     created_at: float
     generation: int = 0  # the how-many-th start of the job under this name
+    # Elastic jobs (``grow.py``): it forms with ``min_world_size`` members and admits
+    # joiners while fewer than ``max_world_size`` are alive (0: not elastic);
+    # ``world_size`` is then its rank space. ``epoch`` counts membership changes.
+    min_world_size: int = 0
+    max_world_size: int = 0
+    epoch: int = 0
     formed_at: float | None = None
     ended: bool = False  # its last member is gone (its ``job_finished`` was recorded)
     end_reason: str = ""  # why a job was dropped: it never formed, or the server shut down
@@ -154,6 +160,13 @@ class Job:
 
     def forget_table(self) -> None:
         """A member's entry changed (it re-registered): encode the table again when asked."""
+        self._packed_table = None
+
+    def grown(self, member: Member) -> None:
+        """Admit ``member`` into the formed job as its next rank (``grow.py``)."""
+        member.rank = self.world_size
+        self.world_size += 1
+        self.by_rank.append(member)
         self._packed_table = None
 
     def add(self, member: Member) -> None:

@@ -15,13 +15,18 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   order hosts first joined, so ranks on one host are contiguous and
   ``local_rank`` means what torchrun means.
 - A member of a complete job whose connection drops, or who misses heartbeats,
-  has *failed*: every other member is told once, pending waits of the job fail
-  with RANK_FAILED, and the job is broken for good. A member that leaves
-  cleanly has not failed: the others are told (``MembersLeft``, at most one
-  notice per ``LEAVE_NOTICE_INTERVAL``, stretched for jobs of more than
+  has *failed*: every other member is told once, and the job's barriers (which
+  need every member) fail with RANK_FAILED, now and later. Nothing else
+  breaks: the store, and the groups that do not contain it, go on (failure
+  isolation; the members break the groups that contain it). A member that
+  leaves cleanly has not failed: the others are told (``MembersLeft``, at most
+  one notice per ``LEAVE_NOTICE_INTERVAL``, stretched for jobs of more than
   ``LEAVE_NOTICE_FANOUT`` members, so a job of N members ending costs O(N)
   notices, not O(N^2)), and the barriers it will not reach fail. A
   forming member that disconnects simply drops out.
+- Members agree on a group's next membership through the server
+  (``Regroup``, ``elastic.py``): a failure or a leave is fed to the pending
+  agreements, so that every caller gets the same answer.
 - A job's state is dropped when its last member is gone.
 - A job is started anew under the same name with a later *generation* (a
   launcher's restart count, in ``Join``): the first member of the later
@@ -44,14 +49,15 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgpack
 
 from aiodist._errors import ErrorCode
+from aiodist._server.elastic import Agreement, Agreements
 from aiodist._server.events import JobLog
+from aiodist._server.grow import Growth, check_admission, host_runs
 from aiodist._server.jobs import (
     BadRequest,
     Close,
@@ -76,6 +82,7 @@ from aiodist._wire.messages import (
     MembersLeft,
     MembersRequest,
     Packed,
+    Regroup,
     Reply,
     ServerClosing,
     StatusRequest,
@@ -114,11 +121,12 @@ class Stats:
     messages: int = 0
 
 
-class ServerState(StoreAndBarriers):
+class ServerState(StoreAndBarriers, Agreements, Growth):
     """All jobs of one server. Feed it messages and time; collect actions."""
 
     def __init__(self, now: float) -> None:
-        super().__init__()
+        StoreAndBarriers.__init__(self)
+        Agreements.__init__(self)
         self.started_at = now
         self.version = ""  # reported by status; the shell fills it in
         self.closing = False
@@ -195,6 +203,8 @@ class ServerState(StoreAndBarriers):
                 self._join_timed_out(timer.target, now)
             elif isinstance(timer.target, LeaveNotice):
                 self._send_leave_notice(timer.target.job, now)
+            elif isinstance(timer.target, Agreement):
+                self._agreement_timed_out(timer.target)
             else:
                 self._waiter_timed_out(timer.target)
         if self._next_sweep is not None and self._next_sweep <= now:
@@ -250,14 +260,18 @@ class ServerState(StoreAndBarriers):
             if member.status != "failed":
                 member.status = "left"
             if was_active:
+                job.epoch += 1
                 job.left[member.rank] = (member.host, member.pid)
-                if not job.failures:  # after a failure, every member knows the job is broken
-                    self._announce_leave(member, now)
+                self._announce_leave(member, now)
             self._send(conn, Reply(msg.req_id, None))
             self._remove(member, now)
             state.member = None
+            if was_active:
+                self._members_gone(job)
         elif isinstance(msg, Barrier):
             self._barrier(member, msg, now)
+        elif isinstance(msg, Regroup):
+            self._regroup(member, msg, now)
         elif isinstance(msg, MembersRequest):
             if not job.complete:
                 raise BadRequest(
@@ -295,6 +309,7 @@ class ServerState(StoreAndBarriers):
         _validate_join(msg)
         job = self.jobs.get(msg.group_name)
         previous = None
+        grow = False  # a join of a formed elastic job (grow.py)
         if job is not None and msg.generation != job.generation:
             if msg.generation < job.generation:
                 raise BadRequest(
@@ -307,19 +322,29 @@ class ServerState(StoreAndBarriers):
             previous, job = job, None
             del self.jobs[previous.name]  # its members go on in the record they hold
         if job is None:
-            job = Job(msg.group_name, msg.world_size, created_at=now, generation=msg.generation)
+            job = Job(
+                msg.group_name,
+                msg.world_size,
+                created_at=now,
+                generation=msg.generation,
+                min_world_size=msg.world_size,
+                max_world_size=msg.max_world_size,
+            )
             self.jobs[msg.group_name] = job
             self.log.job_created(job, previous)
-        elif job.world_size != msg.world_size:
+        elif job.min_world_size != msg.world_size:
             if not job.complete:
                 self._break_forming_job(job, msg, now)  # raises for the newcomer
             raise BadRequest(
                 ErrorCode.WORLD_SIZE_MISMATCH,
-                f"job {job.name!r} is running with world_size {job.world_size}, but this "
+                f"job {job.name!r} is running with world_size {job.min_world_size}, but this "
                 f"process asked for {msg.world_size}; start every rank with the same world "
                 "size, or use another group_name",
-                {"world_sizes": [job.world_size, msg.world_size]},
+                {"world_sizes": [job.min_world_size, msg.world_size]},
             )
+        elif job.complete and job.max_world_size:
+            check_admission(job, msg)
+            grow = True
         elif job.complete:
             if msg.rank >= 0 and (taken := job.by_rank[msg.rank]) in job.members:
                 raise _rank_taken(job, msg.rank, taken)
@@ -352,6 +377,9 @@ class ServerState(StoreAndBarriers):
         # with the old, longer interval.
         if self._next_sweep is None or now + self._sweep_interval < self._next_sweep:
             self._next_sweep = now + self._sweep_interval
+        if grow:
+            self._admit(member, now)
+            return
         if len(job.members) < job.world_size:
             self._push_timer(now + msg.timeout, member)
             return
@@ -360,17 +388,9 @@ class ServerState(StoreAndBarriers):
         job.formed_at = now
         self.stats.jobs_formed += 1
         self.log.job_formed(job, now)
-        local_sizes = Counter(m.host for m in job.by_rank)  # one pass, not O(N^2)
-        host_index = {host: i for i, host in enumerate(local_sizes)}
-        runs: list[list[int]] = []
-        for m in job.by_rank:
-            host_id = host_index[m.host]
-            if runs and runs[-1][0] == host_id:
-                runs[-1][1] += 1
-            else:
-                runs.append([host_id, 1])
+        local_sizes, runs = host_runs(job.by_rank)
         # Encoded once for the whole job: every member gets the same bytes.
-        host_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
+        packed_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
         for m in job.by_rank:
             m.done = True  # its join deadline no longer applies
             m.status = "active"
@@ -383,7 +403,7 @@ class ServerState(StoreAndBarriers):
                     job.world_size,
                     m.local_rank,
                     local_sizes[m.host],
-                    host_runs,
+                    packed_runs,
                     self.restartable,
                 ),
             )
@@ -463,6 +483,7 @@ class ServerState(StoreAndBarriers):
                 waiter.done = True
             if job.leave_notice is not None:
                 job.leave_notice.done = True  # nobody is left to tell
+            self._jobs_ended(job)
             self.log.job_finished(job, now)
 
     def _announce_leave(self, member: Member, now: float) -> None:
@@ -496,29 +517,31 @@ class ServerState(StoreAndBarriers):
     def _fail(self, member: Member, reason: str, now: float) -> None:
         job = member.job
         member.status = "failed"
+        job.epoch += 1
         self.stats.failures += 1
         self.log.rank_failed(member, reason, now)
-        first = not job.failures
         job.failures.append((member.rank, member.host, member.pid, reason))
-        if first:
-            # Told once: a member's groups break with the first failure, so telling every
-            # member of every later one (a whole job killed) cost O(N^2) and changed nothing.
-            notice = MemberFailed(member.rank, member.host, member.pid, reason)
-            for other in job.members:
-                if other is not member and other.status == "active":
-                    self._send(other.conn, notice)
+        # Every failure is told to every member: each breaks only the groups that
+        # contain the failed rank (failure isolation), so a later one matters too.
+        notice = MemberFailed(member.rank, member.host, member.pid, reason)
+        for other in job.members:
+            if other is not member and other.status == "active":
+                self._send(other.conn, notice)
         message = (
             f"rank {member.rank} (host {member.host}, pid {member.pid}) failed: {reason}; "
-            f"job {job.name!r} is broken on all ranks. Restart the job."
+            f"the barriers of job {job.name!r} need every member and fail from now on. "
+            "Groups that do not contain it go on (see shrink_group)."
         )
         details = {"rank": member.rank, "host": member.host, "pid": member.pid, "reason": reason}
-        for waiter in job.all_waiters():
+        # Only the job's barriers need every member; the store goes on (failure isolation).
+        for waiter in [w for b in job.barriers.values() for w in b.arrived.values()]:
             if not waiter.done:
                 waiter.done = True
                 self._send(
                     waiter.conn, ErrorReply(waiter.req_id, ErrorCode.RANK_FAILED, message, details)
                 )
         job.barriers.clear()
+        self._members_gone(job)
 
     def _sweep(self, now: float) -> None:
         shortest = MAX_SWEEP_INTERVAL  # what the members still here need: it may grow again

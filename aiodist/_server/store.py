@@ -55,13 +55,14 @@ STORE_REQUESTS: Final = (
 
 
 def _check_not_failed(job: Job) -> None:
-    """Refuse to start waiting in a job a member failed in, as its pending waits were."""
+    """Refuse a barrier in a job a member failed in: a job's barrier needs every member."""
     if job.failures:
         rank, host, pid, reason = job.failures[0]
         raise BadRequest(
             ErrorCode.RANK_FAILED,
-            f"rank {rank} (host {host}, pid {pid}) failed: {reason}; job {job.name!r} is "
-            "broken on all ranks. Restart the job.",
+            f"rank {rank} (host {host}, pid {pid}) failed: {reason}; the barriers of job "
+            f"{job.name!r} need every member and fail from now on. Use a group's barrier "
+            "(after shrink_group) instead.",
             {"rank": rank, "host": host, "pid": pid, "reason": reason},
         )
 
@@ -172,12 +173,8 @@ class StoreAndBarriers:
                 if msg.key in kv:
                     self._send(conn, Reply(msg.req_id, kv[msg.key]))
                     return
-                _check_not_failed(job)  # a failed member may never set it: as pending waits
                 keys, packed = [msg.key], b""
             else:
-                # A failed member may never set them: refused, as the pending waits were.
-                if job.failures and not all(k in kv for k in _wait_keys(job, msg.keys)):
-                    _check_not_failed(job)
                 # The same keys watched already: ride along without decoding them again.
                 first = job.watches.get(msg.keys)
                 if first is not None:

@@ -48,6 +48,7 @@ __all__ = ["ASYNC_ONLY", "HANDLES", "GenerateError", "Kind", "classify", "main",
 #: Names of the async API with no blocking twin, and why.
 ASYNC_ONLY: Final[dict[str, str]] = {
     "open_process_group": "an async context manager; plain code uses init_process_group",
+    "watch_membership": "an async iterator of views; plain code polls aiodist.sync.membership",
     "serve_rendezvous": "serves until cancelled; plain code runs `aiodist serve` or lets "
     "init_process_group embed the server",
 }

@@ -34,6 +34,7 @@ from aiodist._wire.messages import (
     Leave,
     MembersRequest,
     Reattach,
+    Regroup,
     StatusRequest,
     StoreAdd,
     StoreCheck,
@@ -214,6 +215,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
         "timeout": _TIMEOUT,
         "generation": _Int(0, _I64 - 1),
         "secret": _Len(0, MAX_SECRET_BYTES, "bytes"),
+        "max_world_size": _Int(0, MAX_WORLD_SIZE),
     },
     Reattach: {
         "req_id": _REQ_ID,
@@ -239,6 +241,13 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     StoreNumKeys: {"req_id": _REQ_ID},
     StoreCheck: {"req_id": _REQ_ID},
     Barrier: {"req_id": _REQ_ID, "seq": _Int(0, _U64), "timeout": _TIMEOUT},
+    Regroup: {
+        "req_id": _REQ_ID,
+        "key": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "group_id": _Int(0, _U64),
+        "members": _Len(1, MAX_WORLD_SIZE, "items"),
+        "timeout": _TIMEOUT,
+    },
     StatusRequest: {"req_id": _REQ_ID},
     DumpRequest: {
         "req_id": _REQ_ID,

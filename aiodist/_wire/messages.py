@@ -39,6 +39,7 @@ __all__ = [
     "MessageKind",
     "Packed",
     "Reattach",
+    "Regroup",
     "Reply",
     "ServerClosing",
     "StatusRequest",
@@ -78,6 +79,7 @@ class MessageKind(enum.IntEnum):
     MEMBERS = 20
     DUMP = 29  # ask every rank of a job to write its flight recorder (``status --dump``)
     REATTACH = 21
+    REGROUP = 22
     # server -> client
     REPLY = 32
     WELCOME = 33
@@ -88,6 +90,7 @@ class MessageKind(enum.IntEnum):
     AUTHENTICATED = 38
     MEMBERS_LEFT = 39
     DUMP_NOTICE = 47  # to each rank of the job a DUMP names
+    MEMBERS_JOINED = 40
     # rank <-> rank (data plane)
     PEER_HELLO = 64
     DATA = 65
@@ -120,6 +123,9 @@ class Join:
     # A random secret of this member: proof of membership when it re-attaches to a
     # server that came back (``Reattach``); kept in the server's durable state.
     secret: bytes = b""
+    # Above 0: the job is elastic (torchrun's ``--nnodes MIN:MAX``): it forms with
+    # ``world_size`` members, and admits later joiners while fewer than this many are alive.
+    max_world_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +236,25 @@ class DumpRequest:
     req_id: int
     job: str
     directory: str
+
+
+@dataclass(frozen=True, slots=True)
+class Regroup:
+    """Agree with other members on a group's next membership (``shrink_group``).
+
+    Every caller names the same ``key`` (the group and how many times it was
+    regrouped), the ``group_id`` the new group takes, and the ranks it expects
+    in it (``members``, its own among them). The server answers every caller
+    with the same sorted list: the members proposed that are still in the job
+    (a member that fails or leaves meanwhile is left out), or the same error.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.REGROUP
+    req_id: int
+    key: str
+    group_id: int
+    members: list[int]
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,6 +473,23 @@ class DumpNotice:
 
 
 @dataclass(frozen=True, slots=True)
+class MembersJoined:
+    """Members that joined a formed elastic job, and the view they make.
+
+    ``epoch`` counts the job's membership changes (joins, failures, leaves);
+    ``world_size`` is the job's rank space now (every rank ever given),
+    ``ranks`` the ranks alive, ``joined`` the newcomers as ``[rank, host, pid]``.
+    The newcomer gets it too, right after its ``Welcome``.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_JOINED
+    epoch: int
+    world_size: int
+    ranks: list[int]
+    joined: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Challenge:
     """The server's nonce; empty when the server requires no token."""
 
@@ -485,6 +527,7 @@ Message = (
     | StoreNumKeys
     | StoreCheck
     | Barrier
+    | Regroup
     | StatusRequest
     | DumpRequest
     | DumpNotice

@@ -450,13 +450,16 @@ async def death(world: int) -> dict[str, Any]:
         rpc.rpc_async(2, wait_forever, (f"p{i}",)) for i in range(3)
     ]
     pending.append(rpc.rpc_async(2, block_until_released))
-    other = rpc.rpc_async(1, wait_forever, ("other",))
+    other = rpc.rpc_async(1, block_until_released)  # in flight on a worker that stays alive
     t0 = time.monotonic()
     dying = rpc.rpc_async(2, die, (how,))
     out["pending"] = [await _outcome(w) for w in [*pending, dying]]
     out["elapsed_s"] = time.monotonic() - t0
+    # Failure isolation: rank 1 is unaffected by rank 2's death.
+    await rpc.rpc_async(1, release)
     out["other"] = await _outcome(other)
     out["after"] = await _outcome_now(lambda: rpc.rpc_async(1, add, (1, 1)))
+    out["to_dead"] = await _outcome_now(lambda: rpc.rpc_async(2, add, (1, 1)))
     return out
 
 
@@ -513,9 +516,6 @@ async def main(scenario: str, rank: int, world: int, port: int) -> None:
     out: dict[str, Any] = {"rank": rank}
     if rank == 0:
         out.update(await MASTERS[scenario](world))
-    if scenario == "death" and rank == 0:
-        print(json.dumps(out), flush=True)
-        os._exit(0)  # the job is broken; nothing is left to shut down
     try:
         await rpc.shutdown()
         out["shutdown"] = "ok"
@@ -524,8 +524,6 @@ async def main(scenario: str, rank: int, world: int, port: int) -> None:
     gc.collect()
     out["deleted"] = sorted(_DELETED)
     print(json.dumps(out), flush=True)
-    if scenario == "death":
-        os._exit(0)  # the job is broken (rank 2 died): leave without the goodbyes
     await aiodist.destroy_process_group()
 
 

@@ -133,8 +133,40 @@ import aiodist
 assert aiodist.infer_launcher() == "mpi"
 """
 
+
+def _survivors_shrank(result: Finished, cwd: Path, world: int) -> None:
+    lines = result.stdout.splitlines()
+    for old, new in ((0, 0), (1, 1), (2, 2)):
+        line = f"[rank {old}] rank {old} is now {new} of 3: [3.0, 3.0]"
+        assert line in lines, result.stdout
+
+
+# The survivors' aiodist logs the broken group (an error) on stderr, which a run must not write.
+_QUIET = "import logging\nlogging.disable(logging.CRITICAL)"
+
 #: page -> first line of a python block -> how it runs.
 PYTHON: dict[str, dict[str, Harnesses]] = {
+    "docs/guide/elastic.md": {
+        "try:": Harness(
+            runs=(("aiodist run", 2),),
+            wrap_async=True,
+            prelude=_JOINED + "grad = torch.ones(2)",
+            epilogue="assert grad.tolist() == [2.0, 2.0], grad",
+        ),
+        "import anyio, torch, aiodist": Harness(
+            runs=(("aiodist run", 4),), prelude=_QUIET, check=_survivors_shrank
+        ),
+        # Three ranks that formed the job: none joined late, the view is the job's first.
+        "await aiodist.init_process_group(world_size=3, max_world_size=4)": Harness(
+            runs=(("aiodist run", 3),),
+            wrap_async=True,
+            prelude="import aiodist",
+            epilogue="view = await aiodist.membership()\n"
+            "await aiodist.barrier()  # nobody leaves (a new view) before all looked\n"
+            "assert (view.epoch, view.ranks) == (0, (0, 1, 2)), view\n"
+            "await aiodist.destroy_process_group()",
+        ),
+    },
     "docs/index.md": {
         'objs = await aiodist.all_gather_object({"loss": 0.5})  # one object per rank': Harness(
             runs=(("aiodist run", 2),),

@@ -868,57 +868,52 @@ def test_connection_lost_in_complete_job_notifies_every_other_member_once(
     assert srv.state.stats.failures == 1
 
 
-def test_connection_lost_fails_pending_waits_and_barriers_with_rank_failed(
-    srv: FakeServer,
-) -> None:
+def test_connection_lost_fails_barriers_and_the_store_goes_on(srv: FakeServer) -> None:
+    """Failure isolation: a job's barrier needs every member, the store does not."""
     a, b, c = srv.form(3)
     get_req = srv.call(a, StoreGet, "k", 30.0)
     wait_req = srv.call(a, StoreWait, pack_keys(["x", "y"]), 30.0)
     barrier_req = srv.call(b, Barrier, 0, 30.0)
     srv.lose(c)
-    msgs_a, msgs_b = srv.take(a), srv.take(b)
-    assert [type(m) for m in msgs_a] == [MemberFailed, ErrorReply, ErrorReply]
-    assert [type(m) for m in msgs_b] == [MemberFailed, ErrorReply]
-    errors = {m.req_id: m for m in [*msgs_a[1:], *msgs_b[1:]]}
-    assert set(errors) == {get_req, wait_req, barrier_req}
-    for err in errors.values():
-        assert ErrorCode(err.code) is ErrorCode.RANK_FAILED
-        assert (err.details["rank"], err.details["pid"]) == (2, pid_of(2))
-        assert "rank 2" in err.message
-    # the job stays broken: a new barrier fails at once, and no deadline fires later
+    assert [type(m) for m in srv.take(a)] == [MemberFailed]
+    notice, err = srv.take(b)
+    assert isinstance(notice, MemberFailed)
+    assert (err.req_id, ErrorCode(err.code)) == (barrier_req, ErrorCode.RANK_FAILED)
+    assert (err.details["rank"], err.details["pid"]) == (2, pid_of(2))
+    assert "rank 2" in err.message
+    # The barriers stay failed: a new one fails at once.
     req = srv.call(b, Barrier, 1, 30.0)
     assert srv.error(b, req, ErrorCode.RANK_FAILED).details["rank"] == 2
+    # The store's waits go on, and are answered when the keys are set.
+    srv.call(b, StoreSet, "k", b"v")
+    srv.take(b)
+    assert srv.reply(a, get_req) == b"v"
+    srv.call(b, StoreSet, "x", b"1")
+    srv.call(b, StoreSet, "y", b"1")
+    srv.take(b)
+    assert srv.reply(a, wait_req) is None
     srv.advance(60.0)
     assert srv.quiet()
 
 
-def test_waits_that_start_after_a_failure_fail_at_once_unless_already_answered(
-    srv: FakeServer,
-) -> None:
-    """A get or wait that reaches the server just after a member failed must not sit out its
-    timeout: the member may never set the key, exactly as for the waits it failed."""
+def test_store_waits_after_a_failure_wait_and_time_out_as_before(srv: FakeServer) -> None:
+    """A get or wait that starts after a member failed waits for its keys (the store goes on)."""
     a, b, c = srv.form(3)
     srv.call(a, StoreSet, "here", b"1")
-    first = srv.call(a, StoreWait, pack_keys(["x"]), 30.0)  # a watch others could ride on
     srv.take(a)
     srv.lose(c)
-    notice, failed = srv.take(a)
-    assert isinstance(notice, MemberFailed)
-    assert (failed.req_id, ErrorCode(failed.code)) == (first, ErrorCode.RANK_FAILED)
-    srv.take(b)
-    requests: list[tuple[type[Any], Any]] = [
-        (StoreGet, "missing"),
-        (StoreWait, pack_keys(["x"])),  # the failed watch's keys
-        (StoreWait, pack_keys(["here", "missing"])),
-    ]
-    for cls, arg in requests:
-        req = srv.call(b, cls, arg, 30.0)
-        assert srv.error(b, req, ErrorCode.RANK_FAILED).details["rank"] == 2
-    # What is already there is still answered.
+    srv.only(a, MemberFailed)
+    srv.only(b, MemberFailed)
+    later = srv.call(b, StoreGet, "later", 30.0)
+    missing = srv.call(b, StoreWait, pack_keys(["here", "missing"]), 5.0)
+    assert srv.take(b) == []
+    srv.call(a, StoreSet, "later", b"2")
+    srv.take(a)
+    assert srv.reply(b, later) == b"2"
+    srv.advance(10.0)
+    assert "missing" in srv.error(b, missing, ErrorCode.TIMEOUT).message
     req = srv.call(b, StoreGet, "here", 30.0)
     assert srv.reply(b, req) == b"1"
-    req = srv.call(b, StoreWait, pack_keys(["here"]), 30.0)
-    assert srv.reply(b, req) is None
     srv.advance(60.0)
     assert srv.quiet()
 
@@ -1113,14 +1108,15 @@ def test_job_ending_with_a_notice_planned_leaves_no_timer(srv: FakeServer) -> No
     assert srv.quiet()
 
 
-def test_leave_after_a_failure_sends_no_notice(srv: FakeServer) -> None:
+def test_leave_after_a_failure_is_announced(srv: FakeServer) -> None:
+    """The job goes on after a failure: the members still there hear of a leave."""
     a, b, c = srv.form(3)
     srv.lose(a)
     srv.only(b, MemberFailed)
     srv.only(c, MemberFailed)
     srv.call(c, Leave)
     srv.only(c, Reply)
-    assert srv.take(b) == []
+    assert srv.left(b) == [[2, host_of(2), pid_of(2)]]
 
 
 def test_leave_while_forming_sends_no_notice(srv: FakeServer) -> None:
