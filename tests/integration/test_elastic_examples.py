@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import re
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
 import pytest
 
-from tests.helpers.procs import run
 from tests.helpers import ROOT
+from tests.helpers.procs import run
 
 if TYPE_CHECKING:
     from aiodist import RendezvousServer

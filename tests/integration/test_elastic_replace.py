@@ -10,12 +10,11 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import run
 from tests.helpers import ROOT
+from tests.helpers.procs import run
 
 pytestmark = pytest.mark.slow
 
