@@ -1,7 +1,8 @@
 """Remote calls between the ranks of a job: the master-worker mode, asynchronous.
 
 Under ``torch.distributed.rpc``'s names, over the job ``init_process_group``
-formed (no second rendezvous, no worker names: ``to`` is a global rank)::
+formed (no second rendezvous; ``to`` is a global rank, or a worker's name once
+``init_rpc(name)`` named the ranks, as torch's does)::
 
     import aiodist, aiodist.rpc as rpc
 
@@ -76,20 +77,31 @@ from aiodist._errors import RemoteError
 from aiodist._group.work import Work
 from aiodist._rpc.agent import Agent, default_agent
 from aiodist._rpc.calls import prepare
+from aiodist._rpc.names import WorkerInfo, check_name, lookup, names_of, rank_of, register
 from aiodist._rpc.rref import RRef, make_remote
 from aiodist._rpc.wire import Op
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 
-__all__ = ["RRef", "RemoteError", "remote", "rpc_async", "rpc_sync", "shutdown"]
+__all__ = [
+    "RRef",
+    "RemoteError",
+    "WorkerInfo",
+    "get_worker_info",
+    "init_rpc",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
 
 T = TypeVar("T")
 
 
 @overload
 def rpc_async(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., Coroutine[Any, Any, T]],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -97,14 +109,14 @@ def rpc_async(
 ) -> Work[T]: ...
 @overload
 def rpc_async(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., T],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout: float | None = None,
 ) -> Work[T]: ...
 def rpc_async(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -113,7 +125,8 @@ def rpc_async(
     """Start ``fn(*args, **kwargs)`` on rank ``to``; a handle to its result.
 
     Args:
-        to: The global rank that runs it (this rank too).
+        to: The global rank that runs it (this rank too), or its name or
+            ``WorkerInfo`` once ``init_rpc`` named the ranks.
         fn: A function importable on ``to`` (pickled by reference). A coroutine
             function is awaited on ``to``'s loop, a plain one runs in an executor
             thread there.
@@ -141,13 +154,14 @@ def rpc_async(
         >>> loss = await aiodist.rpc.rpc_async(1, train_step, (batch,))
     """
     agent = default_agent("rpc_async")
-    request = prepare(agent, Op.CALL, to, fn, args, kwargs, timeout, _what("rpc_async", to))
+    dst = rank_of(agent.session, to)
+    request = prepare(agent, Op.CALL, dst, fn, args, kwargs, timeout, _what("rpc_async", to))
     return agent.launch(request)
 
 
 @overload
 def rpc_sync(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., Coroutine[Any, Any, T]],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -155,14 +169,14 @@ def rpc_sync(
 ) -> T: ...
 @overload
 def rpc_sync(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., T],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout: float | None = None,
 ) -> T: ...
 def rpc_sync(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -181,12 +195,13 @@ def rpc_sync(
     """
     agent = default_agent("rpc_sync")
     _check_blocking(agent, "rpc_sync", "await aiodist.rpc.rpc_async(...)")
-    request = prepare(agent, Op.CALL, to, fn, args, kwargs, timeout, _what("rpc_sync", to))
+    dst = rank_of(agent.session, to)
+    request = prepare(agent, Op.CALL, dst, fn, args, kwargs, timeout, _what("rpc_sync", to))
     return agent.launch(request).wait()
 
 
 def remote(
-    to: int,
+    to: int | str | WorkerInfo,
     fn: Callable[..., T] | Callable[..., Coroutine[Any, Any, T]],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -214,7 +229,82 @@ def remote(
         >>> params = await model.rpc_async().parameters_list()
         >>> copy = await model.to_here()
     """
-    return make_remote(default_agent("remote"), to, fn, args, kwargs, timeout)
+    agent = default_agent("remote")
+    return make_remote(agent, rank_of(agent.session, to), fn, args, kwargs, timeout)
+
+
+def init_rpc(
+    name: str,
+    backend: object = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: object = None,
+) -> Awaitable[None]:
+    """Name this rank for remote calls, joining the job first if need be (torch's).
+
+    Every rank calls it with a name of its own; afterwards ``to`` may be a
+    rank, a name or a ``WorkerInfo`` in ``rpc_async``, ``rpc_sync`` and
+    ``remote``, and ``get_worker_info`` answers. When no process group is up,
+    it first calls ``init_process_group`` (``rank`` and ``world_size`` as given,
+    else from the launcher's environment; ``rpc_backend_options.init_method``
+    when it has one). From plain code it blocks, as torch's does; in async
+    code, await it. aiodist's own data plane carries the calls whatever
+    ``backend`` says.
+
+    Args:
+        name: This rank's name, unique in the job, at most 128 characters.
+        backend: Accepted for torch's signature; not used.
+        rank: This process's rank (-1: from the environment).
+        world_size: The job's size (None: from the environment).
+        rpc_backend_options: Its ``init_method`` is used when the group is not up.
+
+    Returns:
+        An awaitable done once every rank's name is known (done already in plain code).
+
+    Raises:
+        ValueError: ``name`` is empty, not a string or too long (at once); two
+            ranks gave the same name (every rank raises it).
+
+    Example:
+        >>> await aiodist.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+        >>> await aiodist.rpc.rpc_async("worker1", sum, ([1, 2],))
+    """
+    check_name(name)
+    init_method = getattr(rpc_backend_options, "init_method", None)
+    if not isinstance(init_method, str):
+        init_method = None
+    size = -1 if world_size is None else world_size
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        import aiodist.sync as blocking
+
+        if not blocking.is_initialized():
+            blocking.init_process_group(init_method=init_method, rank=rank, world_size=size)
+        names = blocking.all_gather_object(name)
+        register(default_agent("init_rpc").session, names, blocking.get_rank())
+        return Work.completed(None, "rpc.init_rpc")
+    return asyncio.ensure_future(_init_rpc(name, rank, size, init_method))
+
+
+async def _init_rpc(name: str, rank: int, world_size: int, init_method: str | None) -> None:
+    import aiodist
+
+    if not aiodist.is_initialized():
+        await aiodist.init_process_group(init_method=init_method, rank=rank, world_size=world_size)
+    names = await aiodist.all_gather_object(name)
+    register(default_agent("init_rpc").session, names, aiodist.get_rank())
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """A worker's name and rank (this rank's without ``worker_name``), as torch's.
+
+    Raises:
+        RuntimeError: ``init_rpc`` was not called.
+        ValueError: No worker has that name.
+    """
+    table = names_of(default_agent("get_worker_info").session, "get_worker_info")
+    return table.mine if worker_name is None else lookup(table, worker_name)
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:

@@ -553,9 +553,65 @@ def plain_main(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _named_calls(rank: int, out: dict[str, Any]) -> None:
+    """What the named scenarios check, as plain code (the async one runs it in a thread)."""
+    me = rpc.get_worker_info()
+    out["me"] = [me.name, me.id]
+    if rank == 0:
+        out["by_name"] = rpc.rpc_sync("trainer1", whoami)["rank"]
+        out["by_info"] = rpc.rpc_sync(rpc.get_worker_info("trainer2"), whoami)["rank"]
+        out["info"] = [rpc.get_worker_info("trainer2").name, rpc.get_worker_info("trainer2").id]
+        try:
+            rpc.rpc_sync("nobody", whoami)
+        except ValueError as exc:
+            out["unknown"] = str(exc)
+
+
+def named_main(scenario: str, rank: int, world: int, port: int) -> None:
+    """``init_rpc`` with a name per rank, in plain code: torch's way of naming workers."""
+    url = f"tcp://127.0.0.1:{port}"
+    out: dict[str, Any] = {"rank": rank}
+    name = "same" if scenario == "named-twice" and rank > 0 else f"trainer{rank}"
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=_Options(url))
+    except ValueError as exc:
+        out["init_error"] = str(exc)
+    else:
+        _named_calls(rank, out)
+    rpc.shutdown()
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+async def named_async_main(rank: int, world: int, port: int) -> None:
+    """The same, awaited on the job's loop."""
+    url = f"tcp://127.0.0.1:{port}"
+    await rpc.init_rpc(
+        f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=_Options(url)
+    )
+    me = rpc.get_worker_info()
+    out: dict[str, Any] = {"rank": rank, "me": [me.name, me.id]}
+    if rank == 0:
+        out["by_name"] = (await rpc.rpc_async("trainer2", async_whoami))["rank"]
+    await rpc.shutdown()
+    print(json.dumps(out), flush=True)
+    await aiodist.destroy_process_group()
+
+
+class _Options:
+    """What torch's ``TensorPipeRpcBackendOptions`` carries that aiodist reads."""
+
+    def __init__(self, init_method: str) -> None:
+        self.init_method = init_method
+
+
 if __name__ == "__main__":
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     if scenario == "plain":
         plain_main(rank, world, port)
+    elif scenario in ("named", "named-twice"):
+        named_main(scenario, rank, world, port)
+    elif scenario == "named-async":
+        asyncio.run(named_async_main(rank, world, port))
     else:
         anyio.run(main, scenario, rank, world, port, backend_options={"use_uvloop": True})

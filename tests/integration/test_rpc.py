@@ -263,3 +263,34 @@ def test_plain_code_uses_blocking_calls_and_a_blocking_shutdown() -> None:
     assert out["tensor"] == [float(1 << 18), [1 << 18], "torch.float32", True]
     assert out["error"] == ["CustomError", 7]
     assert "plain" in reports[2]["deleted"]
+
+
+# --- worker names: init_rpc and get_worker_info, as torch names them ------------------------
+
+
+def test_init_rpc_names_workers_and_calls_reach_them_by_name() -> None:
+    reports = _run("named")
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
+        assert reports[rank]["me"] == [f"trainer{rank}", rank]
+    master = reports[0]
+    assert master["by_name"] == 1
+    assert master["by_info"] == 2
+    assert master["info"] == ["trainer2", 2]
+    assert "no rpc worker is named 'nobody'" in master["unknown"]
+    assert "trainer0, trainer1, trainer2" in master["unknown"]
+
+
+def test_init_rpc_awaited_on_the_loop_names_workers() -> None:
+    reports = _run("named-async")
+    assert [reports[r]["me"] for r in range(3)] == [[f"trainer{r}", r] for r in range(3)]
+    assert reports[0]["by_name"] == 2
+
+
+def test_init_rpc_with_a_name_given_twice_fails_on_every_rank() -> None:
+    reports = _run("named-twice")
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
+        message = reports[rank]["init_error"]
+        assert "rpc worker names must be unique" in message
+        assert "'same' by ranks [1, 2]" in message
