@@ -376,13 +376,24 @@ class RestartableState(ServerState):
     # --- the state directory -----------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        if now - self._last_input > STALL_GAP:
+        if now - self._last_input > STALL_GAP and self._heartbeats_due():
+            # Silence while members owed heartbeats: this server stood still. (A server
+            # with no formed job hears nothing for as long as its clients take to start:
+            # its next input is no stall, and a death right after it is a failure.)
             self._stall_until = now + STALL_WINDOW
             for job in self.jobs.values():  # the silence was this server's, not theirs
                 for member in job.members:
                     if member not in self._away:
                         member.last_seen = max(member.last_seen, now)
         self._last_input = now
+
+    def _heartbeats_due(self) -> bool:
+        """True if some member of a formed job owes this server heartbeats (rare: asked
+        only after a silence)."""
+        return any(
+            job.complete and any(m.status == "active" for m in job.members)
+            for job in self.jobs.values()
+        )
 
     def _log_job(self, job: Job) -> None:
         if self.durable is None or job in self._logged:

@@ -255,6 +255,18 @@ def test_state_dir_held_by_one_server_at_a_time(tmp_path: Path) -> None:
     second.close()
 
 
+def test_death_right_after_a_quiet_start_is_a_failure_not_a_stall(tmp_path: Path) -> None:
+    # A server no member owed heartbeats to hears nothing while its clients start (torch's
+    # import takes seconds): that silence is no stall, and a rank dying as soon as the job
+    # formed is reported at once (it was held back as "away" for the re-attach window).
+    table = Table(tmp_path)
+    table.now += STALL_GAP + 5
+    conns = [join(table, r) for r in range(2)]
+    table.state.connection_lost(conns[1], table.now + 0.2, "connection reset")
+    table.collect()
+    assert any(isinstance(m, MemberFailed) for m in table.inbox[conns[0]])
+
+
 def test_stalled_server_counts_a_dropped_member_as_away_not_failed(tmp_path: Path) -> None:
     table, conns = formed_job(tmp_path)
     table.now += STALL_GAP + 1  # the server's loop stood still (SIGSTOP)
