@@ -149,6 +149,10 @@ class Heartbeats:
 
     def stop(self) -> None:
         if self._timer is not None:
+            # A heartbeat overdue now still counts: a loop resumed after a stop may see
+            # its connection go (and this timer stop) before the timer ever runs.
+            rules = self.rules
+            rules.longest_stall = max(rules.longest_stall, self.loop.time() - rules.beat_due)
             self._timer.cancel()
             self._timer = None
 

@@ -135,7 +135,7 @@ class BoardWork(Work[MetricResults]):
         # Work.pending(), spelled out (one per training step); the description is
         # made when someone reads it.
         self._loop = board.loop
-        self._value = self._error = self._waiters = self._listeners = None
+        self._value = self._error = self._waiters = self._listeners = self._withdraw = None
         self._done = False
         self._board = board
         self.index = index

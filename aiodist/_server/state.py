@@ -527,6 +527,11 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
         for other in job.members:
             if other is not member and other.status == "active":
                 self._send(other.conn, notice)
+        if member.conn in self._conns:
+            # Still connected (it missed heartbeats: a stopped or starved loop): told
+            # too, so that when it runs again it says that it was declared failed,
+            # whichever of its peers' goodbyes and this notice it reads first.
+            self._send(member.conn, notice)
         message = (
             f"rank {member.rank} (host {member.host}, pid {member.pid}) failed: {reason}; "
             f"the barriers of job {job.name!r} need every member and fail from now on. "

@@ -269,4 +269,4 @@ async def test_default_timeout_is_the_jobs_and_cancels_on_the_callee(server: Any
     assert outs[1] == ["sleep_forever"]  # cancelled on rank 1, the callee
     assert kind == "DistTimeoutError"
     assert 0.95 <= elapsed < 3.0
-    assert "f(tests.test_rpc_parts.sleep_forever) did not complete within 1.0 s" in message
+    assert f"f({__name__}.sleep_forever) did not complete within 1.0 s" in message

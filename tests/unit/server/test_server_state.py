@@ -946,6 +946,11 @@ def test_heartbeat_silence_past_timeout_declared_failed_at_sweep(srv: FakeServer
     notice = srv.only(a, MemberFailed)
     assert (notice.rank, notice.host, notice.pid) == (1, host_of(1), pid_of(1))
     assert "heartbeat" in notice.reason
+    # b hears the verdict too (a loop that ran again says it was declared failed) ...
+    told = srv.inbox[b].pop(0)
+    assert isinstance(told, MemberFailed)
+    assert told.rank == 1
+    # ... then the error, and its connection closes.
     err = srv.error(b, 0, ErrorCode.RANK_FAILED)
     assert "heartbeat" in err.message
     assert srv.closed.pop(b) == ["missed heartbeats"]
