@@ -55,12 +55,12 @@ class Agreements:
         # (job, key) -> the answer every caller got: a Reply's value or an error triple.
         self._settled: dict[Job, dict[str, tuple[Any, ...]]] = {}
 
-    # Provided by the table this is mixed into.
-    def _send(self, conn: ConnId, msg: Any) -> None:
-        raise NotImplementedError
+    # Provided by the table this is mixed into (declared for the type checker only).
+    if TYPE_CHECKING:
 
-    def _push_timer(self, when: float, target: Any) -> None:
-        raise NotImplementedError
+        def _send(self, conn: ConnId, msg: Any) -> None: ...
+
+        def _push_timer(self, when: float, target: Any) -> None: ...
 
     def _regroup(self, member: Member, msg: Regroup, now: float) -> None:
         check_values(msg)  # a finite timeout, before its deadline is computed

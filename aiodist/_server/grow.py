@@ -88,12 +88,12 @@ def host_runs(members: list[Member]) -> tuple[Counter[str], list[list[int]]]:
 class Growth:
     """Admitting newcomers to formed elastic jobs. Mixed into ``ServerState``."""
 
-    # Provided by the table this is mixed into.
-    def _send(self, conn: ConnId, msg: Any) -> None:
-        raise NotImplementedError
+    # Provided by the table this is mixed into (declared for the type checker only).
+    if TYPE_CHECKING:
 
-    def _send_leave_notice(self, job: Job, now: float) -> None:
-        raise NotImplementedError
+        def _send(self, conn: ConnId, msg: Any) -> None: ...
+
+        def _send_leave_notice(self, job: Job, now: float) -> None: ...
 
     def _admit(self, member: Member, now: float) -> None:
         """Give ``member``, which joined formed elastic job, the next rank; tell everyone."""
