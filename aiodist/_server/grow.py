@@ -31,7 +31,7 @@ import msgpack
 
 from aiodist._errors import ErrorCode
 from aiodist._server.jobs import BadRequest
-from aiodist._wire.messages import MembersJoined, Packed, Welcome
+from aiodist._wire.messages import MembersJoined, Packed, Welcome, pack_host_runs
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import ConnId, Job, Member
@@ -72,17 +72,14 @@ def check_admission(job: Job, msg: Join) -> None:
 
 
 def host_runs(members: list[Member]) -> tuple[Counter[str], list[list[int]]]:
-    """Members per host, and the hosts of ``members`` as runs ``[host id, count]``."""
+    """Members per host, and the hosts of ``members`` as ``Welcome.host_runs``.
+
+    Host ids number the hosts in the order they first appear; a job whose
+    hosts all hold as many ranks is one run, whatever its size.
+    """
     local_sizes = Counter(m.host for m in members)  # one pass, not O(N^2)
     host_index = {host: i for i, host in enumerate(local_sizes)}
-    runs: list[list[int]] = []
-    for m in members:
-        host_id = host_index[m.host]
-        if runs and runs[-1][0] == host_id:
-            runs[-1][1] += 1
-        else:
-            runs.append([host_id, 1])
-    return local_sizes, runs
+    return local_sizes, pack_host_runs(host_index[m.host] for m in members)
 
 
 class Growth:

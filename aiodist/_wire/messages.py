@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
 
@@ -52,6 +52,7 @@ __all__ = [
     "StoreSet",
     "StoreWait",
     "Welcome",
+    "pack_host_runs",
     "pack_keys",
     "unpack_keys",
 ]
@@ -364,9 +365,11 @@ class Welcome:
     world_size: int
     local_rank: int
     local_size: int
-    # Which host each rank runs on, in rank order, as runs [host id, count]: equal ids
-    # mean the same host. Ranks of one host are usually contiguous, so a job of N
-    # ranks on H hosts sends H pairs to each member, not N ids.
+    # Which host each rank runs on, in rank order, as runs ``[host id, count]``: equal
+    # ids mean the same host. Ranks of one host are usually contiguous, so a job of N
+    # ranks on H hosts needs H runs, not N ids; and ``[host id, count, repeat]`` stands
+    # for ``repeat`` runs of ``count`` ranks on hosts ``host id``, ``host id + 1``, ...:
+    # the usual layout (every host the same size) is one run, whatever N and H.
     host_runs: list[list[int]]
     # The server keeps jobs across a restart (a daemon): its members reconnect and
     # re-attach when it goes away, for their grace period (``AIODIST_SERVER_GRACE``).
@@ -378,31 +381,75 @@ class Welcome:
         Raises:
             ValueError: The runs are malformed or do not cover ``world_size`` ranks.
         """
-        hosts: list[int] = []
+        firsts: list[int] = []
+        counts: list[int] = []
         starts: list[int] = []
-        covered = 0
+        covered = runs = 0
         for run in self.host_runs:
-            if len(run) != 2 or type(run[0]) is not int or type(run[1]) is not int or run[1] < 1:
+            if (
+                len(run) not in (2, 3)
+                or any(type(v) is not int for v in run)
+                or run[1] < 1
+                or (len(run) == 3 and run[2] < 1)
+            ):
                 raise ValueError(f"Welcome.host_runs has a malformed run {run!r}")
-            hosts.append(run[0])
+            repeat = run[2] if len(run) == 3 else 1
+            firsts.append(run[0])
+            counts.append(run[1])
             starts.append(covered)
-            covered += run[1]
+            covered += run[1] * repeat
+            runs += repeat
+            if covered > self.world_size:
+                break  # a hostile repeat must not make us count far past it
         if covered != self.world_size:
             raise ValueError(
                 f"Welcome.host_runs covers {covered} ranks, world_size is {self.world_size}"
             )
         # Tuples of ints: the garbage collector stops tracking them.
-        return HostIds(tuple(hosts), tuple(starts), covered)
+        return HostIds(tuple(firsts), tuple(counts), tuple(starts), covered, runs)
+
+
+def pack_host_runs(hosts: Iterable[int]) -> list[list[int]]:
+    """``Welcome.host_runs`` for the host id of every rank, in rank order.
+
+    Example:
+        >>> pack_host_runs([0, 0, 1, 1, 2, 2, 0])
+        [[0, 2, 3], [0, 1]]
+    """
+    runs: list[list[int]] = []  # [host id, count] while being counted
+    for host in hosts:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    packed: list[list[int]] = []  # [host id, count] or [host id, count, repeat]
+    for host, count in runs:
+        last = packed[-1] if packed else None
+        repeat = 0 if last is None else last[2] if len(last) == 3 else 1
+        if last is not None and last[1] == count and last[0] + repeat == host:
+            last[2:] = [repeat + 1]
+        else:
+            packed.append([host, count])
+    return packed
 
 
 class HostIds(Sequence[int]):
     """Which host each rank runs on, kept as its runs: a member of a job of N ranks on H
-    hosts holds O(H), not a list of N ids (N members of one process would hold N^2)."""
+    hosts holds O(H) at most (one run when every host has as many ranks), not a list of
+    N ids (N members of one process would hold N^2)."""
 
-    __slots__ = ("_hosts", "_len", "_starts")
+    __slots__ = ("_counts", "_firsts", "_len", "_runs", "_starts")
 
-    def __init__(self, hosts: tuple[int, ...], starts: tuple[int, ...], length: int) -> None:
-        self._hosts, self._starts, self._len = hosts, starts, length
+    def __init__(
+        self,
+        firsts: tuple[int, ...],
+        counts: tuple[int, ...],
+        starts: tuple[int, ...],
+        length: int,
+        runs: int,
+    ) -> None:
+        self._firsts, self._counts, self._starts = firsts, counts, starts
+        self._len, self._runs = length, runs
 
     def __len__(self) -> int:
         return self._len
@@ -410,7 +457,7 @@ class HostIds(Sequence[int]):
     @property
     def runs(self) -> int:
         """How many runs of ranks on one host there are (1: every rank on one host)."""
-        return len(self._hosts)
+        return self._runs
 
     @overload
     def __getitem__(self, rank: int) -> int: ...
@@ -423,9 +470,8 @@ class HostIds(Sequence[int]):
             rank += self._len
         if not 0 <= rank < self._len:
             raise IndexError(f"rank {rank} out of range for {self._len} ranks")
-        if len(self._hosts) == 1:
-            return self._hosts[0]
-        return self._hosts[bisect.bisect_right(self._starts, rank) - 1]
+        i = 0 if len(self._starts) == 1 else bisect.bisect_right(self._starts, rank) - 1
+        return self._firsts[i] + (rank - self._starts[i]) // self._counts[i]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, HostIds | list | tuple):

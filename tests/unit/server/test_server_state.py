@@ -297,7 +297,7 @@ def test_join_mixed_explicit_and_automatic_ranks_fills_free_ranks(srv: FakeServe
     welcomes = [srv.welcome(conn) for conn in conns]
     assert [w.rank for w in welcomes] == [1, 0, 2, 3, 4]
     # Hosts by rank: h2 h1 h1 h2 h1 (ids in the order hosts first appear by rank).
-    assert all(w.host_runs == [[0, 1], [1, 2], [0, 1], [1, 1]] for w in welcomes)
+    assert all(w.host_runs == [[0, 1], [1, 2], [0, 1, 2]] for w in welcomes)
     assert all(w.host_ids() == [0, 1, 1, 0, 1] for w in welcomes)
     assert [(w.local_rank, w.local_size) for w in welcomes] == [
         (0, 3),
@@ -1517,8 +1517,8 @@ def test_join_welcome_sends_one_run_per_host_not_one_id_per_rank(srv: FakeServer
         srv.join(world_size=world_size, host=f"h{i % 2}", pid=10 + i) for i in range(world_size)
     ]
     welcomes = [srv.welcome(conn) for conn in conns]
-    # Automatic ranks are contiguous per host: two runs, whatever the world size.
-    assert all(w.host_runs == [[0, 32], [1, 32]] for w in welcomes)
+    # Automatic ranks are contiguous per host: one run of two hosts, whatever the size.
+    assert all(w.host_runs == [[0, 32, 2]] for w in welcomes)
     assert welcomes[0].host_ids() == [0] * 32 + [1] * 32
 
 

@@ -43,6 +43,7 @@ from aiodist._wire.messages import (
     StoreSet,
     StoreWait,
     Welcome,
+    pack_host_runs,
     pack_keys,
 )
 
@@ -593,7 +594,10 @@ MESSAGES: list[Any] = [
     [
         pytest.param([[0, 2], [1, 1]], "covers 3 ranks, world_size is 4", id="short"),
         pytest.param([[0, 2], [1, 3]], "covers 5 ranks, world_size is 4", id="long"),
-        pytest.param([[0, 4, 1]], "malformed run", id="triple"),
+        pytest.param([[0, 4, 1, 1]], "malformed run", id="four-fields"),
+        pytest.param([[0, 2, 0], [1, 4]], "malformed run", id="zero-repeat"),
+        pytest.param([[0, 1, 2**40]], "covers 1099511627776 ranks", id="huge-repeat"),
+        pytest.param([[0, 1, 3], [3, 2]], "covers 5 ranks, world_size is 4", id="repeat-long"),
         pytest.param([[0, 0], [1, 4]], "malformed run", id="empty-run"),
         pytest.param([[0, True], [1, 3]], "malformed run", id="bool-count"),
         pytest.param([["h", 4]], "malformed run", id="str-host"),
@@ -606,6 +610,32 @@ def test_welcome_host_ids_malformed_runs_raise(runs: list[list[Any]], problem: s
 
 def test_welcome_host_ids_expands_runs_in_rank_order() -> None:
     assert Welcome(1, 0, 5, 0, 2, [[1, 2], [0, 3]]).host_ids() == [1, 1, 0, 0, 0]
+
+
+def test_welcome_host_ids_expand_repeated_runs_over_consecutive_hosts() -> None:
+    ids = Welcome(1, 0, 7, 0, 2, [[4, 2, 3], [0, 1]]).host_ids()
+    assert ids == [4, 4, 5, 5, 6, 6, 0]
+    assert ids.runs == 4
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        [0] * 5,
+        [i // 8 for i in range(64)],
+        [0, 0, 1, 1, 2, 2, 0],
+        [3, 3, 0, 3, 3, 3, 3],
+        [0, 1, 1, 2, 2, 3, 4, 4, 4],
+        [2, 1, 0],
+    ],
+)
+def test_pack_host_runs_round_trips_through_host_ids(hosts: list[int]) -> None:
+    runs = pack_host_runs(hosts)
+    assert Welcome(1, 0, len(hosts), 0, 1, runs).host_ids() == hosts
+
+
+def test_pack_host_runs_is_one_run_when_every_host_holds_as_many_ranks() -> None:
+    assert pack_host_runs(i // 8 for i in range(65536)) == [[0, 8, 8192]]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
