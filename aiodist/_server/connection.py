@@ -115,6 +115,7 @@ class ServerSide(Protocol):
     def connection_lost(self, conn: ServerConnection, reason: str) -> None: ...
     def receive(self, conn_id: int, msg: Any) -> None: ...
     def flush(self) -> None: ...
+    def flush_soon(self) -> None: ...
 
 
 class ServerConnection(asyncio.Protocol):
@@ -231,7 +232,7 @@ class ServerConnection(asyncio.Protocol):
                     f"the rendezvous server closed this connection: over {limit} bytes before "
                     "the handshake was done",
                 )
-        self._server.flush()
+        self._server.flush_soon()
 
     def _passed(self) -> None:
         """Its handshake is done: out of the gate, and its frames may be as large as any."""

@@ -67,6 +67,7 @@ class Hub:
         self._refusals_timer: asyncio.TimerHandle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = 0.0
+        self._flush_due = False  # a flush is scheduled for the end of this loop iteration
         # Called with each batch of job events (the dashboard keeps the recent ones).
         self.on_events: Callable[[list[dict[str, Any]]], None] | None = None
 
@@ -144,6 +145,21 @@ class Hub:
 
     def receive(self, conn_id: int, msg: Any) -> None:
         self.state.receive(conn_id, msg, self.loop.time())
+
+    def flush_soon(self) -> None:
+        """Flush once the loop has read every connection that was ready in this iteration.
+
+        In a join storm thousands of connections are readable at once: their
+        requests make one batch, so the table's deadlines, its events and its
+        durable log (one fsync) are handled once for all of them, not per read.
+        """
+        if not self._flush_due:
+            self._flush_due = True
+            self.loop.call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_due = False
+        self.flush()
 
     def flush(self) -> None:
         """Write the job table's actions: one write per connection for the whole batch.

@@ -266,11 +266,11 @@ class BadRequest(Exception):
         self.details = details or {}
 
 
-@dataclass(order=True, slots=True)
-class Timer:
-    when: float
-    seq: int
-    target: Any = field(compare=False)  # Member (join deadline) | Waiter | LeaveNotice
+# A deadline in the job table's heap: (when, sequence, target), compared in C (a heap of
+# dataclasses compared in Python cost a 4K-rank join storm 96K __lt__ calls). The
+# sequence breaks ties, so the target (a Member's join deadline, a Waiter, a
+# LeaveNotice, an Agreement) is never compared.
+Timer = tuple[float, int, Any]
 
 
 def check_values(msg: Any) -> None:

@@ -187,26 +187,27 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeouts`` must next be called; None when nothing is pending."""
-        while self._timers and self._timers[0].target.done:
-            heapq.heappop(self._timers)
+        timers = self._timers
+        while timers and timers[0][2].done:
+            heapq.heappop(timers)
         candidates = [t for t in (self._next_sweep,) if t is not None]
-        if self._timers:
-            candidates.append(self._timers[0].when)
+        if timers:
+            candidates.append(timers[0][0])
         return min(candidates) if candidates else None
 
     def handle_timeouts(self, now: float) -> None:
-        while self._timers and self._timers[0].when <= now:
-            timer = heapq.heappop(self._timers)
-            if timer.target.done:
+        while self._timers and self._timers[0][0] <= now:
+            target = heapq.heappop(self._timers)[2]
+            if target.done:
                 continue
-            if isinstance(timer.target, Member):
-                self._join_timed_out(timer.target, now)
-            elif isinstance(timer.target, LeaveNotice):
-                self._send_leave_notice(timer.target.job, now)
-            elif isinstance(timer.target, Agreement):
-                self._agreement_timed_out(timer.target)
+            if isinstance(target, Member):
+                self._join_timed_out(target, now)
+            elif isinstance(target, LeaveNotice):
+                self._send_leave_notice(target.job, now)
+            elif isinstance(target, Agreement):
+                self._agreement_timed_out(target)
             else:
-                self._waiter_timed_out(timer.target)
+                self._waiter_timed_out(target)
         if self._next_sweep is not None and self._next_sweep <= now:
             self._sweep(now)
 

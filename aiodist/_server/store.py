@@ -274,4 +274,4 @@ class StoreAndBarriers:
         # Timeouts were checked on the way in: one NaN here would break the heap's
         # order, and with it every other job's deadlines.
         assert math.isfinite(when), when
-        heapq.heappush(self._timers, Timer(when, next(self._timer_seq), target))
+        heapq.heappush(self._timers, (when, next(self._timer_seq), target))
