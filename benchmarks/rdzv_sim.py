@@ -15,7 +15,8 @@ frames encoded before the clock starts. Every simulated rank:
    store barrier, ``add("barrier", 1)``, the last rank sets ``barrier_done``,
    every rank ``wait``s for it).
 
-Ranks are spread eight to a host name, as on GPU nodes. The clock starts when
+Ranks are spread eight to a host name, as on GPU nodes, and each simulated host
+connects from a loopback address of its own (``source_address``). The clock starts when
 the parent releases the workers (sockets not yet open) and stops when the last
 rank passed the barrier; each step's time is when its last rank finished it.
 At most ``CONNECTS_IN_FLIGHT`` connects per worker are outstanding (until
@@ -47,7 +48,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from benchmarks._common import Goal, format_table, summarize
-from benchmarks._servers import HOST, AiodistServer, TCPStoreMaster, running
+from benchmarks._servers import HOST, AiodistServer, TCPStoreMaster, cpu_seconds, running
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -159,11 +160,29 @@ def tcpstore_script(prefix: str, n: int, rank: int) -> list[Step]:
     ]
 
 
-class _Rank:
-    __slots__ = ("buf", "out", "sock", "step", "steps")
+# Linux: bind() leaves the port for connect() to choose (it then needs to be unique for
+# the whole 4-tuple, not for the source address alone).
+IP_BIND_ADDRESS_NO_PORT: Final = 24
 
-    def __init__(self, steps: list[Step]) -> None:
+
+def source_address(rank: int) -> str:
+    """The loopback address simulated rank ``rank`` connects from: one per simulated host.
+
+    As on a cluster, where each host has its own address and its own ports. From
+    one address, the kernel's search for a free ephemeral port grows with the
+    connections already open (it cost 200 us per connect at 16K ranks): the
+    simulator would time its own clients, not the server.
+    """
+    host = rank // RANKS_PER_HOST
+    return f"127.{1 + host // 62500}.{1 + host // 250 % 250}.{1 + host % 250}"
+
+
+class _Rank:
+    __slots__ = ("buf", "out", "sock", "source", "step", "steps")
+
+    def __init__(self, steps: list[Step], source: str) -> None:
         self.steps = steps
+        self.source = source
         self.step = 0
         self.sock: socket.socket | None = None
         self.buf = bytearray()
@@ -182,9 +201,10 @@ def _worker(
     barrier_done = ts_set(f"{prefix}barrier_done", b"1")
     conn.send("ready")
     conn.recv()  # released: the clock runs
+    cpu_start = time.process_time()
     sel = selectors.EpollSelector()
     in_flight = CONNECTS_IN_FLIGHT if system == "aiodist" else TCPSTORE_CONNECTS_IN_FLIGHT
-    waiting = [_Rank(s) for s in scripts]
+    waiting = [_Rank(s, source_address(r)) for s, r in zip(scripts, ranks, strict=True)]
     waiting.reverse()
     live = 0
     finished = [0.0] * len(SIM_PHASES)
@@ -199,6 +219,8 @@ def _worker(
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+            sock.bind((rank.source, 0))
             sock.connect_ex((HOST, port))
             rank.sock = sock
             rank.out = rank.steps[0][0]
@@ -275,7 +297,11 @@ def _worker(
                     break
                 rank.out += rank.steps[rank.step][0]
                 send(rank)
-    conn.send({"finished": finished, "done": done, "errors": errors, "error": first_error})
+    cpu = time.process_time() - cpu_start
+    conn.send(
+        {"finished": finished, "done": done, "errors": errors, "error": first_error, "cpu": cpu}
+    )
+    conn.recv()  # every worker is done: the server's CPU time was read
     # Outside the clock: aiodist ranks leave before they close (a close is a failure):
     # every Leave goes out, then each socket is closed once the server closed its end.
     leave = b""
@@ -315,8 +341,16 @@ def _worker(
 
 
 def _run(
-    ctx: SpawnContext, system: str, port: int, n: int, workers: int, tag: str, timeout: float
+    ctx: SpawnContext,
+    system: str,
+    server: Any,
+    n: int,
+    workers: int,
+    tag: str,
+    timeout: float,
 ) -> dict[str, Any]:
+    """One join storm; its clock, each phase's, and the server's and clients' CPU seconds."""
+    port = server.port
     share = math.ceil(n / workers)
     pipes, procs = [], []
     for w in range(workers):
@@ -335,10 +369,14 @@ def _run(
         for p in pipes:
             if not p.poll(120) or p.recv() != "ready":
                 raise RuntimeError("a simulator worker did not start")
+        cpu_before = cpu_seconds(server.pid)
         start = time.monotonic()
         for p in pipes:
             p.send("go")
         reports = [p.recv() if p.poll(timeout + 30) else None for p in pipes]
+        server_cpu = cpu_seconds(server.pid) - cpu_before  # before any rank leaves
+        for p in pipes:
+            p.send("close")
         for p in pipes:  # let the workers close their sockets before the next run
             if p.poll(150):
                 p.recv()
@@ -350,13 +388,19 @@ def _run(
                 proc.join()
     got: list[dict[str, Any]] = [r for r in reports if r is not None]
     if len(got) < len(reports):
-        return {"wall": None, "phases": None, "error": "a worker did not report"}
+        return {"wall": None, "phases": None, "error": "a worker did not report", "cpu": None}
     done = sum(r["done"] for r in got)
     error = next((r["error"] for r in got if r["error"]), "")
     if done < n:
-        return {"wall": None, "phases": None, "error": error or f"{done} of {n} done in time"}
+        return {
+            "wall": None,
+            "phases": None,
+            "error": error or f"{done} of {n} done in time",
+            "cpu": None,
+        }
     phases = [max(r["finished"][i] for r in got) - start for i in range(len(SIM_PHASES))]
-    return {"wall": phases[-1], "phases": phases, "error": ""}
+    cpu = {"server": server_cpu, "clients": sum(r["cpu"] for r in got)}
+    return {"wall": phases[-1], "phases": phases, "error": "", "cpu": cpu}
 
 
 def sim_bench(
@@ -391,17 +435,17 @@ def sim_bench(
                     why = f"not run: the open-files limit is {open_files} (hard), N needs {n + 256}"
                     print(f"  sim N={n:<6} {system:<8} {why}", flush=True)
                     row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
-                                   "errors": [why]}  # fmt: skip
+                                   "errors": [why], "server_cpu_s": None,
+                                   "clients_cpu_s": None}  # fmt: skip
                     continue
                 if system in stopped:
                     row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
-                                   "errors": ["not run: failed at a smaller size"]}  # fmt: skip
+                                   "errors": ["not run: failed at a smaller size"],
+                                   "server_cpu_s": None, "clients_cpu_s": None}  # fmt: skip
                     continue
                 runs = []
                 for i in range(repeats):
-                    r = _run(
-                        ctx, system, servers[system].port, n, workers, f"sim{next(tags)}", timeout
-                    )
+                    r = _run(ctx, system, servers[system], n, workers, f"sim{next(tags)}", timeout)
                     runs.append(r)
                     shown = (
                         f"{r['wall'] * 1e3:.0f} ms" if r["wall"] else f"FAILED: {r['error'][:120]}"
@@ -418,11 +462,22 @@ def sim_bench(
                         summarize([r["phases"][i] for r in runs if r["phases"]]) for i in range(3)
                     ],
                     "errors": [r["error"] for r in runs if r["error"]],
+                    # CPU seconds inside the clock: the server's own (all its threads),
+                    # and the simulated ranks' (every worker process together).
+                    "server_cpu_s": summarize([r["cpu"]["server"] for r in runs if r["cpu"]]),
+                    "clients_cpu_s": summarize([r["cpu"]["clients"] for r in runs if r["cpu"]]),
                 }
             aio = row.get("aiodist", {}).get("summary_s")
             tcp = row.get("tcpstore", {}).get("summary_s")
             row["ratio_tcpstore_over_aiodist"] = (
                 tcp.median / aio.median if aio is not None and tcp is not None else None
+            )
+            aio_cpu = row.get("aiodist", {}).get("server_cpu_s")
+            tcp_cpu = row.get("tcpstore", {}).get("server_cpu_s")
+            row["server_cpu_ratio_tcpstore_over_aiodist"] = (
+                tcp_cpu.median / aio_cpu.median
+                if aio_cpu is not None and tcp_cpu is not None and aio_cpu.median > 0
+                else None
             )
             results.append(row)
     return {
@@ -447,7 +502,9 @@ def _s(summary: Any) -> str:
 
 
 def render_sim(data: dict[str, Any]) -> str:
-    """The simulator's table: N, aiodist, TCPStore, ratio (and aiodist's steps)."""
+    """The simulator's table: N, aiodist, TCPStore, ratio; each server's CPU seconds inside
+    the clock (the server's own cost, apart from the simulated ranks sharing its cores),
+    the simulated ranks' CPU, and aiodist's steps."""
     rows = []
     for res in data["results"]:
         cells: list[object] = [res["world_size"]]
@@ -468,6 +525,14 @@ def render_sim(data: dict[str, Any]) -> str:
                 cells.append(_s(s["summary_s"]))
         ratio = res["ratio_tcpstore_over_aiodist"]
         cells.append("-" if ratio is None else f"{ratio:.1f}x")
+        cpu = [(res.get(system) or {}).get("server_cpu_s") for system in ("aiodist", "tcpstore")]
+        cells.append(" / ".join(_s(c) for c in cpu))
+        cpu_ratio = res.get("server_cpu_ratio_tcpstore_over_aiodist")
+        cells.append("-" if cpu_ratio is None else f"{cpu_ratio:.1f}x")
+        clients = [
+            (res.get(system) or {}).get("clients_cpu_s") for system in ("aiodist", "tcpstore")
+        ]
+        cells.append(" / ".join(_s(c) for c in clients))
         phases = (res.get("aiodist") or {}).get("phases_s") or [None] * 3
         cells.append(" / ".join(_s(p) for p in phases))
         rows.append(cells)
@@ -477,6 +542,9 @@ def render_sim(data: dict[str, Any]) -> str:
             "aiodist (s)",
             "TCPStore (s)",
             "TCPStore/aiodist",
+            "server CPU aiodist / TCPStore (s)",
+            "server CPU TCPStore/aiodist",
+            "simulated ranks' CPU aiodist / TCPStore (s)",
             "aiodist join / keys / barrier (s)",
         ],
         rows,

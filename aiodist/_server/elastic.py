@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ErrorCode
-from aiodist._server.jobs import BadRequest, check_values
+from aiodist._server.jobs import BadRequest
 from aiodist._wire.messages import ErrorReply, Regroup, Reply
 
 if TYPE_CHECKING:
@@ -62,8 +62,10 @@ class Agreements:
 
         def _push_timer(self, when: float, target: Any) -> None: ...
 
+        def _check_values(self, msg: Any) -> None: ...
+
     def _regroup(self, member: Member, msg: Regroup, now: float) -> None:
-        check_values(msg)  # a finite timeout, before its deadline is computed
+        self._check_values(msg)  # a finite timeout, before its deadline is computed
         job = member.job
         if not job.complete:
             raise BadRequest(ErrorCode.NOT_JOINED, f"job {job.name!r} has not formed yet")

@@ -144,7 +144,7 @@ class Hub:
         self.flush()
 
     def receive(self, conn_id: int, msg: Any) -> None:
-        self.state.receive(conn_id, msg, self.loop.time())
+        self.state.receive(conn_id, msg, self.loop.time(), decoded=True)
 
     def flush_soon(self) -> None:
         """Flush once the loop has read every connection that was ready in this iteration.

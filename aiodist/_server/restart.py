@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ErrorCode
 from aiodist._server.durable import JobRecord, MemberRecord
-from aiodist._server.jobs import BadRequest, Job, Member, check_values
+from aiodist._server.jobs import BadRequest, Job, Member
 from aiodist._server.state import ServerState
 from aiodist._wire.messages import (
     Barrier,
@@ -126,7 +126,8 @@ class RestartableState(ServerState):
             return
         super().connection_lost(conn, now, reason)
 
-    def receive(self, conn: ConnId, msg: Any, now: float) -> None:
+    def receive(self, conn: ConnId, msg: Any, now: float, *, decoded: bool = False) -> None:
+        self._decoded = msg if decoded else None
         self._tick(now)
         state = self._conns[conn]
         if isinstance(msg, Reattach):
@@ -148,7 +149,7 @@ class RestartableState(ServerState):
             member.last_seen = now
             self._send(conn, Reply(msg.req_id, None))
             return
-        super().receive(conn, msg, now)
+        super().receive(conn, msg, now, decoded=decoded)
         if isinstance(msg, Join):
             joined = state.member
             if joined is not None and joined.status != "left":
@@ -243,7 +244,7 @@ class RestartableState(ServerState):
                 ErrorCode.BAD_REQUEST,
                 f"this channel already belongs to a member of job {state.member.job.name!r}",
             )
-        check_values(msg)
+        self._check_values(msg)
         if msg.rank >= msg.world_size:
             raise BadRequest(
                 ErrorCode.BAD_REQUEST, f"Reattach.rank {msg.rank} is not below its world size"

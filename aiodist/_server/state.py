@@ -65,7 +65,6 @@ from aiodist._server.jobs import (
     LeaveNotice,
     Member,
     assign_ranks,
-    check_values,
 )
 from aiodist._server.store import STORE_REQUESTS, StoreAndBarriers, left_error
 from aiodist._server.where import heard
@@ -155,7 +154,10 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
             self._fail(member, f"{reason} (control connection from {state.peer})", now)
         self._remove(member, now)
 
-    def receive(self, conn: ConnId, msg: Any, now: float) -> None:
+    def receive(self, conn: ConnId, msg: Any, now: float, *, decoded: bool = False) -> None:
+        """Handle ``msg`` from connection ``conn``; ``decoded``: it came from the wire, its
+        values checked on decoding (``_wire/bounds.py``), so they are not checked again."""
+        self._decoded = msg if decoded else None
         state = self._conns[conn]
         self.stats.messages += 1
         if state.member is not None:
@@ -307,6 +309,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                 f"this channel already joined job {state.member.job.name!r}; "
                 "open one channel per member",
             )
+        self._check_values(msg)
         _validate_join(msg)
         job = self.jobs.get(msg.group_name)
         previous = None
@@ -610,7 +613,6 @@ def _sweep_interval(heartbeat_timeout: float) -> float:
 
 
 def _validate_join(msg: Join) -> None:
-    check_values(msg)
     if msg.rank >= msg.world_size:
         raise BadRequest(
             ErrorCode.BAD_REQUEST,

@@ -88,9 +88,16 @@ class StoreAndBarriers:
         self._actions: list[Send | Close] = []
         self._timers: list[Timer] = []
         self._timer_seq = itertools.count()
+        # The message in hand came from the wire: its values were checked on decoding.
+        self._decoded: object = None
+
+    def _check_values(self, msg: Any) -> None:
+        """``check_values``, unless ``msg`` was checked on decoding already."""
+        if msg is not self._decoded:
+            check_values(msg)
 
     def _barrier(self, member: Member, msg: Barrier, now: float) -> None:
-        check_values(msg)  # before its deadline is computed: the heap holds finite ones only
+        self._check_values(msg)  # before its deadline is computed: the heap holds finite ones only
         job = member.job
         if not job.complete:
             raise BadRequest(ErrorCode.NOT_JOINED, f"job {job.name!r} has not formed yet")
@@ -167,7 +174,7 @@ class StoreAndBarriers:
         elif isinstance(msg, StoreCheck):
             self._send(conn, Reply(msg.req_id, all(k in kv for k in msg.keys)))
         else:  # StoreGet | StoreWait
-            check_values(msg)  # a finite timeout in range, before anything waits on it
+            self._check_values(msg)  # a finite timeout in range, before anything waits on it
             kind: Literal["get", "wait"] = "get" if isinstance(msg, StoreGet) else "wait"
             if isinstance(msg, StoreGet):
                 if msg.key in kv:

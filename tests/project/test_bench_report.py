@@ -354,3 +354,29 @@ def test_pingpong_times_and_profiles_the_round_trip_under_aiodist_run() -> None:
         assert all(t > 0 for t in times), line
     assert "calls for 200 round trips" in out.stdout
     assert "aiodist/_" in out.stdout  # the profile shows aiodist's own frames
+
+
+def test_sim_source_addresses_are_one_per_simulated_host() -> None:
+    from benchmarks.rdzv_sim import RANKS_PER_HOST, source_address
+
+    hosts = 65536 // RANKS_PER_HOST
+    addresses = {source_address(h * RANKS_PER_HOST) for h in range(hosts)}
+    assert len(addresses) == hosts
+    assert source_address(0) == source_address(RANKS_PER_HOST - 1)
+    assert all(a.startswith("127.") and ".0" not in a.split(".", 1)[1] for a in addresses)
+
+
+@pytest.mark.slow
+def test_sim_runs_both_servers_and_times_their_cpu() -> None:
+    from benchmarks.rdzv_sim import render_sim, sim_bench
+
+    data = sim_bench([64], 1, workers=2, timeout=60.0)
+    (row,) = data["results"]
+    for system in ("aiodist", "tcpstore"):
+        assert row[system]["errors"] == [], row[system]
+        assert row[system]["summary_s"].median > 0
+        assert row[system]["server_cpu_s"].median > 0  # the server's own work, in the clock
+        assert row[system]["clients_cpu_s"].median > 0
+    assert row["server_cpu_ratio_tcpstore_over_aiodist"] > 0
+    (line,) = [x for x in render_sim(data).splitlines() if x.startswith("64 ")]
+    assert "x" in line
