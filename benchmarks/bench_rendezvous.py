@@ -272,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the join-storm simulator (rdzv_sim.py): N lightweight ranks with pre-encoded "
         "frames, N = 1K, 4K, 16K, 64K by default",
     )
+    parser.add_argument(
+        "--ranks-per-connection",
+        type=int,
+        default=1,
+        metavar="K",
+        help="--sim: K simulated aiodist ranks share each connection, each on its own channel "
+        "(as the members of one process do); sizes beyond the open-files limit use 8",
+    )
     args = parser.parse_args(argv)
     if not args.no_dns_workaround:
         for key, value in DNS_WORKAROUND.items():
@@ -320,6 +328,7 @@ def _main_sim(args: argparse.Namespace) -> int:
         timeout=max(args.timeout, 120.0),
         profile_server=args.profile_server,
         open_files=fds,
+        ranks_per_connection=args.ranks_per_connection,
     )
     path = write_results("rendezvous_sim", data)
     print()

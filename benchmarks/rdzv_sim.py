@@ -114,6 +114,24 @@ def _aiodist_reply(buf: bytearray) -> tuple[int, bool] | None:
     return (size, kind == 34) if len(buf) >= size else None  # 34: ERROR
 
 
+def _aiodist_replies(count: int) -> Callable[[bytearray], tuple[int, bool] | None]:
+    """``count`` whole frames (one reply per member of a shared connection)."""
+    if count == 1:
+        return _aiodist_reply
+
+    def parse(buf: bytearray) -> tuple[int, bool] | None:
+        at, failed = 0, False
+        for _ in range(count):
+            got = _aiodist_reply(memoryview(buf)[at:])  # type: ignore[arg-type]
+            if got is None:
+                return None
+            at += got[0]
+            failed = failed or got[1]
+        return at, failed
+
+    return parse
+
+
 def _fixed(n: int) -> Callable[[bytearray], tuple[int, bool] | None]:
     return lambda buf: (n, False) if len(buf) >= n else None
 
@@ -130,21 +148,36 @@ def _ts_bytes(buf: bytearray) -> tuple[int, bool] | None:
 Step = tuple[bytes, "Callable[[bytearray], tuple[int, bool] | None]", int]  # send, reply, phase
 
 
-def aiodist_script(group: str, n: int, rank: int) -> list[Step]:
+def _enc(msg: Any) -> bytes:
     from aiodist._wire.frame import encode_message
-    from aiodist._wire.messages import Barrier, Join, StoreGet, StoreSet
 
-    def enc(msg: Any) -> bytes:
-        return b"".join(bytes(p) for p in encode_message(msg))
+    return b"".join(bytes(p) for p in encode_message(msg))
 
-    host = f"node-{rank // RANKS_PER_HOST}"
-    join = Join(1, group, n, rank, host, 10_000 + rank, [f"tcp://127.0.0.1:{20000 + rank}"],
-                3600.0, 600.0, 0, b"")  # fmt: skip
+
+def aiodist_script(group: str, n: int, ranks: range) -> list[Step]:
+    """The steps of one connection carrying ``ranks``: each on a channel of its own when
+    there are several (as the members of one process share its control connection)."""
+    from aiodist._wire.messages import Barrier, Channel, Join, StoreGet, StoreSet
+
+    def each(make: Callable[[int, int], Any]) -> bytes:
+        if len(ranks) == 1:
+            return _enc(make(ranks[0], 0))
+        # Request ids are unique on the connection: its replies carry no channel.
+        return b"".join(_enc(Channel(c)) + _enc(make(rank, c)) for c, rank in enumerate(ranks))
+
+    k = len(ranks)
+    reply = _aiodist_replies(k)
+
+    def join(rank: int, c: int) -> Join:
+        host = f"node-{rank // RANKS_PER_HOST}"
+        return Join(1 + c, group, n, rank, host, 10_000 + rank,
+                    [f"tcp://127.0.0.1:{20000 + rank}"], 3600.0, 600.0, 0, b"")  # fmt: skip
+
     return [
-        (enc(join), _aiodist_reply, 0),
-        (enc(StoreSet(2, f"addr/{rank}", b"tcp://127.0.0.1:1")), _aiodist_reply, -1),
-        (enc(StoreGet(3, f"addr/{(rank + 1) % n}", 600.0)), _aiodist_reply, 1),
-        (enc(Barrier(4, 1, 600.0)), _aiodist_reply, 2),
+        (each(join), reply, 0),
+        (each(lambda r, c: StoreSet(1 + k + c, f"addr/{r}", b"tcp://127.0.0.1:1")), reply, -1),
+        (each(lambda r, c: StoreGet(1 + 2 * k + c, f"addr/{(r + 1) % n}", 600.0)), reply, 1),
+        (each(lambda r, c: Barrier(1 + 3 * k + c, 1, 600.0)), reply, 2),
     ]
 
 
@@ -190,21 +223,34 @@ class _Rank:
 
 
 def _worker(
-    conn: Connection, system: str, port: int, n: int, ranks: range, tag: str, timeout: float
+    conn: Connection,
+    system: str,
+    port: int,
+    n: int,
+    ranks: range,
+    tag: str,
+    timeout: float,
+    channels: int = 1,
 ) -> None:
-    """Drive ``ranks`` through their scripts; report each phase's last finish and errors."""
+    """Drive ``ranks`` through their scripts; report each phase's last finish and errors.
+
+    ``channels`` ranks share each connection (aiodist only).
+    """
     prefix = f"{tag}/"
-    scripts = [
-        aiodist_script(tag, n, r) if system == "aiodist" else tcpstore_script(prefix, n, r)
-        for r in ranks
-    ]
+    if system == "aiodist":
+        shares = [ranks[i : i + channels] for i in range(0, len(ranks), channels)]
+        scripts = [aiodist_script(tag, n, share) for share in shares]
+    else:
+        shares = [ranks[i : i + 1] for i in range(len(ranks))]
+        scripts = [tcpstore_script(prefix, n, r) for r in ranks]
     barrier_done = ts_set(f"{prefix}barrier_done", b"1")
     conn.send("ready")
     conn.recv()  # released: the clock runs
     cpu_start = time.process_time()
     sel = selectors.EpollSelector()
     in_flight = CONNECTS_IN_FLIGHT if system == "aiodist" else TCPSTORE_CONNECTS_IN_FLIGHT
-    waiting = [_Rank(s, source_address(r)) for s, r in zip(scripts, ranks, strict=True)]
+    waiting = [_Rank(s, source_address(share[0])) for s, share in zip(scripts, shares, strict=True)]
+    all_ranks = list(waiting)
     waiting.reverse()
     live = 0
     finished = [0.0] * len(SIM_PHASES)
@@ -298,6 +344,8 @@ def _worker(
                 rank.out += rank.steps[rank.step][0]
                 send(rank)
     cpu = time.process_time() - cpu_start
+    done = sum(len(share) for share, rank in zip(shares, all_ranks, strict=True)
+               if rank.step == len(rank.steps))  # fmt: skip
     conn.send(
         {"finished": finished, "done": done, "errors": errors, "error": first_error, "cpu": cpu}
     )
@@ -306,10 +354,14 @@ def _worker(
     # every Leave goes out, then each socket is closed once the server closed its end.
     leave = b""
     if system == "aiodist":
-        from aiodist._wire.frame import encode_message
-        from aiodist._wire.messages import Leave
+        from aiodist._wire.messages import Channel, Leave
 
-        leave = b"".join(bytes(p) for p in encode_message(Leave(5)))
+        req = 1 + 4 * channels
+        leave = (
+            _enc(Leave(req))
+            if channels == 1
+            else b"".join(_enc(Channel(c)) + _enc(Leave(req + c)) for c in range(channels))
+        )
     socks = [key.fileobj for key in list(sel.get_map().values())]
     for sock in socks:
         assert isinstance(sock, socket.socket)
@@ -348,10 +400,11 @@ def _run(
     workers: int,
     tag: str,
     timeout: float,
+    channels: int = 1,
 ) -> dict[str, Any]:
     """One join storm; its clock, each phase's, and the server's and clients' CPU seconds."""
     port = server.port
-    share = math.ceil(n / workers)
+    share = math.ceil(n / workers / channels) * channels  # a connection's ranks in one worker
     pipes, procs = [], []
     for w in range(workers):
         ranks = range(w * share, min(n, (w + 1) * share))
@@ -359,7 +412,9 @@ def _run(
             continue
         parent, child = ctx.Pipe()
         proc = ctx.Process(
-            target=_worker, args=(child, system, port, n, ranks, tag, timeout), daemon=True
+            target=_worker,
+            args=(child, system, port, n, ranks, tag, timeout, channels),
+            daemon=True,
         )
         proc.start()
         child.close()
@@ -412,11 +467,15 @@ def sim_bench(
     timeout: float = 120.0,
     profile_server: str | None = None,
     open_files: int | None = None,
+    ranks_per_connection: int = 1,
 ) -> dict[str, Any]:
     """Each size for each system, ``repeats`` times; a system that failed skips larger sizes.
 
     A size the open-files limit cannot hold (the server needs one descriptor
-    per rank) is not run; its row says why.
+    per rank) is not run for TCPStore, its row says why; aiodist runs it with
+    the ranks of a simulated host sharing one connection, as the members of one
+    process share its control connection (``ranks_per_connection`` asks for that
+    at every size).
     """
     ctx = multiprocessing.get_context("spawn")
     results = []
@@ -431,7 +490,22 @@ def sim_bench(
         for n in sizes:
             row: dict[str, Any] = {"world_size": n}
             for system in systems:
+                channels = ranks_per_connection if system == "aiodist" else 1
+                if channels > 1:
+                    row["aiodist_ranks_per_connection"] = channels
                 if open_files is not None and n + 256 > open_files:
+                    # aiodist still runs: the ranks of a simulated host share a connection,
+                    # as the members of one process do (the table's work is the same per
+                    # member; its sockets are N / RANKS_PER_HOST).
+                    if system == "aiodist" and n // RANKS_PER_HOST + 256 <= open_files:
+                        channels = RANKS_PER_HOST
+                        row["aiodist_ranks_per_connection"] = channels
+                        print(
+                            f"  sim N={n:<6} {system:<8} {channels} ranks per connection: the "
+                            f"open-files limit is {open_files} (hard)",
+                            flush=True,
+                        )
+                if channels == 1 and open_files is not None and n + 256 > open_files:
                     why = f"not run: the open-files limit is {open_files} (hard), N needs {n + 256}"
                     print(f"  sim N={n:<6} {system:<8} {why}", flush=True)
                     row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
@@ -445,7 +519,16 @@ def sim_bench(
                     continue
                 runs = []
                 for i in range(repeats):
-                    r = _run(ctx, system, servers[system], n, workers, f"sim{next(tags)}", timeout)
+                    r = _run(
+                        ctx,
+                        system,
+                        servers[system],
+                        n,
+                        workers,
+                        f"sim{next(tags)}",
+                        timeout,
+                        channels,
+                    )
                     runs.append(r)
                     shown = (
                         f"{r['wall'] * 1e3:.0f} ms" if r["wall"] else f"FAILED: {r['error'][:120]}"
@@ -507,7 +590,9 @@ def render_sim(data: dict[str, Any]) -> str:
     the simulated ranks' CPU, and aiodist's steps."""
     rows = []
     for res in data["results"]:
-        cells: list[object] = [res["world_size"]]
+        shared = res.get("aiodist_ranks_per_connection")
+        n = res["world_size"]
+        cells: list[object] = [n if not shared else f"{n} ({shared} ranks per aiodist connection)"]
         for system in ("aiodist", "tcpstore"):
             s = res.get(system)
             if s is None:

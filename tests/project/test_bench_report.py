@@ -380,3 +380,18 @@ def test_sim_runs_both_servers_and_times_their_cpu() -> None:
     assert row["server_cpu_ratio_tcpstore_over_aiodist"] > 0
     (line,) = [x for x in render_sim(data).splitlines() if x.startswith("64 ")]
     assert "x" in line
+
+
+@pytest.mark.slow
+def test_sim_runs_aiodist_ranks_sharing_connections_past_the_open_files_limit() -> None:
+    from benchmarks.rdzv_sim import render_sim, sim_bench
+
+    # 64 ranks need 64 + 256 descriptors alone, 8 + 256 sharing connections: TCPStore
+    # cannot run, aiodist runs with a simulated host's ranks on one connection.
+    data = sim_bench([64], 1, workers=2, open_files=300)
+    (row,) = data["results"]
+    assert "open-files limit is 300" in row["tcpstore"]["errors"][0]
+    assert row["aiodist"]["errors"] == [], row["aiodist"]
+    assert row["aiodist_ranks_per_connection"] == 8
+    assert row["aiodist"]["summary_s"].median > 0  # every one of the 64 passed the barrier
+    assert "64 (8 ranks per aiodist connection)" in render_sim(data)
