@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, cast
+import zlib
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import pytest
@@ -18,16 +19,45 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
-        pytest.param(
-            ("asyncio", {"debug": True, "loop_factory": uvloop.new_event_loop}), id="uvloop"
-        ),
-    ]
-)
+LOOPS: Final = {
+    "asyncio": ("asyncio", {"debug": True}),
+    "uvloop": ("asyncio", {"debug": True, "loop_factory": uvloop.new_event_loop}),
+}
+# Folders whose tests start their ranks as processes of their own: a case there runs on
+# one of the two loops (which one is fixed by its name), not on both.
+ONE_LOOP_FOLDERS: Final = ("integration", "compat")
+
+
+@pytest.fixture(params=[pytest.param(loop, id=name) for name, loop in LOOPS.items()])
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     return cast("tuple[str, dict[str, Any]]", request.param)
+
+
+@pytest.hookimpl(tryfirst=True)  # a mark, before marks and fixtures are parametrized
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run each multi-process test on one loop, half of them on each.
+
+    Unit tests run every case on asyncio's loop and on uvloop. In the integration
+    and compatibility tests the ranks are processes of their own and the test's
+    loop holds at most the rendezvous server, which the unit tests run on both
+    loops: running each such case twice doubled their time (a third of the suite)
+    for little. Each test function there gets one loop, picked by a hash of its
+    name, so that both loops keep running a share of them; its id still names it.
+    """
+    if "anyio_backend" not in metafunc.fixturenames:
+        return
+    if metafunc.definition.path.parent.name not in ONE_LOOP_FOLDERS:
+        return
+    if any(
+        "anyio_backend" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize")
+    ):
+        return  # the test chose its loops itself
+    fixturedefs = metafunc._arg2fixturedefs.get("anyio_backend", ())
+    if fixturedefs and fixturedefs[-1].params is None:
+        return  # its module overrides the fixture with one loop
+    name = sorted(LOOPS)[zlib.crc32(metafunc.definition.nodeid.encode()) % len(LOOPS)]
+    mark = pytest.mark.parametrize("anyio_backend", [pytest.param(LOOPS[name], id=name)])
+    metafunc.definition.add_marker(mark)
 
 
 @pytest.fixture
