@@ -489,17 +489,15 @@ def sim_bench(
             servers["tcpstore"] = stack.enter_context(running(TCPStoreMaster(ctx)))
         for n in sizes:
             row: dict[str, Any] = {"world_size": n}
+            plan: dict[str, int] = {}  # system -> ranks per connection, for those that run
             for system in systems:
                 channels = ranks_per_connection if system == "aiodist" else 1
-                if channels > 1:
-                    row["aiodist_ranks_per_connection"] = channels
                 if open_files is not None and n + 256 > open_files:
                     # aiodist still runs: the ranks of a simulated host share a connection,
                     # as the members of one process do (the table's work is the same per
                     # member; its sockets are N / RANKS_PER_HOST).
                     if system == "aiodist" and n // RANKS_PER_HOST + 256 <= open_files:
                         channels = RANKS_PER_HOST
-                        row["aiodist_ranks_per_connection"] = channels
                         print(
                             f"  sim N={n:<6} {system:<8} {channels} ranks per connection: the "
                             f"open-files limit is {open_files} (hard)",
@@ -508,47 +506,42 @@ def sim_bench(
                 if channels == 1 and open_files is not None and n + 256 > open_files:
                     why = f"not run: the open-files limit is {open_files} (hard), N needs {n + 256}"
                     print(f"  sim N={n:<6} {system:<8} {why}", flush=True)
-                    row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
-                                   "errors": [why], "server_cpu_s": None,
-                                   "clients_cpu_s": None}  # fmt: skip
-                    continue
-                if system in stopped:
-                    row[system] = {"wall_s": [], "summary_s": None, "phases_s": None,
-                                   "errors": ["not run: failed at a smaller size"],
-                                   "server_cpu_s": None, "clients_cpu_s": None}  # fmt: skip
-                    continue
-                runs = []
-                for i in range(repeats):
-                    r = _run(
-                        ctx,
-                        system,
-                        servers[system],
-                        n,
-                        workers,
-                        f"sim{next(tags)}",
-                        timeout,
-                        channels,
-                    )
-                    runs.append(r)
+                    row[system] = _not_run(why)
+                elif system in stopped:
+                    row[system] = _not_run("not run: failed at a smaller size")
+                else:
+                    plan[system] = channels
+                    if channels > 1:
+                        row["aiodist_ranks_per_connection"] = channels
+            runs: dict[str, list[dict[str, Any]]] = {system: [] for system in plan}
+            for i in range(repeats):
+                # Alternating pairs (A B, B A, ...): a machine getting busier or quieter
+                # during the run weighs on both systems alike.
+                for system in list(plan) if i % 2 == 0 else list(plan)[::-1]:
+                    if system in stopped:
+                        continue
+                    tag = f"sim{next(tags)}"
+                    r = _run(ctx, system, servers[system], n, workers, tag, timeout, plan[system])
+                    runs[system].append(r)
                     shown = (
                         f"{r['wall'] * 1e3:.0f} ms" if r["wall"] else f"FAILED: {r['error'][:120]}"
                     )
                     print(f"  sim N={n:<6} {system:<8} run {i + 1}/{repeats}: {shown}", flush=True)
                     if r["wall"] is None:
                         stopped.add(system)
-                        break
-                walls = [r["wall"] for r in runs if r["wall"] is not None]
+            for system, done in runs.items():
+                walls = [r["wall"] for r in done if r["wall"] is not None]
                 row[system] = {
                     "wall_s": walls,
                     "summary_s": summarize(walls),
                     "phases_s": [
-                        summarize([r["phases"][i] for r in runs if r["phases"]]) for i in range(3)
+                        summarize([r["phases"][i] for r in done if r["phases"]]) for i in range(3)
                     ],
-                    "errors": [r["error"] for r in runs if r["error"]],
+                    "errors": [r["error"] for r in done if r["error"]],
                     # CPU seconds inside the clock: the server's own (all its threads),
                     # and the simulated ranks' (every worker process together).
-                    "server_cpu_s": summarize([r["cpu"]["server"] for r in runs if r["cpu"]]),
-                    "clients_cpu_s": summarize([r["cpu"]["clients"] for r in runs if r["cpu"]]),
+                    "server_cpu_s": summarize([r["cpu"]["server"] for r in done if r["cpu"]]),
+                    "clients_cpu_s": summarize([r["cpu"]["clients"] for r in done if r["cpu"]]),
                 }
             aio = row.get("aiodist", {}).get("summary_s")
             tcp = row.get("tcpstore", {}).get("summary_s")
@@ -578,6 +571,11 @@ def sim_bench(
         "phases": list(SIM_PHASES),
         "results": results,
     }
+
+
+def _not_run(why: str) -> dict[str, Any]:
+    return {"wall_s": [], "summary_s": None, "phases_s": None, "errors": [why],
+            "server_cpu_s": None, "clients_cpu_s": None}  # fmt: skip
 
 
 def _s(summary: Any) -> str:

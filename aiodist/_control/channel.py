@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
-from aiodist._wire.messages import DumpNotice, MemberFailed, MembersJoined, MembersLeft
+from aiodist._wire.messages import (
+    DumpNotice,
+    MemberFailed,
+    MembersFailed,
+    MembersJoined,
+    MembersLeft,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -31,7 +37,7 @@ class ServerLost:
     error: DistError
 
 
-Notice = MemberFailed | MembersLeft | MembersJoined | DumpNotice | ServerLost
+Notice = MemberFailed | MembersFailed | MembersLeft | MembersJoined | DumpNotice | ServerLost
 
 
 class Carrier(Protocol):

@@ -73,6 +73,7 @@ from aiodist._wire.messages import (
     Heartbeat,
     Hello,
     MemberFailed,
+    MembersFailed,
     MembersJoined,
     MembersLeft,
     MessageKind,
@@ -473,7 +474,9 @@ class ControlConnection(asyncio.Protocol):
                     channel.fail(exc)
             else:
                 logger.warning("rendezvous server %s: %s", self.server, msg.message)
-        elif isinstance(msg, MemberFailed | MembersLeft | MembersJoined | DumpNotice):
+        elif isinstance(
+            msg, MemberFailed | MembersFailed | MembersLeft | MembersJoined | DumpNotice
+        ):
             if (channel := self._channels.get(self._in_channel)) is not None:
                 channel.notice(msg)
         elif isinstance(msg, ServerClosing):

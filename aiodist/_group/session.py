@@ -54,6 +54,7 @@ from aiodist._wire.messages import (
     DumpNotice,
     Leave,
     MemberFailed,
+    MembersFailed,
     MembersJoined,
     MembersLeft,
     MembersRequest,
@@ -395,6 +396,14 @@ class Session:
                 self.fail(notice.error)  # it names the server, and says what it means
         elif isinstance(notice, MembersJoined):
             follow_join(self, notice)
+        elif isinstance(notice, MembersFailed):
+            try:
+                failures = notice.each()
+            except ValueError as exc:
+                logger.warning("ignoring a malformed notice of failed members: %s", exc)
+                return
+            for failure in failures:
+                self.on_notice(failure)
         elif isinstance(notice, MemberFailed):
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
                 self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))

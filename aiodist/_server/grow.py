@@ -92,6 +92,8 @@ class Growth:
 
         def _send_leave_notice(self, job: Job, now: float) -> None: ...
 
+        def _send_failure_notice(self, job: Job, now: float) -> None: ...
+
     def _admit(self, member: Member, now: float) -> None:
         """Give ``member``, which joined formed elastic job, the next rank; tell everyone."""
         job = member.job
@@ -100,6 +102,8 @@ class Growth:
             # that every member counts the epochs in the server's order, and the
             # newcomer (whose first view is the join's) is not told of them.
             self._send_leave_notice(job, now)
+        if job.unannounced_failures:  # the same for failures held back
+            self._send_failure_notice(job, now)
         job.grown(member)
         used = {
             m.local_rank

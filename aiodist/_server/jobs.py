@@ -17,6 +17,7 @@ __all__ = [
     "BarrierState",
     "Close",
     "ConnId",
+    "FailureNotice",
     "Job",
     "LeaveNotice",
     "Member",
@@ -84,6 +85,14 @@ class LeaveNotice:
 
 
 @dataclass(eq=False, slots=True)
+class FailureNotice:
+    """A planned notice to a job's members of the members that failed since the last one."""
+
+    job: Job
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class Job:
     name: str
     world_size: int
@@ -117,6 +126,11 @@ class Job:
     unannounced: list[list[Any]] = field(default_factory=list)
     leave_notice: LeaveNotice | None = None
     next_leave_notice: float = 0.0
+    # The same for failures: ``[rank, host, pid, reason]`` not told yet (the first of an
+    # interval is told at once), the planned notice, and when the next may go.
+    unannounced_failures: list[list[Any]] = field(default_factory=list)
+    failure_notice: FailureNotice | None = None
+    next_failure_notice: float = 0.0
     _packed_table: Packed | None = None
     # For the dashboard's rates: messages received from its members, bytes sent to them.
     messages: int = 0

@@ -21,8 +21,10 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   isolation; the members break the groups that contain it). A member that
   leaves cleanly has not failed: the others are told (``MembersLeft``, at most
   one notice per ``LEAVE_NOTICE_INTERVAL``, stretched for jobs of more than
-  ``LEAVE_NOTICE_FANOUT`` members, so a job of N members ending costs O(N)
-  notices, not O(N^2)), and the barriers it will not reach fail. A
+  ``NOTICE_FANOUT`` members, so a job of N members ending costs O(N)
+  notices, not O(N^2)), and the barriers it will not reach fail. Failures are
+  told the same way: the first at once (``MemberFailed``), those after it within
+  ``FAILURE_NOTICE_INTERVAL`` together (``MembersFailed``). A
   forming member that disconnects simply drops out.
 - Members agree on a group's next membership through the server
   (``Regroup``, ``elastic.py``): a failure or a leave is fed to the pending
@@ -61,6 +63,7 @@ from aiodist._server.grow import Growth, check_admission, host_runs
 from aiodist._server.jobs import (
     BadRequest,
     Close,
+    FailureNotice,
     Job,
     LeaveNotice,
     Member,
@@ -78,6 +81,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersFailed,
     MembersLeft,
     MembersRequest,
     Packed,
@@ -98,8 +102,13 @@ MAX_SWEEP_INTERVAL: Final = 1.0
 MIN_SWEEP_INTERVAL: Final = MIN_HEARTBEAT_TIMEOUT / 4
 # The least time between two notices of members that left one job (the first goes at once).
 LEAVE_NOTICE_INTERVAL: Final = 0.1
-# Members a notice of leaves may go to per interval before the next one waits longer.
-LEAVE_NOTICE_FANOUT: Final = 1024
+# The same for failures: the first is told at once, those within the interval after it
+# together (a job of N dying at once costs O(N) notices, not N^2: 8.4M for 4K members).
+FAILURE_NOTICE_INTERVAL: Final = 0.05
+# Members a notice may go to per interval before the next one waits longer, up to a
+# second (failures are told within a second).
+NOTICE_FANOUT: Final = 1024
+MAX_NOTICE_INTERVAL: Final = 1.0
 RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
 
 
@@ -206,6 +215,8 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                 self._join_timed_out(target, now)
             elif isinstance(target, LeaveNotice):
                 self._send_leave_notice(target.job, now)
+            elif isinstance(target, FailureNotice):
+                self._send_failure_notice(target.job, now)
             elif isinstance(target, Agreement):
                 self._agreement_timed_out(target)
             else:
@@ -509,9 +520,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
         entries, job.unannounced = job.unannounced, []
         # A big job's notices are spaced out: each goes to every member, and a job of N
         # ending must not cost N sends every interval (16K members: minutes of sends).
-        job.next_leave_notice = now + LEAVE_NOTICE_INTERVAL * max(
-            1.0, len(job.members) / LEAVE_NOTICE_FANOUT
-        )
+        job.next_leave_notice = now + _notice_interval(LEAVE_NOTICE_INTERVAL, job)
         # Encoded once for the whole job: every member gets the same bytes.
         notice = MembersLeft(cast("list[Any]", Packed(msgpack.packb(entries))))
         for m in job.members:
@@ -526,11 +535,19 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
         self.log.rank_failed(member, reason, now)
         job.failures.append((member.rank, member.host, member.pid, reason))
         # Every failure is told to every member: each breaks only the groups that
-        # contain the failed rank (failure isolation), so a later one matters too.
+        # contain the failed rank (failure isolation), so a later one matters too. The
+        # first of an interval at once; those after it together when the interval ends.
         notice = MemberFailed(member.rank, member.host, member.pid, reason)
-        for other in job.members:
-            if other is not member and other.status == "active":
-                self._send(other.conn, notice)
+        if job.failure_notice is None and now >= job.next_failure_notice:
+            job.next_failure_notice = now + _notice_interval(FAILURE_NOTICE_INTERVAL, job)
+            for other in job.members:
+                if other.status == "active":
+                    self._send(other.conn, notice)
+        else:
+            job.unannounced_failures.append([member.rank, member.host, member.pid, reason])
+            if job.failure_notice is None:
+                job.failure_notice = FailureNotice(job)
+                self._push_timer(job.next_failure_notice, job.failure_notice)
         if member.conn in self._conns:
             # Still connected (it missed heartbeats: a stopped or starved loop): told
             # too, so that when it runs again it says that it was declared failed,
@@ -551,6 +568,21 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                 )
         job.barriers.clear()
         self._members_gone(job)
+
+    def _send_failure_notice(self, job: Job, now: float) -> None:
+        """Tell the members the failures held back since the last notice, in one message."""
+        if job.failure_notice is not None:
+            job.failure_notice.done = True
+            job.failure_notice = None
+        entries, job.unannounced_failures = job.unannounced_failures, []
+        if not entries:
+            return
+        job.next_failure_notice = now + _notice_interval(FAILURE_NOTICE_INTERVAL, job)
+        # Encoded once for the whole job: every member gets the same bytes.
+        notice = MembersFailed(cast("list[Any]", Packed(msgpack.packb(entries))))
+        for m in job.members:
+            if m.status == "active":
+                self._send(m.conn, notice)
 
     def _sweep(self, now: float) -> None:
         shortest = MAX_SWEEP_INTERVAL  # what the members still here need: it may grow again
@@ -606,6 +638,13 @@ def _rank_taken(job: Job, rank: int, holder: Member) -> BadRequest:
         f"{holder.host}; give every process its own rank (RANK)",
         {"rank": rank, "host": holder.host, "pid": holder.pid},
     )
+
+
+def _notice_interval(base: float, job: Job) -> float:
+    """How long after one notice to a job's members the next may go: ``base``, stretched
+    for a job of more than ``NOTICE_FANOUT`` members (each notice is a send to every
+    member), at most ``MAX_NOTICE_INTERVAL``."""
+    return min(base * max(1.0, len(job.members) / NOTICE_FANOUT), MAX_NOTICE_INTERVAL)
 
 
 def _sweep_interval(heartbeat_timeout: float) -> float:

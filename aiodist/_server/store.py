@@ -37,7 +37,7 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from aiodist._server.jobs import Close, ConnId, Job, LeaveNotice, Member
+    from aiodist._server.jobs import Close, ConnId, FailureNotice, Job, LeaveNotice, Member
 
 __all__ = ["STORE_REQUESTS", "StoreAndBarriers", "left_error"]
 
@@ -277,7 +277,9 @@ class StoreAndBarriers:
     def _send(self, conn: ConnId, msg: Any) -> None:
         self._actions.append(Send(conn, msg))
 
-    def _push_timer(self, when: float, target: Member | Waiter | LeaveNotice) -> None:
+    def _push_timer(
+        self, when: float, target: Member | Waiter | LeaveNotice | FailureNotice
+    ) -> None:
         # Timeouts were checked on the way in: one NaN here would break the heap's
         # order, and with it every other job's deadlines.
         assert math.isfinite(when), when

@@ -33,6 +33,7 @@ __all__ = [
     "Join",
     "Leave",
     "MemberFailed",
+    "MembersFailed",
     "MembersLeft",
     "MembersRequest",
     "Message",
@@ -90,6 +91,7 @@ class MessageKind(enum.IntEnum):
     CHALLENGE = 37
     AUTHENTICATED = 38
     MEMBERS_LEFT = 39
+    MEMBERS_FAILED = 41  # failures after the first within a notice interval, together
     DUMP_NOTICE = 47  # to each rank of the job a DUMP names
     MEMBERS_JOINED = 40
     # rank <-> rank (data plane)
@@ -508,6 +510,36 @@ class MembersLeft:
 
     KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_LEFT
     members: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MembersFailed:
+    """Members of a formed job that failed, ``[rank, host, pid, reason]`` each.
+
+    The first failure of a notice interval is a ``MemberFailed`` of its own; the
+    ones after it within the interval go together in one of these, so that a job
+    of N members dying at once costs O(N) notices, not O(N^2).
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_FAILED
+    members: list[Any]
+
+    def each(self) -> list[MemberFailed]:
+        """One ``MemberFailed`` per entry.
+
+        Raises:
+            ValueError: An entry is not ``[rank, host, pid, reason]`` of those types.
+        """
+        out = []
+        for entry in self.members:
+            if (
+                type(entry) is not list
+                or len(entry) != 4
+                or [type(v) for v in entry] != [int, str, int, str]
+            ):
+                raise ValueError(f"MembersFailed has a malformed entry {entry!r:.80}")
+            out.append(MemberFailed(*entry))
+        return out
 
 
 @dataclass(frozen=True, slots=True)

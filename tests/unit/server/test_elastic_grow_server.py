@@ -17,11 +17,12 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersFailed,
     MembersJoined,
     Packed,
     Welcome,
 )
-from tests.unit.server.test_server_state import LONG, FakeServer
+from tests.unit.server.test_server_state import LONG, FakeServer, decoded_failures
 
 
 @pytest.fixture
@@ -140,3 +141,18 @@ def test_leave_not_yet_announced_goes_out_before_a_join_and_not_to_the_newcomer(
     welcome, first = srv.take(late)  # the newcomer: its Welcome and its view, nothing else
     assert welcome.rank == 3
     assert _view(first) == [3, 4, [0, 3], [[3, "node0", 300]]]
+
+
+def test_failures_held_back_go_out_before_a_join_so_the_epochs_stay_in_order(
+    srv: FakeServer,
+) -> None:
+    a, b, c = _form(srv, 3, 8)
+    srv.lose(a)  # epoch 1, told at once
+    assert srv.only(c, MemberFailed).rank == 0
+    srv.lose(b)  # epoch 2, held back with the notice interval
+    assert srv.take(c) == []
+    _join(srv, 3, 8, pid=300)  # epoch 3
+    failed, joined = srv.take(c)
+    assert isinstance(failed, MembersFailed)
+    assert [f.rank for f in decoded_failures(failed)] == [1]
+    assert _view(joined)[:2] == [3, 4]

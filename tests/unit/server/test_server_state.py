@@ -13,7 +13,7 @@ import pytest
 
 from aiodist._errors import ErrorCode
 from aiodist._server.jobs import Close, ConnId, Send
-from aiodist._server.state import ServerState
+from aiodist._server.state import FAILURE_NOTICE_INTERVAL, ServerState
 from aiodist._wire.frame import FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Barrier,
@@ -22,6 +22,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersFailed,
     MembersLeft,
     MembersRequest,
     Packed,
@@ -1122,6 +1123,57 @@ def test_leave_after_a_failure_is_announced(srv: FakeServer) -> None:
     srv.call(c, Leave)
     srv.only(c, Reply)
     assert srv.left(b) == [[2, host_of(2), pid_of(2)]]
+
+
+def decoded_failures(notice: Any) -> list[MemberFailed]:
+    """The failures a ``MembersFailed`` names, as the client reads them off the wire."""
+    dec = FrameDecoder()
+    dec.receive_data(b"".join(encode_message(notice)))
+    msg = frame_message(dec.next_event())  # type: ignore[arg-type]
+    assert isinstance(msg, MembersFailed)
+    return msg.each()
+
+
+def test_failures_within_the_notice_interval_are_told_together(srv: FakeServer) -> None:
+    a, b, c, d = srv.form(4)
+    srv.lose(a)
+    for conn in (b, c, d):  # the first failure is told at once
+        assert srv.only(conn, MemberFailed).rank == 0
+    srv.lose(b)
+    srv.lose(c)
+    assert srv.take(d) == []  # held back until the interval ends...
+    srv.advance(srv.now + FAILURE_NOTICE_INTERVAL)
+    notice = srv.only(d, MembersFailed)  # ...then both in one notice, encoded once
+    assert isinstance(notice.members, Packed)
+    assert [(f.rank, f.host, f.pid) for f in decoded_failures(notice)] == [
+        (1, host_of(1), pid_of(1)),
+        (2, host_of(2), pid_of(2)),
+    ]
+    srv.advance(srv.now + 1.0)
+    assert srv.take(d) == []  # nothing held back any more
+    srv.lose(d)  # after a quiet interval, a failure is told at once again
+
+
+def test_a_failure_after_a_quiet_interval_is_told_at_once(srv: FakeServer) -> None:
+    a, b, c = srv.form(3)
+    srv.lose(a)
+    srv.only(c, MemberFailed)
+    srv.advance(srv.now + FAILURE_NOTICE_INTERVAL)
+    srv.lose(b)
+    assert srv.only(c, MemberFailed).rank == 1
+
+
+def test_a_whole_job_dying_at_once_costs_a_notice_per_member_not_n_squared(
+    srv: FakeServer,
+) -> None:
+    n = 256
+    conns = srv.form(n)
+    for conn in conns:
+        srv.lose(conn)
+    srv.advance(srv.now + 1.0)
+    told = sum(len(msgs) for msgs in srv.inbox.values())
+    assert told == n - 1  # the first failure, to every other member; then nobody is left
+    assert srv.state.stats.failures == n
 
 
 def test_leave_while_forming_sends_no_notice(srv: FakeServer) -> None:

@@ -33,6 +33,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersFailed,
     MembersRequest,
     MessageKind,
     Packed,
@@ -776,3 +777,16 @@ def test_welcome_host_ids_index_like_the_list_they_stand_for() -> None:
     assert ids[1:4] == [3, 0, 3]
     with pytest.raises(IndexError):
         ids[7]
+
+
+def test_members_failed_names_each_failure_and_refuses_a_malformed_entry() -> None:
+    good = MembersFailed([[1, "node-1", 11, "connection lost"], [3, "node-0", 13, "silent"]])
+    assert good.each() == [
+        MemberFailed(1, "node-1", 11, "connection lost"),
+        MemberFailed(3, "node-0", 13, "silent"),
+    ]
+    frame = _decode_one(encode_message(good))
+    assert frame_message(frame) == good  # type: ignore[arg-type]
+    for entry in ([1, "h", 11], [True, "h", 1, "r"], [1, b"h", 1, "r"], "x", [1, "h", 1, None]):
+        with pytest.raises(ValueError, match="malformed entry"):
+            MembersFailed([entry]).each()
