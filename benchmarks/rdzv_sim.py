@@ -19,10 +19,12 @@ Ranks are spread eight to a host name, as on GPU nodes, and each simulated host
 connects from a loopback address of its own (``source_address``). The clock starts when
 the parent releases the workers (sockets not yet open) and stops when the last
 rank passed the barrier; each step's time is when its last rank finished it.
-At most ``CONNECTS_IN_FLIGHT`` connects per worker are outstanding (until
-connected for aiodist, whose join is answered only once all joined; until the
-first reply for TCPStore, whose ``add`` is answered at once), so that a full
-accept queue (and the kernel's retransmissions) is not what is measured.
+At most ``CONNECTS_IN_FLIGHT`` connects per worker are outstanding, until the
+server answered the first message (aiodist: the heartbeat a client sends first,
+echoed at once; TCPStore: the validation ping), so that a full accept queue (and
+the kernel's retransmissions, 1 s each) is not what is measured: a connect is
+complete in the kernel before the server accepted it, so counting until then
+let the accept queue overflow at 16K ranks.
 aiodist ranks then leave (``Leave``) before they close, outside the clock.
 
 TCPStore's master runs with ``DNS_WORKAROUND`` as in the full-client benchmark
@@ -157,7 +159,7 @@ def _enc(msg: Any) -> bytes:
 def aiodist_script(group: str, n: int, ranks: range) -> list[Step]:
     """The steps of one connection carrying ``ranks``: each on a channel of its own when
     there are several (as the members of one process share its control connection)."""
-    from aiodist._wire.messages import Barrier, Channel, Join, StoreGet, StoreSet
+    from aiodist._wire.messages import Barrier, Channel, Heartbeat, Join, StoreGet, StoreSet
 
     def each(make: Callable[[int, int], Any]) -> bytes:
         if len(ranks) == 1:
@@ -174,7 +176,11 @@ def aiodist_script(group: str, n: int, ranks: range) -> list[Step]:
                     [f"tcp://127.0.0.1:{20000 + rank}"], 3600.0, 600.0, 0, b"")  # fmt: skip
 
     return [
-        (each(join), reply, 0),
+        # A client's first message: its heartbeat, echoed at once (the connect is paced
+        # on it, as TCPStore's is on its first reply: it proves the server accepted it),
+        # with the join right behind it; the welcome comes once all N joined.
+        (_enc(Heartbeat()) + each(join), _aiodist_reply, -1),
+        (b"", reply, 0),
         (each(lambda r, c: StoreSet(1 + k + c, f"addr/{r}", b"tcp://127.0.0.1:1")), reply, -1),
         (each(lambda r, c: StoreGet(1 + 2 * k + c, f"addr/{(r + 1) % n}", 600.0)), reply, 1),
         (each(lambda r, c: Barrier(1 + 3 * k + c, 1, 600.0)), reply, 2),
@@ -296,9 +302,6 @@ def _worker(
                         sel.unregister(sock)
                         sock.close()
                         continue
-                    if system == "aiodist":  # its Join is answered once all joined
-                        live -= 1  # connected: make room for the next connect
-                        connect()
                 send(rank)
                 continue
             try:
@@ -329,7 +332,7 @@ def _worker(
                     sel.unregister(sock)
                     break
                 now = time.monotonic()
-                if rank.step == 0 and system == "tcpstore":
+                if rank.step == 0:
                     live -= 1  # accepted and answered: make room for the next connect
                     connect()
                 if phase >= 0:

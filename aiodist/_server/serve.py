@@ -43,8 +43,10 @@ __all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serv
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT: Final = 29500
-# asyncio's default backlog of 100 overflows when a large job connects at once.
-LISTEN_BACKLOG: Final = 4096
+# asyncio's default backlog of 100 overflows when a large job connects at once. The
+# kernel caps it at net.core.somaxconn (often 4096): a job of more ranks than that,
+# connecting at once, can overflow it (each dropped connect is retried after 1 s).
+LISTEN_BACKLOG: Final = 65535
 # How long a shutdown waits for clients to take the closing notice before cutting them off.
 DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
 # Connections waiting for their handshake at most (a quarter of the open files, at most this).
