@@ -786,7 +786,7 @@ def test_members_failed_names_each_failure_and_refuses_a_malformed_entry() -> No
         MemberFailed(3, "node-0", 13, "silent"),
     ]
     frame = _decode_one(encode_message(good))
-    assert frame_message(frame) == good  # type: ignore[arg-type]
+    assert frame_message(frame) == good
     for entry in ([1, "h", 11], [True, "h", 1, "r"], [1, b"h", 1, "r"], "x", [1, "h", 1, None]):
         with pytest.raises(ValueError, match="malformed entry"):
             MembersFailed([entry]).each()
