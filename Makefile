@@ -4,10 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # Keep the suite inside its time budget on 2 cores; CI=true gets the same run. Two
-# workers: most tests wait on processes they started (ranks, a daemon, a heartbeat
-# timeout) more than they compute. A file with a costly module fixture stays on one
-# worker (tests/conftest.py). PYTEST_ARGS= runs serially.
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# workers, each test file on one of them: most tests wait on processes they started
+# (ranks, a daemon, a heartbeat timeout) more than they compute. PYTEST_ARGS= runs serially.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 

@@ -26,9 +26,6 @@ LOOPS: Final = {
 # Folders whose tests start their ranks as processes of their own: a case there runs on
 # one of the two loops (which one is fixed by its name), not on both.
 ONE_LOOP_FOLDERS: Final = ("integration", "compat")
-# Files whose tests run on one worker whatever their fixtures: the docs' commands
-# bind the ports the docs name.
-ONE_WORKER_FILES: Final = frozenset({"test_docs.py"})
 
 
 @pytest.fixture(params=[pytest.param(loop, id=name) for name, loop in LOOPS.items()])
@@ -68,25 +65,3 @@ async def server() -> AsyncIterator[RendezvousServer]:
     async with anyio.create_task_group() as tg:
         yield await tg.start(serve_rendezvous, "127.0.0.1", 0)  # port 0: the OS picks
         tg.cancel_scope.cancel()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep some files' tests on one worker (``make test`` runs two, ``--dist loadgroup``).
-
-    A file with a module-scoped fixture (a benchmark run, a built docs site, a
-    daemon): it is costly and would run once per worker. The docs' commands, which
-    run as written, on the documented ports. The other tests spread.
-    """
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        shared = item.path.name in ONE_WORKER_FILES or (
-            info is not None
-            and any(
-                d.scope == "module"
-                for name, defs in info.name2fixturedefs.items()
-                if not name.startswith("anyio_backend")
-                for d in defs
-            )
-        )
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
