@@ -65,3 +65,29 @@ async def server() -> AsyncIterator[RendezvousServer]:
     async with anyio.create_task_group() as tg:
         yield await tg.start(serve_rendezvous, "127.0.0.1", 0)  # port 0: the OS picks
         tg.cancel_scope.cancel()
+
+
+# The files that take longest, first: ``make test`` hands whole files to its two
+# workers in collection order, and a long file handed out last keeps one worker busy
+# while the other has nothing left to do. Only the order changes.
+LONG_FILES_FIRST: Final = (
+    "test_faults.py",
+    "test_exits.py",
+    "test_collectives.py",
+    "test_shm.py",
+    "test_integrity_listener.py",
+    "test_silent_waits.py",
+    "test_rpc.py",
+    "test_launch_paths.py",
+    "test_bench_report.py",
+    "test_daemon_restart.py",
+    "test_integrity.py",
+    "test_multiprocess.py",
+    "test_new_user.py",
+    "test_docs.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
