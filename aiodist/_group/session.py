@@ -408,6 +408,8 @@ class Session:
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
                 self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
+            if notice.rank in self.failed_ranks:
+                return  # told again (a re-attached member hears every failure of its job)
             self.views.gone(notice.rank)
             # Only what needs it breaks (failure isolation, membership.py).
             isolate_failure(self, notice.rank, notice.host, notice.pid, notice.reason)

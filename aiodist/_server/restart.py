@@ -34,7 +34,9 @@ import hmac
 import itertools
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import msgpack
 
 from aiodist._errors import ErrorCode
 from aiodist._server.durable import JobRecord, MemberRecord
@@ -45,6 +47,8 @@ from aiodist._wire.messages import (
     ErrorReply,
     Join,
     MemberFailed,
+    MembersFailed,
+    Packed,
     Reattach,
     Reply,
     ServerClosing,
@@ -303,9 +307,15 @@ class RestartableState(ServerState):
         self.reattached += 1
         self.log.record("rank_reattached", job, rank=member.rank, host=member.host, pid=member.pid)
         self._send(conn, Reply(msg.req_id, None))
-        if job.failures:  # it failed while this member was away: tell it now
-            rank, host, pid, reason = job.failures[0]
-            self._send(conn, MemberFailed(rank, host, pid, reason))
+        if job.failures:
+            # Every failure of its job (failure isolation: each breaks only what needs
+            # that rank), those while it was away among them: it cannot tell the server
+            # which ones it heard before, and a member ignores one it knows already.
+            if len(job.failures) == 1:
+                self._send(conn, MemberFailed(*job.failures[0]))
+            else:
+                entries = [list(failure) for failure in job.failures]
+                self._send(conn, MembersFailed(cast("list[Any]", Packed(msgpack.packb(entries)))))
 
     def _rebuild(self, msg: Reattach, now: float) -> Job:
         """A job this server never knew (it kept no state): its members re-register it."""

@@ -32,6 +32,7 @@ from aiodist._wire.messages import (
     Join,
     Leave,
     MemberFailed,
+    MembersFailed,
     Reply,
     StatusRequest,
     StoreAdd,
@@ -165,7 +166,22 @@ async def test_a_negative_channel_is_a_protocol_error(server: RendezvousServer) 
         conn.close()
 
 
-async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
+_FAILED_0 = MemberFailed(0, "host-a", 1000, "connection lost")
+
+
+@pytest.mark.parametrize(
+    "notices",
+    [
+        pytest.param([_FAILED_0], id="one-failure"),
+        # Failures told together, then one of them again (as a re-attached member
+        # hears every failure of its job): it counts once.
+        pytest.param(
+            [MembersFailed([[0, "host-a", 1000, "connection lost"]]), _FAILED_0],
+            id="together-then-again",
+        ),
+    ],
+)
+async def test_a_failure_read_with_the_welcome_reaches_the_session(notices: list[Any]) -> None:
     # A server that sends the Welcome and, in the same write, the failure of rank 0:
     # the notice arrives before the member has a session to tell.
     hung_up = anyio.Event()
@@ -191,7 +207,7 @@ async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
                     [
                         *encode_message(Welcome(msg.req_id, 1, 2, 1, 2, [[0, 2]])),
                         *encode_message(Channel(channel)),
-                        *encode_message(MemberFailed(0, "host-a", 1000, "connection lost")),
+                        *(part for notice in notices for part in encode_message(notice)),
                     ]
                 )
             elif isinstance(msg, Leave):
@@ -206,6 +222,8 @@ async def test_a_failure_read_with_the_welcome_reaches_the_session() -> None:
                 assert g.session.error is None
                 assert isinstance(g.error, RankFailedError)
                 assert g.error.rank == 0
+                view = g.session.views.current
+                assert (view.epoch, view.ranks) == (1, (1,))  # one change, however told
                 with pytest.raises(RankFailedError, match="rank 0"):
                     await aiodist.all_reduce(torch.ones(1), group=g)
             await hung_up.wait()

@@ -20,6 +20,7 @@ from aiodist._wire.messages import (
     Heartbeat,
     Join,
     MemberFailed,
+    MembersFailed,
     Reattach,
     Reply,
     StoreDeleteKey,
@@ -27,6 +28,7 @@ from aiodist._wire.messages import (
     StoreSet,
     Welcome,
 )
+from tests.unit.server.test_server_state import decoded_failures
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -191,6 +193,26 @@ def test_member_that_never_comes_back_is_declared_failed_to_the_others(tmp_path:
     assert isinstance(third.inbox[conn][0], Reply)  # taken back, then told
     assert isinstance(third.inbox[conn][-1], MemberFailed)
     assert third.inbox[conn][-1].rank == 1
+
+
+def test_member_back_late_hears_every_failure_of_its_job(tmp_path: Path) -> None:
+    table = Table(tmp_path)
+    conns = [join(table, r, world=3) for r in range(3)]
+    assert all(isinstance(table.inbox[c][-1], Welcome) for c in conns)
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    conn, _ = reattach(again, 0, secret_of(0), world=3)
+    beat(again, conn, MIN_REATTACH_WINDOW * 1.5)  # ranks 1 and 2 never come back
+    told = [m for m in again.inbox[conn] if isinstance(m, MemberFailed | MembersFailed)]
+    # The first at once, the second with the failures of its interval.
+    assert [type(m) for m in told] == [MemberFailed, MembersFailed]
+    again.close()
+    third = Table(tmp_path, now=60.0)
+    conn, _ = reattach(third, 0, secret_of(0), world=3)
+    reply, notice = third.inbox[conn]
+    assert isinstance(reply, Reply)
+    assert isinstance(notice, MembersFailed)  # both, not only the first
+    assert sorted(f.rank for f in decoded_failures(notice)) == [1, 2]
 
 
 def test_without_state_dir_members_rebuild_their_job_and_the_store_is_empty() -> None:
