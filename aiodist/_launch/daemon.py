@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import os
 import signal
@@ -45,12 +44,6 @@ MAX_TOKEN_BYTES: Final = 4096
 LOW_OPEN_FILES: Final = 4096
 # What a soft limit is raised to under an unlimited hard limit (Linux refuses "unlimited").
 UNLIMITED_OPEN_FILES: Final = 1 << 20
-# The daemon's garbage collector (its process only, never a rank's): the young
-# generation collected every 50,000 allocations instead of 700, full collections
-# rarer. A join storm allocates a few objects per message, nearly all freed at once
-# or kept for the job's life; with the defaults the collector took about a sixth of
-# the daemon's CPU at 16K ranks (bench_rendezvous --sim: 11% less CPU with these).
-GC_THRESHOLDS: Final = (50_000, 20, 100)
 
 
 def raise_open_files_limit() -> tuple[int, int] | None:
@@ -150,13 +143,6 @@ def sd_notify(message: str, environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-def _tune_gc() -> None:
-    """Collect garbage less often (``GC_THRESHOLDS``), and leave what start-up made
-    (modules, classes, functions) out of every collection from now on."""
-    gc.set_threshold(*GC_THRESHOLDS)
-    gc.freeze()
-
-
 async def run_daemon(
     host: str,
     port: int,
@@ -249,7 +235,6 @@ async def run_daemon(
                         state_dir,
                         server.state.restored_jobs,
                     )
-                _tune_gc()
                 if on_ready is not None:
                     on_ready(server, None if metrics is None else metrics.address)
                 bound = f"{server.address[0]}:{server.address[1]}"

@@ -6,7 +6,6 @@ The launch paths themselves run as real processes in ``test_launch_paths.py``.
 from __future__ import annotations
 
 import asyncio
-import gc
 import io
 import json
 import logging
@@ -362,16 +361,3 @@ async def test_torchrun_store_that_does_not_listen_is_a_rendezvous_error() -> No
     ):
         await connect_rendezvous(spec, None, timeout=1.0, environ=env)
     assert time.monotonic() - started < 10
-
-
-def test_the_daemon_collects_garbage_less_often_and_leaves_start_up_out() -> None:
-    from aiodist._launch import daemon
-
-    before = gc.get_threshold()
-    try:
-        daemon._tune_gc()
-        assert gc.get_threshold() == daemon.GC_THRESHOLDS
-        assert gc.get_freeze_count() > 1000  # the modules, classes and functions loaded
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
