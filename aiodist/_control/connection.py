@@ -77,6 +77,7 @@ from aiodist._wire.messages import (
     MembersJoined,
     MembersLeft,
     MessageKind,
+    Reattach,
     Reply,
     ServerClosing,
     Welcome,
@@ -106,6 +107,10 @@ PROBE_WAIT: Final = 5.0
 # While nothing listens: the first word after this many seconds, then one every so often.
 FIRST_WAITING_WORD: Final = 5.0
 WAITING_WORD_INTERVAL: Final = 30.0
+
+# What a reconnecting connection sends before its members are back: the token's proof
+# and each member's re-attachment.
+_REJOINING: Final = frozenset({AuthStart, Hello, Reattach})
 
 
 class ControlConnection(asyncio.Protocol):
@@ -146,6 +151,8 @@ class ControlConnection(asyncio.Protocol):
         self.on_retired: Callable[[ControlConnection], None] | None = None
         self.address: tuple[str, int] | None = None  # where connect_control reached the server
         self.reconnect: Reconnect | None = None  # while the server is away and we look for it
+        # Reconnecting: every member re-attached, their pending requests may go again.
+        self.reattached = False
 
     # --- asyncio.Protocol ------------------------------------------------------------
 
@@ -253,6 +260,11 @@ class ControlConnection(asyncio.Protocol):
         """Send ``msg`` for channel ``channel``, naming the channel first if it changed."""
         if self._error is not None:
             raise self._error
+        if self.reconnect is not None and not self.reattached and type(msg) not in _REJOINING:
+            # Back on a new connection, not re-attached yet: a member's request must not
+            # reach the server before the token's proof (it would refuse the connection);
+            # it waits in its channel and is sent again once every member is back.
+            return
         parts = encode_message(msg)
         if channel != self._out_channel:
             self._out_channel = channel
@@ -521,6 +533,7 @@ class ControlConnection(asyncio.Protocol):
         self._challenge = self.loop.create_future()
         self._handshake = None
         self._trusted = not self.token
+        self.reattached = False
         rules = self.liveness
         rules.echoed = False
         rules.unanswered_since = None

@@ -158,6 +158,7 @@ class Reconnect:
                 channel.notice(ServerLost(result))
             elif isinstance(result, BaseException):
                 raise result
+        conn.reattached = True
         for channel in conn.member_channels():
             if channel.error is None:
                 channel.resend_pending()
