@@ -42,7 +42,7 @@ from aiodist._ops.agreement import AGREE, OPEN
 from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Awaitable, Callable
     from types import TracebackType
 
     from aiodist._group.group import ProcessGroup
@@ -148,9 +148,7 @@ class Exchange:
         self.g.spawn(linger(self._finish(rest, later)))
         return False
 
-    async def _finish(
-        self, rest: Coroutine[Any, Any, None], then: Callable[[], None] | None
-    ) -> None:
+    async def _finish(self, rest: Awaitable[None], then: Callable[[], None] | None) -> None:
         try:
             await self._rest(rest)
         except Exception as exc:
@@ -159,7 +157,7 @@ class Exchange:
             if then is not None:
                 then()
 
-    async def _rest(self, rest: Coroutine[Any, Any, None]) -> None:
+    async def _rest(self, rest: Awaitable[None]) -> None:
         try:
             await rest
         except ConnectionError:

@@ -108,6 +108,8 @@ class Connections(PlaneCore):
         self._table: PeerTable | None = None
         self._host_ids: Sequence[int] = ()
         self._connecting: dict[int, asyncio.Future[DataChannel]] = {}
+        # Per peer, the last message to it not yet in its channel: the next waits for it.
+        self.unwritten: dict[int, asyncio.Future[None]] = {}
         self._handshakes: dict[DataChannel, asyncio.Future[None]] = {}  # this rank's, running
         self.use_uds = self.selection.use_uds
         self.use_shm = self.selection.use_shm

@@ -33,6 +33,7 @@ from aiodist._plane.bulk import BULK_MIN_BYTES
 from aiodist._plane.connections import Connections
 from aiodist._plane.receives import Received, aborted_message
 from aiodist._transport import shm
+from aiodist._transport.base import start_now
 from aiodist._wire.keys import Key, MatchKind
 from aiodist._wire.messages import MessageKind
 
@@ -63,6 +64,45 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def _is_bulk(key: Key, payload: Buffer | None) -> bool:
+    # A point-to-point tensor large enough to wait for its receive (``bulk.py``).
+    return (
+        key[0] == MatchKind.P2P
+        and payload is not None
+        and memoryview(payload).nbytes >= BULK_MIN_BYTES
+    )
+
+
+def _turn_over(
+    unwritten: dict[int, asyncio.Future[None]], dst: int, written: asyncio.Future[None]
+) -> None:
+    # This message is in its channel (or will never be): the next one to ``dst`` may go.
+    if not written.done():
+        written.set_result(None)
+    if unwritten.get(dst) is written:
+        del unwritten[dst]
+
+
+def _started(coro: Coroutine[Any, Any, None]) -> Awaitable[None] | None:
+    # ``start_now``, its error raised where the rest is awaited, as every send's is.
+    try:
+        return start_now(coro)
+    except Exception as exc:
+        return _raise(exc)
+
+
+async def _raise(exc: Exception) -> None:
+    raise exc
+
+
+async def _logged(rest: Awaitable[None], dst: int, kind: MessageKind) -> None:
+    # A notice is best effort: a peer that cannot be reached learns of it otherwise.
+    try:
+        await rest
+    except (OSError, DistError) as exc:
+        logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
+
+
 class DataPlane(Connections):
     """Channels to every peer of a session, and the messages and receives on them."""
 
@@ -70,34 +110,36 @@ class DataPlane(Connections):
 
     def send_now(
         self, dst: int, key: Key, meta: Any, payload: Buffer | None
-    ) -> Coroutine[Any, Any, None] | None:
+    ) -> Awaitable[None] | None:
         """Send one message to global rank ``dst``, as far as it goes without waiting.
 
         Returns None once the message is handed to the kernel (the usual case for
-        a small one on a connected channel), else a coroutine that finishes the
+        a small one on a connected channel), else an awaitable that finishes the
         send: await it (in a task) before reusing ``payload``. It raises what
         stopped the send (a peer that left, a failed connection, as the session
         judged it).
+
+        Order: messages to one peer leave in call order, whatever their sizes. A
+        large tensor's announcement (or, with a credit, its payload) is written
+        here like any message; a message that cannot be written yet (no channel,
+        or one ahead of it still waiting for the channel) waits its turn.
         """
         if dst == self.rank:
             data = memoryview(bytes(payload) if payload is not None else b"")
             self.arrived(dst, key, Received(dst, meta, data))
             return None
+        header = [*key, meta]
+        bulk = payload is not None and _is_bulk(key, payload)
         channel = self.routes.get(dst)
-        if (
-            channel is None
-            or dst in self.left
-            or (
-                key[0] == MatchKind.P2P
-                and payload is not None
-                and memoryview(payload).nbytes >= BULK_MIN_BYTES
-            )
-        ):
-            return self._send_later(dst, key, meta, payload)  # connect, or announce: no shortcut
+        if channel is None or dst in self.left or dst in self.unwritten:
+            return self._send_in_turn(dst, MessageKind.DATA, header, payload, key if bulk else None)
+        if bulk:
+            assert payload is not None
+            return _started(self._send_bulk(dst, key, meta, memoryview(payload).cast("B")))
         try:
             # Written here, in the caller: a frame the kernel took at once needs no
             # task and no loop turn.
-            rest = channel.send_nowait(MessageKind.DATA, [*key, meta], payload)
+            rest = channel.send_nowait(MessageKind.DATA, header, payload)
         except OSError as exc:
             return self._raise_send_failed(dst, exc)
         return None if rest is None else self._finish_send(dst, rest)
@@ -112,43 +154,98 @@ class DataPlane(Connections):
         if rest is not None:
             await rest
 
-    async def _send_later(self, dst: int, key: Key, meta: Any, payload: Buffer | None) -> None:
-        if dst in self.left:
-            raise self.left[dst]
-        if key[0] == MatchKind.P2P and payload is not None:
-            view = memoryview(payload).cast("B")
-            if view.nbytes >= BULK_MIN_BYTES:
-                await self._send_bulk(dst, key, meta, view)
-                return
-        await self._send_data(dst, [*key, meta], payload)
+    def _send_in_turn(
+        self,
+        dst: int,
+        kind: MessageKind,
+        header: list[Any],
+        payload: Buffer | None,
+        bulk: Key | None = None,
+    ) -> Awaitable[None] | None:
+        """Send once the channel is there and every message to ``dst`` before it is written.
 
-    async def _send_bulk(self, dst: int, key: Key, meta: Any, payload: memoryview) -> None:
-        """Announce ``payload``, wait until ``dst`` clears it, then send it (``bulk.py``)."""
+        ``bulk``: the key of a large tensor's ``DATA`` (``header`` is then its key and meta).
+        """
+        ahead = self.unwritten.get(dst)
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.unwritten[dst] = written
+        return _started(self._send_queued(dst, ahead, written, kind, header, payload, bulk))
+
+    async def _send_queued(
+        self,
+        dst: int,
+        ahead: asyncio.Future[None] | None,
+        written: asyncio.Future[None],
+        kind: MessageKind,
+        header: list[Any],
+        payload: Buffer | None,
+        bulk: Key | None,
+    ) -> None:
+        try:
+            if ahead is not None and not ahead.done():
+                await asyncio.wait([ahead])  # its outcome is its own sender's to report
+            if dst in self.left:
+                raise self.left[dst]
+            if bulk is not None and payload is not None:
+                view = memoryview(payload).cast("B")
+                await self._send_bulk(dst, bulk, header[-1], view, written)
+            else:
+                await self._send_frame(dst, kind, header, payload, written)
+        finally:
+            if ahead is None or ahead.done():
+                _turn_over(self.unwritten, dst, written)
+            else:  # cancelled while waiting: the next message still goes after ``ahead``'s
+                ahead.add_done_callback(lambda _: _turn_over(self.unwritten, dst, written))
+
+    async def _send_bulk(
+        self,
+        dst: int,
+        key: Key,
+        meta: Any,
+        payload: memoryview,
+        written: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Announce ``payload``, wait until ``dst`` clears it, then send it (``bulk.py``).
+
+        The announcement (or the payload itself, where ``dst`` posted its receive
+        already) is what keeps this message's place among those to ``dst``.
+        """
         bulk = self.bulk
         if bulk.take_credit(dst, key, payload.nbytes):  # its receive is posted: no need to ask
-            await self._send_data(dst, [*key, meta], payload)
+            await self._send_frame(dst, MessageKind.DATA, [*key, meta], payload, written)
             return
         cleared: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
         cleared.add_done_callback(_retrieve)  # a failure reaches the caller via await
         announcement, header = bulk.announce(
             dst, key, meta, payload.nbytes, functools.partial(_resolve, cleared)
         )
-        await self._send_data(dst, announcement)
+        await self._send_frame(dst, MessageKind.DATA, announcement, None, written)
         bulk.wait_started()
         try:
             if (await cleared).meta:  # that receive had sent a credit: take it back
                 bulk.take_credit(dst, key, payload.nbytes)
         finally:
             bulk.wait_ended()
-        await self._send_data(dst, header, payload)
+        await self._send_frame(dst, MessageKind.DATA, header, payload)
 
-    async def _send_data(self, dst: int, header: list[Any], payload: Buffer | None = None) -> None:
-        """Send one DATA frame with ``header`` to peer ``dst`` (not this rank)."""
+    async def _send_frame(
+        self,
+        dst: int,
+        kind: MessageKind,
+        header: list[Any],
+        payload: Buffer | None = None,
+        written: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Send one frame to peer ``dst`` (not this rank); ``written`` is set once it is."""
         if dst in self.left:
             raise self.left[dst]
         try:
             channel = self.routes.get(dst) or await self.connect(dst)
-            await channel.send(MessageKind.DATA, header, payload)
+            rest = channel.send_nowait(kind, header, payload)
+            if written is not None and not written.done():
+                written.set_result(None)  # in the channel: the next message may follow
+            if rest is not None:
+                await rest
         except OSError as exc:
             raise await self._send_failed(dst, exc) from None
 
@@ -197,17 +294,12 @@ class DataPlane(Connections):
         learns of what it says as it learns of any failure.
         """
         channel = self.routes.get(dst)
-        if channel is None:
-            self.spawn(self._send_notice_later(dst, kind, header))
-        else:
+        if channel is not None and dst not in self.unwritten:
             self.write(channel, kind, header)
-
-    async def _send_notice_later(self, dst: int, kind: MessageKind, header: list[Any]) -> None:
-        try:
-            channel = self.routes.get(dst) or await self.connect(dst)
-            await channel.send(kind, header)
-        except (OSError, DistError) as exc:
-            logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
+            return
+        rest = self._send_in_turn(dst, kind, header, None)
+        if rest is not None:
+            self.spawn(_logged(rest, dst, kind))
 
     # --- receiving: post's awaitable form -------------------------------------------------
 
