@@ -2,8 +2,9 @@
 
 A server started with a state directory (``aiodist serve --state-dir DIR``)
 writes each change that a restart must not lose as one record: a job formed
-(its members, their ranks and re-attach secrets), a key set or deleted, a
-barrier passed, a member failed or left, a job ended. Records are framed as
+(its members, their ranks and re-attach secrets), a newcomer admitted to an
+elastic job, a key set or deleted, a barrier passed, a regroup decided, a
+member failed or left, a job ended. Records are framed as
 
     +----------------+----------------+---------------------------+
     | length  (u32)  | crc32   (u32)  | body: one msgpack array   |
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 
+from aiodist._errors import ErrorCode
 from aiodist._wire.bounds import (
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
@@ -63,6 +65,7 @@ MAGIC: Final = b"AIODST01"
 _HEAD: Final = struct.Struct("<II")  # body length, crc32 of the body
 MAX_RECORD_BYTES: Final = 1 << 30
 MAX_KEY_CHARS: Final = 1 << 20
+MAX_SETTLED_REGROUPS: Final = 256  # decided regroups a job keeps (``elastic.MAX_SETTLED``)
 # The log is folded into a snapshot after this many records or bytes.
 COMPACT_RECORDS: Final = 200_000
 COMPACT_BYTES: Final = 256 << 20
@@ -96,16 +99,29 @@ class MemberRecord:
 
 @dataclass(slots=True)
 class JobRecord:
-    """What the log knows of one formed job."""
+    """What the log knows of one formed job.
+
+    ``world_size`` is its rank space: the members it formed with
+    (``min_world_size``) and the newcomers admitted since (an elastic job,
+    ``max_world_size`` above 0).
+    """
 
     name: str
     generation: int
     world_size: int
     members: list[MemberRecord]
+    min_world_size: int = 0  # 0: world_size (a job that never grew)
+    max_world_size: int = 0
     kv: dict[str, bytes] = field(default_factory=dict)
     barriers_done: int = 0
     failures: list[tuple[int, str, int, str]] = field(default_factory=list)
     left: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # Regroup key -> the answer every caller got: ``[ranks]`` or ``[code, message, details]``.
+    regroups: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.min_world_size:
+            self.min_world_size = self.world_size
 
     def records(self) -> list[list[Any]]:
         """This job as the records that rebuild it (a snapshot's part)."""
@@ -115,6 +131,8 @@ class JobRecord:
                 self.name,
                 self.generation,
                 self.world_size,
+                self.min_world_size,
+                self.max_world_size,
                 [m.row() for m in self.members],
             ]
         ]
@@ -123,6 +141,7 @@ class JobRecord:
             out.append(["barrier", self.name, self.barriers_done])
         out.extend(["failed", self.name, *f] for f in self.failures)
         out.extend(["left", self.name, r, h, p] for r, (h, p) in self.left.items())
+        out.extend(["regroup", self.name, k, a] for k, a in self.regroups.items())
         return out
 
 
@@ -167,6 +186,17 @@ def _member(v: Any, world_size: int) -> MemberRecord:
     )
 
 
+def _regroup_answer(v: Any, world_size: int) -> list[Any]:
+    if type(v) is list and len(v) == 1 and type(v[0]) is list:
+        return [[_int(r, 0, world_size - 1) for r in v[0]]]
+    if type(v) is list and len(v) == 3 and type(v[2]) is dict:
+        code = _int(v[0], 0, 2**31)
+        if code not in ErrorCode._value2member_map_:
+            raise _Bad(f"an error code expected, got {code}")
+        return [ErrorCode(code), _str(v[1], 1 << 16), v[2]]
+    raise _Bad("a regroup's answer is [ranks] or [code, message, details]")
+
+
 def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
     """Apply one decoded record to ``jobs``.
 
@@ -178,16 +208,24 @@ def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
         raise _Bad("a record is an array starting with its kind")
     kind, args = rec[0], rec[1:]
     if kind == "job":
-        if len(args) != 4 or type(args[3]) is not list:
-            raise _Bad("a job record is [name, generation, world_size, members]")
+        if len(args) != 6 or type(args[5]) is not list:
+            raise _Bad(
+                "a job record is [name, generation, world_size, min_world_size, "
+                "max_world_size, members]"
+            )
         name = _str(args[0], MAX_GROUP_NAME_CHARS)
         world_size = _int(args[2], 1, MAX_WORLD_SIZE)
-        if len(args[3]) != world_size:
-            raise _Bad(f"job {name!r} has {len(args[3])} members, world size {world_size}")
-        members = [_member(m, world_size) for m in args[3]]
+        least = _int(args[3], 1, world_size)
+        most = _int(args[4], 0, MAX_WORLD_SIZE)
+        if most and most < least:
+            raise _Bad(f"job {name!r} may grow to {most} members, fewer than it formed with")
+        if len(args[5]) != world_size:
+            raise _Bad(f"job {name!r} has {len(args[5])} members, world size {world_size}")
+        members = [_member(m, world_size) for m in args[5]]
         if sorted(m.rank for m in members) != list(range(world_size)):
             raise _Bad(f"job {name!r}: the ranks are not 0..{world_size - 1}")
-        jobs[name] = JobRecord(name, _int(args[1], 0, 2**63 - 1), world_size, members)
+        generation = _int(args[1], 0, 2**63 - 1)
+        jobs[name] = JobRecord(name, generation, world_size, members, least, most)
         return
     if not args:
         raise _Bad(f"a {kind} record names its job")
@@ -200,6 +238,14 @@ def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
             job.kv.pop(key, None)
         else:
             job.kv[key] = _bytes(args[2], MAX_RECORD_BYTES)
+    elif kind == "joined" and len(args) == 2:
+        if not job.max_world_size:
+            raise _Bad(f"a newcomer joined job {job.name!r}, which is not elastic")
+        member = _member(args[1], job.world_size + 1)
+        if member.rank != job.world_size:
+            raise _Bad(f"a newcomer of job {job.name!r} must have rank {job.world_size}")
+        job.members.append(member)
+        job.world_size += 1
     elif kind == "barrier" and len(args) == 2:
         job.barriers_done = max(job.barriers_done, _int(args[1], 0, 2**64 - 1))
     elif kind == "failed" and len(args) == 5:
@@ -216,6 +262,12 @@ def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
             _str(args[2], MAX_HOST_CHARS),
             _int(args[3], 0, 2**64 - 1),
         )
+    elif kind == "regroup" and len(args) == 3:
+        key = _str(args[1], MAX_GROUP_NAME_CHARS)
+        job.regroups.pop(key, None)
+        job.regroups[key] = _regroup_answer(args[2], job.world_size)
+        while len(job.regroups) > MAX_SETTLED_REGROUPS:
+            del job.regroups[next(iter(job.regroups))]
     elif kind == "end" and len(args) == 2:
         if job.generation == _int(args[1], 0, 2**63 - 1):
             del jobs[job.name]

@@ -19,8 +19,10 @@ from aiodist._wire.messages import (
     ErrorReply,
     Heartbeat,
     Join,
+    Leave,
     MemberFailed,
     MembersFailed,
+    MembersJoined,
     Reattach,
     Reply,
     StoreDeleteKey,
@@ -51,9 +53,9 @@ def secret_of(rank: int) -> bytes:
 class Table:
     """A ``RestartableState`` with a fake clock; its replies sorted by connection."""
 
-    def __init__(self, state_dir: Path | None, now: float = 0.0) -> None:
+    def __init__(self, state_dir: Path | None, now: float = 0.0, *, fsync: bool = True) -> None:
         self.now = now
-        self.dir = None if state_dir is None else StateDir(state_dir)
+        self.dir = None if state_dir is None else StateDir(state_dir, fsync=fsync)
         self.state = RestartableState(now, state_dir=self.dir, restartable=True)
         self.inbox: dict[int, list[Any]] = defaultdict(list)
         self._conns = itertools.count(1)
@@ -98,7 +100,16 @@ def beat(table: Table, conn: int, seconds: float, *others: int) -> None:
             table.send(c, Heartbeat())
 
 
-def join(table: Table, rank: int, world: int = 2, name: str = "job") -> int:
+def join(
+    table: Table,
+    rank: int,
+    world: int = 2,
+    name: str = "job",
+    *,
+    max_world: int = 0,
+    secret: bytes | None = None,
+) -> int:
+    """Join ``rank`` (-1: a newcomer of a formed elastic job, with ``secret``)."""
     conn = table.connect()
     table.send(
         conn,
@@ -113,7 +124,8 @@ def join(table: Table, rank: int, world: int = 2, name: str = "job") -> int:
             HB,
             60.0,
             0,
-            secret_of(rank),
+            secret_of(rank) if secret is None else secret,
+            max_world,
         ),
     )
     return conn
@@ -258,7 +270,7 @@ def test_record_failing_its_checksum_or_its_bounds_ends_the_replay(
     assert "malformed" in caplog.text
     table.close()
     (tmp_path / "log").write_bytes(
-        MAGIC + frame(["job", "j", 0, 1, [[0, 0, "h", 1, [], 1.0, b""]]]) + bad_crc
+        MAGIC + frame(["job", "j", 0, 1, 1, 0, [[0, 0, "h", 1, [], 1.0, b""]]]) + bad_crc
     )
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -299,3 +311,69 @@ def test_stalled_server_counts_a_dropped_member_as_away_not_failed(tmp_path: Pat
     assert isinstance(reply, Reply)
     beat(table, conns[0], 2 * MIN_REATTACH_WINDOW, back)
     assert not any(isinstance(m, MemberFailed) for m in table.inbox[conns[0]])
+
+
+# --- a job that grew, and its newcomers, across a restart ----------------------------------
+
+NEWCOMER = b"\x07" * 32
+
+
+def grown_job(table: Table, name: str = "job", max_world: int = 4) -> tuple[list[int], int]:
+    """A job formed with ranks 0 and 1, grown by a newcomer (rank 2)."""
+    conns = [join(table, r, name=name, max_world=max_world) for r in range(2)]
+    late = join(table, -1, name=name, max_world=max_world, secret=NEWCOMER)
+    welcome = next(m for m in table.inbox[late] if isinstance(m, Welcome))
+    assert (welcome.rank, welcome.world_size) == (2, 3)
+    return conns, late
+
+
+def test_grown_job_survives_a_restart_its_newcomer_included(tmp_path: Path) -> None:
+    table = Table(tmp_path)
+    _, late = grown_job(table)
+    welcome = next(m for m in table.inbox[late] if isinstance(m, Welcome))
+    assert welcome.restartable  # else the newcomer breaks its groups as soon as the daemon goes
+    table.send(late, lambda r: StoreSet(r, "from-newcomer", b"n"))
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    job = again.state.jobs["job"]
+    assert (job.world_size, job.kv) == (3, {"from-newcomer": b"n"})
+    back = []
+    # Each member re-attaches as its Welcome said: ranks 0 and 1 of 2, the newcomer of 3.
+    for rank, world, secret in [(0, 2, secret_of(0)), (1, 2, secret_of(1)), (2, 3, NEWCOMER)]:
+        conn, reply = reattach(again, rank, secret, world=world)
+        assert isinstance(reply, Reply), (rank, reply)
+        back.append(conn)
+    # The job grows on: the next newcomer's view counts every change before the restart.
+    fourth = join(again, -1, max_world=4, secret=b"\x09" * 32)
+    views = [m for m in again.inbox[back[0]] if isinstance(m, MembersJoined)]
+    assert [(v.epoch, v.world_size) for v in views] == [(2, 4)]
+    beat(again, back[0], 2 * MIN_REATTACH_WINDOW, *back[1:], fourth)
+    assert not any(isinstance(m, MemberFailed | MembersFailed) for m in again.inbox[back[0]])
+
+
+@pytest.mark.parametrize("how", ["fails", "leaves"])
+def test_newcomer_gone_replays_and_so_does_every_later_record_of_every_job(
+    tmp_path: Path, how: str
+) -> None:
+    table = Table(tmp_path)
+    _, late = grown_job(table, max_world=3)
+    other = [join(table, r, name="jobB") for r in range(2)]
+    if how == "fails":
+        table.state.connection_lost(late, table.now, "connection reset")
+        table.collect()
+    else:
+        table.send(late, lambda r: Leave(r))
+    for i in range(200):
+        table.send(other[i % 2], lambda r, i=i: StoreSet(r, f"k{i}", b"%d" % i))
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    assert again.state.jobs["jobB"].kv == {f"k{i}": b"%d" % i for i in range(200)}
+    job = again.state.jobs["job"]
+    assert job.world_size == 3
+    if how == "fails":
+        assert [f[0] for f in job.failures] == [2]
+    else:
+        assert list(job.left) == [2]
+    _, reply = reattach(again, 2, NEWCOMER, world=3)
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == (ErrorCode.RANK_FAILED if how == "fails" else ErrorCode.RENDEZVOUS)
