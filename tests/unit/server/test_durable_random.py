@@ -1,4 +1,4 @@
-"""Random sequences of what a daemon keeps, across restarts.
+"""Random sequences of what a daemon keeps, across restarts and damaged state directories.
 
 Sans-IO: the job table with a state directory of real files, a fake clock. A
 seeded random sequence forms jobs (some elastic), writes their stores (set,
@@ -8,6 +8,12 @@ and starts later generations of them, and restarts the server on the same
 directory between operations: the members re-attach, and some never do (they
 are declared failed). A model kept beside the server holds every change the
 server acknowledged.
+
+With ``damage``, each restart may first damage the directory: the log cut at a
+random byte (mid-record included), a byte of the log or the snapshot flipped, a
+torn write appended to the log, the snapshot or the log deleted. The server
+then either refuses to start, naming the damaged file and leaving every file as
+it was, or comes back with every acknowledged change of every job.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from aiodist._server.durable import StateDirError, frame
 from aiodist._server.restart import MIN_REATTACH_WINDOW
 from aiodist._wire.messages import (
     Barrier,
@@ -77,9 +84,10 @@ class Job:
 class Run:
     """One seeded sequence against one state directory, and the model beside it."""
 
-    def __init__(self, path: Path, seed: int) -> None:
+    def __init__(self, path: Path, seed: int, damage: bool) -> None:
         self.rng = random.Random(seed)
         self.path = path
+        self.damage = damage
         self.table = Table(path, fsync=False)
         self.jobs: dict[str, Job] = {}
         self.generations: dict[str, int] = {}
@@ -308,10 +316,55 @@ class Run:
         self.counts["records written"] += self.table.dir.records_in_log  # type: ignore[union-attr]
         self.table.close()
         self.orphans.clear()  # their generation was replaced: the server forgets it
-        self.table = Table(self.path, self.table.now + 1.0, fsync=False)
+        now = self.table.now + 1.0
+        if self.damage:
+            self.damage_then_start(now)
+        else:
+            self.table = Table(self.path, now, fsync=False)
         self.counts["restart"] += 1
+        self.counts["records replayed"] += self.table.dir.replayed  # type: ignore[union-attr]
         self.check()
         self.reattach()
+
+    def damage_then_start(self, now: float) -> None:
+        files = {p.name: p.read_bytes() for p in self.path.iterdir() if p.is_file()}
+        kind = self.rng.choice(["none", "torn", "cut", "flip log", "flip snapshot", "delete"])
+        log, snapshot = self.path / "log", self.path / "snapshot"
+        damaged_file = snapshot if "snapshot" in kind else log
+        if kind == "torn":  # a crash while writing records no reply had told of yet
+            extra = frame(["kv", "a", "never acknowledged", b"x" * 30]) * 3
+            log.write_bytes(files["log"] + extra[: self.rng.randrange(1, len(extra))])
+        elif kind == "cut":
+            log.write_bytes(files["log"][: self.rng.randrange(len(files["log"]))])
+        elif kind.startswith("flip"):
+            target = log if kind == "flip log" else snapshot
+            flipped = bytearray(files[target.name])
+            flipped[self.rng.randrange(len(flipped))] ^= self.rng.randrange(1, 256)
+            target.write_bytes(bytes(flipped))
+        elif kind == "delete":
+            damaged_file = snapshot if self.rng.random() < 0.5 else log
+            damaged_file.unlink()
+        damaged = {p.name: p.read_bytes() for p in self.path.iterdir() if p.is_file()}
+        refused: StateDirError | None = None
+        try:
+            self.table = Table(self.path, now, fsync=False)
+        except StateDirError as exc:
+            refused = exc
+        if refused is not None:
+            assert kind not in ("none", "torn"), refused
+            assert f"{damaged_file}: " in str(refused), (kind, refused)
+            after = {p.name: p.read_bytes() for p in self.path.iterdir() if p.is_file()}
+            assert after == damaged, "a refused start changed the state directory"
+            self.counts[f"damage refused: {kind}"] += 1
+            for p in self.path.iterdir():
+                if p.is_file():
+                    p.unlink()
+            for name, data in files.items():  # the operator puts the good copy back
+                (self.path / name).write_bytes(data)
+            self.table = Table(self.path, now, fsync=False)
+            return
+        assert kind != "delete", "a state directory missing a file was accepted"
+        self.counts[f"damage survived: {kind}"] += 1
 
     def check(self) -> None:
         """Every acknowledged change of every job is back."""
@@ -369,8 +422,8 @@ class Run:
         self.check()
 
 
-def _run(path: Path, seed: int) -> collections.Counter[str]:
-    run = Run(path, seed)
+def _run(path: Path, seed: int, damage: bool) -> collections.Counter[str]:
+    run = Run(path, seed, damage)
     for _ in range(OPERATIONS):
         run.step()
         run.counts["operations"] += 1
@@ -383,7 +436,14 @@ def _run(path: Path, seed: int) -> collections.Counter[str]:
 def test_random_sequences_across_restarts_keep_every_acknowledged_change(
     tmp_path: Path, seed: int
 ) -> None:
-    counts = _run(tmp_path, seed)
+    counts = _run(tmp_path, seed, damage=False)
     print(f"\nseed {seed}: {dict(sorted(counts.items()))}")
     for kind in ("grow", "failure", "leave", "regroup", "barrier", "end", "re-attach"):
         assert counts[kind] > 0, (kind, counts)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_damage_is_refused_by_name_or_loses_nothing(tmp_path: Path, seed: int) -> None:
+    counts = _run(tmp_path, 100 + seed, damage=True)
+    print(f"\nseed {100 + seed} (damage): {dict(sorted(counts.items()))}")
+    assert any(k.startswith("damage refused") for k in counts), counts

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import stat
+import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import pytest
 
 from aiodist._errors import ErrorCode
-from aiodist._server.durable import MAGIC, StateDir, StateDirError, frame
+from aiodist._server.durable import StateDir, StateDirError, file_header, frame
 from aiodist._server.jobs import Send
 from aiodist._server.restart import MIN_REATTACH_WINDOW, STALL_GAP, RestartableState
 from aiodist._wire.messages import (
@@ -241,7 +243,7 @@ def test_without_state_dir_members_rebuild_their_job_and_the_store_is_empty() ->
     assert table.send(conn0, lambda r: Barrier(r, 7, 60.0)) is not None
 
 
-def test_torn_log_tail_replays_up_to_the_last_whole_record(
+def test_torn_log_tail_replays_up_to_the_last_acknowledged_record(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     table, _ = formed_job(tmp_path)
@@ -254,29 +256,39 @@ def test_torn_log_tail_replays_up_to_the_last_whole_record(
     with caplog.at_level(logging.WARNING):
         again = Table(tmp_path)
     assert again.state.jobs["job"].kv == {"kept": b"v1"}
-    assert "truncated record" in caplog.text
+    assert f"dropped the {len(extra) - 3} bytes after byte {len(whole)}" in caplog.text
 
 
-def test_record_failing_its_checksum_or_its_bounds_ends_the_replay(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def _state_files(path: Path, snapshot: list[Any], log: list[Any], number: int = 1) -> None:
+    """A snapshot and a log holding these records, every one of them acknowledged."""
+    for name, records in (("snapshot", snapshot), ("log", log)):
+        body = b"".join(frame(r) for r in records)
+        length = len(file_header(0, 0)) + len(body)
+        (path / name).write_bytes(file_header(number, length) + body)
+        (path / name).chmod(0o600)
+
+
+@pytest.mark.parametrize("damage", ["checksum", "bounds", "unknown job"])
+def test_acknowledged_record_failing_its_checksum_or_bounds_refuses_the_start(
+    tmp_path: Path, damage: str
 ) -> None:
-    body = msgpack.packb(["job", "j", 0, 2, []])  # 0 members for a world of 2
-    bad_crc = frame(["kv", "j", "k", b"v"])
-    bad_crc = bad_crc[:4] + b"\0\0\0\0" + bad_crc[8:]
-    (tmp_path / "snapshot").write_bytes(MAGIC + frame(msgpack.unpackb(body)) + bad_crc)
-    with caplog.at_level(logging.WARNING):
-        table = Table(tmp_path)
-    assert table.state.jobs == {}
-    assert "malformed" in caplog.text
-    table.close()
-    (tmp_path / "log").write_bytes(
-        MAGIC + frame(["job", "j", 0, 1, 1, 0, [[0, 0, "h", 1, [], 1.0, b""]]]) + bad_crc
-    )
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        table = Table(tmp_path)
-    assert list(table.state.jobs) == ["j"]
-    assert "checksum" in caplog.text
+    job = ["job", "j", 0, 1, 1, 0, [[0, 0, "h", 1, [], 1.0, b""]]]
+    record = {
+        "checksum": ["kv", "j", "k", b"v"],
+        "bounds": ["failed", "j", 1, "h", 1, "rank 1 of a job of 1"],
+        "unknown job": ["kv", "other", "k", b"v"],
+    }[damage]
+    _state_files(tmp_path, [job], [["kv", "j", "a", b"1"], record, ["kv", "j", "b", b"2"]])
+    if damage == "checksum":
+        data = bytearray((tmp_path / "log").read_bytes())
+        data[-len(frame(["kv", "j", "b", b"2"])) - 2] ^= 1  # in the middle record's body
+        (tmp_path / "log").write_bytes(bytes(data))
+    with pytest.raises(StateDirError) as err:
+        Table(tmp_path)
+    message = str(err.value)
+    at = len(file_header(0, 0)) + len(frame(["kv", "j", "a", b"1"]))
+    assert f"{tmp_path / 'log'}: record 1 at byte {at} " in message, message
+    assert ("fails its checksum" if damage == "checksum" else "is malformed") in message
 
 
 def test_state_dir_held_by_one_server_at_a_time(tmp_path: Path) -> None:
@@ -377,3 +389,149 @@ def test_newcomer_gone_replays_and_so_does_every_later_record_of_every_job(
     _, reply = reattach(again, 2, NEWCOMER, world=3)
     assert isinstance(reply, ErrorReply)
     assert reply.code == (ErrorCode.RANK_FAILED if how == "fails" else ErrorCode.RENDEZVOUS)
+
+
+# --- a damaged state directory is never silently accepted ----------------------------------
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _kept_keys(tmp_path: Path, keys: int = 100, restarts: int = 1) -> None:
+    """A job that set ``keys`` keys, and ``restarts`` restarts since (each folds the log)."""
+    table = Table(tmp_path)
+    conns = [join(table, r) for r in range(2)]
+    for i in range(keys):
+        table.send(conns[i % 2], lambda r, i=i: StoreSet(r, f"key{i}", b"x" * 20))
+    table.close()
+    for _ in range(restarts):
+        Table(tmp_path).close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_log_damaged_in_the_middle_refuses_to_start_and_keeps_the_evidence(
+    tmp_path: Path, damage: str
+) -> None:
+    _kept_keys(tmp_path, restarts=0)
+    log = tmp_path / "log"
+    data = bytearray(log.read_bytes())
+    middle = len(data) // 2
+    if damage == "flip":
+        data[middle] ^= 0x5A
+    else:
+        del data[middle:]
+    log.write_bytes(bytes(data))
+    before = _files(tmp_path)
+    with pytest.raises(StateDirError) as err:
+        Table(tmp_path)
+    message = str(err.value)
+    assert str(log) in message
+    assert "damaged" in message
+    assert _files(tmp_path) == before  # nothing overwritten, nothing folded away
+    StateDir(tmp_path).close()  # the refused start let go of the directory
+
+
+def test_snapshot_damaged_or_deleted_refuses_to_start(tmp_path: Path) -> None:
+    _kept_keys(tmp_path, restarts=1)  # the keys are in the snapshot now
+    snapshot = tmp_path / "snapshot"
+    whole = snapshot.read_bytes()
+    data = bytearray(whole)
+    data[len(data) // 2] ^= 0x01
+    snapshot.write_bytes(bytes(data))
+    with pytest.raises(StateDirError, match="snapshot") as err:
+        Table(tmp_path)
+    assert "damaged" in str(err.value)
+    snapshot.unlink()
+    with pytest.raises(StateDirError, match="snapshot") as err:
+        Table(tmp_path)
+    assert "missing" in str(err.value)
+    snapshot.write_bytes(whole)
+    assert len(Table(tmp_path).state.jobs["job"].kv) == 100
+
+
+# --- the state directory's files: no link followed, nothing but files, private -------------
+
+
+def _started(state: Path) -> None:
+    table = Table(state)
+    conns = [join(table, r) for r in range(2)]
+    table.send(conns[0], lambda r: StoreSet(r, "secret-value", b"do not leak"))
+    table.close()
+
+
+@pytest.mark.parametrize("name", ["log", "snapshot", "snapshot.tmp", "log.tmp"])
+def test_symlink_in_the_state_dir_is_never_followed(tmp_path: Path, name: str) -> None:
+    state = tmp_path / "state"
+    _started(state)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    (state / name).unlink(missing_ok=True)
+    (state / name).symlink_to(outside)
+    if name.endswith(".tmp"):  # left over: removed (the link, not what it points to)
+        Table(state).close()
+        assert not (state / name).is_symlink()
+    else:
+        with pytest.raises(StateDirError) as err:
+            Table(state)
+        assert f"{state / name} is a symbolic link" in str(err.value)
+    assert outside.read_bytes() == b"precious"
+
+
+def test_state_dir_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    _started(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(StateDirError, match="is a symbolic link"):
+        StateDir(tmp_path / "link")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_log_that_is_not_a_file_is_refused_by_name_without_hanging(
+    tmp_path: Path, kind: str
+) -> None:
+    _started(tmp_path)
+    log = tmp_path / "log"
+    log.unlink()
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        log.mkdir()
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            Table(tmp_path)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=start, daemon=True)  # a FIFO opened to read blocks
+    thread.start()
+    thread.join(10)
+    assert outcome, "the start hung on the log"
+    assert isinstance(outcome[0], StateDirError), outcome
+    assert str(log) in str(outcome[0])
+    assert "not a regular file" in str(outcome[0])
+
+
+def test_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o777)
+    state.chmod(0o777)
+    _started(state)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    files = list(state.iterdir())
+    assert files
+    for p in files:
+        assert stat.S_IMODE(p.lstat().st_mode) == 0o600, p
+
+
+def test_state_dir_stays_locked_when_its_lock_file_is_deleted(tmp_path: Path) -> None:
+    first = StateDir(tmp_path)
+    for p in tmp_path.iterdir():
+        if p.name == "lock":
+            p.unlink()
+    with pytest.raises(StateDirError, match="in use by another aiodist server"):
+        StateDir(tmp_path)
+    first.close()
