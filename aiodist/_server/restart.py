@@ -22,10 +22,13 @@
   least ``MIN_REATTACH_WINDOW`` s): past it, the member is declared failed, and
   every member that is back is told (a rank that died while the server was
   gone).
-  Without a state directory, the first ``Reattach`` of a job unknown
-  to the server rebuilds the job: its membership comes back from what the
-  ranks re-register, its store is empty, and a rank's secret is the one it
-  brings first.
+- **Without a state directory** the server knows no member's secret after a
+  restart: the first ``Reattach`` of a job unknown to it rebuilds the job (its
+  membership from what the ranks re-register, its store empty), and **the
+  first re-attachment of each rank is taken**, whoever holds the token; a
+  later claim of that rank is refused, saying so. Nothing a member holds can
+  prove it to a server that kept nothing: the token is all they share, and
+  every client holds it.
 - **A server that stalled** (SIGSTOP, a loop blocked for seconds) sees its
   clients' heartbeats as late and their reconnections as lost connections. A
   gap of more than ``STALL_GAP`` s between two inputs is such a stall: for
@@ -76,6 +79,8 @@ MIN_REATTACH_WINDOW: Final = 5.0
 STALL_GAP: Final = 3.0
 STALL_WINDOW: Final = 1.0
 _MUTATIONS: Final = (StoreSet, StoreAdd, StoreCompareSet, StoreDeleteKey)
+# A re-attachment's secret is at least this long (aiodist's clients draw 32 bytes).
+MIN_SECRET_BYTES: Final = 16
 
 
 class RestartableState(ServerState):
@@ -95,6 +100,7 @@ class RestartableState(ServerState):
         self.reattach_timeout = reattach_timeout
         self.reattached = 0  # members taken back
         self.restored_jobs = 0
+        self._rebuilt: set[Job] = set()  # jobs rebuilt from re-attachments (no state kept)
         self._barriers_done: dict[Job, int] = {}
         self._logged: set[Job] = set()  # formed jobs the state directory holds
         self._away: dict[Member, float] = {}  # member -> when it must be back
@@ -253,6 +259,7 @@ class RestartableState(ServerState):
     def _replaced(self, job: Job) -> None:
         """``job`` ended, or a later generation took its name: nothing of it is logged now."""
         self._logged.discard(job)
+        self._rebuilt.discard(job)
         self._barriers_done.pop(job, None)
 
     # --- re-attachment -----------------------------------------------------------------
@@ -268,6 +275,13 @@ class RestartableState(ServerState):
         if msg.rank >= msg.world_size:
             raise BadRequest(
                 ErrorCode.BAD_REQUEST, f"Reattach.rank {msg.rank} is not below its world size"
+            )
+        if len(msg.secret) < MIN_SECRET_BYTES:
+            raise BadRequest(
+                ErrorCode.AUTHENTICATION,
+                f"refused to re-attach rank {msg.rank} of job {msg.group_name!r}: it brings a "
+                f"secret of {len(msg.secret)} bytes (at least {MIN_SECRET_BYTES}); a member "
+                "proves itself with the secret its join carried",
             )
         job = self.jobs.get(msg.group_name)
         if job is None:
@@ -311,6 +325,16 @@ class RestartableState(ServerState):
             member.addresses = list(msg.addresses)
             job.forget_table()
         if not hmac.compare_digest(member.secret, msg.secret):
+            if job in self._rebuilt:
+                raise BadRequest(
+                    ErrorCode.AUTHENTICATION,
+                    f"refused to re-attach rank {msg.rank} of job {job.name!r}: pid "
+                    f"{member.pid} on host {member.host} re-attached it first, with another "
+                    "secret. This rendezvous server restarted without a state directory, so "
+                    "it knows no member's secret and takes the first re-attachment of each "
+                    "rank, whoever holds the token. Restart the job; run the daemon with "
+                    "--state-dir for members to prove themselves after a restart",
+                )
             raise BadRequest(
                 ErrorCode.AUTHENTICATION,
                 f"refused to re-attach rank {msg.rank} of job {job.name!r}: this connection "
@@ -350,6 +374,7 @@ class RestartableState(ServerState):
         job = self._restore(record, now)
         for member in job.by_rank:
             member.secret = None  # unknown: each rank's first re-attachment names it
+        self._rebuilt.add(job)
         return job
 
     def _restore(self, record: JobRecord, now: float) -> Job:

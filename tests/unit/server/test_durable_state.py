@@ -535,3 +535,26 @@ def test_state_dir_stays_locked_when_its_lock_file_is_deleted(tmp_path: Path) ->
     with pytest.raises(StateDirError, match="in use by another aiodist server"):
         StateDir(tmp_path)
     first.close()
+
+
+# --- without a state directory: the first re-attachment of a rank wins ---------------------
+
+
+def test_without_state_dir_the_first_reattachment_wins_and_the_real_rank_is_told_why() -> None:
+    table = Table(None)
+    _, reply = reattach(table, 0, secret_of(0))
+    assert isinstance(reply, Reply)
+    _, reply = reattach(table, 1, b"\x55" * 32)  # anyone holding the token, first
+    assert isinstance(reply, Reply)
+    _, reply = reattach(table, 1, secret_of(1))  # the real rank 1, second
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == ErrorCode.AUTHENTICATION
+    assert "without a state directory" in reply.message
+
+
+def test_reattach_without_a_secret_is_refused() -> None:
+    table = Table(None)
+    _, reply = reattach(table, 0, b"")
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == ErrorCode.AUTHENTICATION
+    assert "secret" in reply.message
