@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from aiodist._control.addresses import is_loopback
-from aiodist._server.durable import StateDir
+from aiodist._server.durable import StateDirError
 from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
 
 if TYPE_CHECKING:
@@ -173,6 +173,8 @@ async def run_daemon(
 
     Raises:
         OSError: An address cannot be bound.
+        StateDirError: ``state_dir`` cannot be used (damaged, in use, not private);
+            raised before anything listens.
     """
     _log_open_files_limit()
     if token is not None:
@@ -189,8 +191,6 @@ async def run_daemon(
             "no token is required; clients holding one will refuse this server (pass "
             "--token-file or set AIODIST_TOKEN to require one)"
         )
-    if state_dir is not None:
-        StateDir(state_dir).close()  # StateDirError now, before anything listens
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -228,12 +228,14 @@ async def run_daemon(
                     from aiodist._server.metrics import start_metrics
 
                     metrics = start_metrics(server, loop, metrics_host or host, metrics_port)
-                if state_dir is not None:
+                if server.state.durable is not None:
                     logger.info(
                         "jobs are kept in the state directory %s (fsync'd before each batch "
-                        "of replies); %d jobs restored, their members may re-attach",
+                        "of replies); %d jobs restored from %d records, their members may "
+                        "re-attach",
                         state_dir,
                         server.state.restored_jobs,
+                        server.state.durable.replayed,
                     )
                 if on_ready is not None:
                     on_ready(server, None if metrics is None else metrics.address)
@@ -249,8 +251,24 @@ async def run_daemon(
                 if metrics is not None:
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(metrics.close)
+    except BaseExceptionGroup as group:
+        # The server refused its state directory as it started: say so, not a traceback.
+        refused = _state_dir_error(group)
+        if refused is None:
+            raise
+        raise refused from None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     logger.info("stopped")
     return 0
+
+
+def _state_dir_error(exc: BaseException) -> StateDirError | None:
+    if isinstance(exc, StateDirError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _state_dir_error(inner)) is not None:
+                return found
+    return None

@@ -2,38 +2,56 @@
 
 A server started with a state directory (``aiodist serve --state-dir DIR``)
 writes each change that a restart must not lose as one record: a job formed
-(its members, their ranks and re-attach secrets), a key set or deleted, a
-barrier passed, a member failed or left, a job ended. Records are framed as
+(its members, their ranks and re-attach secrets), a newcomer admitted to an
+elastic job, a key set or deleted, a barrier passed, a regroup decided, a
+member failed or left, a job ended. Each file starts with a header, then holds
+records:
 
-    +----------------+----------------+---------------------------+
-    | length  (u32)  | crc32   (u32)  | body: one msgpack array   |
-    +----------------+----------------+---------------------------+
+    header: | magic (8) | number (u64) | length (u64) | crc32 of the 24 bytes before (u32) |
+    record: | body length (u32) | crc32 of the body (u32) | body: one msgpack array |
 
-little-endian, after an 8-byte magic at the start of each file. ``log`` holds
-the records since ``snapshot``; a snapshot is the live jobs written out as the
-same records, to ``snapshot.tmp``, fsync'd, then renamed over ``snapshot``
-(atomic), after which the log starts again empty.
+little-endian. ``snapshot`` is the live jobs written out as records; its
+``number`` counts the snapshots written, its ``length`` is its own. ``log``
+holds the records since the snapshot whose number it names; its ``length`` is
+where the records acknowledged so far end. A snapshot is written to
+``snapshot.tmp``, an empty log after it to ``log.tmp``, both fsync'd, then
+renamed over ``snapshot`` and ``log`` (atomic), after which the log grows.
 
-**fsync policy.** Records are written (and, with ``fsync=True``, the
-default, fsync'd once) before the replies of the batch that made them leave
-the server: a client never hears of a change the log could lose. One fsync
-covers every record of a batch (a group commit). With ``fsync=False`` the
-log survives the daemon's crash (the kernel holds the pages) but not the
-host's.
+**Acknowledged.** The records of a batch of messages are written (and, with
+``fsync=True``, the default, fsync'd), then the log's header is moved past
+them (and fsync'd again) before any reply of that batch leaves the server:
+a client never hears of a change the log could lose, and the header always
+says how far the log holds changes that were told. One pair of fsyncs covers
+every record of a batch (a group commit). With ``fsync=False`` the log
+survives the daemon's crash (the kernel holds the pages, in the order they
+were written) but not the host's.
 
-**Replay** reads the snapshot, then the log, and stops at the first record
-that is truncated, fails its checksum or does not decode to a well-formed
-record: what follows a torn write (a crash mid-append) is dropped, with a
-warning naming the offset. Every value read is checked as a client's would be
-(``_wire/bounds.py``): a state directory is input, not trusted memory.
+**Replay** reads the snapshot, then the log up to its acknowledged length.
+Bytes after that length are a write that a crash cut short (no reply had told
+of them): they are dropped, with a warning. Anything else is damage, and the
+server refuses to start, naming the file, the byte and what is wrong, without
+writing anything: a record before the acknowledged end that is cut short,
+fails its checksum or is malformed; a file shorter than its header says; a
+header that fails its checksum; the snapshot a log follows missing, or
+another one in its place; the log missing. A record is checked as a client's
+message is (``_wire/bounds.py``): a state directory is input, not trusted
+memory.
+
+**The directory** holds nothing but the server's files: it is made private
+(0700, its files 0600) and must belong to the server's user; no symbolic link
+is followed, and a name that is not a regular file (a FIFO, a directory) is
+refused by name. The server holds a lock on the directory itself (``flock``)
+for as long as it runs: a second server on it is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -42,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 
+from aiodist._errors import ErrorCode
 from aiodist._wire.bounds import (
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
@@ -59,17 +78,22 @@ __all__ = ["JobRecord", "MemberRecord", "StateDir", "StateDirError"]
 
 logger = logging.getLogger("aiodist._server.serve")
 
-MAGIC: Final = b"AIODST01"
+MAGIC: Final = b"AIODST02"
+_EARLIER_MAGIC: Final = b"AIODST01"
+_FILE_HEAD: Final = struct.Struct("<8sQQI")  # magic, number, length, crc32 of the rest
 _HEAD: Final = struct.Struct("<II")  # body length, crc32 of the body
 MAX_RECORD_BYTES: Final = 1 << 30
 MAX_KEY_CHARS: Final = 1 << 20
+MAX_SETTLED_REGROUPS: Final = 256  # decided regroups a job keeps (``elastic.MAX_SETTLED``)
 # The log is folded into a snapshot after this many records or bytes.
 COMPACT_RECORDS: Final = 200_000
 COMPACT_BYTES: Final = 256 << 20
+_OPEN_FLAGS: Final = os.O_NOFOLLOW | os.O_CLOEXEC
+_fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 class StateDirError(Exception):
-    """The state directory cannot be used (locked by another server, not writable)."""
+    """The state directory cannot be used (damaged, locked by another server, not private)."""
 
 
 @dataclass(slots=True)
@@ -96,16 +120,29 @@ class MemberRecord:
 
 @dataclass(slots=True)
 class JobRecord:
-    """What the log knows of one formed job."""
+    """What the log knows of one formed job.
+
+    ``world_size`` is its rank space: the members it formed with
+    (``min_world_size``) and the newcomers admitted since (an elastic job,
+    ``max_world_size`` above 0).
+    """
 
     name: str
     generation: int
     world_size: int
     members: list[MemberRecord]
+    min_world_size: int = 0  # 0: world_size (a job that never grew)
+    max_world_size: int = 0
     kv: dict[str, bytes] = field(default_factory=dict)
     barriers_done: int = 0
     failures: list[tuple[int, str, int, str]] = field(default_factory=list)
     left: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # Regroup key -> the answer every caller got: ``[ranks]`` or ``[code, message, details]``.
+    regroups: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.min_world_size:
+            self.min_world_size = self.world_size
 
     def records(self) -> list[list[Any]]:
         """This job as the records that rebuild it (a snapshot's part)."""
@@ -115,6 +152,8 @@ class JobRecord:
                 self.name,
                 self.generation,
                 self.world_size,
+                self.min_world_size,
+                self.max_world_size,
                 [m.row() for m in self.members],
             ]
         ]
@@ -123,6 +162,7 @@ class JobRecord:
             out.append(["barrier", self.name, self.barriers_done])
         out.extend(["failed", self.name, *f] for f in self.failures)
         out.extend(["left", self.name, r, h, p] for r, (h, p) in self.left.items())
+        out.extend(["regroup", self.name, k, a] for k, a in self.regroups.items())
         return out
 
 
@@ -167,6 +207,17 @@ def _member(v: Any, world_size: int) -> MemberRecord:
     )
 
 
+def _regroup_answer(v: Any, world_size: int) -> list[Any]:
+    if type(v) is list and len(v) == 1 and type(v[0]) is list:
+        return [[_int(r, 0, world_size - 1) for r in v[0]]]
+    if type(v) is list and len(v) == 3 and type(v[2]) is dict:
+        code = _int(v[0], 0, 2**31)
+        if code not in ErrorCode._value2member_map_:
+            raise _Bad(f"an error code expected, got {code}")
+        return [ErrorCode(code), _str(v[1], 1 << 16), v[2]]
+    raise _Bad("a regroup's answer is [ranks] or [code, message, details]")
+
+
 def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
     """Apply one decoded record to ``jobs``.
 
@@ -178,16 +229,24 @@ def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
         raise _Bad("a record is an array starting with its kind")
     kind, args = rec[0], rec[1:]
     if kind == "job":
-        if len(args) != 4 or type(args[3]) is not list:
-            raise _Bad("a job record is [name, generation, world_size, members]")
+        if len(args) != 6 or type(args[5]) is not list:
+            raise _Bad(
+                "a job record is [name, generation, world_size, min_world_size, "
+                "max_world_size, members]"
+            )
         name = _str(args[0], MAX_GROUP_NAME_CHARS)
         world_size = _int(args[2], 1, MAX_WORLD_SIZE)
-        if len(args[3]) != world_size:
-            raise _Bad(f"job {name!r} has {len(args[3])} members, world size {world_size}")
-        members = [_member(m, world_size) for m in args[3]]
+        least = _int(args[3], 1, world_size)
+        most = _int(args[4], 0, MAX_WORLD_SIZE)
+        if most and most < least:
+            raise _Bad(f"job {name!r} may grow to {most} members, fewer than it formed with")
+        if len(args[5]) != world_size:
+            raise _Bad(f"job {name!r} has {len(args[5])} members, world size {world_size}")
+        members = [_member(m, world_size) for m in args[5]]
         if sorted(m.rank for m in members) != list(range(world_size)):
             raise _Bad(f"job {name!r}: the ranks are not 0..{world_size - 1}")
-        jobs[name] = JobRecord(name, _int(args[1], 0, 2**63 - 1), world_size, members)
+        generation = _int(args[1], 0, 2**63 - 1)
+        jobs[name] = JobRecord(name, generation, world_size, members, least, most)
         return
     if not args:
         raise _Bad(f"a {kind} record names its job")
@@ -200,6 +259,14 @@ def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
             job.kv.pop(key, None)
         else:
             job.kv[key] = _bytes(args[2], MAX_RECORD_BYTES)
+    elif kind == "joined" and len(args) == 2:
+        if not job.max_world_size:
+            raise _Bad(f"a newcomer joined job {job.name!r}, which is not elastic")
+        member = _member(args[1], job.world_size + 1)
+        if member.rank != job.world_size:
+            raise _Bad(f"a newcomer of job {job.name!r} must have rank {job.world_size}")
+        job.members.append(member)
+        job.world_size += 1
     elif kind == "barrier" and len(args) == 2:
         job.barriers_done = max(job.barriers_done, _int(args[1], 0, 2**64 - 1))
     elif kind == "failed" and len(args) == 5:
@@ -216,6 +283,12 @@ def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
             _str(args[2], MAX_HOST_CHARS),
             _int(args[3], 0, 2**64 - 1),
         )
+    elif kind == "regroup" and len(args) == 3:
+        key = _str(args[1], MAX_GROUP_NAME_CHARS)
+        job.regroups.pop(key, None)
+        job.regroups[key] = _regroup_answer(args[2], job.world_size)
+        while len(job.regroups) > MAX_SETTLED_REGROUPS:
+            del job.regroups[next(iter(job.regroups))]
     elif kind == "end" and len(args) == 2:
         if job.generation == _int(args[1], 0, 2**63 - 1):
             del jobs[job.name]
@@ -228,113 +301,302 @@ def frame(rec: list[Any]) -> bytes:
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
-def read_records(data: bytes, what: str) -> tuple[list[Any], int]:
-    """The whole records at the start of ``data`` (after the magic), and where they end.
+def file_header(number: int, length: int) -> bytes:
+    """The header of a state file: ``number`` and ``length`` (see the module)."""
+    head = MAGIC + struct.pack("<QQ", number, length)
+    return head + struct.pack("<I", zlib.crc32(head))
 
-    A truncated record, a bad checksum or undecodable msgpack ends the read
-    there, with a warning: the tail of a log torn by a crash.
-    """
-    if not data:
-        return [], 0
-    if not data.startswith(MAGIC):
-        logger.warning("%s does not start with aiodist's magic: ignoring it", what)
-        return [], 0
-    out: list[Any] = []
-    pos = len(MAGIC)
-    while pos < len(data):
-        problem = ""
-        if len(data) - pos < _HEAD.size:
-            problem = "a truncated record header"
-        else:
-            length, crc = _HEAD.unpack_from(data, pos)
-            start = pos + _HEAD.size
-            body = data[start : start + length]
-            if length > MAX_RECORD_BYTES:
-                problem = f"a record of {length} bytes (at most {MAX_RECORD_BYTES})"
-            elif len(body) < length:
-                problem = f"a truncated record ({len(body)} of {length} bytes)"
-            elif zlib.crc32(body) != crc:
-                problem = "a record failing its checksum"
-            else:
-                try:
-                    out.append(msgpack.unpackb(body, raw=False, strict_map_key=True))
-                except Exception as exc:  # msgpack raises several unrelated types
-                    problem = f"a record that is not msgpack ({exc})"
-        if problem:
-            logger.warning(
-                "%s: %s at byte %d of %d; replay stops at the last whole record before it "
-                "(a crash during a write leaves such a tail)",
-                what,
-                problem,
-                pos,
-                len(data),
+
+class _Damage(Exception):
+    """What is wrong with one file of the state directory."""
+
+
+@dataclass(slots=True)
+class _File:
+    path: Path
+    number: int
+    length: int  # a snapshot's own length; how far a log's acknowledged records go
+    data: bytes
+
+    @classmethod
+    def parse(cls, path: Path, data: bytes) -> _File:
+        if len(data) < _FILE_HEAD.size:
+            size = _FILE_HEAD.size
+            raise _Damage(f"it holds {len(data)} bytes, less than its {size}-byte header")
+        magic, number, length, crc = _FILE_HEAD.unpack_from(data)
+        if magic == _EARLIER_MAGIC:
+            raise _Damage(
+                "it was written by an earlier version of aiodist, whose state this one cannot "
+                "read (not damaged)"
             )
-            return out, pos
-        pos = start + length
-    return out, pos
+        if magic != MAGIC:
+            raise _Damage("it does not start with aiodist's magic: it is no state file of aiodist")
+        if zlib.crc32(data[: _FILE_HEAD.size - 4]) != crc:
+            raise _Damage("its header fails its checksum")
+        if length < _FILE_HEAD.size:
+            raise _Damage(f"its header names a length of {length} bytes, less than the header")
+        return cls(path, number, length, data)
+
+    def records(self) -> list[tuple[int, Any]]:
+        """The records up to ``length``, each with the byte it starts at.
+
+        Raises:
+            _Damage: The file is shorter than ``length``, or a record before it
+                is cut short, fails its checksum or is no msgpack.
+        """
+        data, end = self.data, self.length
+        if len(data) < end:
+            raise _Damage(
+                f"it is cut short: it ends at byte {len(data)}, but it held {end} bytes"
+                + (" of acknowledged records" if self.path.name == "log" else "")
+            )
+        out: list[tuple[int, Any]] = []
+        pos = _FILE_HEAD.size
+        while pos < end:
+            problem = ""
+            if end - pos < _HEAD.size:
+                problem = "is cut short (a part of its header)"
+            else:
+                length, crc = _HEAD.unpack_from(data, pos)
+                start = pos + _HEAD.size
+                if length > MAX_RECORD_BYTES:
+                    problem = f"claims {length} bytes (at most {MAX_RECORD_BYTES})"
+                elif start + length > end:
+                    problem = f"runs past byte {end}, where the records end"
+                elif zlib.crc32(data[start : start + length]) != crc:
+                    problem = "fails its checksum"
+                else:
+                    try:
+                        out.append((pos, msgpack.unpackb(data[start : start + length])))
+                    except Exception as exc:  # msgpack raises several unrelated types
+                        problem = f"is no msgpack ({exc})"
+            if problem:
+                raise _Damage(
+                    f"record {len(out)} at byte {pos} {problem}; the {len(out)} records before "
+                    f"it are whole, the {end - pos} bytes from it on cannot be read"
+                )
+            pos = start + length
+        return out
 
 
 class StateDir:
-    """The log and snapshots of one server, in one directory it holds locked."""
+    """The log and snapshots of one server, in one private directory it holds locked."""
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.path = Path(path)
         self.fsync = fsync
         try:
             self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._lock = open(self.path / "lock", "a+b")  # held while serving
+            # The directory itself is no link either: name the directory it points to.
+            self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and self.path.is_symlink():
+                raise StateDirError(
+                    f"the state directory {self.path} is a symbolic link: none is followed; "
+                    f"give the directory it points to ({os.path.realpath(self.path)})"
+                ) from None
             raise StateDirError(f"cannot use the state directory {self.path}: {exc}") from exc
         try:
-            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock.close()
-            raise StateDirError(
-                f"the state directory {self.path} is in use by another aiodist server; "
-                "give each server its own --state-dir"
-            ) from None
-        self._log: Any = None
+            self._private(self._dir, self.path, directory=True)
+            try:
+                fcntl.flock(self._dir, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise StateDirError(
+                        f"cannot lock the state directory {self.path}: {exc}; use a local "
+                        "file system"
+                    ) from exc
+                raise StateDirError(
+                    f"the state directory {self.path} is in use by another aiodist server; "
+                    "give each server its own --state-dir"
+                ) from None
+        except BaseException:
+            os.close(self._dir)
+            raise
+        self._log = -1  # the log's descriptor, once loaded
+        self._end = 0  # where the log's acknowledged records end
+        self.number = 0  # the snapshot's number
+        self.replayed = 0  # records read at start-up
         self._pending: list[bytes] = []
         self.records_in_log = 0
         self.bytes_in_log = 0
-        self.writes = 0  # batches written (each one fsync when fsync is on)
+        self.writes = 0  # batches written (each one pair of fsyncs when fsync is on)
+
+    # --- reading --------------------------------------------------------------------------
 
     def load(self) -> dict[str, JobRecord]:
-        """Replay the snapshot and the log; then start a new log from a fresh snapshot."""
+        """Replay the snapshot and the log; then start a new log from a fresh snapshot.
+
+        Raises:
+            StateDirError: The directory is damaged (nothing was written, and the
+                directory is let go), or cannot be written.
+        """
+        try:
+            jobs = self._replay()
+            self.compact(jobs.values())
+        except StateDirError:
+            self.close()
+            raise
+        except OSError as exc:
+            self.close()
+            raise StateDirError(f"cannot write the state directory {self.path}: {exc}") from exc
+        return jobs
+
+    def _replay(self) -> dict[str, JobRecord]:
+        snapshot, log = self._read("snapshot"), self._read("log")
+        if snapshot is None and log is None:
+            return {}  # a new directory
+        if snapshot is None:
+            assert log is not None
+            raise self._damaged(
+                self.path / "snapshot",
+                f"it is missing: the log follows snapshot {log.number}, which held every job "
+                "the log does not",
+            )
+        self.number = snapshot.number
+        files = [snapshot]
+        if log is None:
+            after = self._read("log.tmp")  # a crash between the two renames of a fold
+            if after is None or after.number != snapshot.number:
+                raise self._damaged(
+                    self.path / "log",
+                    f"it is missing: the changes acknowledged since snapshot {snapshot.number} "
+                    "were in it",
+                )
+        elif log.number == snapshot.number:
+            files.append(log)
+        elif log.number + 1 != snapshot.number:  # one behind: folded already, a fold cut short
+            raise self._damaged(
+                log.path,
+                f"it follows snapshot {log.number}, but {snapshot.path} is snapshot "
+                f"{snapshot.number}: one of them was replaced by another copy",
+            )
         jobs: dict[str, JobRecord] = {}
-        for name in ("snapshot", "log"):
-            file = self.path / name
+        for file in files:
+            if file is snapshot and len(file.data) != file.length:
+                problem = (
+                    f"it is {len(file.data)} bytes long, but {file.length} bytes were written to it"
+                )
+                raise self._damaged(file.path, problem)
             try:
-                data = file.read_bytes()
-            except FileNotFoundError:
-                continue
-            records, _ = read_records(data, str(file))
-            for i, rec in enumerate(records):
+                records = file.records()
+            except _Damage as exc:
+                raise self._damaged(file.path, str(exc)) from None
+            for i, (pos, rec) in enumerate(records):
                 try:
                     apply_record(jobs, rec)
                 except ValueError as exc:
-                    logger.warning(
-                        "%s: record %d is malformed (%s); replay stops before it", file, i, exc
-                    )
-                    break
-        self.compact(jobs.values())
+                    raise self._damaged(
+                        file.path, f"record {i} at byte {pos} is malformed ({exc})"
+                    ) from None
+            self.replayed += len(records)
+            if file is log and len(file.data) > file.length:
+                logger.warning(
+                    "%s: dropped the %d bytes after byte %d, where its acknowledged records "
+                    "end: a crash cut that write short, before any reply told of it",
+                    file.path,
+                    len(file.data) - file.length,
+                    file.length,
+                )
         return jobs
+
+    def _read(self, name: str) -> _File | None:
+        """The state file ``name``, parsed; None if there is none.
+
+        Raises:
+            StateDirError: It is damaged, a link, no regular file, or not the server's.
+        """
+        path = self.path / name
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=self._dir)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._refused(path, exc) from None
+        try:
+            self._private(fd, path)
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        try:
+            return _File.parse(path, data)
+        except _Damage as exc:
+            raise self._damaged(path, str(exc)) from None
+
+    def _private(self, fd: int, path: Path, *, directory: bool = False) -> None:
+        """Refuse ``fd`` (``path``) unless it is the server's and of its kind; make it private
+        (0700 for the directory, 0600 for a file)."""
+        st = os.fstat(fd)
+        mode = 0o700 if directory else 0o600
+        if not directory and not stat.S_ISREG(st.st_mode):
+            raise StateDirError(
+                f"{path} is not a regular file ({_kind(st.st_mode)}): the state directory holds "
+                "only the server's files; remove it"
+            )
+        if st.st_uid != os.geteuid():
+            raise StateDirError(
+                f"{path} belongs to user id {st.st_uid}, not to this server's ({os.geteuid()}): "
+                "another user could read or change the jobs' state; give the server a "
+                "directory of its own"
+            )
+        if stat.S_IMODE(st.st_mode) & ~mode:
+            try:
+                os.fchmod(fd, mode)
+            except OSError as exc:
+                raise StateDirError(
+                    f"{path} is mode {stat.S_IMODE(st.st_mode):o} and cannot be made {mode:o}: "
+                    f"{exc}"
+                ) from exc
+            logger.warning(
+                "%s was mode %o: made it %o (it holds the members' secrets and their stores)",
+                path,
+                stat.S_IMODE(st.st_mode),
+                mode,
+            )
+
+    def _refused(self, path: Path, exc: OSError) -> StateDirError:
+        if exc.errno == errno.ELOOP:
+            return StateDirError(
+                f"{path} is a symbolic link: none is followed in a state directory; remove it"
+            )
+        if exc.errno == errno.ENXIO:  # a socket, or a FIFO without a reader
+            return StateDirError(
+                f"{path} is not a regular file: the state directory holds only the server's "
+                "files; remove it"
+            )
+        return StateDirError(f"cannot use {path}: {exc}")
+
+    def _damaged(self, path: Path, problem: str) -> StateDirError:
+        return StateDirError(
+            f"the state directory {self.path} is damaged: {path}: {problem}. The server did not "
+            "start, and wrote nothing there: the jobs it holds (their members, stores and "
+            "barriers) are neither taken back nor lost while it is damaged. Put back a good "
+            f"copy, or move the directory aside (mv {self.path} {self.path}.damaged) to start "
+            "without them"
+        )
+
+    # --- writing --------------------------------------------------------------------------
 
     def append(self, rec: list[Any]) -> None:
         """Queue one record; ``commit`` writes it."""
         self._pending.append(frame(rec))
 
     def commit(self) -> None:
-        """Write the queued records, and fsync them once (with ``fsync`` on)."""
+        """Write the queued records, then move the log's header past them (see the module)."""
         if not self._pending:
             return
         data = b"".join(self._pending)
         self.records_in_log += len(self._pending)
         self._pending.clear()
-        self._log.write(data)
-        self._log.flush()
+        _write_at(self._log, data, self._end)
+        end = self._end + len(data)
         if self.fsync:
-            os.fsync(self._log.fileno())
+            _fdatasync(self._log)
+        _write_at(self._log, file_header(self.number, end), 0)
+        if self.fsync:
+            _fdatasync(self._log)
+        self._end = end
         self.bytes_in_log += len(data)
         self.writes += 1
 
@@ -342,35 +604,79 @@ class StateDir:
         return self.records_in_log >= COMPACT_RECORDS or self.bytes_in_log >= COMPACT_BYTES
 
     def compact(self, jobs: Iterable[JobRecord]) -> None:
-        """Write ``jobs`` as the new snapshot, atomically, and start an empty log."""
+        """Write ``jobs`` as the next snapshot and an empty log after it, atomically."""
         self.commit()
-        tmp = self.path / "snapshot.tmp"
-        with open(tmp, "wb") as f:
-            f.write(MAGIC)
-            for job in jobs:
-                f.writelines(frame(rec) for rec in job.records())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / "snapshot")
-        if self._log is not None:
-            self._log.close()
-        self._log = open(self.path / "log", "wb")  # held while serving
-        self._log.write(MAGIC)
-        self._log.flush()
-        self._fsync_dir()
+        number = self.number + 1
+        snapshot = self._create("snapshot.tmp")
+        try:
+            with open(snapshot, "wb", closefd=False) as f:
+                f.write(file_header(number, 0))
+                for job in jobs:
+                    f.writelines(frame(rec) for rec in job.records())
+                length = f.tell()
+            _write_at(snapshot, file_header(number, length), 0)
+            os.fsync(snapshot)
+        finally:
+            os.close(snapshot)
+        log = self._create("log.tmp")
+        try:
+            _write_at(log, file_header(number, _FILE_HEAD.size), 0)
+            os.fsync(log)
+            self._rename("snapshot.tmp", "snapshot")
+            self._rename("log.tmp", "log")
+            os.fsync(self._dir)
+        except BaseException:
+            os.close(log)
+            raise
+        if self._log >= 0:
+            os.close(self._log)
+        self._log, self._end, self.number = log, _FILE_HEAD.size, number
         self.records_in_log = self.bytes_in_log = 0
 
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY)
+    def _create(self, name: str) -> int:
+        """A new, empty, private file ``name``: one left over is removed, never followed."""
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self._dir)  # a link is removed, not what it points to
+            return os.open(
+                name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=self._dir
+            )
+        except OSError as exc:
+            raise self._refused(self.path / name, exc) from None
+
+    def _rename(self, old: str, new: str) -> None:
+        try:
+            os.replace(old, new, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except OSError as exc:
+            raise StateDirError(f"cannot replace {self.path / new}: {exc}") from exc
 
     def close(self) -> None:
+        if self._dir < 0:
+            return
         with contextlib.suppress(OSError):
-            self.commit()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self._lock.close()
+            if self._log >= 0:
+                self.commit()
+        if self._log >= 0:
+            os.close(self._log)
+            self._log = -1
+        os.close(self._dir)  # lets go of the lock
+        self._dir = -1
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"

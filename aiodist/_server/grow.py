@@ -87,6 +87,7 @@ class Growth:
 
     # Provided by the table this is mixed into (declared for the type checker only).
     if TYPE_CHECKING:
+        restartable: bool
 
         def _send(self, conn: ConnId, msg: Any) -> None: ...
 
@@ -125,6 +126,7 @@ class Growth:
                 member.local_rank,
                 sum(1 for m in job.members if m.host == member.host and m.status == "active"),
                 runs,
+                self.restartable,  # it re-attaches after a restart, as every member does
             ),
         )
         joined = [[member.rank, member.host, member.pid]]

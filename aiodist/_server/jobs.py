@@ -51,6 +51,9 @@ class Member:
     done: bool = False  # its join deadline no longer applies
     # What its heartbeats say it does: (current, last) operations (``where.py``).
     position: tuple[Any, Any] | None = None
+    # Its proof of membership when it re-attaches (``Join.secret``); None: not known yet
+    # (a job rebuilt from re-attachments, ``restart.py``).
+    secret: bytes | None = b""
 
 
 @dataclass(eq=False, slots=True)

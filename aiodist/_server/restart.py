@@ -4,23 +4,31 @@
 
 - **Re-attachment.** A member of a formed job whose server went away (killed,
   restarted, stopped for a while) reconnects and sends ``Reattach`` with the
-  secret its ``Join`` carried. The member it names is given the new channel:
-  its secret must match the one the server holds (compared in constant time),
-  so a client that merely holds the token cannot take a member's place.
-  Pending requests are sent again by the client after that (a barrier already
-  passed answers at once: the job keeps the last barrier it passed).
+  secret its ``Join`` carried, and the world size its ``Welcome`` said (an
+  elastic job's newcomers were welcomed into a larger one). The member it
+  names is given the new channel: its secret must match the one the server
+  holds (compared in constant time), so a client that merely holds the token
+  cannot take a member's place. Pending requests are sent again by the client
+  after that (a barrier already passed answers at once: the job keeps the last
+  barrier it passed; so does a regroup decided: the job keeps its answer).
 - **Durable state** (``durable.py``): with a state directory, every formed job,
-  store key, passed barrier, failure, leave and end is logged before the
-  replies of its batch leave, and replayed at start-up. The jobs come back with
-  every member *away*.
+  newcomer admitted, store key, passed barrier, decided regroup, failure,
+  leave and end is logged before the replies of its batch leave, and replayed
+  at start-up. The jobs come back with every member *away*. A job replaced by
+  a later generation is no longer logged: its members go on alone, and a
+  restart forgets them.
 - **Members away.** A member is away after a restart until it re-attaches,
   and for at most ``reattach_timeout`` (or twice its heartbeat timeout, at
   least ``MIN_REATTACH_WINDOW`` s): past it, the member is declared failed, and
   every member that is back is told (a rank that died while the server was
-  gone). Without a state directory, the first ``Reattach`` of a job unknown
-  to the server rebuilds the job: its membership comes back from what the
-  ranks re-register, its store is empty, and a rank's secret is the one it
-  brings first.
+  gone).
+- **Without a state directory** the server knows no member's secret after a
+  restart: the first ``Reattach`` of a job unknown to it rebuilds the job (its
+  membership from what the ranks re-register, its store empty), and **the
+  first re-attachment of each rank is taken**, whoever holds the token; a
+  later claim of that rank is refused, saying so. Nothing a member holds can
+  prove it to a server that kept nothing: the token is all they share, and
+  every client holds it.
 - **A server that stalled** (SIGSTOP, a loop blocked for seconds) sees its
   clients' heartbeats as late and their reconnections as lost connections. A
   gap of more than ``STALL_GAP`` s between two inputs is such a stall: for
@@ -45,7 +53,6 @@ from aiodist._server.state import ServerState
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
-    Join,
     MemberFailed,
     MembersFailed,
     Packed,
@@ -60,6 +67,7 @@ from aiodist._wire.messages import (
 
 if TYPE_CHECKING:
     from aiodist._server.durable import StateDir
+    from aiodist._server.elastic import Agreement
     from aiodist._server.jobs import Close, ConnId, Send
 
 __all__ = ["MIN_REATTACH_WINDOW", "RestartableState"]
@@ -71,6 +79,8 @@ MIN_REATTACH_WINDOW: Final = 5.0
 STALL_GAP: Final = 3.0
 STALL_WINDOW: Final = 1.0
 _MUTATIONS: Final = (StoreSet, StoreAdd, StoreCompareSet, StoreDeleteKey)
+# A re-attachment's secret is at least this long (aiodist's clients draw 32 bytes).
+MIN_SECRET_BYTES: Final = 16
 
 
 class RestartableState(ServerState):
@@ -90,7 +100,7 @@ class RestartableState(ServerState):
         self.reattach_timeout = reattach_timeout
         self.reattached = 0  # members taken back
         self.restored_jobs = 0
-        self._secrets: dict[Member, bytes] = {}
+        self._rebuilt: set[Job] = set()  # jobs rebuilt from re-attachments (no state kept)
         self._barriers_done: dict[Job, int] = {}
         self._logged: set[Job] = set()  # formed jobs the state directory holds
         self._away: dict[Member, float] = {}  # member -> when it must be back
@@ -154,13 +164,6 @@ class RestartableState(ServerState):
             self._send(conn, Reply(msg.req_id, None))
             return
         super().receive(conn, msg, now, decoded=decoded)
-        if isinstance(msg, Join):
-            joined = state.member
-            if joined is not None and joined.status != "left":
-                self._secrets[joined] = msg.secret
-                if joined.job.complete:
-                    self._log_job(joined.job)
-            return
         if member is None:
             return
         job = member.job
@@ -230,14 +233,34 @@ class RestartableState(ServerState):
     def _remove(self, member: Member, now: float) -> None:
         job = member.job
         self._away.pop(member, None)
-        self._secrets.pop(member, None)
         super()._remove(member, now)
         if member.status == "left" and member.rank in job.left:
             self._append(job, ["left", job.name, member.rank, member.host, member.pid])
         if job.ended:
             self._append(job, ["end", job.name, job.generation])
-            self._logged.discard(job)
-            self._barriers_done.pop(job, None)
+            self._replaced(job)
+
+    def _formed(self, job: Job) -> None:
+        if self.durable is not None and job not in self._logged:
+            self._logged.add(job)
+            for rec in self._record_of(job).records():
+                self.durable.append(rec)
+
+    def _admit(self, member: Member, now: float) -> None:
+        super()._admit(member, now)
+        job = member.job
+        self._append(job, ["joined", job.name, _member_record(member).row()])
+
+    def _settle(self, agreement: Agreement, answer: tuple[Any, ...]) -> None:
+        super()._settle(agreement, answer)
+        job = agreement.job
+        self._append(job, ["regroup", job.name, agreement.key, list(answer)])
+
+    def _replaced(self, job: Job) -> None:
+        """``job`` ended, or a later generation took its name: nothing of it is logged now."""
+        self._logged.discard(job)
+        self._rebuilt.discard(job)
+        self._barriers_done.pop(job, None)
 
     # --- re-attachment -----------------------------------------------------------------
 
@@ -253,6 +276,13 @@ class RestartableState(ServerState):
             raise BadRequest(
                 ErrorCode.BAD_REQUEST, f"Reattach.rank {msg.rank} is not below its world size"
             )
+        if len(msg.secret) < MIN_SECRET_BYTES:
+            raise BadRequest(
+                ErrorCode.AUTHENTICATION,
+                f"refused to re-attach rank {msg.rank} of job {msg.group_name!r}: it brings a "
+                f"secret of {len(msg.secret)} bytes (at least {MIN_SECRET_BYTES}); a member "
+                "proves itself with the secret its join carried",
+            )
         job = self.jobs.get(msg.group_name)
         if job is None:
             if self.durable is not None:
@@ -263,7 +293,11 @@ class RestartableState(ServerState):
                     "held it; restart the job",
                 )
             job = self._rebuild(msg, now)
-        if job.generation != msg.generation or job.world_size != msg.world_size:
+        # A member names the world size its Welcome said: the job's, or (an elastic job's
+        # newcomer, or a member that has seen newcomers since) a rank space it has had.
+        if job.generation != msg.generation or not (
+            job.min_world_size <= msg.world_size <= job.world_size
+        ):
             raise BadRequest(
                 ErrorCode.RENDEZVOUS,
                 f"job {job.name!r} on the rendezvous server is generation {job.generation} "
@@ -285,13 +319,22 @@ class RestartableState(ServerState):
                     {"rank": msg.rank, "host": member.host, "pid": member.pid, "reason": why},
                 )
             raise BadRequest(ErrorCode.RENDEZVOUS, f"rank {msg.rank} left job {job.name!r}")
-        expected = self._secrets.get(member)
-        if expected is None:  # a job rebuilt from re-attachments: the first one names it
-            self._secrets[member] = expected = msg.secret
+        if member.secret is None:  # a job rebuilt from re-attachments: the first one names it
+            member.secret = msg.secret
             member.host, member.pid, member.local_rank = msg.host, msg.pid, msg.local_rank
             member.addresses = list(msg.addresses)
             job.forget_table()
-        if not hmac.compare_digest(expected, msg.secret):
+        if not hmac.compare_digest(member.secret, msg.secret):
+            if job in self._rebuilt:
+                raise BadRequest(
+                    ErrorCode.AUTHENTICATION,
+                    f"refused to re-attach rank {msg.rank} of job {job.name!r}: pid "
+                    f"{member.pid} on host {member.host} re-attached it first, with another "
+                    "secret. This rendezvous server restarted without a state directory, so "
+                    "it knows no member's secret and takes the first re-attachment of each "
+                    "rank, whoever holds the token. Restart the job; run the daemon with "
+                    "--state-dir for members to prove themselves after a restart",
+                )
             raise BadRequest(
                 ErrorCode.AUTHENTICATION,
                 f"refused to re-attach rank {msg.rank} of job {job.name!r}: this connection "
@@ -330,16 +373,29 @@ class RestartableState(ServerState):
         )
         job = self._restore(record, now)
         for member in job.by_rank:
-            del self._secrets[member]  # unknown: each rank's first re-attachment names it
+            member.secret = None  # unknown: each rank's first re-attachment names it
+        self._rebuilt.add(job)
         return job
 
     def _restore(self, record: JobRecord, now: float) -> Job:
-        job = Job(record.name, record.world_size, created_at=now, generation=record.generation)
+        job = Job(
+            record.name,
+            record.world_size,
+            created_at=now,
+            generation=record.generation,
+            min_world_size=record.min_world_size,
+            max_world_size=record.max_world_size,
+        )
         job.complete = True
         job.formed_at = now
         job.kv = dict(record.kv)
         job.failures = list(record.failures)
         job.left = dict(record.left)
+        # Each failure, leave and admission was one epoch (``grow.py``): the members'
+        # views go on from there, and so must the next join's.
+        job.epoch = len(job.failures) + len(job.left) + record.world_size - record.min_world_size
+        if record.regroups:
+            self._settled[job] = {key: tuple(answer) for key, answer in record.regroups.items()}
         gone = {f[0] for f in record.failures} | set(record.left)
         for m in sorted(record.members, key=lambda m: m.rank):
             member = Member(
@@ -358,9 +414,9 @@ class RestartableState(ServerState):
                 local_rank=m.local_rank,
                 status="active",
                 done=True,
+                secret=m.secret,
             )
             job.by_rank.append(member)
-            self._secrets[member] = m.secret
             if m.rank not in gone:
                 job.add(member)
                 self._set_away(member, now)
@@ -406,13 +462,6 @@ class RestartableState(ServerState):
             for job in self.jobs.values()
         )
 
-    def _log_job(self, job: Job) -> None:
-        if self.durable is None or job in self._logged:
-            return
-        self._logged.add(job)
-        for rec in self._record_of(job).records():
-            self.durable.append(rec)
-
     def _append(self, job: Job, rec: list[Any]) -> None:
         if self.durable is not None and job in self._logged:
             self.durable.append(rec)
@@ -422,22 +471,14 @@ class RestartableState(ServerState):
             job.name,
             job.generation,
             job.world_size,
-            [
-                MemberRecord(
-                    m.rank,
-                    m.local_rank,
-                    m.host,
-                    m.pid,
-                    m.addresses,
-                    m.heartbeat_timeout,
-                    self._secrets.get(m, b""),
-                )
-                for m in job.by_rank
-            ],
+            [_member_record(m) for m in job.by_rank],
+            job.min_world_size,
+            job.max_world_size,
             dict(job.kv),
             self._barriers_done.get(job, 0),
             list(job.failures),
             dict(job.left),
+            {key: list(answer) for key, answer in self._settled.get(job, {}).items()},
         )
 
     def _records(self) -> list[JobRecord]:
@@ -447,6 +488,12 @@ class RestartableState(ServerState):
         """Write what is queued and let go of the state directory."""
         if self.durable is not None:
             self.durable.close()
+
+
+def _member_record(m: Member) -> MemberRecord:
+    return MemberRecord(
+        m.rank, m.local_rank, m.host, m.pid, m.addresses, m.heartbeat_timeout, m.secret or b""
+    )
 
 
 def _error(req_id: int, exc: BadRequest) -> ErrorReply:

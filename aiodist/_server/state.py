@@ -336,6 +336,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                 )
             previous, job = job, None
             del self.jobs[previous.name]  # its members go on in the record they hold
+            self._replaced(previous)
         if job is None:
             job = Job(
                 msg.group_name,
@@ -383,6 +384,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
             heartbeat_timeout=float(msg.heartbeat_timeout),
             joined_at=now,
             last_seen=now,
+            secret=msg.secret,
         )
         job.add(member)
         state.member = member
@@ -403,6 +405,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
         job.formed_at = now
         self.stats.jobs_formed += 1
         self.log.job_formed(job, now)
+        self._formed(job)
         local_sizes, runs = host_runs(job.by_rank)
         # Encoded once for the whole job: every member gets the same bytes.
         packed_runs = cast("list[list[int]]", Packed(msgpack.packb(runs)))
@@ -422,6 +425,12 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                     self.restartable,
                 ),
             )
+
+    def _formed(self, job: Job) -> None:
+        """``job`` has all its members (a hook: ``restart.py`` logs it)."""
+
+    def _replaced(self, job: Job) -> None:
+        """``job`` was replaced by a later generation (a hook: ``restart.py`` forgets it)."""
 
     def _break_forming_job(self, job: Job, msg: Join, now: float) -> None:
         """Fail every member of forming ``job`` and the joiner ``msg``: they disagree on its size.

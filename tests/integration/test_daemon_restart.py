@@ -282,3 +282,87 @@ async def test_second_daemon_on_a_state_dir_in_use_exits_with_a_clear_error(
         assert "jobs are kept in the state directory" in daemon.output()
     assert result.returncode == 1, result
     assert "is in use by another aiodist server" in result.stderr
+
+
+GROWN_WORKER = HELPERS / "grown_restart_worker.py"
+
+
+@asyncio_only
+async def test_grown_job_survives_a_daemon_killed_and_started_again(tmp_path: Path) -> None:
+    """An elastic job of two grew by a newcomer; the daemon is SIGKILLed and restarted:
+    every rank, the newcomer included, re-attaches and goes on with the store and
+    collectives, nobody hangs."""
+    state = ["--state-dir", str(tmp_path / "state")]
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    full.update({"HB_TIMEOUT": str(HB_TIMEOUT), "AIODIST_SERVER_GRACE": "30"})
+    procs: list[Rank] = []
+
+    async def start(url: str, role: str) -> Rank:
+        argv = [sys.executable, str(GROWN_WORKER), url, role]
+        stderr = tmp_path / f"{role}-{len(procs)}.txt"
+        with stderr.open("wb") as err:
+            proc = await anyio.open_process(argv, env=full, stderr=err)
+        procs.append(Rank(proc, "grown", len(procs), stderr))
+        return procs[-1]
+
+    try:
+        with anyio.fail_after(90):
+            async with serve("--port", "0", *state) as first:
+                url = f"tcp://{first.host}:{first.port}"
+                members = [await start(url, "member") for _ in range(2)]
+                for p in members:
+                    assert (await p.line())["formed"]
+                newcomer = await start(url, "newcomer")
+                assert (await newcomer.line())["epoch"] == 1
+                joined = [await p.line() for p in procs]
+                assert sorted(j["job_rank"] for j in joined) == [0, 1, 2], joined
+                assert all(j["reduced"] == [6.0, 6.0] for j in joined), joined
+                await _kill(first)
+                async with serve("--port", str(first.port), *state) as second:
+                    assert "1 jobs restored" in (
+                        await second.wait_for_line("stderr", lambda s: "jobs restored" in s)
+                    )
+                    await wait_reattached(second, 3)  # the newcomer too
+                    for p in procs:
+                        await p.tell()
+                    for p in procs:
+                        out = await p.line()
+                        assert out.get("after"), (p.rank, out)
+                        assert out["reduced"] == [6.0, 6.0], out
+                        assert out["kept"] == {str(r): f"value-of-{r}" for r in range(3)}, out
+                    for p in procs:
+                        assert await p.proc.wait() == 0
+    finally:
+        for p in procs:
+            if p.proc.returncode is None:
+                p.proc.kill()
+            with anyio.CancelScope(shield=True):
+                await p.proc.wait()
+                await p.proc.aclose()
+
+
+@asyncio_only
+@pytest.mark.parametrize("damage", ["flipped byte", "fifo"])
+async def test_daemon_on_a_damaged_state_dir_exits_naming_what_is_damaged(
+    tmp_path: Path, damage: str
+) -> None:
+    state = tmp_path / "state"
+    async with serve("--port", "0", "--state-dir", str(state)):
+        pass  # a clean start and stop: a snapshot and a log
+    snapshot, log = state / "snapshot", state / "log"
+    if damage == "fifo":
+        log.unlink()
+        os.mkfifo(log)
+    else:
+        data = bytearray(snapshot.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        snapshot.write_bytes(bytes(data))
+    before = snapshot.read_bytes()
+    result = await run_cli("serve", "--port", "0", "--state-dir", str(state))
+    assert result.returncode == 1, result
+    if damage == "fifo":
+        assert f"{log} is not a regular file (a FIFO)" in result.stderr, result.stderr
+    else:
+        assert f"is damaged: {snapshot}: " in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot.read_bytes() == before  # the evidence is kept

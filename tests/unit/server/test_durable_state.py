@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import stat
+import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import pytest
 
 from aiodist._errors import ErrorCode
-from aiodist._server.durable import MAGIC, StateDir, StateDirError, frame
+from aiodist._server.durable import StateDir, StateDirError, file_header, frame
 from aiodist._server.jobs import Send
 from aiodist._server.restart import MIN_REATTACH_WINDOW, STALL_GAP, RestartableState
 from aiodist._wire.messages import (
@@ -19,8 +21,10 @@ from aiodist._wire.messages import (
     ErrorReply,
     Heartbeat,
     Join,
+    Leave,
     MemberFailed,
     MembersFailed,
+    MembersJoined,
     Reattach,
     Reply,
     StoreDeleteKey,
@@ -51,9 +55,9 @@ def secret_of(rank: int) -> bytes:
 class Table:
     """A ``RestartableState`` with a fake clock; its replies sorted by connection."""
 
-    def __init__(self, state_dir: Path | None, now: float = 0.0) -> None:
+    def __init__(self, state_dir: Path | None, now: float = 0.0, *, fsync: bool = True) -> None:
         self.now = now
-        self.dir = None if state_dir is None else StateDir(state_dir)
+        self.dir = None if state_dir is None else StateDir(state_dir, fsync=fsync)
         self.state = RestartableState(now, state_dir=self.dir, restartable=True)
         self.inbox: dict[int, list[Any]] = defaultdict(list)
         self._conns = itertools.count(1)
@@ -98,7 +102,16 @@ def beat(table: Table, conn: int, seconds: float, *others: int) -> None:
             table.send(c, Heartbeat())
 
 
-def join(table: Table, rank: int, world: int = 2, name: str = "job") -> int:
+def join(
+    table: Table,
+    rank: int,
+    world: int = 2,
+    name: str = "job",
+    *,
+    max_world: int = 0,
+    secret: bytes | None = None,
+) -> int:
+    """Join ``rank`` (-1: a newcomer of a formed elastic job, with ``secret``)."""
     conn = table.connect()
     table.send(
         conn,
@@ -113,7 +126,8 @@ def join(table: Table, rank: int, world: int = 2, name: str = "job") -> int:
             HB,
             60.0,
             0,
-            secret_of(rank),
+            secret_of(rank) if secret is None else secret,
+            max_world,
         ),
     )
     return conn
@@ -229,7 +243,7 @@ def test_without_state_dir_members_rebuild_their_job_and_the_store_is_empty() ->
     assert table.send(conn0, lambda r: Barrier(r, 7, 60.0)) is not None
 
 
-def test_torn_log_tail_replays_up_to_the_last_whole_record(
+def test_torn_log_tail_replays_up_to_the_last_acknowledged_record(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     table, _ = formed_job(tmp_path)
@@ -242,29 +256,39 @@ def test_torn_log_tail_replays_up_to_the_last_whole_record(
     with caplog.at_level(logging.WARNING):
         again = Table(tmp_path)
     assert again.state.jobs["job"].kv == {"kept": b"v1"}
-    assert "truncated record" in caplog.text
+    assert f"dropped the {len(extra) - 3} bytes after byte {len(whole)}" in caplog.text
 
 
-def test_record_failing_its_checksum_or_its_bounds_ends_the_replay(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def _state_files(path: Path, snapshot: list[Any], log: list[Any], number: int = 1) -> None:
+    """A snapshot and a log holding these records, every one of them acknowledged."""
+    for name, records in (("snapshot", snapshot), ("log", log)):
+        body = b"".join(frame(r) for r in records)
+        length = len(file_header(0, 0)) + len(body)
+        (path / name).write_bytes(file_header(number, length) + body)
+        (path / name).chmod(0o600)
+
+
+@pytest.mark.parametrize("damage", ["checksum", "bounds", "unknown job"])
+def test_acknowledged_record_failing_its_checksum_or_bounds_refuses_the_start(
+    tmp_path: Path, damage: str
 ) -> None:
-    body = msgpack.packb(["job", "j", 0, 2, []])  # 0 members for a world of 2
-    bad_crc = frame(["kv", "j", "k", b"v"])
-    bad_crc = bad_crc[:4] + b"\0\0\0\0" + bad_crc[8:]
-    (tmp_path / "snapshot").write_bytes(MAGIC + frame(msgpack.unpackb(body)) + bad_crc)
-    with caplog.at_level(logging.WARNING):
-        table = Table(tmp_path)
-    assert table.state.jobs == {}
-    assert "malformed" in caplog.text
-    table.close()
-    (tmp_path / "log").write_bytes(
-        MAGIC + frame(["job", "j", 0, 1, [[0, 0, "h", 1, [], 1.0, b""]]]) + bad_crc
-    )
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        table = Table(tmp_path)
-    assert list(table.state.jobs) == ["j"]
-    assert "checksum" in caplog.text
+    job = ["job", "j", 0, 1, 1, 0, [[0, 0, "h", 1, [], 1.0, b""]]]
+    record = {
+        "checksum": ["kv", "j", "k", b"v"],
+        "bounds": ["failed", "j", 1, "h", 1, "rank 1 of a job of 1"],
+        "unknown job": ["kv", "other", "k", b"v"],
+    }[damage]
+    _state_files(tmp_path, [job], [["kv", "j", "a", b"1"], record, ["kv", "j", "b", b"2"]])
+    if damage == "checksum":
+        data = bytearray((tmp_path / "log").read_bytes())
+        data[-len(frame(["kv", "j", "b", b"2"])) - 2] ^= 1  # in the middle record's body
+        (tmp_path / "log").write_bytes(bytes(data))
+    with pytest.raises(StateDirError) as err:
+        Table(tmp_path)
+    message = str(err.value)
+    at = len(file_header(0, 0)) + len(frame(["kv", "j", "a", b"1"]))
+    assert f"{tmp_path / 'log'}: record 1 at byte {at} " in message, message
+    assert ("fails its checksum" if damage == "checksum" else "is malformed") in message
 
 
 def test_state_dir_held_by_one_server_at_a_time(tmp_path: Path) -> None:
@@ -299,3 +323,238 @@ def test_stalled_server_counts_a_dropped_member_as_away_not_failed(tmp_path: Pat
     assert isinstance(reply, Reply)
     beat(table, conns[0], 2 * MIN_REATTACH_WINDOW, back)
     assert not any(isinstance(m, MemberFailed) for m in table.inbox[conns[0]])
+
+
+# --- a job that grew, and its newcomers, across a restart ----------------------------------
+
+NEWCOMER = b"\x07" * 32
+
+
+def grown_job(table: Table, name: str = "job", max_world: int = 4) -> tuple[list[int], int]:
+    """A job formed with ranks 0 and 1, grown by a newcomer (rank 2)."""
+    conns = [join(table, r, name=name, max_world=max_world) for r in range(2)]
+    late = join(table, -1, name=name, max_world=max_world, secret=NEWCOMER)
+    welcome = next(m for m in table.inbox[late] if isinstance(m, Welcome))
+    assert (welcome.rank, welcome.world_size) == (2, 3)
+    return conns, late
+
+
+def test_grown_job_survives_a_restart_its_newcomer_included(tmp_path: Path) -> None:
+    table = Table(tmp_path)
+    _, late = grown_job(table)
+    welcome = next(m for m in table.inbox[late] if isinstance(m, Welcome))
+    assert welcome.restartable  # else the newcomer breaks its groups as soon as the daemon goes
+    table.send(late, lambda r: StoreSet(r, "from-newcomer", b"n"))
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    job = again.state.jobs["job"]
+    assert (job.world_size, job.kv) == (3, {"from-newcomer": b"n"})
+    back = []
+    # Each member re-attaches as its Welcome said: ranks 0 and 1 of 2, the newcomer of 3.
+    for rank, world, secret in [(0, 2, secret_of(0)), (1, 2, secret_of(1)), (2, 3, NEWCOMER)]:
+        conn, reply = reattach(again, rank, secret, world=world)
+        assert isinstance(reply, Reply), (rank, reply)
+        back.append(conn)
+    # The job grows on: the next newcomer's view counts every change before the restart.
+    fourth = join(again, -1, max_world=4, secret=b"\x09" * 32)
+    views = [m for m in again.inbox[back[0]] if isinstance(m, MembersJoined)]
+    assert [(v.epoch, v.world_size) for v in views] == [(2, 4)]
+    beat(again, back[0], 2 * MIN_REATTACH_WINDOW, *back[1:], fourth)
+    assert not any(isinstance(m, MemberFailed | MembersFailed) for m in again.inbox[back[0]])
+
+
+@pytest.mark.parametrize("how", ["fails", "leaves"])
+def test_newcomer_gone_replays_and_so_does_every_later_record_of_every_job(
+    tmp_path: Path, how: str
+) -> None:
+    table = Table(tmp_path)
+    _, late = grown_job(table, max_world=3)
+    other = [join(table, r, name="jobB") for r in range(2)]
+    if how == "fails":
+        table.state.connection_lost(late, table.now, "connection reset")
+        table.collect()
+    else:
+        table.send(late, lambda r: Leave(r))
+    for i in range(200):
+        table.send(other[i % 2], lambda r, i=i: StoreSet(r, f"k{i}", b"%d" % i))
+    table.close()
+    again = Table(tmp_path, now=10.0)
+    assert again.state.jobs["jobB"].kv == {f"k{i}": b"%d" % i for i in range(200)}
+    job = again.state.jobs["job"]
+    assert job.world_size == 3
+    if how == "fails":
+        assert [f[0] for f in job.failures] == [2]
+    else:
+        assert list(job.left) == [2]
+    _, reply = reattach(again, 2, NEWCOMER, world=3)
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == (ErrorCode.RANK_FAILED if how == "fails" else ErrorCode.RENDEZVOUS)
+
+
+# --- a damaged state directory is never silently accepted ----------------------------------
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _kept_keys(tmp_path: Path, keys: int = 100, restarts: int = 1) -> None:
+    """A job that set ``keys`` keys, and ``restarts`` restarts since (each folds the log)."""
+    table = Table(tmp_path)
+    conns = [join(table, r) for r in range(2)]
+    for i in range(keys):
+        table.send(conns[i % 2], lambda r, i=i: StoreSet(r, f"key{i}", b"x" * 20))
+    table.close()
+    for _ in range(restarts):
+        Table(tmp_path).close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_log_damaged_in_the_middle_refuses_to_start_and_keeps_the_evidence(
+    tmp_path: Path, damage: str
+) -> None:
+    _kept_keys(tmp_path, restarts=0)
+    log = tmp_path / "log"
+    data = bytearray(log.read_bytes())
+    middle = len(data) // 2
+    if damage == "flip":
+        data[middle] ^= 0x5A
+    else:
+        del data[middle:]
+    log.write_bytes(bytes(data))
+    before = _files(tmp_path)
+    with pytest.raises(StateDirError) as err:
+        Table(tmp_path)
+    message = str(err.value)
+    assert str(log) in message
+    assert "damaged" in message
+    assert _files(tmp_path) == before  # nothing overwritten, nothing folded away
+    StateDir(tmp_path).close()  # the refused start let go of the directory
+
+
+def test_snapshot_damaged_or_deleted_refuses_to_start(tmp_path: Path) -> None:
+    _kept_keys(tmp_path, restarts=1)  # the keys are in the snapshot now
+    snapshot = tmp_path / "snapshot"
+    whole = snapshot.read_bytes()
+    data = bytearray(whole)
+    data[len(data) // 2] ^= 0x01
+    snapshot.write_bytes(bytes(data))
+    with pytest.raises(StateDirError, match="snapshot") as err:
+        Table(tmp_path)
+    assert "damaged" in str(err.value)
+    snapshot.unlink()
+    with pytest.raises(StateDirError, match="snapshot") as err:
+        Table(tmp_path)
+    assert "missing" in str(err.value)
+    snapshot.write_bytes(whole)
+    assert len(Table(tmp_path).state.jobs["job"].kv) == 100
+
+
+# --- the state directory's files: no link followed, nothing but files, private -------------
+
+
+def _started(state: Path) -> None:
+    table = Table(state)
+    conns = [join(table, r) for r in range(2)]
+    table.send(conns[0], lambda r: StoreSet(r, "secret-value", b"do not leak"))
+    table.close()
+
+
+@pytest.mark.parametrize("name", ["log", "snapshot", "snapshot.tmp", "log.tmp"])
+def test_symlink_in_the_state_dir_is_never_followed(tmp_path: Path, name: str) -> None:
+    state = tmp_path / "state"
+    _started(state)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    (state / name).unlink(missing_ok=True)
+    (state / name).symlink_to(outside)
+    if name.endswith(".tmp"):  # left over: removed (the link, not what it points to)
+        Table(state).close()
+        assert not (state / name).is_symlink()
+    else:
+        with pytest.raises(StateDirError) as err:
+            Table(state)
+        assert f"{state / name} is a symbolic link" in str(err.value)
+    assert outside.read_bytes() == b"precious"
+
+
+def test_state_dir_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    _started(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(StateDirError, match="is a symbolic link"):
+        StateDir(tmp_path / "link")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_log_that_is_not_a_file_is_refused_by_name_without_hanging(
+    tmp_path: Path, kind: str
+) -> None:
+    _started(tmp_path)
+    log = tmp_path / "log"
+    log.unlink()
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        log.mkdir()
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            Table(tmp_path)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=start, daemon=True)  # a FIFO opened to read blocks
+    thread.start()
+    thread.join(10)
+    assert outcome, "the start hung on the log"
+    assert isinstance(outcome[0], StateDirError), outcome
+    assert str(log) in str(outcome[0])
+    assert "not a regular file" in str(outcome[0])
+
+
+def test_state_dir_and_its_files_are_private(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o777)
+    state.chmod(0o777)
+    _started(state)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    files = list(state.iterdir())
+    assert files
+    for p in files:
+        assert stat.S_IMODE(p.lstat().st_mode) == 0o600, p
+
+
+def test_state_dir_stays_locked_when_its_lock_file_is_deleted(tmp_path: Path) -> None:
+    first = StateDir(tmp_path)
+    for p in tmp_path.iterdir():
+        if p.name == "lock":
+            p.unlink()
+    with pytest.raises(StateDirError, match="in use by another aiodist server"):
+        StateDir(tmp_path)
+    first.close()
+
+
+# --- without a state directory: the first re-attachment of a rank wins ---------------------
+
+
+def test_without_state_dir_the_first_reattachment_wins_and_the_real_rank_is_told_why() -> None:
+    table = Table(None)
+    _, reply = reattach(table, 0, secret_of(0))
+    assert isinstance(reply, Reply)
+    _, reply = reattach(table, 1, b"\x55" * 32)  # anyone holding the token, first
+    assert isinstance(reply, Reply)
+    _, reply = reattach(table, 1, secret_of(1))  # the real rank 1, second
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == ErrorCode.AUTHENTICATION
+    assert "without a state directory" in reply.message
+
+
+def test_reattach_without_a_secret_is_refused() -> None:
+    table = Table(None)
+    _, reply = reattach(table, 0, b"")
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == ErrorCode.AUTHENTICATION
+    assert "secret" in reply.message
