@@ -15,7 +15,10 @@ an operation that waits on it, or starts later and needs it, fails at once with
 ``RankFailedError`` naming it (``rank_left_error``). A session that loses its
 rendezvous server (the server's process died, or went silent for the heartbeat
 timeout) can no longer learn that other ranks failed: it breaks every group
-with the control connection's error, which names the server.
+with the control connection's error, which names the server. A server that
+may come back (a daemon) is waited for instead, for the grace period: a peer
+lost meanwhile is not blamed until the server, back, has had its time to
+say who failed (``_await_verdict``), so every member reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from aiodist._control.channel import ServerLost
+from aiodist._control.channel import ServerAway, ServerBack, ServerLost
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
     AbortedError,
@@ -49,6 +52,7 @@ from aiodist._group.lingering import linger
 from aiodist._group.membership import isolate_failure
 from aiodist._group.recorder import Recorder, new_recorder
 from aiodist._group.views import Views, follow_join
+from aiodist._server.restart import reattach_window
 from aiodist._wire.messages import (
     Barrier,
     DumpNotice,
@@ -230,9 +234,8 @@ class Session:
 
         A broken connection is a symptom: ``rank`` may have died, or left because
         another rank died (it then told us, but its notice may be lost with the
-        connection). The server is the authority: its notice of a failed member
-        usually arrives within milliseconds, so wait for it (up to the heartbeat
-        timeout) before blaming ``rank`` on the data plane's evidence alone.
+        connection). The server is the authority: wait for its verdict
+        (``_await_verdict``) before blaming ``rank`` on the data plane's evidence alone.
         """
         if (stalled := self._declared_failed()) is not None:
             return stalled
@@ -249,9 +252,9 @@ class Session:
                 None,
             )
 
-        with anyio.move_on_after(self.heartbeat_timeout):
-            while self.error is None and rank not in self.plane.left and newly_broken() is None:
-                await self._news.wait()
+        await self._await_verdict(
+            lambda: self.error is not None or rank in self.plane.left or newly_broken() is not None
+        )
         left = self.plane.left.get(rank)
         if self.error is None and left is not None:
             # It left or failed (its goodbye may have been lost with a reset connection):
@@ -278,6 +281,34 @@ class Session:
                 )
             )
         return self.error
+
+    async def _await_verdict(self, decided: Callable[[], bool]) -> None:
+        """Return once ``decided()``, or once the server had its time to decide and did not.
+
+        The server's notice of a failed member usually arrives within milliseconds:
+        it gets the heartbeat timeout. While it is away (reconnecting) it can say
+        nothing, so no time counts: it either comes back, and then gets its
+        re-attach window (a rank that died meanwhile is declared failed at its end,
+        on every member alike) and the heartbeat timeout more, or the grace period
+        ends and every member fails with the same error naming the server.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.heartbeat_timeout
+        was_away = False
+        while not decided():
+            if self.conn.server_away:
+                was_away = True
+                await self._news.wait()  # ServerBack, or ServerLost (self.error) wakes it
+                continue
+            if was_away:  # back: its verdict on a rank that did not come back is due
+                was_away = False
+                window = reattach_window(self.heartbeat_timeout)
+                deadline = loop.time() + window + self.heartbeat_timeout
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            with anyio.move_on_after(remaining):
+                await self._news.wait()
 
     def _peer_refused(self, exc: AuthenticationError) -> None:
         """A peer failed the data plane's token handshake: break every group it is in.
@@ -394,6 +425,8 @@ class Session:
         elif isinstance(notice, ServerLost):
             if not self.closed:
                 self.fail(notice.error)  # it names the server, and says what it means
+        elif isinstance(notice, ServerAway | ServerBack):
+            self._wake()  # a wait for the server's verdict stops or starts counting
         elif isinstance(notice, MembersJoined):
             follow_join(self, notice)
         elif isinstance(notice, MembersFailed):

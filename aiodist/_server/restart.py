@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from aiodist._server.durable import StateDir
     from aiodist._server.jobs import Close, ConnId, Send
 
-__all__ = ["MIN_REATTACH_WINDOW", "RestartableState"]
+__all__ = ["MIN_REATTACH_WINDOW", "RestartableState", "reattach_window"]
 
 logger = logging.getLogger("aiodist._server.serve")
 
@@ -71,6 +71,14 @@ MIN_REATTACH_WINDOW: Final = 5.0
 STALL_GAP: Final = 3.0
 STALL_WINDOW: Final = 1.0
 _MUTATIONS: Final = (StoreSet, StoreAdd, StoreCompareSet, StoreDeleteKey)
+
+
+def reattach_window(heartbeat_timeout: float) -> float:
+    """How long a member away is waited for before it is declared failed (see the module).
+
+    Its peers wait as long for that verdict once the server is back (``Session``).
+    """
+    return max(MIN_REATTACH_WINDOW, 2 * heartbeat_timeout)
 
 
 class RestartableState(ServerState):
@@ -377,7 +385,7 @@ class RestartableState(ServerState):
         return job
 
     def _set_away(self, member: Member, now: float) -> None:
-        window = self.reattach_timeout or max(MIN_REATTACH_WINDOW, 2 * member.heartbeat_timeout)
+        window = self.reattach_timeout or reattach_window(member.heartbeat_timeout)
         member.conn = next(self._away_ids)
         member.peer = "(away)"
         member.joined_at = now  # counts the window in its error message
