@@ -149,7 +149,8 @@ class Session:
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
         self.failed_ranks: dict[int, RankFailedError] = {}  # members that failed (membership.py)
-        self.on_member_failed: list[Callable[[int], object]] = []  # called with its rank
+        # Called with its rank when a member failed or left (ranks_alive() changed).
+        self.on_member_gone: list[Callable[[int], object]] = []
         # After shrink_group replaced the default group: the global rank a user names ->
         # the job's rank (its data-plane address); None while they are the same.
         self.numbering: tuple[int, ...] | None = None
@@ -410,6 +411,8 @@ class Session:
             self._left_info[rank] = (host, pid)
             self.views.gone(rank)
             self.plane.peer_left(rank, rank_left_error(rank, host, pid))
+            for hook in list(self.on_member_gone):
+                hook(rank)
         self._wake()
 
     def _wake(self) -> None:
