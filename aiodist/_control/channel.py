@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Iterator
 
+    from aiodist._control.liveness import Liveness
+
 __all__ = [
     "MAX_HELD_NOTICES",
     "Carrier",
@@ -93,6 +95,8 @@ class Carrier(Protocol):
 
     @property
     def server_away(self) -> bool: ...
+
+    liveness: Liveness
 
     def send_on(self, channel: int, msg: Any) -> None: ...
 
@@ -177,6 +181,11 @@ class ControlChannel:
     def server_away(self) -> bool:
         """The server went away and the connection looks for it (``ServerAway``)."""
         return self.connection.server_away
+
+    @property
+    def liveness(self) -> Liveness:
+        """When the connection heard its server, and how it counts its silence."""
+        return self.connection.liveness
 
     async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
         """Send the message ``build(req_id)`` and return the reply's value.

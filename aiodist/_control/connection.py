@@ -172,7 +172,7 @@ class ControlConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._heard = True
-        self.liveness.last_heard = self.loop.time()
+        self.liveness.heard(self.loop.time())
         try:
             for event in self._decoder.frames(data):
                 if not self.heard.done():

@@ -287,28 +287,35 @@ class Session:
         """Return once ``decided()``, or once the server had its time to decide and did not.
 
         The server's notice of a failed member usually arrives within milliseconds:
-        it gets the heartbeat timeout. While it is away (reconnecting) it can say
-        nothing, so no time counts: it either comes back, and then gets its
-        re-attach window (a rank that died meanwhile is declared failed at its end,
-        on every member alike) and the heartbeat timeout more, or the grace period
-        ends and every member fails with the same error naming the server.
+        it gets the heartbeat timeout. It says nothing while it is away (this
+        connection reconnects) or stands still (silent: counted as away after the
+        heartbeat timeout), so no time counts meanwhile. Back, it gets its re-attach
+        window (a rank that died meanwhile is declared failed at its end, on every
+        member alike: it counts as away, not failed, a member it lost while it was
+        gone or stood still) and the heartbeat timeout more. A server that does not
+        come back within the grace period fails every member with the same error.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.heartbeat_timeout
+        hb, liveness = self.heartbeat_timeout, self.conn.liveness
+        since = loop.time()  # the server's time to decide counts from here
+        deadline = since + hb
         was_away = False
         while not decided():
             if self.conn.server_away:
                 was_away = True
                 await self._news.wait()  # ServerBack, or ServerLost (self.error) wakes it
                 continue
-            if was_away:  # back: its verdict on a rank that did not come back is due
+            now = loop.time()
+            if was_away or liveness.resumed_at > since:  # back, or running again
+                since = now if was_away else liveness.resumed_at
+                deadline = since + reattach_window(hb) + hb
                 was_away = False
-                window = reattach_window(self.heartbeat_timeout)
-                deadline = loop.time() + window + self.heartbeat_timeout
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            with anyio.move_on_after(remaining):
+            if now >= deadline:
+                if liveness.last_heard > since:
+                    return  # it was there all along, and named nobody
+                since, deadline = now, now + hb  # silent: its heartbeat watch judges it
+                continue
+            with anyio.move_on_after(deadline - now):
                 await self._news.wait()
 
     def _peer_refused(self, exc: AuthenticationError) -> None:

@@ -25,6 +25,7 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from aiodist._server.restart import STALL_GAP
 from tests.helpers import HELPERS
 from tests.helpers.daemon import asyncio_only, serve
 
@@ -64,12 +65,12 @@ class Rank:
 
 @contextlib.asynccontextmanager
 async def ranks(
-    address: tuple[str, int], env: dict[str, str], logs: Path
+    address: tuple[str, int], env: dict[str, str], logs: Path, hb_timeout: float = HB_TIMEOUT
 ) -> AsyncIterator[list[Rank]]:
     """``WORLD`` ranks of job ``away``; every one is killed on the way out."""
     url = f"tcp://{address[0]}:{address[1]}"
     full = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
-    full.update({"HB_TIMEOUT": str(HB_TIMEOUT), **env})
+    full.update({"HB_TIMEOUT": str(hb_timeout), **env})
     procs: list[Rank] = []
     try:
         for r in range(WORLD):
@@ -88,19 +89,40 @@ async def ranks(
                 await p.proc.aclose()
 
 
-async def _kill_daemon_then_a_rank(
-    daemon_proc: Process, procs: list[Rank]
-) -> tuple[list[Rank], Rank]:
+async def _stop_daemon_then_kill_a_rank(
+    daemon_proc: Process, procs: list[Rank], how: signal.Signals = signal.SIGKILL
+) -> list[Rank]:
+    """Every rank ready, the survivors in the all-reduce: the daemon goes, then the last rank."""
     *survivors, victim = procs
     for p in procs:
         assert (await p.line())["ready"]
     for p in survivors:
         assert (await p.line())["in_collective"]
-    daemon_proc.send_signal(signal.SIGKILL)
-    await daemon_proc.wait()
+    daemon_proc.send_signal(how)
+    if how == signal.SIGKILL:
+        await daemon_proc.wait()
     victim.proc.send_signal(signal.SIGKILL)  # dies while no server can see it
     await victim.proc.wait()
-    return survivors, victim
+    return survivors
+
+
+async def _survivors_name_it_and_shrink(survivors: list[Rank]) -> float:
+    """Every survivor names the dead rank, shrinks and all-reduces; when the last named it."""
+    errors = [await p.line() for p in survivors]
+    for out in errors:
+        error = out["error"]
+        assert error["type"] == "RankFailedError", error
+        assert error["rank"] == WORLD - 1, error
+        assert "shrink_group" in error["message"], error  # the session lives on
+    survivors_sum = float(sum(range(1, WORLD)))
+    for p in survivors:
+        out = await p.line()
+        assert out["reduced"] == [survivors_sum] * 4, out
+        assert out["world"] == WORLD - 1, out
+    for p in survivors:
+        assert (await p.line()).get("finished"), p.rank
+        assert await p.proc.wait() == 0
+    return float(max(out["t"] for out in errors))
 
 
 @asyncio_only
@@ -110,34 +132,47 @@ async def test_rank_killed_while_the_daemon_is_away_is_named_on_every_survivor_w
 ) -> None:
     state = ["--state-dir", str(tmp_path / "state")] if durable else []
     env = {"AIODIST_SERVER_GRACE": "60"}
-    with anyio.fail_after(90):
+    with anyio.fail_after(100):
         async with serve("--port", "0", *state) as first:
             async with ranks(first.address, env, tmp_path) as procs:
-                survivors, _ = await _kill_daemon_then_a_rank(first.proc, procs)
-                # Longer than the heartbeat timeout: the survivors' data plane saw the
-                # rank go long before any server could confirm it.
+                survivors = await _stop_daemon_then_kill_a_rank(first.proc, procs)
+                # The fault itself: longer than the heartbeat timeout, so the survivors'
+                # data plane saw the rank go long before any server could confirm it.
                 await anyio.sleep(2 * HB_TIMEOUT)
                 async with serve("--port", str(first.port), *state):
                     back = time.monotonic()
-                    errors = [await p.line() for p in survivors]
-                    for out in errors:
-                        error = out["error"]
-                        assert error["type"] == "RankFailedError", error
-                        assert error["rank"] == WORLD - 1, error
-                        assert "shrink_group" in error["message"], error  # the session lives
-                    outs = [await p.line() for p in survivors]
-                    for p in survivors:
-                        assert (await p.line()).get("finished"), p.rank
-                        assert await p.proc.wait() == 0
-    survivors_sum = float(sum(range(1, WORLD)))
-    for out in outs:
-        assert out["reduced"] == [survivors_sum] * 4, out
-        assert out["world"] == WORLD - 1, out
+                    named = await _survivors_name_it_and_shrink(survivors) - back
     # Named by the server at the end of its re-attach window (twice the heartbeat
     # timeout), counted from its start with a state directory, else from the first
     # re-attachment (a reconnect delay later); the bound leaves room for a loaded machine.
-    named = max(out["t"] for out in errors) - back
     assert named < 2 * HB_TIMEOUT + 5, named
+
+
+@asyncio_only
+@pytest.mark.parametrize(
+    ("hb_timeout", "stopped"),
+    [(HB_TIMEOUT, 2 * HB_TIMEOUT), (6.0, 4.0)],
+    ids=["past-the-heartbeat-timeout", "within-it"],
+)
+async def test_rank_killed_while_the_daemon_is_stopped_is_named_on_every_survivor_who_shrink(
+    tmp_path: Path, hb_timeout: float, stopped: float
+) -> None:
+    # Stopped past the ranks' heartbeat timeout, the daemon is away for them: they
+    # reconnect. Within it, they wait; either way, stopped longer than STALL_GAP, the
+    # daemon counts a member it lost meanwhile as away for its re-attach window.
+    assert stopped > STALL_GAP
+    env = {"AIODIST_SERVER_GRACE": "60"}
+    with anyio.fail_after(100):
+        async with serve("--port", "0") as daemon:
+            async with ranks(daemon.address, env, tmp_path, hb_timeout) as procs:
+                survivors = await _stop_daemon_then_kill_a_rank(daemon.proc, procs, signal.SIGSTOP)
+                try:
+                    await anyio.sleep(stopped)  # the fault itself: a daemon frozen that long
+                finally:
+                    daemon.proc.send_signal(signal.SIGCONT)
+                back = time.monotonic()
+                named = await _survivors_name_it_and_shrink(survivors) - back
+    assert named < 2 * hb_timeout + 5, named
 
 
 @asyncio_only
@@ -149,7 +184,7 @@ async def test_rank_killed_while_the_daemon_never_comes_back_gives_every_survivo
     with anyio.fail_after(60):
         async with serve("--port", "0") as daemon:
             async with ranks(daemon.address, env, tmp_path) as procs:
-                survivors, _ = await _kill_daemon_then_a_rank(daemon.proc, procs)
+                survivors = await _stop_daemon_then_kill_a_rank(daemon.proc, procs)
                 errors = [(await p.line())["error"] for p in survivors]
                 for p in survivors:
                     assert await p.proc.wait() == 0
