@@ -1,14 +1,14 @@
 """A rank dies while the daemon is away (real processes, a real daemon, real sockets).
 
 Four ranks of one job run on `aiodist serve`; three of them wait in an
-all-reduce the last one never joins. The daemon is SIGKILLed, then the last
-rank. Its peers see their data connections to it drop while no server can
-say who failed: they wait for the server's verdict. Once the daemon is back
-(on the same port, with its state directory or without one) it declares the
-rank failed, every survivor gets ``RankFailedError`` naming it, and they
-shrink the default group and all-reduce in it. A daemon that never comes
-back gives every survivor the same error, naming the server, at the end of
-the grace period.
+all-reduce the last one never joins. The daemon is SIGKILLed (or SIGSTOPped),
+then the last rank. Its peers see their data connections to it drop while no
+server can say who failed: they wait for the server's verdict. Once the
+daemon is back (started again on the same port, with its state directory or
+without one; or running again) it declares the rank failed, every survivor
+gets ``RankFailedError`` naming it, and they shrink the default group and
+all-reduce in it. A daemon that never comes back gives every survivor the
+same error, naming the server, at the end of the grace period.
 """
 
 from __future__ import annotations
