@@ -311,6 +311,8 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
     """Stop rpc on this rank once every rank called this and no call is left anywhere.
 
     Serves calls until then (calls in flight, and calls they make, complete).
+    Ranks that fail or leave meanwhile (rank 0, which checks, too) are not
+    waited for: it completes among the ranks alive.
     Afterwards calls made here raise ``ClosedError``, calls to this rank fail
     with it, and every object this rank owns through an RRef is dropped. From
     plain code (not on the job's event-loop thread) it blocks until done, as
@@ -332,7 +334,8 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
         DistTimeoutError: (from the Work) not every rank called it, or calls kept
             running, within ``timeout``; rpc goes on serving (call
             ``destroy_process_group`` to stop it).
-        RankFailedError: (from the Work) a rank died meanwhile.
+        DistError: (from the Work) this rank's own session broke meanwhile (it
+            lost its server, or was declared failed itself).
 
     Cancellation:
         Cancelling the awaiting task does not cancel the shutdown.

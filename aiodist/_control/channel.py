@@ -24,7 +24,17 @@ if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Iterator
 
-__all__ = ["MAX_HELD_NOTICES", "Carrier", "ControlChannel", "Notice", "ServerLost"]
+    from aiodist._control.liveness import Liveness
+
+__all__ = [
+    "MAX_HELD_NOTICES",
+    "Carrier",
+    "ControlChannel",
+    "Notice",
+    "ServerAway",
+    "ServerBack",
+    "ServerLost",
+]
 
 # Notices a channel keeps until its member sets a callback (a job breaks with the first).
 MAX_HELD_NOTICES: Final = 16
@@ -37,7 +47,32 @@ class ServerLost:
     error: DistError
 
 
-Notice = MemberFailed | MembersFailed | MembersLeft | MembersJoined | DumpNotice | ServerLost
+@dataclass(frozen=True, slots=True)
+class ServerAway:
+    """The server went away and may come back: the connection looks for it (``why``).
+
+    ``ServerBack`` follows once this member is back on it, or ``ServerLost`` past
+    the grace period. Meanwhile no server can say that a rank failed.
+    """
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServerBack:
+    """The server came back and took every member of the connection back."""
+
+
+Notice = (
+    MemberFailed
+    | MembersFailed
+    | MembersLeft
+    | MembersJoined
+    | DumpNotice
+    | ServerLost
+    | ServerAway
+    | ServerBack
+)
 
 
 class Carrier(Protocol):
@@ -57,6 +92,11 @@ class Carrier(Protocol):
 
     @property
     def heartbeat_interval(self) -> float: ...
+
+    @property
+    def server_away(self) -> bool: ...
+
+    liveness: Liveness
 
     def send_on(self, channel: int, msg: Any) -> None: ...
 
@@ -136,6 +176,16 @@ class ControlChannel:
     def error(self) -> DistError | None:
         """Why the channel is unusable, or None while it works."""
         return self._error or self.connection.error
+
+    @property
+    def server_away(self) -> bool:
+        """The server went away and the connection looks for it (``ServerAway``)."""
+        return self.connection.server_away
+
+    @property
+    def liveness(self) -> Liveness:
+        """When the connection heard its server, and how it counts its silence."""
+        return self.connection.liveness
 
     async def request(self, build: Callable[[int], Any], *, timeout: float | None = None) -> Any:
         """Send the message ``build(req_id)`` and return the reply's value.

@@ -29,8 +29,10 @@ back (its ``Welcome`` said so: a daemon) does not give up at once: the
 connection reconnects with backoff and jitter for ``AIODIST_SERVER_GRACE``
 seconds, authenticates again, re-attaches each member and sends its pending
 requests again (``reconnect.py``). Meanwhile the members' pending requests
-wait, and their operations among themselves go on. Past the grace period, the
-members are told as above.
+wait, and their operations among themselves go on. Each member is told when
+the server goes away (``ServerAway``) and when it is back (``ServerBack``):
+meanwhile no server can say that a rank failed. Past the grace period, the
+members are told as above (``ServerLost``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
-from aiodist._control.channel import ControlChannel, Notice, ServerLost
+from aiodist._control.channel import ControlChannel, Notice, ServerAway, ServerBack, ServerLost
 from aiodist._control.liveness import Heartbeats, where_of
 from aiodist._control.reconnect import Reconnect
 from aiodist._errors import (
@@ -170,7 +172,7 @@ class ControlConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._heard = True
-        self.liveness.last_heard = self.loop.time()
+        self.liveness.heard(self.loop.time())
         try:
             for event in self._decoder.frames(data):
                 if not self.heard.done():
@@ -517,6 +519,15 @@ class ControlConnection(asyncio.Protocol):
         if self.address is None or not any(c.reattach for c in self._channels.values()):
             return False
         self.reconnect = Reconnect.start(self, why)
+        if self.reconnect is None:
+            return False
+        for channel in list(self._channels.values()):
+            channel.notice(ServerAway(why))
+        return True
+
+    @property
+    def server_away(self) -> bool:
+        """The server went away and this connection looks for it (``reconnect.py``)."""
         return self.reconnect is not None
 
     def transport_or_none(self) -> asyncio.Transport | None:
@@ -545,6 +556,8 @@ class ControlConnection(asyncio.Protocol):
         if self.liveness.interval > 0 and self._transport is not None:
             self.heartbeats.start(self.liveness.interval, None)
             self.heartbeats.send_one()
+        for channel in list(self._channels.values()):
+            channel.notice(ServerBack())
 
     def give_up(self, why: str, grace: float) -> None:
         """The server did not come back within ``grace`` seconds: fail as if never waited."""

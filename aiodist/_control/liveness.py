@@ -13,13 +13,18 @@ them for one connection:
 - A loop that stops (SIGSTOP, a debugger, a blocking call) sends no heartbeat
   meanwhile: how late each one ran is the stall this process can report
   (``Heartbeats.stalled_for``, asked before every operation: no call more).
+- A server heard again after a silence of ``SERVER_STALL`` s or more may have
+  stood still (``resumed_at``): the server then counts a member whose
+  connection dropped meanwhile as away, not failed, for its re-attach window
+  (``_server/restart.py``), and its verdict on that member comes that late.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+from aiodist._server.restart import STALL_GAP
 from aiodist._wire.bounds import MAX_WHERE
 
 if TYPE_CHECKING:
@@ -28,7 +33,12 @@ if TYPE_CHECKING:
 
     from aiodist._control.channel import ControlChannel
 
-__all__ = ["Heartbeats", "Liveness", "where_of"]
+__all__ = ["SERVER_STALL", "Heartbeats", "Liveness", "where_of"]
+
+# Below the server's own threshold: a stall it counts shows here as a silence a little
+# shorter (its last word came before it stopped); a server that echoes each heartbeat
+# (every interval, 1 s by default) is never this silent otherwise.
+SERVER_STALL: Final = STALL_GAP / 2
 
 
 def where_of(channels: Mapping[int, ControlChannel]) -> list[Any]:
@@ -51,6 +61,7 @@ class Liveness:
         "interval",
         "last_heard",
         "longest_stall",
+        "resumed_at",
         "silence_limit",
         "unanswered_since",
     )
@@ -60,6 +71,7 @@ class Liveness:
         self.silence_limit = math.inf  # the shortest heartbeat timeout of the members
         self.echoed = False  # the server echoed one: from now on its silence counts
         self.last_heard = now
+        self.resumed_at = -math.inf  # when the server was last heard after SERVER_STALL s
         # When the oldest heartbeat that nothing was heard after went out (None: none such).
         self.unanswered_since: float | None = None
         self.beat_due = 0.0  # when the next heartbeat is due
@@ -74,6 +86,12 @@ class Liveness:
         first = self.silence_limit == math.inf
         self.silence_limit = min(self.silence_limit, timeout)
         return first
+
+    def heard(self, now: float) -> None:
+        """The server sent something."""
+        if now - self.last_heard >= SERVER_STALL:
+            self.resumed_at = now
+        self.last_heard = now
 
     def scheduled(self, now: float) -> None:
         """The next heartbeat's timer was set, ``interval`` from ``now``."""

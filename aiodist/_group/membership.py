@@ -48,7 +48,7 @@ def isolate_failure(session: Session, rank: int, host: str, pid: int, reason: st
             # Every member of the group hears the same notice: no need to tell them.
             group.break_(exc, notify=False, keep_p2p=True)
     session.note_trouble()
-    for hook in list(session.on_member_failed):
+    for hook in list(session.on_member_gone):
         hook(rank)
 
 

@@ -15,7 +15,10 @@ an operation that waits on it, or starts later and needs it, fails at once with
 ``RankFailedError`` naming it (``rank_left_error``). A session that loses its
 rendezvous server (the server's process died, or went silent for the heartbeat
 timeout) can no longer learn that other ranks failed: it breaks every group
-with the control connection's error, which names the server.
+with the control connection's error, which names the server. A server that
+may come back (a daemon) is waited for instead, for the grace period: a peer
+lost meanwhile is not blamed until the server, back, has had its time to
+say who failed (``_await_verdict``), so every member reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
-from aiodist._control.channel import ServerLost
+from aiodist._control.channel import ServerAway, ServerBack, ServerLost
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
     AbortedError,
@@ -49,6 +52,7 @@ from aiodist._group.lingering import linger
 from aiodist._group.membership import isolate_failure
 from aiodist._group.recorder import Recorder, new_recorder
 from aiodist._group.views import Views, follow_join
+from aiodist._server.restart import reattach_window
 from aiodist._wire.messages import (
     Barrier,
     DumpNotice,
@@ -145,7 +149,8 @@ class Session:
         self._news = asyncio.Event()  # set (and replaced) on trouble and when a member leaves
         self._left_info: dict[int, tuple[str, int]] = {}  # members that left: host, pid
         self.failed_ranks: dict[int, RankFailedError] = {}  # members that failed (membership.py)
-        self.on_member_failed: list[Callable[[int], object]] = []  # called with its rank
+        # Called with its rank when a member failed or left (ranks_alive() changed).
+        self.on_member_gone: list[Callable[[int], object]] = []
         # After shrink_group replaced the default group: the global rank a user names ->
         # the job's rank (its data-plane address); None while they are the same.
         self.numbering: tuple[int, ...] | None = None
@@ -230,9 +235,8 @@ class Session:
 
         A broken connection is a symptom: ``rank`` may have died, or left because
         another rank died (it then told us, but its notice may be lost with the
-        connection). The server is the authority: its notice of a failed member
-        usually arrives within milliseconds, so wait for it (up to the heartbeat
-        timeout) before blaming ``rank`` on the data plane's evidence alone.
+        connection). The server is the authority: wait for its verdict
+        (``_await_verdict``) before blaming ``rank`` on the data plane's evidence alone.
         """
         if (stalled := self._declared_failed()) is not None:
             return stalled
@@ -249,9 +253,9 @@ class Session:
                 None,
             )
 
-        with anyio.move_on_after(self.heartbeat_timeout):
-            while self.error is None and rank not in self.plane.left and newly_broken() is None:
-                await self._news.wait()
+        await self._await_verdict(
+            lambda: self.error is not None or rank in self.plane.left or newly_broken() is not None
+        )
         left = self.plane.left.get(rank)
         if self.error is None and left is not None:
             # It left or failed (its goodbye may have been lost with a reset connection):
@@ -278,6 +282,41 @@ class Session:
                 )
             )
         return self.error
+
+    async def _await_verdict(self, decided: Callable[[], bool]) -> None:
+        """Return once ``decided()``, or once the server had its time to decide and did not.
+
+        The server's notice of a failed member usually arrives within milliseconds:
+        it gets the heartbeat timeout. It says nothing while it is away (this
+        connection reconnects) or stands still (silent: counted as away after the
+        heartbeat timeout), so no time counts meanwhile. Back, it gets its re-attach
+        window (a rank that died meanwhile is declared failed at its end, on every
+        member alike: it counts as away, not failed, a member it lost while it was
+        gone or stood still) and the heartbeat timeout more. A server that does not
+        come back within the grace period fails every member with the same error.
+        """
+        loop = asyncio.get_running_loop()
+        hb, liveness = self.heartbeat_timeout, self.conn.liveness
+        since = loop.time()  # the server's time to decide counts from here
+        deadline = since + hb
+        was_away = False
+        while not decided():
+            if self.conn.server_away:
+                was_away = True
+                await self._news.wait()  # ServerBack, or ServerLost (self.error) wakes it
+                continue
+            now = loop.time()
+            if was_away or liveness.resumed_at > since:  # back, or running again
+                since = now if was_away else liveness.resumed_at
+                deadline = since + reattach_window(hb) + hb
+                was_away = False
+            if now >= deadline:
+                if liveness.last_heard > since:
+                    return  # it was there all along, and named nobody
+                since, deadline = now, now + hb  # silent: its heartbeat watch judges it
+                continue
+            with anyio.move_on_after(deadline - now):
+                await self._news.wait()
 
     def _peer_refused(self, exc: AuthenticationError) -> None:
         """A peer failed the data plane's token handshake: break every group it is in.
@@ -379,6 +418,8 @@ class Session:
             self._left_info[rank] = (host, pid)
             self.views.gone(rank)
             self.plane.peer_left(rank, rank_left_error(rank, host, pid))
+            for hook in list(self.on_member_gone):
+                hook(rank)
         self._wake()
 
     def _wake(self) -> None:
@@ -394,6 +435,8 @@ class Session:
         elif isinstance(notice, ServerLost):
             if not self.closed:
                 self.fail(notice.error)  # it names the server, and says what it means
+        elif isinstance(notice, ServerAway | ServerBack):
+            self._wake()  # a wait for the server's verdict stops or starts counting
         elif isinstance(notice, MembersJoined):
             follow_join(self, notice)
         elif isinstance(notice, MembersFailed):

@@ -78,7 +78,7 @@ class Agent:
         self._idle: list[asyncio.Future[None]] = []
         self.server = Server(self)
         self.termination = Termination(self)
-        session.on_member_failed.append(self.termination.member_gone)
+        session.on_member_gone.append(self.termination.member_gone)
 
     # --- state --------------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from aiodist._server.elastic import Agreement
     from aiodist._server.jobs import Close, ConnId, Send
 
-__all__ = ["MIN_REATTACH_WINDOW", "RestartableState"]
+__all__ = ["MIN_REATTACH_WINDOW", "RestartableState", "reattach_window"]
 
 logger = logging.getLogger("aiodist._server.serve")
 
@@ -81,6 +81,14 @@ STALL_WINDOW: Final = 1.0
 _MUTATIONS: Final = (StoreSet, StoreAdd, StoreCompareSet, StoreDeleteKey)
 # A re-attachment's secret is at least this long (aiodist's clients draw 32 bytes).
 MIN_SECRET_BYTES: Final = 16
+
+
+def reattach_window(heartbeat_timeout: float) -> float:
+    """How long a member away is waited for before it is declared failed (see the module).
+
+    Its peers wait as long for that verdict once the server is back (``Session``).
+    """
+    return max(MIN_REATTACH_WINDOW, 2 * heartbeat_timeout)
 
 
 class RestartableState(ServerState):
@@ -433,7 +441,7 @@ class RestartableState(ServerState):
         return job
 
     def _set_away(self, member: Member, now: float) -> None:
-        window = self.reattach_timeout or max(MIN_REATTACH_WINDOW, 2 * member.heartbeat_timeout)
+        window = self.reattach_timeout or reattach_window(member.heartbeat_timeout)
         member.conn = next(self._away_ids)
         member.peer = "(away)"
         member.joined_at = now  # counts the window in its error message

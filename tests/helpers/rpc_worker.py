@@ -493,6 +493,14 @@ async def nested_release() -> None:
     await rpc.rpc_async(1, release)
 
 
+async def coordinator_death(world: int) -> dict[str, Any]:
+    # The workers are in rpc.shutdown() already (rank 0 coordinates it): rank 0 dies.
+    for dst in range(1, world):
+        await rpc.rpc_async(dst, add, (dst, 1))  # connected
+    die(os.environ["RPC_DEATH"])
+    return {}
+
+
 MASTERS = {
     "values": values,
     "concurrency": concurrency,
@@ -500,6 +508,7 @@ MASTERS = {
     "rrefs": rrefs,
     "death": death,
     "shutdown": shutdown_in_flight,
+    "coordinator-death": coordinator_death,
 }
 
 
@@ -516,11 +525,13 @@ async def main(scenario: str, rank: int, world: int, port: int) -> None:
     out: dict[str, Any] = {"rank": rank}
     if rank == 0:
         out.update(await MASTERS[scenario](world))
+    t0 = time.monotonic()
     try:
-        await rpc.shutdown()
+        await rpc.shutdown(timeout=float(os.environ.get("RPC_SHUTDOWN_TIMEOUT", "60")))
         out["shutdown"] = "ok"
     except aiodist.DistError as exc:
         out["shutdown"] = [type(exc).__name__, getattr(exc, "rank", None), str(exc)]
+    out["shutdown_s"] = time.monotonic() - t0
     gc.collect()
     out["deleted"] = sorted(_DELETED)
     print(json.dumps(out), flush=True)

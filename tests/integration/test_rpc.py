@@ -39,11 +39,13 @@ def _run(
     env: dict[int, dict[str, str]] | None = None,
     timeout: float = 90,
     victim: int | None = None,
+    daemon: bool = False,
 ) -> dict[int, dict[str, Any]]:
     """Run ``scenario`` on ``world`` ranks; each rank's report (and ``returncode``).
 
     The victim of a death scenario may never exit by itself (a stopped process):
-    it is killed once the others are done. No process outlives this call.
+    it is killed once the others are done. With ``daemon``, the server is an
+    ``aiodist serve`` of its own instead of rank 0's. No process outlives this call.
     """
     port = _free_port()
     base = {
@@ -55,6 +57,16 @@ def _run(
     procs: dict[int, subprocess.Popen[str]] = {}
     deadline = time.monotonic() + timeout
     try:
+        if daemon:
+            procs[-1] = server = subprocess.Popen(
+                [sys.executable, "-m", "aiodist", "serve", "--port", str(port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=base,
+            )
+            assert server.stdout is not None
+            assert "listening on" in server.stdout.readline()  # before any rank would embed one
         for rank in range(world):
             procs[rank] = subprocess.Popen(
                 [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port)],
@@ -64,7 +76,7 @@ def _run(
                 env={**base, **(env or {}).get(rank, {})},
             )
         reports: dict[int, dict[str, Any]] = {}
-        for rank in sorted(procs, key=lambda r: r == victim):  # the victim last
+        for rank in sorted(range(world), key=lambda r: r == victim):  # the victim last
             proc = procs[rank]
             if rank == victim and proc.poll() is None:
                 proc.kill()
@@ -229,6 +241,22 @@ def test_worker_death_fails_only_the_calls_to_it(how: str) -> None:
     assert out["shutdown"] == "ok"
     assert reports[1]["returncode"] == 0
     assert reports[1]["shutdown"] == "ok"
+
+
+@pytest.mark.parametrize("how", ["exit", "stop"])
+def test_shutdown_completes_among_the_ranks_alive_when_its_coordinator_dies(how: str) -> None:
+    # Rank 0 coordinates rpc.shutdown; it dies (or freezes past the heartbeat timeout)
+    # while the workers wait in it. The server, a daemon, lives on and names it failed.
+    env = {"RPC_DEATH": how, "RPC_SHUTDOWN_TIMEOUT": "30"}
+    reports = _run("coordinator-death", env=dict.fromkeys(range(3), env), victim=0, daemon=True)
+    assert reports[0]["returncode"] == (17 if how == "exit" else -9)
+    for rank in (1, 2):
+        out = reports[rank]
+        assert out["returncode"] == 0, out
+        assert out["shutdown"] == "ok", out
+        # Not the 30 s timeout: once the server declared rank 0 failed (the heartbeat
+        # timeout for a frozen one), with room for a loaded machine.
+        assert out["shutdown_s"] < HEARTBEAT_TIMEOUT + 10, out
 
 
 def test_shutdown_waits_for_calls_in_flight_and_serves_meanwhile() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from aiodist._control.liveness import Heartbeats, Liveness
+from aiodist._control.liveness import SERVER_STALL, Heartbeats, Liveness
+from aiodist._server.restart import STALL_GAP
 
 
 def _beating(every: float = 1.0, timeout: float = 5.0) -> Liveness:
@@ -72,3 +74,18 @@ def test_a_stopped_loop_reports_how_late_its_heartbeat_ran() -> None:
     beats.stop()
     clock.now = 40.0
     assert beats.stalled_for() == 30.0
+
+
+def test_a_server_heard_again_after_a_long_silence_may_have_stood_still() -> None:
+    rules = _beating()
+    for t in (0.5, 1.5, 2.5):  # echoes, one a second
+        rules.heard(t)
+    assert rules.resumed_at == -math.inf
+    rules.heard(2.5 + SERVER_STALL)  # silent that long: it may have stood still
+    assert rules.resumed_at == 2.5 + SERVER_STALL
+    rules.heard(3.0 + SERVER_STALL)
+    assert rules.resumed_at == 2.5 + SERVER_STALL  # when it ran again, not since
+    assert rules.last_heard == 3.0 + SERVER_STALL
+    # What the server counts as a stall, this connection does too (a little shorter: the
+    # server's last word came before it stopped).
+    assert SERVER_STALL < STALL_GAP
