@@ -465,6 +465,7 @@ async def _status_async(
     from aiodist._control.connection import connect_control
     from aiodist._errors import AuthenticationError, DistError
     from aiodist._wire.messages import StatusRequest
+    from aiodist._wire.text import printable_data
 
     where = f"{args.host}:{args.port}"
 
@@ -501,7 +502,9 @@ async def _status_async(
                 print(f"ranks {', '.join(map(str, missing))} wrote none in time", file=sys.stderr)
                 return 1
             return 0
-        snap = await conn.request(StatusRequest, timeout=args.timeout)
+        # Every string of it shown as printable text: host names and failure reasons come
+        # from clients, and a terminal acts on escape sequences.
+        snap = printable_data(await conn.request(StatusRequest, timeout=args.timeout))
     except AuthenticationError as exc:
         return fail(f"the server at {where} refused us: {exc}")
     except DistError as exc:

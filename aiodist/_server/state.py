@@ -91,6 +91,7 @@ from aiodist._wire.messages import (
     StatusRequest,
     Welcome,
 )
+from aiodist._wire.text import printable
 
 if TYPE_CHECKING:
     from aiodist._server.jobs import ConnId, Send
@@ -269,7 +270,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                 # It failed (its program ended with an uncaught exception): the others
                 # hear that, not that it left; a member failing after the first failure
                 # is one of its victims, and leaves as usual.
-                self._fail(member, msg.reason, now)
+                self._fail(member, printable(msg.reason), now)  # it reaches terminals
                 was_active = False
             if member.status != "failed":
                 member.status = "left"

@@ -156,6 +156,21 @@ class _Len:
 
 
 @dataclass(frozen=True, slots=True)
+class _Name:
+    """A name shown to operators (a host, a job, a group): printable characters only."""
+
+    lo: int
+    hi: int
+
+    def problem(self, value: Any) -> str | None:
+        if not self.lo <= len(value) <= self.hi:
+            return f"of {self.lo} to {self.hi} characters (it has {len(value)})"
+        if not value.isprintable():
+            return "printable characters only (no control characters)"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class _Where:
     """``Heartbeat.where``: what each member of a connection is doing, bounded and typed."""
 
@@ -163,7 +178,7 @@ class _Where:
         allowed = (
             f"at most {MAX_WHERE} entries [channel, op, op], each op None or "
             f"[group, seq, name, seconds] with a group of at most {MAX_GROUP_NAME_CHARS} "
-            f"and a name of at most {MAX_OP_NAME_CHARS} characters"
+            f"and a name of at most {MAX_OP_NAME_CHARS} printable characters"
         )
         if len(value) > MAX_WHERE:
             return allowed
@@ -187,16 +202,18 @@ def _op_ok(op: Any) -> bool:
     return (
         type(group) is str
         and len(group) <= MAX_GROUP_NAME_CHARS
+        and group.isprintable()
         and type(seq) is int
         and 0 <= seq < _I64
         and type(name) is str
         and len(name) <= MAX_OP_NAME_CHARS
+        and name.isprintable()
         and type(seconds) in (int, float)
         and 0.0 <= seconds <= MAX_TIMEOUT
     )
 
 
-_Bound = _Seconds | _Int | _Len | _Where
+_Bound = _Seconds | _Int | _Len | _Name | _Where
 _REQ_ID: Final = _Int(0, _U64)
 _TIMEOUT: Final = _Seconds(MIN_TIMEOUT)
 
@@ -205,10 +222,10 @@ _TIMEOUT: Final = _Seconds(MIN_TIMEOUT)
 _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     Join: {
         "req_id": _REQ_ID,
-        "group_name": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "group_name": _Name(1, MAX_GROUP_NAME_CHARS),
         "world_size": _Int(1, MAX_WORLD_SIZE),
         "rank": _Int(-1, MAX_WORLD_SIZE - 1),
-        "host": _Len(0, MAX_HOST_CHARS, "characters"),
+        "host": _Name(0, MAX_HOST_CHARS),
         "pid": _Int(0, _U64),
         "addresses": _Len(0, MAX_ADDRESSES, "items", each=MAX_ADDRESS_CHARS),
         "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
@@ -219,12 +236,12 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     },
     Reattach: {
         "req_id": _REQ_ID,
-        "group_name": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "group_name": _Name(1, MAX_GROUP_NAME_CHARS),
         "generation": _Int(0, _I64 - 1),
         "world_size": _Int(1, MAX_WORLD_SIZE),
         "rank": _Int(0, MAX_WORLD_SIZE - 1),
         "local_rank": _Int(0, MAX_WORLD_SIZE - 1),
-        "host": _Len(0, MAX_HOST_CHARS, "characters"),
+        "host": _Name(0, MAX_HOST_CHARS),
         "pid": _Int(0, _U64),
         "addresses": _Len(0, MAX_ADDRESSES, "items", each=MAX_ADDRESS_CHARS),
         "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
@@ -243,7 +260,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     Barrier: {"req_id": _REQ_ID, "seq": _Int(0, _U64), "timeout": _TIMEOUT},
     Regroup: {
         "req_id": _REQ_ID,
-        "key": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "key": _Name(1, MAX_GROUP_NAME_CHARS),
         "group_id": _Int(0, _U64),
         "members": _Len(1, MAX_WORLD_SIZE, "items"),
         "timeout": _TIMEOUT,
@@ -251,7 +268,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     StatusRequest: {"req_id": _REQ_ID},
     DumpRequest: {
         "req_id": _REQ_ID,
-        "job": _Len(1, MAX_GROUP_NAME_CHARS, "characters"),
+        "job": _Name(1, MAX_GROUP_NAME_CHARS),
         "directory": _Len(1, MAX_ADDRESS_CHARS, "characters"),
     },
     MembersRequest: {"req_id": _REQ_ID},

@@ -204,3 +204,11 @@ def test_any_timeout_either_decodes_in_range_or_is_refused(value: float) -> None
         assert decoded.timeout == value
     else:
         assert _refused(msg, "timeout", timeout=value).req_id == 9
+
+
+def test_printable_escapes_control_characters_and_keeps_the_rest() -> None:
+    from aiodist._wire.text import printable, printable_data
+
+    assert printable("nœud-7 ok") == "nœud-7 ok"
+    assert printable("a\x1b[2Jb\n\u2028") == "a\\x1b[2Jb\\n\\u2028"
+    assert printable_data({"host\x07": ["x\x1b", 3, None]}) == {"host\\x07": ["x\\x1b", 3, None]}
