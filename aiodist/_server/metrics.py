@@ -10,8 +10,11 @@ an empty scrape rather than a stuck HTTP thread.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -39,7 +42,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_TIMEOUT: Final = 5.0
 #: Requests the endpoint serves at once (scrapes, dashboard pages and their polls).
 MAX_REQUESTS: Final = 32
-#: Seconds a request may take to arrive before its connection is dropped.
+#: Seconds a request may take in all (arriving, answered) before its connection is cut.
 REQUEST_TIMEOUT: Final = 10.0
 
 # (sample key, metric name without _total, help) for every counter.
@@ -135,12 +138,18 @@ class MetricsEndpoint:
 
 
 def start_metrics(
-    server: RendezvousServer, loop: asyncio.AbstractEventLoop, host: str, port: int
+    server: RendezvousServer,
+    loop: asyncio.AbstractEventLoop,
+    host: str,
+    port: int,
+    *,
+    request_timeout: float = REQUEST_TIMEOUT,
 ) -> MetricsEndpoint:
     """Serve ``server``'s metrics at ``http://host:port/metrics`` from a thread.
 
     Besides the server's own metrics, the process's (``process_*``: memory,
     CPU, open files) are exported, as Prometheus exporters usually do.
+    ``request_timeout`` bounds each request as a whole (see ``_BoundedServer``).
 
     Raises:
         OSError: The address cannot be bound.
@@ -150,6 +159,8 @@ def start_metrics(
     ProcessCollector(registry=registry)
     app = DashboardApp(server, loop, make_wsgi_app(registry))
     httpd = make_server(host, port, app, _BoundedServer, handler_class=_Handler)
+    assert isinstance(httpd, _BoundedServer)
+    httpd.request_timeout = request_timeout
     thread = threading.Thread(target=httpd.serve_forever, name="aiodist-metrics", daemon=True)
     thread.start()
     endpoint = MetricsEndpoint(httpd, thread)
@@ -160,38 +171,78 @@ def start_metrics(
 
 
 class _Handler(WSGIRequestHandler):
-    """Quiet, and a request that dawdles loses its thread after ``REQUEST_TIMEOUT``."""
+    """Quiet; tells its server once the request is read (it is no longer a slow-loris suspect)."""
 
-    timeout = REQUEST_TIMEOUT
+    server: _BoundedServer
+    timeout = REQUEST_TIMEOUT  # per read; the server holds each request to the same in all
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.request_read(self.connection)
+        return ok
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
 class _BoundedServer(ThreadingWSGIServer):
-    """A thread per request, at most ``MAX_REQUESTS`` at once: a stranger cannot exhaust it.
+    """A thread per request, at most ``MAX_REQUESTS`` at once, each within ``request_timeout``.
 
-    A connection over the bound is closed at once, unanswered.
+    A request (reading it, answering it) that takes longer than ``request_timeout``
+    in all has its connection cut: a client sending a byte now and then cannot keep
+    a slot. When every slot is taken, a new connection takes the slot of the one
+    that has waited longest for its request to arrive (a client with a request to
+    make sends it at once); with none of those, it is closed unanswered.
     """
 
     daemon_threads = True
+    request_timeout = REQUEST_TIMEOUT
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
+        self._lock = threading.Lock()
+        self._active = 0  # requests with a thread (cut ones included, until their thread ends)
+        self._reading: dict[socket.socket, float] = {}  # not read yet -> since (monotonic)
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        with self._lock:
+            if self._active >= MAX_REQUESTS:
+                waiting = min(self._reading, key=self._reading.__getitem__, default=None)
+                # Cut ones still count until their thread ends: never more than twice the bound.
+                if waiting is None or self._active >= 2 * MAX_REQUESTS:
+                    self.shutdown_request(request)
+                    return
+                del self._reading[waiting]
+                _cut(waiting)
+            self._active += 1
+            self._reading[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._done(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        deadline = threading.Timer(self.request_timeout, _cut, (request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            deadline.cancel()
+            self._done(request)
+
+    def request_read(self, request: socket.socket) -> None:
+        with self._lock:
+            self._reading.pop(request, None)
+
+    def _done(self, request: socket.socket) -> None:
+        with self._lock:
+            self._active -= 1
+            self._reading.pop(request, None)
+
+
+def _cut(sock: socket.socket) -> None:
+    # Ends whatever its thread waits for on it (a read, a write): the thread then finishes.
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)

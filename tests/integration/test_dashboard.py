@@ -157,32 +157,62 @@ async def test_state_needs_the_token_when_the_daemon_has_one() -> None:
 
 
 @asyncio_only
-async def test_idle_connections_cannot_take_more_than_their_share(
-    endpoint: MetricsEndpoint,
-) -> None:
+async def test_idle_connections_cannot_keep_a_request_out(endpoint: MetricsEndpoint) -> None:
+    # Every request slot is held by a connection that says nothing: a real request
+    # takes the slot of the one that waited longest, and is answered.
     idle = [socket.create_connection(endpoint.address) for _ in range(MAX_REQUESTS)]
     try:
-        # Every request slot is held by a connection that says nothing: the next is dropped.
-        def refused() -> bool:
-            try:
-                get(endpoint.address, "/api/state")
-            except (ConnectionError, http.client.HTTPException, OSError):
-                return True
-            return False
-
         with anyio.fail_after(20):
-            assert await anyio.to_thread.run_sync(refused)
+            status, _, _ = await fetch(endpoint.address, "/api/state")
+        assert status == 200
     finally:
         for s in idle:
             s.close()
-    with anyio.fail_after(20):
-        while True:  # the slots come back as the server notices the closed connections
+
+
+@asyncio_only
+async def test_slow_requests_are_cut_at_the_whole_request_deadline(
+    server: aiodist.RendezvousServer,
+) -> None:
+    # Clients that send a byte now and then, each well within the per-read timeout,
+    # on every slot: they are cut once their request as a whole is late, and real
+    # requests keep being answered meanwhile.
+    deadline = 1.0
+    ep = start_metrics(server, asyncio.get_running_loop(), "127.0.0.1", 0, request_timeout=deadline)
+    slow = [socket.create_connection(ep.address) for _ in range(MAX_REQUESTS)]
+    cut: list[float] = []
+    started = anyio.current_time()
+
+    async def dribble(s: socket.socket) -> None:
+        s.setblocking(False)
+        for _ in range(40):  # 8 s of a byte every 0.2 s, unless cut first
             try:
-                status, _, _ = await fetch(endpoint.address, "/api/state")
+                s.send(b"G")
+            except OSError:
                 break
-            except (ConnectionError, http.client.HTTPException, OSError):
-                await anyio.sleep(0.05)
-    assert status == 200
+            with anyio.move_on_after(0.2):
+                await anyio.wait_readable(s)
+                try:
+                    if s.recv(1) == b"":
+                        break  # cut
+                except OSError:
+                    break
+        cut.append(anyio.current_time() - started)
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for s in slow:
+                    tg.start_soon(dribble, s)
+                for _ in range(3):
+                    status, _, _ = await fetch(ep.address, "/api/state")
+                    assert status == 200
+    finally:
+        for s in slow:
+            s.close()
+        await anyio.to_thread.run_sync(ep.close)
+    assert len(cut) == MAX_REQUESTS
+    assert max(cut) < 6.0, cut  # cut by the deadline, not by the end of their dribble
 
 
 # --- a real browser -----------------------------------------------------------------------
