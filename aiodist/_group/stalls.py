@@ -41,7 +41,9 @@ async def where_others_are(session: Session, group: str, seq: int) -> str:
     snap: Any = None
     with anyio.move_on_after(ASK_TIMEOUT):
         try:
-            snap = await session.conn.request(StatusRequest, timeout=ASK_TIMEOUT)
+            snap = await session.conn.request(
+                lambda r: StatusRequest(r, session.group_name), timeout=ASK_TIMEOUT
+            )
         except DistError:
             return ""
     if not isinstance(snap, dict):

@@ -504,7 +504,9 @@ async def _status_async(
             return 0
         # Every string of it shown as printable text: host names and failure reasons come
         # from clients, and a terminal acts on escape sequences.
-        snap = printable_data(await conn.request(StatusRequest, timeout=args.timeout))
+        job_name = args.job or ""
+        asked = await conn.request(lambda r: StatusRequest(r, job_name), timeout=args.timeout)
+        snap = printable_data(asked)
     except AuthenticationError as exc:
         return fail(f"the server at {where} refused us: {exc}")
     except DistError as exc:
@@ -545,7 +547,7 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
     """The human-readable ``aiodist status`` report of a server's snapshot."""
     lines = [
         f"aiodist {snap.get('version') or '?'} at {where}: up {_age(snap['uptime'])}, "
-        f"{snap['connections']} connections, {len(snap['jobs'])} jobs"
+        f"{snap['connections']} connections, {snap['jobs_total']} jobs"
     ]
     if not snap["jobs"]:
         lines.append("no jobs")
@@ -569,10 +571,14 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
                 f"  {rank:>4}  {local:>5}  {m['host']:<{host_width}}  {m['pid']:>8}  "
                 f"{m['status']:<7}  {_age(m['heartbeat_age'])} ago"
             )
+        if job.get("ranks_hidden"):
+            lines.append(f"  ... and {job['ranks_hidden']} more ranks (aiodist status --job)")
         lines.extend(
             f"  FAILED rank {f['rank']} ({f['host']}, pid {f['pid']}): {f['reason']}"
             for f in job["failures"]
         )
+    if (hidden := snap["jobs_total"] - len(snap["jobs"])) > 0:
+        lines += ["", f"... and {hidden} more jobs (aiodist status --job NAME shows one)"]
     if finished := snap.get("finished"):
         lines += ["", "recently finished:"]
         for f in finished:

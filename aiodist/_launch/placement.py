@@ -150,6 +150,6 @@ async def _join_or_host(
         "joining the rendezvous server at %s (aiodist %s, %d jobs)",
         where,
         status.get("version", "?"),
-        len(status.get("jobs", ())),
+        status.get("jobs_total", 0),
     )
     return (host, port), None

@@ -99,6 +99,8 @@ def format_job(job: dict[str, Any]) -> str:
             f"  {rank:>4}  {m['host']:<{width}}  {m['pid']:>8}  "
             f"{m['heartbeat_age']:>7.1f} s  {rank_state(m)}"
         )
+    if job.get("ranks_hidden"):
+        lines.append(f"  ... and {job['ranks_hidden']} more ranks")
     lines.extend(
         f"  FAILED rank {f['rank']} ({f['host']}, pid {f['pid']}): {f['reason']}"
         for f in job["failures"]

@@ -6,12 +6,15 @@ server's loop (asked with ``call_soon_threadsafe``, bounded by a timeout),
 and caches the answer for ``CACHE_SECONDS`` so that many open pages cost the
 loop one sample per interval.
 
-What ``/api/state`` carries: the server (version, uptime, connections), each
-job (state, world size, members joined, age, messages per second received
-from its members and bytes per second sent to them) with its ranks (host,
-pid, status, heartbeat age, current operation) and the collectives some rank
-waits in; the recent job events (created, formed, rank failed, finished),
-newest last; how recent jobs ended.
+What ``/api/state?offset=O&limit=L`` carries: the server (version, uptime,
+connections, how many jobs it holds), one page of its jobs (``PAGE_JOBS``
+unless asked, at most ``PAGE_MAX``), each with its state, world size, members
+joined, age, messages per second received from its members and bytes per
+second sent to them, its first ``RANKS_SHOWN`` ranks (host, pid, status,
+heartbeat age, current operation) and the collectives some rank waits in; the
+recent job events (created, formed, rank failed, finished), newest last; how
+recent jobs ended. A page costs the loop what its jobs cost, however many
+jobs the server holds.
 
 Security: with a token, ``/api/state`` answers 401 and no job data unless the
 request carries ``Authorization: Bearer <token>`` (compared in constant
@@ -29,6 +32,7 @@ import hmac
 import json
 import threading
 import time
+import urllib.parse
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
@@ -46,7 +50,12 @@ CACHE_SECONDS: Final = 0.5
 EVENTS_KEPT: Final = 200
 SAMPLE_TIMEOUT: Final = 5.0
 # The most ranks listed per job (a job of 10,000 ranks would make a huge page).
-RANKS_SHOWN: Final = 512
+RANKS_SHOWN: Final = 64
+#: Jobs on one page of ``/api/state`` unless it asks (``?offset=&limit=``), and at most.
+PAGE_JOBS: Final = 20
+PAGE_MAX: Final = 100
+#: Pages kept answered from the cache at once (one per (offset, limit) polled).
+PAGES_CACHED: Final = 16
 _STATIC: Final = {
     "/": ("dashboard.html", "text/html; charset=utf-8"),
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
@@ -65,36 +74,40 @@ class Dashboard:
 
     def __init__(self) -> None:
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
-        self._counts: dict[str, tuple[int, int]] = {}  # job -> (messages, bytes) at _at
+        # job -> (when, messages, bytes) the last time a page showed it, and its rates then
+        self._counts: dict[str, tuple[float, int, int]] = {}
         self._rates: dict[str, tuple[float, float]] = {}
-        self._at = 0.0
 
     def note_events(self, events: Iterable[dict[str, Any]]) -> None:
         """Job events just recorded by the job table (``ServerState.take_events``)."""
         now = time.time()
         self.events.extend({"time": now, **e} for e in events)
 
-    def sample(self, server: RendezvousServer) -> dict[str, Any]:
-        """Everything the page shows, as plain data."""
+    def sample(self, server: RendezvousServer, offset: int, limit: int) -> dict[str, Any]:
+        """One page of what the page shows (``limit`` jobs from the ``offset``-th), as plain data.
+
+        Its cost grows with the page, not with the jobs the server holds: rates are
+        kept for the jobs pages show, each over at least a second between two looks.
+        """
         state = server.state
         now = server.loop_time()
-        snap = state.snapshot(now)
-        if now - self._at >= 1.0:  # rates over at least a second
-            counts = {j.name: (j.messages, j.bytes_sent) for j in state.jobs.values()}
-            span = now - self._at if self._at else 0.0
-            self._rates = {
-                name: (
-                    (m - self._counts.get(name, (0, 0))[0]) / span if span else 0.0,
-                    (b - self._counts.get(name, (0, 0))[1]) / span if span else 0.0,
-                )
-                for name, (m, b) in counts.items()
-            }
-            self._counts, self._at = counts, now
+        snap = state.snapshot(now, offset=offset, limit=limit, max_members=RANKS_SHOWN)
+        if len(self._counts) > 2 * max(len(state.jobs), PAGE_MAX):  # ended jobs: forget them
+            self._counts = {n: c for n, c in self._counts.items() if n in state.jobs}
+            self._rates = {n: r for n, r in self._rates.items() if n in state.jobs}
         for job in snap["jobs"]:
-            rates = self._rates.get(job["name"], (0.0, 0.0))
-            job["messages_per_second"], job["bytes_per_second"] = rates
-            job["ranks_hidden"] = max(0, len(job["members"]) - RANKS_SHOWN)
-            job["members"] = job["members"][:RANKS_SHOWN]
+            name = job["name"]
+            table_job = state.jobs[name]
+            counts = (now, table_job.messages, table_job.bytes_sent)
+            before = self._counts.get(name)
+            if before is None:
+                self._counts[name] = counts
+            elif now - before[0] >= 1.0:
+                span = now - before[0]
+                self._rates[name] = ((counts[1] - before[1]) / span, (counts[2] - before[2]) / span)
+                self._counts[name] = counts
+            job["messages_per_second"], job["bytes_per_second"] = self._rates.get(name, (0.0, 0.0))
+        snap["limit"] = limit
         snap["events"] = list(self.events)
         snap["token_required"] = server.token is not None
         return snap
@@ -114,7 +127,7 @@ class DashboardApp:
         self._metrics = metrics
         self._token = server.token.encode() if server.token is not None else None
         self._lock = threading.Lock()
-        self._cached: tuple[float, bytes] = (0.0, b"")
+        self._cached: dict[tuple[int, int], tuple[float, bytes]] = {}
         self._files = {
             path: (resources.files("aiodist._server").joinpath("static", name).read_bytes(), kind)
             for path, (name, kind) in _STATIC.items()
@@ -133,7 +146,11 @@ class DashboardApp:
             if not self._authorized(environ):
                 body = b'{"error": "this server requires its token", "token_required": true}'
                 return _answer(start, "401 Unauthorized", body, "application/json")
-            data = self._state()
+            page = _page(environ.get("QUERY_STRING", ""))
+            if page is None:
+                body = f"offset and limit must be integers, limit 1 to {PAGE_MAX}\n".encode()
+                return _answer(start, "400 Bad Request", body, "text/plain")
+            data = self._state(*page)
             if data is None:
                 return _answer(start, "503 Service Unavailable", b"{}", "application/json")
             return _answer(start, "200 OK", data, "application/json")
@@ -148,16 +165,16 @@ class DashboardApp:
             return False
         return hmac.compare_digest(value.strip().encode(), self._token)
 
-    def _state(self) -> bytes | None:
-        with self._lock:  # one sample per interval, whoever asks
-            at, body = self._cached
+    def _state(self, offset: int, limit: int) -> bytes | None:
+        with self._lock:  # one sample of a page per interval, whoever asks
+            at, body = self._cached.get((offset, limit), (0.0, b""))
             if time.monotonic() - at < CACHE_SECONDS and body:
                 return body
             future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
 
             def take() -> None:
                 try:
-                    future.set_result(self._server.dashboard.sample(self._server))
+                    future.set_result(self._server.dashboard.sample(self._server, offset, limit))
                 except Exception as exc:  # pragma: no cover - reported to the HTTP thread
                     future.set_exception(exc)
 
@@ -167,8 +184,23 @@ class DashboardApp:
             except (RuntimeError, concurrent.futures.TimeoutError):
                 return None
             body = json.dumps(data, default=str).encode()
-            self._cached = (time.monotonic(), body)
+            if len(self._cached) >= PAGES_CACHED:
+                self._cached.clear()
+            self._cached[offset, limit] = (time.monotonic(), body)
             return body
+
+
+def _page(query: str) -> tuple[int, int] | None:
+    """``(offset, limit)`` from ``/api/state``'s query; None if either is malformed."""
+    try:
+        args = urllib.parse.parse_qs(query, max_num_fields=4)
+        offset = int(args.get("offset", ["0"])[0])
+        limit = int(args.get("limit", [str(PAGE_JOBS)])[0])
+    except ValueError:
+        return None
+    if offset < 0 or not 1 <= limit <= PAGE_MAX:
+        return None
+    return offset, limit
 
 
 def _answer(start: Callable[..., Any], status: str, body: bytes, kind: str) -> list[bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -208,8 +209,11 @@ class Job:
         out.extend(w for b in self.barriers.values() for w in b.arrived.values())
         return out
 
-    def snapshot(self, now: float) -> dict[str, Any]:
-        members = self.by_rank if self.complete else self.members
+    def snapshot(self, now: float, max_members: int) -> dict[str, Any]:
+        """The job as plain data, with the first ``max_members`` of its members."""
+        listed = self.by_rank if self.complete else self.members
+        present = (m for m in listed if m in self.members)
+        members = list(itertools.islice(present, max_members))
         return {
             "name": self.name,
             "generation": self.generation,
@@ -229,8 +233,8 @@ class Job:
                     **member_position(m, now),
                 }
                 for m in members
-                if m in self.members
             ],
+            "ranks_hidden": max(0, len(self.members) - max_members),
             "failures": [
                 {"rank": r, "host": h, "pid": p, "reason": why} for r, h, p, why in self.failures
             ],

@@ -51,6 +51,7 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -111,6 +112,9 @@ FAILURE_NOTICE_INTERVAL: Final = 0.05
 NOTICE_FANOUT: Final = 1024
 MAX_NOTICE_INTERVAL: Final = 1.0
 RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
+STATUS_JOBS: Final = 100  # jobs a status report lists (of however many the server holds)
+STATUS_RANKS: Final = 64  # ranks each job of such a list shows
+JOB_STATUS_RANKS: Final = 4096  # ranks `aiodist status --job J` shows
 
 
 @dataclass(slots=True)
@@ -250,7 +254,9 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
             self._join(conn, state, msg, now)
             return
         if isinstance(msg, StatusRequest):
-            self._send(conn, Reply(msg.req_id, self.snapshot(now, asking=conn)))
+            ranks = JOB_STATUS_RANKS if msg.job else STATUS_RANKS
+            snap = self.snapshot(now, asking=conn, job=msg.job, max_members=ranks)
+            self._send(conn, Reply(msg.req_id, snap))
             return
         if isinstance(msg, DumpRequest):
             self._send(conn, Reply(msg.req_id, self._ask_dumps(msg)))
@@ -616,14 +622,32 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
 
     # --- helpers ---------------------------------------------------------------------
 
-    def snapshot(self, now: float, asking: ConnId | None = None) -> dict[str, Any]:
-        """Plain data describing the server and every job (for ``aiodist status``).
+    def snapshot(
+        self,
+        now: float,
+        asking: ConnId | None = None,
+        *,
+        job: str = "",
+        offset: int = 0,
+        limit: int = STATUS_JOBS,
+        max_members: int = STATUS_RANKS,
+    ) -> dict[str, Any]:
+        """Plain data describing the server and some of its jobs (for ``aiodist status``).
+
+        ``job``: that job alone (none if there is no such job); else ``limit`` jobs
+        from the ``offset``-th, in the order they came. Each job lists at most
+        ``max_members`` of its ranks. What it costs does not grow with the number of
+        jobs the server holds (``jobs_total`` says how many).
 
         ``connections`` counts client sockets other than ``asking``'s (what ``ss``
         and the metrics endpoint show while no status request is open);
         ``channels`` counts the members' channels on them too.
         """
         sockets = sum(1 for cid, c in self._conns.items() if not c.channel and cid != asking)
+        if job:
+            chosen = [self.jobs[job]] if job in self.jobs else []
+        else:
+            chosen = list(itertools.islice(self.jobs.values(), offset, offset + limit))
         return {
             "version": self.version,
             "uptime": now - self.started_at,
@@ -636,7 +660,9 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
                 "store_ops": self.stats.store_ops,
                 "messages": self.stats.messages,
             },
-            "jobs": [job.snapshot(now) for job in self.jobs.values()],
+            "jobs_total": len(self.jobs),
+            "offset": 0 if job else offset,
+            "jobs": [j.snapshot(now, max_members) for j in chosen],
             "finished": self.log.recent(now)[:RECENT_IN_STATUS],
         }
 

@@ -265,7 +265,7 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
         "members": _Len(1, MAX_WORLD_SIZE, "items"),
         "timeout": _TIMEOUT,
     },
-    StatusRequest: {"req_id": _REQ_ID},
+    StatusRequest: {"req_id": _REQ_ID, "job": _Name(0, MAX_GROUP_NAME_CHARS)},
     DumpRequest: {
         "req_id": _REQ_ID,
         "job": _Name(1, MAX_GROUP_NAME_CHARS),

@@ -262,8 +262,11 @@ class Regroup:
 
 @dataclass(frozen=True, slots=True)
 class StatusRequest:
+    """Ask for the server's status: every job (at most ``STATUS_JOBS`` of them), or ``job``."""
+
     KIND: ClassVar[MessageKind] = MessageKind.STATUS
     req_id: int
+    job: str = ""  # "": the jobs in turn, with a few ranks each; else that job, its ranks too
 
 
 @dataclass(frozen=True, slots=True)

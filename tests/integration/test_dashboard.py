@@ -19,13 +19,17 @@ import pytest
 import torch
 
 import aiodist
+from aiodist._control.connection import connect_control
+from aiodist._server.dashboard import PAGE_JOBS, PAGE_MAX
 from aiodist._server.metrics import MAX_REQUESTS, start_metrics
+from aiodist._server.state import STATUS_JOBS
+from aiodist._wire.messages import Join
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS
-from tests.helpers.daemon import asyncio_only, serve
+from tests.helpers.daemon import asyncio_only, run_cli, serve
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from aiodist._server.metrics import MetricsEndpoint
 
@@ -301,3 +305,44 @@ async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
                 with anyio.CancelScope(shield=True):
                     for p in procs:
                         await p.wait()
+
+
+@asyncio_only
+async def test_state_and_status_come_a_page_at_a_time_however_many_jobs(
+    server: aiodist.RendezvousServer, endpoint: MetricsEndpoint
+) -> None:
+    # 300 one-rank jobs: a poll of the page carries one page of them, in the order
+    # they came, and `aiodist status` lists a bounded number too; a job past the
+    # first page is there on the next page, and `status --job` finds it.
+    jobs = 300
+
+    def join(i: int) -> Callable[[int], Join]:
+        return lambda r: Join(r, f"many-{i:03d}", 1, 0, "host-a", 1000 + i, [], 60.0, 30.0)
+
+    conn = await connect_control(*server.address, timeout=10)
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(jobs):
+                    channel = conn.open_channel(lambda notice: None)
+                    tg.start_soon(partial(channel.request, join(i), timeout=30))
+            status, _, raw = await fetch(endpoint.address, "/api/state")
+            assert status == 200
+            state = json.loads(raw)
+            assert (state["jobs_total"], state["offset"], state["limit"]) == (jobs, 0, PAGE_JOBS)
+            assert [j["name"] for j in state["jobs"]] == [f"many-{i:03d}" for i in range(PAGE_JOBS)]
+            assert len(raw) < 64 * 1024
+            _, _, raw = await fetch(endpoint.address, "/api/state?offset=290&limit=100")
+            names = [j["name"] for j in json.loads(raw)["jobs"]]
+            assert names == [f"many-{i:03d}" for i in range(290, 300)]
+            status, _, _ = await fetch(endpoint.address, f"/api/state?limit={PAGE_MAX + 1}")
+            assert status == 400
+            port = str(server.address[1])
+            listed = await run_cli("status", "--port", port)
+            assert f"{jobs} jobs" in listed.stdout
+            assert f"... and {jobs - STATUS_JOBS} more jobs" in listed.stdout
+            assert "many-299" not in listed.stdout
+            one = await run_cli("status", "--port", port, "--job", "many-299", "--json")
+            assert json.loads(one.stdout)["job"]["name"] == "many-299"
+    finally:
+        conn.close()

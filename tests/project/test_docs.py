@@ -394,6 +394,9 @@ BASH: dict[str, Check | str] = {
     "AIODIST_TOKEN=... aiodist serve --port 29500": check_serve_token_from_env,
     "aiodist status --port 29500": check_status,
     "aiodist status --port 29500 --json": check_status,
+    "aiodist status --port 29500 --job train": (
+        "tests/integration/test_status_job.py runs `status --job` on a live job"
+    ),
     # Seeing inside a running job
     "aiodist status --job train": "tests/test_status_job.py runs it on a live job of three ranks",
     "aiodist status --job train --json": "tests/test_status_job.py runs it on a live job",

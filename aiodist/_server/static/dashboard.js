@@ -2,7 +2,9 @@
 "use strict";
 
 const POLL_MS = 1000;
+const PAGE = 20;
 let token = sessionStorage.getItem("aiodist-token") || "";
+let offset = 0;
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
@@ -76,6 +78,12 @@ function render(state) {
   document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
   const jobs = document.getElementById("jobs");
   jobs.replaceChildren();
+  if (state.offset > 0 && state.offset >= state.jobs_total) offset = Math.max(0, state.jobs_total - PAGE);
+  const last = state.offset + state.jobs.length;
+  document.getElementById("page").textContent = state.jobs_total
+    ? "jobs " + (state.offset + 1) + "-" + last + " of " + state.jobs_total : "";
+  document.getElementById("previous").disabled = state.offset === 0;
+  document.getElementById("next").disabled = last >= state.jobs_total;
   if (!state.jobs.length) jobs.appendChild(el("p", "no jobs", "muted"));
   for (const job of state.jobs) jobs.appendChild(renderJob(job));
   for (const f of state.finished || []) {
@@ -93,7 +101,8 @@ function render(state) {
 async function poll() {
   try {
     const headers = token ? { Authorization: "Bearer " + token } : {};
-    const response = await fetch("/api/state", { headers, cache: "no-store" });
+    const query = "?offset=" + offset + "&limit=" + PAGE;
+    const response = await fetch("/api/state" + query, { headers, cache: "no-store" });
     const form = document.getElementById("token-form");
     if (response.status === 401) {
       form.hidden = false;
@@ -114,5 +123,8 @@ document.getElementById("token-form").addEventListener("submit", (event) => {
   token = document.getElementById("token").value;
   sessionStorage.setItem("aiodist-token", token);
 });
+
+document.getElementById("previous").addEventListener("click", () => { offset = Math.max(0, offset - PAGE); });
+document.getElementById("next").addEventListener("click", () => { offset += PAGE; });
 
 poll();
