@@ -547,7 +547,7 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
     """The human-readable ``aiodist status`` report of a server's snapshot."""
     lines = [
         f"aiodist {snap.get('version') or '?'} at {where}: up {_age(snap['uptime'])}, "
-        f"{snap['connections']} connections, {snap['jobs_total']} jobs"
+        f"{snap['connections']} connections, {snap.get('jobs_total', len(snap['jobs']))} jobs"
     ]
     if not snap["jobs"]:
         lines.append("no jobs")
@@ -577,7 +577,7 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
             f"  FAILED rank {f['rank']} ({f['host']}, pid {f['pid']}): {f['reason']}"
             for f in job["failures"]
         )
-    if (hidden := snap["jobs_total"] - len(snap["jobs"])) > 0:
+    if (hidden := snap.get("jobs_total", 0) - len(snap["jobs"])) > 0:
         lines += ["", f"... and {hidden} more jobs (aiodist status --job NAME shows one)"]
     if finished := snap.get("finished"):
         lines += ["", "recently finished:"]
