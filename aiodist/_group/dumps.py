@@ -2,16 +2,25 @@
 
 A dump is ``dump(recorder)`` as JSON (the format is documented in
 ``docs/guide/observability.md``), one file per rank named
-``aiodist-dump-<job>-rank<R>.json``, written atomically (a temporary file,
-then a rename) so that a reader never sees half of one. A dump is written:
+``aiodist-dump-<job>-rank<R>.json``, written atomically (a new file of its
+own, then a rename over the name: a reader never sees half of one, and a link
+planted at the name is replaced, never followed). A dump is written:
 
 - when a session or one of its groups breaks (a failed rank, a timeout, a
   mismatch), once per session, into ``AIODIST_DUMP_DIR`` if that is set;
-- on ``SIGUSR1``, for every session of the process, into ``AIODIST_DUMP_DIR``
-  or else the temporary directory (the handler is installed by the first
-  session made on the main thread, unless the program has one of its own);
-- when ``aiodist status --job J --dump DIR`` asks (``DumpNotice``): into DIR,
-  if DIR is an existing directory on the rank's host.
+- on ``SIGUSR1``, for every session of the process, into its dump directory
+  (the handler is installed by the first session made on the main thread,
+  unless the program has one of its own);
+- when ``aiodist status --job J --dump`` asks (``DumpNotice``): into its dump
+  directory, never one that a request names.
+
+The dump directory (``dump_dir``) is ``AIODIST_DUMP_DIR``, else a directory of
+this user's own (mode 0700) in the temporary directory. Dumps on request or on
+``SIGUSR1`` are bounded: at most one per ``MIN_DUMP_INTERVAL`` per recorder
+(one asked for sooner is written once the interval has passed, the latest
+request's), and one at a time. The loop only copies the recorder's entries
+(``snapshot``); making the JSON and writing the file run in a thread, so that
+heartbeats and operations go on while a dump is written.
 """
 
 from __future__ import annotations
@@ -20,66 +29,136 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from aiodist._group.recorder import FORMAT
 
 if TYPE_CHECKING:
     from aiodist._group.recorder import Entry, Recorder
 
-__all__ = ["describe", "dump", "dump_path", "on_failure", "register", "write_dump"]
+__all__ = [
+    "MIN_DUMP_INTERVAL",
+    "dump",
+    "dump_dir",
+    "dump_path",
+    "on_failure",
+    "register",
+    "request_dump",
+    "snapshot",
+    "write_atomic",
+    "write_dump",
+]
 
 logger = logging.getLogger(__name__)
 
-_LIVE: weakref.WeakKeyDictionary[Recorder, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
-_installed: list[bool] = []
+#: The least time between two dumps of one rank's recorder on request or on SIGUSR1.
+MIN_DUMP_INTERVAL: Final = 1.0
 
 
-def dump(recorder: Recorder, reason: str = "") -> dict[str, Any]:
-    """The recorder as plain data: the dump format (``docs/guide/observability.md``)."""
+class _Row(NamedTuple):
+    """An entry's fields, copied on the loop (the entry itself is reused by the ring)."""
+
+    id: int
+    name: str
+    group: str
+    seq: int
+    peer: int
+    dtype: Any
+    shape: Any
+    enqueued: int
+    started: int
+    ended: int
+    error: BaseException | None
+
+
+class Snapshot(NamedTuple):
+    """A recorder at one instant: cheap to take on the loop, rendered anywhere."""
+
+    header: dict[str, Any]
+    rows: list[_Row]
+    now: int  # perf_counter_ns when taken
+    perf0: int
+    wall0: int
+
+    def wall(self, perf_ns: int) -> float:
+        return (self.wall0 + (perf_ns - self.perf0)) / 1e9
+
+
+def snapshot(recorder: Recorder, reason: str = "", request: int | None = None) -> Snapshot:
+    """Copy what a dump of ``recorder`` needs (a few microseconds per entry)."""
     now = time.perf_counter_ns()
-    return {
+    header = {
         "format": FORMAT,
         "job": recorder.job,
         "rank": recorder.rank,
         "pid": recorder.pid,
         "host": socket.gethostname(),
         "reason": reason,
+        "request": request,
         "time": recorder.wall(now),
         "capacity": recorder.capacity,
         "recorded": recorder.recorded,
-        "operations": [describe(recorder, e, now) for e in recorder.entries()],
     }
+    rows = [_row(e) for e in recorder.entries()]
+    return Snapshot(header, rows, now, recorder.perf0, recorder.wall0)
 
 
-def describe(recorder: Recorder, e: Entry, now: int) -> dict[str, Any]:
+def _row(e: Entry) -> _Row:
+    return _Row(
+        e.id, e.name, e.group, e.seq, e.peer, e.dtype, e.shape, e.enqueued, e.started, e.ended,
+        e.error,
+    )  # fmt: skip
+
+
+def render(snap: Snapshot) -> dict[str, Any]:
+    """A snapshot as plain data: the dump format (``docs/guide/observability.md``)."""
+    return {**snap.header, "operations": [describe(snap, r) for r in snap.rows]}
+
+
+def dump(recorder: Recorder, reason: str = "") -> dict[str, Any]:
+    """The recorder as plain data: the dump format (``docs/guide/observability.md``)."""
+    return render(snapshot(recorder, reason))
+
+
+def describe(snap: Snapshot, r: _Row) -> dict[str, Any]:
     """One entry as plain data (times in seconds since the epoch)."""
-    wall = recorder.wall
+    wall = snap.wall
     return {
-        "id": e.id,
-        "name": e.name,
-        "group": e.group,
-        "seq": e.seq,
-        "peer": e.peer,
-        "bytes": e.nbytes,
-        "dtype": str(e.dtype).removeprefix("torch.") if e.dtype is not None else None,
-        "shape": list(e.shape) if e.shape is not None else None,
-        "enqueued": wall(e.enqueued),
-        "started": wall(e.started),
-        "ended": wall(e.ended) if e.ended else None,
-        "seconds": ((e.ended or now) - e.enqueued) / 1e9,
-        "state": e.state,
-        "error": f"{type(e.error).__name__}: {e.error}" if e.error is not None else None,
+        "id": r.id,
+        "name": r.name,
+        "group": r.group,
+        "seq": r.seq,
+        "peer": r.peer,
+        "bytes": _nbytes(r),
+        "dtype": str(r.dtype).removeprefix("torch.") if r.dtype is not None else None,
+        "shape": list(r.shape) if r.shape is not None else None,
+        "enqueued": wall(r.enqueued),
+        "started": wall(r.started),
+        "ended": wall(r.ended) if r.ended else None,
+        "seconds": ((r.ended or snap.now) - r.enqueued) / 1e9,
+        "state": "pending" if not r.ended else "done" if r.error is None else "failed",
+        "error": f"{type(r.error).__name__}: {r.error}" if r.error is not None else None,
     }
+
+
+def _nbytes(r: _Row) -> int:
+    if r.shape is None or r.dtype is None:
+        return 0
+    try:
+        return int(r.shape.numel()) * int(r.dtype.itemsize)
+    except (AttributeError, TypeError):
+        return 0
 
 
 def dump_path(directory: str | Path, job: str, rank: int | None = None) -> Path:
@@ -89,42 +168,177 @@ def dump_path(directory: str | Path, job: str, rank: int | None = None) -> Path:
     return Path(directory) / f"aiodist-dump-{safe}{tail}.json"
 
 
-def write_dump(recorder: Recorder, directory: str | Path, reason: str) -> Path | None:
-    """Write ``recorder`` into ``directory``; the file, or None (logged) if it could not."""
-    path = dump_path(directory, recorder.job, recorder.rank)
-    if not Path(directory).is_dir():
-        logger.warning("not writing the flight recorder: %s is no directory", directory)
-        return None
-    text = json.dumps(dump(recorder, reason), default=str)
+def dump_dir() -> Path | None:
+    """This process's dump directory: ``AIODIST_DUMP_DIR``, else a private one (logged if None).
+
+    The private one is ``<temporary directory>/aiodist-dumps-<uid>``, made with mode
+    0700; one that is not a directory of this user's that only this user may use
+    (another user made it first, or it is a link) is refused.
+    """
+    configured = os.environ.get("AIODIST_DUMP_DIR")
+    if configured:
+        if not Path(configured).is_dir():
+            logger.warning(
+                "AIODIST_DUMP_DIR=%s is no directory: no flight recorder written", configured
+            )
+            return None
+        return Path(configured)
+    path = Path(tempfile.gettempdir()) / f"aiodist-dumps-{os.getuid()}"
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".aiodist-dump-", dir=directory)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)  # a rename: a link planted at ``path`` is replaced, not followed
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        st = os.lstat(path)
     except OSError as exc:
-        logger.warning("could not write the flight recorder to %s: %s", path, exc)
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
+        logger.warning("cannot make the dump directory %s: %s; set AIODIST_DUMP_DIR", path, exc)
         return None
-    logger.warning("flight recorder of rank %d written to %s (%s)", recorder.rank, path, reason)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        logger.warning(
+            "not writing dumps into %s: it is not a directory of this user's that only this "
+            "user may use (mode 0700); remove it, or set AIODIST_DUMP_DIR",
+            path,
+        )
+        return None
     return path
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` as the file ``path``: a new file of its own (0600), renamed over it.
+
+    A link or anything else at ``path`` is replaced, never followed or opened.
+
+    Raises:
+        OSError: It could not be written (nothing is left behind).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=".aiodist-", dir=path.parent)  # O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write(snap: Snapshot, directory: Path | None) -> Path | None:
+    """Write ``snap`` into ``directory`` (None: the dump directory); the file, or None (logged)."""
+    directory = dump_dir() if directory is None else directory
+    if directory is None:
+        return None
+    rank = snap.header["rank"]
+    path = dump_path(directory, snap.header["job"], rank)
+    if not directory.is_dir():
+        logger.warning("not writing the flight recorder: %s is no directory", directory)
+        return None
+    try:
+        write_atomic(path, json.dumps(render(snap), default=str))
+    except OSError as exc:
+        logger.warning("could not write the flight recorder to %s: %s", path, exc)
+        return None
+    logger.warning(
+        "flight recorder of rank %d written to %s (%s)", rank, path, snap.header["reason"]
+    )
+    return path
+
+
+def write_dump(recorder: Recorder, directory: str | Path, reason: str) -> Path | None:
+    """Write ``recorder`` into ``directory`` now; the file, or None (logged) if it could not."""
+    return _write(snapshot(recorder, reason), Path(directory))
+
+
+class _Dumper:
+    """One recorder's dumps on request: one at a time, one per ``MIN_DUMP_INTERVAL``."""
+
+    __slots__ = ("last", "loop", "pending", "recorder", "timer", "writing")
+
+    def __init__(self, recorder: Recorder, loop: asyncio.AbstractEventLoop) -> None:
+        self.recorder = weakref.ref(recorder)
+        self.loop = loop
+        self.last = -math.inf  # loop time of the last dump's start
+        self.pending: tuple[str, int | None] | None = None  # (reason, request) to write next
+        self.timer: asyncio.TimerHandle | None = None
+        self.writing: asyncio.Future[Path | None] | None = None
+
+    def ask(self, reason: str, request: int | None) -> None:
+        self.pending = (reason, request)  # the latest request wins: it is the one awaited
+        if self.writing is not None or self.timer is not None:
+            return  # it goes once the dump being written is done, or the interval passed
+        wait = self.last + MIN_DUMP_INTERVAL - self.loop.time()
+        if wait > 0:
+            self.timer = self.loop.call_later(wait, self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        self.timer = None
+        recorder = self.recorder()
+        if self.pending is None or recorder is None:
+            return
+        reason, request = self.pending
+        self.pending = None
+        self.last = self.loop.time()
+        snap = snapshot(recorder, reason, request)
+        self.writing = self.loop.run_in_executor(None, _write, snap, None)
+        self.writing.add_done_callback(self._done)
+
+    def _done(self, future: asyncio.Future[Path | None]) -> None:
+        self.writing = None
+        if not future.cancelled() and (exc := future.exception()) is not None:
+            logger.warning("could not write the flight recorder: %r", exc)
+        if self.pending is not None:
+            self.ask(*self.pending)
+
+
+_LIVE: weakref.WeakKeyDictionary[Recorder, _Dumper] = weakref.WeakKeyDictionary()
+_installed: list[bool] = []
+
+
+def request_dump(recorder: Recorder | None, reason: str, request: int | None = None) -> None:
+    """Dump ``recorder`` into the dump directory, in a thread, within the bounds (on its loop).
+
+    ``request`` is the number of the ``DumpNotice`` that asked (put in the file).
+    """
+    if recorder is None:
+        return
+    dumper = _LIVE.get(recorder)
+    if dumper is None:
+        dumper = _LIVE[recorder] = _Dumper(recorder, asyncio.get_running_loop())
+    dumper.ask(reason, request)
+
+
 def on_failure(recorder: Recorder | None, reason: str) -> None:
-    """A session broke: dump its recorder into ``AIODIST_DUMP_DIR``, if that is set."""
+    """A session broke: dump its recorder into ``AIODIST_DUMP_DIR``, if that is set.
+
+    Once per session, so not bounded: a loop turn later (the operations that the
+    failure ends have ended by then), written in a thread.
+    """
     directory = os.environ.get("AIODIST_DUMP_DIR")
-    if recorder is not None and directory:
-        try:  # a loop turn later: the operations that the failure ends have ended by then
-            asyncio.get_running_loop().call_soon(write_dump, recorder, directory, reason)
-        except RuntimeError:  # no loop runs here
-            write_dump(recorder, directory, reason)
+    if recorder is None or not directory:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs here
+        write_dump(recorder, directory, reason)
+        return
+
+    def start() -> None:
+        snap = snapshot(recorder, reason)
+        done = loop.run_in_executor(None, _write, snap, Path(directory))
+        done.add_done_callback(_log_error)
+
+    loop.call_soon(start)
+
+
+def _log_error(future: asyncio.Future[Path | None]) -> None:
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        logger.warning("could not write the flight recorder: %r", exc)
 
 
 def register(recorder: Recorder | None) -> None:
     """Dump ``recorder`` on SIGUSR1 (on its loop); install the handler if this is the first."""
     if recorder is None:
         return
-    _LIVE[recorder] = asyncio.get_running_loop()
+    _LIVE[recorder] = _Dumper(recorder, asyncio.get_running_loop())
     if _installed or threading.current_thread() is not threading.main_thread():
         return
     _installed.append(True)
@@ -133,7 +347,6 @@ def register(recorder: Recorder | None) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    directory = os.environ.get("AIODIST_DUMP_DIR") or tempfile.gettempdir()
-    for recorder, loop in list(_LIVE.items()):
+    for dumper in list(_LIVE.values()):
         with contextlib.suppress(RuntimeError):  # its loop closed
-            loop.call_soon_threadsafe(write_dump, recorder, directory, "SIGUSR1")
+            dumper.loop.call_soon_threadsafe(dumper.ask, "SIGUSR1", None)

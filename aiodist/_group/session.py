@@ -428,8 +428,7 @@ class Session:
 
     def on_notice(self, notice: Notice) -> None:
         if isinstance(notice, DumpNotice):
-            if self.recorder is not None:
-                dumps.write_dump(self.recorder, notice.directory, "aiodist status --dump")
+            dumps.request_dump(self.recorder, "aiodist status --dump", notice.request)
         elif isinstance(notice, MembersLeft):
             self._members_left(notice.members)
         elif isinstance(notice, ServerLost):

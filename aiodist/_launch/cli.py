@@ -165,10 +165,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--dump",
+        nargs="?",
+        const="",
         default=None,
         metavar="DIR",
-        help="with --job: have every rank write its flight recorder into DIR (one file per "
-        "rank), then collect them into one file there",
+        help="with --job: have every rank write its flight recorder into its dump directory "
+        "(AIODIST_DUMP_DIR, else a private one of its user's), then collect them into one "
+        "file there; DIR is where this host sees that directory (default: this user's own, "
+        "which is the ranks' on this host)",
     )
 
     trace = sub.add_parser("trace", help="timelines: merge the ranks' trace files")

@@ -228,6 +228,14 @@ async def run_daemon(
                     from aiodist._server.metrics import start_metrics
 
                     metrics = start_metrics(server, loop, metrics_host or host, metrics_port)
+                    if token is None and not is_loopback(metrics.address[0]):
+                        logger.warning(
+                            "the dashboard on http://%s:%d/ shows every job's name, ranks, "
+                            "hosts and pids to anyone who reaches it; pass --token-file or set "
+                            "AIODIST_TOKEN (its /api/state then asks for the token; /metrics "
+                            "stays open), or bind --metrics-host 127.0.0.1",
+                            *metrics.address,
+                        )
                 if server.state.durable is not None:
                     logger.info(
                         "jobs are kept in the state directory %s (fsync'd before each batch "

@@ -7,15 +7,17 @@ Reads the server's status snapshot (``_server/jobs.py`` fills each member's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import time
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from aiodist._group.dumps import dump_path
+from aiodist._errors import ProtocolError
+from aiodist._group.dumps import dump_dir, dump_path, write_atomic
 from aiodist._group.recorder import FORMAT
 from aiodist._server.where import describe_wait
 from aiodist._wire.messages import DumpRequest
@@ -23,47 +25,77 @@ from aiodist._wire.messages import DumpRequest
 if TYPE_CHECKING:
     from aiodist._control.connection import ControlConnection
 
-__all__ = ["collect_dumps", "find_job", "format_job", "rank_state"]
+__all__ = ["collect_dumps", "find_job", "format_job", "rank_state", "read_dump"]
 
 # How often the command looks for the ranks' files while they write them.
 _POLL = 0.05
 
 
 async def collect_dumps(
-    conn: ControlConnection, job: str, directory: str, timeout: float
+    conn: ControlConnection, job: str, directory: str | None, timeout: float
 ) -> tuple[Path, list[int]]:
-    """Have every rank of ``job`` write its recorder into ``directory``; collect them in one file.
+    """Have every rank of ``job`` write its recorder; collect the files in one.
 
-    Returns the collected file (``aiodist-dump-<job>.json``: ``{"format", "job",
-    "ranks": [one dump per rank]}``) and the ranks whose file did not appear within
-    ``timeout``. The ranks write on their own hosts: ``directory`` must be one that
-    they see (this host, or a shared filesystem).
+    Each rank writes into its own dump directory (``AIODIST_DUMP_DIR``, else a
+    private one of its user's, ``dumps.dump_dir``); ``directory`` is where this
+    host sees it (a shared filesystem, or this host), by default this process's
+    own dump directory: the ranks' on this host, for the same user and
+    ``AIODIST_DUMP_DIR``. A rank's file counts once it answers this request (its
+    ``request`` field). Returns the collected file (``aiodist-dump-<job>.json`` in
+    ``directory``: ``{"format", "job", "ranks": [one dump per rank]}``, written
+    without following a link at its name) and the ranks whose file did not
+    appear within ``timeout``.
 
     Raises:
         ValueError: ``directory`` is not an existing directory.
         DistError: The server refused (no such job).
     """
-    where = Path(await anyio.Path(directory).resolve())
-    if not await anyio.Path(where).is_dir():
-        raise ValueError(f"--dump {directory}: no such directory")
-    asked = time.time() - 1.0  # a file older than this is from an earlier dump
-    told: list[int] = await conn.request(
-        lambda r: DumpRequest(r, job, os.fspath(where)), timeout=timeout
-    )
-    paths = {rank: anyio.Path(dump_path(where, job, rank)) for rank in told}
+    where = Path(directory) if directory else dump_dir()
+    if where is None or not await anyio.Path(where).is_dir():
+        what = f"--dump {directory}" if directory else "this user's dump directory"
+        raise ValueError(f"{what}: no such directory")
+    reply = await conn.request(lambda r: DumpRequest(r, job), timeout=timeout)
+    try:
+        ranks, request = reply["ranks"], reply["request"]
+        if not all(type(r) is int for r in ranks) or type(request) is not int:
+            raise TypeError
+    except (TypeError, KeyError):
+        raise ProtocolError(f"the server answered a dump request with {reply!r:.200}") from None
     dumps: dict[int, Any] = {}
     with anyio.move_on_after(timeout):
-        while len(dumps) < len(paths):
-            for rank, path in paths.items():
-                if rank not in dumps and await path.exists():
-                    if (await path.stat()).st_mtime >= asked:
-                        dumps[rank] = json.loads(await path.read_text())
-            if len(dumps) < len(paths):
+        while len(dumps) < len(ranks):
+            for rank in ranks:
+                if rank not in dumps:
+                    found = await anyio.to_thread.run_sync(read_dump, where, job, rank)
+                    if found is not None and found.get("request") == request:
+                        dumps[rank] = found
+            if len(dumps) < len(ranks):
                 await anyio.sleep(_POLL)  # files appear: nothing to await but the filesystem
     out = dump_path(where, job)
     merged = {"format": FORMAT, "job": job, "ranks": [dumps[r] for r in sorted(dumps)]}
-    await anyio.Path(out).write_text(json.dumps(merged, indent=1))
-    return out, sorted(set(paths) - set(dumps))
+    await anyio.to_thread.run_sync(write_atomic, out, json.dumps(merged, indent=1))
+    return out, sorted(set(ranks) - set(dumps))
+
+
+def read_dump(directory: Path, job: str, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s dump of ``job`` in ``directory``; None if there is none (yet).
+
+    Only a regular file counts: a link or a FIFO at its name is not opened.
+    """
+    path = dump_path(directory, job, rank)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # not there yet, or a link
+        return None
+    with contextlib.closing(os.fdopen(fd, "rb")) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            found = json.loads(f.read())
+        except ValueError:
+            return None
+    ok = isinstance(found, dict) and found.get("job") == job and found.get("rank") == rank
+    return found if ok else None
 
 
 def find_job(snap: dict[str, Any], name: str) -> dict[str, Any] | None:

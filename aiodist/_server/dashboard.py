@@ -19,9 +19,13 @@ jobs the server holds.
 Security: with a token, ``/api/state`` answers 401 and no job data unless the
 request carries ``Authorization: Bearer <token>`` (compared in constant
 time); the page asks for the token and keeps it in the tab's session storage.
-The page and its script are static files: they render every value as text
-(``textContent``), never as HTML, and a Content-Security-Policy allows only
-the daemon's own script. Requests are bounded by the endpoint (``metrics.py``).
+Without a token, the job data is anyone's who reaches the port, as the jobs
+themselves are anyone's who reaches the server (``aiodist status`` needs no
+token either); ``/metrics`` holds counts, no job's name or host, and stays
+open, as Prometheus exporters are. The page and its script are static
+files: they render every value as text (``textContent``), never as HTML, and
+a Content-Security-Policy allows only the daemon's own script. Requests are
+bounded by the endpoint (``metrics.py``).
 """
 
 from __future__ import annotations

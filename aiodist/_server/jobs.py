@@ -139,6 +139,9 @@ class Job:
     # For the dashboard's rates: messages received from its members, bytes sent to them.
     messages: int = 0
     bytes_sent: int = 0
+    # The last notice asking its ranks for their flight recorders: (when, its number,
+    # the ranks told); ``ServerState`` sends at most one per ``DUMP_INTERVAL``.
+    dump: tuple[float, int, list[int]] | None = None
     # The keys of the latest wait, decoded, and the value of ``deletions`` when they were
     # last seen all set (-1: not known to be).
     _last_keys: tuple[bytes, list[str]] = (b"", [])

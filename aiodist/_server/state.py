@@ -36,6 +36,10 @@ Rules this module keeps (the asyncio shell in ``serve.py`` only moves bytes):
   go on alone in the record they hold) and a member of an earlier generation
   than the job's is refused.
 - Each turn of a job's life is an event (``events.py``) the shell logs.
+- A job's ranks are asked to dump their flight recorders (``DumpRequest``,
+  from any client) at most once per ``DUMP_INTERVAL``: the requests in between
+  share the last notice, so that no number of status commands can keep ranks
+  busy writing dumps.
 - Store operations and barriers, and the waits they park, are the job
   table's other half (``store.py``).
 - Nothing here blocks or allocates per byte; deadlines live in one heap, and
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -115,6 +120,8 @@ RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
 STATUS_JOBS: Final = 100  # jobs a status report lists (of however many the server holds)
 STATUS_RANKS: Final = 64  # ranks each job of such a list shows
 JOB_STATUS_RANKS: Final = 4096  # ranks `aiodist status --job J` shows
+#: The least time between two notices asking one job's ranks for their flight recorders.
+DUMP_INTERVAL: Final = 2.0
 
 
 @dataclass(slots=True)
@@ -259,7 +266,7 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
             self._send(conn, Reply(msg.req_id, snap))
             return
         if isinstance(msg, DumpRequest):
-            self._send(conn, Reply(msg.req_id, self._ask_dumps(msg)))
+            self._send(conn, Reply(msg.req_id, self._ask_dumps(msg, now)))
             return
         member = state.member
         if member is None:
@@ -305,18 +312,24 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
         else:
             raise BadRequest(ErrorCode.BAD_REQUEST, f"a client may not send {type(msg).__name__}")
 
-    def _ask_dumps(self, msg: DumpRequest) -> list[int]:
-        """Tell every active rank of job ``msg.job`` to write its flight recorder; their ranks."""
+    def _ask_dumps(self, msg: DumpRequest, now: float) -> dict[str, Any]:
+        """Tell every active rank of job ``msg.job`` to write its flight recorder, at most
+        once per ``DUMP_INTERVAL``: ``{"ranks": [those told], "request": the notice's number}``.
+        """
         job = self.jobs.get(msg.job)
         if job is None:
             raise BadRequest(ErrorCode.BAD_REQUEST, f"no job {msg.job!r} on this server")
-        told = []
-        notice = DumpNotice(msg.directory)
-        for m in job.members:
-            if m.status == "active":
-                self._send(m.conn, notice)
-                told.append(m.rank)
-        return sorted(told)
+        if job.dump is None or now - job.dump[0] >= DUMP_INTERVAL:
+            request = secrets.randbits(63)  # never the number of a file from before a restart
+            notice = DumpNotice(request)
+            told = []
+            for m in job.members:
+                if m.status == "active":
+                    self._send(m.conn, notice)
+                    told.append(m.rank)
+            job.dump = (now, request, sorted(told))
+        _, request, ranks = job.dump
+        return {"ranks": ranks, "request": request}
 
     # --- membership ----------------------------------------------------------------
 

@@ -269,7 +269,6 @@ _BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
     DumpRequest: {
         "req_id": _REQ_ID,
         "job": _Name(1, MAX_GROUP_NAME_CHARS),
-        "directory": _Len(1, MAX_ADDRESS_CHARS, "characters"),
     },
     MembersRequest: {"req_id": _REQ_ID},
     Hello: {

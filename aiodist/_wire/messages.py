@@ -229,16 +229,18 @@ class Barrier:
 
 @dataclass(frozen=True, slots=True)
 class DumpRequest:
-    """Ask every active rank of job ``job`` to write its flight recorder into ``directory``.
+    """Ask every active rank of job ``job`` to write its flight recorder.
 
-    The reply is the list of ranks told. Each rank writes one file of a fixed
-    name into ``directory`` if it is an existing directory on its host.
+    The reply is ``{"ranks": [the ranks told], "request": the notice's number}``.
+    Each rank writes one file of a fixed name into its own dump directory (the
+    request names none) and puts ``request`` in it. A job is told at most once per
+    ``DUMP_INTERVAL`` (``_server/state.py``): a request within it is answered
+    with the last notice's ranks and number.
     """
 
     KIND: ClassVar[MessageKind] = MessageKind.DUMP
     req_id: int
     job: str
-    directory: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -547,10 +549,14 @@ class MembersFailed:
 
 @dataclass(frozen=True, slots=True)
 class DumpNotice:
-    """Write your flight recorder into ``directory`` (a ``DumpRequest`` named your job)."""
+    """Write your flight recorder into your dump directory (a ``DumpRequest`` named your job).
+
+    ``request`` identifies the notice: the dump carries it, so that whoever asked
+    knows the file answers its request, not an earlier one.
+    """
 
     KIND: ClassVar[MessageKind] = MessageKind.DUMP_NOTICE
-    directory: str
+    request: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from aiodist._server.state import STATUS_JOBS
 from aiodist._wire.messages import Join
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS
-from tests.helpers.daemon import asyncio_only, run_cli, serve
+from tests.helpers.daemon import asyncio_only, run_cli, serve, token_file
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -158,6 +158,22 @@ async def test_state_needs_the_token_when_the_daemon_has_one() -> None:
             finally:
                 await anyio.to_thread.run_sync(ep.close)
             tg.cancel_scope.cancel()
+
+
+@asyncio_only
+@pytest.mark.slow
+@pytest.mark.parametrize("with_token", [False, True])
+async def test_serve_warns_when_its_dashboard_is_open_beyond_this_host(
+    tmp_path: Path, with_token: bool
+) -> None:
+    args = ["--port", "0", "--metrics-host", "0.0.0.0", "--metrics-port", "0"]
+    if with_token:
+        args += ["--token-file", str(token_file(tmp_path))]
+    with anyio.fail_after(30):
+        async with serve(*args, "--log-level", "warning") as daemon:
+            assert await daemon.stop() == 0
+    warned = any("shows every job's name" in line for line in daemon.lines["stderr"])
+    assert warned is not with_token, daemon.output()
 
 
 @asyncio_only

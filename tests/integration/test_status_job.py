@@ -6,14 +6,18 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aiodist._control.connection import connect_control
-from aiodist._wire.messages import StatusRequest
+from aiodist._launch.status_job import read_dump
+from aiodist._server.state import DUMP_INTERVAL
+from aiodist._wire.messages import DumpRequest, StatusRequest
 from tests.helpers import HELPERS
 from tests.helpers.daemon import asyncio_only, run_cli, serve
 
@@ -31,10 +35,15 @@ ENV = {"AIODIST_HEARTBEAT_INTERVAL": "0.1"}
 
 @contextlib.asynccontextmanager
 async def ranks(
-    url: str, n: int, job: str, mode: str, dump_dir: Path | None = None
+    url: str,
+    n: int,
+    job: str,
+    mode: str,
+    dump_dir: Path | None = None,
+    extra: dict[str, str] | None = None,
 ) -> AsyncIterator[list[Process]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
-    env.update(ENV)
+    env.update(ENV, **(extra or {}))
     if dump_dir is not None:
         env["AIODIST_DUMP_DIR"] = str(dump_dir)
     procs: list[Process] = []
@@ -117,16 +126,18 @@ async def test_status_job_names_the_rank_outside_the_all_reduce(tmp_path: Path) 
                 assert f"all_reduce #{call['seq']} on group 'obs': ranks 0, 1 waiting" in line
                 assert f"rank 2 not entered (last: barrier #{call['seq'] - 1}, done" in line
 
-                # Dumps through the server: one file per rank, and one for the job.
+                # Dumps through the server: one file per rank in its AIODIST_DUMP_DIR, and
+                # one for the job there.
                 done = await run_cli(
-                    "status", "--port", str(daemon.port), "--job", "obs", "--dump", str(tmp_path)
+                    "status", "--port", str(daemon.port), "--job", "obs", "--dump", str(signalled)
                 )
                 assert done.returncode == 0, done.stderr
-                merged = json.loads((tmp_path / "aiodist-dump-obs.json").read_text())
+                merged = json.loads((signalled / "aiodist-dump-obs.json").read_text())
                 assert [d["rank"] for d in merged["ranks"]] == [0, 1, 2]
                 for d in merged["ranks"]:
                     assert d["format"] == "aiodist.flight-recorder/1"
-                    assert (tmp_path / f"aiodist-dump-obs-rank{d['rank']}.json").exists()
+                    assert d["reason"] == "aiodist status --dump"
+                    assert (signalled / f"aiodist-dump-obs-rank{d['rank']}.json").exists()
                     ops = [(o["name"], o["seq"], o["state"]) for o in d["operations"]]
                     assert ("barrier", call["seq"] - 1, "done") in ops
                     if d["rank"] < 2:
@@ -140,9 +151,8 @@ async def test_status_job_names_the_rank_outside_the_all_reduce(tmp_path: Path) 
                 # SIGUSR1: the rank writes its recorder into AIODIST_DUMP_DIR.
                 procs[2].send_signal(signal.SIGUSR1)
                 dumped = signalled / "aiodist-dump-obs-rank2.json"
-                while not dumped.exists():  # noqa: ASYNC110
-                    await anyio.sleep(0.05)  # a file appears: there is no event to await
-                assert json.loads(dumped.read_text())["reason"] == "SIGUSR1"
+                while json.loads(dumped.read_text())["reason"] != "SIGUSR1":  # noqa: ASYNC110
+                    await anyio.sleep(0.05)  # a file is replaced: there is no event to await
 
                 # The sleeping rank wakes up: the all_reduce completes on every rank.
                 assert procs[2].stdin is not None
@@ -150,6 +160,62 @@ async def test_status_job_names_the_rank_outside_the_all_reduce(tmp_path: Path) 
                 reports = [await read_lines(p) for p in procs]
                 for lines in reports:
                     assert lines[-1]["sum"] == [3.0] * 4
+
+
+async def test_dumps_go_only_where_the_ranks_keep_them_and_follow_no_link(
+    tmp_path: Path,
+) -> None:
+    mine, elsewhere = tmp_path / "ranks", tmp_path / "elsewhere"
+    mine.mkdir()
+    elsewhere.mkdir()
+    target = tmp_path / "precious"
+    target.write_text("not a dump")
+    (mine / "aiodist-dump-obs.json").symlink_to(target)  # planted where the merge goes
+    with anyio.fail_after(90):
+        async with serve("--port", "0") as daemon:
+            url = f"tcp://127.0.0.1:{daemon.port}"
+            async with ranks(url, 2, "obs", "sleep", dump_dir=mine) as procs:
+                await heard_in_all_reduce(daemon.port, "obs", 1)
+                port = str(daemon.port)
+                done = await run_cli("status", "--port", port, "--job", "obs", "--dump", str(mine))
+                assert done.returncode == 0, done.stderr
+                assert target.read_text() == "not a dump"  # the link was replaced, not followed
+                merged = mine / "aiodist-dump-obs.json"
+                assert not merged.is_symlink()
+                assert [d["rank"] for d in json.loads(merged.read_text())["ranks"]] == [0, 1]
+
+                # A request names no directory: the ranks write into theirs, never DIR.
+                args = ("status", "--port", port, "--job", "obs", "--timeout", "3")
+                done = await run_cli(*args, "--dump", str(elsewhere))
+                assert done.returncode == 1
+                assert "ranks 0, 1 wrote none in time" in done.stderr
+                assert sorted(p.name for p in elsewhere.iterdir()) == ["aiodist-dump-obs.json"]
+
+                assert procs[1].stdin is not None
+                await procs[1].stdin.send(b"go\n")
+                for p in procs:
+                    assert (await read_lines(p))[-1]["sum"] == [2.0] * 4
+
+
+async def test_dump_without_a_directory_uses_the_users_private_one(tmp_path: Path) -> None:
+    env = {"TMPDIR": str(tmp_path)}  # the ranks' and the command's temporary directory
+    with anyio.fail_after(90):
+        async with serve("--port", "0") as daemon:
+            url = f"tcp://127.0.0.1:{daemon.port}"
+            async with ranks(url, 2, "quiet", "sleep", extra=env) as procs:
+                await heard_in_all_reduce(daemon.port, "quiet", 1)
+                port = str(daemon.port)
+                done = await run_cli("status", "--port", port, "--job", "quiet", "--dump", env=env)
+                assert done.returncode == 0, done.stderr
+                private = tmp_path / f"aiodist-dumps-{os.getuid()}"
+                assert str(private / "aiodist-dump-quiet.json") in done.stdout
+                assert stat.S_IMODE(private.stat().st_mode) == 0o700
+                merged = json.loads((private / "aiodist-dump-quiet.json").read_text())
+                assert [d["rank"] for d in merged["ranks"]] == [0, 1]
+                assert procs[1].stdin is not None
+                await procs[1].stdin.send(b"go\n")
+                for p in procs:
+                    assert (await read_lines(p))[-1]["sum"] == [2.0] * 4
 
 
 async def test_status_job_unknown_job_fails() -> None:
@@ -179,3 +245,78 @@ async def test_timeout_error_names_the_rank_that_never_entered(tmp_path: Path) -
                     last = dump["operations"][-1]
                     assert (last["name"], last["state"]) == ("all_reduce", "failed")
                     assert "DistTimeoutError" in last["error"]
+
+
+BUSY = str(HELPERS / "busy_worker.py")
+
+
+async def test_dump_requests_in_a_flood_never_fail_the_job(tmp_path: Path) -> None:
+    # 400 dump requests in 4 s, from one token holder: the ranks' heartbeats keep flowing
+    # (a short heartbeat timeout, so that a loop held up by dumps would be declared failed),
+    # and the job's results stay right.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env.update(
+        AIODIST_HEARTBEAT_INTERVAL="0.2",
+        AIODIST_HEARTBEAT_TIMEOUT="3",
+        AIODIST_DUMP_DIR=str(tmp_path),
+    )
+    with anyio.fail_after(120):
+        async with serve("--port", "0") as daemon:
+            url = f"tcp://127.0.0.1:{daemon.port}"
+            procs = [
+                await anyio.open_process([sys.executable, BUSY, url, str(r), "2", "busy"], env=env)
+                for r in range(2)
+            ]
+            try:
+                outs = [BufferedByteReceiveStream(p.stdout) for p in procs if p.stdout]
+                for out in outs:
+                    ready = await out.receive_until(b"\n", 1 << 16)
+                    assert b'"ready"' in ready, ready
+                conn = await connect_control("127.0.0.1", daemon.port, timeout=10)
+                replies: list[Any] = []
+
+                async def ask() -> None:
+                    replies.append(await conn.request(lambda r: DumpRequest(r, "busy"), timeout=60))
+
+                try:
+                    async with anyio.create_task_group() as tg:
+                        start = anyio.current_time()
+                        for i in range(400):
+                            tg.start_soon(ask)
+                            await anyio.sleep_until(start + (i + 1) * 0.01)
+                    took = anyio.current_time() - start
+                    snap = await conn.request(StatusRequest, timeout=10)
+                finally:
+                    conn.close()
+                (job,) = [j for j in snap["jobs"] if j["name"] == "busy"]
+                assert job["failures"] == []
+                assert len(replies) == 400
+                # The server told the ranks once per DUMP_INTERVAL; the others shared it.
+                requests = [r["request"] for r in replies]
+                assert 1 <= len(set(requests)) <= took / DUMP_INTERVAL + 1
+                assert all(r["ranks"] == [0, 1] for r in replies)
+
+                def answered(rank: int) -> bool:
+                    found = read_dump(tmp_path, "busy", rank)
+                    return found is not None and found["request"] == requests[-1]
+
+                for rank in range(2):  # the last notice's dump is written all the same
+                    while not answered(rank):  # noqa: ASYNC110
+                        await anyio.sleep(0.05)  # a file is replaced: no event to await
+                for p in procs:
+                    assert p.stdin is not None
+                    await p.stdin.send(b"stop\n")
+                reports = [json.loads(await out.receive_until(b"\n", 1 << 16)) for out in outs]
+                for rank, report in enumerate(reports):
+                    assert report["error"] is None, report
+                    assert report["rank"] == rank
+                    assert report["count"] > 0
+                    assert report["wrong"] == 0
+            finally:
+                for p in procs:
+                    if p.returncode is None:
+                        p.kill()
+                with anyio.CancelScope(shield=True):
+                    for p in procs:
+                        await p.wait()
+                        await p.aclose()

@@ -400,7 +400,7 @@ BASH: dict[str, Check | str] = {
     # Seeing inside a running job
     "aiodist status --job train": "tests/test_status_job.py runs it on a live job of three ranks",
     "aiodist status --job train --json": "tests/test_status_job.py runs it on a live job",
-    "aiodist status --job train --dump dumps": "tests/test_status_job.py runs it on a live job",
+    "aiodist status --job train --dump": "tests/test_status_job.py runs it on a live job",
     "kill -USR1 4121": "tests/test_status_job.py sends SIGUSR1 to a rank and reads its dump",
     "AIODIST_TRACE=traces aiodist run -n 4 examples/demo.py": "tests/test_trace.py runs the "
     "demo so and checks the merged trace",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -98,6 +101,60 @@ async def test_dump_file_has_the_documented_fields(tmp_path: Path) -> None:
     assert first["ended"] >= first["started"] >= first["enqueued"] > 1e9
     assert (second["state"], second["ended"]) == ("pending", None)
     assert write_dump(rec, tmp_path / "missing", "x") is None  # no directory: no file
+
+
+@asyncio_only
+async def test_dumps_on_request_are_one_per_interval_the_latest_request_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("AIODIST_DUMP_DIR", str(tmp_path))
+    rec = Recorder(0, "flood", capacity=16)
+    op(rec, asyncio.get_running_loop(), "all_reduce", 1).set_result(None)
+    path = dump_path(tmp_path, "flood", 0)
+    with caplog.at_level("WARNING", logger="aiodist._group.dumps"):
+        for request in range(100):  # a flood of requests: one dump now, one for the rest
+            dumps.request_dump(rec, "aiodist status --dump", request)
+        async with asyncio.timeout(30):
+            while not path.exists() or json.loads(path.read_text())["request"] != 99:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)  # a file is written in a thread: nothing to await
+    written = [r for r in caplog.records if "flight recorder of rank 0" in r.getMessage()]
+    assert len(written) == 2, written
+    data = json.loads(path.read_text())
+    assert (data["reason"], data["operations"][0]["name"]) == (
+        "aiodist status --dump",
+        "all_reduce",
+    )
+
+
+def test_dump_dir_is_private_and_refuses_one_others_can_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("AIODIST_DUMP_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = dumps.dump_dir()
+    assert made == tmp_path / f"aiodist-dumps-{os.getuid()}"
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    made.chmod(0o777)  # as if another user made it for us
+    assert dumps.dump_dir() is None
+    assert "only this user may use" in caplog.text
+    made.rmdir()
+    made.symlink_to(tmp_path)  # a link is refused, whatever it points to
+    assert dumps.dump_dir() is None
+    monkeypatch.setenv("AIODIST_DUMP_DIR", str(tmp_path))
+    assert dumps.dump_dir() == tmp_path
+
+
+def test_dump_replaces_a_link_at_its_name_never_writing_through_it(tmp_path: Path) -> None:
+    rec = Recorder(1, "linked", capacity=16)
+    target = tmp_path / "target"
+    target.write_text("precious")
+    dump_path(tmp_path, "linked", 1).symlink_to(target)
+    path = write_dump(rec, tmp_path, "SIGUSR1")
+    assert path is not None
+    assert not path.is_symlink()
+    assert json.loads(path.read_text())["rank"] == 1
+    assert target.read_text() == "precious"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
 @asyncio_only
