@@ -68,8 +68,11 @@ FAULTS: Final = ("kill9", "sigstop", "restart", "away", "newcomer")
 #: Faults that kill (or freeze) one rank: its failure must be named on every survivor.
 RANK_FAULTS: Final = ("kill9", "sigstop", "away")
 WORLD: Final = 3  # odd: catches ring bugs; small: two cores run a cell
-HB: Final = 2.5  # heartbeat timeout; the daemon fails a rank not back 2 x HB (>= 5 s) after it
-INTERVAL: Final = 0.25
+# The heartbeat timeout: long enough that a rank starved of CPU on two loaded cores (a
+# loop stalled for 2.3 s was seen at a load of 12) is not declared failed, short enough
+# that a frozen rank is named within seconds.
+HB: Final = 4.0
+INTERVAL: Final = 0.25  # between heartbeats
 WARM: Final = 5  # rounds every rank runs at least before the fault, and after it
 # Limits of each phase (seconds): generous, for two loaded cores; a phase past its limit
 # is a hang.
@@ -83,9 +86,30 @@ AWAY_ALLOWANCE: Final = 1.0  # after 2 x HB: how late a notice still counts as l
 PHASE_LIMIT: Final = 60.0
 END_LIMIT: Final = 120.0
 
-#: Cells that fail today for a reason already known, and that reason. The soak marks them,
-#: the suite expects them to fail (not strictly: some fail only now and then).
-KNOWN: Final[dict[tuple[str, str], str]] = {}
+#: Why cells fail today, for reasons already known (issue 41's rows), with the cells each
+#: reason fails: the soak marks them, the suite expects them to fail. Remove a reason once
+#: its fix is in: a cell it marks in the suite then fails as an unexpected pass.
+KNOWN: Final[tuple[tuple[str, Callable[[Cell], bool]], ...]] = (
+    (
+        "#1 a large isend overtaken by a later small one to the same peer",
+        lambda c: c.workload == "p2p",
+    ),
+    (
+        "#2 a grown job across a daemon restart",
+        lambda c: c.workload == "elastic" and c.fault in ("restart", "away"),
+    ),
+    (
+        "#4 a rank killed while the daemon is away",
+        lambda c: c.fault == "away" and c.workload in ("p2p", "collectives", "elastic", "rpc"),
+    ),
+    (
+        "#11 rpc.shutdown when rank 0 dies",
+        lambda c: c.workload == "rpc" and c.victim == 0 and c.fault in RANK_FAULTS,
+    ),
+)
+#: A rank declared failed because its own event loop stood still that long: the machine
+#: was starved of CPU (the daemon was right), not a fault of the cell's.
+OVERLOAD: Final = "its event loop stopped for"
 
 
 @dataclass(frozen=True)
@@ -122,7 +146,8 @@ class Cell:
 
     @property
     def known(self) -> str | None:
-        return KNOWN.get((self.workload, self.fault))
+        """Issue 41's rows that fail this cell today, if any."""
+        return "; ".join(why for why, fails in KNOWN if fails(self)) or None
 
 
 def cells(seed: int = 0) -> list[Cell]:
@@ -150,6 +175,8 @@ class Outcome:
     def result(self) -> str:
         if self.ok:
             return "pass"
+        if any(OVERLOAD in p for p in self.problems):
+            return "OVERLOAD"  # inconclusive: run it again on a quieter machine
         hang = any(p.startswith("hang") for p in self.problems)
         return ("HANG" if hang else "FAIL") + (" (known)" if self.cell.known else "")
 
@@ -503,13 +530,17 @@ class CellRun:
 
     def notice_time(self, r: Rank) -> float | None:
         """Seconds from the fault (or the daemon's return) to ``r``'s notice of the victim."""
+        if self.t_fault is None or r.rank == self.cell.victim:
+            return None  # no fault yet: the cell stopped before it
         ref = self.t_back if self.cell.fault == "away" else self.t_fault
         times: list[float] = [
             n["t"]
             for n in r.all("notice")
-            if n["rank"] == self.cell.victim and n["type"] == "RankFailedError"
+            if n["rank"] == self.cell.victim
+            and n["type"] == "RankFailedError"
+            and n["_t"] <= self.t_stop
         ]
-        if ref is None or not times or r.rank == self.cell.victim:
+        if ref is None or not times:
             return None
         return min(times) - ref
 

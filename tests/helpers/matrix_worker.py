@@ -158,6 +158,7 @@ class Worker:
         self.round = 0
         self.dead: dict[int, int] = {}  # rank -> the era in which this rank learned it failed
         self.unhandled: set[int] = set()  # failures known, not yet met
+        self.declared = ""  # why the server declared this rank failed
         self.credit: dict[int, int] = {}
         self.regroups: dict[int, dict[str, Any]] = {}  # era -> command
         self.finish: dict[str, Any] | None = None
@@ -235,6 +236,11 @@ class Worker:
                 raise Fatal(f"era {self.era} round {self.round}: {describe(exc)}")
             return
         assert isinstance(rank, int)
+        if rank == self.me:  # the server declared this rank failed: it cannot go on
+            self.declared = describe(exc)
+            self.failed.set()
+            self.poke()
+            return
         self.dead[rank] = self.era
         self.unhandled.add(rank)
         self.failed.set()
@@ -332,6 +338,8 @@ class Worker:
     async def loop(self, tg: Any) -> None:
         workload = WORKLOADS[self.cfg["workload"]]
         while True:
+            if self.declared:
+                raise Fatal(f"era {self.era} round {self.round}: {self.declared}")
             if self.unhandled:
                 await self.after_failure(workload)
                 continue

@@ -4,7 +4,7 @@ Each cell runs a daemon with a state directory and a job of real processes under
 real fault (SIGKILL, SIGSTOP, the daemon killed and started again, a newcomer), and
 checks every value, every acknowledged write, every survivor's notice of the failure
 (``RankFailedError`` naming the victim within twice the heartbeat timeout), and that
-nothing hangs. The selection is fixed (seed 0), one cell per fault, about half a minute.
+nothing hangs. The selection is fixed (seed 0): four cells, about 35 s on two cores.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ SELECTION = [
     Cell("store", "restart", shm=False),
     Cell("p2p", "sigstop", shm=False),
     Cell("rpc", "kill9", shm=True),
-    Cell("store", "newcomer", shm=True),
 ]
 
 
