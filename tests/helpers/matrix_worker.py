@@ -449,10 +449,14 @@ class Worker:
         try:
             with anyio.fail_after(END_STEP + 5):
                 await aw
+        except aiodist.DistError as exc:  # DistTimeoutError too: the operation's own timeout
+            self.problem(f"{what} failed: {describe(exc)}")
         except TimeoutError:
             self.problem(f"{what} did not end within {END_STEP + 5:.0f} s")
-        except aiodist.DistError as exc:
-            self.problem(f"{what} failed: {describe(exc)}")
+        else:
+            return
+        dump_tasks()  # where it waited: its tasks, and its flight recorder
+        os.kill(os.getpid(), signal.SIGUSR1)
 
     async def goodbyes(self) -> None:
         g = self.probe_group
