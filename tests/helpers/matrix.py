@@ -9,7 +9,8 @@ fault, lets the survivors go on, then tells every rank where to stop. It checks:
   write any rank had acknowledged, the dead rank's too);
 - every failure named on every survivor (``RankFailedError`` with the victim's
   ``.rank``) within ``2 x HB`` of the fault, or of the daemon's return when the rank
-  died while it was away; no notice at all where nobody failed;
+  died while it was away (``AWAY_ALLOWANCE`` more: the daemon's own verdict is due
+  exactly then); no notice at all where nobody failed;
 - no hang: each phase has a limit, and every process is killed on the way out.
 
 Workloads: ``p2p`` (a ring of isend/irecv, tensors and objects of every size
