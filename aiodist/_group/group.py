@@ -65,6 +65,7 @@ class Bridge(Protocol):
     """
 
     torch_group: Any  # torch's ProcessGroup; None until brought up
+    devices: dict[str, str]  # device type -> torch backend of the calls it carries; {}: none
 
     def crosses(self, tensor: object) -> bool:
         """True if ``tensor`` lives on a device this bridge carries."""
