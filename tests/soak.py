@@ -37,8 +37,6 @@ COLUMNS = ("cell", "outcome", "notice (s)", "values", "writes", "time (s)", "fir
 def row(out: Outcome) -> list[str]:
     notice = "-" if out.notice_s is None else f"{out.notice_s:.2f}"
     first = out.problems[0] if out.problems else ""
-    if out.cell.known and not out.ok:
-        first = f"[{out.cell.known}] {first}"
     first = first.replace("|", "/").replace("\n", " ")
     if len(first) > 300:
         first = first[:297] + "..."

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FAULTS",
     "HB",
-    "KNOWN",
     "WORKLOADS",
     "Cell",
     "Outcome",
@@ -87,27 +86,6 @@ AWAY_ALLOWANCE: Final = 1.0  # after 2 x HB: how late a notice still counts as l
 PHASE_LIMIT: Final = 60.0
 END_LIMIT: Final = 120.0
 
-#: Why cells fail today, for reasons already known (issue 41's rows), with the cells each
-#: reason fails: the soak marks them, the suite expects them to fail. Remove a reason once
-#: its fix is in: a cell it marks in the suite then fails as an unexpected pass.
-KNOWN: Final[tuple[tuple[str, Callable[[Cell], bool]], ...]] = (
-    (
-        "#1 a large isend overtaken by a later small one to the same peer",
-        lambda c: c.workload == "p2p",
-    ),
-    (
-        "#2 a grown job across a daemon restart",
-        lambda c: c.workload == "elastic" and c.fault in ("restart", "away"),
-    ),
-    (
-        "#4 a rank killed while the daemon is away",
-        lambda c: c.fault == "away" and c.workload in ("p2p", "collectives", "elastic", "rpc"),
-    ),
-    (
-        "#11 rpc.shutdown when rank 0 dies",
-        lambda c: c.workload == "rpc" and c.victim == 0 and c.fault in RANK_FAULTS,
-    ),
-)
 #: A rank declared failed because its own event loop stood still that long: the machine
 #: was starved of CPU (the daemon was right), not a fault of the cell's.
 OVERLOAD: Final = "its event loop stopped for"
@@ -145,11 +123,6 @@ class Cell:
         grows = (self.workload == "elastic") + (self.fault == "newcomer")
         return WORLD + grows if grows else 0
 
-    @property
-    def known(self) -> str | None:
-        """Issue 41's rows that fail this cell today, if any."""
-        return "; ".join(why for why, fails in KNOWN if fails(self)) or None
-
 
 def cells(seed: int = 0) -> list[Cell]:
     return [Cell(w, f, shm, seed) for w in WORKLOADS for f in FAULTS for shm in (True, False)]
@@ -179,7 +152,7 @@ class Outcome:
         if any(OVERLOAD in p for p in self.problems):
             return "OVERLOAD"  # inconclusive: run it again on a quieter machine
         hang = any(p.startswith("hang") for p in self.problems)
-        return ("HANG" if hang else "FAIL") + (" (known)" if self.cell.known else "")
+        return "HANG" if hang else "FAIL"
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -187,7 +160,6 @@ class Outcome:
         out["seed"] = self.cell.seed
         out["victim"] = self.cell.victim
         out["result"] = self.result
-        out["known"] = self.cell.known
         return out
 
 
