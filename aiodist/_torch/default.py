@@ -1,18 +1,17 @@
-"""torch.distributed's default group for a job started without a backend.
+"""torch.distributed's default group for a job started without a backend: aiodist's own.
 
 ``torch.distributed.init_process_group()`` with no backend brings up
-``cpu:gloo,cuda:nccl`` (gloo alone where CUDA or NCCL is missing), and code
-written for torch relies on it: ``DistributedDataParallel``,
-``DistributedSampler``, ``torch.distributed.all_reduce``. aiodist's
-``init_process_group()`` with no backend does the same, at init (torch's
-own code finds the group the moment it looks; there is no hook to bring it up
-later), through the job's store. aiodist's own operations stay on its data
-plane: the group serves torch's code, and carries none of aiodist's calls
-(``backend="gloo"`` routes them to it).
+``cpu:gloo,cuda:nccl``, and code written for torch relies on that group:
+``DistributedDataParallel``, ``DistributedSampler``,
+``torch.distributed.all_reduce``. aiodist's ``init_process_group()`` with no
+backend (or ``backend="aiodist"``) brings it up at init (torch's code finds
+the group the moment it looks; there is no hook to bring it up later) on the
+``aiodist`` backend (``backend.py``): ``cpu:aiodist,cuda:nccl`` where CUDA and
+NCCL are there, ``aiodist`` alone elsewhere. One world: torch's calls ride
+aiodist's data plane and membership, with no second mesh.
 
-``backend="aiodist"`` or ``AIODIST_TORCH_GROUP=0`` leave torch.distributed
-alone (an async pipeline that never calls torch saves the gloo mesh: about
-0.1 s on an idle machine, seconds on a loaded one). A process where
+``AIODIST_TORCH_GROUP=0`` leaves torch.distributed alone (an async pipeline
+that never calls torch saves importing it). A process where
 torch.distributed is already up, or not built, is left as it is.
 """
 
@@ -20,49 +19,74 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 from typing import TYPE_CHECKING
-
-from aiodist._torch.bridge import bring_up
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["PLANE_ONLY", "bring_up_default", "wants_default_group"]
+__all__ = ["BACKEND", "bring_up_default", "default_backend", "wants_default_group"]
 
 logger = logging.getLogger(__name__)
 
-#: The backend name that asks for aiodist's data plane alone (no torch group).
-PLANE_ONLY = "aiodist"
+#: The backend name of aiodist's own (``torch.distributed`` backend ``"aiodist"``).
+BACKEND = "aiodist"
+
+#: True while torch's ``init_process_group`` joins aiodist's job itself (``_sync``'s
+#: ``torch_backend.create``): torch is bringing its group up, aiodist must not.
+joining_from_torch = False
 
 
 def wants_default_group(backend: str | None, environ: Mapping[str, str] | None = None) -> bool:
-    """True if joining with ``backend`` brings up torch's default group for torch's code."""
+    """True if joining with ``backend`` brings up torch's default group on aiodist's backend."""
     env = os.environ if environ is None else environ
-    return backend is None and env.get("AIODIST_TORCH_GROUP", "1") != "0"
+    if joining_from_torch or env.get("AIODIST_TORCH_GROUP", "1") == "0":
+        return False
+    return backend is None or backend.lower() == BACKEND
 
 
 def default_backend() -> str:
-    """torch's default: ``cpu:gloo,cuda:nccl`` where CUDA and NCCL are there, else gloo."""
+    """``cpu:aiodist,cuda:nccl`` where CUDA and NCCL are there, else ``aiodist``."""
     import torch
     import torch.distributed as dist
 
     if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
+        return f"cpu:{BACKEND},cuda:nccl"
+    return BACKEND
 
 
 async def bring_up_default(world: ProcessGroup) -> None:
-    """Bring up torch.distributed's default group for torch's code; route nothing to it.
+    """Bring up torch.distributed's default group on the aiodist backend, over ``world``.
 
     Raises:
         GroupBrokenError: torch could not bring its group up.
     """
+    import asyncio
+
     import torch.distributed as dist
+
+    from aiodist._errors import GroupBrokenError
+    from aiodist._torch.store import LoopStore
 
     if not dist.is_available() or dist.is_initialized():
         return  # no torch.distributed in this build, or other code brought it up
     backend = default_backend()
     logger.debug("bringing up torch.distributed's default group (%s)", backend)
-    await bring_up(world, backend, {})
+    loop = asyncio.get_running_loop()
+    store = LoopStore(world.store, loop, "torch/", world.timeout)
+    try:
+        # In a thread: torch's calls block, and the loop must go on serving the job.
+        await asyncio.to_thread(
+            dist.init_process_group,
+            backend=backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timedelta(seconds=world.timeout),
+        )
+    except Exception as exc:
+        raise GroupBrokenError(
+            f"torch.distributed.init_process_group({backend!r}) on aiodist's job failed: {exc}"
+        ) from exc
