@@ -16,18 +16,21 @@ background loop thread.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from aiodist._group.world import get_default_group
-from aiodist._launch.init import init_process_group
+from aiodist._group.world import default_group_loop, get_default_group
+from aiodist._launch.init import destroy_process_group, init_process_group
 from aiodist._sync import portal
 from aiodist._torch import default
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from datetime import timedelta
     from importlib.machinery import ModuleSpec
     from types import ModuleType
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["create", "register_with_torch"]
 
 BACKEND = "aiodist"
+T = TypeVar("T")
 
 
 def register_with_torch() -> None:
@@ -83,26 +87,55 @@ def create(opts: Any, backend_options: Any = None) -> Any:
         RuntimeError, RendezvousError: The job could not be joined.
         ValueError: torch's rank and size are not this process's in aiodist's job.
     """
-    from aiodist._torch.backend import create_default
+    from aiodist._torch.backend import create_default, create_subgroup
 
     ranks = list(opts.global_ranks_in_group)
-    if not ranks:  # torch's default group
-        if get_default_group() is None:
-            _join(opts.group_rank, opts.group_size, opts.timeout)
-        return create_default(opts.group_rank, opts.group_size)
-    raise NotImplementedError("subgroups")
+    if ranks:  # a subgroup: torch calls this on its members only
+        return _on_group_loop(create_subgroup, str(opts.group_id), ranks, opts.group_rank)
+    joined = get_default_group() is None
+    if joined:
+        _join(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    pg = create_default(opts.group_rank, opts.group_size, owns_job=joined)
+    if joined:
+        pg.leave_job = functools.partial(portal.call, destroy_process_group)
+    return pg
 
 
-def _join(rank: int, world_size: int, timeout: timedelta) -> None:
-    """Join aiodist's job from torch's ``init_process_group`` (its store is torch's own)."""
+def _on_group_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on the loop the default group lives on (torch calls from a thread)."""
+    loop = default_group_loop()
+    if loop is None:
+        raise RuntimeError("aiodist's job is not running in this process")
+    result: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(fn(*args))
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    return result.result()
+
+
+def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Join aiodist's job from torch's ``init_process_group``.
+
+    Under a launcher that names the job's server (``aiodist run``) or hosts a
+    store of its own (torchrun), from its variables (``env://``); otherwise
+    through torch's store: rank 0 embeds the server and publishes it there.
+    """
+    env = os.environ
+    launched = bool(env.get("AIODIST_SERVER") or env.get("TORCHELASTIC_RUN_ID"))
     default.joining_from_torch = True
     try:
         portal.call(
             init_process_group,
-            init_method="env://",
+            init_method="env://" if launched else None,
             rank=rank,
             world_size=world_size,
             timeout=timeout,
+            store=None if launched else store,
         )
     finally:
         default.joining_from_torch = False

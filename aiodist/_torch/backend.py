@@ -28,15 +28,17 @@ builds again when the membership changes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup as TorchProcessGroup
 from torch._C._distributed_c10d import Work as TorchWork
 
 from aiodist._errors import DistTimeoutError
+from aiodist._group.group import ProcessGroup
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._ops.movement import (
     all_gather,
@@ -55,11 +57,14 @@ from aiodist._ops.tensor_groups import all_reduce_coalesced
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from datetime import timedelta
+    from typing import TypeAlias
 
-    from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
 
-__all__ = ["BACKEND", "AiodistProcessGroup", "AiodistWork"]
+    #: An aiodist operation on a group, started on aiodist's loop.
+    Start: TypeAlias = Callable[[ProcessGroup], Work[Any]]
+
+__all__ = ["BACKEND", "AiodistProcessGroup", "AiodistWork", "create_default", "create_subgroup"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ logger = logging.getLogger(__name__)
 BACKEND = "aiodist"
 
 
-class AiodistWork(TorchWork):  # type: ignore[misc]
+class AiodistWork(TorchWork):
     """A torch ``Work`` for one aiodist operation (or several, for a coalesced call).
 
     Settled on aiodist's loop; waited for from any other thread.
@@ -179,7 +184,7 @@ def _op(opts: Any) -> Any:
     return getattr(op, "op", op)
 
 
-class AiodistProcessGroup(TorchProcessGroup):  # type: ignore[misc]
+class AiodistProcessGroup(TorchProcessGroup):
     """torch's process group over an aiodist group (the default group, followed).
 
     Args:
@@ -188,11 +193,21 @@ class AiodistProcessGroup(TorchProcessGroup):  # type: ignore[misc]
         rank, size: torch's rank and size at creation (they follow ``follow()``).
     """
 
-    def __init__(self, follow: Callable[[], ProcessGroup | None], rank: int, size: int) -> None:
-        super().__init__(rank, size)
+    def __init__(
+        self,
+        follow: Callable[[], ProcessGroup | None],
+        rank: int,
+        size: int,
+        *,
+        owns_job: bool = False,
+    ) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._follow = follow
         self._rank = rank
         self._size = size
+        self._owns_job = owns_job
+        #: Called by torch's ``destroy_process_group`` (``shutdown``) when the job is ours.
+        self.leave_job: Callable[[], None] | None = None
 
     # --- what torch asks of every group -------------------------------------------------------
 
@@ -216,13 +231,29 @@ class AiodistProcessGroup(TorchProcessGroup):  # type: ignore[misc]
     def __repr__(self) -> str:
         return f"<AiodistProcessGroup rank {self.getRank()} of {self.getSize()}>"
 
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: a subgroup closes; the default group leaves
+        the job if torch's ``init_process_group`` joined it (else aiodist's own
+        ``destroy_process_group`` does that)."""
+        g = self._follow()
+        if self._owns_job and self.leave_job is not None:
+            leave, self.leave_job = self.leave_job, None
+            leave()
+        elif g is not None and g is not get_default_group() and not g.closed:
+            loop = default_group_loop()
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(g.close)
+
+    def abort(self) -> None:
+        self.shutdown()
+
     # --- issuing ------------------------------------------------------------------------------
 
     def _issue(
         self,
         description: str,
         value: Any,
-        starts: Sequence[Callable[[ProcessGroup], Work[Any]]],
+        starts: Sequence[Start],
     ) -> AiodistWork:
         """Start ``starts`` (each an aiodist operation on the group) on aiodist's loop, in order."""
         loop = default_group_loop()
@@ -252,105 +283,94 @@ class AiodistProcessGroup(TorchProcessGroup):  # type: ignore[misc]
         loop.call_soon_threadsafe(begin)
         return work
 
-    def _one(
-        self, description: str, value: Any, start: Callable[[ProcessGroup], Work[Any]]
-    ) -> AiodistWork:
-        return self._issue(description, value, [start])
+    # --- the operations: torch's names (its trampoline's and its Python callers') ------------
+    # torch's stubs overload some of them with a per-tensor form (``pg.allreduce(t)``);
+    # torch's callers (its Python API, DDP's reducer) use the list forms, implemented here.
 
-    # --- the operations -----------------------------------------------------------------------
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
         op = _op(opts)
-        if len(tensors) == 1:
-            t = tensors[0]
-            return self._one("all_reduce", tensors, lambda g: all_reduce(t, op, g))
-        return self.allreduce_coalesced(tensors, opts)
+        if len(tensors) != 1:
+            return self.allreduce_coalesced(tensors, opts)
+        (t,) = tensors
+        return self._issue("all_reduce", tensors, [lambda g: all_reduce(t, op, g)])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:
         op = _op(opts)
-        return self._one(
-            "all_reduce_coalesced", tensors, lambda g: all_reduce_coalesced(tensors, op, g)
+        return self._issue(
+            "all_reduce_coalesced", tensors, [lambda g: all_reduce_coalesced(tensors, op, g)]
         )
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:
-        root = opts.rootRank if opts is not None else 0
-        starts = [
-            (lambda g, t=t: broadcast(t, None, g, group_src=root))  # type: ignore[misc]
-            for t in tensors
-        ]
-        return self._issue("broadcast", tensors, starts)
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
+        root = _root(opts)
+        return self._issue(
+            "broadcast", tensors, [_bind(broadcast, t, None, group_src=root) for t in tensors]
+        )
 
-    def allgather(
+    def allgather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> AiodistWork:
-        starts = [
-            (lambda g, o=o, i=i: all_gather(o, i, g))  # type: ignore[misc]
-            for o, i in zip(output_tensors, input_tensors, strict=True)
-        ]
+        starts = [_bind(all_gather, o, i) for o, i in _pairs(output_tensors, input_tensors)]
         return self._issue("all_gather", output_tensors, starts)
 
-    def _allgather_base(
+    def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiodistWork:
-        return self._one(
-            "all_gather_into_tensor", [output], lambda g: all_gather_into_tensor(output, input, g)
+        return self._issue(
+            "all_gather_into_tensor", [output], [_bind(all_gather_into_tensor, output, input)]
         )
 
     def allgather_coalesced(
-        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+        self,
+        output_lists: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: Any = None,
     ) -> AiodistWork:
-        return self._one(
+        return self._issue(
             "all_gather_coalesced",
             output_lists,
-            lambda g: all_gather_coalesced(output_lists, inputs, g),
+            [_bind(all_gather_coalesced, output_lists, inputs)],
         )
 
-    def allgather_into_tensor_coalesced(
+    def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
-        starts = [
-            (lambda g, o=o, i=i: all_gather_into_tensor(o, i, g))  # type: ignore[misc]
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
+        starts = [_bind(all_gather_into_tensor, o, i) for o, i in _pairs(outputs, inputs)]
         return self._issue("all_gather_into_tensor_coalesced", outputs, starts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:
-        root, op = opts.rootRank, _op(opts)
-        t = tensors[0]
-        return self._one("reduce", tensors, lambda g: reduce(t, None, op, g, group_dst=root))
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
+        root, op = _root(opts), _op(opts)
+        starts = [_bind(reduce, t, None, op, group_dst=root) for t in tensors]
+        return self._issue("reduce", tensors, starts)
 
-    def reduce_scatter(
-        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: Any = None,
     ) -> AiodistWork:
         op = _op(opts)
-        starts = [
-            (lambda g, o=o, i=i: reduce_scatter(o, i, op, g))  # type: ignore[misc]
-            for o, i in zip(outputs, input_lists, strict=True)
-        ]
+        starts = [_bind(reduce_scatter, o, i, op) for o, i in _pairs(outputs, input_lists)]
         return self._issue("reduce_scatter", outputs, starts)
 
-    def _reduce_scatter_base(
+    def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiodistWork:
         op = _op(opts)
-        return self._one(
-            "reduce_scatter_tensor", [output], lambda g: reduce_scatter_tensor(output, input, op, g)
+        return self._issue(
+            "reduce_scatter_tensor", [output], [_bind(reduce_scatter_tensor, output, input, op)]
         )
 
-    def reduce_scatter_tensor_coalesced(
+    def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
         op = _op(opts)
-        starts = [
-            (lambda g, o=o, i=i: reduce_scatter_tensor(o, i, op, g))  # type: ignore[misc]
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
+        starts = [_bind(reduce_scatter_tensor, o, i, op) for o, i in _pairs(outputs, inputs)]
         return self._issue("reduce_scatter_tensor_coalesced", outputs, starts)
 
-    def alltoall_base(
+    def all_to_all_single(
         self,
         output: torch.Tensor,
         input: torch.Tensor,
@@ -360,66 +380,85 @@ class AiodistProcessGroup(TorchProcessGroup):  # type: ignore[misc]
     ) -> AiodistWork:
         outs = list(output_split_sizes) or None
         ins = list(input_split_sizes) or None
-        return self._one(
-            "all_to_all_single", [output], lambda g: all_to_all_single(output, input, outs, ins, g)
+        return self._issue(
+            "all_to_all_single", [output], [_bind(all_to_all_single, output, input, outs, ins)]
         )
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
-        return self._one("all_to_all", outputs, lambda g: all_to_all(outputs, inputs, g))
+        return self._issue("all_to_all", outputs, [_bind(all_to_all, outputs, inputs)])
 
-    def gather(
+    def gather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> AiodistWork:
-        root = opts.rootRank
-        t = input_tensors[0]
-        out = output_tensors[0] if output_tensors else None
-        return self._one(
-            "gather",
-            output_tensors,
-            lambda g: gather(t, out if g.rank == root else None, None, g, group_dst=root),
-        )
+        root = _root(opts)
+        (t,) = input_tensors
+        out = output_tensors[0] if output_tensors and self.getRank() == root else None
+        return self._issue("gather", output_tensors, [_bind(gather, t, out, None, group_dst=root)])
 
-    def scatter(
+    def scatter(  # type: ignore[override]
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> AiodistWork:
-        root = opts.rootRank
-        t = output_tensors[0]
-        ins = input_tensors[0] if input_tensors else None
-        return self._one(
-            "scatter",
-            output_tensors,
-            lambda g: scatter(t, ins if g.rank == root else None, None, g, group_src=root),
+        root = _root(opts)
+        (t,) = output_tensors
+        ins = input_tensors[0] if input_tensors and self.getRank() == root else None
+        return self._issue(
+            "scatter", output_tensors, [_bind(scatter, t, ins, None, group_src=root)]
         )
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AiodistWork:
-        t = tensors[0]
-        return self._one("send", tensors, lambda g: isend(t, None, g, tag, group_dst=dst))
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> AiodistWork:
+        starts = [_bind(isend, t, None, tag=tag, group_dst=dstRank) for t in tensors]
+        return self._issue("send", tensors, starts)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AiodistWork:
-        t = tensors[0]
-        return self._one("recv", tensors, lambda g: irecv(t, None, g, tag, group_src=src))
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> AiodistWork:
+        starts = [_bind(irecv, t, None, tag=tag, group_src=srcRank) for t in tensors]
+        return self._issue("recv", tensors, starts)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiodistWork:
-        t = tensors[0]
-        return self._one("recv", tensors, lambda g: irecv(t, None, g, tag))
+        starts = [_bind(irecv, t, None, tag=tag) for t in tensors]
+        return self._issue("recv", tensors, starts)
 
     def barrier(self, opts: Any = None) -> AiodistWork:
-        return self._one("barrier", [], lambda g: barrier(g))
+        return self._issue("barrier", [], [_bind(barrier)])
 
     def monitored_barrier(
         self, timeout: timedelta | None = None, wait_all_ranks: bool = False
     ) -> None:
-        self._one(
-            "monitored_barrier", [], lambda g: monitored_barrier(g, timeout, wait_all_ranks)
-        ).wait()
+        work = self._issue(
+            "monitored_barrier", [], [_bind(monitored_barrier, timeout, wait_all_ranks)]
+        )
+        work.wait()
+
+    # torch's older names, which other callers (and its trampoline's fallbacks) use.
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+
+def _bind(fn: Callable[..., Work[Any]], *args: Any, **kwargs: Any) -> Start:
+    """``fn(*args, group, **kwargs)``: an aiodist operation, its group last of its positionals."""
+    return lambda g: fn(*args, g, **kwargs)
+
+
+def _pairs(outputs: Sequence[Any], inputs: Sequence[Any]) -> list[tuple[Any, Any]]:
+    if len(outputs) != len(inputs):
+        raise ValueError(
+            f"torch passed {len(outputs)} outputs for {len(inputs)} inputs; expected as many"
+        )
+    return list(zip(outputs, inputs, strict=True))
+
+
+def _root(opts: Any) -> int:
+    return int(getattr(opts, "rootRank", 0))
 
 
 def follow_default() -> ProcessGroup | None:
@@ -427,8 +466,15 @@ def follow_default() -> ProcessGroup | None:
     return get_default_group()
 
 
-def create_default(rank: int, size: int) -> AiodistProcessGroup:
-    """torch's default group over aiodist's (which must be up in this process)."""
+def create_default(rank: int, size: int, *, owns_job: bool) -> AiodistProcessGroup:
+    """torch's default group over aiodist's default group (up in this process).
+
+    ``owns_job``: torch's ``init_process_group`` joined the job, so torch's
+    ``destroy_process_group`` leaves it.
+
+    Raises:
+        ValueError: torch's rank and size are not this process's in the job.
+    """
     g = get_default_group()
     if g is None:
         raise RuntimeError("aiodist's default group is not initialised")
@@ -437,4 +483,32 @@ def create_default(rank: int, size: int) -> AiodistProcessGroup:
             f"torch.distributed asked for rank {rank} of {size}, and aiodist's job has this "
             f"process as rank {g.rank} of {g.world_size}; pass the same rank and world size"
         )
-    return AiodistProcessGroup(follow_default, rank, size)
+    return AiodistProcessGroup(follow_default, rank, size, owns_job=owns_job)
+
+
+#: Group ids of the aiodist groups under torch's subgroups: a space of their own,
+#: derived from torch's group name, since only torch's members make them (aiodist's
+#: own ``new_group`` numbers groups on every rank of the parent).
+TORCH_GROUP_IDS: Final = 1 << 62
+_TORCH_GROUP_SPAN: Final = 1 << 48
+
+
+def create_subgroup(name: str, ranks: Sequence[int], rank: int) -> AiodistProcessGroup:
+    """torch's group ``name`` over ``ranks`` (torch's global ranks: the default group's).
+
+    Made by its members only (torch calls no backend on the others), so no agreement
+    among the whole world: every member derives the same group id from the name.
+    """
+    world = get_default_group()
+    if world is None:
+        raise RuntimeError("aiodist's default group is not initialised")
+    session = world.session
+    members = [world.ranks[r] for r in ranks]
+    digest = hashlib.blake2b(f"{world.group_id}/{name}/{members}".encode(), digest_size=8)
+    group_id = TORCH_GROUP_IDS + int.from_bytes(digest.digest()) % _TORCH_GROUP_SPAN
+    group = ProcessGroup(session, members, name=f"{world.name}/torch:{name}", group_id=group_id)
+    group.timeout = world.timeout
+    session.groups[group_id] = group
+    if group.rank != rank:
+        raise ValueError(f"torch made rank {rank} of group {name!r}; aiodist has {group.rank}")
+    return AiodistProcessGroup(lambda: group, rank, len(members), owns_job=False)
