@@ -38,7 +38,7 @@ from aiodist._group.world import (
 from aiodist._launch.launchers import launcher_env
 from aiodist._rpc.agent import agent_for
 from aiodist._torch.bridge import bring_up, parse_backend, tear_down
-from aiodist._torch.default import bring_up_default, wants_default_group
+from aiodist._torch.default import bring_up_default, tear_down_default, wants_default_group
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -150,6 +150,7 @@ async def init_process_group(
                     if default is not None:
                         _forget_default(default)
                     with anyio.CancelScope(shield=True):
+                        await tear_down_default()
                         await tear_down(group)
         except BaseException as exc:
             if not started.done():

@@ -208,6 +208,8 @@ class AiodistProcessGroup(TorchProcessGroup):
         self._owns_job = owns_job
         #: Called by torch's ``destroy_process_group`` (``shutdown``) when the job is ours.
         self.leave_job: Callable[[], None] | None = None
+        #: torch's ``destroy_process_group`` is under way (aiodist must not start another).
+        self.destroying = False
 
     # --- what torch asks of every group -------------------------------------------------------
 
@@ -235,6 +237,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         """torch's ``destroy_process_group``: a subgroup closes; the default group leaves
         the job if torch's ``init_process_group`` joined it (else aiodist's own
         ``destroy_process_group`` does that)."""
+        self.destroying = True
         g = self._follow()
         if self._owns_job and self.leave_job is not None:
             leave, self.leave_job = self.leave_job, None

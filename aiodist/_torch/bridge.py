@@ -36,6 +36,7 @@ from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBroke
 from aiodist._ops import staging
 from aiodist._torch import ops
 from aiodist._torch.agree import agree, checking, signature_of
+from aiodist._torch.default import is_aiodist
 from aiodist._torch.issuing import IssuingThread
 
 if TYPE_CHECKING:
@@ -74,7 +75,10 @@ def parse_backend(backend: str | None) -> dict[str, str] | None:
     Raises:
         RuntimeError: A torch backend this process cannot run (NCCL without CUDA).
     """
-    if backend is None or (backend.lower() not in _DEVICE_OF and ":" not in backend):
+    if is_aiodist(backend):
+        return None  # aiodist's own (``default.py``): nothing of aiodist's goes to torch
+    assert backend is not None
+    if backend.lower() not in _DEVICE_OF and ":" not in backend:
         return None
     pairs: dict[str, str] = {}
     for part in backend.lower().split(","):

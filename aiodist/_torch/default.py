@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["BACKEND", "bring_up_default", "default_backend", "wants_default_group"]
+__all__ = [
+    "BACKEND",
+    "bring_up_default",
+    "default_backend",
+    "is_aiodist",
+    "tear_down_default",
+    "wants_default_group",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +46,20 @@ BACKEND = "aiodist"
 joining_from_torch = False
 
 
+def is_aiodist(backend: str | None) -> bool:
+    """True if ``backend`` means aiodist's own: None, ``"aiodist"``, ``"cpu:aiodist,..."``."""
+    if backend is None:
+        return True
+    parts = dict(p.strip().rpartition(":")[::2] for p in backend.lower().split(","))
+    return parts.get("", parts.get("cpu")) == BACKEND
+
+
 def wants_default_group(backend: str | None, environ: Mapping[str, str] | None = None) -> bool:
     """True if joining with ``backend`` brings up torch's default group on aiodist's backend."""
     env = os.environ if environ is None else environ
     if joining_from_torch or env.get("AIODIST_TORCH_GROUP", "1") == "0":
         return False
-    return backend is None or backend.lower() == BACKEND
+    return is_aiodist(backend)
 
 
 def default_backend() -> str:
@@ -90,3 +105,29 @@ async def bring_up_default(world: ProcessGroup) -> None:
         raise GroupBrokenError(
             f"torch.distributed.init_process_group({backend!r}) on aiodist's job failed: {exc}"
         ) from exc
+
+
+async def tear_down_default() -> None:
+    """Destroy torch's default group if it is aiodist's (the job is being left).
+
+    Not when torch's own ``destroy_process_group`` is what leaves the job: it is
+    tearing torch's groups down already.
+
+    Cancellation:
+        The caller should shield it: torch's groups go on being destroyed in a thread.
+    """
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    import asyncio
+
+    import torch.distributed as dist
+
+    from aiodist._torch.backend import AiodistProcessGroup
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    pg = dist.distributed_c10d._get_default_group()
+    if isinstance(pg, AiodistProcessGroup) and not pg.destroying:
+        await asyncio.to_thread(dist.destroy_process_group)

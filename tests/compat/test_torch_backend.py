@@ -32,7 +32,7 @@ def anyio_backend() -> str:
 
 async def _train(launcher: list[str], init: str, world: int = 2) -> dict[int, dict[str, Any]]:
     argv = [*launcher, "--nproc-per-node", str(world), WORKER, init]
-    env = {"PYTHONPATH": str(ROOT), "AIODIST_TORCH_GROUP": "1"}
+    env = {"PYTHONPATH": str(ROOT)}
     result = await _procs.run(argv, LIMIT, env)
     assert result.returncode == 0, result.stderr[-3000:]
     reports = _procs.reports_by_rank(result.stdout)

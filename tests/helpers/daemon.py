@@ -99,7 +99,7 @@ async def serve(
     full_env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     full_env.update(env or {})
     if nofile is None:
@@ -141,7 +141,7 @@ async def run_cli(
     full_env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     full_env.update(env or {})
     with anyio.fail_after(60):

@@ -39,7 +39,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 

@@ -33,7 +33,7 @@ def _env() -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     env["PYTHONPATH"] = str(ROOT)
     return env

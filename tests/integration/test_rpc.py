@@ -49,7 +49,7 @@ def _run(
     base = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     base["PYTHONPATH"] = str(ROOT)
     procs: dict[int, subprocess.Popen[str]] = {}

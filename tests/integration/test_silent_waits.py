@@ -229,7 +229,7 @@ async def spawn(
     full_env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     with _create(stderr) as err:
         proc = await anyio.open_process(
@@ -463,7 +463,7 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
+        if not k.startswith("AIODIST_")
     }
     with anyio.fail_after(60):
         async with await anyio.open_process(
