@@ -5,8 +5,10 @@
   nothing listens and this process is rank 0 (or ``AIODIST_EMBED=1``), it
   starts the server embedded in itself.
   Other ranks retry until the rendezvous timeout, as TCPStore clients do.
-- ``env://`` reads torchrun's variables and then behaves as ``tcp://``, as
-  under ``aiodist run``, whose server listens at ``MASTER_ADDR:MASTER_PORT``.
+- ``env://`` reads torchrun's variables and then behaves as ``tcp://``: at
+  ``AIODIST_SERVER`` (``aiodist run`` on one node, whose launcher also hosts
+  torch's store at ``MASTER_ADDR:MASTER_PORT``, as torchrun's agent does), else
+  at ``MASTER_ADDR:MASTER_PORT`` (``aiodist run`` on several nodes).
   Under torchrun itself (``TORCHELASTIC_RUN_ID`` set), a torch TCPStore
   listens there instead: rank 0 embeds a server on a free port and publishes
   it in that store, the others read it there (``torchrun.py``).
@@ -155,6 +157,21 @@ def parse_init_method(
             rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
         if world_size < 0:
             world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
+        if server := env.get("AIODIST_SERVER", "").strip():
+            # ``aiodist run``: its server, while MASTER_ADDR:MASTER_PORT is torch's store.
+            server_host, _, server_port = server.rpartition(":")
+            if not server_host or not server_port.isdecimal():
+                raise RendezvousError(f"AIODIST_SERVER={server!r} is not HOST:PORT")
+            return RendezvousSpec(
+                "tcp",
+                server_host.strip("[]"),
+                int(server_port),
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                local_world_size=local_world_size,
+                generation=generation,
+            )
         port = _env_int(env, "MASTER_PORT")
         host = env.get("MASTER_ADDR", "")
         if port is None or not host:

@@ -29,6 +29,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
+def say(report: dict[str, Any]) -> None:
+    # One write per line: the ranks share a pipe, and unbuffered, print() writes the
+    # line and its newline apart, so that another rank's line may come between.
+    sys.stdout.write(json.dumps(report) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     init = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
@@ -42,7 +49,7 @@ def main() -> int:
             import aiodist  # registers the backend
         dist.init_process_group(backend=init)
     rank, world = dist.get_rank(), dist.get_world_size()
-    print(json.dumps({"pid": os.getpid()}), flush=True)
+    say({"pid": os.getpid()})
 
     gen = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen))
@@ -84,7 +91,7 @@ def main() -> int:
         "hooked": len(hooked),
         "losses": losses,
     }
-    print(json.dumps(report), flush=True)
+    say(report)
     if init == "default":
         import aiodist.sync
 

@@ -130,6 +130,16 @@ def test_rank_env_is_torchruns() -> None:
     assert "OMP_NUM_THREADS" not in rank_env(single, 0, ("h", 1), "j", {})
 
 
+def test_rank_env_with_the_agent_store_is_torchruns_and_names_the_server_apart() -> None:
+    spec = LaunchSpec(["python", "x.py"], nproc=2)
+    env = rank_env(spec, 1, ("127.0.0.1", 4000), "job", {}, agent_store=("127.0.0.1", 5000))
+    # torch's env:// finds its store as under torchrun; aiodist's finds its server.
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "5000")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCHELASTIC_RUN_ID"] == "job"
+    assert env["AIODIST_SERVER"] == "127.0.0.1:4000"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
