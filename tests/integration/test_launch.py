@@ -30,11 +30,7 @@ asyncio_only = pytest.mark.parametrize(
 
 
 def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_")
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     env["PYTHONPATH"] = str(ROOT)
     return env
 

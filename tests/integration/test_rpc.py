@@ -46,11 +46,7 @@ def _run(
     it is killed once the others are done. No process outlives this call.
     """
     port = _free_port()
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_")
-    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     base["PYTHONPATH"] = str(ROOT)
     procs: dict[int, subprocess.Popen[str]] = {}
     deadline = time.monotonic() + timeout
