@@ -82,7 +82,12 @@ class AiodistWork(TorchWork):
         super().__init__()
         self._value = value
         self._description = description
-        self._future: Any = torch.futures.Future()
+        # torch's Future.set_exception only marks the error for Python callers (it sets the
+        # exception as the result); C++ ones (DDP's reducer) would take it for a value. A
+        # callback that raises marks the future it returns failed for both: torch's ``Work``
+        # future is that one, completed from ``_settled``.
+        self._settled: Any = torch.futures.Future()
+        self._future: Any = self._settled.then(self._outcome)
         self._done = threading.Event()
         self._left = count
         self._error: BaseException | None = None
@@ -115,10 +120,12 @@ class AiodistWork(TorchWork):
         if self._done.is_set():
             return
         self._done.set()
+        self._settled.set_result(None)
+
+    def _outcome(self, _: Any) -> Any:
         if self._error is not None:
-            self._future.set_exception(self._error)
-        else:
-            self._future.set_result(self._value)
+            raise self._error
+        return self._value
 
     # --- torch's side -------------------------------------------------------------------------
 

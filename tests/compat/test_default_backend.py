@@ -104,3 +104,23 @@ async def test_gloo_calls_that_disagree_fail_cleanly_on_every_rank_with_the_chec
         assert r.get("error") == "CollectiveMismatchError", r
         assert r["field"] == field, r
         assert r["after"] < 5.0, r
+
+
+@pytest.mark.parametrize(("mode", "field"), [("torch_extra", "op"), ("torch_shape", "shape")])
+async def test_torch_calls_that_disagree_fail_cleanly_on_every_rank_with_no_setting(
+    mode: str, field: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env.update(PYTHONPATH=str(ROOT))
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+    argv += [sys.executable, "-m", "aiodist", "run", "-n", "2", WORKER, mode]
+    result = await _procs.run(argv, 60.0)
+    reports = _reports(result.stdout)
+    # torch's own calls on the aiodist backend are aiodist's: on gloo, the extra
+    # all_reduce hung until the timeout, and shapes [2] and [3] gave rank 0 a wrong
+    # result while rank 1 saw "Connection closed by peer".
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r.get("error") == "CollectiveMismatchError", r
+        assert r["field"] == field, r
+        assert r["after"] < 5.0, r

@@ -9,14 +9,18 @@ a sum of two is the same in any order), and the sampler's indices the same.
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 
 from tests.helpers import HELPERS, ROOT
 from tests.helpers import procs as _procs
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +39,23 @@ def anyio_backend() -> str:
     return "asyncio"  # the loop only waits for the processes
 
 
-async def _train(launcher: list[str], init: str, world: int = 2) -> dict[int, dict[str, Any]]:
-    argv = [*launcher, "--nproc-per-node", str(world), WORKER, init]
-    env = {"PYTHONPATH": str(ROOT)}
-    result = await _procs.run(argv, LIMIT, env)
-    assert result.returncode == 0, result.stderr[-3000:]
+async def _train(
+    launcher: list[str],
+    init: str,
+    world: int = 2,
+    *args: str,
+    env: dict[str, str] | None = None,
+    code: int = 0,
+) -> dict[int, dict[str, Any]]:
+    argv = [*launcher, "--nproc-per-node", str(world), WORKER, init, *args]
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT), **(env or {})})
+    assert result.returncode == code, result.stderr[-3000:]
     # aiodist run prefixes each line with "[rank N] ".
     lines = [
         line.partition("] ")[2] if line.startswith("[rank") else line
         for line in result.stdout.splitlines()
     ]
-    reports = _procs.reports_by_rank("\n".join(lines))
-    assert sorted(reports) == list(range(world)), result.stdout
-    return reports
+    return _procs.reports_by_rank("\n".join(lines))
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
@@ -56,6 +64,7 @@ async def test_ddp_on_the_aiodist_backend_trains_as_on_gloo(launcher: str) -> No
 
     async def one(init: str) -> None:
         runs[init] = await _train(LAUNCHERS[launcher], init)
+        assert sorted(runs[init]) == [0, 1], runs[init]
 
     with anyio.fail_after(3 * LIMIT):
         async with anyio.create_task_group() as tg:
@@ -70,3 +79,31 @@ async def test_ddp_on_the_aiodist_backend_trains_as_on_gloo(launcher: str) -> No
             assert report["params"] == gloo[rank]["params"], (init, rank)
             assert report["hooked"] == gloo[rank]["hooked"] > 0  # the hook's futures ran
     assert gloo[0]["params"] == gloo[1]["params"]  # DDP kept the replicas equal
+
+
+@pytest.mark.parametrize("init", ["aiodist", "default"])
+async def test_a_rank_killed_inside_ddps_backward_fails_the_others_naming_it(init: str) -> None:
+    # torchrun stops the other workers once one dies; its monitor interval gives them the
+    # time to report what they saw (within milliseconds). Before: gloo's SIGABRT, or
+    # "Connection reset by peer" naming no rank.
+    launcher = [*LAUNCHERS["torchrun"], "--monitor-interval", "5"]
+    reports = await _train(launcher, init, 3, "4", "2", code=1)
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r["step"] == 2, r
+        # DDP's reducer raises torch's RuntimeError; aiodist's error is in its message.
+        assert "RankFailedError: rank 2 (host " in r["message"], r
+        assert r["seconds"] < 5.0, r  # not a timeout: at once, or within the heartbeat's
+
+
+async def test_ddps_calls_are_in_the_timeline(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    await _train(LAUNCHERS["aiodist-run"], "aiodist", env={"AIODIST_TRACE": str(traces)})
+    files = sorted(traces.glob("aiodist-trace-*-rank*.json"))
+    assert len(files) == 2, files
+    for path in files:
+        names = [e["name"].split(" #")[0] for e in json.loads(path.read_text())["traceEvents"]]
+        # DDP's set-up (a broadcast of the parameters) and its gradients' all_reduce,
+        # four steps of one bucket each.
+        assert names.count("broadcast") >= 1, names
+        assert names.count("all_reduce") >= 4, names

@@ -1,6 +1,7 @@
 """One rank of a plain torch DDP script, as users write it (``test_torch_backend.py``).
 
-Usage: ``python tests/helpers/ddp_worker.py INIT [STEPS]`` under torchrun or ``aiodist run``.
+Usage: ``python tests/helpers/ddp_worker.py INIT [STEPS [KILL_AT]]`` under torchrun or
+``aiodist run``.
 
 INIT says how the job starts:
 
@@ -13,6 +14,10 @@ The script trains a small MLP with ``DistributedDataParallel(model)`` over a
 half: ``get_future().then``), and prints one JSON line: the rank, the backend
 torch reports, the sampler's indices, the parameters after training (a hash
 of their bytes) and what the hook saw.
+
+With KILL_AT, the last rank kills itself (SIGKILL) inside DDP's backward of
+that step, after its first bucket's all_reduce started; the others report the
+error their ``backward()`` raised and how long it took.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
+import time
 from typing import Any
 
 import torch
@@ -39,6 +46,7 @@ def say(report: dict[str, Any]) -> None:
 def main() -> int:
     init = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     torch.set_num_threads(1)
     if init == "default":
         import aiodist.sync
@@ -72,12 +80,29 @@ def main() -> int:
     losses = []
     batches = iter(loader)
     for step in range(steps):
-        if step == steps // 2:
+        if step == steps // 2 and kill_at < 0:
             ddp.register_comm_hook(None, hook)
+        if step == kill_at and rank == world - 1:
+            # The first layer's gradient comes last in backward: its bucket's all_reduce
+            # (the last layer's) is on its way when this rank dies.
+            model[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         x, y = next(batches)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
+        began = time.monotonic()
+        try:
+            loss.backward()  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            say(
+                {
+                    "rank": rank,
+                    "step": step,
+                    "error": type(exc).__name__,
+                    "message": str(exc)[:2000],
+                    "seconds": time.monotonic() - began,
+                }
+            )
+            return 0
         opt.step()
         losses.append(loss.item())
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
