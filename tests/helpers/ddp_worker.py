@@ -85,7 +85,8 @@ def main() -> int:
         if step == kill_at and rank == world - 1:
             # The first layer's gradient comes last in backward: its bucket's all_reduce
             # (the last layer's) is on its way when this rank dies.
-            model[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+            first: Any = model[0]
+            first.weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         x, y = next(batches)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
