@@ -90,6 +90,9 @@ def main(steps: int, kill_at: int, lr: float, after: int) -> None:
             except RuntimeError:
                 dist.barrier()  # the group's own error if a rank failed (RankFailedError)
                 raise
+            opt.step()
+            mean = loss.detach().reshape(1)
+            dist.all_reduce(mean)
         except (aiodist.RankFailedError, _MembershipChanged):
             # One view at a time: every rank of the group, and a newcomer (which
             # regrouped over the view of its join), takes the same steps.
@@ -104,9 +107,6 @@ def main(steps: int, kill_at: int, lr: float, after: int) -> None:
             if view.joined and n == full:
                 back_at = step
             continue
-        opt.step()
-        mean = loss.detach().reshape(1)
-        dist.all_reduce(mean)
         curve.append((step, dist.get_world_size(), mean.item() / dist.get_world_size()))
         step += 1
         if dist.get_world_size() < full:

@@ -27,17 +27,14 @@ builds again when the membership changes.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import logging
-import threading
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup as TorchProcessGroup
-from torch._C._distributed_c10d import Work as TorchWork
 
-from aiodist._errors import DistTimeoutError
 from aiodist._group.group import ProcessGroup
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._ops.movement import (
@@ -53,9 +50,11 @@ from aiodist._ops.p2p import irecv, isend
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.tensor_groups import all_reduce_coalesced
+from aiodist._torch.parts import DevicePart, parts_from_env
+from aiodist._torch.torch_work import ON_LOOP, AiodistWork, on_loop
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
     from datetime import timedelta
     from typing import TypeAlias
 
@@ -68,115 +67,10 @@ __all__ = ["BACKEND", "AiodistProcessGroup", "AiodistWork", "create_default", "c
 
 logger = logging.getLogger(__name__)
 
+F = TypeVar("F", bound="Callable[..., Any]")
+
 #: The backend's name in torch.distributed.
 BACKEND = "aiodist"
-
-
-class AiodistWork(TorchWork):
-    """A torch ``Work`` for one aiodist operation (or several, for a coalesced call).
-
-    Settled on aiodist's loop; waited for from any other thread.
-    """
-
-    def __init__(self, value: Any, description: str, count: int = 1) -> None:
-        super().__init__()
-        self._value = value
-        self._description = description
-        # torch's Future.set_exception only marks the error for Python callers (it sets the
-        # exception as the result); C++ ones (DDP's reducer) would take it for a value. A
-        # callback that raises marks the future it returns failed for both: torch's ``Work``
-        # future is that one, completed from ``_settled``.
-        self._settled: Any = torch.futures.Future()
-        self._future: Any = self._settled.then(self._outcome)
-        self._done = threading.Event()
-        self._left = count
-        self._error: BaseException | None = None
-        self._source = -1
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def __repr__(self) -> str:
-        return f"<AiodistWork {self._description}>"
-
-    # --- aiodist's side: on the loop's thread ------------------------------------------------
-
-    def _part_done(self, work: Work[Any]) -> None:
-        error = work.exception()
-        if error is not None and self._error is None:
-            self._error = error
-        elif error is None and self._source < 0:
-            value = work.result()
-            if isinstance(value, int) and not isinstance(value, bool):
-                self._source = value
-        self._left -= 1
-        if self._left == 0 or error is not None:
-            self._finish()
-
-    def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-        self._finish()
-
-    def _finish(self) -> None:
-        if self._done.is_set():
-            return
-        self._done.set()
-        self._settled.set_result(None)
-
-    def _outcome(self, _: Any) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    # --- torch's side -------------------------------------------------------------------------
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until done; raise the operation's error (aiodist's, naming what failed)."""
-        loop = self._loop
-        if loop is not None and _on(loop):
-            raise RuntimeError(_ON_LOOP.format(what=f"waiting for {self._description}"))
-        seconds = None
-        if timeout is not None and timeout.total_seconds() > 0:
-            seconds = timeout.total_seconds()
-        if not self._done.wait(seconds):
-            raise DistTimeoutError(f"{self._description} did not complete within {seconds} s")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def get_future(self) -> Any:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def _source_rank(self) -> int:
-        return self._source
-
-    def source_rank(self) -> int:
-        return self._source
-
-    def synchronize(self) -> None:
-        pass  # CPU tensors: nothing is left on a stream once done
-
-
-_ON_LOOP = (
-    "{what} on aiodist's event-loop thread would wait for the loop itself: torch's calls on "
-    "the aiodist backend block the calling thread. Make them from another thread (in async "
-    "code, `await anyio.to_thread.run_sync(step)`), or use aiodist's async API on the loop"
-)
-
-
-def _on(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 def _op(opts: Any) -> Any:
@@ -191,6 +85,32 @@ def _op(opts: Any) -> Any:
     return getattr(op, "op", op)
 
 
+def _routed(method: F) -> F:
+    """Send the call to the device part of its tensors' device, if any (``_part``)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        routed = self._part(args)
+        if routed is None:
+            return method(self, *args, **kwargs)
+        part, g, loop = routed
+        return part.call(g, loop, name, *args, **kwargs)
+
+    return cast("F", call)
+
+
+def _device_of(args: Any) -> str | None:
+    """The device type of the first tensor in ``args`` (lists searched), or None."""
+    if isinstance(args, torch.Tensor):
+        return args.device.type
+    if isinstance(args, list | tuple):
+        for arg in args:
+            if (found := _device_of(arg)) is not None:
+                return found
+    return None
+
+
 class AiodistProcessGroup(TorchProcessGroup):
     """torch's process group over an aiodist group (the default group, followed).
 
@@ -198,6 +118,10 @@ class AiodistProcessGroup(TorchProcessGroup):
         follow: Returns the aiodist group the torch group is now (the default
             group after ``shrink_group`` or ``regroup`` replaced it).
         rank, size: torch's rank and size at creation (they follow ``follow()``).
+        owns_job: torch's ``init_process_group`` joined the job (its ``destroy_process_group``
+            leaves it).
+        parts: Device type -> torch backend for tensors that do not ride aiodist's plane
+            (``parts.py``); ``AIODIST_TORCH_PARTS`` or what this process has if None.
     """
 
     def __init__(
@@ -207,6 +131,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         size: int,
         *,
         owns_job: bool = False,
+        parts: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._follow = follow
@@ -217,6 +142,10 @@ class AiodistProcessGroup(TorchProcessGroup):
         self.leave_job: Callable[[], None] | None = None
         #: torch's ``destroy_process_group`` is under way (aiodist must not start another).
         self.destroying = False
+        self._parts = {
+            device: DevicePart(device, name)
+            for device, name in (parts_from_env() if parts is None else parts).items()
+        }
 
     # --- what torch asks of every group -------------------------------------------------------
 
@@ -259,6 +188,26 @@ class AiodistProcessGroup(TorchProcessGroup):
 
     # --- issuing ------------------------------------------------------------------------------
 
+    def _part(self, args: tuple[Any, ...]) -> tuple[DevicePart, ProcessGroup, Any] | None:
+        """The device part of the tensors in ``args``, its group and loop; None: aiodist's."""
+        device = _device_of(args)
+        if device is None or (device == "cpu" and "cpu" not in self._parts):
+            return None
+        part = self._parts.get(device)
+        if part is None:
+            raise RuntimeError(
+                f"torch.distributed on the aiodist backend carries CPU tensors on aiodist's "
+                f"plane and has no backend for {device} tensors in this process (NCCL needs "
+                "CUDA and a torch build with it; AIODIST_TORCH_PARTS names the parts)"
+            )
+        loop = default_group_loop()
+        g = self._current()
+        if loop is None or g is None:
+            raise RuntimeError("aiodist's job is not running in this process")
+        if on_loop(loop):
+            raise RuntimeError(ON_LOOP.format(what=f"torch.distributed on {device} tensors"))
+        return part, g, loop
+
     def _issue(
         self,
         description: str,
@@ -272,8 +221,8 @@ class AiodistProcessGroup(TorchProcessGroup):
                 f"torch.distributed {description} on the aiodist backend: aiodist's job is not "
                 "running in this process (destroy_process_group was called?)"
             )
-        if _on(loop):
-            raise RuntimeError(_ON_LOOP.format(what=f"torch.distributed {description}"))
+        if on_loop(loop):
+            raise RuntimeError(ON_LOOP.format(what=f"torch.distributed {description}"))
         work = AiodistWork(value, description, len(starts))
         work._loop = loop
 
@@ -297,6 +246,7 @@ class AiodistProcessGroup(TorchProcessGroup):
     # torch's stubs overload some of them with a per-tensor form (``pg.allreduce(t)``);
     # torch's callers (its Python API, DDP's reducer) use the list forms, implemented here.
 
+    @_routed
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
         op = _op(opts)
         if len(tensors) != 1:
@@ -304,18 +254,21 @@ class AiodistProcessGroup(TorchProcessGroup):
         (t,) = tensors
         return self._issue("all_reduce", tensors, [lambda g: all_reduce(t, op, g)])
 
+    @_routed
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:
         op = _op(opts)
         return self._issue(
             "all_reduce_coalesced", tensors, [lambda g: all_reduce_coalesced(tensors, op, g)]
         )
 
+    @_routed
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
         root = _root(opts)
         return self._issue(
             "broadcast", tensors, [_bind(broadcast, t, None, group_src=root) for t in tensors]
         )
 
+    @_routed
     def allgather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -325,6 +278,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         starts = [_bind(all_gather, o, i) for o, i in _pairs(output_tensors, input_tensors)]
         return self._issue("all_gather", output_tensors, starts)
 
+    @_routed
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiodistWork:
@@ -332,6 +286,7 @@ class AiodistProcessGroup(TorchProcessGroup):
             "all_gather_into_tensor", [output], [_bind(all_gather_into_tensor, output, input)]
         )
 
+    @_routed
     def allgather_coalesced(
         self,
         output_lists: list[list[torch.Tensor]],
@@ -344,17 +299,20 @@ class AiodistProcessGroup(TorchProcessGroup):
             [_bind(all_gather_coalesced, output_lists, inputs)],
         )
 
+    @_routed
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
         starts = [_bind(all_gather_into_tensor, o, i) for o, i in _pairs(outputs, inputs)]
         return self._issue("all_gather_into_tensor_coalesced", outputs, starts)
 
+    @_routed
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
         root, op = _root(opts), _op(opts)
         starts = [_bind(reduce, t, None, op, group_dst=root) for t in tensors]
         return self._issue("reduce", tensors, starts)
 
+    @_routed
     def reduce_scatter(  # type: ignore[override]
         self,
         outputs: list[torch.Tensor],
@@ -365,6 +323,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         starts = [_bind(reduce_scatter, o, i, op) for o, i in _pairs(outputs, input_lists)]
         return self._issue("reduce_scatter", outputs, starts)
 
+    @_routed
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiodistWork:
@@ -373,6 +332,7 @@ class AiodistProcessGroup(TorchProcessGroup):
             "reduce_scatter_tensor", [output], [_bind(reduce_scatter_tensor, output, input, op)]
         )
 
+    @_routed
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
@@ -380,6 +340,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         starts = [_bind(reduce_scatter_tensor, o, i, op) for o, i in _pairs(outputs, inputs)]
         return self._issue("reduce_scatter_tensor_coalesced", outputs, starts)
 
+    @_routed
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -394,11 +355,13 @@ class AiodistProcessGroup(TorchProcessGroup):
             "all_to_all_single", [output], [_bind(all_to_all_single, output, input, outs, ins)]
         )
 
+    @_routed
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
         return self._issue("all_to_all", outputs, [_bind(all_to_all, outputs, inputs)])
 
+    @_routed
     def gather(  # type: ignore[override]
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -410,6 +373,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         out = output_tensors[0] if output_tensors and self.getRank() == root else None
         return self._issue("gather", output_tensors, [_bind(gather, t, out, None, group_dst=root)])
 
+    @_routed
     def scatter(  # type: ignore[override]
         self,
         output_tensors: list[torch.Tensor],
@@ -423,14 +387,17 @@ class AiodistProcessGroup(TorchProcessGroup):
             "scatter", output_tensors, [_bind(scatter, t, ins, None, group_src=root)]
         )
 
+    @_routed
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> AiodistWork:
         starts = [_bind(isend, t, None, tag=tag, group_dst=dstRank) for t in tensors]
         return self._issue("send", tensors, starts)
 
+    @_routed
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> AiodistWork:
         starts = [_bind(irecv, t, None, tag=tag, group_src=srcRank) for t in tensors]
         return self._issue("recv", tensors, starts)
 
+    @_routed
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AiodistWork:
         starts = [_bind(irecv, t, None, tag=tag) for t in tensors]
         return self._issue("recv", tensors, starts)

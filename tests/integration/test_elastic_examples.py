@@ -42,11 +42,23 @@ async def test_elastic_train_under_aiodist_run_goes_on_after_a_rank_leaves() -> 
     assert "<- a rank failed here" in result.stdout
 
 
-async def test_elastic_ddp_goes_on_after_a_kill_in_backward_and_takes_in_a_replacement() -> None:
+@pytest.mark.parametrize(
+    "parts",
+    [
+        pytest.param("", id="aiodist-plane"),
+        # gloo standing in for NCCL: torch's calls on CPU tensors go to a device part, built
+        # again over each membership (the path CUDA tensors take on NCCL).
+        pytest.param("cpu:gloo", id="gloo-part"),
+    ],
+)
+async def test_elastic_ddp_goes_on_after_a_kill_in_backward_and_takes_in_a_replacement(
+    parts: str,
+) -> None:
     # Plain torch DDP on the default group: before, its gradients went through gloo, and a
     # dead rank aborted (SIGABRT) or hung gloo; nothing shrank and no replacement joined.
     argv = [sys.executable, "-m", "aiodist", "run", "-n", "4", "--replace-failed", str(DDP)]
-    result = await run([*argv, "--steps", "40", "--kill-at", "15", "--after", "5"], limit=120)
+    argv += ["--steps", "40", "--kill-at", "15", "--after", "5"]
+    result = await run(argv, limit=120, env={"AIODIST_TORCH_PARTS": parts} if parts else None)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "[rank 0] event: step 15: rank 3 killed, 3 ranks go on" in out, out
