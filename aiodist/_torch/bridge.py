@@ -394,6 +394,8 @@ async def bring_up(
             "torch.distributed is already initialised in this process; call "
             "torch.distributed.destroy_process_group() first, or pass backend=None"
         )
+    if "gloo" in devices.values():
+        await _warn_if_gloo_in_clear(world)
     loop = asyncio.get_running_loop()
     store = LoopStore(world.store, loop, STORE_PREFIX, world.timeout)
     bridge = GroupBridge(world, devices, backend)
@@ -426,6 +428,23 @@ async def bring_up(
     # No rank returns before every rank's group is up: one that returned and destroyed
     # its group at once would cut a peer's gloo mesh short ("Connection closed by peer").
     await world.session.barrier()
+
+
+async def _warn_if_gloo_in_clear(world: ProcessGroup) -> None:
+    """Warn when a TLS job's ranks on several hosts talk gloo, which is never encrypted."""
+    from aiodist._transport import tls
+
+    if tls.from_env() is None:
+        return
+    hosts = {member.host for member in await world.session.members()}
+    if len(hosts) > 1:
+        logger.warning(
+            "backend='gloo' in a TLS job across %d hosts: gloo's traffic between them is not "
+            "encrypted (aiodist's is); start the job without a backend, so that torch's calls "
+            "ride aiodist's TLS data plane (torch's default group is then on the 'aiodist' "
+            "backend)",
+            len(hosts),
+        )
 
 
 async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: str | None) -> None:
