@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 #: The backend name of aiodist's own (``torch.distributed`` backend ``"aiodist"``).
 BACKEND = "aiodist"
 
+#: The store torch's default group was brought up with: torch holds only its C++ half,
+#: so the Python object must live as long as torch's groups (``new_group`` uses it).
+_store: object = None
+
 #: True while torch's ``init_process_group`` joins aiodist's job itself (``_sync``'s
 #: ``torch_backend.create``): torch is bringing its group up, aiodist must not.
 joining_from_torch = False
@@ -91,6 +95,8 @@ async def bring_up_default(world: ProcessGroup) -> None:
     logger.debug("bringing up torch.distributed's default group (%s)", backend)
     loop = asyncio.get_running_loop()
     store = LoopStore(world.store, loop, "torch/", world.timeout)
+    global _store
+    _store = store
     try:
         # In a thread: torch's calls block, and the loop must go on serving the job.
         await asyncio.to_thread(
@@ -131,3 +137,5 @@ async def tear_down_default() -> None:
     pg = dist.distributed_c10d._get_default_group()
     if isinstance(pg, AiodistProcessGroup) and not pg.destroying:
         await asyncio.to_thread(dist.destroy_process_group)
+    global _store
+    _store = None

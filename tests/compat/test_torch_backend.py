@@ -107,3 +107,28 @@ async def test_ddps_calls_are_in_the_timeline(tmp_path: Path) -> None:
         # four steps of one bucket each.
         assert names.count("broadcast") >= 1, names
         assert names.count("all_reduce") >= 4, names
+
+
+MIXED = """
+import torch, torch.distributed as dist, aiodist.sync
+aiodist.sync.init_process_group()  # torch's default group: the aiodist backend
+gloo = dist.new_group(backend="gloo")  # a gloo group beside it, from the same store
+t = torch.ones(2)
+dist.all_reduce(t, group=gloo)
+dist.all_reduce(t)
+print({"rank": dist.get_rank(), "sum": t.tolist(), "backend": dist.get_backend(gloo)})
+aiodist.sync.destroy_process_group()
+"""
+
+
+async def test_a_gloo_group_beside_the_aiodist_default_group(tmp_path: Path) -> None:
+    # Before: gloo's set-up failed ("fn INTERNAL ASSERT FAILED ... Not implemented"): the
+    # Python store the default group was brought up with had been freed.
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED)
+    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        expected = f"[rank {rank}] {{'rank': {rank}, 'sum': [4.0, 4.0], 'backend': 'gloo'}}"
+        assert expected in result.stdout, result.stdout
