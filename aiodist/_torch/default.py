@@ -17,13 +17,16 @@ torch.distributed is already up, or not built, is left as it is.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from aiodist._group.group import ProcessGroup
 
@@ -37,6 +40,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The backend name of aiodist's own (``torch.distributed`` backend ``"aiodist"``).
 BACKEND = "aiodist"
@@ -82,8 +87,6 @@ async def bring_up_default(world: ProcessGroup) -> None:
     Raises:
         GroupBrokenError: torch could not bring its group up.
     """
-    import asyncio
-
     import torch.distributed as dist
 
     from aiodist._errors import GroupBrokenError
@@ -99,13 +102,14 @@ async def bring_up_default(world: ProcessGroup) -> None:
     _store = store
     try:
         # In a thread: torch's calls block, and the loop must go on serving the job.
-        await asyncio.to_thread(
-            dist.init_process_group,
-            backend=backend,
-            store=store,
-            rank=world.rank,
-            world_size=world.world_size,
-            timeout=timedelta(seconds=world.timeout),
+        await in_thread(
+            lambda: dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=world.rank,
+                world_size=world.world_size,
+                timeout=timedelta(seconds=world.timeout),
+            )
         )
     except Exception as exc:
         raise GroupBrokenError(
@@ -126,7 +130,6 @@ async def tear_down_default() -> None:
 
     if "torch.distributed" not in sys.modules:
         return
-    import asyncio
 
     import torch.distributed as dist
 
@@ -136,6 +139,40 @@ async def tear_down_default() -> None:
         return
     pg = dist.distributed_c10d._get_default_group()
     if isinstance(pg, AiodistProcessGroup) and not pg.destroying:
-        await asyncio.to_thread(dist.destroy_process_group)
+        with contextlib.suppress(TimeoutError):  # a group stuck in torch is abandoned
+            await asyncio.wait_for(asyncio.shield(in_thread(dist.destroy_process_group)), 5.0)
     global _store
     _store = None
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    """Run torch's blocking ``fn`` in a daemon thread of its own; await its result.
+
+    Not ``asyncio.to_thread``: its executor refuses work once the interpreter is
+    exiting, and joins its threads before the exit handlers that leave the job run;
+    a daemon thread stuck in torch never holds the exit up.
+
+    Cancellation:
+        Cancelling the caller abandons the wait; the call runs to its end.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="aiodist-torch-group", daemon=True).start()
+    return await future
