@@ -50,6 +50,7 @@ from aiodist._ops.p2p import irecv, isend
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.tensor_groups import all_reduce_coalesced
+from aiodist._torch import handoff
 from aiodist._torch.parts import DevicePart, parts_from_env
 from aiodist._torch.torch_work import ON_LOOP, AiodistWork, on_loop
 
@@ -227,19 +228,27 @@ class AiodistProcessGroup(TorchProcessGroup):
         work._loop = loop
 
         def begin() -> None:
-            g = self._current()
-            if g is None:
-                work._fail(RuntimeError(f"{description}: aiodist's job ended"))
-                return
-            for start in starts:
-                try:
-                    started = start(g)
-                except Exception as exc:
-                    work._fail(exc)
+            try:
+                g = self._current()
+                if g is None:
+                    work._fail(RuntimeError(f"{description}: aiodist's job ended"))
                     return
-                started.when_done(work._part_done)
+                for start in starts:
+                    try:
+                        started = start(g)
+                    except Exception as exc:
+                        work._fail(exc)
+                        return
+                    started.when_done(work._part_done)
+            finally:
+                handoff.started()
 
-        loop.call_soon_threadsafe(begin)
+        handoff.handed()
+        try:
+            loop.call_soon_threadsafe(begin)
+        except BaseException:
+            handoff.started()  # the loop is gone: nothing was handed over
+            raise
         return work
 
     # --- the operations: torch's names (its trampoline's and its Python callers') ------------
