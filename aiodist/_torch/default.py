@@ -84,33 +84,39 @@ def default_backend() -> str:
 async def bring_up_default(world: ProcessGroup) -> None:
     """Bring up torch.distributed's default group on the aiodist backend, over ``world``.
 
+    All of it in a thread, imports included: importing torch takes seconds on a
+    busy machine, and the loop must go on serving the job (its heartbeats) meanwhile.
+
     Raises:
         GroupBrokenError: torch could not bring its group up.
     """
-    import torch.distributed as dist
-
     from aiodist._errors import GroupBrokenError
-    from aiodist._torch.store import LoopStore
 
-    if not dist.is_available() or dist.is_initialized():
-        return  # no torch.distributed in this build, or other code brought it up
-    backend = default_backend()
-    logger.debug("bringing up torch.distributed's default group (%s)", backend)
     loop = asyncio.get_running_loop()
-    store = LoopStore(world.store, loop, "torch/", world.timeout)
-    global _store
-    _store = store
-    try:
-        # In a thread: torch's calls block, and the loop must go on serving the job.
-        await in_thread(
-            lambda: dist.init_process_group(
-                backend=backend,
-                store=store,
-                rank=world.rank,
-                world_size=world.world_size,
-                timeout=timedelta(seconds=world.timeout),
-            )
+    backend = "the aiodist backend"
+
+    def bring_up() -> None:
+        nonlocal backend
+        import torch.distributed as dist
+
+        from aiodist._torch.store import LoopStore
+
+        if not dist.is_available() or dist.is_initialized():
+            return  # no torch.distributed in this build, or other code brought it up
+        backend = default_backend()
+        logger.debug("bringing up torch.distributed's default group (%s)", backend)
+        global _store
+        _store = store = LoopStore(world.store, loop, "torch/", world.timeout)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timedelta(seconds=world.timeout),
         )
+
+    try:
+        await in_thread(bring_up)
     except Exception as exc:
         raise GroupBrokenError(
             f"torch.distributed.init_process_group({backend!r}) on aiodist's job failed: {exc}"
