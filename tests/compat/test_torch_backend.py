@@ -132,3 +132,36 @@ async def test_a_gloo_group_beside_the_aiodist_default_group(tmp_path: Path) -> 
     for rank in (0, 1):
         expected = f"[rank {rank}] {{'rank': {rank}, 'sum': [4.0, 4.0], 'backend': 'gloo'}}"
         assert expected in result.stdout, result.stdout
+
+
+ON_LOOP = """
+import anyio, torch, torch.distributed as dist, aiodist
+
+async def main():
+    await aiodist.init_process_group()
+    try:
+        dist.all_reduce(torch.ones(2))  # torch's blocking call, on aiodist's loop
+    except RuntimeError as exc:
+        print({"rank": dist.get_rank(), "error": str(exc)[:60]})
+    t = torch.ones(2)
+    await anyio.to_thread.run_sync(dist.all_reduce, t)  # from a thread: fine
+    print({"rank": dist.get_rank(), "sum": t.tolist()})
+    await aiodist.destroy_process_group()
+
+anyio.run(main)
+"""
+
+
+async def test_torch_calls_on_the_loops_thread_raise_at_once_and_work_from_a_thread(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "on_loop.py"
+    script.write_text(ON_LOOP)
+    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    with anyio.fail_after(LIMIT):  # not a hang: the call would wait for its own loop
+        result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        said = "'error': \"torch.distributed all_reduce on aiodist's event-loop thread"
+        assert f"[rank {rank}] {{'rank': {rank}, {said}" in result.stdout, result.stdout
+        assert f"[rank {rank}] {{'rank': {rank}, 'sum': [2.0, 2.0]}}" in result.stdout
