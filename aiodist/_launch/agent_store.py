@@ -11,18 +11,20 @@ the port aiodist's server held (``EADDRINUSE``).
 
 The socket is bound and listening before the ranks start, so no port is
 guessed and none can be taken meanwhile. The store itself is served on it by
-a small process of its own (``python -c``, handed the socket): it imports
-torch while the ranks import it themselves, and ranks that connect sooner wait
-in the socket's backlog. The launcher stays free of torch (its exit would
-tear torch down, seconds on a busy machine), and stopping the store is
-ending that process, at once; it also ends when the launcher does (its stdin
-closes). A machine without torch hosts nothing: its ranks cannot call torch
-either. One store per start of the ranks (``--max-restarts`` starts them
-again with a new one, as torchrun does).
+a small process of its own (``python -c``, handed the socket), started when
+the first rank connects (the connection waits in the socket's backlog while
+it imports torch), so a job whose ranks never open torch's store pays
+nothing. The launcher stays free of torch (its exit would tear torch down,
+seconds on a busy machine), and stopping the store is ending that process, at
+once; it also ends when the launcher does (its stdin closes). A machine
+without torch hosts nothing: its ranks cannot call torch either. One store
+per start of the ranks (``--max-restarts`` starts them again with a new one,
+as torchrun does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -48,21 +50,44 @@ sys.stdin.read()
 class AgentStore:
     """A torch ``TCPStore`` server on ``host``, for the ranks of one start.
 
+    Its process starts when the first rank connects (``serve_on_demand``): a job
+    whose ranks never open torch's own store (aiodist's calls, torch's group that
+    aiodist brings up) never pays for it.
+
     Args:
         host: Where it listens (the launcher's host, as the ranks reach it).
     """
 
     def __init__(self, host: str) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, 0))
-            sock.listen(1024)
-            self.address: tuple[str, int] = (host, int(sock.getsockname()[1]))
-            fd = sock.fileno()
-            argv = [sys.executable, "-c", _SERVE, str(fd), host, str(self.address[1])]
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, 0))
+            self._sock.listen(1024)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.address: tuple[str, int] = (host, int(self._sock.getsockname()[1]))
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def serve_on_demand(self) -> None:
+        """Start the store's process once a connection waits (on this event loop)."""
+        assert self._sock is not None
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.fileno(), self._start)
+
+    def _start(self) -> None:
+        """A rank connects: serve the store from now on (the connection waits meanwhile)."""
+        sock = self._sock
+        if self._loop is None or sock is None:
+            return
+        self._loop.remove_reader(sock.fileno())
+        self._loop = None
+        fd = sock.fileno()
+        argv = [sys.executable, "-c", _SERVE, str(fd), *map(str, self.address)]
+        try:
             self._proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -76,11 +101,15 @@ class AgentStore:
                 "init_process_group() cannot find one at MASTER_ADDR:MASTER_PORT",
                 exc,
             )
-        finally:
-            sock.close()  # the store's process holds its own copy
 
     def close(self) -> None:
-        """Stop serving (after the ranks of its start ended)."""
+        """Stop serving (after the ranks of its start ended); on the launcher's loop."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(sock.fileno())
+                self._loop = None
+            sock.close()
         proc, self._proc = self._proc, None
         if proc is None:
             return

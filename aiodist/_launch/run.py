@@ -359,6 +359,8 @@ async def launch(
             blame = None if server is None else functools.partial(first_failed_rank, server, job_id)
             # On one node, torch's store for this start, as torchrun's agent hosts it.
             agent = AgentStore("127.0.0.1") if spec.nnodes == 1 and not spec.max_nnodes else None
+            if agent is not None:
+                agent.serve_on_demand()
             try:
                 result = await _run_ranks(
                     spec,
@@ -373,7 +375,7 @@ async def launch(
                 )
             finally:
                 if agent is not None:
-                    await anyio.to_thread.run_sync(agent.close)
+                    agent.close()  # kills its process if it started: at once
             if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
                 break
             err.line(
