@@ -48,11 +48,7 @@ def _run(
     ``aiodist serve`` of its own instead of rank 0's. No process outlives this call.
     """
     port = _free_port()
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     base["PYTHONPATH"] = str(ROOT)
     procs: dict[int, subprocess.Popen[str]] = {}
     deadline = time.monotonic() + timeout

@@ -167,6 +167,17 @@ PYTHON: dict[str, dict[str, Harnesses]] = {
             "await aiodist.destroy_process_group()",
         ),
     },
+    "docs/guide/torch-backend.md": {
+        "import torch": Harness(runs=(("aiodist run", 2),)),
+        "try:": Harness(
+            runs=(("aiodist run", 2),),
+            prelude="import torch, torch.distributed as dist, aiodist.sync\n"
+            "aiodist.sync.init_process_group()\n"
+            "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+            "loss = ddp(torch.ones(1, 2)).sum()",
+            epilogue="aiodist.sync.destroy_process_group()",
+        ),
+    },
     "docs/index.md": {
         'objs = await aiodist.all_gather_object({"loss": 0.5})  # one object per rank': Harness(
             runs=(("aiodist run", 2),),
