@@ -17,7 +17,8 @@ doors, each used by the generated ``aiodist/sync.py``:
   program failed).
 
 The thread starts on first use and stops once a blocking call leaves nothing
-on it (``destroy_process_group``), so a non-distributed script never has
+on it (``destroy_process_group``; ``rpc.shutdown`` of an rpc world of its
+own), so a non-distributed script never has
 one running for long: Work-returning operations with nothing initialised run
 in the caller's thread, since they complete at once without a loop.
 
@@ -54,6 +55,7 @@ from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
+from aiodist._rpc import world as rpc_world
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -147,7 +149,7 @@ def _running() -> _LoopThread:
     with _lock:
         if _current is None:
             _current = _LoopThread()
-            ending.at_exit(_at_exit)
+            ending.at_exit(_at_exit)  # before an rpc world's: it ends after them
         return _current
 
 
@@ -204,8 +206,8 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
 
 
 def _in_use() -> bool:
-    """True while something lives on the loop thread: the default group."""
-    return is_initialized()
+    """True while something lives on the loop thread: the default group, an rpc world."""
+    return is_initialized() or rpc_world.is_open()
 
 
 def submit(

@@ -399,15 +399,16 @@ async def release_async() -> None:
 async def rrefs(world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     a = rpc.remote(1, Tracked, ("a",))
-    out["owner"] = a.owner()
     out["is_owner"] = a.is_owner()
     out["add"] = [await a.rpc_async().add(2), await a.rpc_async().add(3)]
+    # Made by now: the owner answered remote() before the calls that waited for the object.
+    out["owner"] = [a.owner().id, a.owner_name(), a.confirmed_by_owner()]
     out["get_name"] = await a.rpc_async().get_name()
     copy = await a.to_here()
     out["to_here"] = [type(copy).__name__, copy.name, copy.count]
     del copy
     twice = a.remote().twice()
-    out["remote_method"] = [twice.owner(), await twice.to_here()]
+    out["remote_method"] = [twice.owner().id, await twice.to_here()]
     del twice
     out["alive_while_held"] = not await rpc.rpc_async(1, deleted_now, ("a",))
     del a
@@ -549,7 +550,7 @@ def plain_main(rank: int, world: int, port: int) -> None:
         out["async_wait"] = rpc.rpc_async(2, async_add, (3,), {"b": 4}).wait(timeout=30)
         ref = rpc.remote(2, Tracked, ("plain",))
         out["method_sync"] = ref.rpc_sync().add(5)
-        out["to_here_wait"] = ref.to_here().wait(timeout=30).count
+        out["to_here"] = ref.to_here().count  # torch's form: blocks, returns the object
         out["tensor"] = rpc.rpc_sync(1, tensor_stats, (torch.ones(1 << 18),))
         try:
             rpc.rpc_sync(1, fail, ("custom",))
@@ -564,16 +565,25 @@ def plain_main(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def named_whoami() -> dict[str, Any]:
+    # init_rpc formed an rpc world of its own: no process group is up.
+    return {"rank": rpc.get_worker_info().id, "pg": aiodist.is_initialized()}
+
+
+async def async_named_whoami() -> dict[str, Any]:
+    return named_whoami()
+
+
 def _named_calls(rank: int, out: dict[str, Any]) -> None:
     """What the named scenarios check, as plain code (the async one runs it in a thread)."""
     me = rpc.get_worker_info()
     out["me"] = [me.name, me.id]
     if rank == 0:
-        out["by_name"] = rpc.rpc_sync("trainer1", whoami)["rank"]
-        out["by_info"] = rpc.rpc_sync(rpc.get_worker_info("trainer2"), whoami)["rank"]
+        out["by_name"] = rpc.rpc_sync("trainer1", named_whoami)
+        out["by_info"] = rpc.rpc_sync(rpc.get_worker_info("trainer2"), named_whoami)["rank"]
         out["info"] = [rpc.get_worker_info("trainer2").name, rpc.get_worker_info("trainer2").id]
         try:
-            rpc.rpc_sync("nobody", whoami)
+            rpc.rpc_sync("nobody", named_whoami)
         except ValueError as exc:
             out["unknown"] = str(exc)
 
@@ -586,12 +596,11 @@ def named_main(scenario: str, rank: int, world: int, port: int) -> None:
     try:
         rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=_Options(url))
     except ValueError as exc:
-        out["init_error"] = str(exc)
+        out["init_error"] = str(exc)  # the rpc world is left on every rank
     else:
         _named_calls(rank, out)
-    rpc.shutdown()
+        rpc.shutdown()
     print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
 
 
 async def named_async_main(rank: int, world: int, port: int) -> None:
@@ -603,10 +612,9 @@ async def named_async_main(rank: int, world: int, port: int) -> None:
     me = rpc.get_worker_info()
     out: dict[str, Any] = {"rank": rank, "me": [me.name, me.id]}
     if rank == 0:
-        out["by_name"] = (await rpc.rpc_async("trainer2", async_whoami))["rank"]
+        out["by_name"] = (await rpc.rpc_async("trainer2", async_named_whoami))["rank"]
     await rpc.shutdown()
     print(json.dumps(out), flush=True)
-    await aiodist.destroy_process_group()
 
 
 class _Options:

@@ -195,7 +195,7 @@ def test_remote_errors_are_raised_on_the_caller_with_rank_and_traceback() -> Non
 def test_rrefs_keep_objects_while_referenced_and_release_them() -> None:
     reports = _run("rrefs")
     out = _ok(reports)
-    assert out["owner"] == 1
+    assert out["owner"] == [1, "rank1", True]
     assert out["is_owner"] is False
     assert out["add"] == [2, 5]
     assert out["get_name"] == "a"
@@ -287,7 +287,7 @@ def test_plain_code_uses_blocking_calls_and_a_blocking_shutdown() -> None:
     assert out["rpc_sync"] == 3
     assert out["async_wait"] == 7
     assert out["method_sync"] == 5
-    assert out["to_here_wait"] == 5
+    assert out["to_here"] == 5
     assert out["tensor"] == [float(1 << 18), [1 << 18], "torch.float32", True]
     assert out["error"] == ["CustomError", 7]
     assert "plain" in reports[2]["deleted"]
@@ -302,7 +302,7 @@ def test_init_rpc_names_workers_and_calls_reach_them_by_name() -> None:
         assert reports[rank]["returncode"] == 0, reports[rank]
         assert reports[rank]["me"] == [f"trainer{rank}", rank]
     master = reports[0]
-    assert master["by_name"] == 1
+    assert master["by_name"] == {"rank": 1, "pg": False}  # an rpc world of its own
     assert master["by_info"] == 2
     assert master["info"] == ["trainer2", 2]
     assert "no rpc worker is named 'nobody'" in master["unknown"]
