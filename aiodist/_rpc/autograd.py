@@ -5,8 +5,8 @@ torch's design (``torch.distributed.autograd``), on aiodist's remote calls:
 - **Contexts.** ``dist_autograd.context()`` makes a context with an id unique
   in the rpc world (``rank << 48 | n``) and makes it current for the code
   inside (a context variable: per thread, per task). A call made while a
-  context is current carries its id when it carries tensors that require
-  grad (or when it is ``remote``/``to_here``, whose result may); the callee
+  context is current carries its id (as torch's Python calls do, whether or
+  not its arguments require grad: its result may); the callee
   runs the function within the same context (made there on first sight), so
   the calls it makes carry it on, and its reply carries it back.
 - **Send and recv.** Tensors that require grad travel set aside (never

@@ -156,14 +156,9 @@ def prepare(
             )
         except Exception as exc:
             raise TypeError(f"the arguments of {what} cannot be pickled: {exc}") from exc
-    grad = None
-    if context is not None:  # remote() and to_here() carry it always: their results may need it
-        grad = outgoing(context, tensors, to, force=op in _FORCED)
+    # Every call made in a context carries it, as torch's do: the callee's result may need it.
+    grad = None if context is None else outgoing(context, tensors, to, force=True)
     return Request(to, op, target, payload, tensors, extra, seconds, what, grad=grad)
-
-
-# Requests that carry the current autograd context even without tensors that require grad.
-_FORCED: Final = frozenset({Op.REMOTE, Op.METHOD_REMOTE, Op.TO_HERE})
 
 
 @dataclass(slots=True, eq=False)
