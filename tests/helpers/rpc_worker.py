@@ -502,7 +502,35 @@ async def coordinator_death(world: int) -> dict[str, Any]:
     return {}
 
 
+_GO: list[asyncio.Event] = []
+
+
+def _go_event() -> asyncio.Event:
+    if not _GO:
+        _GO.append(asyncio.Event())
+    return _GO[0]
+
+
+async def go() -> None:
+    _go_event().set()
+
+
+async def leave_in_shutdown(world: int) -> dict[str, Any]:
+    # Rank 2 leaves without rpc.shutdown once told to, which this call does as
+    # rank 0 enters rpc.shutdown (main calls it next): the leave comes after.
+    rpc.rpc_async(2, go)
+    return {}
+
+
+async def leaver(rank: int) -> None:
+    """Rank 2 of "leave-in-shutdown": leave the job without rpc.shutdown when told to."""
+    await _go_event().wait()
+    print(json.dumps({"rank": rank, "left": True}), flush=True)
+    await aiodist.destroy_process_group()
+
+
 MASTERS = {
+    "leave-in-shutdown": leave_in_shutdown,
     "values": values,
     "concurrency": concurrency,
     "errors": errors,
@@ -524,6 +552,9 @@ async def main(scenario: str, rank: int, world: int, port: int) -> None:
         heartbeat_timeout=2.0,
     )
     out: dict[str, Any] = {"rank": rank}
+    if scenario == "leave-in-shutdown" and rank == 2:
+        await leaver(rank)
+        return
     if rank == 0:
         out.update(await MASTERS[scenario](world))
     t0 = time.monotonic()

@@ -259,6 +259,54 @@ def test_shutdown_completes_among_the_ranks_alive_when_its_coordinator_dies(how:
         assert out["shutdown_s"] < HEARTBEAT_TIMEOUT + 10, out
 
 
+def test_shutdown_completes_when_a_peer_leaves_without_it_after_rank_0_entered_it() -> None:
+    # Rank 2 leaves the job (destroy_process_group, no rpc.shutdown) once rank 0, which
+    # coordinates the shutdown, is in it; ranks 0 and 1 stop among themselves at once.
+    env = {rank: {"RPC_SHUTDOWN_TIMEOUT": "30"} for rank in range(3)}
+    reports = _run("leave-in-shutdown", env=env)
+    assert reports[2]["left"] is True
+    assert reports[2]["returncode"] == 0
+    for rank in (0, 1):
+        out = reports[rank]
+        assert out["returncode"] == 0, out
+        assert out["shutdown"] == "ok", out
+        assert out["shutdown_s"] < 10, out  # not the 30 s timeout
+
+
+EXIT_WORKER = HELPERS / "rpc_exit_worker.py"
+EMBEDDED_SERVER_LINGER = 60.0  # what a failing rank 0 held its peers for when taken for a leave
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "process"])
+def test_a_rank_failing_under_multiprocessing_is_told_to_its_peers_within_seconds(
+    launcher: str,
+) -> None:
+    # Rank 0 hosts the rendezvous server and raises; mp.spawn turns that into
+    # sys.exit(1), a multiprocessing.Process into exit code 1. Either is a failure,
+    # told to rank 1 (in rpc.shutdown) at once, and rank 0 does not keep its server
+    # up for the others: mp.spawn reports it within seconds, not after the linger.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, str(EXIT_WORKER), launcher, str(_free_port())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "failed: its program" in done.stderr  # the peers heard that rank 0 failed
+    if launcher == "spawn":
+        assert "ValueError: rank 0 broke" in out["raised"]
+        assert out["reported_after_s"] < EMBEDDED_SERVER_LINGER / 3, out
+    else:
+        assert out["exitcodes"] == [1, 0], out
+        assert out["rank1"]["shutdown"] == "ok", out  # among the ranks alive
+        assert out["elapsed_s"] < EMBEDDED_SERVER_LINGER / 3, out
+
+
 def test_shutdown_waits_for_calls_in_flight_and_serves_meanwhile() -> None:
     reports = _run("shutdown")
     out = _ok(reports)

@@ -10,6 +10,8 @@ gradients the first step's context holds on the server.
 Usage: ``RPC_SYSTEM=aiodist MASTER_PORT=29500 python parameter_server.py``
 """
 
+from __future__ import annotations
+
 import json
 import os
 import sys
@@ -100,7 +102,10 @@ def make_trainer():
     opt = DistributedOptimizer(torch.optim.SGD, net.get_global_param_rrefs(), lr=0.1, momentum=0.9)
     rank = rpc.get_worker_info().id
     gen = torch.Generator().manual_seed(100 + rank)
-    data = [(torch.randn(5, 8, generator=gen), torch.randint(0, 3, (5,), generator=gen)) for _ in range(STEPS)]
+    data = [
+        (torch.randn(5, 8, generator=gen), torch.randint(0, 3, (5,), generator=gen))
+        for _ in range(STEPS)
+    ]
     TRAINER.update(net=net, opt=opt, data=data)
 
 
