@@ -81,7 +81,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import threading
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
 from aiodist._group.work import Work
@@ -152,7 +152,7 @@ def is_available() -> bool:
 
 def rpc_async(
     to: int | str | WorkerInfo,
-    fn: Callable[..., Coroutine[Any, Any, T]] | Callable[..., T],
+    fn: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout: float | None = None,
@@ -198,13 +198,29 @@ def rpc_async(
     return agent.call(request)
 
 
+@overload
 def rpc_sync(
     to: int | str | WorkerInfo,
-    fn: Callable[..., Coroutine[Any, Any, T]] | Callable[..., T],
+    fn: Callable[..., Coroutine[Any, Any, T]],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout: float | None = None,
-) -> T:
+) -> T: ...
+@overload
+def rpc_sync(
+    to: int | str | WorkerInfo,
+    fn: Callable[..., T],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> T: ...
+def rpc_sync(
+    to: int | str | WorkerInfo,
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Any:
     """Run ``fn(*args, **kwargs)`` on rank ``to`` and block for its result (plain code).
 
     See ``rpc_async`` for the arguments and errors.
@@ -220,7 +236,7 @@ def rpc_sync(
     _check_blocking(agent, "rpc_sync", "await aiodist.rpc.rpc_async(...)")
     dst = rank_of(agent.session, to)
     request = prepare(agent, Op.CALL, dst, fn, args, kwargs, timeout, _what("rpc_sync", to))
-    return agent.launch(request).wait()  # type: ignore[no-any-return]
+    return agent.launch(request).wait()
 
 
 def remote(

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 import aiodist.rpc as rpc
 
@@ -55,7 +55,7 @@ def main(launcher: str, port: int) -> None:
     t0 = time.monotonic()
     if launcher == "spawn":
         try:
-            mp.spawn(work, args=(2, port), nprocs=2, join=True)
+            spawn(work, args=(2, port), nprocs=2, join=True)  # type: ignore[no-untyped-call]
         except Exception as exc:
             out["raised"] = f"{type(exc).__name__}: {exc}"
             out["reported_after_s"] = time.time() - _raised_at(str(exc))
