@@ -370,3 +370,45 @@ def test_init_rpc_with_a_name_given_twice_fails_on_every_rank() -> None:
         message = reports[rank]["init_error"]
         assert "rpc worker names must be unique" in message
         assert "'same' by ranks [1, 2]" in message
+
+
+# --- torch's forms and worlds: programs written for torch.distributed.rpc -----------------
+
+
+def test_plain_code_gets_torch_futures_rrefs_and_async_execution() -> None:
+    reports = _run("torch-forms")
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
+        assert reports[rank]["pg"] is False  # init_rpc formed an rpc world of its own
+        assert "rpc was shut down on this rank" in reports[rank]["after_shutdown"]
+    out = reports[0]
+    assert out["future"] == [True, [4.0, 4.0]]  # a torch Future: then() and wait()
+    assert out["wait_all"] == [11, 12]
+    assert out["collect_all"] == [2]
+    assert out["done_value"] == [True, [2.0, 2.0]]
+    # local_value() on the owner waits for an object still being made by rpc.remote().
+    assert out["local_value_waits"] == 5
+    assert out["owner"] == ["w1", 1, "w1"]
+    assert out["to_here"] == 5
+    assert out["mine"] == [True, "w0", True]
+    assert out["mine_local"] is True
+    assert out["mine_remote"] == ["Point", 1, 2, "w0", False]
+    assert out["chained"] == [3.0, 3.0]  # async_execution chaining a call to w2
+    assert out["batched"] == [[3, 7], [3, 7]]  # one future answered both calls
+    assert out["batched_method"] == 40
+    assert out["fails_later"][0] == "CustomError"
+    assert "set on the future" in out["fails_later"][1]
+    assert out["no_future"][0] == "TypeError"
+    assert "must return a torch.futures.Future" in out["no_future"][1]
+    assert "rpc_backend_options.device_maps is not supported" in out["refused"]
+
+
+def test_init_rpc_forms_a_world_of_another_size_beside_the_process_group() -> None:
+    rpc_port = str(_free_port())
+    reports = _run("two-worlds", env={rank: {"RPC_PORT": rpc_port} for rank in range(3)})
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
+    assert reports[0]["w2"] == {"rank": 2, "pg": False}
+    assert reports[0]["names"] == [0, 1, 2]
+    for rank in (0, 1):
+        assert reports[rank]["pg"] == [2, [2.0]]  # the process group of two, untouched
