@@ -671,7 +671,8 @@ class Batcher:
     """Answers ``n`` calls with one future (the batch-updating server's way)."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.got, self.lock = n, [], threading.Lock()
+        self.n, self.lock = n, threading.Lock()
+        self.got: list[int] = []
         self.future: Any = torch.futures.Future()
 
     @staticmethod
