@@ -333,6 +333,9 @@ class Server:
 
     def _defer(self, serving: _Serving, future: Any) -> None:
         """Answer ``serving`` once ``future`` (a ``torch.futures.Future``) completes."""
+        if future.done():  # completed in the function already: no callback, no loop turn
+            self._resolved(serving, future)
+            return
         loop_thread = self.agent.thread
 
         def done(completed: Any) -> None:  # on whichever thread completed it

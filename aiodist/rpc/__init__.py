@@ -343,6 +343,9 @@ async def _init_rpc(name: str, rank: int, world_size: int, settings: RpcSettings
     try:
         names = await aiodist.all_gather_object(name, group=group)
         register(group.session, names, group.rank)
+        # Every rank knows the names before any returns: a call made right after
+        # init_rpc may use them on its callee (get_worker_info, a call by name).
+        await aiodist.barrier(group=group)
     except BaseException:
         await close_world(group)
         raise

@@ -359,6 +359,8 @@ def test_init_rpc_names_workers_and_calls_reach_them_by_name() -> None:
 
 def test_init_rpc_awaited_on_the_loop_names_workers() -> None:
     reports = _run("named-async")
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
     assert [reports[r]["me"] for r in range(3)] == [[f"trainer{r}", r] for r in range(3)]
     assert reports[0]["by_name"] == 2
 
