@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.multiprocessing as mp
@@ -67,13 +68,15 @@ class ParameterServer:
 
 
 PS = None
+PS_LOCK = threading.Lock()  # both trainers ask for it at once
 
 
 def get_parameter_server():
     global PS
-    if PS is None:
-        PS = ParameterServer()
-    return PS
+    with PS_LOCK:
+        if PS is None:
+            PS = ParameterServer()
+        return PS
 
 
 def grads_in_context(context_id):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.multiprocessing as mp
@@ -51,11 +52,15 @@ def _parameter_rrefs(module):
     return [RRef(param) for param in module.parameters()]
 
 
+INIT_LOCK = threading.Lock()  # seeding and initialising: one module at a time
+
+
 class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp):
         super().__init__()
-        torch.manual_seed(1)
-        self.encoder = nn.Embedding(ntoken, ninp)
+        with INIT_LOCK:
+            torch.manual_seed(1)
+            self.encoder = nn.Embedding(ntoken, ninp)
 
     def forward(self, inp):
         return self.encoder(inp)
@@ -64,8 +69,9 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, ntoken, nhid):
         super().__init__()
-        torch.manual_seed(2)
-        self.decoder = nn.Linear(nhid, ntoken)
+        with INIT_LOCK:
+            torch.manual_seed(2)
+            self.decoder = nn.Linear(nhid, ntoken)
 
     def forward(self, output):
         return self.decoder(output)
