@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 
-.PHONY: install browser lint format test docs demo bench bench-quick soak gpu-check clean
+.PHONY: install browser lint format test test-stress docs demo bench bench-quick soak gpu-check clean
 
 install: $(STAMP)
 
@@ -43,6 +43,14 @@ format: install
 
 test: install browser lint docs
 	AIODIST_DOCS_SITE=$(CURDIR)/$(SITE) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The tests that start processes, 5 rounds in a row, in parallel, with a CPU burner on
+# every core; every failure of every round is reported (nothing runs again). It must pass
+# clean before any test could be marked flaky. STRESS_ARGS="--rounds 2 tests/compat" etc.
+STRESS_ARGS ?=
+
+test-stress: install
+	$(PY) -m tests.stress $(STRESS_ARGS)
 
 # The documentation site (mkdocs.yml), offline, into site/: --strict makes any warning,
 # broken link or missing reference fail it. NO_MKDOCS_2_WARNING: Material's banner about

@@ -13,9 +13,13 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 
+# Each unit test runs on both loops: on asyncio's under its debug mode (a call from
+# another thread, a coroutine never awaited, a slow callback: each named where it
+# began), and on uvloop as production runs it. Debug mode records a traceback for
+# every handle and task; on both loops it made the unit tests 1.8x as costly.
 LOOPS: Final = {
     "asyncio": ("asyncio", {"debug": True}),
-    "uvloop": ("asyncio", {"debug": True, "loop_factory": uvloop.new_event_loop}),
+    "uvloop": ("asyncio", {"loop_factory": uvloop.new_event_loop}),
 }
 # Folders whose tests start their ranks as processes of their own: a case there runs on
 # one of the two loops (which one is fixed by its name), not on both.

@@ -107,9 +107,6 @@ async def _kill(daemon: Daemon) -> None:
 
 
 @asyncio_only
-# Failed in 2 of 5 full runs on two workers (a rank not back in time, a reconnect meeting
-# the old daemon as it closed), never alone: run again once, until the cause is found.
-@pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize(
     ("durable", "how"),
     [(True, "SIGKILL"), (False, "SIGKILL"), (True, "SIGTERM")],

@@ -114,9 +114,6 @@ async def test_elastic_train_goes_on_after_a_rank_is_killed_mid_step(
     assert "world 4 -> 3" in _summary(stdout)  # and it converged: the script asserts it
 
 
-# Timed out in 2 of 5 full runs on two workers, never alone: run again once, until the
-# cause is found.
-@pytest.mark.flaky(reruns=1)
 async def test_elastic_pipeline_processes_every_item_once_when_workers_leave() -> None:
     argv = [sys.executable, "-m", "aiodist", "run", "-n", "4", str(PIPELINE), "--items", "200"]
     result = await run(argv, limit=60)

@@ -240,8 +240,8 @@ RUN_SCRIPT = textwrap.dedent(
     from aiodist._wire.messages import StatusRequest
 
     async def main() -> None:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        conn = await connect_control(host, port, timeout=10, token="")
+        host, port = os.environ["AIODIST_SERVER"].rsplit(":", 1)  # MASTER_PORT: torch's store
+        conn = await connect_control(host, int(port), timeout=10, token="")
         try:
             await conn.request(StatusRequest, timeout=10)
             tokenless = "served"
