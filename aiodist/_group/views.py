@@ -61,6 +61,9 @@ class Views:
         self.history: collections.deque[MembershipView] = collections.deque(maxlen=MAX_VIEWS)
         self.history.append(MembershipView(epoch, tuple(sorted(ranks))))
         self._changed = asyncio.Event()
+        #: A newcomer's first view, until it regrouped: the view its members meet it at
+        #: when they step one epoch at a time, even when later changes came before it asked.
+        self.join_view: MembershipView | None = None
 
     @property
     def current(self) -> MembershipView:
@@ -70,7 +73,10 @@ class Views:
         """The server's view after a join (it carries the whole view)."""
         if epoch <= self.current.epoch and self.current.epoch >= 0:
             return  # never move back
-        self._add(MembershipView(epoch, tuple(sorted(ranks)), tuple(sorted(joined))))
+        view = MembershipView(epoch, tuple(sorted(ranks)), tuple(sorted(joined)))
+        if self.current.epoch < 0:
+            self.join_view = view
+        self._add(view)
 
     def gone(self, rank: int) -> None:
         """``rank`` failed or left: the next epoch."""

@@ -49,8 +49,11 @@ async def membership(epoch: int | None = None, *, timeout: float | None = None) 
     """Return the job's membership view: the latest, or the first at or past ``epoch``.
 
     Args:
-        epoch: None for the latest view this rank knows; an epoch to wait for the
-            view of that epoch (or the first later one this rank kept).
+        epoch: None for the latest view this rank knows (in a newcomer that has
+            not regrouped yet, the view of its own join: the one the members,
+            stepping one epoch at a time, meet it at, whatever changed since);
+            an epoch to wait for the view of that epoch (or the first later one
+            this rank kept).
         timeout: Seconds to wait for that epoch (forever if None).
 
     Returns:
@@ -70,7 +73,7 @@ async def membership(epoch: int | None = None, *, timeout: float | None = None) 
     """
     views = _session("membership").views
     if epoch is None:
-        return views.current
+        return views.join_view or views.current
     return await _with_timeout(views.after(epoch - 1), timeout)
 
 
@@ -165,6 +168,7 @@ async def regroup(
         session, f"regroup/{view.epoch}", group_id, view.ranks, seconds, what="regroup"
     )
     session.number_groups_from(group_id + 1)
+    session.views.join_view = None  # a member now: its latest view is the one to go by
     name = f"{session.group_name}/epoch{view.epoch}"
     return adopt_group(old, ranks, name=name, group_id=group_id)
 

@@ -6,6 +6,7 @@ Roles:
     member    one of the MIN ranks the job forms with (rank assigned by the server).
     newcomer  joins the formed job: regroups with the members over its first view,
               receives the state by broadcast, then steps with them.
+    late-newcomer  a newcomer that asks for its view only after a rank failed.
     dying     joins the formed job and kills itself (SIGKILL) once the next process
               joined, before it regroups.
     stranger  tries to join the formed job with a wrong token (AIODIST_TOKEN): it is
@@ -76,6 +77,13 @@ async def main() -> None:
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
         max_world_size=hi,
     )
+    if role == "late-newcomer":
+        # Asks for its view only once a rank failed after its join: its own join's view
+        # is still the one the members meet it at.
+        async for view in aiodist.watch_membership():
+            if view.left:
+                break
+        role = "newcomer"
     first = await aiodist.membership()
     out: dict[str, Any] = {
         "role": role,

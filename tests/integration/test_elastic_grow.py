@@ -115,7 +115,8 @@ async def test_newcomer_joins_running_3_rank_job_and_takes_part_in_next_collecti
 async def test_newcomer_dying_while_joining_leaves_survivors_in_one_group(
     server: RendezvousServer,
 ) -> None:
-    outs = await _run(server, 3, ["dying", "newcomer"], hi=5, target=4)
+    # The newcomer asks for its view after the death: it still regroups over its join's.
+    outs = await _run(server, 3, ["dying", "late-newcomer"], hi=5, target=4)
     dying = next(o for o in outs if o["role"] == "dying")
     assert dying["returncode"] == -9
     alive = [o for o in outs if o["role"] != "dying"]
