@@ -78,7 +78,6 @@ from aiodist._wire.messages import (
     MembersFailed,
     MembersJoined,
     MembersLeft,
-    MessageKind,
     Reattach,
     Reply,
     ServerClosing,
@@ -179,7 +178,7 @@ class ControlConnection(asyncio.Protocol):
                     self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
                 header = event.header
                 if (
-                    event.kind == MessageKind.REPLY
+                    event.kind == Reply.KIND
                     and self._trusted
                     and type(header) is list
                     and len(header) == 2

@@ -40,8 +40,9 @@ from aiodist._group import stalls
 from aiodist._group.inflight import Deadlines
 from aiodist._group.lingering import LingeringTask, linger
 from aiodist._group.work import Work
+from aiodist._wire.headers import message_header
 from aiodist._wire.keys import call_of
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import PeerError
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -181,14 +182,14 @@ class ProcessGroup:
         plane = self._session.plane
         plane.fail(exc, self.group_id, keep_p2p=self.keeps_p2p)
         if notify:
-            header = [self.group_id, exc.code, str(exc), exc.wire_details()]
+            error = PeerError(self.group_id, exc.code, str(exc), exc.wire_details())
             for rank in self.ranks:
                 if rank != self._session.rank:
-                    self._spawn(self._notify(rank, header))
+                    self._spawn(self._notify(rank, error))
 
-    async def _notify(self, rank: int, header: list[Any]) -> None:
+    async def _notify(self, rank: int, error: PeerError) -> None:
         with contextlib.suppress(OSError, DistError):
-            await self._session.plane.send_error(rank, header)
+            await self._session.plane.send_error(rank, error)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.spawn(linger(coro))  # peers learn why even when the loop is ending
@@ -426,11 +427,11 @@ class ProcessGroup:
         )
         self._session.plane.drop_call(self.group_id, seq, aborted)
         details = {**aborted.wire_details(), "seq": seq}
-        header = [self.group_id, ErrorCode.ABORTED, str(aborted), details]
+        header = message_header(PeerError(self.group_id, ErrorCode.ABORTED, str(aborted), details))
         plane = self._session.plane
         for rank in self.ranks:
             if rank != me:  # written now: this rank's next messages cannot overtake it
-                plane.send_notice(rank, MessageKind.PEER_ERROR, header)
+                plane.send_notice(rank, PeerError.KIND, header)
 
     def abort_remote(self, seq: int, exc: AbortedError) -> None:
         """A member aborted call ``seq``: fail it here, now if it runs, else when it is made."""

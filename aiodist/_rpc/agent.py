@@ -45,7 +45,7 @@ from aiodist._rpc.wire import (
 )
 from aiodist._wire import codec
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -218,7 +218,7 @@ class Agent:
         header = [*REQUEST_KEY, [int(Op.CANCEL), 0, None, None, call]]
 
         def cancel(_: object = None) -> None:
-            self.plane.send_notice(record.to, MessageKind.DATA, header)
+            self.plane.send_notice(record.to, Data.KIND, header)
 
         if record.to == self.rank:
             self.loop.call_soon(self.server.cancel, self.rank, call)
@@ -290,7 +290,7 @@ class Agent:
             self.server.owned.release(rid, exp)
             return
         header = [*REQUEST_KEY, [int(Op.RELEASE), 0, None, None, [rid[0], rid[1], exp]]]
-        self.plane.send_notice(owner, MessageKind.DATA, header)
+        self.plane.send_notice(owner, Data.KIND, header)
 
     def owned_value(self, rid: RRefId) -> Any:
         future = self.server.owned.peek(rid)

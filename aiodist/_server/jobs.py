@@ -10,7 +10,8 @@ import msgpack
 
 from aiodist._errors import ErrorCode
 from aiodist._server.where import member_position, positions
-from aiodist._wire.bounds import FieldError, check_message
+from aiodist._wire.bounds import FieldError
+from aiodist._wire.headers import check_message
 from aiodist._wire.messages import Packed, unpack_keys
 
 __all__ = [
