@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Final
 
-from aiodist._server.restart import STALL_GAP
 from aiodist._wire.bounds import MAX_WHERE
+from aiodist._wire.timing import STALL_GAP
 
 if TYPE_CHECKING:
     import asyncio

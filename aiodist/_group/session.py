@@ -52,7 +52,6 @@ from aiodist._group.lingering import linger
 from aiodist._group.membership import isolate_failure
 from aiodist._group.recorder import Recorder, new_recorder
 from aiodist._group.views import Views, follow_join
-from aiodist._server.restart import reattach_window
 from aiodist._wire.messages import (
     Barrier,
     DumpNotice,
@@ -63,6 +62,7 @@ from aiodist._wire.messages import (
     MembersLeft,
     MembersRequest,
 )
+from aiodist._wire.timing import reattach_window
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -66,8 +66,8 @@ from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS
 from aiodist._wire.tls import TLS_HANDSHAKE_BYTE, speaks_clear_message
 
 if TYPE_CHECKING:
-    from aiodist._server.jobs import ConnId
-    from aiodist._server.state import ServerState
+    from aiodist._server.parts import ConnId
+    from aiodist._server.state import JobTable
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
 
@@ -95,7 +95,7 @@ class ServerSide(Protocol):
     """What a connection asks of the server that keeps it (``hub.Hub``)."""
 
     token: str | None
-    state: ServerState
+    state: JobTable
     preauth: PreAuthLimits
     loop: asyncio.AbstractEventLoop
     bytes_received: int

@@ -83,7 +83,7 @@ class Dashboard:
         self._rates: dict[str, tuple[float, float]] = {}
 
     def note_events(self, events: Iterable[dict[str, Any]]) -> None:
-        """Job events just recorded by the job table (``ServerState.take_events``)."""
+        """Job events just recorded by the job table (``JobTable.take_events``)."""
         now = time.time()
         self.events.extend({"time": now, **e} for e in events)
 

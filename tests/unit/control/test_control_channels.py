@@ -115,7 +115,7 @@ async def test_each_channel_is_a_member_of_its_own(server: RendezvousServer) -> 
     finally:
         conn.close()
     await server.wait_until(lambda s: s.num_connections == 0 and not s.state.jobs)
-    assert server.state._conns == {}
+    assert server.state.membership.conns == {}
 
 
 async def test_a_lost_connection_fails_every_member_on_it(server: RendezvousServer) -> None:

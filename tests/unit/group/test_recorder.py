@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from aiodist._control.status import describe_wait
 from aiodist._errors import DistTimeoutError
 from aiodist._group import dumps
 from aiodist._group.dumps import dump_path, write_dump
 from aiodist._group.recorder import FORMAT, Recorder, capacity_from_env
 from aiodist._group.tracefile import trace_events
 from aiodist._group.work import Work
-from aiodist._server.where import describe_wait
 from aiodist._wire.bounds import MAX_OP_NAME_CHARS, MAX_WHERE, FieldError
 from aiodist._wire.headers import decode_message, message_header
 from aiodist._wire.messages import Heartbeat
