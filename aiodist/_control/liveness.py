@@ -16,7 +16,7 @@ them for one connection:
 - A server heard again after a silence of ``SERVER_STALL`` s or more may have
   stood still (``resumed_at``): the server then counts a member whose
   connection dropped meanwhile as away, not failed, for its re-attach window
-  (``_server/restart.py``), and its verdict on that member comes that late.
+  (``_server/reattach.py``), and its verdict on that member comes that late.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``shrink_group``: the survivors of a group agree on a group without some ranks.
 
-The agreement is the server's (``_server/elastic.py``): every survivor sends
+The agreement is the server's (``_server/regroups.py``): every survivor sends
 the ranks it keeps, and every one gets the same list back, or the same error.
 A rank that fails or leaves before the list is decided is left out of it; one
 that fails after it breaks the new group, as any failure breaks a group. So

@@ -55,7 +55,7 @@ class JobLog:
         )
 
     def record(self, event: str, job: Job, **fields: Any) -> None:
-        """Record an event of ``job`` that has no method of its own (``restart.py``'s)."""
+        """Record an event of ``job`` that has no method of its own (``reattach.py``'s)."""
         self._add(event, job, **fields)
 
     def job_created(self, job: Job, previous: Job | None) -> None:

@@ -96,7 +96,7 @@ class Job:
     created_at: float
     out: Outbox
     generation: int = 0  # the how-many-th start of the job under this name
-    # Elastic jobs (``grow.py``): it forms with ``min_world_size`` members and admits
+    # Elastic jobs (``membership.py``): it forms with ``min_world_size`` members and admits
     # joiners while fewer than ``max_world_size`` are alive (0: not elastic);
     # ``world_size`` is then its rank space. ``epoch`` counts membership changes.
     min_world_size: int = 0
@@ -149,7 +149,7 @@ class Job:
             del self.requested[member.requested_rank]
 
     def grown(self, member: Member) -> None:
-        """Admit ``member`` into the formed job as its next rank (``grow.py``)."""
+        """Admit ``member`` into the formed job as its next rank (``membership.py``)."""
         member.rank = self.world_size
         self.world_size += 1
         self.by_rank.append(member)
