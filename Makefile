@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 
-.PHONY: install browser lint format test docs demo bench bench-quick gpu-check clean
+.PHONY: install browser lint format test docs demo bench bench-quick soak gpu-check clean
 
 install: $(STAMP)
 
@@ -67,6 +67,16 @@ bench: install $(BENCH_STAMP)
 
 bench-quick: install $(BENCH_STAMP)
 	$(PY) -m benchmarks.report --quick
+
+# The whole fault matrix (tests/helpers/matrix.py): {p2p, collectives, store, elastic, rpc}
+# x {kill -9 a rank, SIGSTOP a rank, kill -9 the daemon and restart it, a rank dying while
+# the daemon is away, a newcomer} x shared memory on and off, in real processes, one cell
+# after the other (about 15 minutes). The table: benchmarks/results/soak.md (+ soak.json,
+# each cell's logs in benchmarks/results/soak/). make test runs a selection of cells.
+SOAK_ARGS ?=
+
+soak: install
+	$(PY) -m tests.soak $(SOAK_ARGS)
 
 # The GPU path on a real GPU (issue 36), in one run: pytest -m gpu, the overlap example,
 # bus bandwidth and loop lag on CUDA tensors; summary into $OUT (or benchmarks/results/gpu/).

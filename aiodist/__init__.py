@@ -114,9 +114,14 @@ from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.shrink import shrink_group
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
+from aiodist._sync.torch_backend import register_with_torch
 from aiodist._transport.registry import register_transport
 
 __version__ = "0.1.0"
+
+# torch.distributed's backend "aiodist": now, or when torch.distributed is imported.
+register_with_torch()
+del register_with_torch
 
 #: torch.distributed's deprecated name of ``ReduceOp``.
 reduce_op = ReduceOp

@@ -85,6 +85,7 @@ from aiodist._metrics.state import (
 from aiodist._metrics.state import take_snapshot as _take_snapshot
 from aiodist._ops.run import resolve_group
 from aiodist._sync import portal
+from aiodist._torch.handoff import quiet as torch_quiet
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -292,7 +293,8 @@ class MetricAggregator:
             # session are usable (a destroyed default group went with its session; a
             # new one takes the loop path, which agrees afresh), and only when this
             # sync's sequence number comes next in call order: on the loop's thread,
-            # or from plain code with no earlier operation still on its way to the loop.
+            # or from plain code with no earlier operation still on its way to the loop
+            # (aiodist.sync's, or torch's on the aiodist backend).
             # Every step: a few attribute reads, no helper calls.
             g, session = board.group, board.session
             if (
@@ -300,7 +302,7 @@ class MetricAggregator:
                 and not g.closed
                 and session.error is None
                 and not session.closed
-                and (get_ident() == board.loop_thread or portal.quiet())
+                and (get_ident() == board.loop_thread or (portal.quiet() and torch_quiet()))
             ):
                 record: Record | None = self._single  # one update: encoded when written
                 if record is not None:

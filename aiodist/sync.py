@@ -1464,12 +1464,14 @@ def init_process_group(
     (started on first use, stopped once nothing is initialised).
 
     Args:
-        backend: ``None`` (torch's default): aiodist's calls ride its own data
-            plane, and torch.distributed's default group is brought up for torch's
-            code (``cpu:gloo,cuda:nccl``, gloo alone without CUDA; off with
-            ``AIODIST_TORCH_GROUP=0``). ``"aiodist"``: its data plane alone.
-            ``"gloo"`` or ``"nccl"`` also route tensor collectives on that backend's
-            device to torch.distributed (see the torch bridge).
+        backend: ``None`` (torch's default) or ``"aiodist"``: aiodist's calls ride
+            its own data plane, and so do torch's: torch.distributed's default group
+            is brought up on the ``aiodist`` backend over this job
+            (``cpu:aiodist,cuda:nccl``, ``aiodist`` alone without CUDA; off with
+            ``AIODIST_TORCH_GROUP=0``), so ``DistributedDataParallel`` and
+            ``torch.distributed.*`` run on aiodist's plane. ``"gloo"`` or ``"nccl"``
+            bring torch's group up on that backend instead, and route aiodist's tensor
+            collectives on its device there too (see the torch bridge).
         init_method: ``tcp://HOST:PORT``, ``env://`` (default, torchrun's variables)
             or ``file:///shared/path``. With ``tcp://``, rank 0 (or any process with
             ``AIODIST_EMBED=1``) starts the server itself if none listens there.
@@ -1479,8 +1481,9 @@ def init_process_group(
         group_name: The job's name on a shared server.
         timeout: Seconds (or a ``timedelta``) to wait for the job to form, and the
             default timeout of every operation (30 minutes if None, as torch's).
-        store: torch's own store; aiodist meets through its own server instead
-            (pass ``init_method``), so only None is accepted.
+        store: A torch ``Store`` to meet through instead of ``init_method``, as
+            torch takes one: rank 0 (``rank`` must be given) embeds the server and
+            publishes its address there, the others read it.
         pg_options: torch's backend options; accepted and not used.
         device_id: A CUDA device (or its index) for this rank; with NCCL the bridge
             uses it instead of the rank's local rank.

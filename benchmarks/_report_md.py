@@ -32,6 +32,7 @@ SECTION_TITLES: Final = {
     "load": "Server load",
     "rpc": "Remote calls vs torch.distributed.rpc (TensorPipe)",
     "recorder": "Flight recorder cost (on vs off)",
+    "torch": "torch.distributed on the aiodist backend vs gloo, and DDP",
 }
 
 
@@ -492,6 +493,53 @@ def _recorder(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _median_spread(r: dict[str, Any] | None) -> str:
+    return "-" if r is None else f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def _torch_backend(data: dict[str, Any]) -> list[str]:
+    out = [
+        "torch's own `torch.distributed.all_reduce` on the default group that aiodist's "
+        "`init_process_group()` brings up (the aiodist backend), on a gloo group over the same "
+        "ranks, and aiodist's own `aiodist.sync.all_reduce`, in palindromes of blocks "
+        "(backend, gloo, aiodist, aiodist, gloo, backend); ratios are medians over the "
+        "palindromes (spread in brackets). Then a `DistributedDataParallel` step on each "
+        "group, A B B A.",
+    ]
+    for n, ws in data["world_sizes"].items():
+        rows = [
+            [
+                _size(int(size)),
+                f"{c['backend_us']:.1f}",
+                f"{c['gloo_us']:.1f}",
+                f"{c['aiodist_us']:.1f}",
+                _median_spread(c.get("vs_gloo")),
+                _median_spread(c.get("vs_aiodist")),
+                f"{c['backend_us'] - c['aiodist_us']:+.1f}",
+            ]
+            for size, c in ws["all_reduce"].items()
+        ]
+        out.append(f"### all_reduce, world size {n}")
+        headers = ["size", "backend µs", "gloo µs", "aiodist API µs", "backend/gloo"]
+        out.append(_table([*headers, "backend/API", "backend - API µs"], rows))
+    rows = [
+        [
+            name,
+            n,
+            f"{c['params']:,}",
+            f"{c['backend_us'] / 1e3:.2f}",
+            f"{c['gloo_us'] / 1e3:.2f}",
+            _median_spread(c.get("vs_gloo")),
+        ]
+        for n, ws in data["world_sizes"].items()
+        for name, c in ws["ddp"].items()
+    ]
+    out.append("### DDP training step (CPU)")
+    headers = ["model", "ranks", "params", "aiodist ms/step", "gloo ms/step", "aiodist/gloo"]
+    out.append(_table(headers, rows))
+    return out
+
+
 _RENDER: Final = {
     "small": _small_messages,
     "rendezvous": _rendezvous,
@@ -501,6 +549,7 @@ _RENDER: Final = {
     "load": _load,
     "rpc": _rpc,
     "recorder": _recorder,
+    "torch": _torch_backend,
 }
 
 

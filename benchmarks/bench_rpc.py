@@ -18,6 +18,14 @@ Cases (``--cases``):
 - ``window``: calls per second to the plain no-op with 64 calls in flight.
 - ``tensor``: round trip of a call whose argument is a 4 MiB float32 tensor
   (the function returns its element count); time per call.
+- ``ps_step``: one training step against a parameter server (the worker holds
+  a two-layer MLP), in plain code on both systems as torch's tutorials write
+  it: within a distributed autograd context, the forward pass by ``rpc_sync``,
+  ``dist_autograd.backward`` (the gradients go back to the server) and
+  ``DistributedOptimizer.step`` (SGD there); time per step.
+- ``batch``: ``BATCH`` calls at once to a function marked
+  ``@rpc.functions.async_execution`` that answers them all with one future once
+  the last has come (the batch-updating server's pattern); time per batch.
 
 **Pairs.** The systems take turns batch by batch in alternating pairs (A B, B
 A, A B, ...: each system goes first equally often), and each pair gives one
@@ -51,6 +59,7 @@ import os
 import signal
 import socket
 import statistics
+import threading
 import time
 import traceback
 import uuid
@@ -68,9 +77,11 @@ if TYPE_CHECKING:
 Mode = Literal["full", "quick", "smoke"]
 System = Literal["aiodist", "torch"]
 SYSTEMS: Final[tuple[System, System]] = ("aiodist", "torch")
-CASES: Final = ("noop", "noop_async", "window", "tensor")
+CASES: Final = ("noop", "noop_async", "window", "tensor", "ps_step", "batch")
 WINDOW: Final = 64
 TENSOR_NUMEL: Final = 1 << 20  # float32: 4 MiB
+PS_SHAPE: Final = (32, 256, 256, 10)  # batch rows, then the MLP's widths
+BATCH: Final = 8
 HOST: Final = "127.0.0.1"
 STARTUP_TIMEOUT: Final = 120.0
 BATCH_TIMEOUT: Final = 120.0
@@ -96,6 +107,76 @@ def numel(t: torch.Tensor) -> int:
     return int(t.numel())
 
 
+# The parameter server (rank 1) and the batcher, for ps_step and batch; _SYSTEM says whose
+# RRef a rank makes (each rank runs one system).
+_SYSTEM: list[System] = []
+_STATE: dict[str, Any] = {}
+
+
+def _ps_model() -> torch.nn.Module:
+    model = _STATE.get("model")
+    if model is None:
+        import torch
+
+        torch.manual_seed(0)
+        _, width_in, hidden, out = PS_SHAPE
+        model = _STATE["model"] = torch.nn.Sequential(
+            torch.nn.Linear(width_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out)
+        )
+    return model
+
+
+def ps_param_rrefs() -> list[Any]:
+    """RRefs to the server's parameters, for the master's DistributedOptimizer."""
+    if _SYSTEM[0] == "torch":
+        from torch.distributed.rpc import RRef
+    else:
+        from aiodist.rpc import RRef  # type: ignore[assignment]
+    return [RRef(p) for p in _ps_model().parameters()]
+
+
+def ps_forward(x: torch.Tensor) -> torch.Tensor:
+    """The server's forward pass (run within the caller's autograd context)."""
+    return _ps_model()(x)  # type: ignore[no-any-return]
+
+
+def _batch_put(value: int) -> Any:
+    """Answer ``BATCH`` calls with one future, completed by the last of them."""
+    import torch
+
+    with _STATE.setdefault("lock", threading.Lock()):
+        got = _STATE.setdefault("got", [])
+        future = _STATE.get("future")
+        if future is None:
+            future = _STATE["future"] = torch.futures.Future()
+        got.append(value)
+        if len(got) == BATCH:
+            _STATE["got"], _STATE["future"] = [], None
+            future.set_result(sum(got))
+    return future
+
+
+# torch's async_execution mark, which aiodist honours too: both systems call this one function.
+_batch_put._wrapped_async_rpc_function = _batch_put  # type: ignore[attr-defined]
+
+
+def _ps_steps(rpc: Any, dist_autograd: Any, optim_cls: Any, to: Any, iters: int) -> float:
+    """``iters`` parameter-server steps in plain code (both systems' form of it)."""
+    import torch
+
+    opt = _STATE.get("opt")
+    if opt is None:
+        opt = _STATE["opt"] = optim_cls(torch.optim.SGD, rpc.rpc_sync(to, ps_param_rrefs), lr=1e-3)
+    x = torch.randn(PS_SHAPE[0], PS_SHAPE[1])
+    start = time.perf_counter()
+    for _ in range(iters):
+        with dist_autograd.context() as context_id:
+            loss = rpc.rpc_sync(to, ps_forward, (x,)).sum()
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+    return time.perf_counter() - start
+
+
 # --- the ranks ----------------------------------------------------------------------------------
 
 
@@ -109,6 +190,7 @@ def _rank_setup() -> None:
 def torch_main(conn: Connection | None, rank: int, port: int) -> None:
     """A TensorPipe rank: the master serves the parent's batches, the worker serves calls."""
     _rank_setup()
+    _SYSTEM.append("torch")
     import torch.distributed.rpc as rpc
 
     options = rpc.TensorPipeRpcBackendOptions(
@@ -125,6 +207,18 @@ def torch_main(conn: Connection | None, rank: int, port: int) -> None:
 def _torch_batch(rpc: Any, case: str, iters: int) -> float:
     import torch
 
+    if case == "ps_step":
+        import torch.distributed.autograd as dist_autograd
+        from torch.distributed.optim import DistributedOptimizer
+
+        return _ps_steps(rpc, dist_autograd, DistributedOptimizer, "worker1", iters)
+    if case == "batch":
+        start = time.perf_counter()
+        for _ in range(iters):
+            futs = [rpc.rpc_async("worker1", _batch_put, (i,)) for i in range(BATCH)]
+            if torch.futures.wait_all(futs) != [BATCH * (BATCH - 1) // 2] * BATCH:
+                raise RuntimeError("wrong result")
+        return time.perf_counter() - start
     fn = noop  # also for noop_async: torch cannot run a coroutine function
     if case == "tensor":
         t = torch.ones(TENSOR_NUMEL)
@@ -152,6 +246,7 @@ def _torch_batch(rpc: Any, case: str, iters: int) -> float:
 def aiodist_main(conn: Connection | None, rank: int, port: int) -> None:
     """An aiodist rank (uvloop): the master serves the parent's batches; the worker serves calls."""
     _rank_setup()
+    _SYSTEM.append("aiodist")
     import anyio
     import uvloop
 
@@ -192,8 +287,24 @@ async def _aiodist_rank(conn: Connection | None, rank: int, port: int) -> None:
 
 
 async def _aiodist_batch(rpc: Any, case: str, iters: int) -> float:
+    import anyio
     import torch
 
+    if case == "ps_step":  # plain code, as torch's: in a thread, off the event loop
+        import aiodist.rpc.dist_autograd as dist_autograd
+        from aiodist.rpc.optim import DistributedOptimizer
+
+        return await anyio.to_thread.run_sync(
+            _ps_steps, rpc, dist_autograd, DistributedOptimizer, 1, iters
+        )
+    if case == "batch":
+        start = time.perf_counter()
+        for _ in range(iters):
+            works = [rpc.rpc_async(1, _batch_put, (i,)) for i in range(BATCH)]
+            for work in works:
+                if await work != BATCH * (BATCH - 1) // 2:
+                    raise RuntimeError("wrong result")
+        return time.perf_counter() - start
     fn = anoop if case == "noop_async" else noop
     if case == "tensor":
         t = torch.ones(TENSOR_NUMEL)
@@ -364,6 +475,8 @@ _TITLES: Final = {
     "noop_async": "no-op round trip, coroutine (torch: plain)",
     "window": f"no-op calls/s, {WINDOW} in flight",
     "tensor": "4 MiB tensor argument round trip",
+    "ps_step": "parameter-server step (dist autograd, DistributedOptimizer)",
+    "batch": f"async_execution batch of {BATCH} calls",
 }
 
 

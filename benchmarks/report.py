@@ -24,6 +24,10 @@ and servers, and stops them before the next starts):
   trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``);
 - ``recorder``: the flight recorder's cost on a 4 B all_reduce and an 8 B
   round trip, on and off in alternating pairs (A B B A) (``bench_recorder``).
+- ``torch``: torch.distributed's all_reduce through the aiodist backend vs gloo
+  vs aiodist's own API at 2 and 4 ranks (the collectives' sizes), and a DDP
+  training step (a small MLP, a small transformer) on the backend vs gloo,
+  alternating (``bench_torch_backend``; not part of ``--smoke``).
 - ``tls``: p2p and all_reduce of 64 MiB between two network namespaces on a
   veth pair, mutual TLS vs clear TCP vs gloo, in alternating runs
   (``bench_tls``; skipped, saying why, where namespaces are not permitted;
@@ -70,6 +74,7 @@ from benchmarks import (
     bench_rendezvous,
     bench_rpc,
     bench_tls,
+    bench_torch_backend,
     rdzv_sim,
 )
 from benchmarks._common import (
@@ -100,6 +105,7 @@ SECTIONS: Final = (
     "load",
     "rpc",
     "recorder",
+    "torch",
     "tls",
 )
 
@@ -229,6 +235,9 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         assert plan.recorder is not None
         data = bench_recorder.bench(*plan.recorder)
         return data, bench_recorder.goal_list(data), bench_recorder.render(data)
+    if name == "torch":
+        data = bench_torch_backend.bench(mode, (2, 4))
+        return data, bench_torch_backend.goal_list(data), bench_torch_backend.render(data)
     if name == "tls":
         data = bench_tls.bench(rounds=2 if mode == "full" else 1)
         return data, bench_tls.goal_list(data), bench_tls.render(data)
@@ -238,6 +247,8 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
 def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> str | None:
     if name not in chosen:
         return "not chosen with --sections"
+    if name == "torch" and mode == "smoke":
+        return "not part of --smoke (it starts its ranks and a DDP model of its own)"
     if name == "tls" and mode == "smoke":
         return "not part of --smoke (it makes network namespaces and spawns six pairs of ranks)"
     if (

@@ -101,7 +101,7 @@ async def asynchronous(ps: ParameterServer, shards: list[rpc.RRef[Shard]], steps
             loss, grads = await shard.rpc_async().gradients(ps.parameters())
             async with lock:
                 ps.apply(grads)  # at once: no waiting for the other workers
-            losses[shard.owner()] = loss
+            losses[shard.owner().id] = loss
 
     async with anyio.create_task_group() as tg:
         for shard in shards:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import zlib
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -9,11 +8,6 @@ import pytest
 import uvloop
 
 from aiodist import RendezvousServer, serve_rendezvous
-
-# The suite's ranks leave torch.distributed alone unless a test asks for a backend (or
-# for torch's default group, as tests/test_default_backend.py does): each bring-up costs
-# an import of torch.distributed and a gloo mesh, seconds on a loaded 2-core machine.
-os.environ.setdefault("AIODIST_TORCH_GROUP", "0")
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -5,11 +5,17 @@
   nothing listens and this process is rank 0 (or ``AIODIST_EMBED=1``), it
   starts the server embedded in itself.
   Other ranks retry until the rendezvous timeout, as TCPStore clients do.
-- ``env://`` reads torchrun's variables and then behaves as ``tcp://``, as
-  under ``aiodist run``, whose server listens at ``MASTER_ADDR:MASTER_PORT``.
+- ``env://`` reads torchrun's variables and then behaves as ``tcp://``: at
+  ``AIODIST_SERVER`` (``aiodist run`` on one node, whose launcher also hosts
+  torch's store at ``MASTER_ADDR:MASTER_PORT``, as torchrun's agent does), else
+  at ``MASTER_ADDR:MASTER_PORT`` (``aiodist run`` on several nodes).
   Under torchrun itself (``TORCHELASTIC_RUN_ID`` set), a torch TCPStore
   listens there instead: rank 0 embeds a server on a free port and publishes
   it in that store, the others read it there (``torchrun.py``).
+- A torch ``Store`` (``store=``, as torch's ``init_process_group`` takes one;
+  torch's own ``init_process_group(backend="aiodist")`` hands over its store):
+  rank 0 embeds a server on a free port and publishes it there, the others
+  read it there, as under torchrun.
 - ``file:///shared/path`` needs no address: under an fcntl lock on the file,
   the first process starts an embedded server on a free port and writes its
   address there; the others read it and connect. The file is the only thing
@@ -41,7 +47,14 @@ import anyio
 
 from aiodist._control.addresses import is_loopback, reachable_host
 from aiodist._control.shared import open_channel
-from aiodist._control.torchrun import Torchrun, find_server, publish_server, torchrun_env
+from aiodist._control.torchrun import (
+    Torchrun,
+    find_in,
+    find_server,
+    publish_in,
+    publish_server,
+    torchrun_env,
+)
 from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
 from aiodist._transport import tls
@@ -71,7 +84,7 @@ class ServerHost(Protocol):
 class RendezvousSpec:
     """Where and how to rendezvous, resolved from ``init_method`` and the environment."""
 
-    scheme: Literal["tcp", "file", "torchrun"]
+    scheme: Literal["tcp", "file", "torchrun", "store"]
     host: str = ""  # for "torchrun": where torchrun's store listens
     port: int = 0
     path: str = ""
@@ -81,6 +94,7 @@ class RendezvousSpec:
     local_world_size: int | None = None
     generation: int = 0  # the launcher's restart count
     torchrun: Torchrun | None = None
+    store: Any = None  # for "store": the torch Store the server is published in
 
     @property
     def single_host(self) -> bool:
@@ -106,16 +120,31 @@ def parse_init_method(
     rank: int = -1,
     world_size: int = -1,
     environ: Mapping[str, str] | None = None,
+    store: Any = None,
 ) -> RendezvousSpec:
-    """Resolve ``init_method`` (default ``env://``) and explicit arguments into a spec.
+    """Resolve ``init_method`` (default ``env://``), or a torch ``store``, into a spec.
 
     Explicit ``rank``/``world_size`` win over the environment, as in torch.
 
     Raises:
-        ValueError: An unknown scheme or a malformed address.
+        ValueError: An unknown scheme or a malformed address; both ``init_method``
+            and ``store``; a ``store`` without a rank.
         RendezvousError: ``env://`` without the variables it needs.
     """
     env = os.environ if environ is None else environ
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("pass init_method or store, not both (as torch.distributed)")
+        if rank < 0:
+            raise ValueError("a store needs rank= (the server is published by rank 0)")
+        return RendezvousSpec(
+            "store",
+            rank=rank,
+            world_size=world_size,
+            local_world_size=_local_world_size(env, world_size),
+            generation=_env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+            store=store,
+        )
     method = init_method or "env://"
     url = urllib.parse.urlsplit(method)
     generation = _env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
@@ -128,6 +157,21 @@ def parse_init_method(
             rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
         if world_size < 0:
             world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
+        if server := env.get("AIODIST_SERVER", "").strip():
+            # ``aiodist run``: its server, while MASTER_ADDR:MASTER_PORT is torch's store.
+            server_host, _, server_port = server.rpartition(":")
+            if not server_host or not server_port.isdecimal():
+                raise RendezvousError(f"AIODIST_SERVER={server!r} is not HOST:PORT")
+            return RendezvousSpec(
+                "tcp",
+                server_host.strip("[]"),
+                int(server_port),
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                local_world_size=local_world_size,
+                generation=generation,
+            )
         port = _env_int(env, "MASTER_PORT")
         host = env.get("MASTER_ADDR", "")
         if port is None or not host:
@@ -170,25 +214,26 @@ def parse_init_method(
         path = urllib.parse.unquote(url.path)
         if not path:
             raise ValueError(f"init_method {method!r} needs a path: file:///shared/path")
-        # A launcher's word on how many ranks run here decides where the server listens.
-        env_world_size = _env_int(env, "WORLD_SIZE")
-        local_world_size = (
-            _env_int(env, "LOCAL_WORLD_SIZE")
-            if env_world_size is not None and env_world_size == world_size
-            else None
-        )
         return RendezvousSpec(
             "file",
             path=path,
             rank=rank,
             world_size=world_size,
-            local_world_size=local_world_size,
+            local_world_size=_local_world_size(env, world_size),
             generation=generation,
         )
     raise ValueError(
         f"init_method {method!r} has an unknown scheme; use tcp://HOST:PORT, tls://HOST:PORT, "
         "env:// or file:///path"
     )
+
+
+def _local_world_size(env: Mapping[str, str], world_size: int) -> int | None:
+    """A launcher's word on how many ranks run here (it decides where a server listens)."""
+    env_world_size = _env_int(env, "WORLD_SIZE")
+    if env_world_size is not None and env_world_size == world_size:
+        return _env_int(env, "LOCAL_WORLD_SIZE")
+    return None
 
 
 def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) -> bool:
@@ -198,7 +243,7 @@ def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) ->
     ``AIODIST_EMBED=1``; under torchrun, rank 0 does.
     """
     env = os.environ if environ is None else environ
-    if spec.scheme == "torchrun":
+    if spec.scheme in ("torchrun", "store"):
         return spec.rank == 0
     return spec.scheme == "file" or spec.rank == 0 or env.get("AIODIST_EMBED", "") == "1"
 
@@ -222,6 +267,8 @@ async def connect_rendezvous(
     token = env.get("AIODIST_TOKEN", "")
     if spec.scheme == "torchrun":
         return await _connect_torchrun(spec, tg, timeout=timeout, token=token, env=env)
+    if spec.scheme == "store":
+        return await _connect_store(spec, tg, timeout=timeout, token=token, env=env)
     if not may_embed(spec, env):
         conn = await open_channel(spec.host, spec.port, timeout=timeout, token=token)
         return conn, None
@@ -296,6 +343,29 @@ async def _connect_torchrun(
     return await open_channel(*server.address, timeout=timeout, token=token), server
 
 
+#: The key a job's server is published under in a torch store handed to aiodist.
+STORE_KEY: Final = "aiodist/server"
+
+
+async def _connect_store(
+    spec: RendezvousSpec,
+    tg: ServerHost | None,
+    *,
+    timeout: float,
+    token: str,
+    env: Mapping[str, str],
+) -> tuple[ControlChannel, RendezvousServer | None]:
+    where = "the torch store given to init_process_group"
+    if spec.rank != 0:
+        whose = "rank 0"
+        address = await find_in(spec.store, STORE_KEY, timeout=timeout, where=where, whose=whose)
+        return await open_channel(*address, timeout=timeout, token=token), None
+    assert tg is not None, "rank 0 embeds the server: it needs a task group"
+    server = await _embed(tg, _file_host(spec, env), 0, token)
+    await publish_in(spec.store, STORE_KEY, server.address, where)
+    return await open_channel(*server.address, timeout=timeout, token=token), server
+
+
 async def _connect_file(
     spec: RendezvousSpec,
     tg: ServerHost,
@@ -343,7 +413,7 @@ async def _connect_file(
 
 
 def _file_host(spec: RendezvousSpec, env: Mapping[str, str]) -> str:
-    """Where the first process of a ``file://`` job embeds the server.
+    """Where the first process of a ``file://`` job (or rank 0 of a store's) embeds the server.
 
     Other hosts may share the file, so it is an address they can reach, unless
     the launcher says every rank runs here; a host whose address cannot be

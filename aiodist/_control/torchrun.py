@@ -35,7 +35,15 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["Torchrun", "find_server", "publish_server", "server_key", "torchrun_env"]
+__all__ = [
+    "Torchrun",
+    "find_in",
+    "find_server",
+    "publish_in",
+    "publish_server",
+    "server_key",
+    "torchrun_env",
+]
 
 # Stores this process hosts (rank 0 without the agent's store): they must outlive the
 # join, as torch's own do, since the other ranks may still be reading them.
@@ -158,13 +166,20 @@ async def publish_server(
         RendezvousError: The store cannot be reached.
     """
     store = await _store(host, port, 0, world_size, run, timeout)
+    await publish_in(store, server_key(run), server, f"torchrun's store at {host}:{port}")
+
+
+async def publish_in(store: Any, key: str, server: tuple[str, int], where: str) -> None:
+    """Write ``server``'s ``host:port`` under ``key`` in the torch store ``store``.
+
+    Raises:
+        RendezvousError: The store refused the write (``where`` names it).
+    """
     value = f"{server[0]}:{server[1]}".encode()
     try:
-        await _blocking(store.set, server_key(run), value)
+        await _blocking(store.set, key, value)
     except RuntimeError as exc:
-        raise RendezvousError(
-            f"cannot write to torchrun's store at {host}:{port} ({exc}); {_HOW}"
-        ) from exc
+        raise RendezvousError(f"cannot write to {where} ({exc}); {_HOW}") from exc
 
 
 async def find_server(
@@ -177,7 +192,24 @@ async def find_server(
         RendezvousError: The store cannot be reached, or holds a malformed address.
     """
     store = await _store(host, port, rank, world_size, run, timeout)
-    key = server_key(run)
+    return await find_in(
+        store,
+        server_key(run),
+        timeout=timeout,
+        where=f"torchrun's store at {host}:{port}",
+        whose=f"rank 0 of torchrun run {run.run_id!r} (restart {run.restart_count})",
+    )
+
+
+async def find_in(
+    store: Any, key: str, *, timeout: float, where: str, whose: str
+) -> tuple[str, int]:
+    """Wait for a server's ``host:port`` under ``key`` in the torch store ``store``.
+
+    Raises:
+        RendezvousTimeout: None came within ``timeout`` (``whose`` should have written it).
+        RendezvousError: The store holds a malformed address.
+    """
 
     def wait_and_get() -> bytes:
         store.wait([key], datetime.timedelta(seconds=timeout))
@@ -187,14 +219,13 @@ async def find_server(
         value = await _blocking(wait_and_get)
     except RuntimeError as exc:
         raise RendezvousTimeout(
-            f"rank 0 of torchrun run {run.run_id!r} (restart {run.restart_count}) published no "
-            f"aiodist server in torchrun's store at {host}:{port} within {timeout:.1f} s; check "
+            f"{whose} published no aiodist server in {where} within {timeout:.1f} s; check "
             "that rank 0 runs and calls init_process_group too"
         ) from exc
     text = value.decode(errors="replace")
     server_host, _, server_port = text.rpartition(":")
     if not server_host or not server_port.isdecimal():
         raise RendezvousError(
-            f"torchrun's store holds {text!r} under {key!r}, not an aiodist server's host:port"
+            f"{where} holds {text!r} under {key!r}, not an aiodist server's host:port"
         )
     return server_host.strip("[]"), int(server_port)

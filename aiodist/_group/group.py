@@ -66,6 +66,7 @@ class Bridge(Protocol):
     """
 
     torch_group: Any  # torch's ProcessGroup; None until brought up
+    devices: dict[str, str]  # device type -> torch backend of the calls it carries; {}: none
 
     def crosses(self, tensor: object) -> bool:
         """True if ``tensor`` lives on a device this bridge carries."""
@@ -115,6 +116,7 @@ class ProcessGroup:
         self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
         # Calls a member aborted before this rank made them: they fail when made.
         self._aborted: dict[int, AbortedError] = {}
+        self._on_break: list[Callable[[DistError], object]] = []
 
     def check_usable(self, *, p2p: bool = False) -> None:
         """Raise the error that broke this group (or its session), if any.
@@ -152,6 +154,18 @@ class ProcessGroup:
                     started.append(result)
         return started
 
+    def on_break(self, fn: Callable[[DistError], object]) -> None:
+        """Call ``fn(error)`` on the loop's thread once this group breaks (at once if it has).
+
+        For what runs beside the group's own operations and must end with them: the
+        torch backend's device parts (an NCCL communicator is aborted). ``fn`` must not
+        block; what it raises is logged.
+        """
+        if self.error is not None:
+            fn(self.error)
+        else:
+            self._on_break.append(fn)
+
     def close(self) -> None:
         """Destroy this group (not the session): its pending receives fail, later calls raise."""
         if self.closed:
@@ -178,6 +192,12 @@ class ProcessGroup:
         )
         self._aborted.clear()
         logger.error("group %r broken: %s", self.name, exc)
+        listeners, self._on_break = self._on_break, []
+        for fn in listeners:
+            try:
+                fn(exc)
+            except Exception:
+                logger.exception("a listener of group %r's break failed", self.name)
         self._session.note_trouble()
         plane = self._session.plane
         plane.fail(exc, self.group_id, keep_p2p=self.keeps_p2p)

@@ -84,6 +84,7 @@ async def open_process_group(
     addresses: list[str] | None = None,
     transport: str | Sequence[str] | None = None,
     max_world_size: int | None = None,
+    store: Any = None,
 ) -> AsyncIterator[ProcessGroup]:
     """Join a job and yield its world group; leave the job on exit.
 
@@ -113,6 +114,8 @@ async def open_process_group(
             0: not elastic). A process that joins a formed elastic job gets the
             next free rank and a default group of its own until it calls
             ``regroup`` with the others (see the elastic guide).
+        store: A torch ``Store`` to meet through instead of ``init_method``: rank 0
+            (``rank`` must be given) embeds the server and publishes it there.
 
     Raises:
         ValueError: A transport this process does not know.
@@ -123,7 +126,7 @@ async def open_process_group(
         Cancelling while joining abandons the join; the server drops this member.
     """
     env = os.environ
-    spec = parse_init_method(init_method, rank=rank, world_size=world_size)
+    spec = parse_init_method(init_method, rank=rank, world_size=world_size, store=store)
     if spec.world_size < 1:
         raise ValueError(
             f"world_size must be given (>= 1), got {spec.world_size}: pass world_size= or set "
@@ -148,10 +151,11 @@ async def open_process_group(
             f"max_world_size ({max_ws}) must be 0 (not elastic) or >= world_size "
             f"({spec.world_size})"
         )
-    if max_ws and backend is not None:
+    if max_ws and backend is not None and backend.lower() != "aiodist":
         raise ValueError(
             f"an elastic job (max_world_size={max_ws}) runs on aiodist's own data plane: "
-            f"torch.distributed cannot grow its groups; start it without backend={backend!r}"
+            f"torch.distributed's {backend!r} cannot grow its groups; start it without a "
+            "backend (torch's group is then aiodist's, and grows with the job)"
         )
     name = group_name or _default_group_name(env)
     transports = selection(transport)  # an unknown name fails here, before anything starts

@@ -207,7 +207,10 @@ class Session:
         if self._members is not None:
             return self._members
         if self._members_loading is None:
-            self._members_loading = linger(self._load_members())  # an operation waits on it
+            self._members_loading = loading = linger(self._load_members())
+            # Its callers see its error through the shield; one that is gone (a
+            # leave cancelled it, the loop ended) must not leave it unretrieved.
+            loading.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(self._members_loading)
 
     def forget_members(self) -> None:

@@ -38,7 +38,7 @@ from aiodist._group.world import (
 from aiodist._launch.launchers import launcher_env
 from aiodist._rpc.agent import agent_for
 from aiodist._torch.bridge import bring_up, parse_backend, tear_down
-from aiodist._torch.default import bring_up_default, wants_default_group
+from aiodist._torch.default import bring_up_default, tear_down_default, wants_default_group
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -67,12 +67,14 @@ async def init_process_group(
     """Join the job and make it the default process group.
 
     Args:
-        backend: ``None`` (torch's default): aiodist's calls ride its own data
-            plane, and torch.distributed's default group is brought up for torch's
-            code (``cpu:gloo,cuda:nccl``, gloo alone without CUDA; off with
-            ``AIODIST_TORCH_GROUP=0``). ``"aiodist"``: its data plane alone.
-            ``"gloo"`` or ``"nccl"`` also route tensor collectives on that backend's
-            device to torch.distributed (see the torch bridge).
+        backend: ``None`` (torch's default) or ``"aiodist"``: aiodist's calls ride
+            its own data plane, and so do torch's: torch.distributed's default group
+            is brought up on the ``aiodist`` backend over this job
+            (``cpu:aiodist,cuda:nccl``, ``aiodist`` alone without CUDA; off with
+            ``AIODIST_TORCH_GROUP=0``), so ``DistributedDataParallel`` and
+            ``torch.distributed.*`` run on aiodist's plane. ``"gloo"`` or ``"nccl"``
+            bring torch's group up on that backend instead, and route aiodist's tensor
+            collectives on its device there too (see the torch bridge).
         init_method: ``tcp://HOST:PORT``, ``env://`` (default, torchrun's variables)
             or ``file:///shared/path``. With ``tcp://``, rank 0 (or any process with
             ``AIODIST_EMBED=1``) starts the server itself if none listens there.
@@ -82,8 +84,9 @@ async def init_process_group(
         group_name: The job's name on a shared server.
         timeout: Seconds (or a ``timedelta``) to wait for the job to form, and the
             default timeout of every operation (30 minutes if None, as torch's).
-        store: torch's own store; aiodist meets through its own server instead
-            (pass ``init_method``), so only None is accepted.
+        store: A torch ``Store`` to meet through instead of ``init_method``, as
+            torch takes one: rank 0 (``rank`` must be given) embeds the server and
+            publishes its address there, the others read it.
         pg_options: torch's backend options; accepted and not used.
         device_id: A CUDA device (or its index) for this rank; with NCCL the bridge
             uses it instead of the rank's local rank.
@@ -117,11 +120,6 @@ async def init_process_group(
         raise RuntimeError(
             "the default process group is already initialised; call destroy_process_group() first"
         )
-    if store is not None:
-        raise ArgumentError(
-            "aiodist's ranks meet through its own rendezvous server, not a torch Store: "
-            "pass init_method ('tcp://HOST:PORT', 'env://' or 'file:///path') instead of store"
-        )
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
     devices = parse_backend(backend)  # before joining: NCCL without CUDA fails here
     loop = asyncio.get_running_loop()
@@ -142,6 +140,7 @@ async def init_process_group(
                 heartbeat_timeout=heartbeat_timeout,
                 hostname=hostname,
                 max_world_size=max_world_size,
+                store=store,
             ) as group:
                 started.set_result(group)
                 try:
@@ -151,6 +150,7 @@ async def init_process_group(
                     if default is not None:
                         _forget_default(default)
                     with anyio.CancelScope(shield=True):
+                        await tear_down_default()
                         await tear_down(group)
         except BaseException as exc:
             if not started.done():

@@ -5,7 +5,12 @@ Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
 ``TORCHELASTIC_MAX_RESTARTS``) so that ``init_process_group()`` with no
 arguments just works. Where the server is, see ``placement``: node 0 hosts the
-job's own, or ``--rdzv-endpoint`` joins a shared one (a daemon).
+job's own, or ``--rdzv-endpoint`` joins a shared one (a daemon). On one node,
+the launcher also hosts torch's store, as torchrun's agent does
+(``agent_store``): ``MASTER_ADDR:MASTER_PORT`` is that store
+(``TORCHELASTIC_USE_AGENT_STORE=True``), so a torch script's own
+``init_process_group`` runs unchanged, and aiodist's server is at
+``AIODIST_SERVER``.
 
 Rules the supervisor keeps:
 
@@ -40,6 +45,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 import anyio
 
+from aiodist._launch.agent_store import AgentStore
 from aiodist._launch.output import Sink, pump
 from aiodist._launch.placement import first_failed_rank, parse_endpoint, place_server
 
@@ -179,13 +185,16 @@ def rank_env(
     restart: int = 0,
     *,
     replacement: bool = False,
+    agent_store: tuple[str, int] | None = None,
 ) -> dict[str, str]:
     """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables.
 
     ``OMP_NUM_THREADS`` defaults to 1 when several ranks share the node, as with
     torchrun. torchrun's own variables from ``base`` (a launcher started inside a
     torchrun worker) are dropped: this job's server is at ``master``, not in
-    torchrun's store.
+    torchrun's store. With ``agent_store`` (torch's store, hosted by the launcher),
+    ``MASTER_ADDR:MASTER_PORT`` is that store, as under torchrun, and the server is
+    at ``AIODIST_SERVER``.
     """
     rank = spec.node_rank * spec.nproc + local_rank
     env = {k: v for k, v in base.items() if not k.startswith("TORCHELASTIC_")}
@@ -206,6 +215,14 @@ def rank_env(
         AIODIST_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
     )
+    if agent_store is not None:
+        env.update(
+            MASTER_ADDR=agent_store[0],
+            MASTER_PORT=str(agent_store[1]),
+            TORCHELASTIC_RUN_ID=job_id,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            AIODIST_SERVER=f"{master[0]}:{master[1]}",
+        )
     if spec.max_world_size:
         env["AIODIST_MAX_WORLD_SIZE"] = str(spec.max_world_size)
     if replacement or spec.joins_late():
@@ -340,7 +357,25 @@ async def launch(
         for restart in range(spec.max_restarts + 1):
             ranks = _Ranks(spec)
             blame = None if server is None else functools.partial(first_failed_rank, server, job_id)
-            result = await _run_ranks(spec, ranks, master, job_id, restart, out, err, blame)
+            # On one node, torch's store for this start, as torchrun's agent hosts it.
+            agent = AgentStore("127.0.0.1") if spec.nnodes == 1 and not spec.max_nnodes else None
+            if agent is not None:
+                agent.serve_on_demand()
+            try:
+                result = await _run_ranks(
+                    spec,
+                    ranks,
+                    master,
+                    job_id,
+                    restart,
+                    out,
+                    err,
+                    blame,
+                    None if agent is None else agent.address,
+                )
+            finally:
+                if agent is not None:
+                    agent.close()  # kills its process if it started: at once
             if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
                 break
             err.line(
@@ -380,6 +415,7 @@ async def _run_ranks(
     out: Sink,
     err: Sink,
     blame: Callable[[], int | None] | None = None,
+    agent_store: tuple[str, int] | None = None,
 ) -> LaunchResult:
     loop = asyncio.get_running_loop()
     width = len(str(spec.world_size - 1))
@@ -394,7 +430,14 @@ async def _run_ranks(
 
             async def start(i: int, replacement: bool = False) -> None:
                 env = rank_env(
-                    spec, i, master, job_id, os.environ, restart, replacement=replacement
+                    spec,
+                    i,
+                    master,
+                    job_id,
+                    os.environ,
+                    restart,
+                    replacement=replacement,
+                    agent_store=agent_store,
                 )
                 proc = await asyncio.create_subprocess_exec(
                     *spec.cmd,

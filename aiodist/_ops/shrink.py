@@ -94,7 +94,9 @@ async def shrink_group(
     excluded = _check_excluded(ranks_to_exclude, old)
     session = old.session
     session.check_usable()
-    if old.bridge is not None:
+    # torch's default group of a job started without a backend serves torch's own code and
+    # carries none of aiodist's calls: it does not keep aiodist's group from shrinking.
+    if old.bridge is not None and old.bridge.devices:
         raise ArgumentError(
             f"{old!r} is bridged to torch.distributed (backend {old.backend!r}), whose group "
             "aiodist cannot shrink; start the job without a torch backend to shrink its groups"

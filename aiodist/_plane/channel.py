@@ -289,6 +289,6 @@ class ChannelState:
             if not posted.settled:
                 # A receive whose payload was arriving when the connection dropped: it left
                 # the matcher on arrival, so hand it to the plane to fail with the verdict.
-                core.orphans.append(posted)
+                core.orphans.append((self.src, posted))
         self.posted = self._buffer = None
         core.channel_closed(self, channel, exc)

@@ -123,7 +123,8 @@ class PlaneCore:
         self.byes: set[DataChannel] = set()  # channels whose peer said (or answered) goodbye
         self.closing = False
         self.early_hellos: list[tuple[_Side, DataChannel, PeerHello]] = []
-        self.orphans: list[Posted] = []  # receives cut off mid-payload (see ChannelState)
+        # Receives cut off mid-payload, with the rank whose payload it was (see ChannelState).
+        self.orphans: list[tuple[int | None, Posted]] = []
         self.arriving: set[_Side] = set()  # channels receiving a payload for a posted receive
         self.dead_calls: dict[tuple[int, int], None] = {}  # (group, call): ordered, bounded
         self.actions: list[tuple[Any, ...]] = []
@@ -369,8 +370,9 @@ class PlaneCore:
         self.bulk.forget(group_id)  # their senders fail too: never clear them
         posted_list = self.matcher.take_posted_where(hit)
         arriving = [side.posted for side in self.arriving if side.posted is not None]
-        posted_list += [p for p in self.orphans + arriving if hit(p.key)]
-        self.orphans = [o for o in self.orphans if not hit(o.key)]
+        orphans = [posted for _, posted in self.orphans]
+        posted_list += [p for p in orphans + arriving if hit(p.key)]
+        self.orphans = [(src, o) for src, o in self.orphans if not hit(o.key)]
         for posted in posted_list:
             posted.settle(exc)
 
@@ -436,7 +438,12 @@ class PlaneCore:
             return
         self.gone.add(rank)
         exc = self.left[rank]
-        for posted in self.matcher.take_posted_from(rank):
+        # Its receives still posted, and those its payload was arriving for when its last
+        # channel closed (of no group of its, say a p2p receive or an rpc reply's tensor:
+        # no group's failure reaches them).
+        cut = [posted for src, posted in self.orphans if src == rank]
+        self.orphans = [(src, o) for src, o in self.orphans if src != rank]
+        for posted in [*self.matcher.take_posted_from(rank), *cut]:
             posted.settle(exc)
 
     def say(self, channel: DataChannel, msg: Message) -> None:

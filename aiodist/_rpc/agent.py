@@ -19,6 +19,7 @@ loop with ``call_soon_threadsafe`` and the handle returned at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import threading
@@ -27,9 +28,10 @@ from typing import TYPE_CHECKING, Any, cast
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
 from aiodist._group.membership import ranks_alive
 from aiodist._group.work import Work
-from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._rpc.calls import Call, Deadlines, Request
-from aiodist._rpc.rref import AGENTS, DECODING, RRefId
+from aiodist._rpc.contexts import incoming
+from aiodist._rpc.names import WorkerInfo, worker
+from aiodist._rpc.rref import AGENTS, DECODING, RRefId, new_id
 from aiodist._rpc.serve import Server
 from aiodist._rpc.shutdown import Termination
 from aiodist._rpc.wire import (
@@ -43,6 +45,7 @@ from aiodist._rpc.wire import (
     send_parts,
     tensor_meta,
 )
+from aiodist._rpc.world import rpc_world
 from aiodist._wire import codec
 from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import Data
@@ -72,7 +75,7 @@ class Agent:
         self.closed = False  # the session closed
         self.shut_down = False  # rpc.shutdown completed (or was forced) here
         self.error: BaseException | None = None  # the session's failure
-        self.default_timeout = session.timeout
+        self.default_timeout: float | None = session.timeout  # None: calls have none
         self._deadlines = Deadlines(self)
         self._ids = itertools.count(1)
         self._idle: list[asyncio.Future[None]] = []
@@ -99,11 +102,26 @@ class Agent:
         """The ranks that neither failed nor left (rpc.shutdown completes among them)."""
         return ranks_alive(self.session)
 
+    def configure(self, timeout: float | None, threads: int | None) -> None:
+        """Take ``init_rpc``'s options: the calls' default timeout (0: none), the rpc threads."""
+        if timeout is not None:
+            self.default_timeout = timeout or None
+        if threads is not None:
+            self.server.max_threads = threads
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        """Rank ``rank``'s ``WorkerInfo`` (named by ``init_rpc``, else ``rank<N>``)."""
+        return worker(self.session, rank)
+
+    def in_async_code(self) -> bool:
+        """True in a task on this agent's loop: handles are ``Work``s to await there."""
+        return threading.get_ident() == self.thread and asyncio.current_task(self.loop) is not None
+
     def closed_reason(self) -> ClosedError:
-        if self.closed:
-            why = f"its process group {self.session.group_name!r} was destroyed"
-        else:
+        if self.shut_down:
             why = "rpc.shutdown() completed there"
+        else:
+            why = f"its process group {self.session.group_name!r} was destroyed"
         return ClosedError(f"rank {self.rank} stopped serving remote calls: {why}")
 
     def maybe_idle(self) -> None:
@@ -142,6 +160,21 @@ class Agent:
         self.loop.call_soon_threadsafe(self._start_into, request, work)
         return work
 
+    def call(self, request: Request) -> Any:
+        """Start ``request`` from any thread; a ``Work`` in async code, else a torch Future."""
+        from aiodist._rpc.futures import Future, follow, settle  # torch: plain code's only
+
+        if threading.get_ident() == self.thread:
+            work = self.start(request)
+            if asyncio.current_task(self.loop) is not None:
+                return work
+            return follow(work, self.thread)
+        future: Future[Any] = Future(self.thread)
+        work = Work.pending(self.loop, request.what)
+        work.when_done(functools.partial(settle, future))  # not shared yet: safe here
+        self.loop.call_soon_threadsafe(self._start_into, request, work)
+        return future
+
     def _start_into(self, request: Request, work: Work[Any]) -> None:
         try:
             self.start(request, work)
@@ -165,6 +198,8 @@ class Agent:
         plane = self.plane
         plane.post(to, reply_key(call), None, functools.partial(self._replied, call))
         meta = [int(request.op), call, request.target, tensor_meta(request.tensors), request.extra]
+        if request.grad is not None:
+            meta.append(request.grad)
         try:
             rest = plane.send_now(to, REQUEST_KEY, meta, request.payload)
         except Exception as exc:  # the request could not even be framed
@@ -229,13 +264,14 @@ class Agent:
 
     def _replied(self, call: int, msg: Received | BaseException) -> None:
         if isinstance(msg, BaseException):  # the session failed, or closed
-            self._complete(call, Status.ERROR, None, msg)
+            self._complete(call, Status.ERROR, None, None, msg)
             return
-        status, meta = msg.meta
+        status, meta, *more = msg.meta
+        grad = more[0] if more else None  # distributed autograd's part, if any
         if not meta:
-            self._complete(call, status, msg.data, [])
+            self._complete(call, status, msg.data, grad, [])
             return
-        done = functools.partial(self._complete, call, status, msg.data)
+        done = functools.partial(self._complete, call, status, msg.data, grad)
         receive_parts(self.plane, msg.src, call, meta, request=False, done=done)
 
     def _complete(
@@ -243,6 +279,7 @@ class Agent:
         call: int,
         status: int,
         data: Any,
+        grad: Any,
         tensors: list[torch.Tensor] | BaseException,
     ) -> None:
         record = self.calls.pop(call, None)
@@ -257,6 +294,8 @@ class Agent:
         try:
             if isinstance(tensors, BaseException):
                 raise tensors
+            if grad is not None:  # its tensors enter this rank's autograd graph
+                incoming(grad, record.to, tensors)
             if status == Status.OK:
                 value = None
                 if data is not None and memoryview(data).nbytes:
@@ -292,13 +331,91 @@ class Agent:
         header = [*REQUEST_KEY, [int(Op.RELEASE), 0, None, None, [rid[0], rid[1], exp]]]
         self.plane.send_notice(owner, Data.KIND, header)
 
-    def owned_value(self, rid: RRefId) -> Any:
-        future = self.server.owned.peek(rid)
-        if future is None:
-            raise RuntimeError(f"this rank owns no object for RRef {rid} (any more)")
-        if not future.done():
-            raise RuntimeError(f"the object of RRef {rid} is still being made; await to_here()")
-        return future.result()
+    def own(self, value: Any) -> RRefId:
+        """Keep ``value`` as an object of this rank (``RRef(value)``), from any thread; its id.
+
+        Raises:
+            ClosedError: rpc was shut down here.
+        """
+        rid = new_id(self)
+        self._on_loop(self._own, rid, value)
+        return rid
+
+    def _own(self, rid: RRefId, value: Any) -> None:
+        self.check_usable()
+        self.server.owned.created(rid).set_result(value)
+
+    def local_value(self, rid: RRefId, timeout: float | None) -> Any:
+        """The object this rank keeps as ``rid``, waiting while it is made (not on the loop).
+
+        Raises:
+            RuntimeError: Not made yet, on the loop's thread (which cannot wait).
+            DistTimeoutError: Not made within ``timeout`` (None: the rpc timeout).
+            Exception: The error making it raised.
+        """
+        made = self.server.owned.peek(rid)
+        if made is not None and made.done():
+            return _object(made, rid)
+        if threading.get_ident() == self.thread:
+            raise RuntimeError(
+                f"the object of RRef {rid} is still being made, and the event loop's thread "
+                "cannot wait for it: await rref.to_here() there"
+            )
+        box: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def watch() -> None:
+            def done(made: asyncio.Future[Any]) -> None:
+                try:
+                    box.set_result(_object(made, rid))
+                except Exception as exc:
+                    box.set_exception(exc)
+
+            if self.shut_down or self.closed:
+                box.set_exception(self.closed_reason())
+                return
+            self.server.owned.value(rid).add_done_callback(done)  # its making may be on its way
+
+        self.loop.call_soon_threadsafe(watch)
+        seconds = self.default_timeout if timeout is None else (timeout or None)
+        try:
+            return box.result(seconds)
+        except concurrent.futures.TimeoutError:
+            raise DistTimeoutError(
+                f"the object of RRef {rid} was not made within {seconds} s"
+            ) from None
+
+    def owned_work(self, rid: RRefId) -> Work[Any]:
+        """A handle to the object this rank keeps as ``rid``, once made (on the loop)."""
+        self.check_usable()
+        work: Work[Any] = Work.pending(self.loop, f"RRef {rid}.to_here()")
+
+        def done(made: asyncio.Future[Any]) -> None:
+            try:
+                work.set_result(_object(made, rid))
+            except Exception as exc:
+                work.set_exception(exc)
+
+        made = self.server.owned.value(rid)
+        if made.done():
+            done(made)
+        else:
+            made.add_done_callback(done)
+        return work
+
+    def _on_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the loop's thread, from any thread; its result."""
+        if threading.get_ident() == self.thread:
+            return fn(*args)
+        box: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                box.set_result(fn(*args))
+            except Exception as exc:
+                box.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return box.result()
 
     # --- ending -------------------------------------------------------------------------
 
@@ -364,6 +481,13 @@ class Agent:
         self.broken(reason)
 
 
+def _object(made: asyncio.Future[Any], rid: RRefId) -> Any:
+    """The object an owned future holds, or the error its making raised."""
+    if made.cancelled():
+        raise RuntimeError(f"the object of RRef {rid} was dropped: no reference to it was left")
+    return made.result()
+
+
 def agent_for(session: Session) -> Agent:
     """The session's agent, started (serving) on first use; call on the session's loop.
 
@@ -385,24 +509,29 @@ async def _agent_for(session: Session) -> Agent:
 
 
 def default_agent(what: str) -> Agent:
-    """The default group's agent, from any thread (started on its loop if need be).
+    """The rpc world's agent, from any thread (started on its loop if need be).
+
+    The rpc world is the one ``init_rpc`` opened, else the default group's job.
 
     Raises:
-        RuntimeError: No process group is initialised.
-        DistError: The default group's session is closed or broken.
+        RuntimeError: Neither ``init_rpc`` nor ``init_process_group`` was called.
+        DistError: The rpc world's session is closed or broken.
     """
-    g = get_default_group()
-    if g is not None:
-        agent = cast("Agent | None", AGENTS.get(g.session))
+    session, loop = rpc_world()
+    if session is not None:
+        agent = cast("Agent | None", AGENTS.get(session))
         if agent is not None:
             return agent
-    loop = default_group_loop()
-    if g is None or loop is None:
-        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
+        if session.closed:  # an rpc world of its own, shut down
+            raise ClosedError(f"{what}: rpc was shut down on this rank; call init_rpc() again")
+    if session is None or loop is None:
+        raise RuntimeError(
+            f"{what} needs rpc: call aiodist.rpc.init_rpc() (or init_process_group()) first"
+        )
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
     if running is loop:
-        return agent_for(g.session)
-    return asyncio.run_coroutine_threadsafe(_agent_for(g.session), loop).result()
+        return agent_for(session)
+    return asyncio.run_coroutine_threadsafe(_agent_for(session), loop).result()

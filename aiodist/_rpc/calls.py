@@ -14,6 +14,7 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from aiodist._rpc.contexts import CURRENT, outgoing
 from aiodist._rpc.wire import Op
 from aiodist._wire import codec
 
@@ -58,6 +59,7 @@ class Request:
     timeout: float | None  # None: no timeout
     what: str  # the call, as error messages name it
     keep: object = None  # kept alive until the call completes (the RRef a method call is on)
+    grad: Any = None  # distributed autograd's part of the request (``autograd.outgoing``)
 
 
 def describe(fn: object) -> str:
@@ -104,7 +106,7 @@ class Caller(Protocol):
     @property
     def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
 
-    default_timeout: float
+    default_timeout: float | None
 
 
 def prepare(
@@ -146,12 +148,17 @@ def prepare(
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     tensors: list[torch.Tensor] = []
     payload = None
+    context = CURRENT.get()  # a distributed autograd context: tensors that require grad
     if args or kwargs:
         try:
-            payload = codec.dumps_split([tuple(args), kwargs or None], tensors)
+            payload = codec.dumps_split(
+                [tuple(args), kwargs or None], tensors, grad=context is not None
+            )
         except Exception as exc:
             raise TypeError(f"the arguments of {what} cannot be pickled: {exc}") from exc
-    return Request(to, op, target, payload, tensors, extra, seconds, what)
+    # Every call made in a context carries it, as torch's do: the callee's result may need it.
+    grad = None if context is None else outgoing(context, tensors, to, force=True)
+    return Request(to, op, target, payload, tensors, extra, seconds, what, grad=grad)
 
 
 @dataclass(slots=True, eq=False)

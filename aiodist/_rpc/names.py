@@ -27,6 +27,8 @@ __all__ = [
     "names_of",
     "rank_of",
     "register",
+    "registered",
+    "worker",
 ]
 
 #: torch.distributed.rpc allows names of up to 128 characters.
@@ -45,6 +47,7 @@ class WorkerInfo:
 class _Names:
     mine: WorkerInfo
     by_name: dict[str, WorkerInfo]
+    by_rank: dict[int, WorkerInfo]
 
 
 _TABLES: Final[weakref.WeakKeyDictionary[Session, _Names]] = weakref.WeakKeyDictionary()
@@ -77,8 +80,13 @@ def register(session: Session, names: Sequence[str], rank: int) -> WorkerInfo:
         which = "; ".join(f"{n!r} by ranks {ranks}" for n, ranks in twice.items())
         raise ValueError(f"rpc worker names must be unique, but {which}: give each rank its own")
     mine = WorkerInfo(names[rank], rank)
-    _TABLES[session] = _Names(mine, by_name)
+    _TABLES[session] = _Names(mine, by_name, {info.id: info for info in by_name.values()})
     return mine
+
+
+def registered(session: Session) -> bool:
+    """True once ``init_rpc`` named the workers of ``session``."""
+    return session in _TABLES
 
 
 def names_of(session: Session, what: str) -> _Names:
@@ -100,6 +108,13 @@ def lookup(table: _Names, name: str) -> WorkerInfo:
         known = ", ".join(sorted(table.by_name))
         raise ValueError(f"no rpc worker is named {name!r} (the workers: {known})")
     return info
+
+
+def worker(session: Session, rank: int) -> WorkerInfo:
+    """Rank ``rank``'s ``WorkerInfo``: its name from ``init_rpc``, else ``"rank<N>"``."""
+    table = _TABLES.get(session)
+    info = None if table is None else table.by_rank.get(rank)
+    return WorkerInfo(f"rank{rank}", rank) if info is None else info
 
 
 def rank_of(session: Session, to: object) -> object:

@@ -28,16 +28,17 @@ import threading
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from aiodist._group.world import get_default_group
+from aiodist._group.work import Work
 from aiodist._rpc.calls import Request, prepare
 from aiodist._rpc.wire import Op
+from aiodist._rpc.world import rpc_session
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Mapping, Sequence
 
     from aiodist._group.session import Session
-    from aiodist._group.work import Work
+    from aiodist._rpc.names import WorkerInfo
 
 __all__ = [
     "AGENTS",
@@ -47,6 +48,8 @@ __all__ = [
     "RRefAgent",
     "RRefId",
     "make_remote",
+    "method_request",
+    "new_id",
     "start_op",
 ]
 
@@ -65,84 +68,156 @@ class RRefAgent(Protocol):
     @property
     def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
 
-    default_timeout: float
+    default_timeout: float | None
     loop: asyncio.AbstractEventLoop
     thread: int
 
     def release(self, owner: int, rid: RRefId, exp: int) -> None: ...
 
-    def owned_value(self, rid: RRefId) -> Any: ...
+    def worker_info(self, rank: int) -> WorkerInfo: ...
+
+    def in_async_code(self) -> bool: ...
+
+    def own(self, value: Any) -> RRefId: ...
+
+    def local_value(self, rid: RRefId, timeout: float | None) -> Any: ...
+
+    def owned_work(self, rid: RRefId) -> Work[Any]: ...
 
     def launch(self, request: Request) -> Work[Any]: ...
+
+    def call(self, request: Request) -> Any: ...
 
 
 # The agent of the session whose message is being decoded: RRefs unpickled there belong to it.
 DECODING: contextvars.ContextVar[RRefAgent | None] = contextvars.ContextVar(
     "aiodist_rpc_decoding", default=None
 )
-# Every session's rpc agent (rpc.agent_for); RRefs decoded elsewhere join the default group's.
+# Every session's rpc agent (rpc.agent_for); RRefs decoded elsewhere join the rpc world's.
 AGENTS: dict[Session, RRefAgent] = {}
 
 
 class RRef(Generic[T]):
-    """A reference to an object kept by its owner, a rank of the job.
+    """A reference to an object kept by its owner, a worker of the rpc world.
 
-    Made by ``aiodist.rpc.remote``; it may be passed to other ranks in the
-    arguments or results of remote calls (it pickles), and each copy keeps
-    the object alive on its owner until it is dropped.
+    ``RRef(value)`` makes this rank the owner of ``value`` (torch's owner RRef:
+    ``RRef(self)``, ``RRef(param)``); ``aiodist.rpc.remote`` makes one owned by
+    another rank. It may be passed to other ranks in the arguments or results
+    of remote calls (it pickles), and each copy keeps the object alive on its
+    owner until it is dropped.
+
+    Args:
+        value: The object this rank keeps.
+        type_hint: Accepted for torch's signature; not used.
+
+    Raises:
+        RuntimeError: rpc is not initialised (``init_rpc`` or ``init_process_group``).
 
     Example:
         >>> rref = aiodist.rpc.remote(1, Counter)          # Counter() runs on rank 1
         >>> await rref.rpc_async().add(5)                  # Counter.add on rank 1
         >>> counter = await rref.to_here()                 # a copy of it, here
+        >>> mine = aiodist.rpc.RRef(model)                 # owned here; pass it to others
     """
 
-    __slots__ = ("__weakref__", "_agent", "_exp", "_id", "_owner")
+    __slots__ = ("__weakref__", "_agent", "_exp", "_id", "_made", "_owner")
 
-    def __init__(self, agent: RRefAgent, owner: int, rid: RRefId, exp: int = 0) -> None:
+    _agent: RRefAgent
+    _owner: int
+    _id: RRefId
+    _exp: int
+    _made: Work[Any] | None
+
+    def __init__(self, value: T, type_hint: object = None) -> None:
+        agent = _default_agent()
+        if agent is None:
+            raise RuntimeError(
+                "RRef(value) needs rpc: call aiodist.rpc.init_rpc() (or init_process_group()) first"
+            )
+        self._init(agent, agent.rank, agent.own(value), 0, None)
+
+    def _init(
+        self, agent: RRefAgent, owner: int, rid: RRefId, exp: int, made: Work[Any] | None
+    ) -> None:
         self._agent = agent
         self._owner = owner
         self._id = rid
         self._exp = exp  # this reference's weight is 2**-exp (module docstring)
+        self._made = made  # the call that makes the object (remote), on its creator
 
-    def owner(self) -> int:
-        """The global rank that keeps the object."""
-        return self._owner
+    @classmethod
+    def _make(
+        cls, agent: RRefAgent, owner: int, rid: RRefId, exp: int = 0, made: Work[Any] | None = None
+    ) -> RRef[Any]:
+        """An RRef to an object that ``owner`` keeps (or makes) as ``rid``."""
+        rref: RRef[Any] = cls.__new__(cls)
+        rref._init(agent, owner, rid, exp, made)
+        return rref
+
+    def owner(self) -> WorkerInfo:
+        """The worker that keeps the object (its ``.id`` is its rank)."""
+        return self._agent.worker_info(self._owner)
+
+    def owner_name(self) -> str:
+        """The name of the worker that keeps the object."""
+        return self.owner().name
 
     def is_owner(self) -> bool:
         """True on the owner."""
         return self._owner == self._agent.rank
 
+    def confirmed_by_owner(self) -> bool:
+        """True once the owner has the object: always on the owner and for copies received.
+
+        The reference ``remote`` returns is confirmed once the owner answered
+        the call that makes the object (successfully or not).
+        """
+        return self._made is None or self._made.is_completed()
+
     def local_value(self) -> T:
-        """The object itself, on its owner.
+        """The object itself, on its owner; waits while it is still being made (torch's).
 
         Raises:
-            RuntimeError: Not the owner, or the object is still being made.
+            RuntimeError: Not the owner; or the object is not made yet and this is
+                the job's event-loop thread, which cannot wait (await
+                ``rref.to_here()`` there).
+            DistTimeoutError: Not made within the rpc timeout.
             Exception: The error its making raised.
         """
         if not self.is_owner():
             raise RuntimeError(
                 f"local_value() is for the owner (rank {self._owner}); use to_here() elsewhere"
             )
-        return self._agent.owned_value(self._id)  # type: ignore[no-any-return]
+        return self._agent.local_value(self._id, None)  # type: ignore[no-any-return]
 
-    def to_here(self, timeout: float | None = None) -> Work[T]:
-        """Start fetching a copy of the object from its owner.
+    def to_here(self, timeout: float | None = None) -> Any:
+        """A copy of the object, fetched from its owner (the object itself on the owner).
+
+        In plain code (any thread but the job's event loop's) it blocks and returns
+        the object, as torch's does; in async code it returns a ``Work`` to await:
+        ``await rref.to_here()``.
 
         Args:
-            timeout: Seconds (None: the job's timeout; 0: none).
-
-        Returns:
-            Work resolving to the object: ``await rref.to_here()``, or
-            ``rref.to_here().wait()`` from plain code.
+            timeout: Seconds (None: the rpc timeout; 0: none).
 
         Raises:
-            Exception: (from the Work) the error the object's making raised.
+            Exception: The error the object's making raised.
+            DistTimeoutError: No answer within ``timeout``.
         """
-        return start_op(self, Op.TO_HERE, "", (), None, timeout)  # type: ignore[return-value]
+        agent = self._agent
+        if self.is_owner():
+            if agent.in_async_code():
+                return agent.owned_work(self._id)
+            return agent.local_value(self._id, timeout)
+        work = start_op(self, Op.TO_HERE, "", (), None, timeout)
+        assert isinstance(work, Work)
+        return work if agent.in_async_code() else work.wait()
 
     def rpc_async(self, timeout: float | None = None) -> Any:
-        """A proxy whose methods call the object's, on the owner, and return ``Work``.
+        """A proxy whose methods call the object's, on the owner, without waiting.
+
+        Each method returns a ``torch.futures.Future`` in plain code, a ``Work``
+        in async code (both awaitable).
 
         Example:
             >>> total = await rref.rpc_async().add(5)
@@ -175,7 +250,9 @@ class RRef(Generic[T]):
         return _rebuild, (self._owner, self._id, self._exp)
 
     def __del__(self) -> None:
-        agent = self._agent
+        agent = getattr(self, "_agent", None)
+        if agent is None:
+            return  # its construction failed: it holds no weight
         try:
             if threading.get_ident() == agent.thread:
                 agent.loop.call_soon(agent.release, self._owner, self._id, self._exp)
@@ -185,17 +262,20 @@ class RRef(Generic[T]):
             pass
 
 
+def _default_agent() -> RRefAgent | None:
+    """The agent RRefs made or unpickled outside any message belong to: the rpc world's."""
+    world = rpc_session()
+    return None if world is None else AGENTS.get(world)
+
+
 def _rebuild(owner: int, rid: RRefId, exp: int) -> RRef[Any]:
-    """Unpickle an RRef: it joins the agent decoding it, or the default group's."""
-    agent = DECODING.get()
-    if agent is None:
-        g = get_default_group()
-        agent = None if g is None else AGENTS.get(g.session)
+    """Unpickle an RRef: it joins the agent decoding it, or the rpc world's."""
+    agent = DECODING.get() or _default_agent()
     if agent is None:
         raise RuntimeError(
             "an RRef can only be unpickled in a rank of the job that made it, with rpc in use"
         )
-    return RRef(agent, int(owner), (int(rid[0]), int(rid[1])), int(exp))
+    return RRef._make(agent, int(owner), (int(rid[0]), int(rid[1])), int(exp))
 
 
 class _Methods:
@@ -212,9 +292,32 @@ class _Methods:
         return functools.partial(self._call, name)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        op = Op.METHOD_REMOTE if self._mode == "remote" else Op.METHOD
-        started = start_op(self._rref, op, name, args, kwargs, self._timeout)
-        return started.wait() if self._mode == "sync" else started  # type: ignore[union-attr]
+        if self._mode == "remote":
+            return start_op(self._rref, Op.METHOD_REMOTE, name, args, kwargs, self._timeout)
+        request = method_request(self._rref, name, args, kwargs, self._timeout)
+        agent = self._rref._agent
+        if self._mode == "sync":
+            return agent.launch(request).wait()
+        return agent.call(request)
+
+
+def method_request(
+    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: Any, timeout: float | None
+) -> Request:
+    """A call of method ``name`` of ``rref``'s object, on its owner, prepared."""
+    request = prepare(
+        rref._agent,
+        Op.METHOD,
+        rref._owner,
+        name,
+        args,
+        kwargs,
+        timeout,
+        f"{rref!r}.{name}()",
+        list(rref._id),
+    )
+    request.keep = rref  # alive until the call completes: its release comes after
+    return request
 
 
 def start_op(
@@ -238,11 +341,11 @@ def start_op(
     else:
         made = (agent.rank, next(_numbers))
         what, extra = f"{rref!r}.remote().{name}()", [rid, list(made)]
-    request = prepare(agent, op, rref.owner(), name, args, kwargs, timeout, what, extra)
+    request = prepare(agent, op, rref._owner, name, args, kwargs, timeout, what, extra)
     request.keep = rref  # alive until the call completes: its release comes after
     work = agent.launch(request)
     if op is Op.METHOD_REMOTE:
-        return RRef(agent, rref.owner(), made)
+        return RRef._make(agent, rref._owner, made, made=work)
     return work
 
 
@@ -258,8 +361,13 @@ def make_remote(
     rid = (agent.rank, next(_numbers))
     what = f"remote(to={to}, {{fn}})"
     request = prepare(agent, Op.REMOTE, to, fn, args, kwargs, timeout, what, list(rid))
-    agent.launch(request)
-    return RRef(agent, request.to, rid)
+    work = agent.launch(request)
+    return RRef._make(agent, request.to, rid, made=work)
+
+
+def new_id(agent: RRefAgent) -> RRefId:
+    """A fresh RRef id for an object ``agent``'s rank makes."""
+    return (agent.rank, next(_numbers))
 
 
 class _Owned:

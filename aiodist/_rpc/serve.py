@@ -10,7 +10,10 @@ driven by callbacks from its arrival to its reply, so calls run concurrently:
 - a plain function runs in one of the rank's rpc threads
   (``AIODIST_RPC_THREADS``, default 16, as torch's TensorPipe agent;
   ``threads``), so a slow one blocks neither the loop nor other calls; a
-  coroutine it returns is then awaited on the loop.
+  coroutine it returns is then awaited on the loop;
+- a plain function marked ``async_execution`` (``ASYNC_MARK``, the attribute
+  torch's decorator sets too) returns a ``torch.futures.Future``: its thread is
+  free at once, and the call is answered when the future completes.
 
 A caller that gives up on a call (its timeout) sends ``CANCEL``: the call is
 answered ``CANCELLED`` at once and stopped: a coroutine function at its next
@@ -22,14 +25,18 @@ dropped. Every request gets exactly one reply.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import logging
 import os
+import sys
+import threading
 import types
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import DistError
+from aiodist._rpc.contexts import CURRENT, Context, incoming, outgoing, within
 from aiodist._rpc.rref import DECODING, OwnedTable, RRefAgent
 from aiodist._rpc.threads import Job, Threads
 from aiodist._rpc.wire import (
@@ -52,7 +59,7 @@ if TYPE_CHECKING:
     from aiodist._plane.peers import DataPlane, Received
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DEFAULT_RPC_THREADS", "Host", "Server"]
+__all__ = ["ASYNC_MARK", "DEFAULT_RPC_THREADS", "Host", "Server"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,8 @@ DEFAULT_RPC_THREADS: Final = 16
 # Decoded functions kept by their encoding (a program calls few distinct ones).
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
+#: The attribute ``rpc.functions.async_execution`` (and torch's decorator) sets on a function.
+ASYNC_MARK: Final = "_wrapped_async_rpc_function"
 
 
 class _Terminating(Protocol):
@@ -87,13 +96,29 @@ class Host(RRefAgent, Protocol):
 class _Serving:
     """A call being served: from its request's arrival to its reply."""
 
-    __slots__ = ("call", "extra", "finished", "job", "made", "op", "src", "target", "task")
+    __slots__ = (
+        "call",
+        "context",
+        "deferred",
+        "extra",
+        "finished",
+        "grad",
+        "job",
+        "made",
+        "op",
+        "src",
+        "target",
+        "task",
+    )
 
     def __init__(self, src: int, call: int, op: Op, target: Any, extra: Any) -> None:
         self.src, self.call, self.op, self.target, self.extra = src, call, op, target, extra
         self.made: asyncio.Future[Any] | None = None  # the object it makes (remote)
         self.job: Job | None = None
         self.task: asyncio.Task[None] | None = None
+        self.deferred = False  # async_execution: its result is a future to wait for
+        self.grad: Any = None  # distributed autograd's part of the request, if any
+        self.context: Context | None = None  # the autograd context it runs in
         self.finished = False  # answered
 
 
@@ -108,6 +133,7 @@ class Server:
         self.served = 0  # requests accepted: rpc.shutdown's waves compare it
         self.running: dict[tuple[int, int], _Serving] = {}
         self.stopped = False  # rpc shut down here: later requests get a CLOSED reply
+        self.max_threads: int | None = None  # None: AIODIST_RPC_THREADS, else the default
         self._functions: dict[bytes, tuple[Callable[..., Any], bool]] = {}
         self._threads: Threads | None = None
         self._posting = False
@@ -157,7 +183,7 @@ class Server:
 
     def _handle(self, msg: Received) -> None:
         src = msg.src
-        op_code, call, target, meta, extra = msg.meta
+        op_code, call, target, meta, extra, *more = msg.meta
         op = Op(op_code)
         if op is Op.RELEASE:
             if not self.stopped:
@@ -175,6 +201,8 @@ class Server:
         elif op is Op.METHOD_REMOTE:
             made = (int(extra[1][0]), int(extra[1][1]))
         serving = _Serving(src, int(call), op, target, extra)  # parsed: nothing raises below
+        if more:
+            serving.grad = more[0]  # checked with its tensors, once they are here
         self.served += 1
         self.running[(src, serving.call)] = serving
         if made is not None and not self.stopped:
@@ -212,6 +240,8 @@ class Server:
         try:
             if isinstance(tensors, BaseException):
                 raise tensors
+            if serving.grad is not None:  # run in its autograd context, its tensors in the graph
+                serving.context = incoming(serving.grad, serving.src, tensors)
             op = serving.op
             if op is Op.CALL or op is Op.REMOTE:
                 fn, is_async = self._function(serving.target)
@@ -267,21 +297,67 @@ class Server:
             except Exception as exc:
                 self._finish(serving, Status.ERROR, exc)
                 return
-            serving.task = self.loop.create_task(self._await(serving, coro))
+            context = None
+            if serving.context is not None:
+                context = contextvars.copy_context()
+                context.run(CURRENT.set, serving.context)
+            serving.task = self.loop.create_task(self._await(serving, coro), context=context)
             return
+        serving.deferred = hasattr(fn, ASYNC_MARK)
+        if serving.context is not None:
+            fn = functools.partial(within, serving.context, fn)
         serving.job = Job(fn, args, kwargs, functools.partial(self._ran, serving))
         if self._threads is None:
-            most = int(os.environ.get("AIODIST_RPC_THREADS") or DEFAULT_RPC_THREADS)
+            most = self.max_threads or int(
+                os.environ.get("AIODIST_RPC_THREADS") or DEFAULT_RPC_THREADS
+            )
             self._threads = Threads(self.loop, most, "aiodist-rpc")
         self._threads.submit(serving.job)
 
     def _ran(self, serving: _Serving, ok: bool, value: Any) -> None:
         if serving.finished:
             return  # cancelled meanwhile: its result is dropped
+        if ok and serving.deferred and _is_torch_future(value):
+            self._defer(serving, value)
+            return
         if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
             serving.task = self.loop.create_task(self._await(serving, value))
             return
+        if ok and serving.deferred:
+            value = TypeError(
+                f"a function marked async_execution must return a torch.futures.Future, "
+                f"not a {type(value).__name__}"
+            )
+            ok = False
         self._finish(serving, Status.OK if ok else Status.ERROR, value)
+
+    def _defer(self, serving: _Serving, future: Any) -> None:
+        """Answer ``serving`` once ``future`` (a ``torch.futures.Future``) completes."""
+        if future.done():  # completed in the function already: no callback, no loop turn
+            self._resolved(serving, future)
+            return
+        loop_thread = self.agent.thread
+
+        def done(completed: Any) -> None:  # on whichever thread completed it
+            if threading.get_ident() == loop_thread:
+                self._resolved(serving, completed)
+                return
+            try:
+                self.loop.call_soon_threadsafe(self._resolved, serving, completed)
+            except RuntimeError:  # the loop closed: nobody waits for the answer
+                pass
+
+        future.add_done_callback(done)
+
+    def _resolved(self, serving: _Serving, future: Any) -> None:
+        if serving.finished:
+            return
+        try:
+            value = future.value()
+        except Exception as exc:
+            self._finish(serving, Status.ERROR, exc)
+        else:
+            self._finish(serving, Status.OK, value)
 
     async def _await(self, serving: _Serving, awaitable: Awaitable[Any]) -> None:
         try:
@@ -344,18 +420,20 @@ class Server:
                     made.exception()  # retrieved: to_here and method calls report it
             if status is Status.OK:
                 value = None  # kept here; the caller holds the RRef
-        self._reply(serving.src, serving.call, status, value)
+        self._reply(serving.src, serving.call, status, value, serving.context)
         self.agent.maybe_idle()
 
     def _stopped(self, why: object) -> DistError:
         return DistError(f"making the object on rank {self.agent.rank} was stopped: {why}")
 
-    def _reply(self, src: int, call: int, status: Status, value: Any) -> None:
+    def _reply(
+        self, src: int, call: int, status: Status, value: Any, context: Context | None
+    ) -> None:
         tensors: list[torch.Tensor] = []
         payload: bytes | None = None
         if status is Status.OK and value is not None:
             try:
-                payload = codec.dumps_split(value, tensors)
+                payload = codec.dumps_split(value, tensors, grad=context is not None)
             except Exception as exc:
                 tensors = []
                 error = TypeError(f"the result ({type(value).__name__}) cannot be sent back: {exc}")
@@ -366,6 +444,9 @@ class Server:
         elif status is not Status.OK:
             payload = codec.dumps(str(value))
         meta = [int(status), tensor_meta(tensors)]
+        grad = outgoing(context, tensors, src, force=False)  # its tensors that require grad
+        if grad is not None:
+            meta.append(grad)
         try:
             rest = self.plane.send_now(src, reply_key(call), meta, payload)
         except Exception:  # cannot even be framed: the caller's timeout reports it
@@ -412,14 +493,6 @@ class Server:
         self._listening = False
 
 
-def _settle_with(future: asyncio.Future[list[torch.Tensor]]) -> Callable[[Any], None]:
-    def done(outcome: list[torch.Tensor] | BaseException) -> None:
-        if future.done():
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-            future.exception()  # retrieved: the call's task reports it
-        else:
-            future.set_result(outcome)
-
-    return done
+def _is_torch_future(value: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch._C.Future)

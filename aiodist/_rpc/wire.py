@@ -5,9 +5,9 @@ Every rpc message is a data-plane message of kind ``RPC`` whose group field is
 leaves remote calls alone, while a failed rank (which fails the whole session)
 fails every pending one. ``call`` numbers a caller's calls from 1::
 
-    request         (RPC, RPC_GROUP, 0, 0)          meta [op, call, target, tensors, extra]
+    request         (RPC, RPC_GROUP, 0, 0)          meta [op, call, target, tensors, extra(, grad)]
     its tensor i    (RPC, RPC_GROUP, -call, i + 1)  payload: tensor i's bytes
-    reply           (RPC, RPC_GROUP, call, 0)       meta [status, tensors]
+    reply           (RPC, RPC_GROUP, call, 0)       meta [status, tensors(, grad)]
     its tensor i    (RPC, RPC_GROUP, call, i + 1)   payload: tensor i's bytes
 
 A request's payload holds the arguments, a reply's the result or the error,
@@ -17,6 +17,11 @@ shapes), sent from the tensors' memory and received straight into fresh
 tensors. Messages from one source with one key keep their order, and a
 request's parts follow it on the same channel, so a receiver posts the parts'
 receives when the request arrives and each part lands in place.
+
+``grad``, present only within a distributed autograd context, is
+``[context id, send id, indices of the tensors that require grad]``
+(``contexts.outgoing``); those tensors are always set aside, whatever their
+size, and enter the receiver's autograd graph (``contexts.incoming``).
 
 Matching by ``(source, key)`` with ``call`` unique per caller means no call
 ever receives another call's reply, even when one times out and its reply
@@ -170,7 +175,9 @@ async def send_parts(
 ) -> None:
     """Send the tensors a message set aside, after it, from their own memory."""
     for i, t in enumerate(tensors):
-        src = t if t.is_contiguous() else t.contiguous()
+        src = t.detach() if t.requires_grad else t  # its bytes only: autograd records it
+        if not src.is_contiguous():
+            src = src.contiguous()
         await plane.send(dst, part_key(call, i, request=request), None, byte_view(src))
 
 

@@ -11,11 +11,14 @@ doors, each used by the generated ``aiodist/sync.py``:
 - ``submit(fn, ..., async_op=...)`` starts a Work-returning operation on the
   loop (so its sequence number is taken in call order) and either blocks for
   its result or returns the running ``Work``.
-- ``stop()`` ends the thread; it also runs at interpreter exit, after tearing
-  down a default group that is still initialised.
+- ``stop()`` ends the thread; it also runs at the program's end
+  (``_group.ending``: interpreter exit, or a multiprocessing child's end), after
+  tearing down a default group that is still initialised (failing it if the
+  program failed).
 
 The thread starts on first use and stops once a blocking call leaves nothing
-initialised (``destroy_process_group``), so a non-distributed script never has
+on it (``destroy_process_group``; ``rpc.shutdown`` of an rpc world of its
+own), so a non-distributed script never has
 one running for long: Work-returning operations with nothing initialised run
 in the caller's thread, since they complete at once without a loop.
 
@@ -36,12 +39,10 @@ this rank left the job. The same happens at exit after an uncaught
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import logging
 import os
 import signal
-import sys
 import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -49,10 +50,12 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from aiodist._group import ending
 from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.work import Work
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
+from aiodist._rpc import world as rpc_world
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -138,18 +141,15 @@ _lock = threading.Lock()
 _current: _LoopThread | None = None
 _unstarted = 0  # start_soon calls whose operation has not started on the loop yet
 _unstarted_lock = threading.Lock()
-_atexit_registered = False
 
 
 def _running() -> _LoopThread:
     """The loop thread, started if needed, after checking that this call can use it."""
-    global _current, _atexit_registered
+    global _current
     with _lock:
         if _current is None:
             _current = _LoopThread()
-            if not _atexit_registered:
-                atexit.register(_at_exit)
-                _atexit_registered = True
+            ending.at_exit(_at_exit)  # before an rpc world's: it ends after them
         return _current
 
 
@@ -201,8 +201,13 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
             _abandon(lt, exc)
         raise
     finally:
-        if not is_initialized():
+        if not _in_use():
             stop(lt)
+
+
+def _in_use() -> bool:
+    """True while something lives on the loop thread: the default group, an rpc world."""
+    return is_initialized() or rpc_world.is_open()
 
 
 def submit(
@@ -247,7 +252,7 @@ def submit(
     except BaseException as exc:
         if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
             _abandon(lt, exc)
-            if not is_initialized():
+            if not _in_use():
                 stop(lt)
         raise
 
@@ -374,12 +379,12 @@ def _abandon(lt: _LoopThread, exc: BaseException | None = None) -> None:
         logger.exception("closing the default process group after an interrupt failed")
 
 
-def _at_exit() -> None:
+def _at_exit(last: BaseException | None) -> None:
+    """The program ends (``last``: the exception it ends with, see ``_group.ending``)."""
     lt = _current
     if lt is None or lt.pid != os.getpid():
         return
     try:
-        last = getattr(sys, "last_value", None)  # the uncaught exception ending the program
         if isinstance(last, BaseException) and (interrupted(last) or failure_of(last)):
             # Ctrl-C in a Work.wait(), or an exception: do not wait for what is in flight,
             # and tell the peers that this rank failed (``_group.ending``).

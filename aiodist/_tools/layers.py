@@ -127,7 +127,7 @@ def layer_of(module: str) -> str | None:
     if len(parts) == 1:
         return "public"
     head = parts[1]
-    if len(parts) == 2 and head in PUBLIC:
+    if head in PUBLIC:  # a public module, or a module of a public package (aiodist.rpc.nn)
         return "public"
     return head if head in _REACH and head != "public" else None
 

@@ -36,6 +36,7 @@ from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBroke
 from aiodist._ops import staging
 from aiodist._torch import ops
 from aiodist._torch.agree import agree, checking, signature_of
+from aiodist._torch.default import is_aiodist
 from aiodist._torch.issuing import IssuingThread
 
 if TYPE_CHECKING:
@@ -74,7 +75,10 @@ def parse_backend(backend: str | None) -> dict[str, str] | None:
     Raises:
         RuntimeError: A torch backend this process cannot run (NCCL without CUDA).
     """
-    if backend is None or (backend.lower() not in _DEVICE_OF and ":" not in backend):
+    if is_aiodist(backend):
+        return None  # aiodist's own (``default.py``): nothing of aiodist's goes to torch
+    assert backend is not None
+    if backend.lower() not in _DEVICE_OF and ":" not in backend:
         return None
     pairs: dict[str, str] = {}
     for part in backend.lower().split(","):
@@ -390,6 +394,8 @@ async def bring_up(
             "torch.distributed is already initialised in this process; call "
             "torch.distributed.destroy_process_group() first, or pass backend=None"
         )
+    if "gloo" in devices.values():
+        await _warn_if_gloo_in_clear(world)
     loop = asyncio.get_running_loop()
     store = LoopStore(world.store, loop, STORE_PREFIX, world.timeout)
     bridge = GroupBridge(world, devices, backend)
@@ -422,6 +428,23 @@ async def bring_up(
     # No rank returns before every rank's group is up: one that returned and destroyed
     # its group at once would cut a peer's gloo mesh short ("Connection closed by peer").
     await world.session.barrier()
+
+
+async def _warn_if_gloo_in_clear(world: ProcessGroup) -> None:
+    """Warn when a TLS job's ranks on several hosts talk gloo, which is never encrypted."""
+    from aiodist._transport import tls
+
+    if tls.from_env() is None:
+        return
+    hosts = {member.host for member in await world.session.members()}
+    if len(hosts) > 1:
+        logger.warning(
+            "backend='gloo' in a TLS job across %d hosts: gloo's traffic between them is not "
+            "encrypted (aiodist's is); start the job without a backend, so that torch's calls "
+            "ride aiodist's TLS data plane (torch's default group is then on the 'aiodist' "
+            "backend)",
+            len(hosts),
+        )
 
 
 async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: str | None) -> None:

@@ -11,7 +11,9 @@ therefore returns an object equal to, and of the same type as, the original.
 aside (an extension type, or a pickle persistent id, holding their index):
 the caller sends their bytes as payloads of their own, straight from the
 tensors' memory, and the receiver reads them into fresh tensors, so no copy
-of them ends up in the encoding (remote calls use this).
+of them ends up in the encoding (remote calls use this). Asked to
+(``grad=True``: distributed autograd records them), they set aside every CPU
+tensor that requires grad too, whatever its size.
 
 This module holds the package's only unpickling. It is called on bytes
 from authenticated members of the caller's own job only; the server never
@@ -53,16 +55,17 @@ class _NotPlain(Exception):
 class _Encoder:
     """msgpack's ``default`` hook; with a ``split`` list, large CPU tensors go there."""
 
-    __slots__ = ("index", "split")
+    __slots__ = ("grad", "index", "split")
 
-    def __init__(self, split: list[Any] | None) -> None:
+    def __init__(self, split: list[Any] | None, grad: bool = False) -> None:
         self.split = split
+        self.grad = grad
         self.index: dict[int, int] = {}  # id(tensor) -> its place in split: each goes once
 
     def __call__(self, obj: Any) -> msgpack.ExtType:
         if type(obj) is tuple:
             return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj), self))
-        if self.split is not None and _splittable(obj):
+        if self.split is not None and _splittable(obj, self.grad):
             return msgpack.ExtType(_EXT_TENSOR_REF, _pack(_set_aside(obj, self), _PLAIN))
         return _default(obj)
 
@@ -78,16 +81,19 @@ def _set_aside(t: Any, owner: _Encoder | _SplitPickler) -> int:
     return index
 
 
-def _splittable(obj: Any) -> bool:
-    """True for a plain CPU tensor of at least ``SPLIT_MIN_BYTES``: its bytes travel apart."""
+def _splittable(obj: Any, grad: bool) -> bool:
+    """True for a plain CPU tensor whose bytes travel apart.
+
+    One of at least ``SPLIT_MIN_BYTES`` that does not require grad; with ``grad``,
+    also one that requires grad, of any size.
+    """
     torch = sys.modules.get("torch")
     return (
         torch is not None
         and type(obj) is torch.Tensor
-        and not obj.requires_grad
         and obj.layout == torch.strided
         and obj.device.type == "cpu"
-        and obj.nbytes >= SPLIT_MIN_BYTES
+        and (grad if obj.requires_grad else obj.nbytes >= SPLIT_MIN_BYTES)
     )
 
 
@@ -202,30 +208,32 @@ def dumps(obj: object) -> bytes:
 class _SplitPickler(pickle.Pickler):
     """Pickles large CPU tensors by reference to ``split`` (a persistent id: their index)."""
 
-    def __init__(self, file: io.BytesIO, split: list[Any]) -> None:
+    def __init__(self, file: io.BytesIO, split: list[Any], grad: bool) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.split: list[Any] | None = split
+        self.grad = grad
         self.index: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        return _set_aside(obj, self) if _splittable(obj) else None
+        return _set_aside(obj, self) if _splittable(obj, self.grad) else None
 
 
-def dumps_split(obj: object, tensors: list[Any]) -> bytes:
+def dumps_split(obj: object, tensors: list[Any], *, grad: bool = False) -> bytes:
     """Encode ``obj`` as ``dumps`` does, but append its large CPU tensors to ``tensors``.
 
     The encoding refers to each by its index; their bytes are not copied into
     it (``loads_split`` takes them back). ``tensors`` holds the very tensors of
-    ``obj``: do not change them until their bytes have been sent.
+    ``obj``: do not change them until their bytes have been sent. With
+    ``grad``, tensors that require grad are set aside too, whatever their size.
     """
     start = len(tensors)
     try:
-        return b"M" + _pack(obj, _Encoder(tensors))
+        return b"M" + _pack(obj, _Encoder(tensors, grad))
     except (_NotPlain, OverflowError, TypeError, ValueError):
         del tensors[start:]  # set aside by the attempt; pickle sets them aside again
     buf = io.BytesIO()
     buf.write(b"P")
-    _SplitPickler(buf, tensors).dump(obj)
+    _SplitPickler(buf, tensors, grad).dump(obj)
     return buf.getvalue()
 
 

@@ -1,10 +1,10 @@
 """Scripts written for torch and mmengine, unchanged: torch's default group, mmengine's seed.
 
-``init_process_group()`` with no backend brings up torch's default group, as torch does.
+``init_process_group()`` with no backend brings up torch's default group, as torch does,
+on the ``aiodist`` backend: torch's calls ride aiodist's data plane.
 
 Plain torch training code (DDP, ``DistributedSampler``) on ``aiodist.sync``,
-under ``aiodist run`` as real processes. The suite turns the default off
-(``conftest.py``); these tests turn it back on.
+under ``aiodist run`` as real processes, with the defaults users get.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ async def test_no_backend_brings_up_torch_default_group_for_ddp_and_sampler() ->
     for rank in (0, 1):
         r = reports[rank]
         assert r["torch_initialized"] is True, r
-        assert r["torch_backend"] == "gloo", r  # no CUDA here: torch's default is gloo
+        assert r["torch_backend"] == "aiodist", r  # no CUDA here: aiodist alone
         assert r["grad"] == [[1.5, 1.5]], r  # (1 + 2) / 2: DDP averaged over the ranks
         assert r["all_reduce"] == [2.0, 2.0], r
         assert r["torch_after_destroy"] is False, r
@@ -77,7 +77,7 @@ async def test_torch_group_off_leaves_torch_distributed_alone() -> None:
 async def test_sync_random_seed_comes_through_torch_tensor_as_mmengine_tests_expect() -> None:
     # mmengine's tests/test_dist/test_dist.py::test_sync_random_seed, on two ranks.
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
-    env.update(PYTHONPATH=str(ROOT), AIODIST_TORCH_GROUP="0")
+    env.update(PYTHONPATH=str(ROOT))
     argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
     argv += [sys.executable, "-m", "aiodist", "run", "-n", "2", WORKER, "seed"]
     result = await _procs.run(argv, 60.0)
@@ -92,13 +92,33 @@ async def test_gloo_calls_that_disagree_fail_cleanly_on_every_rank_with_the_chec
     mode: str, field: str
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
-    env.update(PYTHONPATH=str(ROOT), AIODIST_TORCH_GROUP="0", AIODIST_CHECK_SIGNATURES="1")
+    env.update(PYTHONPATH=str(ROOT), AIODIST_CHECK_SIGNATURES="1")
     argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
     argv += [sys.executable, "-m", "aiodist", "run", "-n", "2", WORKER, mode]
     result = await _procs.run(argv, 60.0)
     reports = _reports(result.stdout)
     # Before: the extra all_reduce hung until the timeout; with shapes [2] and [3],
     # rank 0 returned a wrong result and rank 1 saw gloo's "Connection closed by peer".
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r.get("error") == "CollectiveMismatchError", r
+        assert r["field"] == field, r
+        assert r["after"] < 5.0, r
+
+
+@pytest.mark.parametrize(("mode", "field"), [("torch_extra", "op"), ("torch_shape", "shape")])
+async def test_torch_calls_that_disagree_fail_cleanly_on_every_rank_with_no_setting(
+    mode: str, field: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env.update(PYTHONPATH=str(ROOT))
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+    argv += [sys.executable, "-m", "aiodist", "run", "-n", "2", WORKER, mode]
+    result = await _procs.run(argv, 60.0)
+    reports = _reports(result.stdout)
+    # torch's own calls on the aiodist backend are aiodist's: on gloo, the extra
+    # all_reduce hung until the timeout, and shapes [2] and [3] gave rank 0 a wrong
+    # result while rank 1 saw "Connection closed by peer".
     for rank in (0, 1):
         r = reports[rank]
         assert r.get("error") == "CollectiveMismatchError", r

@@ -50,7 +50,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if (not k.startswith(("AIODIST_", "TORCHELASTIC_")) or k == "AIODIST_TORCH_GROUP")
+        if not k.startswith(("AIODIST_", "TORCHELASTIC_"))
         and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
     }
     env["PYTHONPATH"] = str(ROOT)

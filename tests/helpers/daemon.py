@@ -96,11 +96,7 @@ async def serve(
 
     With ``nofile``, the daemon starts with these (soft, hard) limits of open files.
     """
-    full_env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     full_env.update(env or {})
     if nofile is None:
         cmd = [sys.executable, "-m", "aiodist", "serve", *args]
@@ -138,11 +134,7 @@ def _parse_ready(line: str) -> tuple[str, int]:
 async def run_cli(
     *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    full_env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     full_env.update(env or {})
     with anyio.fail_after(60):
         result = await anyio.run_process(

@@ -4,7 +4,9 @@ Usage: ``python tests/helpers/dropin_worker.py SIDE SUITE INIT RANK WORLD_SIZE``
 
 - SIDE ``torch``: ``torch.distributed`` on gloo (SUITE ``torch``), or
   ``mmengine.dist`` on top of it (SUITE ``mmengine``);
-- SIDE ``aiodist``: ``aiodist.sync`` on aiodist's data plane, the same calls.
+- SIDE ``aiodist``: ``aiodist.sync`` on aiodist's data plane, the same calls;
+- SIDE ``backend``: ``torch.distributed`` itself on the ``aiodist`` backend
+  (``init_process_group(backend="aiodist")`` in a plain torch script).
 
 Every case is called the same way on every side (the script is the one a user
 would port by changing its import), many calls per launch. The last line
@@ -449,10 +451,14 @@ def main() -> int:
     rank, world = int(rank_s), int(world_s)
     assert world == WORLD
     torch.set_num_threads(1)
-    if side == "torch":
+    if side in ("torch", "backend"):
         import torch.distributed as torch_dist
 
-        torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        if side == "backend":
+            import aiodist  # registers the backend  # noqa: F401
+
+        backend = "gloo" if side == "torch" else "aiodist"
+        torch_dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         if suite == "mmengine":
             import mmengine.dist as mm_dist
 
@@ -473,7 +479,7 @@ def main() -> int:
             out[name] = failed(exc)
             if os.environ.get("DROPIN_TRACE"):
                 traceback.print_exc()
-    if side == "torch":
+    if side in ("torch", "backend"):
         import torch.distributed as torch_dist
 
         torch_dist.destroy_process_group()

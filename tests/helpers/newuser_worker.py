@@ -15,6 +15,9 @@ should it outlive the test), then runs its mode:
 - ``gloo_extra`` / ``gloo_shape``: with ``backend="gloo"``, rank 0 calls an extra
   ``all_reduce`` before a ``barrier`` / the ranks' tensors differ in shape; reports
   what each rank got.
+- ``torch_extra`` / ``torch_shape``: the same in a plain torch script
+  (``torch.distributed.init_process_group()``, torch's own calls) on the aiodist
+  backend, with no setting.
 - ``join``: only joins (``timeout`` from ``$NEWUSER_TIMEOUT``); reports the error and
   how long it took.
 
@@ -28,6 +31,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -157,11 +161,37 @@ async def gloo_main() -> None:
     await aiodist.destroy_process_group()
 
 
+def torch_main() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="aiodist", timeout=timedelta(seconds=20))
+    rank = dist.get_rank()
+    t0 = time.monotonic()
+    try:
+        if MODE == "torch_extra":
+            if rank == 0:
+                dist.all_reduce(torch.ones(2))
+            dist.barrier()
+        else:
+            dist.all_reduce(torch.ones(2 + rank))
+        report(ok=True, after=time.monotonic() - t0)
+    except aiodist.DistError as exc:
+        report(
+            error=type(exc).__name__,
+            message=str(exc),
+            after=time.monotonic() - t0,
+            field=getattr(exc, "field", None),
+        )
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if MODE.startswith("sync_"):
         sync_main()
     elif MODE.startswith("gloo_"):
         asyncio.run(gloo_main())
+    elif MODE.startswith("torch_"):
+        torch_main()
     elif MODE == "seed":
         seed_main()
     elif MODE == "ddp":

@@ -365,12 +365,12 @@ async def errors(world: int) -> dict[str, Any]:
         ("negative", lambda: rpc.rpc_async(-1, add, (1, 2))),
         ("lambda", lambda: rpc.rpc_async(1, lambda: 1)),
         ("argument", lambda: rpc.rpc_async(1, echo, (threading.Lock(),))),
-        ("not_callable", lambda: rpc.rpc_async(1, 42, ())),  # type: ignore[call-overload]
+        ("not_callable", lambda: rpc.rpc_async(1, 42, ())),  # type: ignore[arg-type]
         ("huge_callable", lambda: rpc.rpc_async(1, functools.partial(echo, b"x" * (2 << 20)))),
     ):
         t0 = time.monotonic()
         try:
-            call()
+            call()  # type: ignore[no-untyped-call]
             refused[name] = "accepted"
         except (TypeError, ValueError) as exc:
             refused[name] = [type(exc).__name__, str(exc), time.monotonic() - t0]
@@ -399,15 +399,16 @@ async def release_async() -> None:
 async def rrefs(world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     a = rpc.remote(1, Tracked, ("a",))
-    out["owner"] = a.owner()
     out["is_owner"] = a.is_owner()
     out["add"] = [await a.rpc_async().add(2), await a.rpc_async().add(3)]
+    # Made by now: the owner answered remote() before the calls that waited for the object.
+    out["owner"] = [a.owner().id, a.owner_name(), a.confirmed_by_owner()]
     out["get_name"] = await a.rpc_async().get_name()
     copy = await a.to_here()
     out["to_here"] = [type(copy).__name__, copy.name, copy.count]
     del copy
     twice = a.remote().twice()
-    out["remote_method"] = [twice.owner(), await twice.to_here()]
+    out["remote_method"] = [twice.owner().id, await twice.to_here()]
     del twice
     out["alive_while_held"] = not await rpc.rpc_async(1, deleted_now, ("a",))
     del a
@@ -501,7 +502,35 @@ async def coordinator_death(world: int) -> dict[str, Any]:
     return {}
 
 
+_GO: list[asyncio.Event] = []
+
+
+def _go_event() -> asyncio.Event:
+    if not _GO:
+        _GO.append(asyncio.Event())
+    return _GO[0]
+
+
+async def go() -> None:
+    _go_event().set()
+
+
+async def leave_in_shutdown(world: int) -> dict[str, Any]:
+    # Rank 2 leaves without rpc.shutdown once told to, which this call does as
+    # rank 0 enters rpc.shutdown (main calls it next): the leave comes after.
+    rpc.rpc_async(2, go)
+    return {}
+
+
+async def leaver(rank: int) -> None:
+    """Rank 2 of "leave-in-shutdown": leave the job without rpc.shutdown when told to."""
+    await _go_event().wait()
+    print(json.dumps({"rank": rank, "left": True}), flush=True)
+    await aiodist.destroy_process_group()
+
+
 MASTERS = {
+    "leave-in-shutdown": leave_in_shutdown,
     "values": values,
     "concurrency": concurrency,
     "errors": errors,
@@ -523,6 +552,9 @@ async def main(scenario: str, rank: int, world: int, port: int) -> None:
         heartbeat_timeout=2.0,
     )
     out: dict[str, Any] = {"rank": rank}
+    if scenario == "leave-in-shutdown" and rank == 2:
+        await leaver(rank)
+        return
     if rank == 0:
         out.update(await MASTERS[scenario](world))
     t0 = time.monotonic()
@@ -549,7 +581,7 @@ def plain_main(rank: int, world: int, port: int) -> None:
         out["async_wait"] = rpc.rpc_async(2, async_add, (3,), {"b": 4}).wait(timeout=30)
         ref = rpc.remote(2, Tracked, ("plain",))
         out["method_sync"] = ref.rpc_sync().add(5)
-        out["to_here_wait"] = ref.to_here().wait(timeout=30).count
+        out["to_here"] = ref.to_here().count  # torch's form: blocks, returns the object
         out["tensor"] = rpc.rpc_sync(1, tensor_stats, (torch.ones(1 << 18),))
         try:
             rpc.rpc_sync(1, fail, ("custom",))
@@ -564,16 +596,25 @@ def plain_main(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def named_whoami() -> dict[str, Any]:
+    # init_rpc formed an rpc world of its own: no process group is up.
+    return {"rank": rpc.get_worker_info().id, "pg": aiodist.is_initialized()}
+
+
+async def async_named_whoami() -> dict[str, Any]:
+    return named_whoami()
+
+
 def _named_calls(rank: int, out: dict[str, Any]) -> None:
     """What the named scenarios check, as plain code (the async one runs it in a thread)."""
     me = rpc.get_worker_info()
     out["me"] = [me.name, me.id]
     if rank == 0:
-        out["by_name"] = rpc.rpc_sync("trainer1", whoami)["rank"]
-        out["by_info"] = rpc.rpc_sync(rpc.get_worker_info("trainer2"), whoami)["rank"]
+        out["by_name"] = rpc.rpc_sync("trainer1", named_whoami)
+        out["by_info"] = rpc.rpc_sync(rpc.get_worker_info("trainer2"), named_whoami)["rank"]
         out["info"] = [rpc.get_worker_info("trainer2").name, rpc.get_worker_info("trainer2").id]
         try:
-            rpc.rpc_sync("nobody", whoami)
+            rpc.rpc_sync("nobody", named_whoami)
         except ValueError as exc:
             out["unknown"] = str(exc)
 
@@ -586,12 +627,11 @@ def named_main(scenario: str, rank: int, world: int, port: int) -> None:
     try:
         rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=_Options(url))
     except ValueError as exc:
-        out["init_error"] = str(exc)
+        out["init_error"] = str(exc)  # the rpc world is left on every rank
     else:
         _named_calls(rank, out)
-    rpc.shutdown()
+        rpc.shutdown()
     print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
 
 
 async def named_async_main(rank: int, world: int, port: int) -> None:
@@ -603,10 +643,144 @@ async def named_async_main(rank: int, world: int, port: int) -> None:
     me = rpc.get_worker_info()
     out: dict[str, Any] = {"rank": rank, "me": [me.name, me.id]}
     if rank == 0:
-        out["by_name"] = (await rpc.rpc_async("trainer2", async_whoami))["rank"]
+        out["by_name"] = (await rpc.rpc_async("trainer2", async_named_whoami))["rank"]
     await rpc.shutdown()
     print(json.dumps(out), flush=True)
-    await aiodist.destroy_process_group()
+
+
+# --- torch's forms, in plain code (an rpc world of its own) -----------------------------------
+
+
+def call_method(method: Any, rref: Any, *args: Any) -> Any:
+    # Every torch example's helper: the object on its owner, right after rpc.remote().
+    return method(rref.local_value(), *args)
+
+
+def remote_to_here(rref: Any) -> list[Any]:
+    # A copy of an RRef(value) owned by the master, fetched by a worker in a plain thread.
+    obj = rref.to_here()
+    return [type(obj).__name__, obj.x, obj.y, rref.owner_name(), rref.is_owner()]
+
+
+@rpc.functions.async_execution
+def add_chained(to: str, x: torch.Tensor, y: torch.Tensor, z: int) -> Any:
+    return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+class Batcher:
+    """Answers ``n`` calls with one future (the batch-updating server's way)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.lock = n, threading.Lock()
+        self.got: list[int] = []
+        self.future: Any = torch.futures.Future()
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def put(rref: Any, value: int) -> Any:
+        self = rref.local_value()
+        with self.lock:
+            self.got.append(value)
+            future = self.future
+            if len(self.got) == self.n:
+                future.set_result(sorted(self.got))
+        return future
+
+    @rpc.functions.async_execution
+    def put_via_method(self, value: int) -> Any:
+        future: Any = torch.futures.Future()
+        future.set_result(value * 10)
+        return future
+
+
+@rpc.functions.async_execution
+def fails_later() -> Any:
+    future: Any = torch.futures.Future()
+    future.set_exception(CustomError("set on the future", 11))
+    return future
+
+
+@rpc.functions.async_execution
+def returns_no_future() -> int:
+    return 3
+
+
+def torch_forms(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Master and workers of an rpc world of its own, in plain code, as torch programs are."""
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=30, num_worker_threads=4
+    )
+    rpc.init_rpc(
+        f"w{rank}",
+        backend=rpc.BackendType.TENSORPIPE,
+        rank=rank,
+        world_size=world,
+        rpc_backend_options=options,
+    )
+    out: dict[str, Any] = {"rank": rank, "pg": aiodist.is_initialized()}
+    if rank == 0:
+        fut = rpc.rpc_async("w1", torch.add, (torch.ones(2), 1))
+        out["future"] = [isinstance(fut, torch.futures.Future), fut.then(_doubled).wait().tolist()]
+        futs = [rpc.rpc_async(f"w{r}", add, (r, 10)) for r in (1, 2)]
+        out["wait_all"] = torch.futures.wait_all(futs)
+        collected = torch.futures.collect_all([rpc.rpc_async("w2", add, (1, 1))]).wait()
+        out["collect_all"] = [f.value() for f in collected]
+        out["done_value"] = [fut.done(), fut.value().tolist()]
+        slow = rpc.remote("w1", SlowTracked, ("slow",))
+        out["local_value_waits"] = rpc.rpc_sync(slow.owner(), call_method, (Tracked.add, slow, 5))
+        out["owner"] = [slow.owner().name, slow.owner().id, slow.owner_name()]
+        out["to_here"] = slow.to_here().count  # blocks, returns the object
+        mine = rpc.RRef(Point(1, 2))
+        out["mine"] = [mine.is_owner(), mine.owner().name, mine.confirmed_by_owner()]
+        out["mine_local"] = mine.local_value() is mine.to_here()  # the object itself
+        out["mine_remote"] = rpc.rpc_sync("w2", remote_to_here, (mine,))
+        out["chained"] = rpc.rpc_sync("w1", add_chained, ("w2", torch.ones(2), 1, 1)).tolist()
+        batcher = rpc.remote("w1", Batcher, (2,))
+        puts = [rpc.rpc_async("w1", Batcher.put, (batcher, v)) for v in (7, 3)]
+        out["batched"] = [f.wait() for f in puts]
+        out["batched_method"] = rpc.remote("w2", Batcher, (1,)).rpc_sync().put_via_method(4)
+        for name, fn in (("fails_later", fails_later), ("no_future", returns_no_future)):
+            try:
+                rpc.rpc_sync("w1", fn)
+            except Exception as exc:
+                out[name] = [type(exc).__name__, str(exc).splitlines()[0]]
+        try:
+            rpc.TensorPipeRpcBackendOptions(device_maps={"w1": {0: 0}})
+        except ValueError as exc:
+            out["refused"] = str(exc)
+        del slow, mine, batcher
+    rpc.shutdown()
+    try:
+        rpc.rpc_sync("w0", add, (1, 1))
+    except aiodist.ClosedError as exc:
+        out["after_shutdown"] = str(exc)
+    return out
+
+
+def _doubled(fut: Any) -> Any:
+    return fut.value() * 2
+
+
+def two_worlds(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Ranks 0 and 1 in a process group of two; ranks 0-2 in an rpc world of three."""
+    out: dict[str, Any] = {"rank": rank}
+    if rank < 2:
+        dist.init_process_group(
+            init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank, timeout=60
+        )
+    rpc_port = os.environ["RPC_PORT"]  # another rendezvous than the process group's
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}")
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    if rank == 0:
+        out["w2"] = rpc.rpc_sync("w2", named_whoami)
+        out["names"] = [rpc.get_worker_info(f"w{r}").id for r in range(world)]
+    rpc.shutdown()
+    if rank < 2:  # the process group was not touched
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        out["pg"] = [dist.get_world_size(), ones.tolist()]
+        dist.destroy_process_group()
+    return out
 
 
 class _Options:
@@ -622,6 +796,9 @@ if __name__ == "__main__":
         plain_main(rank, world, port)
     elif scenario in ("named", "named-twice"):
         named_main(scenario, rank, world, port)
+    elif scenario in ("torch-forms", "two-worlds"):
+        body = torch_forms if scenario == "torch-forms" else two_worlds
+        print(json.dumps(body(rank, world, port)), flush=True)
     elif scenario == "named-async":
         asyncio.run(named_async_main(rank, world, port))
     else:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 EXAMPLES = ROOT / "examples"
 SCRIPT = EXAMPLES / "elastic_train.py"
 PIPELINE = EXAMPLES / "elastic_pipeline.py"
+DDP = EXAMPLES / "elastic_ddp.py"
 
 
 @pytest.fixture
@@ -39,6 +40,39 @@ async def test_elastic_train_under_aiodist_run_goes_on_after_a_rank_leaves() -> 
     assert "[rank 0] event: step 40: rank 3 gone, shrank to 3 ranks" in result.stdout
     assert "world 4 -> 3" in _summary(result.stdout)
     assert "<- a rank failed here" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        pytest.param("", id="aiodist-plane"),
+        # gloo standing in for NCCL: torch's calls on CPU tensors go to a device part, built
+        # again over each membership (the path CUDA tensors take on NCCL).
+        pytest.param("cpu:gloo", id="gloo-part"),
+    ],
+)
+async def test_elastic_ddp_goes_on_after_a_kill_in_backward_and_takes_in_a_replacement(
+    parts: str,
+) -> None:
+    # Plain torch DDP on the default group: before, its gradients went through gloo, and a
+    # dead rank aborted (SIGABRT) or hung gloo; nothing shrank and no replacement joined.
+    argv = [sys.executable, "-m", "aiodist", "run", "-n", "4", "--replace-failed", str(DDP)]
+    argv += ["--steps", "40", "--kill-at", "15", "--after", "5"]
+    result = await run(argv, limit=120, env={"AIODIST_TORCH_PARTS": parts} if parts else None)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "[rank 0] event: step 15: rank 3 killed, 3 ranks go on" in out, out
+    joined = re.search(r"\[rank 0\] event: step (\d+): rank 4 joined, 4 ranks again", out)
+    assert joined is not None, out
+    summary = next(line for line in out.splitlines() if "elastic ddp:" in line)
+    # It trained on to step 40 at least, and 5 steps as four again: the loss fell (the
+    # script asserts it) and the replacement took part in the last steps.
+    steps = int(summary.split("elastic ddp: ")[1].split(" steps")[0])
+    assert steps >= max(40, int(joined.group(1)) + 5), summary
+    assert summary.endswith("world 4 -> 4"), summary
+    assert "<- a rank was killed here" in out, out
+    assert "<- a rank joined here" in out, out
+    assert "was killed by SIGKILL; starting a replacement" in result.stderr
 
 
 async def _run_ranks(server: RendezvousServer, argv: list[str]) -> dict[int, tuple[int, str, str]]:

@@ -36,11 +36,7 @@ SWAPPED = HELPERS / "swapped_worker.py"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 

@@ -30,11 +30,7 @@ asyncio_only = pytest.mark.parametrize(
 
 
 def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     env["PYTHONPATH"] = str(ROOT)
     return env
 
@@ -128,6 +124,16 @@ def test_rank_env_is_torchruns() -> None:
     assert rank_env(spec, 0, ("h", 1), "j", {"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
     single = LaunchSpec(["python", "x.py"], nproc=1)
     assert "OMP_NUM_THREADS" not in rank_env(single, 0, ("h", 1), "j", {})
+
+
+def test_rank_env_with_the_agent_store_is_torchruns_and_names_the_server_apart() -> None:
+    spec = LaunchSpec(["python", "x.py"], nproc=2)
+    env = rank_env(spec, 1, ("127.0.0.1", 4000), "job", {}, agent_store=("127.0.0.1", 5000))
+    # torch's env:// finds its store as under torchrun; aiodist's finds its server.
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "5000")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCHELASTIC_RUN_ID"] == "job"
+    assert env["AIODIST_SERVER"] == "127.0.0.1:4000"
 
 
 @pytest.mark.parametrize(

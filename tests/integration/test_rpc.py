@@ -48,11 +48,7 @@ def _run(
     ``aiodist serve`` of its own instead of rank 0's. No process outlives this call.
     """
     port = _free_port()
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     base["PYTHONPATH"] = str(ROOT)
     procs: dict[int, subprocess.Popen[str]] = {}
     deadline = time.monotonic() + timeout
@@ -195,7 +191,7 @@ def test_remote_errors_are_raised_on_the_caller_with_rank_and_traceback() -> Non
 def test_rrefs_keep_objects_while_referenced_and_release_them() -> None:
     reports = _run("rrefs")
     out = _ok(reports)
-    assert out["owner"] == 1
+    assert out["owner"] == [1, "rank1", True]
     assert out["is_owner"] is False
     assert out["add"] == [2, 5]
     assert out["get_name"] == "a"
@@ -259,6 +255,54 @@ def test_shutdown_completes_among_the_ranks_alive_when_its_coordinator_dies(how:
         assert out["shutdown_s"] < HEARTBEAT_TIMEOUT + 10, out
 
 
+def test_shutdown_completes_when_a_peer_leaves_without_it_after_rank_0_entered_it() -> None:
+    # Rank 2 leaves the job (destroy_process_group, no rpc.shutdown) once rank 0, which
+    # coordinates the shutdown, is in it; ranks 0 and 1 stop among themselves at once.
+    env = {rank: {"RPC_SHUTDOWN_TIMEOUT": "30"} for rank in range(3)}
+    reports = _run("leave-in-shutdown", env=env)
+    assert reports[2]["left"] is True
+    assert reports[2]["returncode"] == 0
+    for rank in (0, 1):
+        out = reports[rank]
+        assert out["returncode"] == 0, out
+        assert out["shutdown"] == "ok", out
+        assert out["shutdown_s"] < 10, out  # not the 30 s timeout
+
+
+EXIT_WORKER = HELPERS / "rpc_exit_worker.py"
+EMBEDDED_SERVER_LINGER = 60.0  # what a failing rank 0 held its peers for when taken for a leave
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "process"])
+def test_a_rank_failing_under_multiprocessing_is_told_to_its_peers_within_seconds(
+    launcher: str,
+) -> None:
+    # Rank 0 hosts the rendezvous server and raises; mp.spawn turns that into
+    # sys.exit(1), a multiprocessing.Process into exit code 1. Either is a failure,
+    # told to rank 1 (in rpc.shutdown) at once, and rank 0 does not keep its server
+    # up for the others: mp.spawn reports it within seconds, not after the linger.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, str(EXIT_WORKER), launcher, str(_free_port())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "failed: its program" in done.stderr  # the peers heard that rank 0 failed
+    if launcher == "spawn":
+        assert "ValueError: rank 0 broke" in out["raised"]
+        assert out["reported_after_s"] < EMBEDDED_SERVER_LINGER / 3, out
+    else:
+        assert out["exitcodes"] == [1, 0], out
+        assert out["rank1"]["shutdown"] == "ok", out  # among the ranks alive
+        assert out["elapsed_s"] < EMBEDDED_SERVER_LINGER / 3, out
+
+
 def test_shutdown_waits_for_calls_in_flight_and_serves_meanwhile() -> None:
     reports = _run("shutdown")
     out = _ok(reports)
@@ -287,7 +331,7 @@ def test_plain_code_uses_blocking_calls_and_a_blocking_shutdown() -> None:
     assert out["rpc_sync"] == 3
     assert out["async_wait"] == 7
     assert out["method_sync"] == 5
-    assert out["to_here_wait"] == 5
+    assert out["to_here"] == 5
     assert out["tensor"] == [float(1 << 18), [1 << 18], "torch.float32", True]
     assert out["error"] == ["CustomError", 7]
     assert "plain" in reports[2]["deleted"]
@@ -302,7 +346,7 @@ def test_init_rpc_names_workers_and_calls_reach_them_by_name() -> None:
         assert reports[rank]["returncode"] == 0, reports[rank]
         assert reports[rank]["me"] == [f"trainer{rank}", rank]
     master = reports[0]
-    assert master["by_name"] == 1
+    assert master["by_name"] == {"rank": 1, "pg": False}  # an rpc world of its own
     assert master["by_info"] == 2
     assert master["info"] == ["trainer2", 2]
     assert "no rpc worker is named 'nobody'" in master["unknown"]
@@ -311,6 +355,8 @@ def test_init_rpc_names_workers_and_calls_reach_them_by_name() -> None:
 
 def test_init_rpc_awaited_on_the_loop_names_workers() -> None:
     reports = _run("named-async")
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
     assert [reports[r]["me"] for r in range(3)] == [[f"trainer{r}", r] for r in range(3)]
     assert reports[0]["by_name"] == 2
 
@@ -322,3 +368,45 @@ def test_init_rpc_with_a_name_given_twice_fails_on_every_rank() -> None:
         message = reports[rank]["init_error"]
         assert "rpc worker names must be unique" in message
         assert "'same' by ranks [1, 2]" in message
+
+
+# --- torch's forms and worlds: programs written for torch.distributed.rpc -----------------
+
+
+def test_plain_code_gets_torch_futures_rrefs_and_async_execution() -> None:
+    reports = _run("torch-forms")
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
+        assert reports[rank]["pg"] is False  # init_rpc formed an rpc world of its own
+        assert "rpc was shut down on this rank" in reports[rank]["after_shutdown"]
+    out = reports[0]
+    assert out["future"] == [True, [4.0, 4.0]]  # a torch Future: then() and wait()
+    assert out["wait_all"] == [11, 12]
+    assert out["collect_all"] == [2]
+    assert out["done_value"] == [True, [2.0, 2.0]]
+    # local_value() on the owner waits for an object still being made by rpc.remote().
+    assert out["local_value_waits"] == 5
+    assert out["owner"] == ["w1", 1, "w1"]
+    assert out["to_here"] == 5
+    assert out["mine"] == [True, "w0", True]
+    assert out["mine_local"] is True
+    assert out["mine_remote"] == ["Point", 1, 2, "w0", False]
+    assert out["chained"] == [3.0, 3.0]  # async_execution chaining a call to w2
+    assert out["batched"] == [[3, 7], [3, 7]]  # one future answered both calls
+    assert out["batched_method"] == 40
+    assert out["fails_later"][0] == "CustomError"
+    assert "set on the future" in out["fails_later"][1]
+    assert out["no_future"][0] == "TypeError"
+    assert "must return a torch.futures.Future" in out["no_future"][1]
+    assert "rpc_backend_options.device_maps is not supported" in out["refused"]
+
+
+def test_init_rpc_forms_a_world_of_another_size_beside_the_process_group() -> None:
+    rpc_port = str(_free_port())
+    reports = _run("two-worlds", env={rank: {"RPC_PORT": rpc_port} for rank in range(3)})
+    for rank in range(3):
+        assert reports[rank]["returncode"] == 0, reports[rank]
+    assert reports[0]["w2"] == {"rank": 2, "pg": False}
+    assert reports[0]["names"] == [0, 1, 2]
+    for rank in (0, 1):
+        assert reports[rank]["pg"] == [2, [2.0]]  # the process group of two, untouched

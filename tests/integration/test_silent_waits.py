@@ -226,11 +226,7 @@ async def spawn(
     if not path.exists():
         path.write_text(script)
     stderr = tmp_path / f"stderr-{args[0]}-{args[2]}-{time.monotonic_ns()}.txt"
-    full_env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     with _create(stderr) as err:
         proc = await anyio.open_process(
             [sys.executable, str(path), *args], env={**full_env, **(env or {})}, stderr=err
@@ -460,11 +456,7 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     url = _url(server)
     path = tmp_path / "sync_worker.py"
     path.write_text(SYNC_WORKER)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("AIODIST_") or k == "AIODIST_TORCH_GROUP"
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     with anyio.fail_after(60):
         async with await anyio.open_process(
             [sys.executable, str(path), url, op], env=env, stderr=None

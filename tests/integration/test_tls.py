@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,11 @@ from aiodist._plane import routes
 from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
 from aiodist.testing import run_ranks
+from tests.helpers import ROOT
 from tests.helpers.daemon import asyncio_only, run_cli, serve
+from tests.helpers.procs import Finished, free_port, run
 from tests.helpers.proxy import RecordingProxy
-from tests.helpers.tls import TLS_VARIABLES, make_tls
+from tests.helpers.tls import TLS_VARIABLES, make_tls, tls_env
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -441,3 +444,49 @@ async def test_a_byte_changed_towards_the_server_fails_the_connection_naming_it(
         and "the client at 127.0.0.1:" in r.getMessage()
         for r in caplog.records
     ), [r.getMessage() for r in caplog.records]
+
+
+# --- torch's calls ------------------------------------------------------------------------
+
+TORCH_JOB = """
+import sys, torch, torch.distributed as dist
+import aiodist.sync as aiodist_sync
+backend = None if sys.argv[1] == "none" else sys.argv[1]
+rank = int(sys.argv[3])
+# Each rank counts as a host of its own: a job across two hosts, on this one.
+aiodist_sync.init_process_group(
+    backend=backend, init_method=sys.argv[2], rank=rank, world_size=2, hostname=f"host-{rank}"
+)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+model(torch.ones(2, 4)).sum().backward()
+t = torch.ones(4)
+dist.all_reduce(t)
+print("TORCH", dist.get_backend(), float(t[0]), flush=True)
+aiodist_sync.destroy_process_group()
+"""
+
+
+@asyncio_only
+@pytest.mark.parametrize(("backend", "warned"), [("none", False), ("gloo", True)])
+async def test_a_tls_jobs_torch_calls_ride_its_plane_and_gloo_across_hosts_warns(
+    tmp_path: Path, job_ca: trustme.CA, backend: str, warned: bool
+) -> None:
+    files = make_tls(tmp_path, "ranks", job_ca)
+    script = tmp_path / "torch_job.py"
+    script.write_text(TORCH_JOB)
+    port = free_port()
+    env = {**tls_env(files), "AIODIST_UDS": "0", "AIODIST_SHM": "0", "PYTHONPATH": str(ROOT)}
+    outs: list[Finished] = []
+
+    async def one(rank: int) -> None:
+        argv = [sys.executable, str(script), backend, f"tcp://127.0.0.1:{port}", str(rank)]
+        outs.append(await run(argv, 90, env))
+
+    async with anyio.create_task_group() as tg:
+        for rank in range(2):
+            tg.start_soon(one, rank)
+    for out in outs:
+        assert out.returncode == 0, out.stderr[-3000:]
+        # No backend: torch's DDP and all_reduce on the aiodist backend, over TLS.
+        assert f"TORCH {'aiodist' if backend == 'none' else 'gloo'} 2.0" in out.stdout
+        assert ("gloo's traffic between them is not encrypted" in out.stderr) is warned

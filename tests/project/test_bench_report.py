@@ -395,3 +395,17 @@ def test_sim_runs_aiodist_ranks_sharing_connections_past_the_open_files_limit() 
     assert row["aiodist_ranks_per_connection"] == 8
     assert row["aiodist"]["summary_s"].median > 0  # every one of the 64 passed the barrier
     assert "64 (8 ranks per aiodist connection)" in render_sim(data)
+
+
+@pytest.mark.slow
+def test_torch_backend_bench_times_the_backend_gloo_and_aiodists_api() -> None:
+    from benchmarks import bench_torch_backend
+
+    data = bench_torch_backend.bench("smoke", (2,))
+    ws = data["world_sizes"]["2"]
+    for c in ws["all_reduce"].values():
+        assert min(c["backend_us"], c["gloo_us"], c["aiodist_us"]) > 0, c
+        assert c["vs_gloo"]["median"] > 0, c
+    assert len(ws["ddp"]) == 2
+    text = bench_torch_backend.render(data)
+    assert "DistributedDataParallel training step" in text

@@ -107,6 +107,14 @@ def _remote_calls_ran(result: Finished, cwd: Path, world: int) -> None:
     assert "[rank 2] Counter.add(5) -> 5" in lines, result.stdout
 
 
+def _server_trained(result: Finished, cwd: Path, world: int) -> None:
+    # The loss falls step by step: the gradients reached worker1 and SGD stepped there.
+    lines = result.stdout.splitlines()
+    losses = [float(line.rsplit(" ", 1)[1]) for line in lines if "loss" in line]
+    assert len(losses) == 3, result.stdout
+    assert losses[0] > losses[1] > losses[2], result.stdout
+
+
 _JOINED = """
 import torch, aiodist
 await aiodist.init_process_group()
@@ -165,6 +173,17 @@ PYTHON: dict[str, dict[str, Harnesses]] = {
             "await aiodist.barrier()  # nobody leaves (a new view) before all looked\n"
             "assert (view.epoch, view.ranks) == (0, (0, 1, 2)), view\n"
             "await aiodist.destroy_process_group()",
+        ),
+    },
+    "docs/guide/torch-backend.md": {
+        "import torch": Harness(runs=(("aiodist run", 2),)),
+        "try:": Harness(
+            runs=(("aiodist run", 2),),
+            prelude="import torch, torch.distributed as dist, aiodist.sync\n"
+            "aiodist.sync.init_process_group()\n"
+            "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+            "loss = ddp(torch.ones(1, 2)).sum()",
+            epilogue="aiodist.sync.destroy_process_group()",
         ),
     },
     "docs/index.md": {
@@ -284,6 +303,8 @@ class Counter:
             epilogue="anyio.run(main)",
             check=_remote_calls_ran,
         ),
+        # The torch-style parameter server: trained over an rpc world of its own.
+        "import os": Harness(runs=(("aiodist run", 2),), check=_server_trained),
     },
     "docs/guide/metrics.md": {
         # The on_done snippet, alone (world size 1, nothing initialised) and on 4 ranks.

@@ -1,8 +1,14 @@
 """Remote calls between the ranks of a job: the master-worker mode, asynchronous.
 
-Under ``torch.distributed.rpc``'s names, over the job ``init_process_group``
-formed (no second rendezvous; ``to`` is a global rank, or a worker's name once
-``init_rpc(name)`` named the ranks, as torch's does)::
+Under ``torch.distributed.rpc``'s names: a program written for torch's rpc
+runs with ``import torch.distributed.rpc as rpc`` changed to ``import
+aiodist.rpc as rpc`` (and ``torch.distributed.autograd``,
+``torch.distributed.optim.DistributedOptimizer``, ``torch.distributed.nn.RemoteModule``
+to ``aiodist.rpc.dist_autograd``, ``aiodist.rpc.optim``, ``aiodist.rpc.nn``).
+Calls ride the job ``init_process_group`` formed (no second rendezvous; ``to``
+is a global rank, or a worker's name once ``init_rpc(name)`` named the ranks),
+or the rpc world ``init_rpc`` forms of its own when asked for another size
+or ``init_method``, or when no process group is up::
 
     import aiodist, aiodist.rpc as rpc
 
@@ -31,18 +37,21 @@ object collectives' values do, msgpack when plain and pickle otherwise, and a
 CPU tensor of 64 KiB or more travels apart from them, from its own memory
 into a fresh tensor's, never copied into a pickle.
 
-**Handles.** ``rpc_async``, ``RRef.to_here`` and the methods of
-``RRef.rpc_async()`` return an ``aiodist.Work``: ``await`` it, or call
-``.wait()`` from plain code. Cancelling the task that awaits it does not
-cancel the call (as for every aiodist operation); a ``timeout`` does.
-
-**Plain code** (``aiodist.sync``, or any thread that is not the job's event
-loop's): the same functions work there, starting calls on the job's loop
-thread. ``rpc_sync`` and ``RRef.rpc_sync()`` block, as torch's do;
-``rpc_async(...).wait()``, ``rref.to_here().wait()``; ``shutdown()`` blocks.
-A blocking call on the loop's own thread raises ``RuntimeError`` (it would
-deadlock): use the ``await`` forms there. A plain function running on a worker
-may itself make calls with ``rpc_sync``: it runs in an executor thread.
+**Two forms.** *Async code* (a task on the job's event loop) gets aiodist's:
+``rpc_async`` and the methods of ``RRef.rpc_async()`` return an
+``aiodist.Work``, ``rref.to_here()`` a ``Work`` too: ``await`` them.
+Cancelling the task that awaits one does not cancel the call (as for every
+aiodist operation); a ``timeout`` does. *Plain code* (any other thread: a
+script on ``aiodist.sync``, a plain function served in an rpc thread) gets
+torch's: ``rpc_async`` returns a ``torch.futures.Future`` (``then``,
+``wait``, ``value``, ``done``, ``torch.futures.wait_all``; it can be awaited
+too), ``rref.to_here()`` blocks and returns the object, ``rpc_sync``,
+``RRef.rpc_sync()``, ``init_rpc`` and ``shutdown`` block, as torch's do.
+Calls start on the job's loop thread either way. A blocking call on the
+loop's own thread raises ``RuntimeError`` (it would deadlock): use the
+``await`` forms there. A plain function running on a worker may itself make
+calls with ``rpc_sync``: it runs in an executor thread; a function marked
+``@rpc.functions.async_execution`` returns a future instead of waiting.
 
 **Errors.** An exception raised by the remote function is raised by the
 handle, of the same type where it can be rebuilt here (else ``RemoteError``),
@@ -70,26 +79,54 @@ addresses can.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
 from aiodist._group.work import Work
-from aiodist._rpc.agent import Agent, default_agent
+from aiodist._group.world import get_default_group
+from aiodist._rpc.agent import Agent, agent_for, default_agent
 from aiodist._rpc.calls import prepare
-from aiodist._rpc.names import WorkerInfo, check_name, lookup, names_of, rank_of, register
+from aiodist._rpc.names import (
+    WorkerInfo,
+    check_name,
+    lookup,
+    names_of,
+    rank_of,
+    register,
+    registered,
+)
+from aiodist._rpc.options import (
+    BackendType,
+    RpcBackendOptions,
+    RpcSettings,
+    TensorPipeRpcBackendOptions,
+    check_backend,
+    settings_of,
+)
 from aiodist._rpc.rref import RRef, make_remote
 from aiodist._rpc.wire import Op
+from aiodist._rpc.world import close_world, open_world
+from aiodist.rpc import functions
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+    from types import ModuleType
+
+    from aiodist._group.group import ProcessGroup
 
 __all__ = [
+    "BackendType",
     "RRef",
     "RemoteError",
+    "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "functions",
     "get_worker_info",
     "init_rpc",
+    "is_available",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -98,30 +135,28 @@ __all__ = [
 
 T = TypeVar("T")
 
+# Submodules that import torch: loaded on first use (``rpc.dist_autograd``), or by import.
+_LAZY = ("dist_autograd", "optim", "nn")
 
-@overload
-def rpc_async(
-    to: int | str | WorkerInfo,
-    fn: Callable[..., Coroutine[Any, Any, T]],
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
-) -> Work[T]: ...
-@overload
-def rpc_async(
-    to: int | str | WorkerInfo,
-    fn: Callable[..., T],
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
-) -> Work[T]: ...
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_available() -> bool:
+    """True: aiodist's rpc is always built (torch's ``rpc.is_available``)."""
+    return True
+
+
 def rpc_async(
     to: int | str | WorkerInfo,
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     timeout: float | None = None,
-) -> Work[Any]:
+) -> Any:
     """Start ``fn(*args, **kwargs)`` on rank ``to``; a handle to its result.
 
     Args:
@@ -133,30 +168,34 @@ def rpc_async(
         args: Positional arguments (a tuple).
         kwargs: Keyword arguments.
         timeout: Seconds before the call fails and is cancelled on ``to``; None:
-            the job's timeout (``init_process_group``'s); 0: none.
+            the rpc timeout (``rpc_backend_options.rpc_timeout``, else the job's);
+            0: none.
 
     Returns:
-        Work resolving to ``fn``'s result (a coroutine's, awaited).
+        In async code, a ``Work`` resolving to ``fn``'s result (a coroutine's,
+        awaited); in plain code, a ``torch.futures.Future`` of it (awaitable too).
 
     Raises:
         ValueError: ``to`` is not a rank of the job; ``timeout`` < 0.
         TypeError: ``fn`` or the arguments cannot be pickled.
-        RuntimeError: No process group is initialised.
+        RuntimeError: Neither ``init_rpc`` nor ``init_process_group`` was called.
         ClosedError: rpc was shut down, or the group destroyed.
-        Exception: (from the Work) what ``fn`` raised, rebuilt (see the module docstring).
-        DistTimeoutError: (from the Work) no result within ``timeout``.
-        RankFailedError: (from the Work) a rank died before the call completed.
+        Exception: (from the handle) what ``fn`` raised, rebuilt (see the module docstring).
+        DistTimeoutError: (from the handle) no result within ``timeout``.
+        RankFailedError: (from the handle) a rank died before the call completed.
 
     Cancellation:
         Cancelling the awaiting task does not cancel the call; ``timeout`` does.
 
     Example:
         >>> loss = await aiodist.rpc.rpc_async(1, train_step, (batch,))
+        >>> fut = rpc.rpc_async("worker1", torch.add, (x, 1))     # plain code
+        >>> torch.futures.wait_all([fut])
     """
     agent = default_agent("rpc_async")
     dst = rank_of(agent.session, to)
     request = prepare(agent, Op.CALL, dst, fn, args, kwargs, timeout, _what("rpc_async", to))
-    return agent.launch(request)
+    return agent.call(request)
 
 
 @overload
@@ -184,7 +223,7 @@ def rpc_sync(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on rank ``to`` and block for its result (plain code).
 
-    As ``rpc_async(...).wait()``; see ``rpc_async`` for the arguments and errors.
+    See ``rpc_async`` for the arguments and errors.
 
     Raises:
         RuntimeError: Called on the job's event-loop thread (it would deadlock):
@@ -215,7 +254,7 @@ def remote(
     raised by ``to_here()`` and by the object's method calls.
 
     Args:
-        to: The global rank that runs ``fn`` and keeps its result.
+        to: The rank (or name, or ``WorkerInfo``) that runs ``fn`` and keeps its result.
         fn: As for ``rpc_async``.
         args: Positional arguments.
         kwargs: Keyword arguments.
@@ -240,60 +279,88 @@ def init_rpc(
     world_size: int | None = None,
     rpc_backend_options: object = None,
 ) -> Awaitable[None]:
-    """Name this rank for remote calls, joining the job first if need be (torch's).
+    """Join the rpc world under ``name`` (torch's ``init_rpc``).
 
     Every rank calls it with a name of its own; afterwards ``to`` may be a
     rank, a name or a ``WorkerInfo`` in ``rpc_async``, ``rpc_sync`` and
-    ``remote``, and ``get_worker_info`` answers. When no process group is up,
-    it first calls ``init_process_group`` (``rank`` and ``world_size`` as given,
-    else from the launcher's environment; ``rpc_backend_options.init_method``
-    when it has one). From plain code it blocks, as torch's does; in async
-    code, await it. aiodist's own data plane carries the calls whatever
-    ``backend`` says.
+    ``remote``, and ``get_worker_info`` answers. The rpc world is the default
+    process group's job when one is up and ``init_rpc`` asks for nothing else
+    (``rank`` and ``world_size`` as the group's or unset, no ``init_method``
+    but ``env://``); otherwise it is a job of its own, formed here (``rank``
+    and ``world_size`` as given, else from the launcher's environment;
+    ``rpc_backend_options.init_method`` or ``env://``), of any size, beside
+    the process group or without one: ``rpc.shutdown()`` leaves it. From plain
+    code it blocks, as torch's does; in async code, await it. aiodist's own
+    data plane carries the calls whatever ``backend`` says.
 
     Args:
-        name: This rank's name, unique in the job, at most 128 characters.
-        backend: Accepted for torch's signature; not used.
-        rank: This process's rank (-1: from the environment).
-        world_size: The job's size (None: from the environment).
-        rpc_backend_options: Its ``init_method`` is used when the group is not up.
+        name: This rank's name, unique in the rpc world, at most 128 characters.
+        backend: None or ``BackendType.TENSORPIPE`` (aiodist's or torch's).
+        rank: This process's rank in the rpc world (-1: from the environment).
+        world_size: The rpc world's size (None: from the environment).
+        rpc_backend_options: ``TensorPipeRpcBackendOptions`` (aiodist's or torch's):
+            ``init_method``, ``rpc_timeout`` (the calls' default timeout) and
+            ``num_worker_threads`` are used; device maps, devices, transports and
+            channels are refused.
 
     Returns:
         An awaitable done once every rank's name is known (done already in plain code).
 
     Raises:
-        ValueError: ``name`` is empty, not a string or too long (at once); two
-            ranks gave the same name (every rank raises it).
+        ValueError: ``name`` is empty, not a string or too long, or an option is
+            refused (at once); two ranks gave the same name (every rank raises it).
+        RuntimeError: ``init_rpc`` was called already (call ``rpc.shutdown()`` first).
+        RendezvousError, RendezvousTimeout: The rpc world could not form.
 
     Example:
         >>> await aiodist.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
         >>> await aiodist.rpc.rpc_async("worker1", sum, ([1, 2],))
     """
     check_name(name)
-    init_method = getattr(rpc_backend_options, "init_method", None)
-    if not isinstance(init_method, str):
-        init_method = None
+    check_backend(backend)
+    settings = settings_of(rpc_backend_options)
     size = -1 if world_size is None else world_size
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        import aiodist.sync as blocking
+        from aiodist._sync import portal
 
-        if not blocking.is_initialized():
-            blocking.init_process_group(init_method=init_method, rank=rank, world_size=size)
-        names = blocking.all_gather_object(name)
-        register(default_agent("init_rpc").session, names, blocking.get_rank())
+        portal.call(_init_rpc, name, rank, size, settings)
         return Work.completed(None, "rpc.init_rpc")
-    return asyncio.ensure_future(_init_rpc(name, rank, size, init_method))
+    return asyncio.ensure_future(_init_rpc(name, rank, size, settings))
 
 
-async def _init_rpc(name: str, rank: int, world_size: int, init_method: str | None) -> None:
+async def _init_rpc(name: str, rank: int, world_size: int, settings: RpcSettings) -> None:
     import aiodist
 
-    if not aiodist.is_initialized():
-        await aiodist.init_process_group(init_method=init_method, rank=rank, world_size=world_size)
-    names = await aiodist.all_gather_object(name)
-    register(default_agent("init_rpc").session, names, aiodist.get_rank())
+    group = _process_group_for(rank, world_size, settings)
+    if group is None:
+        group = await open_world(settings.init_method, rank, world_size)
+    agent = agent_for(group.session)
+    if registered(group.session):
+        raise RuntimeError("init_rpc was called already on this rank; call rpc.shutdown() first")
+    agent.configure(settings.timeout, settings.threads)
+    try:
+        names = await aiodist.all_gather_object(name, group=group)
+        register(group.session, names, group.rank)
+        # Every rank knows the names before any returns: a call made right after
+        # init_rpc may use them on its callee (get_worker_info, a call by name).
+        await aiodist.barrier(group=group)
+    except BaseException:
+        await close_world(group)
+        raise
+
+
+def _process_group_for(rank: int, world_size: int, settings: RpcSettings) -> ProcessGroup | None:
+    """The default process group if the rpc world is its job, else None (a world of its own)."""
+    g = get_default_group()
+    if g is None or g.session.closed:
+        return None
+    if world_size not in (-1, g.world_size) or rank not in (-1, g.rank):
+        return None
+    if settings.init_method not in (None, "env://"):
+        return None
+    return g
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
@@ -311,14 +378,15 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
     """Stop rpc on this rank once every rank called this and no call is left anywhere.
 
     Serves calls until then (calls in flight, and calls they make, complete).
-    Ranks that fail or leave meanwhile (rank 0, which checks, too) are not
-    waited for: it completes among the ranks alive.
+    Ranks that fail or leave meanwhile (the lowest rank alive, which checks,
+    too) are not waited for: it completes among the ranks alive.
     Afterwards calls made here raise ``ClosedError``, calls to this rank fail
     with it, and every object this rank owns through an RRef is dropped. From
     plain code (not on the job's event-loop thread) it blocks until done, as
-    torch's does; on the loop, await it. The process group stays up: collectives
-    still work, and ``destroy_process_group`` still ends the job. Call it on
-    every rank before ``destroy_process_group``: calls made to a rank that left
+    torch's does; on the loop, await it. An rpc world of its own (see
+    ``init_rpc``) is left then; a process group stays up: collectives still
+    work, and ``destroy_process_group`` still ends the job. Call it on every
+    rank before ``destroy_process_group``: calls made to a rank that left
     without it wait for their timeout.
 
     Args:
@@ -352,13 +420,20 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
     else:
         seconds = float(timeout) or None
     if _on_loop(agent):
-        return agent.shutdown(graceful, seconds)
+        started = agent.shutdown(graceful, seconds)  # now: the waves start at the call
+        return Work(asyncio.ensure_future(_leave_after(agent, started)), "rpc.shutdown")
     asyncio.run_coroutine_threadsafe(_shutdown(agent, graceful, seconds), agent.loop).result()
     return Work.completed(None, "rpc.shutdown")
 
 
 async def _shutdown(agent: Agent, graceful: bool, timeout: float | None) -> None:
-    await agent.shutdown(graceful, timeout)
+    await _leave_after(agent, agent.shutdown(graceful, timeout))
+
+
+async def _leave_after(agent: Agent, started: Work[None]) -> None:
+    """Once rpc stopped here, leave the rpc world if it is one of its own."""
+    await started
+    await close_world(agent.session.world)
 
 
 def _what(name: str, to: object) -> str:
