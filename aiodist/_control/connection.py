@@ -47,8 +47,15 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
-from aiodist._control.channel import ControlChannel, Notice, ServerAway, ServerBack, ServerLost
-from aiodist._control.liveness import Heartbeats, where_of
+from aiodist._control.channel import (
+    ControlChannel,
+    Notice,
+    ServerAway,
+    ServerBack,
+    ServerLost,
+    where_of,
+)
+from aiodist._control.liveness import Heartbeats
 from aiodist._control.reconnect import Reconnect
 from aiodist._errors import (
     AuthenticationError,
