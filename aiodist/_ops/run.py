@@ -24,6 +24,7 @@ Point-to-point is not here: it takes no place in a group's order (``p2p``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiodist._group.work import Work
 from aiodist._group.world import get_default_group
 from aiodist._ops import staging
-from aiodist._ops.requests import NOT_DONE, Request
+from aiodist._ops.requests import NOT_DONE
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import Bridge, ProcessGroup
-    from aiodist._ops.requests import Call
+    from aiodist._ops.requests import Call, Request
 
 __all__ = ["Slot", "chain", "record", "resolve_group", "run"]
 
@@ -163,16 +164,15 @@ def _staged(
         elif req.outputs is not None:
             host_out.extend(staging.host_buffer(o) for o in req.outputs)
             outputs = list(host_out)
-        host = Request(
-            op=req.op,
-            description=req.description,
+        # The same request on the host copies: what it was cut from and what makes its
+        # value (``whole``, ``resolve``) stay with the caller's request (``back``).
+        host = dataclasses.replace(
+            req,
             tensor=tensor,
-            in_place=req.in_place,
             inputs=whole_in[1](rest[0]) if whole_in is not None else rest,
             outputs=outputs,
-            fill=req.fill,
-            reduce_op=req.reduce_op,
-            root=req.root,
+            whole=None,
+            resolve=None,
             shm=False,
         )
         return chain(start(g, seq, host), host.filled)
