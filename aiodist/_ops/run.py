@@ -100,7 +100,7 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
                 logger.debug("skipping %s on a process outside %r", call.name, g)
             return Work.completed(req.answer)
         assert g is not None
-        if bridge is not None and req.bridged:
+        if bridge is not None and req.op.torch:
             work = _delivered(bridge.start_collective(req, seq), req)
             record(g, work, call.name, seq, req.first, called)
             return work
