@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
     from aiodist._control.store import Store
     from aiodist._group.session import Session
+    from aiodist._wire.keys import Key
 
 __all__ = ["Bridge", "ProcessGroup"]
 
@@ -117,6 +118,13 @@ class ProcessGroup:
         # Calls a member aborted before this rank made them: they fail when made.
         self._aborted: dict[int, AbortedError] = {}
         self._on_break: list[Callable[[DistError], object]] = []
+        # What the operations keep per group (``_ops``): sends to (destination, key) still
+        # being staged from a device (a later send there waits for them: ``p2p.py``); the
+        # output tensors of its last large call of each operation (``outputs.py``); how
+        # many times it was shrunk on this rank (its survivors' agreements: ``shrink.py``).
+        self.staging_sends: dict[tuple[int, Key], asyncio.Future[None]] = {}
+        self.kept_outputs: dict[str, Any] = {}
+        self.shrinks = 0
 
     def check_usable(self, *, p2p: bool = False) -> None:
         """Raise the error that broke this group (or its session), if any.

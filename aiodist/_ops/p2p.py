@@ -132,11 +132,6 @@ def _dropped(msg: Received | BaseException) -> None:
     pass
 
 
-# Sends still being staged from a device, per (group, destination, key): a later send
-# to the same place waits for them, so messages are matched in call order.
-_staging_sends: dict[tuple[int, int, Key], asyncio.Future[None]] = {}
-
-
 def isend(
     tensor: torch.Tensor,
     dst: int | None = None,
@@ -204,7 +199,8 @@ def send_message(
     # Most sends are handed to the kernel right here: the handle is done at once, with
     # no task and no timer. The rest (a first connection, a full socket) finish in a task.
     work = g.begin(description, collective=False, timed=False)
-    before = _staging_sends.get((g.group_id, dst, key))
+    # A send still being staged from a device to the same place goes first (call order).
+    before = g.staging_sends.get((dst, key))
     if before is not None and not before.done():
 
         async def after_staged(_seq: int) -> None:
@@ -236,10 +232,10 @@ def _staged_send(
     work = g.begin(description, collective=False)
     loop = work.loop
     assert loop is not None
-    place = (g.group_id, dst, key)
-    before = _staging_sends.get(place)
+    place = (dst, key)
+    before = g.staging_sends.get(place)
     issued: asyncio.Future[None] = loop.create_future()
-    _staging_sends[place] = issued
+    g.staging_sends[place] = issued
     hosts, copied = staging.copy_out([t])
 
     async def run(_seq: int) -> None:
@@ -256,8 +252,8 @@ def _staged_send(
         finally:
             if not issued.done():
                 issued.set_result(None)
-            if _staging_sends.get(place) is issued:
-                del _staging_sends[place]
+            if g.staging_sends.get(place) is issued:
+                del g.staging_sends[place]
         await sending
 
     return g.drive(work, run, 0, collective=False)
