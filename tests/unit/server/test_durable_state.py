@@ -571,3 +571,13 @@ def test_reattach_without_a_secret_is_refused() -> None:
     assert isinstance(reply, ErrorReply)
     assert reply.code == ErrorCode.AUTHENTICATION
     assert "secret" in reply.message
+
+
+def test_a_message_not_declared_durable_may_not_change_durable_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table, conns = formed_job(tmp_path)
+    table.send(conns[0], lambda r: StoreGet(r, "kept", 1.0))  # reads: no record, no complaint
+    monkeypatch.setattr(StoreSet, "DURABLE", False)  # as if its declaration forgot it
+    with pytest.raises(AssertionError, match=r"StoreSet changed durable state: declare it"):
+        table.send(conns[0], lambda r: StoreSet(r, "k", b"v"))
