@@ -1593,7 +1593,7 @@ def irecv_object(
     thread, ``.is_completed()``).
 
     Returns:
-        Work resolving to the object.
+        Work resolving to the object (None on a process outside ``group``).
     """
     return _portal.submit(_api.irecv_object, src, group, tag, async_op=async_op)
 

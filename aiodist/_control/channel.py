@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError
+from aiodist._wire.bounds import MAX_WHERE
 from aiodist._wire.messages import (
     DumpNotice,
     MemberFailed,
@@ -22,7 +23,7 @@ from aiodist._wire.messages import (
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Mapping
 
     from aiodist._control.liveness import Liveness
 
@@ -34,6 +35,7 @@ __all__ = [
     "ServerAway",
     "ServerBack",
     "ServerLost",
+    "where_of",
 ]
 
 # Notices a channel keeps until its member sets a callback (a job breaks with the first).
@@ -297,3 +299,14 @@ class ControlChannel:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(exc)
+
+
+def where_of(channels: Mapping[int, ControlChannel]) -> list[Any]:
+    """``Heartbeat.where``: ``[channel, current, last]`` per member that reports (bounded)."""
+    where: list[Any] = []
+    for number, channel in channels.items():
+        if channel.where is not None:
+            where.append([number, *channel.where()])
+            if len(where) == MAX_WHERE:
+                break
+    return where

@@ -47,8 +47,15 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
-from aiodist._control.channel import ControlChannel, Notice, ServerAway, ServerBack, ServerLost
-from aiodist._control.liveness import Heartbeats, where_of
+from aiodist._control.channel import (
+    ControlChannel,
+    Notice,
+    ServerAway,
+    ServerBack,
+    ServerLost,
+    where_of,
+)
+from aiodist._control.liveness import Heartbeats
 from aiodist._control.reconnect import Reconnect
 from aiodist._errors import (
     AuthenticationError,
@@ -78,7 +85,6 @@ from aiodist._wire.messages import (
     MembersFailed,
     MembersJoined,
     MembersLeft,
-    MessageKind,
     Reattach,
     Reply,
     ServerClosing,
@@ -179,7 +185,7 @@ class ControlConnection(asyncio.Protocol):
                     self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
                 header = event.header
                 if (
-                    event.kind == MessageKind.REPLY
+                    event.kind == Reply.KIND
                     and self._trusted
                     and type(header) is list
                     and len(header) == 2

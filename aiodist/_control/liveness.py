@@ -16,40 +16,27 @@ them for one connection:
 - A server heard again after a silence of ``SERVER_STALL`` s or more may have
   stood still (``resumed_at``): the server then counts a member whose
   connection dropped meanwhile as away, not failed, for its re-attach window
-  (``_server/restart.py``), and its verdict on that member comes that late.
+  (``_server/reattach.py``), and its verdict on that member comes that late.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
-from aiodist._server.restart import STALL_GAP
-from aiodist._wire.bounds import MAX_WHERE
+from aiodist._wire.timing import STALL_GAP
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable
 
-    from aiodist._control.channel import ControlChannel
 
-__all__ = ["SERVER_STALL", "Heartbeats", "Liveness", "where_of"]
+__all__ = ["SERVER_STALL", "Heartbeats", "Liveness"]
 
 # Below the server's own threshold: a stall it counts shows here as a silence a little
 # shorter (its last word came before it stopped); a server that echoes each heartbeat
 # (every interval, 1 s by default) is never this silent otherwise.
 SERVER_STALL: Final = STALL_GAP / 2
-
-
-def where_of(channels: Mapping[int, ControlChannel]) -> list[Any]:
-    """``Heartbeat.where``: ``[channel, current, last]`` per member that reports (bounded)."""
-    where: list[Any] = []
-    for number, channel in channels.items():
-        if channel.where is not None:
-            where.append([number, *channel.where()])
-            if len(where) == MAX_WHERE:
-                break
-    return where
 
 
 class Liveness:

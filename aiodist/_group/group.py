@@ -40,14 +40,16 @@ from aiodist._group import stalls
 from aiodist._group.inflight import Deadlines
 from aiodist._group.lingering import LingeringTask, linger
 from aiodist._group.work import Work
+from aiodist._wire.headers import message_header
 from aiodist._wire.keys import call_of
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import PeerError
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
     from aiodist._control.store import Store
     from aiodist._group.session import Session
+    from aiodist._wire.keys import Key
 
 __all__ = ["Bridge", "ProcessGroup"]
 
@@ -116,6 +118,13 @@ class ProcessGroup:
         # Calls a member aborted before this rank made them: they fail when made.
         self._aborted: dict[int, AbortedError] = {}
         self._on_break: list[Callable[[DistError], object]] = []
+        # What the operations keep per group (``_ops``): sends to (destination, key) still
+        # being staged from a device (a later send there waits for them: ``p2p.py``); the
+        # output tensors of its last large call of each operation (``outputs.py``); how
+        # many times it was shrunk on this rank (its survivors' agreements: ``shrink.py``).
+        self.staging_sends: dict[tuple[int, Key], asyncio.Future[None]] = {}
+        self.kept_outputs: dict[str, Any] = {}
+        self.shrinks = 0
 
     def check_usable(self, *, p2p: bool = False) -> None:
         """Raise the error that broke this group (or its session), if any.
@@ -201,14 +210,14 @@ class ProcessGroup:
         plane = self._session.plane
         plane.fail(exc, self.group_id, keep_p2p=self.keeps_p2p)
         if notify:
-            header = [self.group_id, exc.code, str(exc), exc.wire_details()]
+            error = PeerError(self.group_id, exc.code, str(exc), exc.wire_details())
             for rank in self.ranks:
                 if rank != self._session.rank:
-                    self._spawn(self._notify(rank, header))
+                    self._spawn(self._notify(rank, error))
 
-    async def _notify(self, rank: int, header: list[Any]) -> None:
+    async def _notify(self, rank: int, error: PeerError) -> None:
         with contextlib.suppress(OSError, DistError):
-            await self._session.plane.send_error(rank, header)
+            await self._session.plane.send_error(rank, error)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.spawn(linger(coro))  # peers learn why even when the loop is ending
@@ -446,11 +455,11 @@ class ProcessGroup:
         )
         self._session.plane.drop_call(self.group_id, seq, aborted)
         details = {**aborted.wire_details(), "seq": seq}
-        header = [self.group_id, ErrorCode.ABORTED, str(aborted), details]
+        header = message_header(PeerError(self.group_id, ErrorCode.ABORTED, str(aborted), details))
         plane = self._session.plane
         for rank in self.ranks:
             if rank != me:  # written now: this rank's next messages cannot overtake it
-                plane.send_notice(rank, MessageKind.PEER_ERROR, header)
+                plane.send_notice(rank, PeerError.KIND, header)
 
     def abort_remote(self, seq: int, exc: AbortedError) -> None:
         """A member aborted call ``seq``: fail it here, now if it runs, else when it is made."""

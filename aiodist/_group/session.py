@@ -52,7 +52,6 @@ from aiodist._group.lingering import linger
 from aiodist._group.membership import isolate_failure
 from aiodist._group.recorder import Recorder, new_recorder
 from aiodist._group.views import Views, follow_join
-from aiodist._server.restart import reattach_window
 from aiodist._wire.messages import (
     Barrier,
     DumpNotice,
@@ -63,6 +62,7 @@ from aiodist._wire.messages import (
     MembersLeft,
     MembersRequest,
 )
+from aiodist._wire.timing import reattach_window
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel, Notice
     from aiodist._plane.peers import DataPlane
     from aiodist._server.serve import RendezvousServer
-    from aiodist._wire.messages import Welcome
+    from aiodist._wire.messages import PeerError, Welcome
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
@@ -331,11 +331,11 @@ class Session:
             if exc.rank in group.ranks:
                 group.break_(exc)
 
-    def _peer_error(self, src: int, header: Any) -> None:
+    def _peer_error(self, src: int, notice: PeerError) -> None:
+        group_id = notice.group_id
         try:
-            group_id, code, message, details = header
-            error = from_wire(code, message, details)
-            seq = int(details["seq"]) if isinstance(error, AbortedError) else 0
+            error = from_wire(notice.code, notice.message, notice.details)
+            seq = int(notice.details["seq"]) if isinstance(error, AbortedError) else 0
         except (ValueError, TypeError, KeyError):
             logger.warning("ignoring a malformed error notice from rank %d", src)
             return

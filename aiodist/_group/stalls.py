@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist._control.status import describe_wait, positions_line
 from aiodist._errors import DistError
-from aiodist._server.where import describe_wait, positions_line
 from aiodist._wire.messages import StatusRequest
 
 if TYPE_CHECKING:

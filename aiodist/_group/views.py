@@ -1,6 +1,6 @@
 """Membership views of an elastic job: who is in it, epoch by epoch.
 
-The server owns the sequence (``_server/grow.py``): each membership change of
+The server owns the sequence (``_server/membership.py``): each membership change of
 a formed job (a join, a failure, a leave) is one epoch. A member follows it
 from the server's notices, in the order the server sent them: a join carries
 the whole view and its epoch; a failure or a leave moves the view on by one.

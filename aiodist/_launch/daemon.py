@@ -236,14 +236,14 @@ async def run_daemon(
                             "stays open), or bind --metrics-host 127.0.0.1",
                             *metrics.address,
                         )
-                if server.state.durable is not None:
+                if server.state_dir is not None:
                     logger.info(
                         "jobs are kept in the state directory %s (fsync'd before each batch "
                         "of replies); %d jobs restored from %d records, their members may "
                         "re-attach",
                         state_dir,
-                        server.state.restored_jobs,
-                        server.state.durable.replayed,
+                        server.state.reattachment.restored_jobs,
+                        server.state_dir.replayed,
                     )
                 if on_ready is not None:
                     on_ready(server, None if metrics is None else metrics.address)

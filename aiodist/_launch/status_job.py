@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from aiodist._control.status import describe_wait
 from aiodist._errors import ProtocolError
 from aiodist._group.dumps import dump_dir, dump_path, write_atomic
 from aiodist._group.recorder import FORMAT
-from aiodist._server.where import describe_wait
 from aiodist._wire.messages import DumpRequest
 
 if TYPE_CHECKING:

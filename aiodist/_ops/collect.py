@@ -18,6 +18,7 @@ from aiodist._errors import AssertedValueError
 from aiodist._ops import movement, object_forms, objects
 from aiodist._ops.agreement import signature
 from aiodist._ops.exchange import Exchange
+from aiodist._ops.requests import Op
 from aiodist._ops.run import run
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def collect_results_gpu(
 
 
 def _start_collect(g: ProcessGroup, seq: int, req: Request) -> Work[Any]:
-    if req.op == "gather_object":  # no tmpdir: the parts travel over the data plane
+    if req.op is Op.GATHER_OBJECT:  # no tmpdir: the parts travel over the data plane
         return objects.start_gather_object(g, seq, req)
     tmpdir, size = req.data
     rank, n = g.rank, g.world_size

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import reduce_ops
-from aiodist._ops.requests import Call, Request, outsider, root_of, size_of
+from aiodist._ops.requests import Call, Op, Request, outsider, root_of, size_of
 from aiodist._ops.tensors import (
     LazyModule,
     check_alike,
@@ -59,7 +59,7 @@ def all_reduce(tensor: object, op: object, group: ProcessGroup | None) -> Call:
         if g is None or g.rank < 0:
             return _done(t)
         return Request(
-            op="all_reduce",
+            op=Op.ALL_REDUCE,
             description=f"all_reduce(op={reduce_op})",
             tensor=t,
             in_place=True,
@@ -81,7 +81,7 @@ def reduce(
         if g is None:
             return _done(t)
         return Request(
-            op="reduce",
+            op=Op.REDUCE,
             description=f"reduce(dst={g.global_rank(root)}, op={reduce_op})",
             tensor=t,
             in_place=True,
@@ -138,7 +138,7 @@ def _reduce_scatter(
     tensors: list[torch.Tensor], out: torch.Tensor | None, reduce_op: str
 ) -> Request:
     return Request(
-        op="reduce_scatter",
+        op=Op.REDUCE_SCATTER,
         description=f"reduce_scatter(op={reduce_op})",
         inputs=tensors,
         outputs=None if out is None else [out],
@@ -187,7 +187,7 @@ def broadcast(tensor: object, src: object, group: ProcessGroup | None, group_src
         if g is None:
             return _done(t)
         return Request(
-            op="broadcast",
+            op=Op.BROADCAST,
             description=f"broadcast(src={g.global_rank(root)})",
             tensor=t,
             in_place=True,
@@ -239,7 +239,7 @@ def gather(
             outs[0].copy_(t)
             return _done(outs)
         return Request(
-            op="gather",
+            op=Op.GATHER,
             description=f"gather(dst={g.global_rank(root)})",
             tensor=t,
             outputs=outs,
@@ -282,7 +282,7 @@ def scatter(
             t.copy_(parts[0])
             return _done(t)
         return Request(
-            op="scatter",
+            op=Op.SCATTER,
             description=f"scatter(src={g.global_rank(root)})",
             tensor=t,
             in_place=True,
@@ -310,6 +310,6 @@ def barrier(
             raise ArgumentError(f"timeout must be a number of seconds > 0, got {seconds!r}")
         if g is None or g.rank < 0:
             return _done(None)
-        return Request(op="barrier", description=name, timeout=seconds)
+        return Request(op=Op.BARRIER, description=name, timeout=seconds)
 
     return Call(name, group, check)

@@ -15,7 +15,7 @@ from aiodist._errors import (
 from aiodist._group.group import ProcessGroup
 from aiodist._group.world import get_default_group, get_local_group, install_local_group
 from aiodist._ops.objects import start_all_gather_object
-from aiodist._ops.requests import Request
+from aiodist._ops.requests import Op, Request
 from aiodist._ops.run import Slot, record
 from aiodist._wire import codec
 
@@ -133,7 +133,7 @@ async def new_groups(
         agreeing = start_all_gather_object(
             world,
             seq,
-            Request(op="all_gather_object", description="new_group", payload=payload),
+            Request(op=Op.ALL_GATHER_OBJECT, description="new_group", payload=payload),
             name="new_group",
         )
         record(world, agreeing, "new_group", seq, None, called)

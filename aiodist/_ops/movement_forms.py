@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import staging
-from aiodist._ops.requests import Call, Request, outsider, size_of
+from aiodist._ops.requests import Call, Op, Request, outsider, size_of
 from aiodist._ops.tensors import (
     LazyModule,
     check_outputs,
@@ -61,7 +61,7 @@ def all_gather(tensor_list: object, tensor: object, group: ProcessGroup | None) 
                 return _done([t])
             out_list[0].copy_(t)
             return _done(out_list)
-        return Request(op="all_gather", description="all_gather", tensor=t, outputs=out_list)
+        return Request(op=Op.ALL_GATHER, description="all_gather", tensor=t, outputs=out_list)
 
     return Call("all_gather", group, check, data)
 
@@ -85,7 +85,7 @@ def all_gather_into_tensor(
             out.copy_(t.reshape(out.shape))
             return _done(out)
         return Request(
-            op="all_gather",
+            op=Op.ALL_GATHER,
             description="all_gather_into_tensor",
             tensor=t,
             outputs=parts,
@@ -128,11 +128,10 @@ def all_gather_coalesced(
             return [_unpack(x, row) for x, row in zip(got, outs, strict=True)]
 
         return Request(
-            op="all_gather",
+            op=Op.ALL_GATHER,
             description="all_gather_coalesced",
             tensor=packed,
             resolve=unpack,
-            bridged=False,
         )
 
     return Call("all_gather_coalesced", group, check)
@@ -198,7 +197,7 @@ def all_to_all(
             out_list[0].copy_(tensors[0].reshape(out_list[0].shape))
             return _done(out_list)
         return Request(
-            op="all_to_all",
+            op=Op.ALL_TO_ALL,
             description="all_to_all",
             inputs=tensors,
             outputs=out_list,
@@ -231,7 +230,7 @@ def all_to_all_single(
             recvs[0].copy_(sends[0])
             return _done(out)
         return Request(
-            op="all_to_all",
+            op=Op.ALL_TO_ALL,
             description="all_to_all_single",
             inputs=sends,
             outputs=recvs,
@@ -241,7 +240,6 @@ def all_to_all_single(
             },
             fill="exact",
             resolve=lambda _: out,
-            bridged=False,
         )
 
     return Call("all_to_all_single", group, check)

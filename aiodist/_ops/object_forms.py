@@ -16,7 +16,7 @@ from typing import Any, cast
 from aiodist._errors import ArgumentError, ArgumentTypeError, AssertedArgumentError
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import staging
-from aiodist._ops.requests import Call, Request, outsider, root_of
+from aiodist._ops.requests import Call, Op, Request, outsider, root_of
 from aiodist._wire import codec
 
 __all__ = [
@@ -54,7 +54,7 @@ def all_gather_object(object_list: Any, obj: Any, group: ProcessGroup | None) ->
         if out is not None:
             _fill_objects(out, [None] * g.world_size)  # torch's errors, before anything is sent
         return Request(
-            op="all_gather_object",
+            op=Op.ALL_GATHER_OBJECT,
             description="all_gather_object",
             payload=_encoded(data),
             resolve=None if out is None else (lambda got: _fill_objects(out, got)),
@@ -113,7 +113,7 @@ def gather_object(
             return _done([obj] if out is None else _fill_objects(out, [obj]))
         fill = out is not None and g.rank == root
         return Request(
-            op="gather_object",
+            op=Op.GATHER_OBJECT,
             description=f"gather_object(dst={root})",
             payload=_encoded(obj),
             root=root,
@@ -146,7 +146,7 @@ def broadcast_object_list(
 
 def _broadcast_objects(objects: list[Any], root: int, is_root: bool) -> Request:
     return Request(
-        op="broadcast_object_list",
+        op=Op.BROADCAST_OBJECT_LIST,
         description=f"broadcast_object_list(src={root})",
         payload=_encoded(objects) if is_root else None,
         data=objects,
@@ -206,7 +206,7 @@ def scatter_object_list(
             staging.settle_streams(inputs)
         into = out
         return Request(
-            op="scatter_object_list",
+            op=Op.SCATTER_OBJECT_LIST,
             description=f"scatter_object_list(src={g.global_rank(root)})",
             payload=[codec.dumps(x) for x in inputs] if is_src and inputs else [],
             root=root,
@@ -236,13 +236,13 @@ def collect_results(
             return _done(results[:size] if g is None else None)
         if tmpdir is not None:
             return Request(
-                op="collect_results_cpu",
+                op=Op.COLLECT_RESULTS_CPU,
                 description=name,
                 payload=pickle.dumps(results, protocol=2),
                 data=(tmpdir, size),
             )
         return Request(
-            op="gather_object",
+            op=Op.GATHER_OBJECT,
             description=f"{name}(dst=0)",
             payload=_encoded(results),
             root=0,

@@ -14,7 +14,6 @@ plain tensors, not views.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
@@ -39,9 +38,6 @@ class _Kept:
         self.idle_count = _use_count(tensors[0])
 
 
-_kept: weakref.WeakKeyDictionary[ProcessGroup, dict[str, _Kept]] = weakref.WeakKeyDictionary()
-
-
 def _use_count(t: torch.Tensor) -> int:
     import torch
 
@@ -64,8 +60,8 @@ def new_outputs(
     if nbytes < MIN_KEPT_BYTES:
         return [torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(count)]
     key = (like.dtype, tuple(like.shape), count)
-    by_operation = _kept.setdefault(g, {})
-    kept = by_operation.get(operation)
+    by_operation = g.kept_outputs  # operation -> its _Kept
+    kept: _Kept | None = by_operation.get(operation)
     if (
         kept is None
         or kept.key != key

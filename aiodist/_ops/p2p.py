@@ -16,25 +16,22 @@ taking this rank's next message. A receive that fails its checks likewise
 still takes (and drops) the message it would have matched.
 
 Objects travel by ``p2p_objects``. Point-to-point takes no place in its
-group's order (``ProcessGroup.begin`` numbers it apart), so it does not go
-through ``run``: its set-up is the group (``p2p_group``), the peer
-(``peer_of``), the tensor's checks, and, for a device tensor, a host copy
-(``staging``).
+group's order (``ProcessGroup.begin`` numbers it apart): its set-up is
+``run.run_p2p`` (the group, the answer outside it, the tag, the peer, the
+flight recorder), shared with objects; here are the tensor's checks and, for
+a device tensor, a host copy (``staging``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentError, CollectiveMismatchError
-from aiodist._group.work import Work
 from aiodist._ops import staging
 from aiodist._ops.agreement import dtype_name
-from aiodist._ops.requests import outsider
-from aiodist._ops.run import resolve_group
+from aiodist._ops.run import PeerCall, resolve_group, run_p2p
 from aiodist._ops.tensors import check_tensor
 from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
@@ -45,70 +42,20 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
     from aiodist._plane.peers import Key, Received
     from aiodist._wire.frame import Buffer
 
 __all__ = [
     "P2POp",
     "abort_send",
-    "any_peer",
     "batch_isend_irecv",
     "irecv",
     "isend",
-    "p2p_group",
-    "peer_of",
     "recv",
     "send",
     "send_message",
 ]
-
-
-def p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
-    """``group`` or the default group; point-to-point needs one (no world-size-1 answer)."""
-    g = resolve_group(group)
-    if g is None:
-        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
-    return g
-
-
-def peer_of(
-    g: ProcessGroup, peer: int | None, group_peer: int | None, name: str, tag: int = 0
-) -> int:
-    """The global rank named by ``peer`` (global) or ``group_peer`` (a rank of ``g``)."""
-    _check_tag(tag)
-    if peer is not None and group_peer is not None:
-        raise ArgumentError(f"Can not specify both {name} and group_{name}")
-    if group_peer is not None:
-        if not isinstance(group_peer, int) or not 0 <= group_peer < g.world_size:
-            raise ArgumentError(f"group_{name}={group_peer!r} is not a rank of {g!r}")
-        return g.global_rank(group_peer)
-    if peer is None:
-        raise ArgumentError(f"Must specify {name} or group_{name}")
-    # A member, as in torch.distributed; its job rank (renumbered after shrink_group).
-    return g.global_rank(g.group_rank_of(peer, name))
-
-
-def any_peer(
-    g: ProcessGroup, peer: int | None, group_peer: int | None, name: str, tag: int
-) -> int | None:
-    """As ``peer_of``, but None (both None) means any rank."""
-    if peer is None and group_peer is None:
-        _check_tag(tag)
-        return None
-    return peer_of(g, peer, group_peer, name, tag)
-
-
-def _check_tag(tag: object) -> None:
-    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
-        raise ArgumentError(f"tag must be an int >= 0, got {tag!r}")
-
-
-def _not_self(g: ProcessGroup, dst: int) -> None:
-    if dst == g.session.rank:
-        raise ArgumentError(
-            "Invalid destination rank: destination rank should not be the same as the rank "
-            "of the current process."
-        )
 
 
 def _meta(t: torch.Tensor) -> list[Any]:
@@ -130,11 +77,6 @@ def _drop_next(g: ProcessGroup, src: int | None, key: Key) -> None:
 
 def _dropped(msg: Received | BaseException) -> None:
     pass
-
-
-# Sends still being staged from a device, per (group, destination, key): a later send
-# to the same place waits for them, so messages are matched in call order.
-_staging_sends: dict[tuple[int, int, Key], asyncio.Future[None]] = {}
 
 
 def isend(
@@ -173,29 +115,26 @@ def isend(
     Example:
         >>> await aiodist.isend(torch.ones(4), dst=1)
     """
-    called = perf_counter_ns()
-    g = p2p_group(group, "isend")
-    if outsider(g):
-        return Work.completed(None)
-    dst = peer_of(g, dst, group_dst, "dst", tag)
+    call = PeerCall("isend", group, dst, group_dst, tag, sends=True)
+    return run_p2p(call, functools.partial(_start_send, tensor, tag))
+
+
+def _start_send(
+    tensor: torch.Tensor, tag: int, g: ProcessGroup, dst: int | None
+) -> tuple[Work[None], torch.Tensor]:
+    assert dst is not None
     description, key = f"isend(dst={dst}, tag={tag})", (MatchKind.P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
-        _not_self(g, dst)
         device = staging.device_of(t)
         src = t if device is not None or t.is_contiguous() else t.contiguous()
         if device is not None:
-            work = _staged_send(g, description, dst, key, src)
-        else:
-            meta, payload = _meta(src), byte_view(src)
+            return _staged_send(g, description, dst, key, src), t
+        meta, payload = _meta(src), byte_view(src)
     except BaseException as exc:
         abort_send(g, dst, key, description, exc)
         raise
-    if device is None:
-        work = send_message(g, description, dst, key, meta, payload)
-    if (rec := g.session.recorder) is not None:
-        rec.record(work, "isend", g.name, 0, dst, t.dtype, t.shape, called)
-    return work
+    return send_message(g, description, dst, key, meta, payload), t
 
 
 def send_message(
@@ -204,7 +143,8 @@ def send_message(
     # Most sends are handed to the kernel right here: the handle is done at once, with
     # no task and no timer. The rest (a first connection, a full socket) finish in a task.
     work = g.begin(description, collective=False, timed=False)
-    before = _staging_sends.get((g.group_id, dst, key))
+    # A send still being staged from a device to the same place goes first (call order).
+    before = g.staging_sends.get((dst, key))
     if before is not None and not before.done():
 
         async def after_staged(_seq: int) -> None:
@@ -236,10 +176,10 @@ def _staged_send(
     work = g.begin(description, collective=False)
     loop = work.loop
     assert loop is not None
-    place = (g.group_id, dst, key)
-    before = _staging_sends.get(place)
+    place = (dst, key)
+    before = g.staging_sends.get(place)
     issued: asyncio.Future[None] = loop.create_future()
-    _staging_sends[place] = issued
+    g.staging_sends[place] = issued
     hosts, copied = staging.copy_out([t])
 
     async def run(_seq: int) -> None:
@@ -256,8 +196,8 @@ def _staged_send(
         finally:
             if not issued.done():
                 issued.set_result(None)
-            if _staging_sends.get(place) is issued:
-                del _staging_sends[place]
+            if g.staging_sends.get(place) is issued:
+                del g.staging_sends[place]
         await sending
 
     return g.drive(work, run, 0, collective=False)
@@ -284,11 +224,13 @@ def irecv(
     Cancellation:
         Cancelling the awaiting task does not cancel the receive.
     """
-    called = perf_counter_ns()
-    g = p2p_group(group, "irecv")
-    if outsider(g):
-        return Work.completed(-1)
-    src = any_peer(g, src, group_src, "src", tag)
+    call = PeerCall("irecv", group, src, group_src, tag, sends=False, outside=-1)
+    return run_p2p(call, functools.partial(_start_receive, tensor, tag))
+
+
+def _start_receive(
+    tensor: torch.Tensor, tag: int, g: ProcessGroup, src: int | None
+) -> tuple[Work[int], torch.Tensor]:
     key = (MatchKind.P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
@@ -333,9 +275,7 @@ def irecv(
     plane = g.session.plane
     posted = plane.post(src, key, byte_view(dest), arrived)
     work.withdrawable(functools.partial(plane.withdraw, src, posted))
-    if (rec := g.session.recorder) is not None:
-        rec.record(work, "irecv", g.name, 0, -1 if src is None else src, t.dtype, t.shape, called)
-    return work
+    return work, t
 
 
 def _received(g: ProcessGroup, work: Work[int], sender: int, error: BaseException | None) -> None:

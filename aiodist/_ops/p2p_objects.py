@@ -13,17 +13,16 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
-from aiodist._group.work import Work
+from aiodist._errors import ArgumentTypeError, CollectiveMismatchError
 from aiodist._ops import staging
-from aiodist._ops.p2p import abort_send, any_peer, p2p_group, peer_of, send_message
-from aiodist._ops.requests import outsider
-from aiodist._ops.run import chain
+from aiodist._ops.p2p import abort_send, send_message
+from aiodist._ops.run import PeerCall, chain, run_p2p
 from aiodist._wire import codec
 from aiodist._wire.keys import MatchKind
 
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
+    from aiodist._group.work import Work
     from aiodist._plane.peers import Received
 
 __all__ = [
@@ -47,9 +46,8 @@ def isend_object(
     Example:
         >>> await aiodist.isend_object({"step": 3}, dst=1)
     """
-    g = p2p_group(group, "isend_object")
-    dst = peer_of(g, dst, None, "dst", tag)
-    return send_object(g, dst, tag, obj)
+    call = PeerCall("isend_object", group, dst, None, tag, sends=True)
+    return run_p2p(call, lambda g, peer: (send_object(g, _given(peer), tag, obj), None))
 
 
 def send_object(g: ProcessGroup, dst: int, tag: int, obj: object) -> Work[None]:
@@ -72,11 +70,15 @@ def irecv_object(
     """Start receiving a Python object from ``src`` (any rank when None).
 
     Returns:
-        Work resolving to the object.
+        Work resolving to the object (None on a process outside ``group``).
     """
-    g = p2p_group(group, "irecv_object")
-    src = any_peer(g, src, None, "src", tag)
-    return receive_object(g, src, tag, with_sender=False)
+    call = PeerCall("irecv_object", group, src, None, tag, sends=False)
+    return run_p2p(call, lambda g, peer: (receive_object(g, peer, tag, with_sender=False), None))
+
+
+def _given(peer: int | None) -> int:
+    assert peer is not None  # a send's peer is always given (``run_p2p``)
+    return peer
 
 
 def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool) -> Work[Any]:
@@ -130,19 +132,17 @@ def send_object_list(
     Example:
         >>> await aiodist.send_object_list([{"step": 3}], dst=1)
     """
-    g = p2p_group(group, "send_object_list")
-    if outsider(g):
-        return Work.completed(None)
-    dst = peer_of(g, dst, group_dst, "dst")
-    if dst == g.session.rank:
-        raise ArgumentError(
-            "Invalid destination rank: destination rank should not be the same as the rank "
-            "of the current process."
-        )
-    if not isinstance(object_list, list):
-        raise ArgumentTypeError(f"object_list must be a list, got {type(object_list).__name__}")
-    staging.settle_streams(object_list)
-    return send_object(g, dst, _OBJECT_LIST_TAG, object_list)
+    call = PeerCall(
+        "send_object_list", group, dst, group_dst, _OBJECT_LIST_TAG, sends=True, user_tag=False
+    )
+
+    def start(g: ProcessGroup, peer: int | None) -> tuple[Work[None], None]:
+        if not isinstance(object_list, list):
+            raise ArgumentTypeError(f"object_list must be a list, got {type(object_list).__name__}")
+        staging.settle_streams(object_list)
+        return send_object(g, _given(peer), _OBJECT_LIST_TAG, object_list), None
+
+    return run_p2p(call, start)
 
 
 def recv_object_list(
@@ -174,25 +174,35 @@ def recv_object_list(
         >>> objs = [None]
         >>> await aiodist.recv_object_list(objs, src=0)
     """
-    g = p2p_group(group, "recv_object_list")
-    if outsider(g):
-        return Work.completed(-1)
-    if src is not None or group_src is not None:
-        src = peer_of(g, src, group_src, "src")
-    if not isinstance(object_list, list):
-        raise ArgumentTypeError(f"object_list must be a list, got {type(object_list).__name__}")
-    got = receive_object(g, src, _OBJECT_LIST_TAG, with_sender=True)
+    call = PeerCall(
+        "recv_object_list",
+        group,
+        src,
+        group_src,
+        _OBJECT_LIST_TAG,
+        sends=False,
+        outside=-1,
+        user_tag=False,
+    )
 
-    def place(pair: tuple[Any, int]) -> int:
-        items, sender = pair
-        if len(items) != len(object_list):
-            raise CollectiveMismatchError(
-                f"recv_object_list got {len(items)} objects from rank {sender} for a list of "
-                f"{len(object_list)}; pass lists of the same length on both sides",
-                field="shape",
-                values_by_rank={g.session.rank: len(object_list), sender: len(items)},
-            )
-        object_list[:] = items
-        return sender
+    def start(g: ProcessGroup, peer: int | None) -> tuple[Work[int], None]:
+        if not isinstance(object_list, list):
+            raise ArgumentTypeError(f"object_list must be a list, got {type(object_list).__name__}")
+        got = receive_object(g, peer, _OBJECT_LIST_TAG, with_sender=True)
+        return chain(got, functools.partial(_place, object_list, g.session.rank)), None
 
-    return chain(got, place)
+    return run_p2p(call, start)
+
+
+def _place(object_list: list[Any], me: int, pair: tuple[Any, int]) -> int:
+    """Put the objects of ``pair`` (from its sender) into ``object_list``; the sender."""
+    items, sender = pair
+    if len(items) != len(object_list):
+        raise CollectiveMismatchError(
+            f"recv_object_list got {len(items)} objects from rank {sender} for a list of "
+            f"{len(object_list)}; pass lists of the same length on both sides",
+            field="shape",
+            values_by_rank={me: len(object_list), sender: len(items)},
+        )
+    object_list[:] = items
+    return sender

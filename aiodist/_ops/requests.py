@@ -19,6 +19,7 @@ check itself (``Request.done``): torch.distributed's, and mmengine's.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,10 +36,45 @@ if TYPE_CHECKING:
     #: Cuts a whole tensor into one view per rank (``Request.whole``).
     Cut: TypeAlias = Callable[[torch.Tensor], list[torch.Tensor]]
 
-__all__ = ["NOT_DONE", "Call", "Request", "outsider", "root_of", "size_of"]
+__all__ = ["NOT_DONE", "Call", "Op", "Request", "outsider", "root_of", "size_of"]
 
 #: ``Request.answer`` of a request that still has to run.
 NOT_DONE: Any = object()
+
+
+class Op(enum.Enum):
+    """The algorithm a request runs, and whether torch.distributed has it too.
+
+    ``torch``: a call of it whose tensors a torch bridge carries goes to
+    torch.distributed; ``_torch/ops.py`` holds one start for each such
+    operation, checked when it is imported. The others run on aiodist's data
+    plane whatever their tensors (staged through host memory from a device).
+    """
+
+    label: str
+    torch: bool
+
+    def __init__(self, label: str, torch: bool) -> None:
+        self.label = label
+        self.torch = torch
+
+    ALL_REDUCE = "all_reduce", True
+    REDUCE = "reduce", True
+    REDUCE_SCATTER = "reduce_scatter", True
+    BROADCAST = "broadcast", True
+    GATHER = "gather", True
+    SCATTER = "scatter", True
+    ALL_GATHER = "all_gather", True
+    ALL_TO_ALL = "all_to_all", True
+    BARRIER = "barrier", False
+    # Several tensors reduced in place at once (``all_reduce_dict``, ``all_reduce_params``).
+    ALL_REDUCE_PARTS = "all_reduce_parts", False
+    ALL_GATHER_OBJECT = "all_gather_object", False
+    GATHER_OBJECT = "gather_object", False
+    BROADCAST_OBJECT_LIST = "broadcast_object_list", False
+    SCATTER_OBJECT_LIST = "scatter_object_list", False
+    COLLECT_RESULTS_CPU = "collect_results_cpu", False
+    DONE = "done", False  # answered without sending anything (``Request.done``)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -46,9 +82,7 @@ class Request:
     """One call in canonical form.
 
     Attributes:
-        op: The algorithm: ``all_reduce``, ``reduce``, ``reduce_scatter``,
-            ``broadcast``, ``gather``, ``scatter``, ``all_gather``,
-            ``all_to_all``, ``barrier``, or an object operation's name.
+        op: The algorithm (``Op``).
         description: The call as handles and errors name it.
         tensor: The one tensor of the call: reduced, broadcast or scattered
             into in place (``in_place``), or gathered.
@@ -68,13 +102,12 @@ class Request:
         payload: An object operation's encoded objects (one per rank for a scatter).
         data: An object operation's own objects (the list a broadcast fills).
         timeout: A barrier's own timeout, in seconds.
-        bridged: Whether a torch bridge may run it (the operations torch has).
         shm: Whether it may take a turn on shared memory (not when staged
             from a device: it starts too late to take its turn in call order).
         answer: The call's value when nothing needs to be sent (``done``).
     """
 
-    op: str
+    op: Op
     description: str = ""
     tensor: torch.Tensor | None = None
     in_place: bool = False
@@ -88,14 +121,13 @@ class Request:
     payload: Any = None
     data: Any = None
     timeout: float | None = None
-    bridged: bool = True
     shm: bool = True
     answer: Any = NOT_DONE
 
     @classmethod
     def done(cls, answer: Any) -> Request:
         """A call answered without sending anything (outside the group, not initialised)."""
-        return cls(op="done", answer=answer)
+        return cls(op=Op.DONE, answer=answer)
 
     @property
     def first(self) -> torch.Tensor | None:

@@ -19,19 +19,25 @@ then, in this order:
    the request's ``deliver`` makes the call's value of the result (torch's
    output lists filled, mmengine's new tensors returned).
 
-Point-to-point is not here: it takes no place in a group's order (``p2p``).
+Point-to-point takes no place in a group's order: ``run_p2p(call, start)``
+is its set-up, shared by tensors and objects (``p2p``, ``p2p_objects``): the
+group (one is needed), the answer outside it, the tag, the peer (never this
+rank for a send), then ``start`` and the flight recorder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from aiodist._errors import ArgumentError
 from aiodist._group.work import Work
 from aiodist._group.world import get_default_group
 from aiodist._ops import staging
-from aiodist._ops.requests import NOT_DONE, Request
+from aiodist._ops.requests import NOT_DONE
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,9 +45,19 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import Bridge, ProcessGroup
-    from aiodist._ops.requests import Call
+    from aiodist._ops.requests import Call, Request
 
-__all__ = ["Slot", "chain", "record", "resolve_group", "run"]
+__all__ = [
+    "PeerCall",
+    "Slot",
+    "chain",
+    "p2p_group",
+    "peer_of",
+    "record",
+    "resolve_group",
+    "run",
+    "run_p2p",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +115,7 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
                 logger.debug("skipping %s on a process outside %r", call.name, g)
             return Work.completed(req.answer)
         assert g is not None
-        if bridge is not None and req.bridged:
+        if bridge is not None and req.op.torch:
             work = _delivered(bridge.start_collective(req, seq), req)
             record(g, work, call.name, seq, req.first, called)
             return work
@@ -112,15 +128,97 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
     return work
 
 
-def record(g: ProcessGroup, work: Work[Any], name: str, seq: int, first: Any, at: int) -> None:
+def record(
+    g: ProcessGroup, work: Work[Any], name: str, seq: int, first: Any, at: int, peer: int = -1
+) -> None:
     """Record the call in its session's flight recorder (``_group/recorder.py``)."""
     rec = g.session.recorder
     if rec is None:
         return
     if first is None:
-        rec.record(work, name, g.name, seq, -1, None, None, at)
+        rec.record(work, name, g.name, seq, peer, None, None, at)
     else:
-        rec.record(work, name, g.name, seq, -1, first.dtype, first.shape, at)
+        rec.record(work, name, g.name, seq, peer, first.dtype, first.shape, at)
+
+
+# --- point to point -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PeerCall:
+    """A point-to-point call, read: its name, its group, the peer and the tag it names.
+
+    ``sends``: a send, whose peer must be given and must not be this rank; a
+    receive's peer may be None (any rank). ``outside`` is the call's value on a
+    process outside the group (torch.distributed's: nothing happens there).
+    ``user_tag``: the tag is the caller's (an int >= 0); else aiodist's own.
+    """
+
+    name: str
+    group: ProcessGroup | None
+    peer: int | None
+    group_peer: int | None
+    tag: int
+    sends: bool
+    outside: Any = None
+    user_tag: bool = True
+
+
+def run_p2p(
+    call: PeerCall,
+    start: Callable[[ProcessGroup, int | None], tuple[Work[T], torch.Tensor | None]],
+) -> Work[T]:
+    """Make ``call``: the set-up every point-to-point call shares, then ``start(g, peer)``.
+
+    ``start`` gets the group and the peer's global rank (None: any rank) and
+    returns the call's ``Work`` and its tensor (None for objects), which the
+    flight recorder notes.
+    """
+    called = perf_counter_ns()
+    g = p2p_group(call.group, call.name)
+    if g.rank < 0:
+        return Work.completed(call.outside)
+    if call.user_tag:
+        _check_tag(call.tag)
+    name = "dst" if call.sends else "src"
+    peer = None
+    if call.sends or call.peer is not None or call.group_peer is not None:
+        peer = peer_of(g, call.peer, call.group_peer, name)
+    if call.sends and peer == g.session.rank:
+        raise ArgumentError(
+            "Invalid destination rank: destination rank should not be the same as the rank "
+            "of the current process."
+        )
+    work, first = start(g, peer)
+    record(g, work, call.name, 0, first, called, -1 if peer is None else peer)
+    return work
+
+
+def p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    """``group`` or the default group; point-to-point needs one (no world-size-1 answer)."""
+    g = resolve_group(group)
+    if g is None:
+        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
+    return g
+
+
+def peer_of(g: ProcessGroup, peer: int | None, group_peer: int | None, name: str) -> int:
+    """The global rank named by ``peer`` (global) or ``group_peer`` (a rank of ``g``)."""
+    if peer is not None and group_peer is not None:
+        raise ArgumentError(f"Can not specify both {name} and group_{name}")
+    if group_peer is not None:
+        if not isinstance(group_peer, int) or not 0 <= group_peer < g.world_size:
+            raise ArgumentError(f"group_{name}={group_peer!r} is not a rank of {g!r}")
+        return g.global_rank(group_peer)
+    if peer is None:
+        raise ArgumentError(f"Must specify {name} or group_{name}")
+    # A member, as in torch.distributed; its job rank (renumbered after shrink_group).
+    return g.global_rank(g.group_rank_of(peer, name))
+
+
+def _check_tag(tag: object) -> None:
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+        raise ArgumentError(f"tag must be an int >= 0, got {tag!r}")
 
 
 def _bridge_for(g: ProcessGroup, first: object) -> Bridge | None:
@@ -163,16 +261,15 @@ def _staged(
         elif req.outputs is not None:
             host_out.extend(staging.host_buffer(o) for o in req.outputs)
             outputs = list(host_out)
-        host = Request(
-            op=req.op,
-            description=req.description,
+        # The same request on the host copies: what it was cut from and what makes its
+        # value (``whole``, ``resolve``) stay with the caller's request (``back``).
+        host = dataclasses.replace(
+            req,
             tensor=tensor,
-            in_place=req.in_place,
             inputs=whole_in[1](rest[0]) if whole_in is not None else rest,
             outputs=outputs,
-            fill=req.fill,
-            reduce_op=req.reduce_op,
-            root=req.root,
+            whole=None,
+            resolve=None,
             shm=False,
         )
         return chain(start(g, seq, host), host.filled)

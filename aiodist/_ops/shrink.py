@@ -1,6 +1,6 @@
 """``shrink_group``: the survivors of a group agree on a group without some ranks.
 
-The agreement is the server's (``_server/elastic.py``): every survivor sends
+The agreement is the server's (``_server/regroups.py``): every survivor sends
 the ranks it keeps, and every one gets the same list back, or the same error.
 A rank that fails or leaves before the list is decided is left out of it; one
 that fails after it breaks the new group, as any failure breaks a group. So
@@ -15,7 +15,6 @@ replaces it: ``get_rank()``, ``get_world_size()``, every call without
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from aiodist._control.store import REPLY_GRACE, as_seconds
@@ -35,10 +34,6 @@ __all__ = ["adopt_group", "agree", "shrink_group"]
 #: torch's flag values for ``shrink_flags``; aiodist has one way to shrink.
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
-
-# How many times each group was shrunk on this rank: the survivors' calls on one
-# group are told apart by that count, as their collectives are by sequence numbers.
-_shrinks: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 async def shrink_group(
@@ -102,8 +97,10 @@ async def shrink_group(
             "aiodist cannot shrink; start the job without a torch backend to shrink its groups"
         )
     keep = [old.ranks[i] for i in range(old.world_size) if i not in excluded]
-    count = _shrinks.get(old, 0) + 1
-    _shrinks[old] = count
+    # The survivors' calls on one group are told apart by how many times it was shrunk,
+    # as their collectives are by sequence numbers.
+    old.shrinks += 1
+    count = old.shrinks
     group_id = session.next_group_id()  # every survivor numbers its groups alike
     seconds = as_seconds(timeout, old.timeout)
     key = f"shrink/{old.group_id}/{count}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiodist._errors import ArgumentTypeError, AssertedArgumentError
 from aiodist._ops import reduce_ops, staging
 from aiodist._ops.reductions import all_reduce, start_all_reduce
-from aiodist._ops.requests import Call, Request
+from aiodist._ops.requests import Call, Op, Request
 from aiodist._ops.run import chain, run
 from aiodist._ops.tensors import check_tensor
 from aiodist._wire.keys import sub_seq
@@ -64,7 +64,11 @@ def _parts(
     """The request of a call that reduces ``flats`` in place, then copies them back."""
     name = label.partition(":")[0]
     return Request(
-        op=name, description=name, reduce_op=reduce_op, data=(flats, label), resolve=copy_back
+        op=Op.ALL_REDUCE_PARTS,
+        description=name,
+        reduce_op=reduce_op,
+        data=(flats, label),
+        resolve=copy_back,
     )
 
 
@@ -94,7 +98,7 @@ def _start_part(
 ) -> Work[Any]:
     if g.bridge is not None and g.bridge.crosses(flat):
         return all_reduce(flat, op=req.reduce_op or "sum", group=g)
-    one = Request(op="all_reduce", description="all_reduce", tensor=flat, reduce_op=req.reduce_op)
+    one = Request(op=Op.ALL_REDUCE, description="all_reduce", tensor=flat, reduce_op=req.reduce_op)
     if staging.on_device(flat):
         one.shm = False
         return staging.in_place(

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from aiodist._plane.receives import Received
 from aiodist._wire.frame import MiB
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data, PeerAnnounce
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -79,7 +79,7 @@ class _Plane(Protocol):
 
     def complete(self, posted: Posted, msg: Received) -> None: ...
 
-    def send_to(self, rank: int, kind: MessageKind, header: list[Any]) -> None: ...
+    def send_to(self, rank: int, kind: int, header: list[Any]) -> None: ...
 
 
 class BulkTransfers:
@@ -115,17 +115,17 @@ class BulkTransfers:
         meta: Any,
         nbytes: int,
         cleared: Callable[[Received | BaseException], None],
-    ) -> tuple[list[Any], list[Any]]:
+    ) -> tuple[PeerAnnounce, list[Any]]:
         """Post the receive of ``dst``'s clear-to-send (its outcome goes to ``cleared``).
 
-        Returns the headers to send: the announcement's now, the payload's once
+        Returns what to send: the announcement now, the payload's ``DATA`` header once
         cleared. A clear-to-send whose ``meta`` is 1 took back a credit:
         ``take_credit`` it.
         """
         group_id, ident = key[1], next(self._ids)
         self.announcements += 1
         self._plane.post(dst, (MatchKind.CLEAR, group_id, ident, 0), None, cleared)
-        return [*key, meta, ident, nbytes], [MatchKind.BULK, group_id, ident, 0, None]
+        return PeerAnnounce(*key, meta, ident, nbytes), [MatchKind.BULK, group_id, ident, 0, None]
 
     def wait_started(self) -> None:
         """This rank waits for a clear-to-send: clear what it holds (module docstring)."""
@@ -166,7 +166,7 @@ class BulkTransfers:
         posted.credited = True
         _, group_id, tag, _ = posted.key
         header = [MatchKind.CREDIT, group_id, tag, dest.nbytes, None]
-        plane.send_to(src, MessageKind.DATA, header)
+        plane.send_to(src, Data.KIND, header)
 
     def deliver(self, posted: Posted, msg: Received) -> None:
         """Complete ``posted`` with announced ``msg`` once its payload is in."""
@@ -199,7 +199,7 @@ class BulkTransfers:
         landed = functools.partial(self._landed, announced)
         plane.post(src, (MatchKind.BULK, group_id, ident, 0), dest, landed)
         header = [MatchKind.CLEAR, group_id, ident, 0, 1 if credited else 0]
-        plane.send_to(src, MessageKind.DATA, header)
+        plane.send_to(src, Data.KIND, header)
 
     @staticmethod
     def _landed(announced: Announced, outcome: Received | BaseException) -> None:

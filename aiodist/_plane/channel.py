@@ -5,31 +5,45 @@ side: the side that connected says hello (``connect``), the side that
 accepted answers it. Both halves of the token handshake are here, each
 running one ``TokenHandshake`` (``_wire/handshake.py``)::
 
-    connector (challenger)                        acceptor (responder)
-    PEER_HELLO [job, rank, pid, member, nonce]  ->  checks the claim, answers
-                                                <-  PEER_AUTH [nonce, proof]
-    checks it; PEER_AUTH [b"", proof]           ->  checks it
-    proved: the route to the acceptor            proved: adopts the channel
+    connector (challenger)                      acceptor (responder)
+    PeerHello(job, rank, pid, member, nonce)  ->  checks the claim, answers
+                                              <-  PeerAuth(nonce, proof)
+    checks it; PeerAuth(b"", proof)           ->  checks it
+    proved: the route to the acceptor          proved: adopts the channel
 
 Without a token the hello alone (no nonce) opens the channel. Until its
 side is done, a channel trusts nothing it receives: ``DATA`` before the
 hello is a protocol error. After it, each ``DATA`` frame's key is matched
 against the plane's posted receives as its header arrives, and the
 transport is handed the destination memory so a matched payload lands in
-place. The channel never touches a socket: what it sends and every other
+place. ``DATA`` is the hot path: its header stays a list, read by index
+(the match key's four fields, then ``DATA_META``); every other message is
+decoded into its declared class (``_wire/messages.py``), types and ranges
+checked. The channel never touches a socket: what it sends and every other
 effect go through the plane's actions (``core.PlaneCore``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ProtocolError
 from aiodist._plane.receives import Announced, Received, aborted_message
+from aiodist._wire.frame import frame_message
 from aiodist._wire.handshake import Refused, Role, TokenHandshake, peer_binding
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import (
+    DATA_META,
+    Data,
+    PeerAbort,
+    PeerAnnounce,
+    PeerAuth,
+    PeerBye,
+    PeerError,
+    PeerHello,
+)
 
 # Hellos a plane keeps from newcomers of an elastic job that it does not know yet.
 MAX_EARLY_HELLOS = 64
@@ -42,6 +56,9 @@ if TYPE_CHECKING:
     from aiodist._wire.keys import Key
 
 __all__ = ["ChannelState"]
+
+_DATA: Final = Data.KIND
+_DATA_FIELDS: Final = DATA_META + 1
 
 
 class ChannelState:
@@ -85,11 +102,11 @@ class ChannelState:
         """
         core = self.core
         core.proving(dst)
-        hello: list[Any] = [core.job, core.rank, os.getpid(), self.member]
+        hello = PeerHello(core.job, core.rank, os.getpid(), self.member)
         token = core.token
         if token is None:
             self.src = dst
-            core.write(channel, MessageKind.PEER_HELLO, hello)
+            core.say(channel, hello)
             core.adopt(dst, channel)
             core.connected(channel, None)
             return
@@ -97,14 +114,14 @@ class ChannelState:
         handshake = self._handshake = TokenHandshake(
             Role.CHALLENGER, token, peer_binding(core.job, core.rank, dst)
         )
-        core.write(channel, MessageKind.PEER_HELLO, [*hello, handshake.challenge()])
+        core.say(channel, dataclasses.replace(hello, nonce=handshake.challenge()))
 
-    def _proof_received(self, channel: DataChannel, header: list[Any]) -> None:
+    def _proof_received(self, channel: DataChannel, auth: PeerAuth) -> None:
         core, dst, handshake = self.core, self._connecting, self._handshake
         assert handshake is not None
         self._handshake, self._connecting = None, -1
         try:
-            proof = handshake.check_answer(header[0], header[1])
+            proof = handshake.check_answer(auth.nonce, auth.proof)
         except Refused as exc:
             holds = "it holds no token" if exc.reason == "no token" else "it holds another one"
             error = core.refuse(
@@ -116,42 +133,40 @@ class ChannelState:
             core.connected(channel, error)
             return
         self.src = dst  # only now is what arrives on this channel trusted
-        core.write(channel, MessageKind.PEER_AUTH, [b"", proof])
+        core.say(channel, PeerAuth(b"", proof))
         core.adopt(dst, channel)
         core.connected(channel, None)
 
     # --- the accepting side --------------------------------------------------------------
 
-    def hello(self, channel: DataChannel, header: Any) -> None:
-        """A peer's ``PEER_HELLO`` (again from ``set_members`` if it came too early)."""
+    def hello(self, channel: DataChannel, hello: PeerHello) -> None:
+        """A peer's ``PeerHello`` (again from ``set_members`` if it came too early)."""
         if self.src is not None or self._claim >= 0 or self._connecting >= 0:
-            raise ProtocolError("a second PEER_HELLO on one data channel")
-        if not isinstance(header, list) or len(header) not in (4, 5):
-            raise ProtocolError("malformed PEER_HELLO header")
+            raise ProtocolError("a second PeerHello on one data channel")
         core = self.core
-        job, rank = header[0], header[1]
+        job, rank = hello.job, hello.rank
         # A peer that got its Welcome first may say hello before this rank got its
         # own (world_size still 0). With a token, the proof needs this rank's own
         # rank: answer once set_members knows it (the peer sends nothing before).
         # Without one, accept it now; set_members drops it if the rank is no member.
         if core.rank < 0 and core.token is not None:
-            core.early_hellos.append((self, channel, header))
+            core.early_hellos.append((self, channel, hello))
             return
         known = core.world_size
-        if core.elastic and known and job == core.job and type(rank) is int and rank >= known:
+        if core.elastic and known and job == core.job and rank >= known:
             # A newcomer of an elastic job whose hello came before the server's news of
             # it: answer once the plane grows (``DataPlane.grow``), bounded like a stranger.
             if len(core.early_hellos) >= MAX_EARLY_HELLOS:
                 raise ProtocolError(f"too many hellos from ranks not known yet (rank {rank})")
-            core.early_hellos.append((self, channel, header))
+            core.early_hellos.append((self, channel, hello))
             return
-        if job != core.job or type(rank) is not int or not 0 <= rank < (known or rank + 1):
+        if job != core.job or not rank < (known or rank + 1):
             raise ProtocolError(f"peer hello from job {job!r} rank {rank!r} does not belong here")
         token = core.token
-        nonce = header[4] if len(header) == 5 else None
+        nonce = hello.nonce
         if token is None:
             if nonce is not None:  # the peer holds a token we lack: let it say so
-                core.write(channel, MessageKind.PEER_AUTH, [b"", b""])
+                core.say(channel, PeerAuth(b"", b""))
             self.src = rank
             core.adopt(rank, channel)
             return
@@ -165,20 +180,18 @@ class ChannelState:
                 "set the same AIODIST_TOKEN on every rank"
             ) from None
         self._handshake, self._claim = handshake, rank
-        core.write(channel, MessageKind.PEER_AUTH, [mine, proof])
+        core.say(channel, PeerAuth(mine, proof))
 
-    def _auth_received(self, channel: DataChannel, header: Any) -> None:
-        if not isinstance(header, list) or len(header) != 2:
-            raise ProtocolError("malformed PEER_AUTH header")
+    def _auth_received(self, channel: DataChannel, auth: PeerAuth) -> None:
         if self._connecting >= 0:  # connecting side: the acceptor's proof
-            self._proof_received(channel, header)
+            self._proof_received(channel, auth)
             return
         handshake, rank = self._handshake, self._claim
         if handshake is None or self.src is not None:
-            raise ProtocolError("unexpected PEER_AUTH on a data channel")
+            raise ProtocolError("unexpected PeerAuth on a data channel")
         self._handshake, self._claim = None, -1
         try:
-            handshake.check_proof(header[1])
+            handshake.check_proof(auth.proof)
         except Refused:
             self.core.doubt(rank, "its proof does not match the job's token")
             raise ProtocolError(
@@ -190,26 +203,19 @@ class ChannelState:
     # --- FrameSink -----------------------------------------------------------------------
 
     def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
-        kind, header = frame.kind, frame.header
-        if kind == MessageKind.DATA:
+        header = frame.header
+        if frame.kind == _DATA:
             src = self.src
             if src is None:
-                raise ProtocolError("DATA before PEER_HELLO")
-            if not isinstance(header, list) or len(header) not in (5, 7):
-                raise ProtocolError("malformed DATA header")
-            key: Key = (header[0], header[1], header[2], header[3])
+                raise ProtocolError("DATA before PeerHello")
+            if type(header) is not list or len(header) != _DATA_FIELDS:
+                raise ProtocolError(f"malformed Data header: {header!r:.80}")
+            key: Key = (header[0], header[1], header[2], header[3])  # the fields before meta
             core = self.core
             if key[0] == MatchKind.CREDIT:  # a peer posted a receive for a large payload of ours
                 core.bulk.credited(src, key)
                 return None
-            if len(header) == 7:  # announces a large payload: it moves once cleared
-                ident, nbytes = header[5], header[6]
-                if type(ident) is not int or type(nbytes) is not int or nbytes < 0:
-                    raise ProtocolError(f"malformed payload announcement {header!r}")
-                announced = Announced(src, key[1], ident, nbytes)
-                core.bulk.announced(key, Received(src, header[4], memoryview(b""), announced))
-                return None
-            self._key, self._meta = key, header[4]
+            self._key, self._meta = key, header[DATA_META]
             posted = core.matcher.arrive(src, key)
             self.posted = posted
             if posted is not None:
@@ -220,37 +226,37 @@ class ChannelState:
             else:  # unexpected, or a size mismatch the receiver reports: buffer it
                 self._buffer = memoryview(bytearray(nbytes))
             return self._buffer if nbytes else None
-        if kind == MessageKind.PEER_HELLO:
-            self.hello(channel, header)
-        elif kind == MessageKind.PEER_AUTH:
-            self._auth_received(channel, header)
-        elif kind == MessageKind.PEER_ABORT:
-            self._abort_received(header)
-        elif kind == MessageKind.PEER_ERROR:
-            if self.src is not None:
-                self.core.peer_error(self.src, header)
-        elif kind == MessageKind.PEER_BYE:
+        msg = frame_message(frame)  # the cold path: typed and checked (ProtocolError)
+        kind = type(msg)
+        if kind is PeerHello:
+            self.hello(channel, msg)
+            return None
+        if kind is PeerAuth:
+            self._auth_received(channel, msg)
+            return None
+        if kind is PeerBye:
             self.said_bye = True
             self.core.bye_received(channel)
+            return None
+        src = self.src
+        if src is None:
+            raise ProtocolError(f"{kind.__name__} before PeerHello")
+        if kind is PeerAnnounce:  # a large payload: it moves once cleared (``bulk.py``)
+            key = (msg.kind, msg.group, msg.a, msg.b)
+            announced = Announced(src, msg.group, msg.ident, msg.nbytes)
+            self.core.bulk.announced(key, Received(src, msg.meta, memoryview(b""), announced))
+        elif kind is PeerAbort:
+            key = (msg.kind, msg.group, msg.a, msg.b)
+            self.core.arrived(src, key, aborted_message(src, msg))
+        elif kind is PeerError:
+            self.core.peer_error(src, msg)
         else:
-            raise ProtocolError(f"unexpected frame kind {kind} on a data channel")
+            raise ProtocolError(f"unexpected {kind.__name__} on a data channel")
         return None
 
-    def _abort_received(self, header: Any) -> None:
-        if self.src is None:
-            raise ProtocolError("PEER_ABORT before PEER_HELLO")
-        if not isinstance(header, list) or len(header) != 5 or not isinstance(header[4], list):
-            raise ProtocolError("malformed PEER_ABORT header")
-        key: Key = (header[0], header[1], header[2], header[3])
-        self.core.arrived(self.src, key, aborted_message(self.src, header))
-
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if (
-            frame.kind != MessageKind.DATA
-            or len(frame.header) == 7
-            or frame.header[0] == MatchKind.CREDIT
-        ):
-            return  # not data, or an announcement or a credit (handled on arrival)
+        if frame.kind != _DATA or frame.header[0] == MatchKind.CREDIT:
+            return  # not data, or a credit (handled on arrival)
         src = self.src
         assert src is not None
         assert self._buffer is not None

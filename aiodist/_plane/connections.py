@@ -42,13 +42,15 @@ from aiodist._plane.core import PlaneCore
 from aiodist._plane.listener import SharedListener, preauth_limits, shared_listener
 from aiodist._plane.routes import Selection
 from aiodist._transport import registry, shm
-from aiodist._wire.messages import HostIds, MessageKind
+from aiodist._wire.headers import MESSAGES
+from aiodist._wire.messages import HostIds, PeerBye
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from aiodist._errors import AuthenticationError
     from aiodist._transport.base import DataChannel, Listener
+    from aiodist._wire.messages import PeerError
 
 __all__ = ["BYE_TIMEOUT", "HANDSHAKE_TIMEOUT", "Connections", "PeerTable"]
 
@@ -78,7 +80,7 @@ class Connections(PlaneCore):
         job: str,
         *,
         on_peer_lost: Callable[[int, str], Awaitable[BaseException | None]] | None = None,
-        on_peer_error: Callable[[int, Any], None] | None = None,
+        on_peer_error: Callable[[int, PeerError], None] | None = None,
         on_peer_refused: Callable[[AuthenticationError], None] | None = None,
         token: str | None = None,
         on_peer_left: Callable[[int], Awaitable[BaseException]] | None = None,
@@ -98,7 +100,7 @@ class Connections(PlaneCore):
         self.on_peer_refused = on_peer_refused or self.fail
         self.on_peer_lost = on_peer_lost or _no_verdict
         self.on_peer_left = on_peer_left or _left_alone  # the error for a peer that said bye
-        self.on_peer_error = on_peer_error or (lambda src, header: None)
+        self.on_peer_error = on_peer_error or (lambda src, error: None)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._bye_news: asyncio.Event | None = None  # set when a goodbye or a close comes
         self._listeners: list[Listener] = []  # this plane's own (TCP, registered ones)
@@ -289,11 +291,11 @@ class Connections(PlaneCore):
 
     # --- PlaneCore's actions, done ---------------------------------------------------------
 
-    def write(self, channel: DataChannel, kind: MessageKind, header: list[Any]) -> None:
+    def write(self, channel: DataChannel, kind: int, header: list[Any]) -> None:
         try:
             rest = channel.send_nowait(kind, header)  # a frame the kernel took needs no task
         except OSError as exc:
-            logger.debug("sending %s to %s failed: %s", kind.name, channel.peer, exc)
+            logger.debug("sending %s to %s failed: %s", MESSAGES.name(kind), channel.peer, exc)
             return
         if rest is not None:
             self.spawn(rest)
@@ -328,8 +330,8 @@ class Connections(PlaneCore):
     def refused_peer(self, exc: AuthenticationError) -> None:
         self.on_peer_refused(exc)
 
-    def peer_error(self, src: int, header: Any) -> None:
-        self.on_peer_error(src, header)
+    def peer_error(self, src: int, error: PeerError) -> None:
+        self.on_peer_error(src, error)
 
     def news(self) -> None:
         if self._bye_news is not None:
@@ -352,7 +354,7 @@ class Connections(PlaneCore):
                 async with asyncio.timeout(BYE_TIMEOUT):
                     for channel in channels:
                         with contextlib.suppress(OSError):
-                            await channel.send(MessageKind.PEER_BYE, [])
+                            await channel.send(PeerBye.KIND, [])
                     # Each peer answers once it read all this rank sent it (see above).
                     while any(c in self.channels and c not in self.byes for c in channels):
                         self._bye_news.clear()

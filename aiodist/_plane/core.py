@@ -47,14 +47,16 @@ from aiodist._errors import AuthenticationError, ProtocolError
 from aiodist._plane.bulk import BulkTransfers
 from aiodist._plane.matching import Matcher
 from aiodist._plane.receives import Posted, Received
+from aiodist._wire.headers import Message, message_header
 from aiodist._wire.keys import MatchKind, call_of
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import PeerBye
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from aiodist._transport.base import DataChannel
     from aiodist._wire.keys import Key
+    from aiodist._wire.messages import PeerError, PeerHello
 
 __all__ = ["Peer", "PeerState", "PlaneCore"]
 
@@ -98,7 +100,7 @@ class _Side(Protocol):
     said_bye: bool
     posted: Posted | None
 
-    def hello(self, channel: DataChannel, header: Any) -> None: ...
+    def hello(self, channel: DataChannel, hello: PeerHello) -> None: ...
 
 
 class PlaneCore:
@@ -120,7 +122,7 @@ class PlaneCore:
         self.channels: set[DataChannel] = set()  # every channel with a peer, open
         self.byes: set[DataChannel] = set()  # channels whose peer said (or answered) goodbye
         self.closing = False
-        self.early_hellos: list[tuple[_Side, DataChannel, Any]] = []
+        self.early_hellos: list[tuple[_Side, DataChannel, PeerHello]] = []
         # Receives cut off mid-payload, with the rank whose payload it was (see ChannelState).
         self.orphans: list[tuple[int | None, Posted]] = []
         self.arriving: set[_Side] = set()  # channels receiving a payload for a posted receive
@@ -139,9 +141,9 @@ class PlaneCore:
                 del self.routes[src]
                 self.abort(channel)
         early, self.early_hellos = self.early_hellos, []
-        for side, channel, header in early:  # peers that said hello before our Welcome
+        for side, channel, hello in early:  # peers that said hello before our Welcome
             try:
-                side.hello(channel, header)
+                side.hello(channel, hello)
             except ProtocolError as exc:
                 logger.warning("closing a data channel: %s", exc)
                 self.abort(channel)
@@ -243,7 +245,7 @@ class PlaneCore:
             self.news()
         else:
             # Answer: the peer waits for it before it tells the server that it left.
-            self.write(channel, MessageKind.PEER_BYE, [])
+            self.say(channel, PeerBye())
 
     def channel_closed(self, side: _Side, channel: DataChannel, exc: Exception | None) -> None:
         """``channel`` closed; a peer's last one settles what waits on it if it left."""
@@ -333,7 +335,7 @@ class PlaneCore:
         """Settle ``posted`` with ``msg`` (a large one once its payload is in)."""
         if posted.callback is None:
             return  # failed while its payload was arriving: the operation reported that
-        if msg.error is not None:  # its send failed at the sender (PEER_ABORT)
+        if msg.error is not None:  # its send failed at the sender (PeerAbort)
             posted.settle(msg.error)
             return
         if msg.announced is not None:  # a large payload still at its sender
@@ -444,10 +446,14 @@ class PlaneCore:
         for posted in [*self.matcher.take_posted_from(rank), *cut]:
             posted.settle(exc)
 
+    def say(self, channel: DataChannel, msg: Message) -> None:
+        """``write`` the header-only message ``msg`` on ``channel``."""
+        self.write(channel, msg.KIND, message_header(msg))
+
     # --- actions: what the plane asks of the I/O around it -------------------------------
     # Recorded here; DataPlane does each. None of them may raise.
 
-    def write(self, channel: DataChannel, kind: MessageKind, header: list[Any]) -> None:
+    def write(self, channel: DataChannel, kind: int, header: list[Any]) -> None:
         """Write a header-only frame on ``channel`` now (best effort)."""
         self.actions.append(("write", channel, kind, header))
 
@@ -459,7 +465,7 @@ class PlaneCore:
         """Drop ``channel`` at once."""
         self.actions.append(("abort", channel))
 
-    def send_to(self, rank: int, kind: MessageKind, header: list[Any]) -> None:
+    def send_to(self, rank: int, kind: int, header: list[Any]) -> None:
         """Send a header-only frame to ``rank``, connecting first if need be (best effort)."""
         self.actions.append(("send_to", rank, kind, header))
 
@@ -483,9 +489,9 @@ class PlaneCore:
         """``exc.rank`` failed the token handshake: what needs it must fail."""
         self.actions.append(("refused_peer", exc))
 
-    def peer_error(self, src: int, header: Any) -> None:
-        """``src`` sent ``PEER_ERROR`` (a broken group, an aborted call)."""
-        self.actions.append(("peer_error", src, header))
+    def peer_error(self, src: int, error: PeerError) -> None:
+        """``src`` sent ``PeerError`` (a broken group, an aborted call)."""
+        self.actions.append(("peer_error", src, error))
 
     def news(self) -> None:
         """A goodbye or a close came while this plane closes (it waits for them)."""

@@ -1,7 +1,7 @@
 """The Unix-socket listener that every data plane of one process shares.
 
 Each plane that listens on it gets a member number and publishes
-``uds:NAME#MEMBER``; a peer's ``PEER_HELLO`` names the member it wants, and the
+``uds:NAME#MEMBER``; a peer's ``PeerHello`` names the member it wants, and the
 channel's frames go to a ``ChannelState`` of that plane from then on (``_Router``). A
 process of many ranks then holds one listening socket, not one per rank. The
 listener closes with its last plane; a plane that listens later opens a new one.
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Final
 from aiodist._errors import ProtocolError
 from aiodist._plane.channel import ChannelState
 from aiodist._transport import shmring, uds
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.frame import frame_message
+from aiodist._wire.messages import PeerHello
 from aiodist._wire.preauth import PreAuthLimits, open_files_limit
 
 if TYPE_CHECKING:
@@ -131,18 +132,17 @@ class _Router:
     def frame_received(self, channel: DataChannel, frame: Frame) -> memoryview | None:
         link = self._link
         if link is None:
-            header = frame.header
-            if (
-                frame.kind != MessageKind.PEER_HELLO
-                or not isinstance(header, list)
-                or len(header) < 4
-                or type(header[3]) is not int
-            ):
-                raise ProtocolError("a data channel must open with PEER_HELLO naming a member")
-            plane = self._shared.planes.get(header[3])
+            if frame.kind != PeerHello.KIND:
+                raise ProtocolError("a data channel must open with PeerHello naming a member")
+            hello = frame_message(frame)
+            plane = self._shared.planes.get(hello.member)
             if plane is None:
-                raise ProtocolError(f"no member {header[3]} listens here (it left, or never was)")
+                raise ProtocolError(
+                    f"no member {hello.member} listens here (it left, or never was)"
+                )
             link = self._link = ChannelState(plane)
+            link.hello(channel, hello)
+            return None
         return link.frame_received(channel, frame)
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:

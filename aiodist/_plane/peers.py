@@ -5,15 +5,16 @@ each channel (its handshake, its frames), ``bulk.py`` moves large payloads
 once their receive is posted, ``connections.py`` listens, connects and
 closes; ``DataPlane`` is what the operations call.
 
-Wire use: a channel opens with ``PEER_HELLO [job, rank, pid, member]`` from
-the side that connected (and the token handshake, ``channel.py``); every
-message after it is ``DATA [kind, group, a, b, meta]`` with a raw payload.
+Wire use (every message declared in ``_wire/messages.py``): a channel opens
+with ``PeerHello`` from the side that connected (and the token handshake,
+``channel.py``); every message after it is ``Data [kind, group, a, b, meta]``
+with a raw payload (or ``PeerAnnounce``, a large payload's announcement).
 ``(kind, group, a, b)`` is the match key (``_wire/keys.py`` has its kinds,
 ``MatchKind``). ``meta`` is small plain data the operation checks (dtype,
-shape, op). ``PEER_ERROR`` carries an error that breaks a group on every
-member (or aborts one call of it, see ``drop_call``); ``PEER_ABORT`` takes
+shape, op). ``PeerError`` carries an error that breaks a group on every
+member (or aborts one call of it, see ``drop_call``); ``PeerAbort`` takes
 the place of a message whose send failed before its data left, so the receive
-it matches fails instead of taking a later message; ``PEER_BYE`` precedes a
+it matches fails instead of taking a later message; ``PeerBye`` precedes a
 clean close.
 
 One primitive per level: ``post`` is the receive (a callback; ``recv`` its
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import AbortedError, DistError
 from aiodist._plane.bulk import BULK_MIN_BYTES
@@ -34,8 +35,9 @@ from aiodist._plane.connections import Connections
 from aiodist._plane.receives import Received, aborted_message
 from aiodist._transport import shm
 from aiodist._transport.base import start_now
+from aiodist._wire.headers import MESSAGES, message_header
 from aiodist._wire.keys import Key, MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data, PeerAbort, PeerAnnounce, PeerError
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Coroutine
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ["DataPlane", "Key", "Received"]
 
 logger = logging.getLogger(__name__)
+
+_DATA: Final = Data.KIND
 
 
 def _resolve(future: asyncio.Future[Received], outcome: Received | BaseException) -> None:
@@ -95,12 +99,12 @@ async def _raise(exc: Exception) -> None:
     raise exc
 
 
-async def _logged(rest: Awaitable[None], dst: int, kind: MessageKind) -> None:
+async def _logged(rest: Awaitable[None], dst: int, kind: int) -> None:
     # A notice is best effort: a peer that cannot be reached learns of it otherwise.
     try:
         await rest
     except (OSError, DistError) as exc:
-        logger.debug("sending %s to rank %d failed: %s", kind.name, dst, exc)
+        logger.debug("sending %s to rank %d failed: %s", MESSAGES.name(kind), dst, exc)
 
 
 class DataPlane(Connections):
@@ -132,14 +136,14 @@ class DataPlane(Connections):
         bulk = payload is not None and _is_bulk(key, payload)
         channel = self.routes.get(dst)
         if channel is None or dst in self.left or dst in self.unwritten:
-            return self._send_in_turn(dst, MessageKind.DATA, header, payload, key if bulk else None)
+            return self._send_in_turn(dst, _DATA, header, payload, key if bulk else None)
         if bulk:
             assert payload is not None
             return _started(self._send_bulk(dst, key, meta, memoryview(payload).cast("B")))
         try:
             # Written here, in the caller: a frame the kernel took at once needs no
             # task and no loop turn.
-            rest = channel.send_nowait(MessageKind.DATA, header, payload)
+            rest = channel.send_nowait(_DATA, header, payload)
         except OSError as exc:
             return self._raise_send_failed(dst, exc)
         return None if rest is None else self._finish_send(dst, rest)
@@ -157,7 +161,7 @@ class DataPlane(Connections):
     def _send_in_turn(
         self,
         dst: int,
-        kind: MessageKind,
+        kind: int,
         header: list[Any],
         payload: Buffer | None,
         bulk: Key | None = None,
@@ -176,7 +180,7 @@ class DataPlane(Connections):
         dst: int,
         ahead: asyncio.Future[None] | None,
         written: asyncio.Future[None],
-        kind: MessageKind,
+        kind: int,
         header: list[Any],
         payload: Buffer | None,
         bulk: Key | None,
@@ -212,26 +216,26 @@ class DataPlane(Connections):
         """
         bulk = self.bulk
         if bulk.take_credit(dst, key, payload.nbytes):  # its receive is posted: no need to ask
-            await self._send_frame(dst, MessageKind.DATA, [*key, meta], payload, written)
+            await self._send_frame(dst, _DATA, [*key, meta], payload, written)
             return
         cleared: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
         cleared.add_done_callback(_retrieve)  # a failure reaches the caller via await
         announcement, header = bulk.announce(
             dst, key, meta, payload.nbytes, functools.partial(_resolve, cleared)
         )
-        await self._send_frame(dst, MessageKind.DATA, announcement, None, written)
+        await self._send_frame(dst, PeerAnnounce.KIND, message_header(announcement), None, written)
         bulk.wait_started()
         try:
             if (await cleared).meta:  # that receive had sent a credit: take it back
                 bulk.take_credit(dst, key, payload.nbytes)
         finally:
             bulk.wait_ended()
-        await self._send_frame(dst, MessageKind.DATA, header, payload)
+        await self._send_frame(dst, _DATA, header, payload)
 
     async def _send_frame(
         self,
         dst: int,
-        kind: MessageKind,
+        kind: int,
         header: list[Any],
         payload: Buffer | None = None,
         written: asyncio.Future[None] | None = None,
@@ -267,25 +271,26 @@ class DataPlane(Connections):
             return exc
         return await self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
 
-    async def send_error(self, dst: int, header: Any) -> None:
-        """Send ``PEER_ERROR`` with ``header`` to ``dst`` (connecting first if need be)."""
+    async def send_error(self, dst: int, error: PeerError) -> None:
+        """Send ``error`` to ``dst`` (connecting first if need be)."""
         if dst != self.rank and dst not in self.left:
             channel = self.routes.get(dst) or await self.connect(dst)
-            await channel.send(MessageKind.PEER_ERROR, header)
+            await channel.send(PeerError.KIND, message_header(error))
 
     def send_abort(self, dst: int, key: Key, info: list[Any]) -> None:
-        """Send ``PEER_ABORT`` for ``key`` to ``dst``, in order with this rank's DATA to it.
+        """Send ``PeerAbort`` for ``key`` to ``dst``, in order with this rank's DATA to it.
 
         ``info`` is ``[rank, reason, what]``. Best effort: a peer that cannot be
         reached learns of the failure as it learns of any other.
         """
-        header: list[Any] = [*key, info]
+        rank, reason, what = info
+        abort = PeerAbort(*key, rank, str(reason), str(what))
         if dst == self.rank:
-            self.arrived(dst, key, aborted_message(dst, header))
+            self.arrived(dst, key, aborted_message(dst, abort))
         else:
-            self.send_notice(dst, MessageKind.PEER_ABORT, header)
+            self.send_notice(dst, PeerAbort.KIND, message_header(abort))
 
-    def send_notice(self, dst: int, kind: MessageKind, header: list[Any]) -> None:
+    def send_notice(self, dst: int, kind: int, header: list[Any]) -> None:
         """Send a header-only frame to peer ``dst`` now, in order with what follows it.
 
         On a connected channel it is written right here (as ``send_now`` writes
@@ -311,7 +316,7 @@ class DataPlane(Connections):
         self.post(src, key, dest, functools.partial(_resolve, future))
         return future
 
-    def send_to(self, rank: int, kind: MessageKind, header: list[Any]) -> None:
+    def send_to(self, rank: int, kind: int, header: list[Any]) -> None:
         self.send_notice(rank, kind, header)  # the core's action (bulk's clears and credits)
 
     def fail(

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from aiodist._wire.keys import Key
+    from aiodist._wire.messages import PeerAbort
 
 __all__ = ["Announced", "Posted", "Received", "aborted_message"]
 
@@ -77,14 +78,13 @@ class Posted:
             callback(outcome)
 
 
-def aborted_message(src: int, header: list[Any]) -> Received:
-    """The message a ``PEER_ABORT`` from ``src`` stands for: one that fails its receive."""
-    rank, reason, what = [*header[4], None, None, None][:3]
-    rank = rank if type(rank) is int else src
+def aborted_message(src: int, abort: PeerAbort) -> Received:
+    """The message a ``PeerAbort`` from ``src`` stands for: one that fails its receive."""
+    rank, reason = abort.rank, abort.reason
     error = AbortedError(
-        f"{what} failed on rank {rank} before its data left ({reason}), so the receive it "
-        "matched fails too. Fix that rank's call.",
+        f"{abort.what} failed on rank {rank} before its data left ({reason}), so the receive "
+        "it matched fails too. Fix that rank's call.",
         rank=rank,
-        reason=str(reason),
+        reason=reason,
     )
     return Received(src, None, memoryview(b""), error=error)

@@ -48,7 +48,7 @@ from aiodist._rpc.wire import (
 from aiodist._rpc.world import rpc_world
 from aiodist._wire import codec
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -253,7 +253,7 @@ class Agent:
         header = [*REQUEST_KEY, [int(Op.CANCEL), 0, None, None, call]]
 
         def cancel(_: object = None) -> None:
-            self.plane.send_notice(record.to, MessageKind.DATA, header)
+            self.plane.send_notice(record.to, Data.KIND, header)
 
         if record.to == self.rank:
             self.loop.call_soon(self.server.cancel, self.rank, call)
@@ -329,7 +329,7 @@ class Agent:
             self.server.owned.release(rid, exp)
             return
         header = [*REQUEST_KEY, [int(Op.RELEASE), 0, None, None, [rid[0], rid[1], exp]]]
-        self.plane.send_notice(owner, MessageKind.DATA, header)
+        self.plane.send_notice(owner, Data.KIND, header)
 
     def own(self, value: Any) -> RRefId:
         """Keep ``value`` as an object of this rank (``RRef(value)``), from any thread; its id.

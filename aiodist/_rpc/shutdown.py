@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from aiodist._errors import DistError, DistTimeoutError
 from aiodist._group.work import Work
 from aiodist._rpc.wire import REQUEST_KEY, Op
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data
 
 __all__ = ["Host", "Termination"]
 
@@ -58,7 +58,7 @@ class _Served(Protocol):
 
 
 class _Notices(Protocol):
-    def send_notice(self, dst: int, kind: MessageKind, header: list[Any]) -> None: ...
+    def send_notice(self, dst: int, kind: int, header: list[Any]) -> None: ...
 
 
 class Host(Protocol):
@@ -247,7 +247,7 @@ class Termination:
 
     def _tell(self, dst: int, extra: list[Any]) -> None:
         header = [*REQUEST_KEY, [int(Op.SHUTDOWN), 0, None, None, [int(x) for x in extra]]]
-        self.agent.plane.send_notice(dst, MessageKind.DATA, header)
+        self.agent.plane.send_notice(dst, Data.KIND, header)
 
     def fail(self, exc: BaseException) -> None:
         """The session failed or closed: waiting for a verdict is over."""

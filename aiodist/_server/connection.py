@@ -59,7 +59,6 @@ from aiodist._wire.messages import (
     ErrorReply,
     Heartbeat,
     Hello,
-    MessageKind,
     Reply,
     Welcome,
 )
@@ -67,8 +66,8 @@ from aiodist._wire.preauth import PREAUTH_FRAME_LIMITS
 from aiodist._wire.tls import TLS_HANDSHAKE_BYTE, speaks_clear_message
 
 if TYPE_CHECKING:
-    from aiodist._server.jobs import ConnId
-    from aiodist._server.state import ServerState
+    from aiodist._server.parts import ConnId
+    from aiodist._server.state import JobTable
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
 
@@ -96,7 +95,7 @@ class ServerSide(Protocol):
     """What a connection asks of the server that keeps it (``hub.Hub``)."""
 
     token: str | None
-    state: ServerState
+    state: JobTable
     preauth: PreAuthLimits
     loop: asyncio.AbstractEventLoop
     bytes_received: int
@@ -175,15 +174,6 @@ class ServerConnection(asyncio.Protocol):
                 if not self._spoke:
                     self._spoke = True
                     self._server.spoke(self)  # a silent stranger is shed before it
-                if event.kind == MessageKind.CHANNEL and self.authenticated:
-                    # Before nearly every request of a shared connection: read it here.
-                    header = event.header
-                    if type(header) is not list or len(header) != 1 or type(header[0]) is not int:
-                        raise ProtocolError(f"malformed CHANNEL message: {header!r:.80}")
-                    self._select(header[0])
-                    if not self.proved:
-                        self._passed()
-                    continue
                 try:
                     msg = frame_message(event)
                 except FieldError as exc:
@@ -194,13 +184,19 @@ class ServerConnection(asyncio.Protocol):
                         self._passed()
                     self._server.bad_request(self._current, exc)
                     continue
+                kind = type(msg)
+                if kind is Channel and self.authenticated:
+                    # Before nearly every request of a shared connection: the next ones' member.
+                    self._select(msg.channel)
+                    if not self.proved:
+                        self._passed()
+                    continue
                 if not self.authenticated or isinstance(msg, AuthStart | Hello):
                     if not self._authenticate(msg):
                         break
                     continue
                 if not self.proved:
                     self._passed()  # no token: its first message (but the handshake's) is its hello
-                kind = type(msg)
                 if kind is Heartbeat:
                     if msg.where:  # each channel's member hears its own position only
                         where = {entry[0]: entry for entry in msg.where}
@@ -243,7 +239,7 @@ class ServerConnection(asyncio.Protocol):
     def _select(self, channel: int) -> None:
         conn_id = self.channels.get(channel)
         if conn_id is None:
-            if channel < 0 or len(self.channels) >= MAX_CHANNELS:
+            if len(self.channels) >= MAX_CHANNELS:
                 raise ProtocolError(
                     f"channel {channel} refused: channels are numbered from 0, at most "
                     f"{MAX_CHANNELS} per connection"

@@ -38,15 +38,15 @@ import threading
 import time
 import urllib.parse
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable, Iterable
 
-    from aiodist._server.serve import RendezvousServer
+    from aiodist._server.state import JobTable
 
-__all__ = ["CACHE_SECONDS", "EVENTS_KEPT", "Dashboard", "DashboardApp"]
+__all__ = ["CACHE_SECONDS", "EVENTS_KEPT", "Dashboard", "DashboardApp", "Served"]
 
 #: How long one sample of the server serves every page that polls.
 CACHE_SECONDS: Final = 0.5
@@ -73,6 +73,18 @@ _SECURITY_HEADERS: Final = [
 ]
 
 
+class Served(Protocol):
+    """What the dashboard reads of the server that keeps it (``serve.RendezvousServer``)."""
+
+    @property
+    def state(self) -> JobTable: ...
+    @property
+    def token(self) -> str | None: ...
+    @property
+    def dashboard(self) -> Dashboard: ...
+    def loop_time(self) -> float: ...
+
+
 class Dashboard:
     """The loop's side: recent events and message/byte rates per job (call on the loop)."""
 
@@ -83,11 +95,11 @@ class Dashboard:
         self._rates: dict[str, tuple[float, float]] = {}
 
     def note_events(self, events: Iterable[dict[str, Any]]) -> None:
-        """Job events just recorded by the job table (``ServerState.take_events``)."""
+        """Job events just recorded by the job table (``JobTable.take_events``)."""
         now = time.time()
         self.events.extend({"time": now, **e} for e in events)
 
-    def sample(self, server: RendezvousServer, offset: int, limit: int) -> dict[str, Any]:
+    def sample(self, server: Served, offset: int, limit: int) -> dict[str, Any]:
         """One page of what the page shows (``limit`` jobs from the ``offset``-th), as plain data.
 
         Its cost grows with the page, not with the jobs the server holds: rates are
@@ -122,7 +134,7 @@ class DashboardApp:
 
     def __init__(
         self,
-        server: RendezvousServer,
+        server: Served,
         loop: asyncio.AbstractEventLoop,
         metrics: Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]],
     ) -> None:

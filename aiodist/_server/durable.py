@@ -1,14 +1,15 @@
 """The daemon's state directory: an append-only log of its jobs, and snapshots of it.
 
 A server started with a state directory (``aiodist serve --state-dir DIR``)
-writes each change that a restart must not lose as one record: a job formed
-(its members, their ranks and re-attach secrets), a newcomer admitted to an
-elastic job, a key set or deleted, a barrier passed, a regroup decided, a
-member failed or left, a job ended. Each file starts with a header, then holds
-records:
+writes each change that a restart must not lose as one record
+(``records.py``: a job formed, a member added with its rank and re-attach
+secret, a key set or deleted, a barrier passed, a regroup decided, a member
+failed or left, a job ended). The job table's parts emit them; ``serve.py``
+hands each batch of them to ``write``. Each file starts with a header, then
+holds records:
 
     header: | magic (8) | number (u64) | length (u64) | crc32 of the 24 bytes before (u32) |
-    record: | body length (u32) | crc32 of the body (u32) | body: one msgpack array |
+    record: | body length (u32) | crc32 of the body (u32) | body: msgpack [kind, *fields] |
 
 little-endian. ``snapshot`` is the live jobs written out as records; its
 ``number`` counts the snapshots written, its ``length`` is its own. ``log``
@@ -26,16 +27,18 @@ every record of a batch (a group commit). With ``fsync=False`` the log
 survives the daemon's crash (the kernel holds the pages, in the order they
 were written) but not the host's.
 
-**Replay** reads the snapshot, then the log up to its acknowledged length.
+**Replay** reads the snapshot, then the log up to its acknowledged length,
+and hands each record to the job table (``load``).
 Bytes after that length are a write that a crash cut short (no reply had told
 of them): they are dropped, with a warning. Anything else is damage, and the
 server refuses to start, naming the file, the byte and what is wrong, without
 writing anything: a record before the acknowledged end that is cut short,
 fails its checksum or is malformed; a file shorter than its header says; a
 header that fails its checksum; the snapshot a log follows missing, or
-another one in its place; the log missing. A record is checked as a client's
-message is (``_wire/bounds.py``): a state directory is input, not trusted
-memory.
+another one in its place; the log missing; what the records make does not
+hold together (a record for a job never formed, a rank it does not have). A
+record's fields are checked as a client's message is (its declaration's types
+and bounds): a state directory is input, not trusted memory.
 
 **The directory** holds nothing but the server's files: it is made private
 (0700, its files 0600) and must belong to the server's user; no symbolic link
@@ -54,37 +57,27 @@ import os
 import stat
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgpack
 
-from aiodist._errors import ErrorCode
-from aiodist._wire.bounds import (
-    MAX_ADDRESS_CHARS,
-    MAX_ADDRESSES,
-    MAX_GROUP_NAME_CHARS,
-    MAX_HOST_CHARS,
-    MAX_SECRET_BYTES,
-    MAX_WORLD_SIZE,
-    MIN_HEARTBEAT_TIMEOUT,
-)
+from aiodist._errors import ProtocolError
+from aiodist._server.records import decode_record, encode_record
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
-__all__ = ["JobRecord", "MemberRecord", "StateDir", "StateDirError"]
+__all__ = ["Journal", "StateDir", "StateDirError", "file_header", "frame"]
 
 logger = logging.getLogger("aiodist._server.serve")
 
-MAGIC: Final = b"AIODST02"
-_EARLIER_MAGIC: Final = b"AIODST01"
+MAGIC: Final = b"AIODST03"
+_EARLIER_MAGICS: Final = (b"AIODST01", b"AIODST02")
 _FILE_HEAD: Final = struct.Struct("<8sQQI")  # magic, number, length, crc32 of the rest
 _HEAD: Final = struct.Struct("<II")  # body length, crc32 of the body
-MAX_RECORD_BYTES: Final = 1 << 30
-MAX_KEY_CHARS: Final = 1 << 20
-MAX_SETTLED_REGROUPS: Final = 256  # decided regroups a job keeps (``elastic.MAX_SETTLED``)
+MAX_RECORD_BYTES: Final = (1 << 30) + (2 << 20)  # the largest value, its key and the rest
 # The log is folded into a snapshot after this many records or bytes.
 COMPACT_RECORDS: Final = 200_000
 COMPACT_BYTES: Final = 256 << 20
@@ -96,208 +89,9 @@ class StateDirError(Exception):
     """The state directory cannot be used (damaged, locked by another server, not private)."""
 
 
-@dataclass(slots=True)
-class MemberRecord:
-    rank: int
-    local_rank: int
-    host: str
-    pid: int
-    addresses: list[str]
-    heartbeat_timeout: float
-    secret: bytes
-
-    def row(self) -> list[Any]:
-        return [
-            self.rank,
-            self.local_rank,
-            self.host,
-            self.pid,
-            self.addresses,
-            self.heartbeat_timeout,
-            self.secret,
-        ]
-
-
-@dataclass(slots=True)
-class JobRecord:
-    """What the log knows of one formed job.
-
-    ``world_size`` is its rank space: the members it formed with
-    (``min_world_size``) and the newcomers admitted since (an elastic job,
-    ``max_world_size`` above 0).
-    """
-
-    name: str
-    generation: int
-    world_size: int
-    members: list[MemberRecord]
-    min_world_size: int = 0  # 0: world_size (a job that never grew)
-    max_world_size: int = 0
-    kv: dict[str, bytes] = field(default_factory=dict)
-    barriers_done: int = 0
-    failures: list[tuple[int, str, int, str]] = field(default_factory=list)
-    left: dict[int, tuple[str, int]] = field(default_factory=dict)
-    # Regroup key -> the answer every caller got: ``[ranks]`` or ``[code, message, details]``.
-    regroups: dict[str, list[Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.min_world_size:
-            self.min_world_size = self.world_size
-
-    def records(self) -> list[list[Any]]:
-        """This job as the records that rebuild it (a snapshot's part)."""
-        out: list[list[Any]] = [
-            [
-                "job",
-                self.name,
-                self.generation,
-                self.world_size,
-                self.min_world_size,
-                self.max_world_size,
-                [m.row() for m in self.members],
-            ]
-        ]
-        out.extend(["kv", self.name, k, v] for k, v in self.kv.items())
-        if self.barriers_done:
-            out.append(["barrier", self.name, self.barriers_done])
-        out.extend(["failed", self.name, *f] for f in self.failures)
-        out.extend(["left", self.name, r, h, p] for r, (h, p) in self.left.items())
-        out.extend(["regroup", self.name, k, a] for k, a in self.regroups.items())
-        return out
-
-
-class _Bad(ValueError):
-    pass
-
-
-def _int(v: Any, lo: int, hi: int) -> int:
-    if type(v) is not int or not lo <= v <= hi:
-        raise _Bad(f"an integer in [{lo}, {hi}] expected, got {v!r:.40}")
-    return v
-
-
-def _str(v: Any, most: int) -> str:
-    if type(v) is not str or len(v) > most:
-        raise _Bad(f"a string of at most {most} characters expected")
-    return v
-
-
-def _bytes(v: Any, most: int) -> bytes:
-    if type(v) is not bytes or len(v) > most:
-        raise _Bad(f"bytes of at most {most} expected")
-    return v
-
-
-def _member(v: Any, world_size: int) -> MemberRecord:
-    if type(v) is not list or len(v) != 7:
-        raise _Bad("a member is an array of 7")
-    rank, local_rank, host, pid, addresses, hb, secret = v
-    if type(addresses) is not list or len(addresses) > MAX_ADDRESSES:
-        raise _Bad("addresses must be a short array")
-    if type(hb) not in (int, float) or not MIN_HEARTBEAT_TIMEOUT <= hb <= 365 * 86400.0:
-        raise _Bad("heartbeat timeout out of range")
-    return MemberRecord(
-        _int(rank, 0, world_size - 1),
-        _int(local_rank, 0, world_size - 1),
-        _str(host, MAX_HOST_CHARS),
-        _int(pid, 0, 2**64 - 1),
-        [_str(a, MAX_ADDRESS_CHARS) for a in addresses],
-        float(hb),
-        _bytes(secret, MAX_SECRET_BYTES),
-    )
-
-
-def _regroup_answer(v: Any, world_size: int) -> list[Any]:
-    if type(v) is list and len(v) == 1 and type(v[0]) is list:
-        return [[_int(r, 0, world_size - 1) for r in v[0]]]
-    if type(v) is list and len(v) == 3 and type(v[2]) is dict:
-        code = _int(v[0], 0, 2**31)
-        if code not in ErrorCode._value2member_map_:
-            raise _Bad(f"an error code expected, got {code}")
-        return [ErrorCode(code), _str(v[1], 1 << 16), v[2]]
-    raise _Bad("a regroup's answer is [ranks] or [code, message, details]")
-
-
-def apply_record(jobs: dict[str, JobRecord], rec: Any) -> None:
-    """Apply one decoded record to ``jobs``.
-
-    Raises:
-        ValueError: The record is malformed (a wrong type, a value out of range,
-            a job it names unknown).
-    """
-    if type(rec) is not list or not rec or type(rec[0]) is not str:
-        raise _Bad("a record is an array starting with its kind")
-    kind, args = rec[0], rec[1:]
-    if kind == "job":
-        if len(args) != 6 or type(args[5]) is not list:
-            raise _Bad(
-                "a job record is [name, generation, world_size, min_world_size, "
-                "max_world_size, members]"
-            )
-        name = _str(args[0], MAX_GROUP_NAME_CHARS)
-        world_size = _int(args[2], 1, MAX_WORLD_SIZE)
-        least = _int(args[3], 1, world_size)
-        most = _int(args[4], 0, MAX_WORLD_SIZE)
-        if most and most < least:
-            raise _Bad(f"job {name!r} may grow to {most} members, fewer than it formed with")
-        if len(args[5]) != world_size:
-            raise _Bad(f"job {name!r} has {len(args[5])} members, world size {world_size}")
-        members = [_member(m, world_size) for m in args[5]]
-        if sorted(m.rank for m in members) != list(range(world_size)):
-            raise _Bad(f"job {name!r}: the ranks are not 0..{world_size - 1}")
-        generation = _int(args[1], 0, 2**63 - 1)
-        jobs[name] = JobRecord(name, generation, world_size, members, least, most)
-        return
-    if not args:
-        raise _Bad(f"a {kind} record names its job")
-    job = jobs.get(_str(args[0], MAX_GROUP_NAME_CHARS))
-    if job is None:
-        raise _Bad(f"a {kind} record for a job with no job record: {args[0]!r:.60}")
-    if kind == "kv" and len(args) == 3:
-        key = _str(args[1], MAX_KEY_CHARS)
-        if args[2] is None:
-            job.kv.pop(key, None)
-        else:
-            job.kv[key] = _bytes(args[2], MAX_RECORD_BYTES)
-    elif kind == "joined" and len(args) == 2:
-        if not job.max_world_size:
-            raise _Bad(f"a newcomer joined job {job.name!r}, which is not elastic")
-        member = _member(args[1], job.world_size + 1)
-        if member.rank != job.world_size:
-            raise _Bad(f"a newcomer of job {job.name!r} must have rank {job.world_size}")
-        job.members.append(member)
-        job.world_size += 1
-    elif kind == "barrier" and len(args) == 2:
-        job.barriers_done = max(job.barriers_done, _int(args[1], 0, 2**64 - 1))
-    elif kind == "failed" and len(args) == 5:
-        job.failures.append(
-            (
-                _int(args[1], 0, job.world_size - 1),
-                _str(args[2], MAX_HOST_CHARS),
-                _int(args[3], 0, 2**64 - 1),
-                _str(args[4], 1 << 16),
-            )
-        )
-    elif kind == "left" and len(args) == 4:
-        job.left[_int(args[1], 0, job.world_size - 1)] = (
-            _str(args[2], MAX_HOST_CHARS),
-            _int(args[3], 0, 2**64 - 1),
-        )
-    elif kind == "regroup" and len(args) == 3:
-        key = _str(args[1], MAX_GROUP_NAME_CHARS)
-        job.regroups.pop(key, None)
-        job.regroups[key] = _regroup_answer(args[2], job.world_size)
-        while len(job.regroups) > MAX_SETTLED_REGROUPS:
-            del job.regroups[next(iter(job.regroups))]
-    elif kind == "end" and len(args) == 2:
-        if job.generation == _int(args[1], 0, 2**63 - 1):
-            del jobs[job.name]
-    else:
-        raise _Bad(f"unknown record {kind!r:.40} with {len(args)} fields")
-
-
-def frame(rec: list[Any]) -> bytes:
-    body = msgpack.packb(rec, use_bin_type=True)
+def frame(row: list[Any]) -> bytes:
+    """One record of a state file: its head, then ``row`` (``records.encode_record``)."""
+    body = msgpack.packb(row, use_bin_type=True)
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
@@ -324,7 +118,7 @@ class _File:
             size = _FILE_HEAD.size
             raise _Damage(f"it holds {len(data)} bytes, less than its {size}-byte header")
         magic, number, length, crc = _FILE_HEAD.unpack_from(data)
-        if magic == _EARLIER_MAGIC:
+        if magic in _EARLIER_MAGICS:
             raise _Damage(
                 "it was written by an earlier version of aiodist, whose state this one cannot "
                 "read (not damaged)"
@@ -424,28 +218,38 @@ class StateDir:
 
     # --- reading --------------------------------------------------------------------------
 
-    def load(self) -> dict[str, JobRecord]:
+    def load(self, apply: Callable[[Any], None], restored: Callable[[], Iterable[Any]]) -> None:
         """Replay the snapshot and the log; then start a new log from a fresh snapshot.
+
+        Args:
+            apply: Called with each record, in order (``records.py``); raises
+                ``ValueError`` where a record does not fit those before it.
+            restored: Called once every record is applied; returns the records of
+                the fresh snapshot, or raises ``ValueError`` where what the records
+                made does not hold together.
 
         Raises:
             StateDirError: The directory is damaged (nothing was written, and the
                 directory is let go), or cannot be written.
         """
         try:
-            jobs = self._replay()
-            self.compact(jobs.values())
+            self._replay(apply)
+            try:
+                snapshot = list(restored())
+            except ValueError as exc:
+                raise self._damaged(self.path, str(exc)) from None
+            self.compact(snapshot)
         except StateDirError:
             self.close()
             raise
         except OSError as exc:
             self.close()
             raise StateDirError(f"cannot write the state directory {self.path}: {exc}") from exc
-        return jobs
 
-    def _replay(self) -> dict[str, JobRecord]:
+    def _replay(self, apply: Callable[[Any], None]) -> None:
         snapshot, log = self._read("snapshot"), self._read("log")
         if snapshot is None and log is None:
-            return {}  # a new directory
+            return  # a new directory
         if snapshot is None:
             assert log is not None
             raise self._damaged(
@@ -471,7 +275,6 @@ class StateDir:
                 f"it follows snapshot {log.number}, but {snapshot.path} is snapshot "
                 f"{snapshot.number}: one of them was replaced by another copy",
             )
-        jobs: dict[str, JobRecord] = {}
         for file in files:
             if file is snapshot and len(file.data) != file.length:
                 problem = (
@@ -482,10 +285,10 @@ class StateDir:
                 records = file.records()
             except _Damage as exc:
                 raise self._damaged(file.path, str(exc)) from None
-            for i, (pos, rec) in enumerate(records):
+            for i, (pos, row) in enumerate(records):
                 try:
-                    apply_record(jobs, rec)
-                except ValueError as exc:
+                    apply(decode_record(row))
+                except (ValueError, ProtocolError) as exc:
                     raise self._damaged(
                         file.path, f"record {i} at byte {pos} is malformed ({exc})"
                     ) from None
@@ -498,7 +301,6 @@ class StateDir:
                     len(file.data) - file.length,
                     file.length,
                 )
-        return jobs
 
     def _read(self, name: str) -> _File | None:
         """The state file ``name``, parsed; None if there is none.
@@ -578,9 +380,10 @@ class StateDir:
 
     # --- writing --------------------------------------------------------------------------
 
-    def append(self, rec: list[Any]) -> None:
-        """Queue one record; ``commit`` writes it."""
-        self._pending.append(frame(rec))
+    def write(self, records: Iterable[Any]) -> None:
+        """Write ``records`` (``records.py``) and ``commit`` them: durable when this returns."""
+        self._pending.extend(frame(encode_record(rec)) for rec in records)
+        self.commit()
 
     def commit(self) -> None:
         """Write the queued records, then move the log's header past them (see the module)."""
@@ -603,16 +406,16 @@ class StateDir:
     def wants_compaction(self) -> bool:
         return self.records_in_log >= COMPACT_RECORDS or self.bytes_in_log >= COMPACT_BYTES
 
-    def compact(self, jobs: Iterable[JobRecord]) -> None:
-        """Write ``jobs`` as the next snapshot and an empty log after it, atomically."""
+    def compact(self, records: Iterable[Any]) -> None:
+        """Write ``records`` (every live job's) as the next snapshot and an empty log after
+        it, atomically."""
         self.commit()
         number = self.number + 1
         snapshot = self._create("snapshot.tmp")
         try:
             with open(snapshot, "wb", closefd=False) as f:
                 f.write(file_header(number, 0))
-                for job in jobs:
-                    f.writelines(frame(rec) for rec in job.records())
+                f.writelines(frame(encode_record(rec)) for rec in records)
                 length = f.tell()
             _write_at(snapshot, file_header(number, length), 0)
             os.fsync(snapshot)
@@ -680,3 +483,32 @@ def _kind(mode: int) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "not a file"
+
+
+class _Table(Protocol):
+    """What a ``Journal`` reads of the job table (``state.JobTable``)."""
+
+    def replay(self, rec: Any, now: float) -> None: ...
+    def restored(self, now: float) -> list[Any]: ...
+    def records(self) -> list[Any]: ...
+
+
+class Journal:
+    """A state directory wired to a job table: its jobs taken back, its records kept.
+
+    Made once the table is: it replays the directory into the table (``load``).
+    Then call it with each batch of the table's records (``take_records``)
+    before any reply of that batch leaves: they are durable when it returns, and
+    the log is folded into a snapshot of the table's jobs when it has grown.
+    """
+
+    def __init__(self, state_dir: StateDir, table: _Table, now: float) -> None:
+        self.state_dir = state_dir
+        self._table = table
+        state_dir.load(lambda rec: table.replay(rec, now), lambda: table.restored(now))
+
+    def __call__(self, records: list[Any]) -> None:
+        state_dir = self.state_dir
+        state_dir.write(records)
+        if state_dir.wants_compaction():
+            state_dir.compact(self._table.records())

@@ -1,6 +1,6 @@
 """The job table's event log, sans-IO: what happened to jobs, as plain records.
 
-``ServerState`` records an event at each turn of a job's life; the asyncio
+The job table records an event at each turn of a job's life; the asyncio
 shell takes them (``take``) and logs each as one JSON line, so an operator
 can follow every job on a shared daemon:
 
@@ -55,7 +55,7 @@ class JobLog:
         )
 
     def record(self, event: str, job: Job, **fields: Any) -> None:
-        """Record an event of ``job`` that has no method of its own (``restart.py``'s)."""
+        """Record an event of ``job`` that has no method of its own (``reattach.py``'s)."""
         self._add(event, job, **fields)
 
     def job_created(self, job: Job, previous: Job | None) -> None:

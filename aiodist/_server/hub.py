@@ -6,9 +6,11 @@ channels, admits them through the pre-authentication ``Gate`` with one timer
 for the next deadline, logs refusals through one ``LogBudget`` (the first few
 of each interval in full, then one summary line with counts), feeds what they
 receive to the job table (``state.py``) and writes the table's actions back:
-one write per connection for a whole batch. Deadlines of the table (store
-waits, barriers, joins, the heartbeat sweep) are one ``loop.call_at`` timer,
-re-armed after every batch.
+one write per connection for a whole batch, after the batch's durable records
+went to the ``journal`` (the state directory, where the server has one: a
+client never hears of a change a restart could lose). Deadlines of the table
+(store waits, barriers, joins, the heartbeat sweep) are one ``loop.call_at``
+timer, re-armed after every batch.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from aiodist._server.connection import ServerConnection
-from aiodist._server.jobs import Close
+from aiodist._server.parts import Close
 from aiodist._wire.preauth import Gate, LogBudget
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from aiodist._server.jobs import ConnId
-    from aiodist._server.state import ServerState
+    from aiodist._server.parts import ConnId
+    from aiodist._server.state import JobTable
     from aiodist._wire.bounds import FieldError
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
@@ -43,13 +45,15 @@ class Hub:
 
     def __init__(
         self,
-        state: ServerState,
+        state: JobTable,
         *,
         token: str | None,
         preauth: PreAuthLimits,
         loop: asyncio.AbstractEventLoop,
+        journal: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self.state = state
+        self.journal = journal
         self.token = token
         self.preauth = preauth
         self.loop = loop
@@ -167,7 +171,7 @@ class Hub:
         A barrier released for 256 members of one process is one syscall, not 256.
         """
         out: dict[ServerConnection, list[Buffer]] = {}
-        while actions := self.state.take_actions():  # closing a channel may add some
+        while actions := self._take_actions():  # closing a channel may add some
             for action in actions:
                 conn = self.conns.get(action.conn)
                 if conn is None:
@@ -193,6 +197,14 @@ class Hub:
                 event_logger.info(json.dumps(event), extra={"aiodist_event": event})
         self._arm_timer()
         self.changed.set()
+
+    def _take_actions(self) -> list[Any]:
+        """The table's next actions, once the records that came with them are durable."""
+        actions = self.state.take_actions()
+        records = self.state.take_records()
+        if records and self.journal is not None:
+            self.journal(records)  # write-ahead: before any reply of this batch leaves
+        return actions
 
     # --- timers ---------------------------------------------------------------------
 

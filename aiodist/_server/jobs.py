@@ -1,41 +1,49 @@
-"""Plain records of the job table: jobs, members, waiters, rank assignment, actions."""
+"""A job as the table holds it: its members and ranks, and the parts it owns.
+
+A ``Job`` holds its membership (members in join order, ranks, failures,
+leaves, the epoch of its view) and owns one of each of its parts, composed,
+each with its own state and rules, acting through the table's ``Outbox``:
+
+- ``store``: the key-value store and the waits on it (``store.py``);
+- ``barriers``: the job-wide barriers (``store.py``);
+- ``regroups``: the agreements on a group's next membership (``regroups.py``);
+- ``notices``: telling the members who left and who failed (``notices.py``).
+
+Every change of durable state is a record (``records.py``) that its part
+emits; ``records()`` is the job's whole durable state as those records.
+"""
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 
-from aiodist._errors import ErrorCode
+from aiodist._server.notices import Notices
+from aiodist._server.parts import handlers
+from aiodist._server.records import JobEnded, JobFormed, MemberAdded, RankFailed, RankLeft
+from aiodist._server.regroups import Regroups
+from aiodist._server.store import Barriers, Store
 from aiodist._server.where import member_position, positions
-from aiodist._wire.bounds import FieldError, check_message
-from aiodist._wire.messages import Packed, unpack_keys
+from aiodist._wire.messages import Packed, pack_host_runs
 
-__all__ = [
-    "BadRequest",
-    "BarrierState",
-    "Close",
-    "ConnId",
-    "FailureNotice",
-    "Job",
-    "LeaveNotice",
-    "Member",
-    "Send",
-    "Timer",
-    "Waiter",
-    "assign_ranks",
-    "check_values",
-]
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-ConnId = int
+    from aiodist._server.parts import ConnId, Outbox
+    from aiodist._server.records import Record
+
+__all__ = ["Away", "Job", "Member", "assign_ranks", "host_runs"]
+
 MemberStatus = Literal["joining", "active", "failed", "left"]
 
 
 @dataclass(eq=False, slots=True)
 class Member:
-    conn: int
+    conn: ConnId
     job: Job
     join_req_id: int
     requested_rank: int
@@ -53,56 +61,42 @@ class Member:
     # What its heartbeats say it does: (current, last) operations (``where.py``).
     position: tuple[Any, Any] | None = None
     # Its proof of membership when it re-attaches (``Join.secret``); None: not known yet
-    # (a job rebuilt from re-attachments, ``restart.py``).
+    # (a job rebuilt from re-attachments, ``reattach.py``).
     secret: bytes | None = b""
+    # Away from a server that came back: the deadline of its re-attachment (``reattach.py``).
+    away: Away | None = None
+
+    def added(self) -> MemberAdded:
+        """The record of this member as it joined the formed job."""
+        return MemberAdded(
+            self.job.name,
+            self.rank,
+            self.local_rank,
+            self.host,
+            self.pid,
+            self.addresses,
+            self.heartbeat_timeout,
+            self.secret or b"",
+        )
 
 
 @dataclass(eq=False, slots=True)
-class Waiter:
-    conn: int
-    req_id: int
-    keys: list[str]
-    kind: Literal["get", "wait", "barrier"]
-    job: Job
-    packed_keys: bytes = b""  # a wait's keys as the client sent them (its watch's key)
-    seq: int = 0
-    done: bool = False
-    pos: int = 0  # keys[:pos] are known to be set: each key is checked once in total
-    # Waits on the very same keys ride along with the first one (every rank of a job
-    # usually waits on the same N keys: checking them once, not N times, keeps a
-    # job's rendezvous O(N) on the server instead of O(N^2)).
-    followers: list[Waiter] = field(default_factory=list)
+class Away:
+    """A member's deadline to re-attach to a server that came back (``reattach.py``)."""
 
-
-@dataclass(eq=False, slots=True)
-class BarrierState:
-    seq: int
-    arrived: dict[int, Waiter] = field(default_factory=dict)
-
-
-@dataclass(eq=False, slots=True)
-class LeaveNotice:
-    """A planned notice to a job's members of the members that left it since the last one."""
-
-    job: Job
+    member: Member
+    until: float
     done: bool = False
 
 
-@dataclass(eq=False, slots=True)
-class FailureNotice:
-    """A planned notice to a job's members of the members that failed since the last one."""
-
-    job: Job
-    done: bool = False
-
-
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)
 class Job:
     name: str
     world_size: int
     created_at: float
+    out: Outbox
     generation: int = 0  # the how-many-th start of the job under this name
-    # Elastic jobs (``grow.py``): it forms with ``min_world_size`` members and admits
+    # Elastic jobs (``membership.py``): it forms with ``min_world_size`` members and admits
     # joiners while fewer than ``max_world_size`` are alive (0: not elastic);
     # ``world_size`` is then its rank space. ``epoch`` counts membership changes.
     min_world_size: int = 0
@@ -111,61 +105,82 @@ class Job:
     formed_at: float | None = None
     ended: bool = False  # its last member is gone (its ``job_finished`` was recorded)
     end_reason: str = ""  # why a job was dropped: it never formed, or the server shut down
+    logged: bool = False  # the state directory holds it: its changes are records
     # In join order; a dict as an ordered set: a leave or a lookup is O(1), not O(N).
     members: dict[Member, None] = field(default_factory=dict)
     requested: dict[int, Member] = field(default_factory=dict)
     by_rank: list[Member] = field(default_factory=list)
     complete: bool = False
     failures: list[tuple[int, str, int, str]] = field(default_factory=list)
-    kv: dict[str, bytes] = field(default_factory=dict)
-    key_waiters: dict[str, list[Waiter]] = field(default_factory=dict)
-    watches: dict[bytes, Waiter] = field(default_factory=dict)  # packed keys -> first wait
-    barriers: dict[int, BarrierState] = field(default_factory=dict)
-    failed_barriers: dict[int, tuple[Any, str, dict[str, Any]]] = field(default_factory=dict)
-    deletions: int = 0  # keys deleted so far: a set of keys once all set stays so until one is
     # Members that left the formed job cleanly: rank -> (host, pid). Barriers need them all.
     left: dict[int, tuple[str, int]] = field(default_factory=dict)
-    # ``[rank, host, pid]`` of leaves not announced yet, the planned notice, and when the
-    # next notice may go (one notice per interval: a job of N ending costs O(N) notices).
-    unannounced: list[list[Any]] = field(default_factory=list)
-    leave_notice: LeaveNotice | None = None
-    next_leave_notice: float = 0.0
-    # The same for failures: ``[rank, host, pid, reason]`` not told yet (the first of an
-    # interval is told at once), the planned notice, and when the next may go.
-    unannounced_failures: list[list[Any]] = field(default_factory=list)
-    failure_notice: FailureNotice | None = None
-    next_failure_notice: float = 0.0
-    _packed_table: Packed | None = None
     # For the dashboard's rates: messages received from its members, bytes sent to them.
     messages: int = 0
     bytes_sent: int = 0
     # The last notice asking its ranks for their flight recorders: (when, its number,
-    # the ranks told); ``ServerState`` sends at most one per ``DUMP_INTERVAL``.
+    # the ranks told); the table sends at most one per ``DUMP_INTERVAL``.
     dump: tuple[float, int, list[int]] | None = None
-    # The keys of the latest wait, decoded, and the value of ``deletions`` when they were
-    # last seen all set (-1: not known to be).
-    _last_keys: tuple[bytes, list[str]] = (b"", [])
-    _last_keys_set_at: int = -1
+    _packed_table: Packed | None = None
 
-    def wait_keys(self, packed: bytes) -> list[str]:
-        """The keys of a wait, decoded once for the many members that wait on the same ones.
+    def __post_init__(self) -> None:
+        if not self.min_world_size:
+            self.min_world_size = self.world_size
+        self.store = Store(self, self.out)
+        self.barriers = Barriers(self, self.out)
+        self.regroups = Regroups(self, self.out)
+        self.notices = Notices(self, self.out)
+        # The requests of its members that its parts answer, by message class.
+        self.handlers: dict[type[Any], Callable[..., None]] = {
+            **handlers(self.store),
+            **handlers(self.barriers),
+            **handlers(self.regroups),
+        }
 
-        Raises:
-            ValueError: ``packed`` is not a msgpack array of str.
-        """
-        if packed != self._last_keys[0]:
-            self._last_keys = (packed, unpack_keys(packed))
-            self._last_keys_set_at = -1
-        return self._last_keys[1]
+    # --- membership ------------------------------------------------------------------------
 
-    def known_set(self, packed: bytes) -> bool:
-        """True if the keys ``packed`` were all set and none was deleted since."""
-        return packed == self._last_keys[0] and self._last_keys_set_at == self.deletions
+    def add(self, member: Member) -> None:
+        self.members[member] = None
+        if member.requested_rank >= 0:
+            self.requested[member.requested_rank] = member
 
-    def mark_set(self, packed: bytes) -> None:
-        """Record that the keys ``packed`` are all set now (a later wait needs no scan)."""
-        if packed == self._last_keys[0]:
-            self._last_keys_set_at = self.deletions
+    def discard(self, member: Member) -> None:
+        self.members.pop(member, None)
+        if self.requested.get(member.requested_rank) is member:
+            del self.requested[member.requested_rank]
+
+    def grown(self, member: Member) -> None:
+        """Admit ``member`` into the formed job as its next rank (``membership.py``)."""
+        member.rank = self.world_size
+        self.world_size += 1
+        self.by_rank.append(member)
+        self._packed_table = None
+        self.out.record(self, member.added())
+
+    def failed(self, member: Member, reason: str) -> None:
+        member.status = "failed"
+        self.epoch += 1
+        self.failures.append((member.rank, member.host, member.pid, reason))
+        self.out.record(self, RankFailed(self.name, member.rank, member.host, member.pid, reason))
+
+    def gone_cleanly(self, member: Member) -> None:
+        """``member`` of the formed job left it cleanly (its barriers will never come)."""
+        self.epoch += 1
+        self.left[member.rank] = (member.host, member.pid)
+        self.out.record(self, RankLeft(self.name, member.rank, member.host, member.pid))
+
+    def end(self) -> None:
+        """Its last member is gone: nothing of it is kept."""
+        self.out.record(self, JobEnded(self.name, self.generation))
+        self.logged = False
+
+    def gone(self) -> set[int]:
+        """The ranks that failed or left."""
+        return {r for r, *_ in self.failures} | self.left.keys()
+
+    def alive(self) -> int:
+        return sum(1 for m in self.members if m.status == "active")
+
+    # --- what it tells ---------------------------------------------------------------------
 
     def packed_table(self) -> Packed:
         """``[rank, local_rank, host, pid, addresses]`` per rank, encoded once per job.
@@ -183,33 +198,17 @@ class Job:
         """A member's entry changed (it re-registered): encode the table again when asked."""
         self._packed_table = None
 
-    def grown(self, member: Member) -> None:
-        """Admit ``member`` into the formed job as its next rank (``grow.py``)."""
-        member.rank = self.world_size
-        self.world_size += 1
-        self.by_rank.append(member)
-        self._packed_table = None
-
-    def add(self, member: Member) -> None:
-        self.members[member] = None
-        if member.requested_rank >= 0:
-            self.requested[member.requested_rank] = member
-
-    def discard(self, member: Member) -> None:
-        self.members.pop(member, None)
-        if self.requested.get(member.requested_rank) is member:
-            del self.requested[member.requested_rank]
-
-    def barrier(self, seq: int) -> BarrierState:
-        state = self.barriers.get(seq)
-        if state is None:
-            state = self.barriers[seq] = BarrierState(seq)
-        return state
-
-    def all_waiters(self) -> list[Waiter]:
-        out = [w for ws in self.key_waiters.values() for w in ws]
-        out.extend(f for w in out[:] for f in w.followers)
-        out.extend(w for b in self.barriers.values() for w in b.arrived.values())
+    def records(self) -> list[Record]:
+        """The job's durable state as the records that rebuild it (a snapshot's part)."""
+        out: list[Record] = [
+            JobFormed(self.name, self.generation, self.min_world_size, self.max_world_size)
+        ]
+        out.extend(m.added() for m in self.by_rank)
+        out.extend(self.store.records())
+        out.extend(self.barriers.records())
+        out.extend(RankFailed(self.name, *f) for f in self.failures)
+        out.extend(RankLeft(self.name, r, h, p) for r, (h, p) in self.left.items())
+        out.extend(self.regroups.records())
         return out
 
     def snapshot(self, now: float, max_members: int) -> dict[str, Any]:
@@ -241,8 +240,8 @@ class Job:
             "failures": [
                 {"rank": r, "host": h, "pid": p, "reason": why} for r, h, p, why in self.failures
             ],
-            "keys": len(self.kv),
-            "waits": positions(self, now) if self.complete else [],
+            "keys": len(self.store.kv),
+            "waits": positions(self.name, self.members, now) if self.complete else [],
         }
 
 
@@ -271,42 +270,12 @@ def assign_ranks(job: Job) -> None:
         seen[m.host] = m.local_rank + 1
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
-    conn: ConnId
-    msg: Any
+def host_runs(members: list[Member]) -> tuple[Counter[str], list[list[int]]]:
+    """Members per host, and the hosts of ``members`` as ``Welcome.host_runs``.
 
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    conn: ConnId
-    reason: str
-
-
-class BadRequest(Exception):
-    def __init__(self, code: ErrorCode, message: str, details: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.code = code
-        self.details = details or {}
-
-
-# A deadline in the job table's heap: (when, sequence, target), compared in C (a heap of
-# dataclasses compared in Python cost a 4K-rank join storm 96K __lt__ calls). The
-# sequence breaks ties, so the target (a Member's join deadline, a Waiter, a
-# LeaveNotice, an Agreement) is never compared.
-Timer = tuple[float, int, Any]
-
-
-def check_values(msg: Any) -> None:
-    """Refuse a request whose values are out of range (``_wire/bounds.py``).
-
-    Messages from the wire were checked on decoding; this guards the table's
-    own input (an embedded caller, a test) before a deadline is computed.
-
-    Raises:
-        BadRequest: A field is out of range; the message names it.
+    Host ids number the hosts in the order they first appear; a job whose
+    hosts all hold as many ranks is one run, whatever its size.
     """
-    try:
-        check_message(msg)
-    except FieldError as exc:
-        raise BadRequest(ErrorCode.BAD_REQUEST, str(exc), exc.wire_details()) from None
+    local_sizes = Counter(m.host for m in members)  # one pass, not O(N^2)
+    host_index = {host: i for i, host in enumerate(local_sizes)}
+    return local_sizes, pack_host_runs(host_index[m.host] for m in members)

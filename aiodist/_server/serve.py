@@ -1,12 +1,17 @@
 """The rendezvous server's asyncio shell: listen, and run the job table on the loop.
 
-All decisions live in ``state.py``; this module and ``hub.py`` move bytes. Each
-client connection is a ``connection.ServerConnection`` (its channels, its
-authentication), kept by the server's ``hub.Hub``, which feeds the job table
-and writes its actions back; ``state.py`` sees each channel as a connection of
-its own, so a job table never knows which members share a socket. Peer
+All decisions live in the job table (``state.py``); this module and ``hub.py``
+move bytes. Each client connection is a ``connection.ServerConnection`` (its
+channels, its authentication), kept by the server's ``hub.Hub``, which feeds
+the job table and writes its actions back; the table sees each channel as a
+connection of its own, so it never knows which members share a socket. Peer
 addresses are logged as the numeric addresses the socket reports: the server
 never resolves a host name.
+
+With a state directory (``durable.py``), this module wires it in: the jobs
+come back from its records at start-up, and the hub hands it each batch of the
+table's records (``JobTable.take_records``) before any reply of that batch
+leaves; the log is folded into a snapshot of the table's jobs when it grows.
 
 Job events (``events.py``) go to the ``aiodist.events`` logger at INFO, one
 record each, its message the event as JSON and the event itself in the
@@ -25,9 +30,9 @@ import anyio
 from aiodist._errors import ErrorCode
 from aiodist._server.connection import AUTH_TIMEOUT
 from aiodist._server.dashboard import Dashboard
-from aiodist._server.durable import StateDir
+from aiodist._server.durable import Journal, StateDir
 from aiodist._server.hub import Hub
-from aiodist._server.restart import RestartableState
+from aiodist._server.state import JobTable
 from aiodist._transport import tls as tls_module
 from aiodist._wire.frame import encode_message
 from aiodist._wire.messages import ErrorReply
@@ -66,6 +71,7 @@ class RendezvousServer:
     Attributes:
         address: ``(host, port)`` it listens on, with the port the OS picked.
         state: The job table (read it; never change it from outside).
+        state_dir: The state directory its jobs are kept in, or None.
         token: The token clients must send, or None when none is required.
         preauth: What a connection may cost before its handshake is done.
         tls: The mutual TLS it requires of every client, or None (clear TCP).
@@ -82,9 +88,11 @@ class RendezvousServer:
         tls: tls_module.TlsConfig | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        durable = None if state_dir is None else StateDir(state_dir)
-        self.state = RestartableState(self._loop.time(), state_dir=durable, restartable=restartable)
+        now = self._loop.time()
+        self.state = JobTable(now, durable=state_dir is not None, restartable=restartable)
         self.state.version = _version()
+        journal = None if state_dir is None else Journal(StateDir(state_dir), self.state, now)
+        self.state_dir = None if journal is None else journal.state_dir
         self.token = token or None
         self.shutdown_timeout = shutdown_timeout
         # A quarter of the open files may wait for their handshake: a job of thousands of
@@ -92,7 +100,13 @@ class RendezvousServer:
         self.preauth = preauth or PreAuthLimits.for_open_files(
             open_files_limit(), share=4, most=MAX_PENDING_HANDSHAKES, deadline=AUTH_TIMEOUT
         )
-        self._hub = Hub(self.state, token=self.token, preauth=self.preauth, loop=self._loop)
+        self._hub = Hub(
+            self.state,
+            token=self.token,
+            preauth=self.preauth,
+            loop=self._loop,
+            journal=journal,
+        )
         self.dashboard = Dashboard()  # what the metrics port's page shows (dashboard.py)
         self._hub.on_events = self.dashboard.note_events
         self.address: tuple[str, int] = ("", 0)
@@ -191,8 +205,8 @@ class RendezvousServer:
             "auth_failures": hub.auth_failures,
             "preauth_closed": hub.preauth_closed,
             "preauth_pending": hub.pending,
-            "reattached": self.state.reattached,
-            "restored_jobs": self.state.restored_jobs,
+            "reattached": self.state.reattachment.reattached,
+            "restored_jobs": self.state.reattachment.restored_jobs,
         }
 
     async def aclose(self, reason: str = "the rendezvous server is shutting down") -> None:
@@ -220,7 +234,8 @@ class RendezvousServer:
                 conn.transport.abort()
         with anyio.move_on_after(self.shutdown_timeout):
             await server.wait_closed()
-        self.state.close_state_dir()
+        if self.state_dir is not None:
+            self.state_dir.close()  # writes what is queued, lets go of the lock
 
 
 async def serve_rendezvous(

@@ -85,9 +85,9 @@ LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
 #: Modules of the package root that make up the public face.
 PUBLIC: Final = ("__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport")
 #: Packages (or modules) whose cycles through ``TYPE_CHECKING`` imports are still
-#: tolerated: the data plane, the server side and the session, reworked next. A
+#: tolerated: the control side, the launchers and the session, reworked next. A
 #: type-only import from or to one of them does not count; every other one does.
-TYPE_CYCLES_TOLERATED: Final = ("_server", "_control", "_plane", "_launch", "_group.session")
+TYPE_CYCLES_TOLERATED: Final = ("_control", "_launch", "_group.session")
 _NAMES: Final = tuple(name for name, _, _ in LAYERS)
 
 

@@ -48,7 +48,7 @@ def signature_of(request: Request) -> Signature:
     first: Any = request.first
     if isinstance(first, list | tuple):
         first = first[0] if first else None
-    return signature(request.op, first, reduce_op=request.reduce_op, root=request.root)
+    return signature(request.op.label, first, reduce_op=request.reduce_op, root=request.root)
 
 
 async def agree(g: ProcessGroup, work: Work[Any], seq: int, mine: Signature) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from aiodist._errors import ArgumentError
 from aiodist._ops import reduce_ops
 from aiodist._ops.objects import start_all_gather_object
-from aiodist._ops.requests import Request
+from aiodist._ops.requests import Op, Request
 from aiodist._ops.tensors import LazyModule, divide_
 from aiodist._wire import codec
 from aiodist._wire.keys import sub_seq
@@ -75,7 +75,8 @@ _TORCH_OPS = {
 
 
 def start(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
-    """Start ``req`` (checked: ``_ops.forms``) on torch.distributed as ``g``'s operation ``seq``."""
+    """Start ``req`` (checked: ``_ops.forms``; ``req.op.torch``) on torch.distributed as
+    ``g``'s operation ``seq``."""
     return _STARTERS[req.op](g, bridge, req, seq)
 
 
@@ -266,7 +267,7 @@ def _all_to_all(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work
         g,
         sub_seq(seq, 0),
         Request(
-            op="all_gather_object",
+            op=Op.ALL_GATHER_OBJECT,
             description="all_to_all.shapes",
             payload=codec.dumps([list(x.shape) for x in tensors]),
         ),
@@ -291,13 +292,19 @@ def _all_to_all(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work
     return bridge.start(req.description, issue, finish, sent, seq)
 
 
-_STARTERS: dict[str, Callable[..., Work[Any]]] = {
-    "all_reduce": _all_reduce,
-    "reduce": _reduce,
-    "reduce_scatter": _reduce_scatter,
-    "broadcast": _broadcast,
-    "gather": _gather,
-    "scatter": _scatter,
-    "all_gather": _all_gather,
-    "all_to_all": _all_to_all,
+_STARTERS: dict[Op, Callable[[ProcessGroup, Issuer, Request, int], Work[Any]]] = {
+    Op.ALL_REDUCE: _all_reduce,
+    Op.REDUCE: _reduce,
+    Op.REDUCE_SCATTER: _reduce_scatter,
+    Op.BROADCAST: _broadcast,
+    Op.GATHER: _gather,
+    Op.SCATTER: _scatter,
+    Op.ALL_GATHER: _all_gather,
+    Op.ALL_TO_ALL: _all_to_all,
 }
+# Every operation declared ``torch`` (``_ops/requests.py``) has its start here, and no other.
+_MISSING = {op for op in Op if op.torch} ^ _STARTERS.keys()
+if _MISSING:  # pragma: no cover - caught by the import itself, in every test run
+    raise ImportError(
+        f"torch starts and Op.torch disagree on {sorted(op.label for op in _MISSING)}"
+    )

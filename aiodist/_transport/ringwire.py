@@ -38,7 +38,7 @@ __all__ = [
     "shown",
 ]
 
-# Frame kinds of the ring, above every MessageKind (which stop below 96).
+# Frame kinds of the ring, above every message kind (``_wire/messages.py``: below 96).
 RING_HELLO: Final = 96
 RING_DATA: Final = 97
 RING_CHUNK: Final = 98

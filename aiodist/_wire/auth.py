@@ -21,14 +21,14 @@ that a token is required.
 
 Data plane (connector C of rank c, acceptor A of rank a, job J)::
 
-    C -> A  PEER_HELLO [J, c, pid, member, nonce_c]
-    A -> C  PEER_AUTH  [nonce_a, HMAC(token, "accept" | J | c | a | nonce_c | nonce_a)]
-    C -> A  PEER_AUTH  [b"", HMAC(token, "connect" | J | c | a | nonce_a | nonce_c)]
+    C -> A  PeerHello [J, c, pid, member, nonce_c]
+    A -> C  PeerAuth  [nonce_a, HMAC(token, "accept" | J | c | a | nonce_c | nonce_a)]
+    C -> A  PeerAuth  [b"", HMAC(token, "connect" | J | c | a | nonce_a | nonce_c)]
 
 Both proofs name the job and both ranks, so a proof for one job, pair or
 direction cannot be replayed for another. An A without a token answers a
-nonce with ``PEER_AUTH [b"", b""]``: C refuses it. An A with a token refuses
-a ``PEER_HELLO`` without a nonce, or a wrong proof, and then connects to the
+nonce with ``PeerAuth [b"", b""]``: C refuses it. An A with a token refuses
+a ``PeerHello`` without a nonce, or a wrong proof, and then connects to the
 rank that hello claimed to be: the genuine rank proves the token (the hello
 came from a stranger) or is refused in turn. Proofs are compared with
 ``hmac.compare_digest`` (constant time).

@@ -1,68 +1,67 @@
-"""The values a field of a client's message may hold (``headers`` checks their types).
+"""The ranges a field's value may hold: the bounds a declaration names (``messages.py``).
 
-Every number and size the rendezvous server reads from a client is checked
-here, on decoding, before anything acts on it: a timeout is a finite number of
-seconds within ``[MIN_TIMEOUT, MAX_TIMEOUT]`` (a heartbeat timeout at least
-``MIN_HEARTBEAT_TIMEOUT``), a count or an id is an integer within its range, a
-string or a list no longer than its limit. NaN, infinities, zero, negatives
-and absurd values never reach a deadline heap or a sweep interval.
+A field of a message a peer sends says its range where it is declared, as
+``typing.Annotated`` metadata (``timeout: Timeout``, ``rank: Annotated[int,
+Int(-1, MAX_WORLD_SIZE - 1)]``); ``headers.py`` checks each one on decoding,
+after the field's type and before anything acts on it. A timeout is a finite
+number of seconds within ``[MIN_TIMEOUT, MAX_TIMEOUT]`` (a heartbeat timeout at
+least ``MIN_HEARTBEAT_TIMEOUT``), a count or an id an integer within its range,
+a string or a list no longer than its limit: NaN, infinities, zero, negatives
+and absurd values never reach a deadline heap or a sweep interval. The same
+bounds check what the server reads back from its state directory.
 
 A value out of range raises ``FieldError`` naming the message, the field, the
 value and the allowed range. It is a ``ProtocolError``: where the message is a
 request (it has a ``req_id``), the server refuses that request alone and the
 connection goes on; otherwise the connection is closed, as for any malformed
-frame. Server-to-client messages have no entry: a client trusts only a server
-that proved the token, and checks what it uses.
+frame. Server-to-client messages declare no bounds: a client trusts only a
+server that proved the token, and checks what it uses.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Annotated, Any, Final
 
 from aiodist._errors import ProtocolError
-from aiodist._wire.messages import (
-    Barrier,
-    Channel,
-    CloseChannel,
-    DumpRequest,
-    Heartbeat,
-    Hello,
-    Join,
-    Leave,
-    MembersRequest,
-    Reattach,
-    Regroup,
-    StatusRequest,
-    StoreAdd,
-    StoreCheck,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreGet,
-    StoreNumKeys,
-    StoreSet,
-    StoreWait,
-)
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 __all__ = [
+    "I64",
     "MAX_ADDRESSES",
+    "MAX_ADDRESS_CHARS",
     "MAX_GROUP_NAME_CHARS",
     "MAX_HOST_CHARS",
+    "MAX_NONCE_BYTES",
     "MAX_OP_NAME_CHARS",
+    "MAX_REASON_CHARS",
     "MAX_SECRET_BYTES",
     "MAX_TIMEOUT",
     "MAX_WHERE",
     "MAX_WORLD_SIZE",
     "MIN_HEARTBEAT_TIMEOUT",
     "MIN_TIMEOUT",
+    "U64",
+    "Addresses",
+    "Bound",
     "FieldError",
-    "check_fields",
-    "check_message",
+    "Generation",
+    "HeartbeatTimeout",
+    "HostName",
+    "Int",
+    "JobName",
+    "Len",
+    "Name",
+    "Nonce",
+    "Pid",
+    "Rank",
+    "ReqId",
+    "Seconds",
+    "Secret",
+    "Timeout",
+    "U64Int",
+    "Where",
+    "WorldSize",
 ]
 
 #: The longest timeout anything may ask for: a year, in seconds.
@@ -82,8 +81,8 @@ MAX_NONCE_BYTES: Final = 256
 MAX_WHERE: Final = 1024
 MAX_OP_NAME_CHARS: Final = 64
 MAX_SECRET_BYTES: Final = 64  # a member's re-attach secret (``Join.secret``)
-_U64: Final = 2**64 - 1
-_I64: Final = 2**63
+U64: Final = 2**64 - 1
+I64: Final = 2**63
 
 
 class FieldError(ProtocolError):
@@ -118,7 +117,7 @@ class FieldError(ProtocolError):
 
 
 @dataclass(frozen=True, slots=True)
-class _Seconds:
+class Seconds:
     lo: float
     hi: float = MAX_TIMEOUT
 
@@ -130,7 +129,7 @@ class _Seconds:
 
 
 @dataclass(frozen=True, slots=True)
-class _Int:
+class Int:
     lo: int
     hi: int
 
@@ -141,7 +140,7 @@ class _Int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Len:
+class Len:
     lo: int
     hi: int
     unit: str  # "characters", "bytes", "items"
@@ -156,7 +155,7 @@ class _Len:
 
 
 @dataclass(frozen=True, slots=True)
-class _Name:
+class Name:
     """A name shown to operators (a host, a job, a group): printable characters only."""
 
     lo: int
@@ -171,7 +170,7 @@ class _Name:
 
 
 @dataclass(frozen=True, slots=True)
-class _Where:
+class Where:
     """``Heartbeat.where``: what each member of a connection is doing, bounded and typed."""
 
     def problem(self, value: Any) -> str | None:
@@ -186,7 +185,7 @@ class _Where:
             if type(entry) is not list or len(entry) != 3:
                 return allowed
             channel, current, last = entry
-            if type(channel) is not int or not 0 <= channel <= _U64:
+            if type(channel) is not int or not 0 <= channel <= U64:
                 return allowed
             if not (_op_ok(current) and _op_ok(last)):
                 return allowed
@@ -204,7 +203,7 @@ def _op_ok(op: Any) -> bool:
         and len(group) <= MAX_GROUP_NAME_CHARS
         and group.isprintable()
         and type(seq) is int
-        and 0 <= seq < _I64
+        and 0 <= seq < I64
         and type(name) is str
         and len(name) <= MAX_OP_NAME_CHARS
         and name.isprintable()
@@ -213,114 +212,19 @@ def _op_ok(op: Any) -> bool:
     )
 
 
-_Bound = _Seconds | _Int | _Len | _Name | _Where
-_REQ_ID: Final = _Int(0, _U64)
-_TIMEOUT: Final = _Seconds(MIN_TIMEOUT)
+Bound = Seconds | Int | Len | Name | Where
 
-# Server-bound messages: field -> allowed values. A message's ``req_id`` is checked
-# first, so that a request with a bad field can be refused by its id.
-_BOUNDS: Final[dict[type[Any], dict[str, _Bound]]] = {
-    Join: {
-        "req_id": _REQ_ID,
-        "group_name": _Name(1, MAX_GROUP_NAME_CHARS),
-        "world_size": _Int(1, MAX_WORLD_SIZE),
-        "rank": _Int(-1, MAX_WORLD_SIZE - 1),
-        "host": _Name(0, MAX_HOST_CHARS),
-        "pid": _Int(0, _U64),
-        "addresses": _Len(0, MAX_ADDRESSES, "items", each=MAX_ADDRESS_CHARS),
-        "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
-        "timeout": _TIMEOUT,
-        "generation": _Int(0, _I64 - 1),
-        "secret": _Len(0, MAX_SECRET_BYTES, "bytes"),
-        "max_world_size": _Int(0, MAX_WORLD_SIZE),
-    },
-    Reattach: {
-        "req_id": _REQ_ID,
-        "group_name": _Name(1, MAX_GROUP_NAME_CHARS),
-        "generation": _Int(0, _I64 - 1),
-        "world_size": _Int(1, MAX_WORLD_SIZE),
-        "rank": _Int(0, MAX_WORLD_SIZE - 1),
-        "local_rank": _Int(0, MAX_WORLD_SIZE - 1),
-        "host": _Name(0, MAX_HOST_CHARS),
-        "pid": _Int(0, _U64),
-        "addresses": _Len(0, MAX_ADDRESSES, "items", each=MAX_ADDRESS_CHARS),
-        "heartbeat_timeout": _Seconds(MIN_HEARTBEAT_TIMEOUT),
-        "secret": _Len(0, MAX_SECRET_BYTES, "bytes"),
-    },
-    Leave: {"req_id": _REQ_ID, "reason": _Len(0, MAX_REASON_CHARS, "characters")},
-    Heartbeat: {"where": _Where()},
-    StoreSet: {"req_id": _REQ_ID},
-    StoreGet: {"req_id": _REQ_ID, "timeout": _TIMEOUT},
-    StoreAdd: {"req_id": _REQ_ID, "amount": _Int(-_I64, _I64 - 1)},  # TCPStore's int64
-    StoreWait: {"req_id": _REQ_ID, "timeout": _TIMEOUT},
-    StoreCompareSet: {"req_id": _REQ_ID},
-    StoreDeleteKey: {"req_id": _REQ_ID},
-    StoreNumKeys: {"req_id": _REQ_ID},
-    StoreCheck: {"req_id": _REQ_ID},
-    Barrier: {"req_id": _REQ_ID, "seq": _Int(0, _U64), "timeout": _TIMEOUT},
-    Regroup: {
-        "req_id": _REQ_ID,
-        "key": _Name(1, MAX_GROUP_NAME_CHARS),
-        "group_id": _Int(0, _U64),
-        "members": _Len(1, MAX_WORLD_SIZE, "items"),
-        "timeout": _TIMEOUT,
-    },
-    StatusRequest: {"req_id": _REQ_ID, "job": _Name(0, MAX_GROUP_NAME_CHARS)},
-    DumpRequest: {
-        "req_id": _REQ_ID,
-        "job": _Name(1, MAX_GROUP_NAME_CHARS),
-    },
-    MembersRequest: {"req_id": _REQ_ID},
-    Hello: {
-        "nonce": _Len(0, MAX_NONCE_BYTES, "bytes"),
-        "proof": _Len(0, MAX_NONCE_BYTES, "bytes"),
-    },
-    Channel: {"channel": _Int(0, _U64)},
-    CloseChannel: {"channel": _Int(0, _U64)},
-}
-
-# Per class: (index in the header, bound, "Class.field"), in field order.
-_CHECKS: dict[type[Any], tuple[tuple[int, _Bound, str], ...]] = {}
-
-
-def _checks(cls: type[Any]) -> tuple[tuple[int, _Bound, str], ...]:
-    try:
-        return _CHECKS[cls]
-    except KeyError:
-        pass
-    names = [f.name for f in dataclasses.fields(cls)]
-    bounds = _BOUNDS.get(cls, {})
-    assert set(bounds) <= set(names), (cls, bounds)
-    assert "req_id" not in bounds or names[0] == "req_id", cls
-    checks = tuple((names.index(name), b, f"{cls.__name__}.{name}") for name, b in bounds.items())
-    _CHECKS[cls] = checks
-    return checks
-
-
-def check_fields(cls: type[Any], values: Sequence[Any]) -> None:
-    """Check the values of a ``cls`` message's fields (its type-checked header), in order.
-
-    Raises:
-        FieldError: A value is out of its range.
-    """
-    req_id = 0  # until the request's own id passed its check: then that request is refused
-    for index, bound, name in _checks(cls):
-        value = values[index]
-        if (allowed := bound.problem(value)) is not None:
-            raise FieldError(req_id, name, value, allowed)
-        if bound is _REQ_ID:
-            req_id = value
-
-
-def check_message(msg: Any) -> None:
-    """``check_fields`` for a message built in this process (the job table's own checks).
-
-    Raises:
-        FieldError: A value is out of its range.
-    """
-    cls = type(msg)
-    if checks := _checks(cls):
-        values = [None] * (max(index for index, _, _ in checks) + 1)
-        for index, _, name in checks:
-            values[index] = getattr(msg, name.partition(".")[2])
-        check_fields(cls, values)
+# The fields many declarations share.
+ReqId = Annotated[int, Int(0, U64)]
+U64Int = Annotated[int, Int(0, U64)]
+Timeout = Annotated[float, Seconds(MIN_TIMEOUT)]
+HeartbeatTimeout = Annotated[float, Seconds(MIN_HEARTBEAT_TIMEOUT)]
+JobName = Annotated[str, Name(1, MAX_GROUP_NAME_CHARS)]
+HostName = Annotated[str, Name(0, MAX_HOST_CHARS)]
+Pid = Annotated[int, Int(0, U64)]
+Rank = Annotated[int, Int(0, MAX_WORLD_SIZE - 1)]
+WorldSize = Annotated[int, Int(1, MAX_WORLD_SIZE)]
+Generation = Annotated[int, Int(0, I64 - 1)]
+Addresses = Annotated[list[str], Len(0, MAX_ADDRESSES, "items", each=MAX_ADDRESS_CHARS)]
+Secret = Annotated[bytes, Len(0, MAX_SECRET_BYTES, "bytes")]
+Nonce = Annotated[bytes, Len(0, MAX_NONCE_BYTES, "bytes")]

@@ -5,7 +5,7 @@ Every frame on every aiodist connection, control plane and data plane alike:
     offset  size  field
     0       2     magic          b"AD"
     2       1     version        PROTOCOL_VERSION; a peer speaking another one is refused
-    3       1     kind           MessageKind
+    3       1     kind           the message's kind (``messages.py``)
     4       4     header_nbytes  length of the msgpack header (unsigned, big-endian)
     8       8     payload_nbytes length of the raw payload that follows the header
 
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Final
 import msgpack
 
 from aiodist._errors import ProtocolError
-from aiodist._wire.headers import decode_message, message_header
-from aiodist._wire.messages import MessageKind, Packed
+from aiodist._wire.headers import MESSAGES, message_header
+from aiodist._wire.messages import Packed
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -170,16 +170,9 @@ def frame_message(frame: Frame) -> Any:
             ``ProtocolError`` naming the field, and the request to refuse.
     """
     try:
-        return decode_message(frame.kind, frame.header)
+        return MESSAGES.decode(frame.kind, frame.header)
     except ValueError as exc:
-        raise ProtocolError(f"malformed {_kind_name(frame.kind)} message: {exc}") from exc
-
-
-def _kind_name(kind: int) -> str:
-    try:
-        return MessageKind(kind).name
-    except ValueError:
-        return f"kind-{kind}"
+        raise ProtocolError(f"malformed {MESSAGES.name(frame.kind)} message: {exc}") from exc
 
 
 class FrameDecoder:
@@ -324,7 +317,7 @@ class FrameDecoder:
             # A bytearray slice copies the (small) header, so the buffer can compact later.
             header = msgpack.unpackb(buf[pos + PREFIX.size : end], raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError(f"undecodable {_kind_name(kind)} header: {exc}") from exc
+            raise ProtocolError(f"undecodable {MESSAGES.name(kind)} header: {exc}") from exc
         self._advance(PREFIX.size + header_nbytes)
         self._payload_left = payload_nbytes
         return Frame(kind, header, payload_nbytes)

@@ -17,8 +17,8 @@ The four ends, by role:
     end                                      role        its messages
     rendezvous server (_server/connection)   challenger  Challenge, Authenticated
     control client (_control/connection)     responder   Hello (after AuthStart)
-    rank that connects (_plane/channel)      challenger  PEER_HELLO, PEER_AUTH
-    rank that accepts (_plane/channel)       responder   PEER_AUTH
+    rank that connects (_plane/channel)      challenger  PeerHello, PeerAuth
+    rank that accepts (_plane/channel)       responder   PeerAuth
 
 A ``Binding`` names the labels and what else the proofs cover: nothing on
 the control plane; the job and both ranks on the data plane (``peer_binding``),

@@ -1,12 +1,30 @@
-"""Message headers: a message to its msgpack array and back, every field's type checked.
+"""Declared messages: ``@message`` and the registries, headers and checks derived from it.
 
-A header is the array of a message's fields in declaration order.
-``decode_message`` validates every field's type before a dataclass is built, so
-the server's state machine only ever sees well-typed messages: a peer that
-sends a string where a rank belongs gets a ``ProtocolError``, not a crash three
-layers down. ``MESSAGE_TYPES`` finds a kind's class; the checks are derived once
-per class from its type hints. The values of a client's message are checked
-next (``bounds``): a NaN timeout or a negative size is refused on decoding too.
+A message is declared once, as a class (``messages.py``)::
+
+    @message(12, durable=True)
+    class Barrier(Message):
+        req_id: ReqId                                  # Annotated[int, Int(0, U64)]
+        seq: Annotated[int, Int(0, U64)]
+        timeout: Timeout
+
+The decorator makes it a frozen, slotted dataclass and registers it under its
+kind; everything else is derived from that one declaration, once per class:
+
+- its kind (``Barrier.KIND``) and the decoder's table (``MESSAGES``): a second
+  class under one kind is refused at import;
+- its header: the array of its fields in declaration order (``message_header``),
+  every field present;
+- each field's type, checked exactly on decoding (msgpack decodes to exact
+  builtin types, and a bool must not pass where an int belongs);
+- each field's range, where ``Annotated`` names one (``bounds.py``), checked
+  after its type: a request's own ``req_id`` first, so that a request with a
+  bad field is refused alone;
+- whether handling it may change the server's durable state (``DURABLE``):
+  the job table asserts that no other message does.
+
+``Registry`` is the same machinery for other declared records (the server's
+durable records); ``MESSAGES`` is the wire's.
 """
 
 from __future__ import annotations
@@ -15,92 +33,151 @@ import dataclasses
 import operator
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Union, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Union, cast, dataclass_transform
 
-from aiodist._wire.bounds import check_fields
-from aiodist._wire.messages import (
-    Authenticated,
-    AuthStart,
-    Barrier,
-    Challenge,
-    Channel,
-    CloseChannel,
-    DumpNotice,
-    DumpRequest,
-    ErrorReply,
-    Heartbeat,
-    Hello,
-    Join,
-    Leave,
-    MemberFailed,
-    MembersFailed,
-    MembersJoined,
-    MembersLeft,
-    MembersRequest,
-    MessageKind,
-    Reattach,
-    Regroup,
-    Reply,
-    ServerClosing,
-    StatusRequest,
-    StoreAdd,
-    StoreCheck,
-    StoreCompareSet,
-    StoreDeleteKey,
-    StoreGet,
-    StoreNumKeys,
-    StoreSet,
-    StoreWait,
-    Welcome,
-)
+from aiodist._wire.bounds import Bound, FieldError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
-__all__ = ["MESSAGE_TYPES", "decode_message", "message_fields", "message_header"]
+__all__ = [
+    "MESSAGES",
+    "Message",
+    "Registry",
+    "check_message",
+    "decode_message",
+    "message",
+    "message_fields",
+    "message_header",
+]
 
-MESSAGE_TYPES: dict[MessageKind, type[Any]] = {
-    cls.KIND: cls
-    for cls in (
-        Join,
-        Leave,
-        Heartbeat,
-        StoreSet,
-        StoreGet,
-        StoreAdd,
-        StoreWait,
-        StoreCompareSet,
-        StoreDeleteKey,
-        StoreNumKeys,
-        StoreCheck,
-        Barrier,
-        Regroup,
-        StatusRequest,
-        DumpRequest,
-        DumpNotice,
-        MembersRequest,
-        Reattach,
-        AuthStart,
-        Hello,
-        Channel,
-        CloseChannel,
-        Challenge,
-        Authenticated,
-        Reply,
-        Welcome,
-        ErrorReply,
-        MemberFailed,
-        MembersFailed,
-        MembersJoined,
-        MembersLeft,
-        ServerClosing,
-    )
-}
+M = TypeVar("M")
 
 # (exact types allowed, or None for anything; exact types of list items, or None).
-# Types are compared exactly, not with isinstance: msgpack decodes to exact builtin
-# types, and a bool must not pass where an int (a rank, a size) belongs.
 _Check = tuple[frozenset[type] | None, frozenset[type] | None]
+
+
+class Message:
+    """The base of every declared class: its kind, and whether it changes durable state."""
+
+    __slots__ = ()
+    KIND: ClassVar[int]
+    DURABLE: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """What is derived from one declaration (computed on first use: the names its
+    annotations use may be defined after it)."""
+
+    cls: type[Any]
+    names: tuple[str, ...]
+    fields: tuple[tuple[str, _Check], ...]
+    # (index, bound, "Class.field", whether None is allowed), in field order.
+    bounds: tuple[tuple[int, Bound, str, bool], ...]
+    header: Callable[[Any], list[Any]]
+
+
+class Registry:
+    """Declared classes by kind (the wire's messages, the server's records), and their
+    headers decoded and checked."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.classes: dict[int, type[Any]] = {}
+
+    def declare(self, code: int, *, durable: bool = False) -> Callable[[type[M]], type[M]]:
+        def register(cls: type[M]) -> type[M]:
+            made = dataclasses.dataclass(frozen=True, slots=True)(cls)
+            if code in self.classes:
+                other = self.classes[code].__name__
+                raise TypeError(f"{self.what} kind {code} declared twice: {other}, {cls.__name__}")
+            made.KIND = code  # type: ignore[attr-defined]
+            made.DURABLE = durable  # type: ignore[attr-defined]
+            self.classes[code] = made
+            return made
+
+        return register
+
+    def name(self, kind: int) -> str:
+        cls = self.classes.get(kind)
+        return f"kind-{kind}" if cls is None else cls.__name__
+
+    def decode(self, kind: int, header: object) -> Any:
+        """Build the declared object of ``kind`` from its decoded msgpack header.
+
+        Raises:
+            ValueError: Unknown kind, wrong field count or a field of the wrong type.
+            FieldError: A field of the right type holds a value out of its range;
+                a ``ProtocolError`` whose ``req_id`` names the request.
+        """
+        cls = self.classes.get(kind)
+        if cls is None:
+            raise ValueError(f"unknown {self.what} kind {kind}")
+        spec = _spec(cls)
+        if type(header) is not list:
+            raise ValueError(f"{cls.__name__} header must be an array, got {type(header).__name__}")
+        fields = spec.fields
+        if len(header) != len(fields):
+            raise ValueError(
+                f"{cls.__name__} has {len(fields)} fields, frame carries {len(header)}"
+            )
+        for value, (name, (allowed, items)) in zip(header, fields, strict=True):
+            if allowed is not None and type(value) not in allowed:
+                names = "/".join(sorted(t.__name__ for t in allowed))
+                raise ValueError(
+                    f"{cls.__name__}.{name} must be {names}, got {type(value).__name__}"
+                )
+            # map(type) runs in C: a wait on 1024 keys is checked in microseconds.
+            if items is not None and not items.issuperset(map(type, cast("list[Any]", value))):
+                raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
+        _check_bounds(spec, header)
+        return cls(*header)
+
+
+MESSAGES: typing.Final = Registry("message")
+
+
+@dataclass_transform(frozen_default=True)
+def message(code: int, *, durable: bool = False) -> Callable[[type[M]], type[M]]:
+    """Declare a wire message of kind ``code`` (see the module); ``durable``: handling it
+    may change the server's durable state."""
+    return MESSAGES.declare(code, durable=durable)
+
+
+def decode_message(kind: int, header: object) -> Any:
+    """``MESSAGES.decode``: the message of ``kind`` built from its header."""
+    return MESSAGES.decode(kind, header)
+
+
+_SPECS: dict[type[Any], _Spec] = {}
+
+
+def _spec(cls: type[Any]) -> _Spec:
+    try:
+        return _SPECS[cls]
+    except KeyError:
+        pass
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields: list[tuple[str, _Check]] = []
+    bounds: list[tuple[int, Bound, str, bool]] = []
+    for index, f in enumerate(dataclasses.fields(cls)):
+        tp = hints[f.name]
+        if typing.get_origin(tp) is typing.Annotated:
+            tp, *extras = typing.get_args(tp)
+            shown, nullable = f"{cls.__name__}.{f.name}", _admits_none(tp)
+            bounds.extend((index, bound, shown, nullable) for bound in extras)
+        fields.append((f.name, _checks_for(tp)))
+    # A request's own id first: once it passed, a bad field refuses that request alone.
+    bounds.sort(key=lambda b: (not b[2].endswith(".req_id"), b[0]))
+    names = tuple(name for name, _ in fields)
+    spec = _SPECS[cls] = _Spec(cls, names, tuple(fields), tuple(bounds), _getter(names))
+    return spec
+
+
+def _admits_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def _checks_for(tp: Any) -> _Check:
@@ -109,6 +186,8 @@ def _checks_for(tp: Any) -> _Check:
         return (None, None)
     if tp is float:
         return (frozenset((int, float)), None)
+    if origin is typing.Annotated:
+        return _checks_for(typing.get_args(tp)[0])
     if origin is list:
         (item,) = typing.get_args(tp)
         return (frozenset((list,)), None if item is Any else _checks_for(item)[0])
@@ -127,63 +206,44 @@ def _checks_for(tp: Any) -> _Check:
     return (frozenset((tp,)), None)
 
 
-_FIELDS: dict[type[Any], tuple[tuple[str, _Check], ...]] = {}
+def _check_bounds(spec: _Spec, values: Sequence[Any]) -> None:
+    req_id = 0  # until the request's own id passed its check: then that request is refused
+    for index, bound, name, nullable in spec.bounds:
+        value = values[index]
+        if nullable and value is None:
+            continue
+        if (allowed := bound.problem(value)) is not None:
+            raise FieldError(req_id, name, value, allowed)
+        if index == 0 and name.endswith(".req_id"):
+            req_id = value
+
+
+def check_message(msg: Any) -> None:
+    """The range checks of decoding, for a message built in this process (the job table's
+    own input: an embedded caller, a test).
+
+    Raises:
+        FieldError: A value is out of its range.
+    """
+    _check_bounds(_spec(type(msg)), message_header(msg))
 
 
 def message_fields(cls: type[Any]) -> tuple[tuple[str, _Check], ...]:
-    """(name, check) per field of a message class, computed once."""
-    try:
-        return _FIELDS[cls]
-    except KeyError:
-        hints = typing.get_type_hints(cls)
-        fields = tuple((f.name, _checks_for(hints[f.name])) for f in dataclasses.fields(cls))
-        _FIELDS[cls] = fields
-        return fields
-
-
-def decode_message(kind: int, header: object) -> Any:
-    """Build the message of ``kind`` from its decoded msgpack header.
-
-    Raises:
-        ValueError: Unknown kind, wrong field count or a field of the wrong type.
-        FieldError: A field of the right type holds a value out of its range
-            (``bounds``); a ``ProtocolError`` whose ``req_id`` names the request.
-    """
-    cls = MESSAGE_TYPES.get(kind)  # type: ignore[call-overload]  # an int finds its IntEnum key
-    if cls is None:  # unknown, or a data-plane kind (which has no message class)
-        raise ValueError(f"unknown message kind {kind}")
-    if not isinstance(header, list):
-        raise ValueError(f"{cls.__name__} header must be an array, got {type(header).__name__}")
-    fields = message_fields(cls)
-    if len(header) != len(fields):
-        raise ValueError(f"{cls.__name__} has {len(fields)} fields, frame carries {len(header)}")
-    for value, (name, (allowed, items)) in zip(header, fields, strict=True):
-        if allowed is not None and type(value) not in allowed:
-            names = "/".join(sorted(t.__name__ for t in allowed))
-            raise ValueError(f"{cls.__name__}.{name} must be {names}, got {type(value).__name__}")
-        # map(type) runs in C: a wait on 1024 keys is checked in microseconds.
-        if items is not None and not items.issuperset(map(type, cast("list[Any]", value))):
-            raise ValueError(f"{cls.__name__}.{name} has items of the wrong type")
-    check_fields(cls, header)
-    return cls(*header)
-
-
-_HEADERS: dict[type[Any], Callable[[Any], list[Any]]] = {}
+    """(name, exact types allowed) per field of a declared class, in header order."""
+    return _spec(cls).fields
 
 
 def message_header(msg: Any) -> list[Any]:
     """The header array of ``msg`` (its fields in declaration order)."""
     try:
-        return _HEADERS[type(msg)](msg)
+        return _SPECS[type(msg)].header(msg)
     except KeyError:
-        _HEADERS[type(msg)] = header = _header_getter(type(msg))
-        return header(msg)
+        return _spec(type(msg)).header(msg)
 
 
-def _header_getter(cls: type[Any]) -> Callable[[Any], list[Any]]:
+def _getter(names: tuple[str, ...]) -> Callable[[Any], list[Any]]:
     # One attrgetter per class reads every field in C (a list comprehension of
     # getattr calls was a visible part of each request's cost).
-    names = [name for name, _ in message_fields(cls)]
     if not names:
         return lambda msg: []
     if len(names) == 1:

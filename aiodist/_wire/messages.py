@@ -1,148 +1,88 @@
-"""Message kinds and one frozen dataclass per message (error codes: ``aiodist._errors``).
+"""Every message of aiodist's wire, declared once: its kind, its fields and their bounds.
 
-A message's header travels as a msgpack *array* of its fields in declaration
-order (compact, and cheap to decode on the hot path); ``headers.py`` turns a
-message into that array and back, checking every field's type. A
-``StoreWait`` carries its keys pre-packed: ``pack_keys`` and ``unpack_keys``
-below are that field's encoding.
+One class per message (``headers.py`` derives the rest from it: the decoder's
+table, the header array, the type and range checks, the durable set). A
+message's header travels as a msgpack *array* of its fields in declaration
+order (compact, and cheap to decode on the hot path). Kinds 1-31 go from a
+client to the rendezvous server, 32-63 back, 64 and above between ranks (the
+data plane). Adding a message is adding its class here; the server's handler
+(``_server``) and its sender are the only other places it appears.
+
+A ``StoreWait`` carries its keys pre-packed: ``pack_keys`` and ``unpack_keys``
+below are that field's encoding. Error codes are ``aiodist._errors``'s.
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, overload
+from typing import Annotated, Any, Final, overload
 
 import msgpack
 
-__all__ = [
-    "AuthStart",
-    "Authenticated",
-    "Barrier",
-    "Challenge",
-    "Channel",
-    "CloseChannel",
-    "DumpNotice",
-    "DumpRequest",
-    "ErrorReply",
-    "Heartbeat",
-    "Hello",
-    "HostIds",
-    "Join",
-    "Leave",
-    "MemberFailed",
-    "MembersFailed",
-    "MembersLeft",
-    "MembersRequest",
-    "Message",
-    "MessageKind",
-    "Packed",
-    "Reattach",
-    "Regroup",
-    "Reply",
-    "ServerClosing",
-    "StatusRequest",
-    "StoreAdd",
-    "StoreCheck",
-    "StoreCompareSet",
-    "StoreDeleteKey",
-    "StoreGet",
-    "StoreNumKeys",
-    "StoreSet",
-    "StoreWait",
-    "Welcome",
-    "pack_host_runs",
-    "pack_keys",
-    "unpack_keys",
-]
-
-
-class MessageKind(enum.IntEnum):
-    # client -> server requests (all carry req_id)
-    JOIN = 1
-    LEAVE = 2
-    HEARTBEAT = 3
-    STORE_SET = 4
-    STORE_GET = 5
-    STORE_ADD = 6
-    STORE_WAIT = 7
-    STORE_COMPARE_SET = 8
-    STORE_DELETE_KEY = 9
-    STORE_NUM_KEYS = 10
-    STORE_CHECK = 11
-    BARRIER = 12
-    STATUS = 13
-    HELLO = 15  # 14 stays unused: tests use it as an unknown kind
-    AUTH_START = 16
-    CHANNEL = 17  # both ways: which member's channel the messages after it belong to
-    CLOSE_CHANNEL = 18
-    MEMBERS = 20
-    DUMP = 29  # ask every rank of a job to write its flight recorder (``status --dump``)
-    REATTACH = 21
-    REGROUP = 22
-    # server -> client
-    REPLY = 32
-    WELCOME = 33
-    ERROR = 34
-    MEMBER_FAILED = 35
-    SERVER_CLOSING = 36
-    CHALLENGE = 37
-    AUTHENTICATED = 38
-    MEMBERS_LEFT = 39
-    MEMBERS_FAILED = 41  # failures after the first within a notice interval, together
-    DUMP_NOTICE = 47  # to each rank of the job a DUMP names
-    MEMBERS_JOINED = 40
-    # rank <-> rank (data plane)
-    PEER_HELLO = 64
-    DATA = 65
-    PEER_ERROR = 66
-    PEER_BYE = 67
-    PEER_AUTH = 68  # [nonce, proof]: the data plane's token handshake (see auth.py)
-    # [kind, group, a, b, [rank, reason, what]]: a send that failed before its data left;
-    # it takes the place of that message, so the receive it matches fails instead.
-    PEER_ABORT = 69
-
+from aiodist._wire.bounds import (
+    I64,
+    MAX_GROUP_NAME_CHARS,
+    MAX_NONCE_BYTES,
+    MAX_REASON_CHARS,
+    MAX_WORLD_SIZE,
+    Addresses,
+    Generation,
+    HeartbeatTimeout,
+    HostName,
+    Int,
+    JobName,
+    Len,
+    Name,
+    Nonce,
+    Pid,
+    Rank,
+    ReqId,
+    Secret,
+    Timeout,
+    U64Int,
+    Where,
+    WorldSize,
+)
+from aiodist._wire.headers import MESSAGES, Message, message
 
 # --- control plane: client -> server ------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Join:
-    KIND: ClassVar[MessageKind] = MessageKind.JOIN
-    req_id: int
-    group_name: str
-    world_size: int
-    rank: int  # -1: let the server assign one
-    host: str
-    pid: int
-    addresses: list[str]
-    heartbeat_timeout: float
-    timeout: float
+@message(1, durable=True)
+class Join(Message):
+    req_id: ReqId
+    group_name: JobName
+    world_size: WorldSize
+    rank: Annotated[int, Int(-1, MAX_WORLD_SIZE - 1)]  # -1: let the server assign one
+    host: HostName
+    pid: Pid
+    addresses: Addresses
+    heartbeat_timeout: HeartbeatTimeout
+    timeout: Timeout
     # The how-many-th start of the job (a launcher's restart count): a later
     # generation replaces the job's earlier one, an earlier one is refused.
-    generation: int = 0
+    generation: Generation = 0
     # A random secret of this member: proof of membership when it re-attaches to a
     # server that came back (``Reattach``); kept in the server's durable state.
-    secret: bytes = b""
+    secret: Secret = b""
     # Above 0: the job is elastic (torchrun's ``--nnodes MIN:MAX``): it forms with
     # ``world_size`` members, and admits later joiners while fewer than this many are alive.
-    max_world_size: int = 0
+    max_world_size: Annotated[int, Int(0, MAX_WORLD_SIZE)] = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Leave:
-    KIND: ClassVar[MessageKind] = MessageKind.LEAVE
-    req_id: int
+@message(2, durable=True)
+class Leave(Message):
+    req_id: ReqId
     # Empty: a clean leave. Otherwise the member failed (its program ended with an
     # uncaught exception, a non-zero exit or Ctrl-C) and this says why: the others
     # hear that it failed, and the job is recorded as failed.
-    reason: str = ""
+    reason: Annotated[str, Len(0, MAX_REASON_CHARS, "characters")] = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
+@message(3)
+class Heartbeat(Message):
     """I am alive; ``where`` says what each member on the connection is doing.
 
     ``where`` holds one ``[channel, current, last]`` per member that reports:
@@ -151,84 +91,74 @@ class Heartbeat:
     or None. The server echoes a heartbeat with an empty ``where``.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.HEARTBEAT
-    where: list[Any] = field(default_factory=list)
+    where: Annotated[list[Any], Where()] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class StoreSet:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_SET
-    req_id: int
+@message(4, durable=True)
+class StoreSet(Message):
+    req_id: ReqId
     key: str
     value: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class StoreGet:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_GET
-    req_id: int
+@message(5)
+class StoreGet(Message):
+    req_id: ReqId
     key: str
-    timeout: float
+    timeout: Timeout
 
 
-@dataclass(frozen=True, slots=True)
-class StoreAdd:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_ADD
-    req_id: int
+@message(6, durable=True)
+class StoreAdd(Message):
+    req_id: ReqId
     key: str
-    amount: int
+    amount: Annotated[int, Int(-I64, I64 - 1)]  # TCPStore's int64
 
 
-@dataclass(frozen=True, slots=True)
-class StoreWait:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_WAIT
-    req_id: int
+@message(7)
+class StoreWait(Message):
+    req_id: ReqId
     # The keys as one msgpack array of str (``pack_keys``). Every member of a job
     # usually waits on the same N keys: the server recognises those waits by these
     # bytes and decodes the N keys once, not once per member.
     keys: bytes
-    timeout: float
+    timeout: Timeout
 
 
-@dataclass(frozen=True, slots=True)
-class StoreCompareSet:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_COMPARE_SET
-    req_id: int
+@message(8, durable=True)
+class StoreCompareSet(Message):
+    req_id: ReqId
     key: str
     expected: bytes
     desired: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class StoreDeleteKey:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_DELETE_KEY
-    req_id: int
+@message(9, durable=True)
+class StoreDeleteKey(Message):
+    req_id: ReqId
     key: str
 
 
-@dataclass(frozen=True, slots=True)
-class StoreNumKeys:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_NUM_KEYS
-    req_id: int
+@message(10)
+class StoreNumKeys(Message):
+    req_id: ReqId
 
 
-@dataclass(frozen=True, slots=True)
-class StoreCheck:
-    KIND: ClassVar[MessageKind] = MessageKind.STORE_CHECK
-    req_id: int
+@message(11)
+class StoreCheck(Message):
+    req_id: ReqId
     keys: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class Barrier:
-    KIND: ClassVar[MessageKind] = MessageKind.BARRIER
-    req_id: int
-    seq: int
-    timeout: float
+@message(12, durable=True)
+class Barrier(Message):
+    req_id: ReqId
+    seq: U64Int
+    timeout: Timeout
 
 
-@dataclass(frozen=True, slots=True)
-class DumpRequest:
+@message(29)
+class DumpRequest(Message):
     """Ask every active rank of job ``job`` to write its flight recorder.
 
     The reply is ``{"ranks": [the ranks told], "request": the notice's number}``.
@@ -238,13 +168,12 @@ class DumpRequest:
     with the last notice's ranks and number.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.DUMP
-    req_id: int
-    job: str
+    req_id: ReqId
+    job: JobName
 
 
-@dataclass(frozen=True, slots=True)
-class Regroup:
+@message(22, durable=True)
+class Regroup(Message):
     """Agree with other members on a group's next membership (``shrink_group``).
 
     Every caller names the same ``key`` (the group and how many times it was
@@ -254,49 +183,44 @@ class Regroup:
     (a member that fails or leaves meanwhile is left out), or the same error.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.REGROUP
-    req_id: int
-    key: str
-    group_id: int
-    members: list[int]
-    timeout: float
+    req_id: ReqId
+    key: JobName
+    group_id: U64Int
+    members: Annotated[list[int], Len(1, MAX_WORLD_SIZE, "items")]
+    timeout: Timeout
 
 
-@dataclass(frozen=True, slots=True)
-class StatusRequest:
+@message(13)
+class StatusRequest(Message):
     """Ask for the server's status: every job (at most ``STATUS_JOBS`` of them), or ``job``."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.STATUS
-    req_id: int
-    job: str = ""  # "": the jobs in turn, with a few ranks each; else that job, its ranks too
+    req_id: ReqId
+    # "": the jobs in turn, with a few ranks each; else that job, its ranks too.
+    job: Annotated[str, Name(0, MAX_GROUP_NAME_CHARS)] = ""
 
 
-@dataclass(frozen=True, slots=True)
-class MembersRequest:
+@message(20)
+class MembersRequest(Message):
     """Ask for the member table of a formed job (fetched on first need, not at join)."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS
-    req_id: int
+    req_id: ReqId
 
 
-@dataclass(frozen=True, slots=True)
-class AuthStart:
+@message(16)
+class AuthStart(Message):
     """Ask the server for a challenge (a client holding a token sends it first)."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.AUTH_START
 
-
-@dataclass(frozen=True, slots=True)
-class Hello:
+@message(15)
+class Hello(Message):
     """The client's answer to a ``Challenge``: its nonce and its proof of the token."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.HELLO
-    nonce: bytes
-    proof: bytes
+    nonce: Nonce
+    proof: Nonce
 
 
-@dataclass(frozen=True, slots=True)
-class Channel:
+@message(17)
+class Channel(Message):
     """The messages after this one on this connection belong to member channel ``channel``.
 
     Members in one process share one control connection to a server, each on
@@ -307,20 +231,18 @@ class Channel:
     connection.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.CHANNEL
-    channel: int
+    channel: U64Int
 
 
-@dataclass(frozen=True, slots=True)
-class CloseChannel:
+@message(18)
+class CloseChannel(Message):
     """The member on ``channel`` is gone, as if it had a connection of its own that closed."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.CLOSE_CHANNEL
-    channel: int
+    channel: U64Int
 
 
-@dataclass(frozen=True, slots=True)
-class Reattach:
+@message(21)
+class Reattach(Message):
     """A member of a formed job, back on a server that went away: take me back.
 
     Sent on a new connection (after its token handshake) for every member of
@@ -329,18 +251,17 @@ class Reattach:
     membership from these re-attachments.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.REATTACH
-    req_id: int
-    group_name: str
-    generation: int
-    world_size: int
-    rank: int
-    local_rank: int
-    host: str
-    pid: int
-    addresses: list[str]
-    heartbeat_timeout: float
-    secret: bytes
+    req_id: ReqId
+    group_name: JobName
+    generation: Generation
+    world_size: WorldSize
+    rank: Rank
+    local_rank: Rank
+    host: HostName
+    pid: Pid
+    addresses: Addresses
+    heartbeat_timeout: HeartbeatTimeout
+    secret: Secret
 
 
 # --- control plane: server -> client ------------------------------------------------
@@ -357,16 +278,14 @@ class Packed:
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    KIND: ClassVar[MessageKind] = MessageKind.REPLY
+@message(32)
+class Reply(Message):
     req_id: int
     value: Any
 
 
-@dataclass(frozen=True, slots=True)
-class Welcome:
-    KIND: ClassVar[MessageKind] = MessageKind.WELCOME
+@message(33)
+class Welcome(Message):
     req_id: int
     rank: int
     world_size: int
@@ -491,34 +410,31 @@ class HostIds(Sequence[int]):
         return f"HostIds({list(self)!r})"
 
 
-@dataclass(frozen=True, slots=True)
-class ErrorReply:
-    KIND: ClassVar[MessageKind] = MessageKind.ERROR
+@message(34)
+class ErrorReply(Message):
     req_id: int  # 0 when the error answers no request
     code: int
     message: str
     details: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class MemberFailed:
-    KIND: ClassVar[MessageKind] = MessageKind.MEMBER_FAILED
+@message(35)
+class MemberFailed(Message):
     rank: int
     host: str
     pid: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class MembersLeft:
+@message(39)
+class MembersLeft(Message):
     """Members that left a formed job cleanly: ``[rank, host, pid]`` each."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_LEFT
     members: list[Any]
 
 
-@dataclass(frozen=True, slots=True)
-class MembersFailed:
+@message(41)
+class MembersFailed(Message):
     """Members of a formed job that failed, ``[rank, host, pid, reason]`` each.
 
     The first failure of a notice interval is a ``MemberFailed`` of its own; the
@@ -526,7 +442,6 @@ class MembersFailed:
     of N members dying at once costs O(N) notices, not O(N^2).
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_FAILED
     members: list[Any]
 
     def each(self) -> list[MemberFailed]:
@@ -547,20 +462,19 @@ class MembersFailed:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class DumpNotice:
+@message(47)
+class DumpNotice(Message):
     """Write your flight recorder into your dump directory (a ``DumpRequest`` named your job).
 
     ``request`` identifies the notice: the dump carries it, so that whoever asked
     knows the file answers its request, not an earlier one.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.DUMP_NOTICE
     request: int
 
 
-@dataclass(frozen=True, slots=True)
-class MembersJoined:
+@message(40)
+class MembersJoined(Message):
     """Members that joined a formed elastic job, and the view they make.
 
     ``epoch`` counts the job's membership changes (joins, failures, leaves);
@@ -569,70 +483,125 @@ class MembersJoined:
     The newcomer gets it too, right after its ``Welcome``.
     """
 
-    KIND: ClassVar[MessageKind] = MessageKind.MEMBERS_JOINED
     epoch: int
     world_size: int
     ranks: list[int]
     joined: list[Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Challenge:
+@message(37)
+class Challenge(Message):
     """The server's nonce; empty when the server requires no token."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.CHALLENGE
     nonce: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Authenticated:
+@message(38)
+class Authenticated(Message):
     """The server accepted the client's proof and proves the token in turn."""
 
-    KIND: ClassVar[MessageKind] = MessageKind.AUTHENTICATED
     proof: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class ServerClosing:
-    KIND: ClassVar[MessageKind] = MessageKind.SERVER_CLOSING
+@message(36)
+class ServerClosing(Message):
     reason: str
     # The server keeps its jobs on disk and is expected back (a daemon with a state
     # directory being restarted): members wait for it, for their grace period.
     coming_back: bool = False
 
 
-Message = (
-    Join
-    | Leave
-    | Heartbeat
-    | StoreSet
-    | StoreGet
-    | StoreAdd
-    | StoreWait
-    | StoreCompareSet
-    | StoreDeleteKey
-    | StoreNumKeys
-    | StoreCheck
-    | Barrier
-    | Regroup
-    | StatusRequest
-    | DumpRequest
-    | DumpNotice
-    | MembersRequest
-    | Reattach
-    | AuthStart
-    | Hello
-    | Channel
-    | CloseChannel
-    | Challenge
-    | Authenticated
-    | Reply
-    | Welcome
-    | ErrorReply
-    | MemberFailed
-    | MembersLeft
-    | ServerClosing
-)
+# --- data plane: rank <-> rank ------------------------------------------------------------
+
+
+@message(64)
+class PeerHello(Message):
+    """The connecting side's claim: rank ``rank`` of job ``job`` (pid ``pid``) wants member
+    ``member`` of a shared listener; ``nonce`` is its challenge (None without a token).
+
+    See ``_plane/channel.py`` for the token handshake it opens.
+    """
+
+    job: JobName
+    rank: Rank
+    pid: Pid
+    member: U64Int
+    nonce: Annotated[bytes | None, Len(0, MAX_NONCE_BYTES, "bytes")] = None
+
+
+@message(65)
+class Data(Message):
+    """One message between ranks: its match key (``keys.py``), then the sender's meta;
+    its payload follows the header.
+
+    The hot path never builds this class: a ``DATA`` header stays the list
+    ``[kind, group, a, b, meta]``: the match key, then the meta at ``DATA_META``.
+    """
+
+    kind: int
+    group: int
+    a: int
+    b: int
+    meta: Any
+
+
+#: Where ``DATA``'s header holds the sender's meta, after the match key's four fields.
+DATA_META: Final = 4
+
+
+@message(66)
+class PeerError(Message):
+    """A group broke, or a call was aborted, on the sender: ``code``, ``message`` and
+    ``details`` as ``ErrorReply``'s (``_errors.from_wire`` rebuilds the error)."""
+
+    group_id: int
+    code: int
+    message: str
+    details: dict[str, Any]
+
+
+@message(67)
+class PeerBye(Message):
+    """The sender closes the channel: what it sent before is all there is."""
+
+
+@message(68)
+class PeerAuth(Message):
+    """The data plane's token handshake (``_plane/channel.py``): a nonce and a proof."""
+
+    nonce: Nonce
+    proof: Nonce
+
+
+@message(69)
+class PeerAbort(Message):
+    """A send that failed before its data left: it takes the place of the ``DATA`` of key
+    ``(kind, group, a, b)``, so the receive it matches fails instead, naming ``rank``,
+    why (``reason``) and the call (``what``)."""
+
+    kind: int
+    group: int
+    a: int
+    b: int
+    rank: int
+    reason: str
+    what: str
+
+
+@message(70)
+class PeerAnnounce(Message):
+    """A large payload's announcement (``_plane/bulk.py``): the ``DATA`` of key
+    ``(kind, group, a, b)`` and ``meta`` will follow once the receiver clears it, as
+    payload ``ident`` of ``nbytes`` bytes."""
+
+    kind: int
+    group: int
+    a: int
+    b: int
+    meta: Any
+    ident: int
+    nbytes: U64Int
+
 
 # --- key packing ----------------------------------------------------------------------
 
@@ -658,3 +627,15 @@ def unpack_keys(data: bytes) -> list[str]:
 
 
 _STR = frozenset((str,))
+
+
+# The declared messages, then the rest.
+__all__ = [
+    *(cls.__name__ for cls in MESSAGES.classes.values()),
+    "DATA_META",
+    "HostIds",
+    "Packed",
+    "pack_host_runs",
+    "pack_keys",
+    "unpack_keys",
+]

@@ -25,7 +25,7 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from aiodist._server.restart import STALL_GAP
+from aiodist._wire.timing import STALL_GAP
 from tests.helpers import HELPERS
 from tests.helpers.daemon import asyncio_only, serve
 

@@ -52,7 +52,6 @@ from aiodist._wire.messages import (
     ErrorReply,
     Heartbeat,
     Join,
-    MessageKind,
     Reply,
     StatusRequest,
     StoreGet,
@@ -282,7 +281,7 @@ def _flood(
 
 async def test_daemon_cuts_off_huge_unfinished_headers_and_rss_stays_bounded() -> None:
     n, announced = 64, 1 << 20  # before: each buffered (960 KiB here) and kept, for ever
-    prefix = PREFIX.pack(b"AD", PROTOCOL_VERSION, MessageKind.JOIN, announced, 0)
+    prefix = PREFIX.pack(b"AD", PROTOCOL_VERSION, Join.KIND, announced, 0)
     async with serve("--port", "0") as d:
         daemon = psutil.Process(d.proc.pid)
         rss_before = daemon.memory_info().rss

@@ -381,7 +381,7 @@ async def test_members_of_one_process_share_one_connection(server: RendezvousSer
     assert seen == [1] * 8  # eight members, one socket
     # The connection closed with its last member, and the server forgot every channel.
     await server.wait_until(lambda s: s.num_connections == 0)
-    assert server.state._conns == {}
+    assert server.state.membership.conns == {}
     assert server._hub.conns == {}
 
 

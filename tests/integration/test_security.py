@@ -33,9 +33,11 @@ from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import (
     Authenticated,
     Challenge,
+    Data,
     ErrorReply,
     Hello,
-    MessageKind,
+    PeerAuth,
+    PeerHello,
     Reply,
     StatusRequest,
 )
@@ -134,7 +136,7 @@ async def _challenged(server: RendezvousServer) -> tuple[RawPeer, bytes]:
     peer = await RawPeer.connect(f"tcp://{server.address[0]}:{server.address[1]}")
     challenge = await peer.next_frame()
     assert challenge is not None
-    assert challenge.kind == MessageKind.CHALLENGE
+    assert challenge.kind == Challenge.KIND
     return peer, challenge.header[0]
 
 
@@ -181,7 +183,7 @@ async def test_token_never_on_the_wire_and_a_replayed_handshake_is_refused(
         frames = await peer.frames_until_closed()
     peer.close()
     kinds = [f.kind for f in frames]
-    assert kinds == [MessageKind.CHALLENGE, MessageKind.ERROR], kinds
+    assert kinds == [Challenge.KIND, ErrorReply.KIND], kinds
     assert frames[0].header[0] not in received  # a fresh nonce, so the old proof answers nothing
     assert frames[1].header[1] == ErrorCode.AUTHENTICATION
     assert token_server.auth_failures == 1
@@ -201,10 +203,10 @@ async def test_a_correct_proof_is_served_and_the_server_proves_the_token(
         auth, reply = await peer.next_frame(), await peer.next_frame()
     peer.close()
     assert auth is not None
-    assert auth.kind == MessageKind.AUTHENTICATED
+    assert auth.kind == Authenticated.KIND
     assert verify(server_proof(TOKEN, mine, server_nonce), auth.header[0])
     assert reply is not None
-    assert reply.kind == MessageKind.REPLY
+    assert reply.kind == Reply.KIND
     assert reply.header[0] == 7
     assert token_server.auth_failures == 0
 
@@ -246,7 +248,7 @@ async def test_silent_connection_is_closed_after_the_auth_timeout() -> None:
             peer = await RawPeer.connect(address)
             frames = await peer.frames_until_closed()  # it sends nothing; the server gives up
         peer.close()
-        assert [f.kind for f in frames] == [MessageKind.CHALLENGE, MessageKind.ERROR]
+        assert [f.kind for f in frames] == [Challenge.KIND, ErrorReply.KIND]
         assert ErrorReply(*frames[1].header).code == ErrorCode.AUTHENTICATION
         assert token_server.auth_failures == 1
         await token_server.wait_until(lambda s: s.num_connections == 0)
@@ -264,25 +266,25 @@ def _attacks(job: str, group_id: int, member: int = 0) -> dict[str, list[bytes]]
     ``member`` is the rank's number on its process's shared listener (0 on TCP).
     """
     data = _frame(
-        MessageKind.DATA,
+        Data.KIND,
         [MatchKind.P2P, group_id, 0, 0, ["float32", [4]]],
         torch.tensor(FORGED).numpy().tobytes(),
     )
     pid = os.getpid()
     return {
         "data without hello": [data],
-        "hello without proof": [_frame(MessageKind.PEER_HELLO, [job, 0, pid, member]), data],
+        "hello without proof": [_frame(PeerHello.KIND, [job, 0, pid, member, None]), data],
         "wrong proof": [
-            _frame(MessageKind.PEER_HELLO, [job, 0, pid, member, new_nonce()]),
+            _frame(PeerHello.KIND, [job, 0, pid, member, new_nonce()]),
             b"await",  # read the acceptor's challenge first
-            _frame(MessageKind.PEER_AUTH, [b"", b"\0" * 32]) + data,
+            _frame(PeerAuth.KIND, [b"", b"\0" * 32]) + data,
         ],
         "data right after hello": [
-            _frame(MessageKind.PEER_HELLO, [job, 0, pid, member, new_nonce()]) + data
+            _frame(PeerHello.KIND, [job, 0, pid, member, new_nonce()]) + data
         ],
         # On a process's shared Unix-socket listener: a member that does not exist.
         "hello to no member": [
-            _frame(MessageKind.PEER_HELLO, [job, 0, pid, member + 1000, new_nonce()]) + data
+            _frame(PeerHello.KIND, [job, 0, pid, member + 1000, new_nonce()]) + data
         ],
     }
 
@@ -327,8 +329,8 @@ async def test_stranger_cannot_deliver_data_to_a_rank(
     assert outs == [[0.0, 1.0, 2.0, 3.0]] * 2  # rank 1 got rank 0's data, not the forgery
     assert set(refused) == set(_attacks("x", 0))
     # Every stranger was cut off; the one that asked saw only the challenge.
-    assert refused["wrong proof"] == [MessageKind.PEER_AUTH]
-    assert all(kinds in ([], [MessageKind.PEER_AUTH]) for kinds in refused.values()), refused
+    assert refused["wrong proof"] == [PeerAuth.KIND]
+    assert all(kinds in ([], [PeerAuth.KIND]) for kinds in refused.values()), refused
 
 
 def _planes(tokens: tuple[str, str], use_uds: bool) -> tuple[DataPlane, DataPlane]:
@@ -492,5 +494,5 @@ async def test_a_refused_client_still_reads_why_while_its_requests_keep_coming(
             await peer.send(_message(StatusRequest(req_id)))
         frames = await peer.frames_until_closed()
     peer.close()
-    assert [f.kind for f in frames] == [MessageKind.ERROR]
+    assert [f.kind for f in frames] == [ErrorReply.KIND]
     assert "does not match" in ErrorReply(*frames[0].header).message

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from aiodist._control.liveness import SERVER_STALL, Heartbeats, Liveness
-from aiodist._server.restart import STALL_GAP
+from aiodist._wire.timing import STALL_GAP
 
 
 def _beating(every: float = 1.0, timeout: float = 5.0) -> Liveness:

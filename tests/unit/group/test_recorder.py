@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from aiodist._control.status import describe_wait
 from aiodist._errors import DistTimeoutError
 from aiodist._group import dumps
 from aiodist._group.dumps import dump_path, write_dump
 from aiodist._group.recorder import FORMAT, Recorder, capacity_from_env
 from aiodist._group.tracefile import trace_events
 from aiodist._group.work import Work
-from aiodist._server.where import describe_wait
 from aiodist._wire.bounds import MAX_OP_NAME_CHARS, MAX_WHERE, FieldError
 from aiodist._wire.headers import decode_message, message_header
-from aiodist._wire.messages import Heartbeat, MessageKind
+from aiodist._wire.messages import Heartbeat
 from tests.helpers.daemon import asyncio_only
 
 if TYPE_CHECKING:
@@ -198,9 +198,9 @@ def test_recorder_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_heartbeat_where_round_trips() -> None:
     where = [[0, ["g", 7, "all_reduce", 1.5], None], [3, None, ["g", 6, "barrier", 2]]]
-    msg = decode_message(MessageKind.HEARTBEAT, message_header(Heartbeat(where)))
+    msg = decode_message(Heartbeat.KIND, message_header(Heartbeat(where)))
     assert msg == Heartbeat(where)
-    assert decode_message(MessageKind.HEARTBEAT, [[]]) == Heartbeat()
+    assert decode_message(Heartbeat.KIND, [[]]) == Heartbeat()
 
 
 @pytest.mark.parametrize(
@@ -218,7 +218,7 @@ def test_heartbeat_where_round_trips() -> None:
 )
 def test_heartbeat_where_out_of_bounds_is_refused(where: list[Any]) -> None:
     with pytest.raises(FieldError, match=r"Heartbeat\.where"):
-        decode_message(MessageKind.HEARTBEAT, [where])
+        decode_message(Heartbeat.KIND, [where])
 
 
 def test_describe_wait_names_who_is_missing() -> None:

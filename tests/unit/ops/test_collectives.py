@@ -205,6 +205,25 @@ async def test_all_reduce_shared_memory_reuses_and_grows_its_segment(
     assert not glob.glob(f"/dev/shm/{shm.segment_prefix()}*"), "shared segments left behind"
 
 
+async def test_all_gather_outputs_reused_once_dropped_never_while_held(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> tuple[bool, bool]:
+        t = torch.full((1 << 17,), float(g.rank))  # 512 KiB: 1 MiB of outputs, kept
+        held = await all_gather(t, group=g)
+        second = await all_gather(t, group=g)  # the first are held: new memory
+        fresh = second[0].data_ptr() != held[0].data_ptr()
+        ptr = second[0].data_ptr()
+        del second
+        third = await all_gather(t, group=g)  # the second were dropped: their memory again
+        right = all(torch.equal(x, torch.full_like(x, float(r))) for r, x in enumerate(third))
+        return fresh, third[0].data_ptr() == ptr and right
+
+    with anyio.fail_after(30):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [(True, True)] * 2
+
+
 async def test_all_reduce_non_contiguous_is_copied_back(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> torch.Tensor:
         base = torch.arange(12, dtype=torch.float64).reshape(3, 4) * (g.rank + 1)

@@ -10,6 +10,7 @@ import anyio
 import pytest
 import torch
 
+import aiodist
 from aiodist import ClosedError, CollectiveMismatchError, ProcessGroup, RendezvousServer, Work
 from aiodist._ops.p2p import irecv, isend, recv, send
 from aiodist._ops.p2p_objects import irecv_object, isend_object
@@ -128,6 +129,33 @@ async def test_objects_point_to_point(server: RendezvousServer) -> None:
     assert torch.equal(got[4], payloads[4])  # type: ignore[arg-type]
 
 
+async def test_object_p2p_has_the_set_up_of_tensor_p2p(server: RendezvousServer) -> None:
+    """Outside the group, to itself, in the flight recorder: objects as tensors."""
+
+    async def body(world: ProcessGroup) -> list[Any]:
+        g = await aiodist.new_group([0, 1], parent=world)
+        out: list[Any] = []
+        if g.rank < 0:  # outside: done at once, nothing sent or received
+            sends = [isend_object("x", dst=0, group=g), isend(torch.ones(1), dst=0, group=g)]
+            assert all(w.is_completed() and w.result() is None for w in sends)
+            out += [await irecv_object(src=0, group=g), await irecv(torch.ones(1), group=g)]
+            return out
+        with pytest.raises(ValueError, match="should not be the same as the rank"):
+            isend_object("to myself", dst=world.rank, group=g)
+        if g.rank == 0:
+            await isend_object({"n": 1}, dst=1, group=g)
+        else:
+            out.append(await irecv_object(src=0, group=g))
+        rec = world.session.recorder
+        assert rec is not None
+        out.append(sorted({e.name for e in rec.entries()} & {"isend_object", "irecv_object"}))
+        return out
+
+    with anyio.fail_after(10):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [[["isend_object"]], [{"n": 1}, ["irecv_object"]], [None, -1]]
+
+
 async def test_recv_with_other_dtype_raises_mismatch_on_receiver(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> str:
         if g.rank == 0:
@@ -146,7 +174,7 @@ async def test_recv_with_other_dtype_raises_mismatch_on_receiver(server: Rendezv
 async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> None:
     async def body(g: ProcessGroup) -> None:
         with pytest.raises(TypeError, match=r"torch\.Tensor"):
-            isend([1, 2], dst=1, group=g)  # type: ignore[arg-type]
+            isend([1, 2], dst=1 - g.rank, group=g)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"dst=\d+ is not a member"):
             isend(torch.ones(1), dst=5, group=g)
         with pytest.raises(ValueError, match="tag must be"):

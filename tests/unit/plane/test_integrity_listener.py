@@ -41,7 +41,7 @@ from aiodist._plane.peers import DataPlane
 from aiodist._transport import ringwire, shm, shmring, uds
 from aiodist._wire.frame import encode_frame
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data
 from tests.helpers import ROOT as REPO
 from tests.helpers.daemon import TOKEN
 
@@ -198,7 +198,7 @@ STRANGER = textwrap.dedent(
         report(open=len(socks) - len(gone), waited=round(time.monotonic() - start, 2))
 
     elif mode == "hellos":  # hellos that prove nothing, one connection each
-        hello = frame(64, ["strangers", 0, os.getpid(), member])
+        hello = frame(64, ["strangers", 0, os.getpid(), member, None])
         closed = 0
         for _ in range(args["conns"]):
             sock = connect(address)
@@ -563,7 +563,7 @@ async def _authenticated_pair(
 
 def _malformed(ring: str) -> dict[str, list[tuple[int, Any]]]:
     data_header = [MatchKind.P2P, 0, 0, 1, None]  # a DATA frame's header, for the ring payload
-    announce = [MessageKind.DATA, data_header, 100, [ring, 2, 4096]]
+    announce = [Data.KIND, data_header, 100, [ring, 2, 4096]]
     return {
         "a string for the slots": [(shmring.RING_DATA, [65, data_header, 1, [ring, "a", GiB]])],
         "a ring over the limit": [(shmring.RING_DATA, [65, data_header, 100, [ring, 1024, GiB]])],
@@ -710,7 +710,7 @@ class _Sink:
 async def test_refused_ring_channel_is_freed_without_a_garbage_collection(proved: bool) -> None:
     closed: list[weakref.ref[DataChannel]] = []
     news = anyio.Event()
-    hello = b"".join(bytes(p) for p in encode_frame(MessageKind.DATA, ["hello"]))
+    hello = b"".join(bytes(p) for p in encode_frame(Data.KIND, ["hello"]))
     bad = b"".join(bytes(p) for p in encode_frame(shmring.RING_CHUNK, ["x", 1]))
     gc.collect()
     gc.disable()  # reference counting alone must free it

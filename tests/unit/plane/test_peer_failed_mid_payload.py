@@ -10,9 +10,9 @@ import pytest
 from aiodist import RankFailedError
 from aiodist._plane.peers import DataPlane
 from aiodist._rpc.wire import RPC_GROUP
-from aiodist._wire.frame import encode_frame
+from aiodist._wire.frame import encode_frame, encode_message
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data, PeerHello
 
 if TYPE_CHECKING:
     from aiodist._plane.peers import Key
@@ -54,8 +54,8 @@ async def test_receive_cut_off_mid_payload_fails_when_its_sender_is_declared_fai
     try:
         with anyio.fail_after(10):
             async with await anyio.connect_tcp(host, int(port)) as frozen_rank:
-                hello = encode_frame(MessageKind.PEER_HELLO, ["job", 0, 1234, 0], None)
-                data = encode_frame(MessageKind.DATA, [*key, None], dest)
+                hello = encode_message(PeerHello("job", 0, 1234, 0))
+                data = encode_frame(Data.KIND, [*key, None], dest)
                 wire = b"".join(bytes(p) for p in hello + data)
                 await frozen_rank.send(wire[: len(wire) - dest.nbytes // 2])  # half of it
                 await header_in.wait()

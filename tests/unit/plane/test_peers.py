@@ -11,7 +11,7 @@ from aiodist import RankFailedError
 from aiodist._plane.peers import DataPlane
 from aiodist._wire.frame import encode_frame
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data, PeerHello
 
 if TYPE_CHECKING:
     from aiodist._plane.peers import Key
@@ -90,8 +90,8 @@ async def test_a_failure_reaches_a_receive_whose_payload_is_still_arriving(
     try:
         with anyio.fail_after(10):
             async with await anyio.connect_tcp(host, int(port)) as dead_rank:
-                hello = encode_frame(MessageKind.PEER_HELLO, ["job", 0, 1234, 0], None)
-                data = encode_frame(MessageKind.DATA, [*key, None], dest)
+                hello = encode_frame(PeerHello.KIND, ["job", 0, 1234, 0, None], None)
+                data = encode_frame(Data.KIND, [*key, None], dest)
                 wire = b"".join(bytes(p) for p in hello + data)
                 await dead_rank.send(wire[: len(wire) - dest.nbytes // 2])  # half the payload
                 await header_in.wait()

@@ -20,7 +20,7 @@ from aiodist._plane.receives import Received
 from aiodist._wire.frame import Frame
 from aiodist._wire.handshake import Role, TokenHandshake, peer_binding
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.messages import Data, PeerAbort, PeerAnnounce, PeerAuth, PeerBye, PeerHello
 
 TOKEN = "job-token"
 KEY = (MatchKind.COLLECTIVE, 0, 1, 0)
@@ -69,13 +69,13 @@ def _take(core: PlaneCore) -> list[tuple[Any, ...]]:
 def _open(core: PlaneCore, src: int) -> tuple[ChannelState, Chan]:
     """A channel from ``src`` that said hello (no token): proved at once."""
     side, chan = ChannelState(core), Chan(f"rank{src}")
-    side.frame_received(chan, Frame(MessageKind.PEER_HELLO, ["job", src, 1, 0], 0))
+    side.frame_received(chan, Frame(PeerHello.KIND, ["job", src, 1, 0, None], 0))
     return side, chan
 
 
 def _deliver(side: ChannelState, chan: Chan, key: tuple[int, ...], meta: Any, data: bytes) -> None:
     """A DATA frame and its payload, as a transport hands them to the sink."""
-    frame = Frame(MessageKind.DATA, [*key, meta], len(data))
+    frame = Frame(Data.KIND, [*key, meta], len(data))
     dest = side.frame_received(chan, frame)
     if data:
         assert dest is not None
@@ -108,8 +108,8 @@ def test_hello_without_token_proves_the_channel_and_opens_the_peer() -> None:
 def test_data_before_the_hello_is_a_protocol_error() -> None:
     core = _core()
     side = ChannelState(core)
-    with pytest.raises(ProtocolError, match="DATA before PEER_HELLO"):
-        side.frame_received(Chan(), Frame(MessageKind.DATA, [*KEY, None], 0))
+    with pytest.raises(ProtocolError, match="DATA before PeerHello"):
+        side.frame_received(Chan(), Frame(Data.KIND, [*KEY, None], 0))
 
 
 def test_accepting_side_runs_the_responder_half_of_the_token_handshake() -> None:
@@ -117,13 +117,13 @@ def test_accepting_side_runs_the_responder_half_of_the_token_handshake() -> None
     side, chan = ChannelState(core), Chan()
     connector = TokenHandshake(Role.CHALLENGER, TOKEN, peer_binding("job", 3, 1))
     hello = ["job", 3, 1234, 0, connector.challenge()]
-    side.frame_received(chan, Frame(MessageKind.PEER_HELLO, hello, 0))
+    side.frame_received(chan, Frame(PeerHello.KIND, hello, 0))
     ((what, where, kind, (nonce, proof)),) = _take(core)
-    assert (what, where, kind) == ("write", chan, MessageKind.PEER_AUTH)
+    assert (what, where, kind) == ("write", chan, PeerAuth.KIND)
     assert side.src is None  # nothing it sends is trusted yet
     assert 3 not in core.peers  # a claim moves no peer's state
     answer = connector.check_answer(nonce, proof)
-    side.frame_received(chan, Frame(MessageKind.PEER_AUTH, [b"", answer], 0))
+    side.frame_received(chan, Frame(PeerAuth.KIND, [b"", answer], 0))
     assert _take(core) == [("proved", chan)]
     assert _state(core, 3) is PeerState.OPEN
 
@@ -133,10 +133,10 @@ def test_accepting_side_doubts_a_claim_whose_proof_is_wrong() -> None:
     side, chan = ChannelState(core), Chan()
     stranger = TokenHandshake(Role.CHALLENGER, "another", peer_binding("job", 3, 1))
     hello = ["job", 3, 1234, 0, stranger.challenge()]
-    side.frame_received(chan, Frame(MessageKind.PEER_HELLO, hello, 0))
+    side.frame_received(chan, Frame(PeerHello.KIND, hello, 0))
     _take(core)
     with pytest.raises(ProtocolError, match="failed to prove"):
-        side.frame_received(chan, Frame(MessageKind.PEER_AUTH, [b"", b"x" * 32], 0))
+        side.frame_received(chan, Frame(PeerAuth.KIND, [b"", b"x" * 32], 0))
     assert _take(core) == [("probe", 3)]  # ask rank 3 itself: the claim alone breaks nothing
     assert 3 not in core.refused
 
@@ -149,12 +149,12 @@ def test_connecting_side_runs_the_challenger_half_and_opens_on_the_proof() -> No
     side.connect(chan, 2)
     assert _state(core, 2) is PeerState.PROVING
     ((what, where, kind, hello),) = _take(core)
-    assert (what, where, kind) == ("write", chan, MessageKind.PEER_HELLO)
+    assert (what, where, kind) == ("write", chan, PeerHello.KIND)
     acceptor = TokenHandshake(Role.RESPONDER, TOKEN, peer_binding("job", 0, 2))
     nonce, proof = acceptor.answer(hello[4])
-    side.frame_received(chan, Frame(MessageKind.PEER_AUTH, [nonce, proof], 0))
+    side.frame_received(chan, Frame(PeerAuth.KIND, [nonce, proof], 0))
     (write, proved, connected) = _take(core)
-    assert write[:3] == ("write", chan, MessageKind.PEER_AUTH)
+    assert write[:3] == ("write", chan, PeerAuth.KIND)
     acceptor.check_proof(write[3][1])
     assert proved == ("proved", chan)
     assert connected == ("connected", chan, None)
@@ -178,7 +178,7 @@ def test_connecting_side_refuses_an_acceptor_that_cannot_prove_the_token(
         answer = list(
             TokenHandshake(Role.RESPONDER, theirs, peer_binding("job", 0, 2)).answer(hello[4])
         )
-    side.frame_received(chan, Frame(MessageKind.PEER_AUTH, answer, 0))
+    side.frame_received(chan, Frame(PeerAuth.KIND, answer, 0))
     (refused, connected) = _take(core)
     assert refused[0] == "refused_peer"
     exc = refused[1]
@@ -199,8 +199,8 @@ def test_goodbye_then_close_makes_the_peer_leave_after_its_last_message() -> Non
     _take(core)
     waiting = Outcomes()
     core.post(1, (MatchKind.P2P, 0, 0, 0), None, waiting)
-    side.frame_received(chan, Frame(MessageKind.PEER_BYE, [], 0))
-    assert _take(core) == [("write", chan, MessageKind.PEER_BYE, [])]  # answered
+    side.frame_received(chan, Frame(PeerBye.KIND, [], 0))
+    assert _take(core) == [("write", chan, PeerBye.KIND, [])]  # answered
     side.channel_closed(chan, None)
     assert _take(core) == [("bye_heard", 1)]  # the session names the error
     core.peer_left(1, RankFailedError("rank 1 left", rank=1))
@@ -242,11 +242,11 @@ def test_early_hello_with_a_token_is_answered_once_the_rank_is_known() -> None:
     side, chan = ChannelState(core), Chan()
     connector = TokenHandshake(Role.CHALLENGER, TOKEN, peer_binding("job", 2, 0))
     hello = ["job", 2, 1234, 0, connector.challenge()]
-    side.frame_received(chan, Frame(MessageKind.PEER_HELLO, hello, 0))
+    side.frame_received(chan, Frame(PeerHello.KIND, hello, 0))
     assert _take(core) == []  # this rank's own rank is not known yet
     core.set_rank(0, 3)
     ((what, _, kind, (nonce, proof)),) = _take(core)
-    assert (what, kind) == ("write", MessageKind.PEER_AUTH)
+    assert (what, kind) == ("write", PeerAuth.KIND)
     connector.check_answer(nonce, proof)  # bound to ranks 2 and 0
 
 
@@ -284,12 +284,12 @@ def test_failure_reaches_a_receive_whose_payload_is_arriving() -> None:
     side, chan = _open(core, 1)
     got = Outcomes()
     core.post(1, KEY, memoryview(bytearray(4)), got)
-    side.frame_received(chan, Frame(MessageKind.DATA, [*KEY, None], 4))
+    side.frame_received(chan, Frame(Data.KIND, [*KEY, None], 4))
     assert core.matcher.arrive(1, KEY) is None  # it left the matcher
     error = RankFailedError("rank 1 failed", rank=1)
     core.fail(error, group_id=0)
     assert got.got == [error]
-    side.payload_received(chan, Frame(MessageKind.DATA, [*KEY, None], 4))
+    side.payload_received(chan, Frame(Data.KIND, [*KEY, None], 4))
     assert got.got == [error]  # settled once
 
 
@@ -310,8 +310,8 @@ def test_abort_message_fails_the_receive_it_matches() -> None:
     side, chan = _open(core, 1)
     got = Outcomes()
     core.post(1, KEY, None, got)
-    header = [*KEY, [1, "bad dtype", "isend"]]
-    side.frame_received(chan, Frame(MessageKind.PEER_ABORT, header, 0))
+    header = [*map(int, KEY), 1, "bad dtype", "isend"]  # as msgpack decodes it
+    side.frame_received(chan, Frame(PeerAbort.KIND, header, 0))
     (exc,) = got.got
     assert isinstance(exc, BaseException)
     assert "bad dtype" in str(exc)
@@ -326,14 +326,15 @@ def test_announced_payload_is_cleared_by_its_receive_and_lands_in_place() -> Non
     _take(core)
     key = (MatchKind.P2P, 0, 7, 0)
     n = BULK_MIN_BYTES
-    side.frame_received(chan, Frame(MessageKind.DATA, [*key, "meta", 5, n], 0))
+    announcement = [*map(int, key), "meta", 5, n]  # as msgpack decodes it
+    side.frame_received(chan, Frame(PeerAnnounce.KIND, announcement, 0))
     assert len(core.bulk.held) == 1
     assert _take(core) == []  # held: nothing moves until the receive is posted
     dest = memoryview(bytearray(n))
     got = Outcomes()
     core.post(0, key, dest, got)
     clear = [MatchKind.CLEAR, 0, 5, 0, 0]
-    assert _take(core) == [("send_to", 0, MessageKind.DATA, clear)]
+    assert _take(core) == [("send_to", 0, Data.KIND, clear)]
     payload = bytes(range(256)) * (n // 256)
     _deliver(side, chan, (MatchKind.BULK, 0, 5, 0), None, payload)
     (msg,) = got.got
@@ -345,11 +346,11 @@ def test_large_receive_posted_first_credits_its_sender() -> None:
     core = _core(rank=1)
     core.post(0, (MatchKind.P2P, 0, 3, 0), memoryview(bytearray(BULK_MIN_BYTES)), Outcomes())
     credit = [MatchKind.CREDIT, 0, 3, BULK_MIN_BYTES, None]
-    assert _take(core) == [("send_to", 0, MessageKind.DATA, credit)]
+    assert _take(core) == [("send_to", 0, Data.KIND, credit)]
     # The sender's side: the credit lets the send go without announcing.
     sender = _core(rank=0)
     side, chan = _open(sender, 1)
-    side.frame_received(chan, Frame(MessageKind.DATA, credit, 0))
+    side.frame_received(chan, Frame(Data.KIND, credit, 0))
     key = (MatchKind.P2P, 0, 3, 0)
     assert sender.bulk.take_credit(1, key, BULK_MIN_BYTES)
     assert not sender.bulk.take_credit(1, key, BULK_MIN_BYTES)  # one credit, one send

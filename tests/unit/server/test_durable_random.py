@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from aiodist._server.durable import StateDirError, frame
-from aiodist._server.restart import MIN_REATTACH_WINDOW
+from aiodist._server.records import KeySet, encode_record
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
@@ -44,6 +44,7 @@ from aiodist._wire.messages import (
     StoreSet,
     Welcome,
 )
+from aiodist._wire.timing import MIN_REATTACH_WINDOW
 from tests.unit.server.test_durable_state import HB, Table
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ class Run:
         log, snapshot = self.path / "log", self.path / "snapshot"
         damaged_file = snapshot if "snapshot" in kind else log
         if kind == "torn":  # a crash while writing records no reply had told of yet
-            extra = frame(["kv", "a", "never acknowledged", b"x" * 30]) * 3
+            extra = frame(encode_record(KeySet("a", "never acknowledged", b"x" * 30))) * 3
             log.write_bytes(files["log"] + extra[: self.rng.randrange(1, len(extra))])
         elif kind == "cut":
             log.write_bytes(files["log"][: self.rng.randrange(len(files["log"]))])
@@ -371,7 +372,9 @@ class Run:
         jobs = self.table.state.jobs
         for name, job in self.jobs.items():
             assert name in jobs, f"job {name!r} lost"
-            assert jobs[name].kv == job.kv, f"job {name!r}: its store is not what was acknowledged"
+            assert jobs[name].store.kv == job.kv, (
+                f"job {name!r}: its store is not what was acknowledged"
+            )
         for name, job in self.jobs.items():
             restored = jobs[name]
             assert restored.generation == job.generation, name

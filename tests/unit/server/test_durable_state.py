@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from aiodist._errors import ErrorCode
-from aiodist._server.durable import StateDir, StateDirError, file_header, frame
-from aiodist._server.jobs import Send
-from aiodist._server.restart import MIN_REATTACH_WINDOW, STALL_GAP, RestartableState
+from aiodist._server.durable import Journal, StateDir, StateDirError, file_header, frame
+from aiodist._server.parts import Send
+from aiodist._server.records import JobFormed, KeySet, MemberAdded, RankFailed, encode_record
+from aiodist._server.state import JobTable
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
@@ -32,6 +33,7 @@ from aiodist._wire.messages import (
     StoreSet,
     Welcome,
 )
+from aiodist._wire.timing import MIN_REATTACH_WINDOW, STALL_GAP
 from tests.unit.server.test_server_state import decoded_failures
 
 if TYPE_CHECKING:
@@ -53,12 +55,17 @@ def secret_of(rank: int) -> bytes:
 
 
 class Table:
-    """A ``RestartableState`` with a fake clock; its replies sorted by connection."""
+    """A restartable ``JobTable`` with a fake clock, its state directory wired in as the
+    server wires it; its replies sorted by connection."""
 
     def __init__(self, state_dir: Path | None, now: float = 0.0, *, fsync: bool = True) -> None:
         self.now = now
-        self.dir = None if state_dir is None else StateDir(state_dir, fsync=fsync)
-        self.state = RestartableState(now, state_dir=self.dir, restartable=True)
+        self.state = JobTable(now, durable=state_dir is not None, restartable=True)
+        self.journal = None
+        self.dir = None
+        if state_dir is not None:
+            self.journal = Journal(StateDir(state_dir, fsync=fsync), self.state, now)
+            self.dir = self.journal.state_dir
         self.inbox: dict[int, list[Any]] = defaultdict(list)
         self._conns = itertools.count(1)
         self._reqs = itertools.count(1)
@@ -85,13 +92,18 @@ class Table:
         self.collect()
 
     def collect(self) -> None:
-        for action in self.state.take_actions():
+        actions = self.state.take_actions()
+        records = self.state.take_records()
+        if records and self.journal is not None:
+            self.journal(records)  # before the replies, as the server's hub does
+        for action in actions:
             if isinstance(action, Send):
                 self.inbox[action.conn].append(action.msg)
 
     def close(self) -> None:
-        self.state.close_state_dir()
-        self.state.durable = None  # closed once
+        if self.dir is not None:
+            self.dir.close()  # closed once
+            self.dir = self.journal = None
 
 
 def beat(table: Table, conn: int, seconds: float, *others: int) -> None:
@@ -164,7 +176,7 @@ def test_state_dir_replays_job_members_keys_and_barriers(tmp_path: Path) -> None
     job = again.state.jobs["job"]
     assert job.complete
     assert job.world_size == 2
-    assert job.kv == {"kept": b"v1"}
+    assert job.store.kv == {"kept": b"v1"}
     assert [(m.rank, m.host, m.pid) for m in job.by_rank] == [(0, "host0", 100), (1, "host1", 101)]
     conn, reply = reattach(again, 0, secret_of(0))
     assert isinstance(reply, Reply)
@@ -235,7 +247,7 @@ def test_without_state_dir_members_rebuild_their_job_and_the_store_is_empty() ->
     assert isinstance(reply, Reply)
     job = table.state.jobs["job"]
     assert job.complete
-    assert job.kv == {}
+    assert job.store.kv == {}
     _, reply = reattach(table, 1, secret_of(1))
     assert isinstance(reply, Reply)
     _, reply = reattach(table, 1, secret_of(1))  # taken: a second claim is a stranger's
@@ -251,18 +263,18 @@ def test_torn_log_tail_replays_up_to_the_last_acknowledged_record(
     table.close()
     log = tmp_path / "log"
     whole = log.read_bytes()
-    extra = frame(["kv", "job", "late", b"never whole"])
+    extra = frame(encode_record(KeySet("job", "late", b"never whole")))
     log.write_bytes(whole + extra[:-3])  # a crash in the middle of a write
     with caplog.at_level(logging.WARNING):
         again = Table(tmp_path)
-    assert again.state.jobs["job"].kv == {"kept": b"v1"}
+    assert again.state.jobs["job"].store.kv == {"kept": b"v1"}
     assert f"dropped the {len(extra) - 3} bytes after byte {len(whole)}" in caplog.text
 
 
 def _state_files(path: Path, snapshot: list[Any], log: list[Any], number: int = 1) -> None:
     """A snapshot and a log holding these records, every one of them acknowledged."""
     for name, records in (("snapshot", snapshot), ("log", log)):
-        body = b"".join(frame(r) for r in records)
+        body = b"".join(frame(encode_record(r)) for r in records)
         length = len(file_header(0, 0)) + len(body)
         (path / name).write_bytes(file_header(number, length) + body)
         (path / name).chmod(0o600)
@@ -272,21 +284,22 @@ def _state_files(path: Path, snapshot: list[Any], log: list[Any], number: int = 
 def test_acknowledged_record_failing_its_checksum_or_bounds_refuses_the_start(
     tmp_path: Path, damage: str
 ) -> None:
-    job = ["job", "j", 0, 1, 1, 0, [[0, 0, "h", 1, [], 1.0, b""]]]
+    job = [JobFormed("j", 0, 1, 0), MemberAdded("j", 0, 0, "h", 1, [], 1.0, b"")]
     record = {
-        "checksum": ["kv", "j", "k", b"v"],
-        "bounds": ["failed", "j", 1, "h", 1, "rank 1 of a job of 1"],
-        "unknown job": ["kv", "other", "k", b"v"],
+        "checksum": KeySet("j", "k", b"v"),
+        "bounds": RankFailed("j", 1, "h", 1, "rank 1 of a job of 1"),
+        "unknown job": KeySet("other", "k", b"v"),
     }[damage]
-    _state_files(tmp_path, [job], [["kv", "j", "a", b"1"], record, ["kv", "j", "b", b"2"]])
+    first, last = KeySet("j", "a", b"1"), KeySet("j", "b", b"2")
+    _state_files(tmp_path, job, [first, record, last])
     if damage == "checksum":
         data = bytearray((tmp_path / "log").read_bytes())
-        data[-len(frame(["kv", "j", "b", b"2"])) - 2] ^= 1  # in the middle record's body
+        data[-len(frame(encode_record(last))) - 2] ^= 1  # in the middle record's body
         (tmp_path / "log").write_bytes(bytes(data))
     with pytest.raises(StateDirError) as err:
         Table(tmp_path)
     message = str(err.value)
-    at = len(file_header(0, 0)) + len(frame(["kv", "j", "a", b"1"]))
+    at = len(file_header(0, 0)) + len(frame(encode_record(first)))
     assert f"{tmp_path / 'log'}: record 1 at byte {at} " in message, message
     assert ("fails its checksum" if damage == "checksum" else "is malformed") in message
 
@@ -297,7 +310,7 @@ def test_state_dir_held_by_one_server_at_a_time(tmp_path: Path) -> None:
         StateDir(tmp_path)
     first.close()
     second = StateDir(tmp_path)
-    second.load()
+    second.load(lambda rec: None, list)
     second.close()
 
 
@@ -348,7 +361,7 @@ def test_grown_job_survives_a_restart_its_newcomer_included(tmp_path: Path) -> N
     table.close()
     again = Table(tmp_path, now=10.0)
     job = again.state.jobs["job"]
-    assert (job.world_size, job.kv) == (3, {"from-newcomer": b"n"})
+    assert (job.world_size, job.store.kv) == (3, {"from-newcomer": b"n"})
     back = []
     # Each member re-attaches as its Welcome said: ranks 0 and 1 of 2, the newcomer of 3.
     for rank, world, secret in [(0, 2, secret_of(0)), (1, 2, secret_of(1)), (2, 3, NEWCOMER)]:
@@ -379,7 +392,7 @@ def test_newcomer_gone_replays_and_so_does_every_later_record_of_every_job(
         table.send(other[i % 2], lambda r, i=i: StoreSet(r, f"k{i}", b"%d" % i))
     table.close()
     again = Table(tmp_path, now=10.0)
-    assert again.state.jobs["jobB"].kv == {f"k{i}": b"%d" % i for i in range(200)}
+    assert again.state.jobs["jobB"].store.kv == {f"k{i}": b"%d" % i for i in range(200)}
     job = again.state.jobs["job"]
     assert job.world_size == 3
     if how == "fails":
@@ -447,7 +460,7 @@ def test_snapshot_damaged_or_deleted_refuses_to_start(tmp_path: Path) -> None:
         Table(tmp_path)
     assert "missing" in str(err.value)
     snapshot.write_bytes(whole)
-    assert len(Table(tmp_path).state.jobs["job"].kv) == 100
+    assert len(Table(tmp_path).state.jobs["job"].store.kv) == 100
 
 
 # --- the state directory's files: no link followed, nothing but files, private -------------
@@ -558,3 +571,13 @@ def test_reattach_without_a_secret_is_refused() -> None:
     assert isinstance(reply, ErrorReply)
     assert reply.code == ErrorCode.AUTHENTICATION
     assert "secret" in reply.message
+
+
+def test_a_message_not_declared_durable_may_not_change_durable_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table, conns = formed_job(tmp_path)
+    table.send(conns[0], lambda r: StoreGet(r, "kept", 1.0))  # reads: no record, no complaint
+    monkeypatch.setattr(StoreSet, "DURABLE", False)  # as if its declaration forgot it
+    with pytest.raises(AssertionError, match=r"StoreSet changed durable state: declare it"):
+        table.send(conns[0], lambda r: StoreSet(r, "k", b"v"))

@@ -1,4 +1,4 @@
-"""Elastic jobs that grow: the server's side, sans-IO (``_server/grow.py``).
+"""Elastic jobs that grow: the server's side, sans-IO (``_server/membership.py``).
 
 A process that joins a formed elastic job gets the next free rank, and every
 member alive, the newcomer included, gets the same view with the next epoch.

@@ -23,8 +23,7 @@ from hypothesis import strategies as st
 import aiodist
 from aiodist import serve_rendezvous
 from aiodist._wire.frame import MAGIC, PREFIX, PROTOCOL_VERSION, encode_frame
-from aiodist._wire.headers import MESSAGE_TYPES, message_fields
-from aiodist._wire.messages import MessageKind
+from aiodist._wire.headers import MESSAGES, message_fields
 from aiodist.testing import run_ranks
 from tests.integration.test_security import RawPeer
 
@@ -77,8 +76,8 @@ def _field(tp: Any) -> st.SearchStrategy[Any]:
 @st.composite
 def _message_frames(draw: st.DrawFn) -> bytes:
     """One frame of any kind: a message with fitting or wild fields, or a bad header."""
-    kind = draw(st.sampled_from([*MessageKind, 0, 14, 255]))
-    cls = MESSAGE_TYPES.get(MessageKind(kind)) if kind in MessageKind._value2member_map_ else None
+    kind = draw(st.sampled_from([*MESSAGES.classes, 0, 14, 255]))
+    cls = MESSAGES.classes.get(kind)
     if cls is not None and draw(st.booleans()):
         hints = typing.get_type_hints(cls)
         header: Any = [draw(_field(hints[name])) for name, _ in message_fields(cls)]

@@ -32,9 +32,9 @@ async def test_server_holds_200_connections_in_10_jobs_and_forgets_them(
         assert result.held_at_once == 200
         assert sorted(result.counters.values()) == [20] * 10  # every job formed and counted
         assert server.state.jobs == {}
-        assert server.state._conns == {}
+        assert server.state.membership.conns == {}
         server.state.next_deadline()  # drops the timers of finished waits
-        assert server.state._timers == []
+        assert server.state.out.deadlines == []
         gc.collect()
         counts.append(_server_objects())
     assert server.state.stats.jobs_formed == 30

@@ -24,10 +24,9 @@ from aiodist._wire.bounds import (
     MIN_HEARTBEAT_TIMEOUT,
     MIN_TIMEOUT,
     FieldError,
-    check_message,
 )
 from aiodist._wire.frame import NEED_DATA, Frame, FrameDecoder, encode_frame, frame_message
-from aiodist._wire.headers import message_header
+from aiodist._wire.headers import check_message, message_header
 from aiodist._wire.messages import (
     Barrier,
     Channel,

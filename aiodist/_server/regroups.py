@@ -1,18 +1,18 @@
-"""Agreements on a group's next membership (``shrink_group``), sans-IO.
+"""A job's regroups: agreements on a group's next membership (``shrink_group``, ``regroup``).
 
-Rules this module keeps (the job table in ``state.py`` feeds it):
+Rules this part of a job keeps:
 
-- An agreement is keyed by (job, ``Regroup.key``). Each caller proposes the
-  ranks it expects in the new group, its own among them, and the new
-  group's id.
+- An agreement is keyed by ``Regroup.key``. Each caller proposes the ranks it
+  expects in the new group, its own among them, and the new group's id.
 - A proposal is read without the members that are gone (failed or left): two
   survivors that heard of a second failure at different times still agree.
 - The agreement is decided once every rank of every proposal that is not gone
   has called: every caller gets the same sorted list of ranks. A member that
   fails or leaves before that is left out (and no longer awaited); one that
   fails after it breaks the new group, as any failure breaks a group.
-- A caller that comes after the decision gets the same answer; one that the
-  others left out gets an error saying so.
+- A caller that comes after the decision gets the same answer (the job keeps
+  the last ``MAX_SETTLED``, and a restart keeps them: ``RegroupSettled``); one
+  that the others left out gets an error saying so.
 - Proposals that differ (other ranks, or another group id) fail the
   agreement: every caller, and every later one with that key, gets the same
   ``MISMATCH`` error. So does its timeout (``TIMEOUT``, naming who never
@@ -22,24 +22,40 @@ Rules this module keeps (the job table in ``state.py`` feeds it):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ErrorCode
-from aiodist._server.jobs import BadRequest
+from aiodist._server.parts import BadRequest, handles
+from aiodist._server.records import RegroupSettled
 from aiodist._wire.messages import ErrorReply, Regroup, Reply
 
 if TYPE_CHECKING:
-    from aiodist._server.jobs import ConnId, Job, Member
+    from aiodist._server.parts import ConnId, JobView, MemberView, Outbox
+    from aiodist._server.records import Record
 
-__all__ = ["Agreement", "Agreements"]
+__all__ = ["MAX_SETTLED", "Agreement", "Answer", "Regroups"]
 
-# Decided or failed agreements a job remembers (a late caller gets the same answer).
-MAX_SETTLED: int = 256
+#: Decided or failed agreements a job remembers (a late caller gets the same answer).
+MAX_SETTLED: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What every caller of one agreement got: ``ranks`` (``code`` 0), or an error."""
+
+    ranks: list[int]
+    code: int = 0
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, req_id: int) -> Reply | ErrorReply:
+        if not self.code:
+            return Reply(req_id, self.ranks)
+        return ErrorReply(req_id, self.code, self.message, self.details)
 
 
 @dataclass(eq=False, slots=True)
 class Agreement:
-    job: Job
     key: str
     group_id: int
     # rank -> (conn, req_id, proposal): who called, where its answer goes, what it proposed.
@@ -47,26 +63,19 @@ class Agreement:
     done: bool = False  # its deadline no longer applies (the heap skips it)
 
 
-class Agreements:
-    """The agreements of every job. Mixed into ``ServerState``."""
+class Regroups:
+    """The agreements of one job: those pending, and the answers of those settled."""
 
-    def __init__(self) -> None:
-        self._agreements: dict[Job, dict[str, Agreement]] = {}
-        # (job, key) -> the answer every caller got: a Reply's value or an error triple.
-        self._settled: dict[Job, dict[str, tuple[Any, ...]]] = {}
+    def __init__(self, job: JobView, out: Outbox) -> None:
+        self._job = job
+        self._out = out
+        self._pending: dict[str, Agreement] = {}
+        self._settled: dict[str, Answer] = {}
 
-    # Provided by the table this is mixed into (declared for the type checker only).
-    if TYPE_CHECKING:
-
-        def _send(self, conn: ConnId, msg: Any) -> None: ...
-
-        def _push_timer(self, when: float, target: Any) -> None: ...
-
-        def _check_values(self, msg: Any) -> None: ...
-
-    def _regroup(self, member: Member, msg: Regroup, now: float) -> None:
-        self._check_values(msg)  # a finite timeout, before its deadline is computed
-        job = member.job
+    @handles(Regroup)
+    def propose(self, member: MemberView, msg: Regroup, now: float) -> None:
+        self._out.check(msg)  # a finite timeout, before its deadline is computed
+        job = self._job
         if not job.complete:
             raise BadRequest(ErrorCode.NOT_JOINED, f"job {job.name!r} has not formed yet")
         bad = [r for r in msg.members if not 0 <= r < job.world_size]
@@ -77,28 +86,28 @@ class Agreements:
                 f"the caller's rank {member.rank}, got {msg.members}",
                 {"field": "Regroup.members", "value": msg.members},
             )
-        settled = self._settled.get(job, {}).get(msg.key)
+        settled = self._settled.get(msg.key)
         if settled is not None:
-            if len(settled) == 1 and member.rank not in settled[0]:
+            if not settled.code and member.rank not in settled.ranks:
                 raise BadRequest(
                     ErrorCode.GROUP_BROKEN,
                     f"rank {member.rank} was left out: the other members already shrank this "
-                    f"group to ranks {settled[0]} (their ranks_to_exclude named this rank); a "
-                    "rank that is left out does not call shrink_group",
-                    {"kept": settled[0]},
+                    f"group to ranks {settled.ranks} (their ranks_to_exclude named this rank); "
+                    "a rank that is left out does not call shrink_group",
+                    {"kept": settled.ranks},
                 )
-            self._answer(member.conn, msg.req_id, settled)
+            self._out.send(member.conn, settled.to(msg.req_id))
             return
-        agreements = self._agreements.setdefault(job, {})
-        agreement = agreements.get(msg.key)
+        agreement = self._pending.get(msg.key)
         if agreement is None:
-            agreement = agreements[msg.key] = Agreement(job, msg.key, msg.group_id)
-            self._push_timer(now + msg.timeout, agreement)
+            agreement = self._pending[msg.key] = Agreement(msg.key, msg.group_id)
+            self._out.at(now + msg.timeout, agreement, self._timed_out)
         agreement.calls[member.rank] = (member.conn, msg.req_id, frozenset(msg.members))
         if msg.group_id != agreement.group_id:
             self._settle(
                 agreement,
-                (
+                Answer(
+                    [],
                     ErrorCode.MISMATCH,
                     f"shrink_group was called for different groups: group id "
                     f"{agreement.group_id} and {msg.group_id} (rank {member.rank}); every "
@@ -109,35 +118,45 @@ class Agreements:
             return
         self._try_decide(agreement)
 
-    def _members_gone(self, job: Job) -> None:
-        """A member of ``job`` failed or left: decide what no longer waits on it."""
-        for agreement in list(self._agreements.get(job, {}).values()):
+    def members_gone(self) -> None:
+        """A member failed or left: decide what no longer waits on it."""
+        for agreement in list(self._pending.values()):
             self._try_decide(agreement)
 
-    def _agreement_timed_out(self, agreement: Agreement) -> None:
-        gone = _gone(agreement.job)
+    def ended(self) -> None:
+        """The job ended: nothing pending waits any longer."""
+        for agreement in self._pending.values():
+            agreement.done = True
+        self._pending.clear()
+
+    def records(self) -> list[Record]:
+        return [_record(self._job.name, key, answer) for key, answer in self._settled.items()]
+
+    def restore(self, key: str, answer: Answer) -> None:
+        """Replay ``RegroupSettled``: a later caller gets ``answer``."""
+        self._keep(key, answer)
+
+    # --- deciding ---------------------------------------------------------------------
+
+    def _timed_out(self, agreement: Agreement, now: float) -> None:
+        job = self._job
+        gone = job.gone()
         wanted = set().union(*(p for _, _, p in agreement.calls.values())) - gone
         missing = sorted(wanted - agreement.calls.keys())
         self._settle(
             agreement,
-            (
+            Answer(
+                [],
                 ErrorCode.TIMEOUT,
-                f"shrink_group of job {agreement.job.name!r} timed out: ranks {missing} never "
+                f"shrink_group of job {job.name!r} timed out: ranks {missing} never "
                 f"called it (ranks {sorted(agreement.calls)} did); every survivor must call "
                 "shrink_group with the same ranks_to_exclude",
                 {"missing": missing},
             ),
         )
 
-    def _jobs_ended(self, job: Job) -> None:
-        for agreement in self._agreements.pop(job, {}).values():
-            agreement.done = True
-        self._settled.pop(job, None)
-
-    # --- deciding ---------------------------------------------------------------------
-
     def _try_decide(self, agreement: Agreement) -> None:
-        gone = _gone(agreement.job)
+        gone = self._job.gone()
         for rank in [r for r in agreement.calls if r in gone]:
             del agreement.calls[rank]  # its answer has nowhere to go
         if not agreement.calls:
@@ -151,7 +170,8 @@ class Agreements:
             shown = {rank: sorted(p) for rank, p in sorted(proposals.items())}
             self._settle(
                 agreement,
-                (
+                Answer(
+                    [],
                     ErrorCode.MISMATCH,
                     f"shrink_group was called with different ranks to keep (without the "
                     f"ranks that are gone): {shown}; every survivor must call it with the "
@@ -160,27 +180,23 @@ class Agreements:
                 ),
             )
             return
-        self._settle(agreement, (sorted(first),))
+        self._settle(agreement, Answer(sorted(first)))
 
-    def _settle(self, agreement: Agreement, answer: tuple[Any, ...]) -> None:
+    def _settle(self, agreement: Agreement, answer: Answer) -> None:
         agreement.done = True
-        job = agreement.job
-        self._agreements.get(job, {}).pop(agreement.key, None)
-        settled = self._settled.setdefault(job, {})
-        settled[agreement.key] = answer
+        self._pending.pop(agreement.key, None)
+        self._keep(agreement.key, answer)
+        self._out.record(self._job, _record(self._job.name, agreement.key, answer))
+        for conn, req_id, _ in agreement.calls.values():
+            self._out.send(conn, answer.to(req_id))
+
+    def _keep(self, key: str, answer: Answer) -> None:
+        settled = self._settled
+        settled.pop(key, None)
+        settled[key] = answer
         while len(settled) > MAX_SETTLED:
             del settled[next(iter(settled))]
-        for conn, req_id, _ in agreement.calls.values():
-            self._answer(conn, req_id, answer)
-
-    def _answer(self, conn: ConnId, req_id: int, answer: tuple[Any, ...]) -> None:
-        if len(answer) == 1:
-            self._send(conn, Reply(req_id, answer[0]))
-        else:
-            code, message, details = answer
-            self._send(conn, ErrorReply(req_id, code, message, details))
 
 
-def _gone(job: Job) -> set[int]:
-    """The ranks of ``job`` that failed or left."""
-    return {r for r, *_ in job.failures} | job.left.keys()
+def _record(job: str, key: str, answer: Answer) -> RegroupSettled:
+    return RegroupSettled(job, key, answer.ranks, answer.code, answer.message, answer.details)
