@@ -1691,8 +1691,11 @@ def membership(epoch: int | None = None, *, timeout: float | None = None) -> Mem
     first use, stopped once nothing is initialised).
 
     Args:
-        epoch: None for the latest view this rank knows; an epoch to wait for the
-            view of that epoch (or the first later one this rank kept).
+        epoch: None for the latest view this rank knows (in a newcomer that has
+            not regrouped yet, the view of its own join: the one the members,
+            stepping one epoch at a time, meet it at, whatever changed since);
+            an epoch to wait for the view of that epoch (or the first later one
+            this rank kept).
         timeout: Seconds to wait for that epoch (forever if None).
 
     Returns:
