@@ -3,10 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# The suite runs serially by default. PYTEST_ARGS="-n 2 --dist loadfile" runs it on two
-# workers, a test file to each (about 12 minutes here, against about 15), but three
-# timing-sensitive tests still fail now and then with another file's ranks beside them.
-PYTEST_ARGS ?=
+# The suite runs on two workers, a test file to each (the longest files first, see
+# tests/conftest.py). PYTEST_ARGS= runs it serially; `make test-stress` loads the machine.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 
