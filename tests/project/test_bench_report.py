@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from benchmarks import _small
+from benchmarks import _small, bench_rpc
 from benchmarks._collective_ranks import SIZES, TENSOR_OPS, Case, cases, moved_bytes
 from benchmarks._common import Goal, Summary
 from benchmarks._report_md import render_report
@@ -135,7 +135,8 @@ def test_report_smoke_times_remote_calls_against_tensorpipe(smoke: Any) -> None:
     )
     report = json.loads((out / "report.json").read_text())
     results = report["sections"]["rpc"]["data"]["results"]
-    assert [r["case"] for r in results] == ["noop", "noop_async", "window", "tensor"]
+    assert [r["case"] for r in results] == list(bench_rpc.CASES)
+    assert {"ps_step", "batch"} <= set(bench_rpc.CASES)  # the programs' steps, not calls only
     for row in results:
         assert "error" not in row, row
         for system in ("aiodist", "torch"):
