@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from aiodist._launch.run import LaunchSpec
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["PROBE_TIMEOUT", "first_failed_rank", "parse_endpoint", "place_server"]
+__all__ = ["PROBE_TIMEOUT", "failure_suspects", "parse_endpoint", "place_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,22 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def first_failed_rank(server: RendezvousServer, job_id: str) -> int | None:
-    """The rank of job ``job_id`` that ``server`` (hosted here) saw fail first, if any."""
+def failure_suspects(server: RendezvousServer, job_id: str) -> list[int]:
+    """The ranks of job ``job_id`` that may have made it fail, earliest first.
+
+    The ranks that left ``server`` (hosted here) before the first failure, then
+    the first to fail. A leave is a suspect because a program's own
+    ``sys.exit(n)`` looks like a clean leave to the server: its peers then fail,
+    and only the launcher sees that its exit code was not 0. Empty: no failure.
+    """
     job = server.state.jobs.get(job_id)
     if job is not None and job.failures:
-        return job.failures[0][0]
+        return [*job.left_before_failure, job.failures[0][0]]
     record = server.state.log.finished.get(job_id)
     first = record.get("first_failure") if record is not None else None
-    return int(first["rank"]) if isinstance(first, dict) else None
+    if not isinstance(first, dict):
+        return []
+    return [*first.get("after_leaves", ()), int(first["rank"])]
 
 
 def _not_a_server(where: str, port: int, exc: DistError) -> RendezvousError:

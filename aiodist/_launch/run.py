@@ -47,7 +47,7 @@ import anyio
 
 from aiodist._launch.agent_store import AgentStore
 from aiodist._launch.output import Sink, pump
-from aiodist._launch.placement import first_failed_rank, parse_endpoint, place_server
+from aiodist._launch.placement import failure_suspects, parse_endpoint, place_server
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -356,7 +356,7 @@ async def launch(
         job_id = spec.job_name(master)
         for restart in range(spec.max_restarts + 1):
             ranks = _Ranks(spec)
-            blame = None if server is None else functools.partial(first_failed_rank, server, job_id)
+            blame = None if server is None else functools.partial(failure_suspects, server, job_id)
             # On one node, torch's store for this start, as torchrun's agent hosts it.
             agent = AgentStore("127.0.0.1") if spec.nnodes == 1 and not spec.max_nnodes else None
             if agent is not None:
@@ -414,7 +414,7 @@ async def _run_ranks(
     restart: int,
     out: Sink,
     err: Sink,
-    blame: Callable[[], int | None] | None = None,
+    blame: Callable[[], list[int]] | None = None,
     agent_store: tuple[str, int] | None = None,
 ) -> LaunchResult:
     loop = asyncio.get_running_loop()
@@ -509,21 +509,27 @@ async def _run_ranks(
 
 
 async def _culprit(
-    spec: LaunchSpec, ranks: _Ranks, failed: tuple[int, int], rank: int | None
+    spec: LaunchSpec, ranks: _Ranks, failed: tuple[int, int], suspects: list[int]
 ) -> tuple[int, int]:
-    """The rank to blame: the server's first failed member when it is one of ours.
+    """The rank to blame: the earliest of the server's suspects that is ours and failed.
 
     The first rank to exit non-zero may be a victim (its peer crashed, and it
     raised ``RankFailedError``) that happened to exit first; the server knows
-    which member failed first. That one is ending too: give it a moment.
+    which member failed first, and which left before that (a ``sys.exit(n)``
+    the server took for a clean leave: its exit code says). Those are ending
+    too: give them a moment.
     """
-    i = -1 if rank is None else rank - spec.node_rank * spec.nproc
-    if not 0 <= i < spec.nproc or i == failed[0]:
-        return failed
     with anyio.move_on_after(CULPRIT_GRACE):
-        await ranks.procs[i].wait()
-    code = ranks.procs[i].returncode
-    return failed if code is None or code == 0 else (i, code)
+        for rank in suspects:
+            i = rank - spec.node_rank * spec.nproc
+            if not 0 <= i < len(ranks.procs):
+                continue
+            if i == failed[0]:
+                return failed
+            await ranks.procs[i].wait()
+            if (code := ranks.procs[i].returncode) not in (None, 0):
+                return i, code
+    return failed
 
 
 def _describe(code: int | None) -> str:

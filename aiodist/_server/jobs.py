@@ -125,6 +125,10 @@ class Job:
     deletions: int = 0  # keys deleted so far: a set of keys once all set stays so until one is
     # Members that left the formed job cleanly: rank -> (host, pid). Barriers need them all.
     left: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # The first ranks (at most ``LEFT_BEFORE_FAILURE``) that had left when the first
+    # failure came: a program's own ``sys.exit(n)`` looks like a clean leave from here,
+    # and its peers' failures follow it (a launcher, which sees exit codes, reads this).
+    left_before_failure: list[int] = field(default_factory=list)
     # ``[rank, host, pid]`` of leaves not announced yet, the planned notice, and when the
     # next notice may go (one notice per interval: a job of N ending costs O(N) notices).
     unannounced: list[list[Any]] = field(default_factory=list)

@@ -122,6 +122,7 @@ STATUS_RANKS: Final = 64  # ranks each job of such a list shows
 JOB_STATUS_RANKS: Final = 4096  # ranks `aiodist status --job J` shows
 #: The least time between two notices asking one job's ranks for their flight recorders.
 DUMP_INTERVAL: Final = 2.0
+LEFT_BEFORE_FAILURE: Final = 8  # leaves before a job's first failure that its record names
 
 
 @dataclass(slots=True)
@@ -558,6 +559,8 @@ class ServerState(StoreAndBarriers, Agreements, Growth):
 
     def _fail(self, member: Member, reason: str, now: float) -> None:
         job = member.job
+        if not job.failures:
+            job.left_before_failure = list(itertools.islice(job.left, LEFT_BEFORE_FAILURE))
         member.status = "failed"
         job.epoch += 1
         self.stats.failures += 1

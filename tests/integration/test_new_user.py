@@ -166,6 +166,19 @@ async def test_rank_that_crashes_is_reported_as_failed_to_its_peers_and_by_the_l
     assert "ConnectionResetError" not in result.stderr, result.stderr
 
 
+async def test_rank_that_exits_non_zero_in_plain_code_is_blamed_with_its_code() -> None:
+    # Rank 2's sys.exit(3) at module level looks like a clean leave to the server; the
+    # others then fail on the all_reduce it left, and the server's first failure is one
+    # of those victims.
+    argv = [*AIODIST, "run", "-n", "3", WORKER, "plain_exit"]
+    result = await _procs.run(argv, LIMIT, env=_env())
+    summary = result.stderr.strip().splitlines()[-1]
+    # Before: "aiodist run: rank 1 (pid ...) exited with code 1", rc 1 (3 of 3 runs).
+    assert summary.startswith("aiodist run: rank 2 (pid "), result.stderr
+    assert "exited with code 3" in summary, result.stderr
+    assert result.returncode == 3, result.stderr
+
+
 # --- 3. The daemon records how jobs ended --------------------------------------------------
 
 
