@@ -48,6 +48,12 @@ import anyio
 from aiodist._launch.agent_store import AgentStore
 from aiodist._launch.output import Sink, pump
 from aiodist._launch.placement import failure_suspects, parse_endpoint, place_server
+from aiodist._launch.replace import (
+    MAX_START_FAILURES,
+    WATCH_INTERVAL,
+    JobWatch,
+    start_backoff,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -261,8 +267,7 @@ class _Ranks:
 
     def kill(self, sig: int) -> None:
         for p in self.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)  # the rank's own process group: its children too
+            _kill(p, sig)
 
     def on_signal(self, sig: signal.Signals) -> None:
         self.signals.append(sig)
@@ -275,12 +280,13 @@ class _Ranks:
         self.changed.set()
 
     async def wait_all(
-        self, replace: Callable[[int, int], Awaitable[bool]] | None = None
+        self, replace: Callable[[int, int], Awaitable[bool | None]] | None = None
     ) -> tuple[int, int] | None:
         """Wait until all ranks exit 0 (None), one fails ((index, code)), or a signal came.
 
         With ``replace``, a rank that fails is first offered to it (its index and
-        code): when it started a replacement in ``procs[index]``, the run goes on.
+        code): when it started a replacement in ``procs[index]`` (True), the run
+        goes on; None: that rank is done, and no failure of the run.
         """
         waiters = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self.procs)}
         changed = asyncio.ensure_future(self.changed.wait())
@@ -294,8 +300,11 @@ class _Ranks:
                         continue
                     i = waiters.pop(fut)
                     if fut.result() != 0 and not self.signals:
-                        if replace is not None and await replace(i, fut.result()):
+                        handled = None if replace is None else await replace(i, fut.result())
+                        if handled:
                             waiters[asyncio.ensure_future(self.procs[i].wait())] = i
+                            continue
+                        if handled is None and replace is not None:
                             continue
                         return i, fut.result()
             return None
@@ -372,6 +381,7 @@ async def launch(
                     err,
                     blame,
                     None if agent is None else agent.address,
+                    JobWatch(job_id, server, master, token) if spec.replace_failed else None,
                 )
             finally:
                 if agent is not None:
@@ -416,6 +426,7 @@ async def _run_ranks(
     err: Sink,
     blame: Callable[[], list[int]] | None = None,
     agent_store: tuple[str, int] | None = None,
+    watch: JobWatch | None = None,
 ) -> LaunchResult:
     loop = asyncio.get_running_loop()
     width = len(str(spec.world_size - 1))
@@ -461,22 +472,83 @@ async def _run_ranks(
                 pumps.start_soon(pump, proc.stdout, out, tag)
                 pumps.start_soon(pump, proc.stderr, err, tag)
 
-            async def replace(i: int, code: int) -> bool:
-                nonlocal replaced
-                if not spec.replace_failed or replaced >= spec.max_replacements:
+            # Replacements not seen in the job yet, those stopped because it ended, and
+            # how many replacements in a row died before they joined (``replace.py``).
+            pending: dict[int, asyncio.subprocess.Process] = {}
+            ending: dict[int, float] = {}
+            start_failures = 0
+            first_replaced: tuple[int, int] | None = None  # the first failure replaced
+
+            async def replace(i: int, code: int) -> bool | None:
+                nonlocal replaced, start_failures, first_replaced
+                if ending.pop(i, None) is not None:
+                    return None  # stopped: the job it was to join had ended
+                dead = ranks.procs[i]
+                what = f"rank {ranks.global_rank(i)}'s process (pid {dead.pid}){where} "
+                if watch is None or replaced >= spec.max_replacements:
                     return False
+                if pending.pop(i, None) is not None:
+                    start_failures += 1
+                    what = f"rank {ranks.global_rank(i)}'s replacement (pid {dead.pid}){where} "
+                    if start_failures >= MAX_START_FAILURES:
+                        err.line(
+                            f"aiodist run: {what}{_describe(code)} before it joined job "
+                            f"{job_id!r}: {start_failures} replacements in a row failed at "
+                            "start-up; starting no more"
+                        )
+                        return False
+                if (await watch.look()).ended:
+                    return False  # failed after the job ended: nothing to join
+                delay = start_backoff(start_failures)
                 replaced += 1
                 err.line(
-                    f"aiodist run: rank {ranks.global_rank(i)}'s process (pid "
-                    f"{ranks.procs[i].pid}){where} {_describe(code)}; starting a replacement "
-                    f"({replaced} of at most {spec.max_replacements}), the others go on"
+                    f"aiodist run: {what}{_describe(code)}; starting a replacement"
+                    + (f" in {delay:g} s" if delay else "")
+                    + f" ({replaced} of at most {spec.max_replacements}), the others go on"
                 )
+                if delay:
+                    await anyio.sleep(delay)
+                    if ranks.signals:
+                        return False
+                    if (await watch.look()).ended:
+                        return None  # the job went on without it, and ended
+                first_replaced = first_replaced or (i, code)
                 await start(i, replacement=True)
+                pending[i] = ranks.procs[i]
                 return True
+
+            async def watch_pending(watch: JobWatch) -> None:
+                nonlocal start_failures
+                while True:
+                    if pending or ending:
+                        look = await watch.look()
+                        for i, proc in list(pending.items()):
+                            if proc.pid in look.pids:
+                                del pending[i]
+                                start_failures = 0
+                            elif look.ended and proc.returncode is None:
+                                del pending[i]
+                                ending[i] = anyio.current_time() + STOP_GRACE
+                                err.line(
+                                    f"aiodist run: job {job_id!r} ended before rank "
+                                    f"{ranks.global_rank(i)}'s replacement (pid {proc.pid})"
+                                    f"{where} joined it; stopping the replacement"
+                                )
+                                _kill(proc, signal.SIGTERM)
+                        for i, deadline in ending.items():
+                            if anyio.current_time() > deadline:
+                                _kill(ranks.procs[i], signal.SIGKILL)
+                    await anyio.sleep(WATCH_INTERVAL)
 
             for i in range(spec.nproc):
                 await start(i)
-            failed = await ranks.wait_all(replace if spec.replace_failed else None)
+            async with anyio.create_task_group() as watching:
+                if watch is not None:
+                    watching.start_soon(watch_pending, watch)
+                failed = await ranks.wait_all(replace if watch is not None else None)
+                watching.cancel_scope.cancel()
+            if failed is None and not any(p.returncode == 0 for p in ranks.procs):
+                failed = first_replaced  # no rank of ours went on: their failures stand
             if failed is not None and blame is not None:
                 failed = await _culprit(spec, ranks, failed, blame())
             running = len(ranks.running())
@@ -530,6 +602,11 @@ async def _culprit(
             if (code := ranks.procs[i].returncode) not in (None, 0):
                 return i, code
     return failed
+
+
+def _kill(proc: asyncio.subprocess.Process, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # the rank's own process group: its children too
 
 
 def _describe(code: int | None) -> str:
