@@ -40,6 +40,7 @@ from aiodist._errors import (
     AuthenticationError,
     ClosedError,
     DistError,
+    GroupBrokenError,
     ProtocolError,
     RankFailedError,
     from_wire,
@@ -176,16 +177,25 @@ class Session:
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
     def admitted(self) -> None:
-        """This process joined a formed elastic job: it is alone in its default group.
+        """This process joined a formed elastic job: its default group is not formed yet.
 
         Its first view comes with the server's notice of its join; it forms a group
-        with the others when they all call ``regroup`` over that view.
+        with the others when they all call ``regroup`` over that view. Until then its
+        rank is the job rank it was given (never a world of its own, where a script's
+        ``if rank == 0`` would make it a second rank 0), and a collective on the
+        default group raises an error that says to regroup; point-to-point by job
+        rank goes on.
         """
         self.views = Views(-1, [self.rank])
         self.joined_late = True
-        self.world = ProcessGroup(self, (self.rank,), name=self.group_name, group_id=0)
-        self.groups = {0: self.world}
-        self.numbering = (self.rank,)
+        self.world.error = GroupBrokenError(
+            f"this process joined job {self.group_name!r} after it formed, as rank "
+            f"{self.rank}: the default group holds it only once every rank calls regroup "
+            "over the view of its join; call `await aiodist.regroup(await "
+            "aiodist.membership())` (aiodist.sync: `regroup(membership())`) before a "
+            "collective on the default group"
+        )
+        self.world.keeps_p2p = True
 
     def next_group_id(self) -> int:
         return next(self._group_ids)

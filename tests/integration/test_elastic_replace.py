@@ -10,11 +10,12 @@ from __future__ import annotations
 import ast
 import re
 import sys
+from typing import Any
 
 import pytest
 
 from tests.helpers import ROOT
-from tests.helpers.procs import run
+from tests.helpers.procs import json_lines, run
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,11 @@ WORKER = ROOT / "tests" / "helpers" / "replace_worker.py"
 LIMIT = 60.0  # the backstop, never the expected time
 
 
+def _reports(stdout: str) -> list[dict[str, Any]]:
+    """The workers' JSON lines, without the launcher's ``[rank N] `` prefixes."""
+    return json_lines("\n".join(line.partition("] ")[2] for line in stdout.splitlines()))
+
+
 def _replace_failed(mode: str) -> list[str]:
     launcher = [sys.executable, "-m", "aiodist", "run", "-n", "3", "--replace-failed"]
     return [*launcher, str(WORKER), mode]
@@ -120,3 +126,17 @@ async def test_replacements_never_form_a_job_of_their_own_when_every_rank_died()
     assert result.returncode == 128 + 9, result.stderr[-3000:]
     assert "get_rank" not in result.stdout, result.stdout[-3000:]
     assert "was killed by SIGKILL" in result.stderr.strip().splitlines()[-1]
+
+
+async def test_replacement_keeps_its_job_rank_and_cannot_use_the_default_group_before_regroup() -> (
+    None
+):
+    result = await run(_replace_failed("newcomer"), limit=LIMIT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (seen,) = [r for r in _reports(result.stdout) if "get_rank" in r]
+    # Before: rank 0 of world 1 (a script's "if rank == 0: produce" made it a second producer).
+    assert (seen["get_rank"], seen["get_world_size"]) == (3, 4), seen
+    (tried,) = [r for r in _reports(result.stdout) if "error" in r or "all_reduce" in r]
+    # Before: the all_reduce "succeeded" over a world of one.
+    assert tried.get("error") == "GroupBrokenError", tried
+    assert "regroup" in tried["message"], tried
