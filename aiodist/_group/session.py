@@ -357,8 +357,10 @@ class Session:
         elif isinstance(error, AbortedError):
             group.abort_remote(seq, error)
         elif isinstance(error, RankFailedError) and error.rank == self.rank:
-            # A member heard that this rank failed: it ran again after the server's verdict.
-            self.fail(self._failed_itself(error.reason, self.conn.stalled_for()))
+            # A member heard that this rank failed: it ran again after the server's verdict
+            # (or it told the server so itself, as its program ended: no news).
+            if not self.failed_reason:
+                self.fail(self._failed_itself(error.reason, self.conn.stalled_for()))
         else:
             group.break_(error, notify=False)
 
@@ -387,18 +389,23 @@ class Session:
 
     def _failed_itself(self, reason: str, stall: float) -> RankFailedError:
         """The error of a rank the server declared failed, as that rank tells it."""
+        stalled = stall > self.heartbeat_timeout / 2
         why = (
             f"its event loop stopped for {stall:.1f} s (the process was suspended, as by "
             "SIGSTOP or a debugger, or a call blocked the loop), longer than the heartbeat "
             f"timeout of {self.heartbeat_timeout:.1f} s"
-            if stall > self.heartbeat_timeout / 2
+            if stalled
             else reason
+        )
+        advice = (  # for a stalled loop only: other verdicts have causes of their own
+            " Restart the job, and keep the loop free of blocking calls (or raise "
+            "AIODIST_HEARTBEAT_TIMEOUT)."
+            if stalled
+            else " Restart the job."
         )
         return RankFailedError(
             f"this rank ({self.rank}, pid {os.getpid()}) was declared failed by the "
-            f"rendezvous server: {why}; group {self.group_name!r} is broken on all ranks. "
-            "Restart the job, and keep the loop free of blocking calls (or raise "
-            "AIODIST_HEARTBEAT_TIMEOUT).",
+            f"rendezvous server: {why}; group {self.group_name!r} is broken on all ranks." + advice,
             rank=self.rank,
             pid=os.getpid(),
             reason=reason,
@@ -461,7 +468,8 @@ class Session:
                 self.on_notice(failure)
         elif isinstance(notice, MemberFailed):
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
-                self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
+                if not self.failed_reason:  # else the echo of its own word, as it ends
+                    self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
             if notice.rank in self.failed_ranks:
                 return  # told again (a re-attached member hears every failure of its job)
