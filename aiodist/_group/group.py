@@ -35,6 +35,7 @@ from aiodist._errors import (
     ErrorCode,
     GroupBrokenError,
     RankFailedError,
+    counted,
 )
 from aiodist._group import stalls
 from aiodist._group.inflight import Deadlines
@@ -190,7 +191,9 @@ class ProcessGroup:
             isinstance(exc, RankFailedError) and exc.rank not in (-1, self._session.rank)
         )
         self._aborted.clear()
-        logger.error("group %r broken: %s", self.name, exc)
+        # INFO: every operation on it raises ``exc`` itself; code that handles it (a
+        # shrink_group) needs no line of its own on stderr.
+        logger.info("group %r broken: %s", self.name, exc)
         listeners, self._on_break = self._on_break, []
         for fn in listeners:
             try:
@@ -482,7 +485,7 @@ class ProcessGroup:
             if not 0 <= rank < len(numbering):
                 raise ArgumentError(
                     f"{name}={rank} is not a global rank: the default group has "
-                    f"{len(numbering)} ranks since shrink_group renumbered them"
+                    f"{counted(len(numbering), 'rank')} since shrink_group renumbered them"
                 )
             rank = numbering[rank]
         if isinstance(self.ranks, range):

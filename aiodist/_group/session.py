@@ -43,6 +43,7 @@ from aiodist._errors import (
     GroupBrokenError,
     ProtocolError,
     RankFailedError,
+    counted,
     from_wire,
     rank_left_error,
 )
@@ -584,8 +585,8 @@ class Session:
                 await server.wait_until(lambda s: not s.state.jobs)
             if scope.cancelled_caught:
                 logger.warning(
-                    "stopping the embedded rendezvous server while %d jobs still use it",
-                    len(server.state.jobs),
+                    "stopping the embedded rendezvous server while %s still use it",
+                    counted(len(server.state.jobs), "job"),
                 )
 
     async def _leave(self) -> None:

@@ -334,7 +334,9 @@ def _trace(args: argparse.Namespace) -> int:
         out, ranks = merge_traces(args.directory, args.output)
     except (OSError, ValueError) as exc:
         return _fail("trace merge", str(exc))
-    print(f"merged {ranks} ranks' traces into {out}")
+    from aiodist._errors import counted
+
+    print(f"merged {counted(ranks, 'rank')}' traces into {out}")
     return 0
 
 

@@ -22,7 +22,13 @@ import anyio
 
 from aiodist._control.addresses import is_local, is_loopback, reachable_host
 from aiodist._control.connection import connect_control
-from aiodist._errors import AuthenticationError, DistError, DistTimeoutError, RendezvousError
+from aiodist._errors import (
+    AuthenticationError,
+    DistError,
+    DistTimeoutError,
+    RendezvousError,
+    counted,
+)
 from aiodist._server.serve import serve_rendezvous
 from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
@@ -155,9 +161,9 @@ async def _join_or_host(
     finally:
         conn.close()
     logger.info(
-        "joining the rendezvous server at %s (aiodist %s, %d jobs)",
+        "joining the rendezvous server at %s (aiodist %s, %s)",
         where,
         status.get("version", "?"),
-        status.get("jobs_total", 0),
+        counted(int(status.get("jobs_total", 0)), "job"),
     )
     return (host, port), None

@@ -45,6 +45,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 import anyio
 
+from aiodist._errors import counted
 from aiodist._launch.agent_store import AgentStore
 from aiodist._launch.output import Sink, pump
 from aiodist._launch.placement import failure_suspects, parse_endpoint, place_server
@@ -272,7 +273,9 @@ class _Ranks:
     def on_signal(self, sig: signal.Signals) -> None:
         self.signals.append(sig)
         if len(self.signals) == 1:
-            logger.info("received %s: forwarding it to %d ranks", sig.name, len(self.running()))
+            logger.info(
+                "received %s: forwarding it to %s", sig.name, counted(len(self.running()), "rank")
+            )
             self.kill(sig)
         else:
             logger.warning("received %s again: killing the ranks", sig.name)
@@ -389,7 +392,7 @@ async def launch(
             if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
                 break
             err.line(
-                f"{result.summary}; restarting all {spec.nproc} ranks{_where(spec)} "
+                f"{result.summary}; restarting all {counted(spec.nproc, 'rank')}{_where(spec)} "
                 f"(restart {restart + 1} of {spec.max_restarts})"
             )
         if server is not None:
@@ -573,7 +576,7 @@ async def _run_ranks(
         return LaunchResult(0)
     i, code = failed
     rank = ranks.global_rank(i)
-    others = f"; stopped the other {running} ranks{where}" if running else ""
+    others = f"; stopped the other {counted(running, 'rank')}{where}" if running else ""
     return LaunchResult(
         128 - code if code < 0 else code,
         f"aiodist run: rank {rank} (pid {ranks.procs[i].pid}){where} {_describe(code)}{others}",

@@ -168,6 +168,10 @@ async def test_rank_that_crashes_is_reported_as_failed_to_its_peers_and_by_the_l
     # and to "keep the loop free of blocking calls": advice for a stalled loop only.
     assert "declared failed" not in result.stderr, result.stderr
     assert "keep the loop free" not in result.stderr, result.stderr
+    # One prefix per line (before: "[rank 0] [rank0]: Traceback"), and no log line of the
+    # group's break beside the error itself (before: "group 'run-...' broken: rank 1 ...").
+    assert "[rank0]" not in result.stderr, result.stderr
+    assert "' broken: " not in result.stderr, result.stderr
 
 
 async def test_rank_that_exits_non_zero_in_plain_code_is_blamed_with_its_code() -> None:
