@@ -32,6 +32,7 @@ from aiodist._errors import (
 from aiodist._server.serve import serve_rendezvous
 from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
+from aiodist._wire.tls import speaks_tls_message
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -80,6 +81,8 @@ def failure_suspects(server: RendezvousServer, job_id: str) -> list[int]:
 
 
 def _not_a_server(where: str, port: int, exc: DistError) -> RendezvousError:
+    if str(exc) == speaks_tls_message("rendezvous server"):  # a TLS server's refusal
+        return RendezvousError(f"the rendezvous server at --rdzv-endpoint {where}: {exc}")
     why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
     return RendezvousError(
         f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
