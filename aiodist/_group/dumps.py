@@ -42,6 +42,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from aiodist import _settings
 from aiodist._group.recorder import FORMAT
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ def dump_dir() -> Path | None:
     0700; one that is not a directory of this user's that only this user may use
     (another user made it first, or it is a link) is refused.
     """
-    configured = os.environ.get("AIODIST_DUMP_DIR")
+    configured = _settings.DUMP_DIR.read()
     if configured:
         try:
             return make_dump_dir(Path(configured))
@@ -323,7 +324,7 @@ def on_failure(recorder: Recorder | None, reason: str) -> None:
     Once per session, so not bounded: a loop turn later (the operations that the
     failure ends have ended by then), written in a thread.
     """
-    directory = os.environ.get("AIODIST_DUMP_DIR")
+    directory = _settings.DUMP_DIR.read()
     if recorder is None or not directory:
         return
     try:

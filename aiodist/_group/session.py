@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist import _settings
 from aiodist._control.channel import ServerAway, ServerBack, ServerLost
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
@@ -85,8 +86,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
-DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
+DEFAULT_HEARTBEAT_INTERVAL: Final = _settings.HEARTBEAT_INTERVAL.default
+DEFAULT_HEARTBEAT_TIMEOUT: Final = _settings.HEARTBEAT_TIMEOUT.default
 # A loop late by more than this many heartbeat timeouts was silent past the server's sweep:
 # the server declared its members failed (see Session._declared_failed).
 STALL_FACTOR: Final = 1.25

@@ -45,6 +45,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 import anyio
 
+from aiodist import _settings
 from aiodist._errors import counted
 from aiodist._launch.agent_store import AgentStore
 from aiodist._launch.output import Sink, pump
@@ -360,7 +361,7 @@ async def launch(
     """
     out = Sink(stdout or sys.stdout.buffer)
     err = Sink(stderr or sys.stderr.buffer)
-    token = spec.token if spec.token is not None else os.environ.get("AIODIST_TOKEN") or None
+    token = spec.token if spec.token is not None else _settings.TOKEN.read()
     async with anyio.create_task_group() as tg:
         master, server = await place_server(spec, tg, token)
         if server is not None and on_server is not None:
