@@ -44,7 +44,7 @@ class Setting(Generic[T]):
 
     Attributes:
         name: The variable (``AIODIST_...``).
-        parse: Text (stripped, not empty) to value; raises ``ValueError`` with what
+        parse: Text (not blank) to value; raises ``ValueError`` with what
             is allowed (the message is completed with the name and the value).
         default: The value when the variable is unset or empty.
         doc: What it does, for the reference page ("" keeps it off the ranks' table).
@@ -75,7 +75,7 @@ class Setting(Generic[T]):
         if not raw.strip():
             return self.default
         try:
-            return self.parse(raw.strip())
+            return self.parse(raw)
         except ValueError as exc:
             unset = "" if self.default is None else f" (unset: {self.default})"
             raise ValueError(f"{self.name}={raw!r} is not {exc}{unset}") from None
@@ -114,7 +114,8 @@ def _whole(low: int, high: int | None = None, what: str = "a whole number") -> C
 
 
 def _switch(text: str) -> bool:
-    value = _SWITCH.get(text.lower(), _SWITCH_OFF.get(text.lower()))
+    text = text.strip().lower()
+    value = _SWITCH.get(text, _SWITCH_OFF.get(text))
     if value is None:
         raise ValueError("a switch; set 1 (on) or 0 (off)")
     return value
@@ -122,18 +123,23 @@ def _switch(text: str) -> bool:
 
 def _choice(*choices: str) -> Callable[[str], str | None]:
     def parse(text: str) -> str | None:
-        if text.lower() not in choices:
+        if text.strip().lower() not in choices:
             raise ValueError(f"one of {', '.join(choices)}")
-        return text.lower()
+        return text.strip().lower()
 
     return parse
 
 
 def _text(text: str) -> str | None:
-    return text
+    return text.strip()
+
+
+def _secret(text: str) -> str | None:
+    return text  # as it is: a token is compared byte for byte
 
 
 def _endpoint(text: str) -> str | None:
+    text = text.strip()
     host, sep, port = text.rpartition(":")
     if not sep or not host.strip("[]") or not port.isdecimal() or not 0 < int(port) < 65536:
         raise ValueError("HOST:PORT with a port in 1..65535")
@@ -153,7 +159,7 @@ _DOCS_SECURITY: Final = "../operations/security.md"
 
 TOKEN: Final = Setting(
     "AIODIST_TOKEN",
-    _text,
+    _secret,
     None,
     "the job's token: ranks prove it to the server and to each other, and a server this "
     "process embeds or `aiodist run` hosts requires it "

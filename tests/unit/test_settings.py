@@ -79,6 +79,8 @@ def test_switches_and_numbers_read_what_users_write() -> None:
     assert _settings.EMBED.read({"AIODIST_EMBED": "true"}) is True
     assert _settings.HEARTBEAT_TIMEOUT.read({"AIODIST_HEARTBEAT_TIMEOUT": " 2.5 "}) == 2.5
     assert _settings.TORCH_PARTS.raw({"AIODIST_TORCH_PARTS": ""}) == ""  # set, empty: none
+    assert _settings.HOST.read({"AIODIST_HOST": " 10.0.0.1 "}) == "10.0.0.1"
+    assert _settings.TOKEN.read({"AIODIST_TOKEN": " s3cret "}) == " s3cret "  # byte for byte
 
 
 def test_unknown_variable_is_warned_with_the_closest_name_once(
