@@ -659,3 +659,25 @@ def test_docs_site_fetches_nothing_from_another_host(site: Path) -> None:
         for url in re.findall(r"url\(\s*['\"]?((?:https?:)?//[^)'\"]+)", sheet.read_text()):
             fetched.append(f"{sheet.relative_to(site)}: url({url})")
     assert not fetched, "the site would fetch from the network:\n" + "\n".join(fetched)
+
+
+def test_api_reference_shows_only_what_users_may_call() -> None:
+    import griffe
+
+    extensions = griffe.load_extensions("docs/_hooks/docstrings.py:DocstringHabits")
+    package = griffe.load("aiodist", search_paths=[str(ROOT)], extensions=extensions)
+
+    def shown(name: str) -> set[str]:
+        cls = package[name].final_target
+        # What the reference renders: members with a docstring (show_if_no_docstring is off).
+        return {n for n, m in cls.members.items() if m.docstring is not None}
+
+    group, work = shown("ProcessGroup"), shown("Work")
+    # Before: internals listed as public (ProcessGroup.break_, spawn, take_seq; Work.set_result,
+    # settle_as) beside what users call.
+    for internal in ("break_", "spawn", "take_seq", "begin", "drive", "abort", "check_usable"):
+        assert internal not in group, internal
+    for internal in ("set_result", "settle_as", "set_exception", "when_done", "pending"):
+        assert internal not in work, internal
+    assert "size" in group, group
+    assert {"wait", "is_completed", "result", "exception", "add_done_callback"} <= work, work
