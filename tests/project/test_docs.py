@@ -243,17 +243,9 @@ assert await aiodist.irecv_object(src=peer, tag=9) == peer  # not lost to the wi
         ),
     },
     "docs/guide/sync.md": {
-        # world_size=4 as written; rank, grads, preds, dataset are ours.
-        "import torch": Harness(
+        # world_size=4 as written.
+        "import os": Harness(
             runs=(("aiodist run", 4),),
-            prelude="""
-import os
-import torch
-rank = int(os.environ["RANK"])
-grads = torch.ones(8) * (rank + 1)
-dataset = range(12)
-preds = list(dataset)[rank::4]  # this rank's share, as a distributed sampler splits it
-""",
             epilogue="""
 assert t.tolist() == [6.0] * 4, t
 assert objs == [{"loss": 0.5}] * 4, objs
@@ -279,48 +271,20 @@ assert results == (list(dataset) if rank == 0 else None), results
         ),
     },
     "docs/guide/rpc.md": {
-        # The page's main(), with the train_shard and Counter it names.
-        "import aiodist, aiodist.rpc as rpc": Harness(
-            runs=(("aiodist run", 4),),
-            prelude="""
-import anyio
-
-
-def train_shard(r):
-    print(f"train_shard({r})", flush=True)
-    return 0.1 * r
-
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-
-    def add(self, k):
-        self.n += k
-        print(f"Counter.add({k}) -> {self.n}", flush=True)
-        return self.n
-""",
-            epilogue="anyio.run(main)",
-            check=_remote_calls_ran,
-        ),
+        # The page's program: main() on every rank.
+        "import anyio": Harness(runs=(("aiodist run", 4),), check=_remote_calls_ran),
         # The torch-style parameter server: trained over an rpc world of its own.
         "import os": Harness(runs=(("aiodist run", 2),), check=_server_trained),
     },
     "docs/guide/metrics.md": {
         # The on_done snippet, alone (world size 1, nothing initialised) and on 4 ranks.
-        "from aiodist.metrics import MetricAggregator, MetricsWriter": Harness(
+        "import torch": Harness(
             runs=(("python", 1), ("aiodist run", 4)),
             prelude="""
 import os
-import torch
 import aiodist.sync as dist
 if "WORLD_SIZE" in os.environ:
     dist.init_process_group()
-loader = [torch.full((8, 4), float(i)) for i in range(25)]  # 25 batches of 8 samples
-
-
-def train_step(batch):
-    return batch.mean() * 2
 """,
             check=_metrics_written,
         ),
