@@ -635,3 +635,23 @@ def test_api_reference_shows_only_what_users_may_call() -> None:
         assert internal not in work, internal
     assert "size" in group, group
     assert {"wait", "is_completed", "result", "exception", "add_done_callback"} <= work, work
+
+
+def test_launching_page_names_every_flag_of_aiodist_run() -> None:
+    import argparse
+
+    from aiodist._launch.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    run_parser = sub.choices["run"]
+    flags = {
+        next(o for o in action.option_strings if o.startswith("--"))
+        for action in run_parser._actions
+        if any(o.startswith("--") for o in action.option_strings) and action.dest != "help"
+    }
+    page = (DOCS / "guide" / "launching.md").read_text()
+    table = page.split("### torchrun's flags", 1)[1].split("\n## ", 1)[0]
+    # Before: no --replace-failed or --max-replacements, and --nnodes "not the elastic MIN:MAX".
+    missing = sorted(f for f in flags if f"`{f}" not in table)
+    assert not missing, f"docs/guide/launching.md's torchrun table does not name {missing}"
+    assert "not the elastic" not in table
