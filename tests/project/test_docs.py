@@ -655,3 +655,13 @@ def test_launching_page_names_every_flag_of_aiodist_run() -> None:
     missing = sorted(f for f in flags if f"`{f}" not in table)
     assert not missing, f"docs/guide/launching.md's torchrun table does not name {missing}"
     assert "not the elastic" not in table
+
+
+def test_index_page_table_links_every_page_of_the_guide_and_operations() -> None:
+    nav = re.findall(r":\s*([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    index = (DOCS / "index.md").read_text()
+    listed = set(re.findall(r"\]\(([\w/-]+\.md)\)", index.split("| page |", 1)[1]))
+    # The API reference's other modules are one entry (the reference's own nav).
+    wanted = {p for p in nav if p != "index.md" and not p.startswith("reference/")}
+    # Before: the elastic, torch backend, transports and observability pages were missing.
+    assert wanted - listed == set(), sorted(wanted - listed)
