@@ -665,3 +665,16 @@ def test_index_page_table_links_every_page_of_the_guide_and_operations() -> None
     wanted = {p for p in nav if p != "index.md" and not p.startswith("reference/")}
     # Before: the elastic, torch backend, transports and observability pages were missing.
     assert wanted - listed == set(), sorted(wanted - listed)
+
+
+@pytest.mark.parametrize("page", ["index.md", "getting-started.md"])
+def test_first_pages_code_fits_without_scrolling(page: str) -> None:
+    # The theme's code blocks show about 80 characters before they scroll sideways.
+    wide = [
+        f"{block.head!r}: {line!r}"
+        for block in fenced_blocks(DOCS / page)
+        for line in block.code.splitlines()
+        if len(line) > 80
+    ]
+    # Before: "make test    # installs, lints (ruff, mypy --strict), builds the docs, ..." (90).
+    assert not wide, wide
