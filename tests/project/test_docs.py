@@ -142,6 +142,12 @@ assert aiodist.infer_launcher() == "mpi"
 """
 
 
+def _stepped_alike(result: Finished, cwd: Path, world: int) -> None:
+    lines = sorted(result.stdout.splitlines())
+    w = -0.5 * 50  # 50 steps of 0.5 times the mean gradient, 1.0
+    assert lines == [f"[rank {r}] rank {r} of {world}: {[w] * 3}" for r in range(world)], lines
+
+
 def _survivors_shrank(result: Finished, cwd: Path, world: int) -> None:
     lines = result.stdout.splitlines()
     for old, new in ((0, 0), (1, 1), (2, 2)):
@@ -164,6 +170,8 @@ PYTHON: dict[str, dict[str, Harnesses]] = {
         "import anyio, torch, aiodist": Harness(
             runs=(("aiodist run", 4),), prelude=_QUIET, check=_survivors_shrank
         ),
+        # The members' loop (the growing is tests/integration/test_elastic_grow.py's).
+        "import anyio": Harness(runs=(("aiodist run", 3),), check=_stepped_alike),
         # Three ranks that formed the job: none joined late, the view is the job's first.
         "await aiodist.init_process_group(world_size=3, max_world_size=4)": Harness(
             runs=(("aiodist run", 3),),
