@@ -35,6 +35,7 @@ lint: install
 	$(VENV)/bin/mypy
 	$(PY) aiodist/_tools/layers.py
 	@if [ -f aiodist/_tools/gen_sync.py ]; then $(PY) -m aiodist._tools.gen_sync --check; fi
+	$(PY) -m aiodist._tools.gen_settings --check
 
 format: install
 	$(VENV)/bin/ruff check --fix .

@@ -24,6 +24,7 @@ __all__ = [
     "RemoteError",
     "RendezvousError",
     "RendezvousTimeout",
+    "counted",
     "from_wire",
     "rank_left_error",
 ]
@@ -200,6 +201,11 @@ class ClosedError(DistError):
     """You closed it, then used it."""
 
     code = ErrorCode.CLOSED
+
+
+def counted(n: int, noun: str) -> str:
+    """A count and its noun for messages: ``1 rank``, ``3 ranks``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def rank_left_error(rank: int, host: str = "", pid: int = 0) -> RankFailedError:

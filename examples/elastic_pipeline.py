@@ -115,10 +115,10 @@ async def produce(
         by_worker[w] += 1
     assert sorted(results) == list(range(items)), "an item was lost"
     assert all(results[i] == i * i for i in results), "a wrong result"
+    joined = f"joined: {[w for w, _ in joins]}; " if joins else ""  # replacements, if any
     print(
         f"elastic pipeline: {len(results)} of {items} items, each processed exactly once; "
-        f"workers gone: {sorted(gone)}; joined: {[w for w, _ in joins]}; "
-        f"items per worker: {by_worker}"
+        f"workers gone: {sorted(gone)}; {joined}items per worker: {by_worker}"
     )
     if joins:
         report_recovery(deaths, joins, done_at, full)

@@ -55,7 +55,7 @@ async def main(steps: int, fail_at: int, kill: bool, lr: float, replace: bool) -
     curve: list[tuple[int, int, float]] = []  # step, world size, mean loss
     events: list[tuple[int, str]] = []
     step, group_epoch = 0, 0
-    if aiodist.joined_late():  # a replacement: alone until it regroups with the others
+    if aiodist.joined_late():  # a replacement: outside the default group until it regroups
         view = await aiodist.membership()
         await aiodist.regroup(view)
         group_epoch = view.epoch

@@ -27,6 +27,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING, Final
 
+from aiodist import _settings
 from aiodist._errors import RendezvousError
 
 if TYPE_CHECKING:
@@ -133,9 +134,9 @@ def reachable_host(toward: str | None = None, environ: Mapping[str, str] | None 
         RendezvousError: No such address was found; the message says what to set.
     """
     env = os.environ if environ is None else environ
-    if host := env.get("AIODIST_HOST", "").strip():
+    if host := _settings.HOST.read(env):
         return host
-    if ifname := env.get("AIODIST_SOCKET_IFNAME", "").strip():
+    if ifname := _settings.SOCKET_IFNAME.read(env):
         return interface_address(ifname)
     if toward and (source := _route_source(toward)) is not None and not is_loopback(source):
         return source

@@ -40,13 +40,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import socket
 import ssl
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 
+from aiodist import _settings
 from aiodist._control.channel import (
     ControlChannel,
     Notice,
@@ -650,7 +650,7 @@ async def connect_control(
         ValueError: ``$AIODIST_TLS_*`` is set but unusable (the message names it).
     """
     if token is None:
-        token = os.environ.get("AIODIST_TOKEN", "")
+        token = _settings.TOKEN.read() or ""
     if tls_config is None:
         tls_config = tls.from_env()
     ssl_args: dict[str, Any] = {}

@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 from typing import TYPE_CHECKING, Final
 
+from aiodist import _settings
 from aiodist._control.channel import ServerLost
 from aiodist._errors import AuthenticationError, DistError
 
@@ -38,28 +38,18 @@ __all__ = ["DEFAULT_SERVER_GRACE", "Reconnect", "server_grace"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SERVER_GRACE: Final = 60.0
+DEFAULT_SERVER_GRACE: Final = _settings.SERVER_GRACE.default
 FIRST_DELAY: Final = 0.05
 MAX_DELAY: Final = 1.0
 
 
 def server_grace() -> float:
     """Seconds a rank waits for its server to come back (``AIODIST_SERVER_GRACE``)."""
-    raw = os.environ.get("AIODIST_SERVER_GRACE", "")
-    if not raw:
-        return DEFAULT_SERVER_GRACE
     try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 86400:  # NaN included
-        logger.warning(
-            "AIODIST_SERVER_GRACE=%r is not a number of seconds in [0, 86400]; using %.0f",
-            raw,
-            DEFAULT_SERVER_GRACE,
-        )
+        return _settings.SERVER_GRACE.read()
+    except ValueError as exc:  # read once the server is gone: no time to fail the job for it
+        logger.warning("%s; using %.0f", exc, DEFAULT_SERVER_GRACE)
         return DEFAULT_SERVER_GRACE
-    return value
 
 
 class Reconnect:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import anyio
 
+from aiodist import _settings
 from aiodist._control.addresses import is_loopback, reachable_host
 from aiodist._control.shared import open_channel
 from aiodist._control.torchrun import (
@@ -157,11 +158,9 @@ def parse_init_method(
             rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
         if world_size < 0:
             world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
-        if server := env.get("AIODIST_SERVER", "").strip():
+        if server := _settings.SERVER.read(env):
             # ``aiodist run``: its server, while MASTER_ADDR:MASTER_PORT is torch's store.
             server_host, _, server_port = server.rpartition(":")
-            if not server_host or not server_port.isdecimal():
-                raise RendezvousError(f"AIODIST_SERVER={server!r} is not HOST:PORT")
             return RendezvousSpec(
                 "tcp",
                 server_host.strip("[]"),
@@ -245,7 +244,7 @@ def may_embed(spec: RendezvousSpec, environ: Mapping[str, str] | None = None) ->
     env = os.environ if environ is None else environ
     if spec.scheme in ("torchrun", "store"):
         return spec.rank == 0
-    return spec.scheme == "file" or spec.rank == 0 or env.get("AIODIST_EMBED", "") == "1"
+    return spec.scheme == "file" or spec.rank == 0 or _settings.EMBED.read(env)
 
 
 async def connect_rendezvous(
@@ -264,7 +263,7 @@ async def connect_rendezvous(
     """
     env = os.environ if environ is None else environ
     # One token for the server this process may embed and for its own clients.
-    token = env.get("AIODIST_TOKEN", "")
+    token = _settings.TOKEN.read(env) or ""
     if spec.scheme == "torchrun":
         return await _connect_torchrun(spec, tg, timeout=timeout, token=token, env=env)
     if spec.scheme == "store":
@@ -311,7 +310,7 @@ async def _embed(tg: ServerHost, host: str, port: int, token: str) -> Rendezvous
 
 def _embed_host(spec: RendezvousSpec, env: Mapping[str, str], *, toward: str | None) -> str:
     """Where to embed a server that every rank of ``spec`` must reach."""
-    if host := env.get("AIODIST_HOST", "").strip():
+    if host := _settings.HOST.read(env):
         return host
     if spec.single_host:
         return "127.0.0.1"
@@ -419,7 +418,7 @@ def _file_host(spec: RendezvousSpec, env: Mapping[str, str]) -> str:
     the launcher says every rank runs here; a host whose address cannot be
     found serves this host only (AIODIST_SOCKET_IFNAME says where, if needed).
     """
-    configured = any(env.get(name) for name in ("AIODIST_HOST", "AIODIST_SOCKET_IFNAME"))
+    configured = any(s.read(env) for s in (_settings.HOST, _settings.SOCKET_IFNAME))
     try:
         return _embed_host(spec, env, toward=None)
     except RendezvousError as exc:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import weakref
 from typing import TYPE_CHECKING
 
+from aiodist import _settings
 from aiodist._control.connection import ControlConnection, connect_control
 from aiodist._errors import AuthenticationError, RendezvousTimeout
 
@@ -47,7 +47,7 @@ def _forget(loop: asyncio.AbstractEventLoop, key: _Key, conn: ControlConnection)
 
 def sharing_enabled() -> bool:
     """Whether members of this process share a control connection (``AIODIST_SHARED_CONTROL``)."""
-    return os.environ.get("AIODIST_SHARED_CONTROL", "1") != "0"
+    return _settings.SHARED_CONTROL.read()
 
 
 async def open_channel(
@@ -66,7 +66,7 @@ async def open_channel(
     channels on it. Arguments and errors are ``connect_control``'s.
     """
     if token is None:
-        token = os.environ.get("AIODIST_TOKEN", "")
+        token = _settings.TOKEN.read() or ""
     if not sharing_enabled():
         conn = await connect_control(
             host, port, timeout=timeout, retry_refused=retry_refused, token=token

@@ -42,6 +42,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from aiodist import _settings
 from aiodist._group.recorder import FORMAT
 
 if TYPE_CHECKING:
@@ -171,18 +172,19 @@ def dump_path(directory: str | Path, job: str, rank: int | None = None) -> Path:
 def dump_dir() -> Path | None:
     """This process's dump directory: ``AIODIST_DUMP_DIR``, else a private one (logged if None).
 
+    ``AIODIST_DUMP_DIR`` is made (mode 0700) if it is not there yet.
+
     The private one is ``<temporary directory>/aiodist-dumps-<uid>``, made with mode
     0700; one that is not a directory of this user's that only this user may use
     (another user made it first, or it is a link) is refused.
     """
-    configured = os.environ.get("AIODIST_DUMP_DIR")
+    configured = _settings.DUMP_DIR.read()
     if configured:
-        if not Path(configured).is_dir():
-            logger.warning(
-                "AIODIST_DUMP_DIR=%s is no directory: no flight recorder written", configured
-            )
+        try:
+            return make_dump_dir(Path(configured))
+        except OSError as exc:
+            logger.warning("AIODIST_DUMP_DIR=%s: %s; no flight recorder written", configured, exc)
             return None
-        return Path(configured)
     path = Path(tempfile.gettempdir()) / f"aiodist-dumps-{os.getuid()}"
     try:
         with contextlib.suppress(FileExistsError):
@@ -198,6 +200,16 @@ def dump_dir() -> Path | None:
             path,
         )
         return None
+    return path
+
+
+def make_dump_dir(path: Path) -> Path:
+    """``path``, made (mode 0700, its parents too) if it is not there yet.
+
+    Raises:
+        OSError: It cannot be made, or something other than a directory is there.
+    """
+    os.makedirs(path, 0o700, exist_ok=True)  # FileExistsError: not a directory
     return path
 
 
@@ -312,7 +324,7 @@ def on_failure(recorder: Recorder | None, reason: str) -> None:
     Once per session, so not bounded: a loop turn later (the operations that the
     failure ends have ended by then), written in a thread.
     """
-    directory = os.environ.get("AIODIST_DUMP_DIR")
+    directory = _settings.DUMP_DIR.read()
     if recorder is None or not directory:
         return
     try:

@@ -35,6 +35,7 @@ from aiodist._errors import (
     ErrorCode,
     GroupBrokenError,
     RankFailedError,
+    counted,
 )
 from aiodist._group import stalls
 from aiodist._group.inflight import Deadlines
@@ -131,6 +132,8 @@ class ProcessGroup:
 
         With ``p2p`` (a point-to-point call), a group broken by a member's failure
         is usable: the plane fails what needs the failed rank.
+
+        :meta private:
         """
         self._session.check_usable()
         if self.closed:
@@ -147,11 +150,16 @@ class ProcessGroup:
         records queued on a shared board) still gets done, for the peers' sake.
         A method may return a future (a task it started): leaving the job waits
         for it, bounded (``join.run_close_hooks``).
+
+        :meta private:
         """
         self._on_close.append(weakref.WeakMethod(method))
 
     def run_close_hooks(self) -> list[asyncio.Future[Any]]:
-        """Run the close hooks registered so far; return the futures they returned."""
+        """Run the close hooks registered so far; return the futures they returned.
+
+        :meta private:
+        """
         hooks, self._on_close = self._on_close, []
         started: list[asyncio.Future[Any]] = []
         for ref in hooks:
@@ -168,6 +176,8 @@ class ProcessGroup:
         For what runs beside the group's own operations and must end with them: the
         torch backend's device parts (an NCCL communicator is aborted). ``fn`` must not
         block; what it raises is logged.
+
+        :meta private:
         """
         if self.error is not None:
             fn(self.error)
@@ -175,7 +185,10 @@ class ProcessGroup:
             self._on_break.append(fn)
 
     def close(self) -> None:
-        """Destroy this group (not the session): its pending receives fail, later calls raise."""
+        """Destroy this group (not the session): its pending receives fail, later calls raise.
+
+        :meta private:
+        """
         if self.closed:
             return
         self.run_close_hooks()
@@ -189,6 +202,8 @@ class ProcessGroup:
 
         With ``keep_p2p`` (a member failed: ``membership.py``), its collectives
         break and its point-to-point with the other members goes on.
+
+        :meta private:
         """
         if self.error is not None:
             return
@@ -199,7 +214,9 @@ class ProcessGroup:
             isinstance(exc, RankFailedError) and exc.rank not in (-1, self._session.rank)
         )
         self._aborted.clear()
-        logger.error("group %r broken: %s", self.name, exc)
+        # INFO: every operation on it raises ``exc`` itself; code that handles it (a
+        # shrink_group) needs no line of its own on stderr.
+        logger.info("group %r broken: %s", self.name, exc)
         listeners, self._on_break = self._on_break, []
         for fn in listeners:
             try:
@@ -223,7 +240,10 @@ class ProcessGroup:
         self.spawn(linger(coro))  # peers learn why even when the loop is ending
 
     def spawn(self, task: asyncio.Task[Any]) -> None:
-        """Keep ``task`` (part of an operation, started here) until it ends: closing waits."""
+        """Keep ``task`` (part of an operation, started here) until it ends: closing waits.
+
+        :meta private:
+        """
         inflight = self._session.inflight
         inflight.add(task)
         task.add_done_callback(inflight.discard)
@@ -256,6 +276,8 @@ class ProcessGroup:
         Raises:
             RuntimeError: Not called on an event loop.
             DistError, ValueError: The group is unusable here (for a new number).
+
+        :meta private:
         """
         try:
             loop = asyncio.get_running_loop()
@@ -303,6 +325,8 @@ class ProcessGroup:
         ``op`` ever ran: what the operation holds (a turn on shared memory) is
         released there, not when the handle settles, since ``op`` may still be
         unwinding then.
+
+        :meta private:
         """
         if work.is_completed():  # a member aborted the call
             if on_end is not None:
@@ -329,6 +353,8 @@ class ProcessGroup:
         """``begin`` then ``drive``: run ``op(seq)`` as this group's operation ``seq``.
 
         ``seq`` None takes the next number now (point-to-point: its own numbering).
+
+        :meta private:
         """
         if seq is None and collective:
             seq = self.take_seq()
@@ -353,7 +379,10 @@ class ProcessGroup:
             work.set_result(result)
 
     def fail(self, work: Work[Any], exc: BaseException, *, collective: bool) -> None:
-        """End ``work`` with ``exc`` by the group's rules (a failed collective breaks the group)."""
+        """End ``work`` with ``exc`` by the group's rules (a failed collective breaks the group).
+
+        :meta private:
+        """
         if work.is_completed():
             return  # timed out, or failed by the group's error already
         if isinstance(exc, AbortedError):  # a member aborted this call: the group stays usable
@@ -387,6 +416,8 @@ class ProcessGroup:
         """``work`` passed the group's timeout (``Deadlines``): fail it, break the group.
 
         A collective first asks the server who it waits for (``stalls.py``, briefly).
+
+        :meta private:
         """
         seq = stalls.seq_of(work.description)
         if seq and not self._session.conn.closed:
@@ -420,6 +451,8 @@ class ProcessGroup:
         Raises:
             DistError, ValueError: The group is unusable here (broken, closed, or
                 this rank is no member); no number was taken.
+
+        :meta private:
         """
         self.check_usable()
         return self.next_seq()
@@ -431,6 +464,8 @@ class ProcessGroup:
         ``seq`` fails with ``AbortedError`` naming this rank and ``exc``. With
         ``torch`` (the others may have issued their part to torch.distributed,
         which cannot leave one rank's part out), the group breaks instead.
+
+        :meta private:
         """
         if self.error is not None or self.closed:
             return  # every member fails its calls with the group's error anyway
@@ -462,7 +497,10 @@ class ProcessGroup:
                 plane.send_notice(rank, PeerError.KIND, header)
 
     def abort_remote(self, seq: int, exc: AbortedError) -> None:
-        """A member aborted call ``seq``: fail it here, now if it runs, else when it is made."""
+        """A member aborted call ``seq``: fail it here, now if it runs, else when it is made.
+
+        :meta private:
+        """
         if seq > self._seq:
             self._aborted[seq] = exc  # not made here yet
         for work in self.deadlines.running_call(seq):
@@ -470,7 +508,10 @@ class ProcessGroup:
         self._session.plane.drop_call(self.group_id, seq, exc)
 
     def next_seq(self) -> int:
-        """Take the group's next sequence number (from any thread)."""
+        """Take the group's next sequence number (from any thread).
+
+        :meta private:
+        """
         seq = self._seq = next(self._seqs)
         return seq
 
@@ -483,6 +524,8 @@ class ProcessGroup:
         Raises:
             TypeError: ``rank`` is not an int.
             ValueError: ``rank`` is not a member of this group.
+
+        :meta private:
         """
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise ArgumentTypeError(f"{name} must be an int rank, got {type(rank).__name__}")
@@ -491,7 +534,7 @@ class ProcessGroup:
             if not 0 <= rank < len(numbering):
                 raise ArgumentError(
                     f"{name}={rank} is not a global rank: the default group has "
-                    f"{len(numbering)} ranks since shrink_group renumbered them"
+                    f"{counted(len(numbering), 'rank')} since shrink_group renumbered them"
                 )
             rank = numbering[rank]
         if isinstance(self.ranks, range):

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist import _settings
 from aiodist._control.rendezvous import (
     RendezvousSpec,
     connect_rendezvous,
@@ -39,8 +40,6 @@ from aiodist._control.store import REPLY_GRACE
 from aiodist._group.lingering import LingeringTask
 from aiodist._group.session import (
     CLOSE_GRACE,
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_TIMEOUT,
     Session,
 )
@@ -66,7 +65,7 @@ ABANDON_SHUTDOWN: Final = 0.2
 
 
 def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
-    return environ.get("AIODIST_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID") or "default"
+    return _settings.JOB_ID.read(environ) or environ.get("TORCHELASTIC_RUN_ID") or "default"
 
 
 @contextlib.asynccontextmanager
@@ -134,18 +133,15 @@ async def open_process_group(
         )
     if not -1 <= spec.rank < spec.world_size:
         raise ValueError(f"rank must be in [0, {spec.world_size}) or -1, got {spec.rank}")
-    interval = heartbeat_interval or float(
-        env.get("AIODIST_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL)
-    )
-    hb_timeout = heartbeat_timeout or float(
-        env.get("AIODIST_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT)
-    )
+    _settings.warn_unknown()
+    interval = heartbeat_interval or _settings.HEARTBEAT_INTERVAL.read(env)
+    hb_timeout = heartbeat_timeout or _settings.HEARTBEAT_TIMEOUT.read(env)
     if not 0 < interval < hb_timeout:
         raise ValueError(
             f"heartbeat_interval ({interval}) must be > 0 and below heartbeat_timeout "
             f"({hb_timeout})"
         )
-    max_ws = int(env.get("AIODIST_MAX_WORLD_SIZE", 0)) if max_world_size is None else max_world_size
+    max_ws = _settings.MAX_WORLD_SIZE.read(env) if max_world_size is None else max_world_size
     if max_ws and max_ws < spec.world_size:
         raise ValueError(
             f"max_world_size ({max_ws}) must be 0 (not elastic) or >= world_size "

@@ -33,26 +33,21 @@ import os
 import time
 from typing import TYPE_CHECKING, Final
 
+from aiodist import _settings
+
 if TYPE_CHECKING:
     import asyncio
 
 __all__ = ["Poller", "poller"]
 
-DEFAULT_SPIN_US: Final = 200
+DEFAULT_SPIN_US: Final = _settings.SPIN_US.default
 MISSES_TO_BACK_OFF: Final = 3
 BACK_OFF_WAITS: Final = 64
 MAX_BACK_OFF_WAITS: Final = 4096
 
 
 def _spin_seconds() -> float:
-    raw = os.environ.get("AIODIST_SPIN_US", "")
-    try:
-        us = int(raw) if raw.strip() else DEFAULT_SPIN_US
-    except ValueError:
-        raise ValueError(
-            f"AIODIST_SPIN_US={raw!r} is not a whole number of microseconds (0 turns polling off)"
-        ) from None
-    return max(us, 0) / 1e6
+    return _settings.SPIN_US.read() / 1e6
 
 
 class Poller:

@@ -23,6 +23,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from aiodist import _settings
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 #: How many operations a rank's recorder keeps, unless ``AIODIST_RECORDER_SIZE`` says.
-DEFAULT_CAPACITY: Final = 2048
+DEFAULT_CAPACITY: Final = _settings.RECORDER_SIZE.default
 #: The ``format`` field of a dump (bumped when a field changes meaning).
 FORMAT: Final = "aiodist.flight-recorder/1"
 # Wire bounds (``_wire/bounds.py`` checks them again on the server).
@@ -57,11 +59,7 @@ _NAME_CHARS: Final = 64
 
 def capacity_from_env() -> int:
     """``AIODIST_RECORDER_SIZE`` as a ring size, else ``DEFAULT_CAPACITY``; 0 turns it off."""
-    raw = os.environ.get("AIODIST_RECORDER_SIZE", "")
-    try:
-        size = int(raw) if raw else DEFAULT_CAPACITY
-    except ValueError:
-        raise ValueError(f"AIODIST_RECORDER_SIZE must be an integer, got {raw!r}") from None
+    size = _settings.RECORDER_SIZE.read()
     return 0 if size <= 0 else max(16, size)
 
 
@@ -75,7 +73,7 @@ def new_recorder(rank: int, job: str) -> Recorder | None:
     if not capacity:
         return None
     rec = Recorder(rank, job, capacity)
-    directory = TRACE_DIR[0] if TRACE_DIR else os.environ.get("AIODIST_TRACE")
+    directory = TRACE_DIR[0] if TRACE_DIR else _settings.TRACE.read()
     if directory:
         rec.start_trace(directory)
     return rec

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
+from aiodist import _settings
 from aiodist._control.channel import ServerAway, ServerBack, ServerLost
 from aiodist._control.store import REPLY_GRACE, Store
 from aiodist._errors import (
@@ -40,8 +41,10 @@ from aiodist._errors import (
     AuthenticationError,
     ClosedError,
     DistError,
+    GroupBrokenError,
     ProtocolError,
     RankFailedError,
+    counted,
     from_wire,
     rank_left_error,
 )
@@ -83,8 +86,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout
-DEFAULT_HEARTBEAT_INTERVAL: Final = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT: Final = 10.0
+DEFAULT_HEARTBEAT_INTERVAL: Final = _settings.HEARTBEAT_INTERVAL.default
+DEFAULT_HEARTBEAT_TIMEOUT: Final = _settings.HEARTBEAT_TIMEOUT.default
 # A loop late by more than this many heartbeat timeouts was silent past the server's sweep:
 # the server declared its members failed (see Session._declared_failed).
 STALL_FACTOR: Final = 1.25
@@ -176,16 +179,25 @@ class Session:
         self.groups: dict[int, ProcessGroup] = {0: self.world}
 
     def admitted(self) -> None:
-        """This process joined a formed elastic job: it is alone in its default group.
+        """This process joined a formed elastic job: its default group is not formed yet.
 
         Its first view comes with the server's notice of its join; it forms a group
-        with the others when they all call ``regroup`` over that view.
+        with the others when they all call ``regroup`` over that view. Until then its
+        rank is the job rank it was given (never a world of its own, where a script's
+        ``if rank == 0`` would make it a second rank 0), and a collective on the
+        default group raises an error that says to regroup; point-to-point by job
+        rank goes on.
         """
         self.views = Views(-1, [self.rank])
         self.joined_late = True
-        self.world = ProcessGroup(self, (self.rank,), name=self.group_name, group_id=0)
-        self.groups = {0: self.world}
-        self.numbering = (self.rank,)
+        self.world.error = GroupBrokenError(
+            f"this process joined job {self.group_name!r} after it formed, as rank "
+            f"{self.rank}: the default group holds it only once every rank calls regroup "
+            "over the view of its join; call `await aiodist.regroup(await "
+            "aiodist.membership())` (aiodist.sync: `regroup(membership())`) before a "
+            "collective on the default group"
+        )
+        self.world.keeps_p2p = True
 
     def next_group_id(self) -> int:
         return next(self._group_ids)
@@ -347,8 +359,10 @@ class Session:
         elif isinstance(error, AbortedError):
             group.abort_remote(seq, error)
         elif isinstance(error, RankFailedError) and error.rank == self.rank:
-            # A member heard that this rank failed: it ran again after the server's verdict.
-            self.fail(self._failed_itself(error.reason, self.conn.stalled_for()))
+            # A member heard that this rank failed: it ran again after the server's verdict
+            # (or it told the server so itself, as its program ended: no news).
+            if not self.failed_reason:
+                self.fail(self._failed_itself(error.reason, self.conn.stalled_for()))
         else:
             group.break_(error, notify=False)
 
@@ -377,18 +391,23 @@ class Session:
 
     def _failed_itself(self, reason: str, stall: float) -> RankFailedError:
         """The error of a rank the server declared failed, as that rank tells it."""
+        stalled = stall > self.heartbeat_timeout / 2
         why = (
             f"its event loop stopped for {stall:.1f} s (the process was suspended, as by "
             "SIGSTOP or a debugger, or a call blocked the loop), longer than the heartbeat "
             f"timeout of {self.heartbeat_timeout:.1f} s"
-            if stall > self.heartbeat_timeout / 2
+            if stalled
             else reason
+        )
+        advice = (  # for a stalled loop only: other verdicts have causes of their own
+            " Restart the job, and keep the loop free of blocking calls (or raise "
+            "AIODIST_HEARTBEAT_TIMEOUT)."
+            if stalled
+            else " Restart the job."
         )
         return RankFailedError(
             f"this rank ({self.rank}, pid {os.getpid()}) was declared failed by the "
-            f"rendezvous server: {why}; group {self.group_name!r} is broken on all ranks. "
-            "Restart the job, and keep the loop free of blocking calls (or raise "
-            "AIODIST_HEARTBEAT_TIMEOUT).",
+            f"rendezvous server: {why}; group {self.group_name!r} is broken on all ranks." + advice,
             rank=self.rank,
             pid=os.getpid(),
             reason=reason,
@@ -451,7 +470,8 @@ class Session:
                 self.on_notice(failure)
         elif isinstance(notice, MemberFailed):
             if notice.rank == self.rank:  # told of itself: it ran again after the verdict
-                self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
+                if not self.failed_reason:  # else the echo of its own word, as it ends
+                    self.fail(self._failed_itself(notice.reason, self.conn.stalled_for()))
                 return
             if notice.rank in self.failed_ranks:
                 return  # told again (a re-attached member hears every failure of its job)
@@ -566,8 +586,8 @@ class Session:
                 await server.wait_until(lambda s: not s.state.jobs)
             if scope.cancelled_caught:
                 logger.warning(
-                    "stopping the embedded rendezvous server while %d jobs still use it",
-                    len(server.state.jobs),
+                    "stopping the embedded rendezvous server while %s still use it",
+                    counted(len(server.state.jobs), "job"),
                 )
 
     async def _leave(self) -> None:

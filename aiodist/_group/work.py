@@ -92,12 +92,18 @@ class Work(Generic[T]):
 
     @classmethod
     def completed(cls, value: T, description: str = "completed") -> Work[T]:
-        """A handle that is already done with ``value`` (the non-distributed answer)."""
+        """A handle that is already done with ``value`` (the non-distributed answer).
+
+        :meta private:
+        """
         return cls(None, description, value)
 
     @classmethod
     def failed(cls, exc: BaseException, description: str = "failed") -> Work[T]:
-        """A handle that is already done with the error ``exc``."""
+        """A handle that is already done with the error ``exc``.
+
+        :meta private:
+        """
         work: Work[T] = cls(None, description)
         work._value = None
         work._error = exc
@@ -105,7 +111,10 @@ class Work(Generic[T]):
 
     @classmethod
     def pending(cls, loop: asyncio.AbstractEventLoop, description: str) -> Work[T]:
-        """A running handle that the operation settles on ``loop``'s thread."""
+        """A running handle that the operation settles on ``loop``'s thread.
+
+        :meta private:
+        """
         return cls(None, description, loop=loop)
 
     def __repr__(self) -> str:
@@ -116,13 +125,18 @@ class Work(Generic[T]):
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop the operation settles this handle on (None: made done)."""
+        """The event loop the operation settles this handle on (None: made done).
+
+        :meta private:
+        """
         return self._loop
 
     def set_result(self, value: T) -> bool:
         """Settle with ``value``; False (and no change) if already done.
 
         For the operation that made the handle (``Work.pending``), on its loop's thread.
+
+        :meta private:
         """
         if self._done:
             return False
@@ -135,6 +149,8 @@ class Work(Generic[T]):
         """Settle with the error ``exc``; False (and no change) if already done.
 
         For the operation that made the handle, on its loop's thread.
+
+        :meta private:
         """
         if self._done:
             return False
@@ -144,7 +160,10 @@ class Work(Generic[T]):
         return True
 
     def settle_as(self, done: Work[T]) -> None:
-        """Settle the way ``done`` (another handle, finished) ended: a ``when_done`` listener."""
+        """Settle the way ``done`` (another handle, finished) ended: a ``when_done`` listener.
+
+        :meta private:
+        """
         error = done.exception()
         if error is not None:
             self.set_exception(error)
@@ -155,6 +174,8 @@ class Work(Generic[T]):
         """Let ``cancel`` take the operation back with ``withdraw()`` (True: taken back).
 
         For an operation that can be withdrawn before it matched (a receive).
+
+        :meta private:
         """
         self._withdraw = withdraw
 
@@ -182,6 +203,8 @@ class Work(Generic[T]):
 
         For the operations' own bookkeeping: ``fn`` runs on the loop's thread (at
         once if already done) and must not raise. Users want ``add_done_callback``.
+
+        :meta private:
         """
         if self._done:
             fn(self)

@@ -2,7 +2,10 @@
 
 Names and non-distributed answers follow ``mmengine.dist`` and
 ``torch.distributed``: with nothing initialised, every query answers as world
-size 1, rank 0, backend None, main process. ``init_process_group`` (in
+size 1, rank 0, backend None, main process; where the environment says this
+process is one of several ranks (a launcher's ``WORLD_SIZE`` > 1), the first
+such answer also logs one warning naming the missing ``init_process_group``
+(forgotten, or not awaited). ``init_process_group`` (in
 ``aiodist._launch``) installs the default group here; everything below the
 launch layer reads it from here.
 """
@@ -11,13 +14,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, overload
 
 from aiodist._errors import ArgumentError
 from aiodist._group.session import DEFAULT_TIMEOUT
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import asyncio
@@ -30,6 +37,7 @@ __all__ = [
     "Backend",
     "DefaultGroup",
     "GroupMember",
+    "default_group_for",
     "default_group_loop",
     "default_pg_timeout",
     "get_backend",
@@ -168,7 +176,36 @@ def get_default_group() -> ProcessGroup | None:
 
 
 def _group(group: ProcessGroup | None) -> ProcessGroup | None:
-    return group if group is not None else get_default_group()
+    return group if group is not None else default_group_for()
+
+
+_warned_alone = False
+
+
+def default_group_for(call: str | None = None) -> ProcessGroup | None:
+    """The default group for a call without ``group=``; None: it answers as a world of one.
+
+    Before ``init_process_group``, in a process a launcher started as one of
+    several ranks (``WORLD_SIZE`` > 1), the first such call logs a warning:
+    each rank would otherwise compute alone, in silence.
+    """
+    global _warned_alone
+    g = get_default_group()
+    if g is None and not _warned_alone:
+        size = os.environ.get("WORLD_SIZE", "")
+        if size.isdecimal() and int(size) > 1:
+            _warned_alone = True
+            what = call or sys._getframe(2).f_code.co_name  # the query: get_rank, ...
+            logger.warning(
+                "%s() answered as a world of one rank: init_process_group was not called "
+                "(or not awaited) in this process, but WORLD_SIZE=%s says it is one of %s "
+                "ranks; call `await aiodist.init_process_group()` (aiodist.sync: "
+                "`init_process_group()`) first",
+                what,
+                size,
+                size,
+            )
+    return g
 
 
 def is_initialized() -> bool:

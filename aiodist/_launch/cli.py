@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from aiodist import _settings
 from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT
 from aiodist._wire.tls import VARIABLES as TLS_VARIABLES
 
@@ -36,12 +37,14 @@ __all__ = ["main"]
 
 logger = logging.getLogger("aiodist")
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("text", "json")
+LOG_LEVELS = _settings.LOG_LEVELS
+LOG_FORMATS = _settings.LOG_FORMATS
 
 
-def _env(name: str, default: str | None) -> str | None:
-    return os.environ.get(f"AIODIST_{name}", default)
+def _env(name: str, default: Any) -> Any:
+    """A flag's default: ``AIODIST_<name>``, checked (``ValueError`` names it), or ``default``."""
+    value = _settings.by_name(f"AIODIST_{name}").read()
+    return default if value is None else value
 
 
 def _version() -> str:
@@ -122,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--host", default=_env("HOST", "127.0.0.1"), help="address to bind (AIODIST_HOST)"
     )
-    serve.add_argument("--port", type=int, default=_env("PORT", str(DEFAULT_PORT)))
+    serve.add_argument("--port", type=int, default=_env("PORT", DEFAULT_PORT))
     serve.add_argument(
         "--token-file",
         default=_env("TOKEN_FILE", None),
@@ -137,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=_env("SHUTDOWN_TIMEOUT", str(DEFAULT_SHUTDOWN_TIMEOUT)),
+        default=_env("SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT),
         help="seconds to let clients take the closing notice",
     )
     serve.add_argument(
@@ -153,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show the jobs a rendezvous server holds")
     status.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    status.add_argument("--port", type=int, default=_env("PORT", str(DEFAULT_PORT)))
+    status.add_argument("--port", type=int, default=_env("PORT", DEFAULT_PORT))
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0)
     status.add_argument(
@@ -307,17 +310,17 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``aiodist`` and ``python -m aiodist``; returns the exit code."""
-    parser = _parser()
+    try:  # the flags' defaults from AIODIST_* variables, each checked (_settings)
+        parser = _parser()
+    except ValueError as exc:
+        print(f"aiodist: {exc}", file=sys.stderr, flush=True)
+        return 2
     args = parser.parse_args(argv)
-    # Defaults from the environment skip argparse's choices check: check them here.
-    for name, choices in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
-        value = getattr(args, name, choices[0])
-        if value not in choices:
-            parser.error(f"AIODIST_{name.upper()}={value!r} is not one of {', '.join(choices)}")
     _configure_logging(
         args.log_level if hasattr(args, "log_level") else "warning",
         getattr(args, "log_format", "text"),
     )
+    _settings.warn_unknown()
     if args.command == "serve":
         return _serve(args)
     if args.command == "status":
@@ -334,7 +337,9 @@ def _trace(args: argparse.Namespace) -> int:
         out, ranks = merge_traces(args.directory, args.output)
     except (OSError, ValueError) as exc:
         return _fail("trace merge", str(exc))
-    print(f"merged {ranks} ranks' traces into {out}")
+    from aiodist._errors import counted
+
+    print(f"merged {counted(ranks, 'rank')}' traces into {out}")
     return 0
 
 
@@ -392,8 +397,7 @@ def _serve_token(args: argparse.Namespace) -> tuple[str | None, str]:
     """
     if args.token_file:
         return _token(args), f"from the token file {args.token_file}"
-    token = os.environ.get("AIODIST_TOKEN") or None
-    return token, "from AIODIST_TOKEN"
+    return _settings.TOKEN.read(), "from AIODIST_TOKEN"
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from aiodist._control.addresses import is_loopback
+from aiodist._errors import counted
 from aiodist._server.durable import StateDirError
 from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
 
@@ -239,11 +240,10 @@ async def run_daemon(
                 if server.state_dir is not None:
                     logger.info(
                         "jobs are kept in the state directory %s (fsync'd before each batch "
-                        "of replies); %d jobs restored from %d records, their members may "
-                        "re-attach",
+                        "of replies); %s restored from %s, their members may re-attach",
                         state_dir,
-                        server.state.reattachment.restored_jobs,
-                        server.state_dir.replayed,
+                        counted(server.state.reattachment.restored_jobs, "job"),
+                        counted(server.state_dir.replayed, "record"),
                     )
                 if on_ready is not None:
                     on_ready(server, None if metrics is None else metrics.address)
@@ -252,7 +252,11 @@ async def run_daemon(
                 await stop.wait()
                 sd_notify("STOPPING=1")
                 jobs = len(server.state.jobs)
-                logger.info("closing %d connections of %d jobs", server.num_connections, jobs)
+                logger.info(
+                    "closing %s of %s",
+                    counted(server.num_connections, "connection"),
+                    counted(jobs, "job"),
+                )
                 await server.aclose(f"it received {received[0].name}")
             finally:
                 tg.cancel_scope.cancel()

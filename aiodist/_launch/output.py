@@ -6,7 +6,9 @@ once nothing more came for ``PARTIAL_DELAY`` seconds, so tqdm's bar shows
 live, while ``print``'s text and its newline, which an unbuffered rank writes
 separately, still make one line. The prefix (``[rank 3] ``) goes before the
 first byte of each line, and again after each ``\\r``, so a redrawn bar keeps
-it. The ranks share the launcher's stdout (and stderr): when a rank writes
+it, in place of the ``[rankN]: `` that torch.distributed's excepthook puts
+before each line of a traceback (one prefix is enough). The ranks share the
+launcher's stdout (and stderr): when a rank writes
 while another rank's partial line is out, that line is ended first, so a line
 never carries two ranks' text; the other rank goes on on a line of its own,
 prefixed (the newline that would have ended its interrupted line is then not
@@ -25,6 +27,7 @@ READ_CHUNK_BYTES: Final = 64 * 1024
 PARTIAL_DELAY: Final = 0.05  # how long a partial line waits for the rest of it
 MAX_PENDING_BYTES: Final = 1024 * 1024  # a longer partial line is written at once
 _SEPARATOR: Final = re.compile(rb"([\r\n])")
+_TORCH_PREFIX: Final = re.compile(rb"\[rank\d+\]: ?")  # torch.distributed's excepthook's
 
 
 class Sink:
@@ -77,6 +80,8 @@ class _Writer:
                 self.at_start = True
             elif piece:
                 if self.at_start:
+                    if self.prefix and (torch := _TORCH_PREFIX.match(piece)):
+                        piece = piece[torch.end() :]
                     out += self.prefix
                     self.at_start = False
                 out += piece

@@ -22,10 +22,17 @@ import anyio
 
 from aiodist._control.addresses import is_local, is_loopback, reachable_host
 from aiodist._control.connection import connect_control
-from aiodist._errors import AuthenticationError, DistError, DistTimeoutError, RendezvousError
+from aiodist._errors import (
+    AuthenticationError,
+    DistError,
+    DistTimeoutError,
+    RendezvousError,
+    counted,
+)
 from aiodist._server.serve import serve_rendezvous
 from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
+from aiodist._wire.tls import speaks_tls_message
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -33,7 +40,7 @@ if TYPE_CHECKING:
     from aiodist._launch.run import LaunchSpec
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["PROBE_TIMEOUT", "first_failed_rank", "parse_endpoint", "place_server"]
+__all__ = ["PROBE_TIMEOUT", "failure_suspects", "parse_endpoint", "place_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +62,27 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def first_failed_rank(server: RendezvousServer, job_id: str) -> int | None:
-    """The rank of job ``job_id`` that ``server`` (hosted here) saw fail first, if any."""
+def failure_suspects(server: RendezvousServer, job_id: str) -> list[int]:
+    """The ranks of job ``job_id`` that may have made it fail, earliest first.
+
+    The ranks that left ``server`` (hosted here) before the first failure, then
+    the first to fail. A leave is a suspect because a program's own
+    ``sys.exit(n)`` looks like a clean leave to the server: its peers then fail,
+    and only the launcher sees that its exit code was not 0. Empty: no failure.
+    """
     job = server.state.jobs.get(job_id)
     if job is not None and job.failures:
-        return job.failures[0][0]
+        return [*job.left_before_failure, job.failures[0][0]]
     record = server.state.log.finished.get(job_id)
     first = record.get("first_failure") if record is not None else None
-    return int(first["rank"]) if isinstance(first, dict) else None
+    if not isinstance(first, dict):
+        return []
+    return [*first.get("after_leaves", ()), int(first["rank"])]
 
 
 def _not_a_server(where: str, port: int, exc: DistError) -> RendezvousError:
+    if str(exc) == speaks_tls_message("rendezvous server"):  # a TLS server's refusal
+        return RendezvousError(f"the rendezvous server at --rdzv-endpoint {where}: {exc}")
     why = "did not answer" if isinstance(exc, DistTimeoutError) else "hung up on"
     return RendezvousError(
         f"something listens at --rdzv-endpoint {where} but {why} an aiodist status "
@@ -147,9 +164,9 @@ async def _join_or_host(
     finally:
         conn.close()
     logger.info(
-        "joining the rendezvous server at %s (aiodist %s, %d jobs)",
+        "joining the rendezvous server at %s (aiodist %s, %s)",
         where,
         status.get("version", "?"),
-        status.get("jobs_total", 0),
+        counted(int(status.get("jobs_total", 0)), "job"),
     )
     return (host, port), None

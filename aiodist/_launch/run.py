@@ -45,9 +45,17 @@ from typing import IO, TYPE_CHECKING, Final
 
 import anyio
 
+from aiodist import _settings
+from aiodist._errors import counted
 from aiodist._launch.agent_store import AgentStore
 from aiodist._launch.output import Sink, pump
-from aiodist._launch.placement import first_failed_rank, parse_endpoint, place_server
+from aiodist._launch.placement import failure_suspects, parse_endpoint, place_server
+from aiodist._launch.replace import (
+    MAX_START_FAILURES,
+    WATCH_INTERVAL,
+    JobWatch,
+    start_backoff,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -261,13 +269,14 @@ class _Ranks:
 
     def kill(self, sig: int) -> None:
         for p in self.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)  # the rank's own process group: its children too
+            _kill(p, sig)
 
     def on_signal(self, sig: signal.Signals) -> None:
         self.signals.append(sig)
         if len(self.signals) == 1:
-            logger.info("received %s: forwarding it to %d ranks", sig.name, len(self.running()))
+            logger.info(
+                "received %s: forwarding it to %s", sig.name, counted(len(self.running()), "rank")
+            )
             self.kill(sig)
         else:
             logger.warning("received %s again: killing the ranks", sig.name)
@@ -275,12 +284,13 @@ class _Ranks:
         self.changed.set()
 
     async def wait_all(
-        self, replace: Callable[[int, int], Awaitable[bool]] | None = None
+        self, replace: Callable[[int, int], Awaitable[bool | None]] | None = None
     ) -> tuple[int, int] | None:
         """Wait until all ranks exit 0 (None), one fails ((index, code)), or a signal came.
 
         With ``replace``, a rank that fails is first offered to it (its index and
-        code): when it started a replacement in ``procs[index]``, the run goes on.
+        code): when it started a replacement in ``procs[index]`` (True), the run
+        goes on; None: that rank is done, and no failure of the run.
         """
         waiters = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self.procs)}
         changed = asyncio.ensure_future(self.changed.wait())
@@ -294,8 +304,11 @@ class _Ranks:
                         continue
                     i = waiters.pop(fut)
                     if fut.result() != 0 and not self.signals:
-                        if replace is not None and await replace(i, fut.result()):
+                        handled = None if replace is None else await replace(i, fut.result())
+                        if handled:
                             waiters[asyncio.ensure_future(self.procs[i].wait())] = i
+                            continue
+                        if handled is None and replace is not None:
                             continue
                         return i, fut.result()
             return None
@@ -348,7 +361,7 @@ async def launch(
     """
     out = Sink(stdout or sys.stdout.buffer)
     err = Sink(stderr or sys.stderr.buffer)
-    token = spec.token if spec.token is not None else os.environ.get("AIODIST_TOKEN") or None
+    token = spec.token if spec.token is not None else _settings.TOKEN.read()
     async with anyio.create_task_group() as tg:
         master, server = await place_server(spec, tg, token)
         if server is not None and on_server is not None:
@@ -356,7 +369,7 @@ async def launch(
         job_id = spec.job_name(master)
         for restart in range(spec.max_restarts + 1):
             ranks = _Ranks(spec)
-            blame = None if server is None else functools.partial(first_failed_rank, server, job_id)
+            blame = None if server is None else functools.partial(failure_suspects, server, job_id)
             # On one node, torch's store for this start, as torchrun's agent hosts it.
             agent = AgentStore("127.0.0.1") if spec.nnodes == 1 and not spec.max_nnodes else None
             if agent is not None:
@@ -372,6 +385,7 @@ async def launch(
                     err,
                     blame,
                     None if agent is None else agent.address,
+                    JobWatch(job_id, server, master, token) if spec.replace_failed else None,
                 )
             finally:
                 if agent is not None:
@@ -379,7 +393,7 @@ async def launch(
             if result.exit_code == 0 or ranks.signals or restart == spec.max_restarts:
                 break
             err.line(
-                f"{result.summary}; restarting all {spec.nproc} ranks{_where(spec)} "
+                f"{result.summary}; restarting all {counted(spec.nproc, 'rank')}{_where(spec)} "
                 f"(restart {restart + 1} of {spec.max_restarts})"
             )
         if server is not None:
@@ -414,8 +428,9 @@ async def _run_ranks(
     restart: int,
     out: Sink,
     err: Sink,
-    blame: Callable[[], int | None] | None = None,
+    blame: Callable[[], list[int]] | None = None,
     agent_store: tuple[str, int] | None = None,
+    watch: JobWatch | None = None,
 ) -> LaunchResult:
     loop = asyncio.get_running_loop()
     width = len(str(spec.world_size - 1))
@@ -461,22 +476,83 @@ async def _run_ranks(
                 pumps.start_soon(pump, proc.stdout, out, tag)
                 pumps.start_soon(pump, proc.stderr, err, tag)
 
-            async def replace(i: int, code: int) -> bool:
-                nonlocal replaced
-                if not spec.replace_failed or replaced >= spec.max_replacements:
+            # Replacements not seen in the job yet, those stopped because it ended, and
+            # how many replacements in a row died before they joined (``replace.py``).
+            pending: dict[int, asyncio.subprocess.Process] = {}
+            ending: dict[int, float] = {}
+            start_failures = 0
+            first_replaced: tuple[int, int] | None = None  # the first failure replaced
+
+            async def replace(i: int, code: int) -> bool | None:
+                nonlocal replaced, start_failures, first_replaced
+                if ending.pop(i, None) is not None:
+                    return None  # stopped: the job it was to join had ended
+                dead = ranks.procs[i]
+                what = f"rank {ranks.global_rank(i)}'s process (pid {dead.pid}){where} "
+                if watch is None or replaced >= spec.max_replacements:
                     return False
+                if pending.pop(i, None) is not None:
+                    start_failures += 1
+                    what = f"rank {ranks.global_rank(i)}'s replacement (pid {dead.pid}){where} "
+                    if start_failures >= MAX_START_FAILURES:
+                        err.line(
+                            f"aiodist run: {what}{_describe(code)} before it joined job "
+                            f"{job_id!r}: {start_failures} replacements in a row failed at "
+                            "start-up; starting no more"
+                        )
+                        return False
+                if (await watch.look()).ended:
+                    return False  # failed after the job ended: nothing to join
+                delay = start_backoff(start_failures)
                 replaced += 1
                 err.line(
-                    f"aiodist run: rank {ranks.global_rank(i)}'s process (pid "
-                    f"{ranks.procs[i].pid}){where} {_describe(code)}; starting a replacement "
-                    f"({replaced} of at most {spec.max_replacements}), the others go on"
+                    f"aiodist run: {what}{_describe(code)}; starting a replacement"
+                    + (f" in {delay:g} s" if delay else "")
+                    + f" ({replaced} of at most {spec.max_replacements}), the others go on"
                 )
+                if delay:
+                    await anyio.sleep(delay)
+                    if ranks.signals:
+                        return False
+                    if (await watch.look()).ended:
+                        return None  # the job went on without it, and ended
+                first_replaced = first_replaced or (i, code)
                 await start(i, replacement=True)
+                pending[i] = ranks.procs[i]
                 return True
+
+            async def watch_pending(watch: JobWatch) -> None:
+                nonlocal start_failures
+                while True:
+                    if pending or ending:
+                        look = await watch.look()
+                        for i, proc in list(pending.items()):
+                            if proc.pid in look.pids:
+                                del pending[i]
+                                start_failures = 0
+                            elif look.ended and proc.returncode is None:
+                                del pending[i]
+                                ending[i] = anyio.current_time() + STOP_GRACE
+                                err.line(
+                                    f"aiodist run: job {job_id!r} ended before rank "
+                                    f"{ranks.global_rank(i)}'s replacement (pid {proc.pid})"
+                                    f"{where} joined it; stopping the replacement"
+                                )
+                                _kill(proc, signal.SIGTERM)
+                        for i, deadline in ending.items():
+                            if anyio.current_time() > deadline:
+                                _kill(ranks.procs[i], signal.SIGKILL)
+                    await anyio.sleep(WATCH_INTERVAL)
 
             for i in range(spec.nproc):
                 await start(i)
-            failed = await ranks.wait_all(replace if spec.replace_failed else None)
+            async with anyio.create_task_group() as watching:
+                if watch is not None:
+                    watching.start_soon(watch_pending, watch)
+                failed = await ranks.wait_all(replace if watch is not None else None)
+                watching.cancel_scope.cancel()
+            if failed is None and not any(p.returncode == 0 for p in ranks.procs):
+                failed = first_replaced  # no rank of ours went on: their failures stand
             if failed is not None and blame is not None:
                 failed = await _culprit(spec, ranks, failed, blame())
             running = len(ranks.running())
@@ -501,7 +577,7 @@ async def _run_ranks(
         return LaunchResult(0)
     i, code = failed
     rank = ranks.global_rank(i)
-    others = f"; stopped the other {running} ranks{where}" if running else ""
+    others = f"; stopped the other {counted(running, 'rank')}{where}" if running else ""
     return LaunchResult(
         128 - code if code < 0 else code,
         f"aiodist run: rank {rank} (pid {ranks.procs[i].pid}){where} {_describe(code)}{others}",
@@ -509,21 +585,32 @@ async def _run_ranks(
 
 
 async def _culprit(
-    spec: LaunchSpec, ranks: _Ranks, failed: tuple[int, int], rank: int | None
+    spec: LaunchSpec, ranks: _Ranks, failed: tuple[int, int], suspects: list[int]
 ) -> tuple[int, int]:
-    """The rank to blame: the server's first failed member when it is one of ours.
+    """The rank to blame: the earliest of the server's suspects that is ours and failed.
 
     The first rank to exit non-zero may be a victim (its peer crashed, and it
     raised ``RankFailedError``) that happened to exit first; the server knows
-    which member failed first. That one is ending too: give it a moment.
+    which member failed first, and which left before that (a ``sys.exit(n)``
+    the server took for a clean leave: its exit code says). Those are ending
+    too: give them a moment.
     """
-    i = -1 if rank is None else rank - spec.node_rank * spec.nproc
-    if not 0 <= i < spec.nproc or i == failed[0]:
-        return failed
     with anyio.move_on_after(CULPRIT_GRACE):
-        await ranks.procs[i].wait()
-    code = ranks.procs[i].returncode
-    return failed if code is None or code == 0 else (i, code)
+        for rank in suspects:
+            i = rank - spec.node_rank * spec.nproc
+            if not 0 <= i < len(ranks.procs):
+                continue
+            if i == failed[0]:
+                return failed
+            await ranks.procs[i].wait()
+            if (code := ranks.procs[i].returncode) not in (None, 0):
+                return i, code
+    return failed
+
+
+def _kill(proc: asyncio.subprocess.Process, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # the rank's own process group: its children too
 
 
 def _describe(code: int | None) -> str:

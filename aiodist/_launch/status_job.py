@@ -18,7 +18,7 @@ import anyio
 
 from aiodist._control.status import describe_wait
 from aiodist._errors import ProtocolError
-from aiodist._group.dumps import dump_dir, dump_path, write_atomic
+from aiodist._group.dumps import dump_dir, dump_path, make_dump_dir, write_atomic
 from aiodist._group.recorder import FORMAT
 from aiodist._wire.messages import DumpRequest
 
@@ -47,13 +47,18 @@ async def collect_dumps(
     appear within ``timeout``.
 
     Raises:
-        ValueError: ``directory`` is not an existing directory.
+        ValueError: ``directory`` is not a directory and cannot be made one (it is
+            made, mode 0700, if it is not there yet).
         DistError: The server refused (no such job).
     """
     where = Path(directory) if directory else dump_dir()
-    if where is None or not await anyio.Path(where).is_dir():
-        what = f"--dump {directory}" if directory else "this user's dump directory"
+    what = f"--dump {directory}" if directory else "this user's dump directory"
+    if where is None:
         raise ValueError(f"{what}: no such directory")
+    try:  # made (0700) if not there yet, as the ranks make theirs
+        await anyio.to_thread.run_sync(make_dump_dir, where)
+    except OSError as exc:
+        raise ValueError(f"{what}: {exc}") from None
     reply = await conn.request(lambda r: DumpRequest(r, job), timeout=timeout)
     try:
         ranks, request = reply["ranks"], reply["request"]

@@ -11,9 +11,9 @@ the outcome. Any "no" sends every rank down the socket path, together.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Final
 
+from aiodist import _settings
 from aiodist._metrics import slots
 from aiodist._metrics.board import Board
 from aiodist._ops import shared
@@ -31,7 +31,7 @@ _STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases
 
 def enabled() -> bool:
     """``AIODIST_METRICS_SHM`` (default on): whether this rank offers the shared board."""
-    return os.environ.get("AIODIST_METRICS_SHM", "1") != "0"
+    return _settings.METRICS_SHM.read()
 
 
 async def open_board(ex: Exchange) -> Board | None:

@@ -11,6 +11,7 @@ from aiodist._errors import (
     ArgumentTypeError,
     AssertedValueError,
     CollectiveMismatchError,
+    counted,
 )
 from aiodist._group.group import ProcessGroup
 from aiodist._group.world import get_default_group, get_local_group, install_local_group
@@ -364,8 +365,8 @@ def _job_rank(rank: object, numbering: tuple[int, ...]) -> Any:
         return rank  # refused with the others
     if not 0 <= rank < len(numbering):
         raise ArgumentError(
-            f"rank {rank} is not a global rank: the default group has {len(numbering)} ranks "
-            "since shrink_group renumbered them"
+            f"rank {rank} is not a global rank: the default group has "
+            f"{counted(len(numbering), 'rank')} since shrink_group renumbered them"
         )
     return numbering[rank]
 

@@ -13,7 +13,7 @@ import itertools
 import pickle
 from typing import Any, cast
 
-from aiodist._errors import ArgumentError, ArgumentTypeError, AssertedArgumentError
+from aiodist._errors import ArgumentError, ArgumentTypeError, AssertedArgumentError, counted
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import staging
 from aiodist._ops.requests import Call, Op, Request, outsider, root_of
@@ -69,8 +69,8 @@ def _fill_objects(out: Any, got: list[Any]) -> list[Any]:
         raise ArgumentTypeError(f"object_list must be a list, got {type(out).__name__}")
     if len(out) < len(got):
         raise IndexError(
-            f"object_list has {len(out)} items but the group has {len(got)} ranks: list "
-            "assignment index out of range"
+            f"object_list has {counted(len(out), 'item')} but the group has "
+            f"{counted(len(got), 'rank')}: list assignment index out of range"
         )
     for i, x in enumerate(got):
         out[i] = x
@@ -103,7 +103,8 @@ def gather_object(
         if (0 if g is None else g.rank) == root:
             if out is not None and len(out) < size:
                 raise ArgumentError(
-                    f"object_gather_list has {len(out)} items; the group has {size} ranks"
+                    f"object_gather_list has {counted(len(out), 'item')}; the group has "
+                    f"{counted(size, 'rank')}"
                 )
         elif out:
             raise ArgumentError(
@@ -196,8 +197,8 @@ def scatter_object_list(
                 )
             if len(inputs) != size:
                 raise ArgumentError(
-                    f"scatter_object_input_list has {len(inputs)} items but the group has "
-                    f"{size} ranks; pass one object per rank"
+                    f"scatter_object_input_list has {counted(len(inputs), 'item')} but the "
+                    f"group has {counted(size, 'rank')}; pass one object per rank"
                 )
         if g is None:
             assert isinstance(inputs, list | tuple)

@@ -1,8 +1,9 @@
 """Elastic jobs: membership views and ``regroup``, the group over a view.
 
 A process that joins a formed elastic job (``init_process_group(...,
-max_world_size=MAX)``) gets the next free rank and sits alone in its default
-group. Every member sees the job's membership as a sequence of views
+max_world_size=MAX)``) gets the next free rank, which ``get_rank()`` answers,
+and its default group is not formed until it regroups: a collective on it raises
+an error that says so. Every member sees the job's membership as a sequence of views
 (``membership``, ``watch_membership``; ``_group/views.py``). The members of a
 view, newcomers included, form the new default group with ``regroup(view)``:
 an agreement through the server (the one ``shrink_group`` uses), so a member
@@ -80,9 +81,12 @@ async def membership(epoch: int | None = None, *, timeout: float | None = None) 
 def joined_late() -> bool:
     """Return True in a process that joined its elastic job after the job formed.
 
-    Such a process (a replacement for a failed rank, a node past MIN) starts
-    alone in its default group: it calls ``regroup`` over its first view, and
-    receives the state the others hold (``broadcast_object_list``).
+    Such a process (a replacement for a failed rank, a node past MIN) has the
+    job rank it was given (``get_rank()``; ``get_world_size()`` is the job's rank
+    space), and its default group is not formed yet: a collective on it raises
+    ``GroupBrokenError`` until it calls ``regroup`` over its first view with the
+    others; then it receives the state they hold (``broadcast_object_list``).
+    Point-to-point by job rank works before that.
 
     Raises:
         RuntimeError: Not initialised.

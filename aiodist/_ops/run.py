@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ArgumentError
 from aiodist._group.work import Work
-from aiodist._group.world import get_default_group
+from aiodist._group.world import default_group_for
 from aiodist._ops import staging
 from aiodist._ops.requests import NOT_DONE
 
@@ -69,7 +69,7 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
     """``group``, else the default group, else None (not initialised: world size 1)."""
     if group is not None:
         return group
-    return get_default_group()
+    return default_group_for()
 
 
 class Slot:
@@ -105,7 +105,7 @@ class Slot:
 def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) -> Work[Any]:
     """Make ``call``: the set-up every collective shares (the module docstring), then ``start``."""
     called = perf_counter_ns()
-    g = call.group if call.group is not None else get_default_group()
+    g = call.group if call.group is not None else default_group_for(call.name)
     bridge = None if g is None or g.bridge is None else _bridge_for(g, call.first)
     torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
     with Slot(g, call.name, torch=torch) as seq:

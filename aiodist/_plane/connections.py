@@ -32,9 +32,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Final
 
+from aiodist import _settings
 from aiodist._errors import DistError
 from aiodist._plane import routes
 from aiodist._plane.channel import ChannelState
@@ -93,7 +93,7 @@ class Connections(PlaneCore):
         names the transports to listen on (default ``$AIODIST_TRANSPORT``, see
         ``routes.py``); ``ValueError`` if one is unknown.
         """
-        super().__init__(job, token or os.environ.get("AIODIST_TOKEN") or None)
+        super().__init__(job, token or _settings.TOKEN.read())
         self.selection = (
             transport if isinstance(transport, Selection) else routes.selection(transport)
         )

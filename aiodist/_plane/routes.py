@@ -20,9 +20,9 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
-import os
 from typing import TYPE_CHECKING, Final
 
+from aiodist import _settings
 from aiodist._transport import registry, shm, shmring, tcp, tls, uds
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Selection:
         # With TLS configured, TCP means TLS: this rank never listens in clear over TCP.
         self.tls = tls.from_env() is not None
         if names is None:
-            self.use_uds = uds.available() and os.environ.get("AIODIST_UDS", "1") != "0"
+            self.use_uds = uds.available() and _settings.UDS.read()
             self.use_shm = shm.available()
             self.use_tcp = True
             self.order: tuple[str, ...] = ("uds", "tls" if self.tls else "tcp")
@@ -75,7 +75,7 @@ def selection(value: str | Sequence[str] | None = None) -> Selection:
         ValueError: A name no transport has in this process.
     """
     if value is None:
-        value = os.environ.get("AIODIST_TRANSPORT") or None
+        value = _settings.TRANSPORT.read()
     if value is None:
         return Selection(None)
     parts = value.split(",") if isinstance(value, str) else list(value)

@@ -29,12 +29,12 @@ import contextvars
 import functools
 import inspect
 import logging
-import os
 import sys
 import threading
 import types
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from aiodist import _settings
 from aiodist._errors import DistError
 from aiodist._rpc.contexts import CURRENT, Context, incoming, outgoing, within
 from aiodist._rpc.rref import DECODING, OwnedTable, RRefAgent
@@ -64,7 +64,7 @@ __all__ = ["ASYNC_MARK", "DEFAULT_RPC_THREADS", "Host", "Server"]
 logger = logging.getLogger(__name__)
 
 #: Threads that run plain functions (``AIODIST_RPC_THREADS``); more calls wait for one.
-DEFAULT_RPC_THREADS: Final = 16
+DEFAULT_RPC_THREADS: Final = _settings.RPC_THREADS.default
 # Decoded functions kept by their encoding (a program calls few distinct ones).
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
@@ -308,9 +308,7 @@ class Server:
             fn = functools.partial(within, serving.context, fn)
         serving.job = Job(fn, args, kwargs, functools.partial(self._ran, serving))
         if self._threads is None:
-            most = self.max_threads or int(
-                os.environ.get("AIODIST_RPC_THREADS") or DEFAULT_RPC_THREADS
-            )
+            most = self.max_threads or _settings.RPC_THREADS.read()
             self._threads = Threads(self.loop, most, "aiodist-rpc")
         self._threads.submit(serving.job)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 
+from aiodist import _settings
 from aiodist._group import ending
 from aiodist._group.join import open_process_group
 from aiodist._group.lingering import LingeringTask
@@ -90,7 +91,7 @@ async def open_world(
     loop = asyncio.get_running_loop()
     started: asyncio.Future[ProcessGroup] = loop.create_future()
     stop = asyncio.Event()
-    base = os.environ.get("AIODIST_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    base = _settings.JOB_ID.read() or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
 
     async def hold_open() -> None:
         try:

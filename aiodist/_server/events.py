@@ -11,7 +11,9 @@ can follow every job on a shared daemon:
 - ``job_formed``: every member joined; ranks are assigned.
 - ``rank_failed``: a member of a formed job failed, and why.
 - ``job_finished``: its last member is gone: ``succeeded`` (every member
-  left), ``failed`` (a member failed) or ``not_formed`` (it never formed).
+  left), ``failed`` (a member failed) or ``not_formed`` (it never formed);
+  the first failure names the ranks that had left before it (``after_leaves``),
+  since a program's ``sys.exit(n)`` looks like a clean leave to the server.
 
 Every event names the job and its generation; durations are seconds
 (``seconds``: since the job was created; ``ran``: since it formed). The log
@@ -129,6 +131,8 @@ class JobLog:
         if job.failures:  # the first to fail: the others may have failed because of it
             rank, _, _, why = job.failures[0]
             record["first_failure"] = {"rank": rank, "reason": why}
+            if job.left_before_failure:  # a leave may have caused it (sys.exit(n) leaves)
+                record["first_failure"]["after_leaves"] = list(job.left_before_failure)
         self._pending.append({"event": "job_finished", **record})
         self.finished.pop(job.name, None)
         self.finished[job.name] = {**record, "ended_at": now}

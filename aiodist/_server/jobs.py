@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import msgpack
 
@@ -29,6 +29,8 @@ from aiodist._server.regroups import Regroups
 from aiodist._server.store import Barriers, Store
 from aiodist._server.where import member_position, positions
 from aiodist._wire.messages import Packed, pack_host_runs
+
+LEFT_BEFORE_FAILURE: Final = 8  # leaves before a job's first failure that its record names
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -114,6 +116,10 @@ class Job:
     failures: list[tuple[int, str, int, str]] = field(default_factory=list)
     # Members that left the formed job cleanly: rank -> (host, pid). Barriers need them all.
     left: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # The first ranks (at most ``LEFT_BEFORE_FAILURE``) that had left when the first
+    # failure came: a program's own ``sys.exit(n)`` looks like a clean leave from here,
+    # and its peers' failures follow it (a launcher, which sees exit codes, reads this).
+    left_before_failure: list[int] = field(default_factory=list)
     # For the dashboard's rates: messages received from its members, bytes sent to them.
     messages: int = 0
     bytes_sent: int = 0
@@ -157,6 +163,8 @@ class Job:
         self.out.record(self, member.added())
 
     def failed(self, member: Member, reason: str) -> None:
+        if not self.failures:
+            self.left_before_failure = list(itertools.islice(self.left, LEFT_BEFORE_FAILURE))
         member.status = "failed"
         self.epoch += 1
         self.failures.append((member.rank, member.host, member.pid, reason))

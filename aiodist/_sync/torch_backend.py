@@ -24,6 +24,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from aiodist import _settings
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._launch.init import destroy_process_group, init_process_group
 from aiodist._sync import portal
@@ -126,7 +127,7 @@ def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
     through torch's store: rank 0 embeds the server and publishes it there.
     """
     env = os.environ
-    launched = bool(env.get("AIODIST_SERVER") or env.get("TORCHELASTIC_RUN_ID"))
+    launched = bool(_settings.SERVER.read(env) or env.get("TORCHELASTIC_RUN_ID"))
     default.joining_from_torch = True
     try:
         portal.call(

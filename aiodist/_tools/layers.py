@@ -63,7 +63,8 @@ __all__ = [
 #: beneath it (it may import those and, through them, everything they may).
 LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
     ("_errors", "the exception tree and its wire codes", ()),
-    ("_wire", "sans-IO framing, messages, the object codec, the token proofs", ("_errors",)),
+    ("_settings", "every AIODIST_* variable: declared, read and checked once", ("_errors",)),
+    ("_wire", "sans-IO framing, messages, the object codec, the token proofs", ("_settings",)),
     ("_transport", "bytes between two processes: TCP, Unix sockets, shared memory", ("_wire",)),
     ("_server", "the rendezvous server: jobs, store, liveness", ("_transport",)),
     ("_control", "a rank's connection to the server: channels, store, init methods", ("_server",)),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from aiodist import _settings
 from aiodist._ops.agreement import signature
 from aiodist._ops.exchange import Exchange
 from aiodist._ops.movement import meet
@@ -38,7 +39,7 @@ __all__ = ["agree", "checking", "signature_of"]
 def checking(environ: Mapping[str, str] | None = None) -> bool:
     """True if bridged collectives agree on their signature first (the module docstring)."""
     env = os.environ if environ is None else environ
-    if env.get("AIODIST_CHECK_SIGNATURES", "") not in ("", "0"):
+    if _settings.CHECK_SIGNATURES.read(env):
         return True
     return env.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 

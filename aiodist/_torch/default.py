@@ -25,6 +25,8 @@ import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from aiodist import _settings
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
@@ -66,7 +68,7 @@ def is_aiodist(backend: str | None) -> bool:
 def wants_default_group(backend: str | None, environ: Mapping[str, str] | None = None) -> bool:
     """True if joining with ``backend`` brings up torch's default group on aiodist's backend."""
     env = os.environ if environ is None else environ
-    if joining_from_torch or env.get("AIODIST_TORCH_GROUP", "1") == "0":
+    if joining_from_torch or not _settings.TORCH_GROUP.read(env):
         return False
     return is_aiodist(backend)
 

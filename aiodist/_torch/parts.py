@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as TorchProcessGroup
 
+from aiodist import _settings
 from aiodist._torch.store import LoopStore
 from aiodist._torch.torch_work import AiodistWork
 
@@ -57,7 +58,7 @@ def parts_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         ValueError: A malformed setting, or a backend other than gloo and NCCL.
     """
     env = os.environ if environ is None else environ
-    raw = env.get("AIODIST_TORCH_PARTS")
+    raw = _settings.TORCH_PARTS.raw(env)  # set but empty: no parts
     if raw is None:
         if torch.cuda.is_available() and dist.is_nccl_available():
             return {"cuda": "nccl"}

@@ -36,6 +36,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from aiodist import _settings
+
 if TYPE_CHECKING:
     import torch
 
@@ -61,7 +63,7 @@ _MAX_NAME_CHARS: Final = 255  # a file name's limit
 
 def available() -> bool:
     """Linux with a writable ``/dev/shm``, unless ``AIODIST_SHM=0``."""
-    return os.environ.get("AIODIST_SHM", "1") != "0" and _dev_shm_writable()
+    return _settings.SHM.read() and _dev_shm_writable()
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""A griffe extension for the API reference: two habits of aiodist's docstrings.
+"""A griffe extension for the API reference: three habits of aiodist's docstrings.
 
 - They are Google style and name their example section ``Example:``
   (napoleon reads both spellings). griffe knows only ``Examples:``, and would
@@ -8,6 +8,10 @@
 - A paragraph may end in reST's ``::`` before an indented example; Markdown
   shows the indented lines as code already, and the ``::`` as it is. One
   colon is left.
+- A public class's method that the library's own layers call, but users may
+  not (``ProcessGroup.break_``, ``Work.set_result``), ends its docstring with
+  ``:meta private:`` (Sphinx autodoc's mark): the reference leaves it out, so
+  that it shows what users may call.
 
 ``mkdocs.yml`` loads this module through mkdocstrings' ``extensions`` option;
 nothing else does.
@@ -25,10 +29,16 @@ if TYPE_CHECKING:
 
 _SINGULAR = re.compile(r"^(\s*)Example:\s*$", re.MULTILINE)
 _LITERAL = re.compile(r"(?<=\S)::$(?=\n\s*\n)", re.MULTILINE)
+PRIVATE = ":meta private:"
 
 
 class DocstringHabits(griffe.Extension):
-    """Rename each ``Example:`` section of a docstring to ``Examples:``; drop reST's ``::``."""
+    """Rename ``Example:`` to ``Examples:``; drop reST's ``::``; leave out private members."""
+
+    def on_class_members(self, *, cls: griffe.Class, **kwargs: Any) -> None:
+        for name, member in list(cls.members.items()):
+            if member.docstring is not None and PRIVATE in member.docstring.value:
+                cls.del_member(name)
 
     def on_instance(
         self,

@@ -227,9 +227,10 @@ async def test_max_restarts_starts_every_rank_again_as_a_new_generation() -> Non
         argv = [*AIODIST, "run", "-n", "2", "--max-restarts", "1", "--rdzv-endpoint", endpoint]
         result = await _run([*argv, "--rdzv-id", "flaky", WORKER, "async,sync", "fail-once"])
         assert result.returncode == 0, result.stderr
-        # The launcher's own line, even if a rank's last line had no newline.
+        # The launcher's own line, even if a rank's last line had no newline (before:
+        # "the other 1 ranks").
         restart = (
-            "exited with code 3; stopped the other 1 ranks; restarting all 2 ranks (restart 1 of 1)"
+            "exited with code 3; stopped the other 1 rank; restarting all 2 ranks (restart 1 of 1)"
         )
         assert any(
             line.startswith("aiodist run: rank 1 (pid ") and line.endswith(restart)

@@ -8,6 +8,9 @@ should it outlive the test), then runs its mode:
 - ``crash``: rank 1 raises an uncaught ``ValueError``; rank 0 awaits an ``all_reduce``.
 - ``exit1``: rank 1 calls ``sys.exit(1)``; rank 0 awaits an ``all_reduce``.
 - ``sync_crash``: as ``crash``, on ``aiodist.sync``.
+- ``plain_exit``: plain code on ``aiodist.sync``: the last rank calls ``sys.exit(3)``
+  at module level (where no exit handler can see the code) while the others await an
+  ``all_reduce``.
 - ``ddp``: plain torch training code on ``aiodist.sync`` with no backend: DDP and
   ``DistributedSampler`` need torch's default group; reports what they saw.
 - ``seed``: mmengine's own ``test_sync_random_seed`` on ``aiodist.sync``: with
@@ -95,6 +98,17 @@ def sync_main() -> None:
     except BaseException as exc:
         report(error=type(exc).__name__, message=str(exc), after=time.monotonic() - t0)
         raise
+
+
+def plain_exit_main() -> None:
+    from aiodist import sync as dist
+
+    dist.init_process_group()
+    dist.barrier()
+    report(ready=True)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        sys.exit(3)
+    dist.all_reduce(torch.ones(2))
 
 
 def ddp_main() -> None:
@@ -192,6 +206,8 @@ if __name__ == "__main__":
         asyncio.run(gloo_main())
     elif MODE.startswith("torch_"):
         torch_main()
+    elif MODE == "plain_exit":
+        plain_exit_main()
     elif MODE == "seed":
         seed_main()
     elif MODE == "ddp":

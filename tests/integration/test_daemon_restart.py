@@ -316,8 +316,8 @@ async def test_grown_job_survives_a_daemon_killed_and_started_again(tmp_path: Pa
                 assert all(j["reduced"] == [6.0, 6.0] for j in joined), joined
                 await _kill(first)
                 async with serve("--port", str(first.port), *state) as second:
-                    assert "1 jobs restored" in (
-                        await second.wait_for_line("stderr", lambda s: "jobs restored" in s)
+                    assert "1 job restored" in (
+                        await second.wait_for_line("stderr", lambda s: " restored from " in s)
                     )
                     await wait_reattached(second, 3)  # the newcomer too
                     for p in procs:

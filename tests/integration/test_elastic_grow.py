@@ -81,10 +81,11 @@ async def test_newcomer_joins_running_3_rank_job_and_takes_part_in_next_collecti
         assert out["returncode"] == 0, out["stderr"]
     newcomer = next(o for o in outs if o["role"] == "newcomer")
     members = [o for o in outs if o["role"] == "member"]
-    # Admitted with the next free rank, alone in its default group until it regrouped;
-    # its first view is epoch 1: the three members and itself, itself joined.
+    # Admitted with the next free rank, which get_rank() answers until it regrouped (the
+    # job's rank space its world size; collectives on it wait for regroup); its first
+    # view is epoch 1: the three members and itself, itself joined.
     assert newcomer["job_rank"] == 3
-    assert newcomer["world_at_start"] == 1
+    assert newcomer["world_at_start"] == 4
     assert newcomer["first_view"] == [1, [0, 1, 2, 3], [3]]
     assert sorted(o["job_rank"] for o in members) == [0, 1, 2]
     for out in members:

@@ -164,6 +164,27 @@ async def test_rank_that_crashes_is_reported_as_failed_to_its_peers_and_by_the_l
     summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("aiodist run: rank 1 (pid "), result.stderr
     assert "ConnectionResetError" not in result.stderr, result.stderr
+    # Before: the crashed rank also said it "was declared failed by the rendezvous server"
+    # and to "keep the loop free of blocking calls": advice for a stalled loop only.
+    assert "declared failed" not in result.stderr, result.stderr
+    assert "keep the loop free" not in result.stderr, result.stderr
+    # One prefix per line (before: "[rank 0] [rank0]: Traceback"), and no log line of the
+    # group's break beside the error itself (before: "group 'run-...' broken: rank 1 ...").
+    assert "[rank0]" not in result.stderr, result.stderr
+    assert "' broken: " not in result.stderr, result.stderr
+
+
+async def test_rank_that_exits_non_zero_in_plain_code_is_blamed_with_its_code() -> None:
+    # Rank 2's sys.exit(3) at module level looks like a clean leave to the server; the
+    # others then fail on the all_reduce it left, and the server's first failure is one
+    # of those victims.
+    argv = [*AIODIST, "run", "-n", "3", WORKER, "plain_exit"]
+    result = await _procs.run(argv, LIMIT, env=_env())
+    summary = result.stderr.strip().splitlines()[-1]
+    # Before: "aiodist run: rank 1 (pid ...) exited with code 1", rc 1 (3 of 3 runs).
+    assert summary.startswith("aiodist run: rank 2 (pid "), result.stderr
+    assert "exited with code 3" in summary, result.stderr
+    assert result.returncode == 3, result.stderr
 
 
 # --- 3. The daemon records how jobs ended --------------------------------------------------

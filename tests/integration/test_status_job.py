@@ -218,6 +218,27 @@ async def test_dump_without_a_directory_uses_the_users_private_one(tmp_path: Pat
                     assert (await read_lines(p))[-1]["sum"] == [2.0] * 4
 
 
+async def test_dump_into_a_directory_not_made_yet_makes_it_private(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"  # AIODIST_DUMP_DIR=dumps and --dump dumps, never made
+    with anyio.fail_after(90):
+        async with serve("--port", "0") as daemon:
+            url = f"tcp://127.0.0.1:{daemon.port}"
+            async with ranks(url, 2, "fresh", "sleep", dump_dir=dumps) as procs:
+                await heard_in_all_reduce(daemon.port, "fresh", 1)
+                port = str(daemon.port)
+                args = ("status", "--port", port, "--job", "fresh", "--dump", str(dumps))
+                done = await run_cli(*args)
+                # Before: "aiodist status: --dump .../dumps: no such directory".
+                assert done.returncode == 0, done.stderr
+                assert stat.S_IMODE(dumps.stat().st_mode) == 0o700
+                merged = json.loads((dumps / "aiodist-dump-fresh.json").read_text())
+                assert [d["rank"] for d in merged["ranks"]] == [0, 1]
+                assert procs[1].stdin is not None
+                await procs[1].stdin.send(b"go\n")
+                for p in procs:
+                    assert (await read_lines(p))[-1]["sum"] == [2.0] * 4
+
+
 async def test_status_job_unknown_job_fails() -> None:
     with anyio.fail_after(30):
         async with serve("--port", "0") as daemon:

@@ -23,9 +23,17 @@ import torch
 import trustme
 
 import aiodist
-from aiodist import AuthenticationError, DistError, ProtocolError, serve_rendezvous
+from aiodist import (
+    AuthenticationError,
+    DistError,
+    ProtocolError,
+    RendezvousError,
+    serve_rendezvous,
+)
 from aiodist._control.connection import connect_control
 from aiodist._control.rendezvous import parse_init_method
+from aiodist._launch.placement import place_server
+from aiodist._launch.run import LaunchSpec
 from aiodist._plane import routes
 from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
@@ -490,3 +498,21 @@ async def test_a_tls_jobs_torch_calls_ride_its_plane_and_gloo_across_hosts_warns
         # No backend: torch's DDP and all_reduce on the aiodist backend, over TLS.
         assert f"TORCH {'aiodist' if backend == 'none' else 'gloo'} 2.0" in out.stdout
         assert ("gloo's traffic between them is not encrypted" in out.stderr) is warned
+
+
+async def test_launcher_joining_a_tls_server_without_tls_says_it_requires_tls(
+    tls_server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clear_env(monkeypatch)
+    host, port = tls_server.address
+    spec = LaunchSpec(["true"], nproc=1, rdzv_endpoint=f"{host}:{port}", job_id="j")
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(RendezvousError) as info:
+                await place_server(spec, tg, None)
+    message = str(info.value)
+    # Before: "something listens ... but hung up on an aiodist status request; start a
+    # rendezvous server there with `aiodist serve --port P`".
+    assert "requires TLS" in message, message
+    assert "AIODIST_TLS_CERT" in message, message
+    assert "aiodist serve" not in message, message

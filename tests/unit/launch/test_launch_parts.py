@@ -91,6 +91,26 @@ async def test_pump_shows_a_partial_line_soon_and_never_mixes_two_ranks_on_a_lin
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_pump_drops_torchs_own_rank_prefix_where_it_puts_its_own() -> None:
+    # torch.distributed's excepthook prefixes each traceback line with "[rankN]: ".
+    sink = _Recorded()
+    rank = _Rank(sink, b"[rank 1] ")
+    await rank.write(b"[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n\n")
+    await rank.write(b"[rank12]: ValueError: boom\n[rank1]:no space\n")
+    await rank.close()
+    unprefixed = _Recorded()
+    plain = _Rank(unprefixed, b"")
+    await plain.write(b"[rank1]: kept without a prefix of ours\n")
+    await plain.close()
+    # Before: "[rank 1] [rank1]: Traceback ...".
+    assert sink.value == (
+        b"[rank 1] Traceback (most recent call last):\n[rank 1]   File x\n\n"
+        b"[rank 1] ValueError: boom\n[rank 1] no space\n"
+    )
+    assert unprefixed.value == b"[rank1]: kept without a prefix of ours\n"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_pump_keeps_a_line_whole_when_its_newline_comes_in_a_write_of_its_own() -> None:
     # An unbuffered rank's print() writes the text, then the newline; another rank's
     # line between the two must not split it.
