@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
-__all__ = ["SHUTDOWN_LIMIT", "LingeringTask", "linger"]
+__all__ = ["SHUTDOWN_LIMIT", "LingeringTask", "hand_over", "linger"]
 
 T = TypeVar("T")
 
@@ -91,3 +91,19 @@ def linger(
 ) -> LingeringTask[T]:
     """Run ``coro`` as a ``LingeringTask`` on the running loop (as ``asyncio.ensure_future``)."""
     return LingeringTask(coro, loop=asyncio.get_running_loop(), name=name, on_shutdown=on_shutdown)
+
+
+def hand_over(started: asyncio.Future[Any], exc: BaseException) -> bool:
+    """A group's holder task failed: give ``exc`` to whoever waits for ``started``.
+
+    Returns True when the error was handed over (the holder then ends quietly:
+    its caller raises it), False when the holder should raise it itself (its
+    group was up already, or it was cancelled: ``started`` is cancelled too).
+    """
+    if started.done():
+        return False
+    if isinstance(exc, asyncio.CancelledError):
+        started.cancel()
+        return False
+    started.set_exception(exc)
+    return True

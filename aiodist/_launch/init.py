@@ -25,7 +25,7 @@ import anyio
 from aiodist._control.store import as_seconds
 from aiodist._errors import ArgumentError
 from aiodist._group.join import open_process_group, run_close_hooks
-from aiodist._group.lingering import LingeringTask
+from aiodist._group.lingering import LingeringTask, hand_over
 from aiodist._group.session import CLOSE_GRACE, DEFAULT_TIMEOUT
 from aiodist._group.world import (
     DefaultGroup,
@@ -153,12 +153,8 @@ async def init_process_group(
                         await tear_down_default()
                         await tear_down(group)
         except BaseException as exc:
-            if not started.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    started.cancel()
-                else:
-                    started.set_exception(exc)
-                    return
+            if hand_over(started, exc):
+                return
             raise
 
     def on_shutdown() -> None:

@@ -24,7 +24,7 @@ import anyio
 from aiodist import _settings
 from aiodist._group import ending
 from aiodist._group.join import open_process_group
-from aiodist._group.lingering import LingeringTask
+from aiodist._group.lingering import LingeringTask, hand_over
 from aiodist._group.session import DEFAULT_TIMEOUT
 from aiodist._group.world import default_group_loop, get_default_group
 
@@ -106,12 +106,8 @@ async def open_world(
                 started.set_result(group)
                 await stop.wait()
         except BaseException as exc:
-            if not started.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    started.cancel()
-                else:
-                    started.set_exception(exc)
-                    return
+            if hand_over(started, exc):
+                return
             raise
 
     def on_shutdown() -> None:  # the loop's end: leave (or fail, if the program is failing)
