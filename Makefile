@@ -42,7 +42,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: install browser lint docs
-	AIODIST_DOCS_SITE=$(CURDIR)/$(SITE) $(PY) -m pytest $(PYTEST_ARGS)
+	DOCS_SITE=$(CURDIR)/$(SITE) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests that start processes, 5 rounds in a row, in parallel, with a CPU burner on
 # every core; every failure of every round is reported (nothing runs again). It must pass

@@ -115,10 +115,10 @@ async def test_elastic_train_goes_on_after_a_rank_is_killed_mid_step(
 
 
 async def test_elastic_pipeline_processes_every_item_once_when_workers_leave() -> None:
-    argv = [sys.executable, "-m", "aiodist", "run", "-n", "4", str(PIPELINE), "--items", "200"]
+    argv = [sys.executable, "-m", "aiodist", "run", "-n", "4", str(PIPELINE), "--items", "400"]
     result = await run(argv, limit=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[rank 0] elastic pipeline: 200 of 200 items, each processed exactly once; " in (
+    assert "[rank 0] elastic pipeline: 400 of 400 items, each processed exactly once; " in (
         result.stdout
     )
     assert "workers gone: [2, 3]" in result.stdout
@@ -127,9 +127,9 @@ async def test_elastic_pipeline_processes_every_item_once_when_workers_leave() -
 async def test_elastic_pipeline_processes_every_item_once_when_workers_are_killed(
     server: RendezvousServer,
 ) -> None:
-    outs = await _run_ranks(server, [str(PIPELINE), "--kill", "--items", "200"])
+    outs = await _run_ranks(server, [str(PIPELINE), "--kill", "--items", "400"])
     assert [outs[r][0] for r in range(4)] == [0, 0, -9, -9], [o[2][-2000:] for o in outs.values()]
     line = next(x for x in outs[0][1].splitlines() if "elastic pipeline:" in x)
-    assert line.startswith("elastic pipeline: 200 of 200 items, each processed exactly once; ")
+    assert line.startswith("elastic pipeline: 400 of 400 items, each processed exactly once; ")
     # As docs/guide/elastic.md shows it (before: a "joined: []" the page does not show).
     assert "workers gone: [2, 3]; items per worker: {" in line, line

@@ -5,7 +5,7 @@
   a block that is also in the README (the same text) is left to
   ``tests/project/test_readme.py``, so it runs once.
 - The built site (``make docs``; ``make test`` passes its folder in
-  ``AIODIST_DOCS_SITE``, else the site is built here) has no internal link or
+  ``DOCS_SITE``, else the site is built here) has no internal link or
   anchor that goes nowhere, and no page loads anything from another host.
 - The pages that list what the code has (every error type, every server
   metric, every ``AIODIST_*`` variable) list all of it.
@@ -524,9 +524,9 @@ def test_daemon_page_names_every_server_metric() -> None:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built site: ``make docs``'s, or built here in strict mode."""
-    if built := os.environ.get("AIODIST_DOCS_SITE"):
+    if built := os.environ.get("DOCS_SITE"):
         path = Path(built)
-        assert (path / "index.html").is_file(), f"AIODIST_DOCS_SITE={built} holds no site"
+        assert (path / "index.html").is_file(), f"DOCS_SITE={built} holds no site"
         return path
     path = tmp_path_factory.mktemp("site")
     result = subprocess.run(
