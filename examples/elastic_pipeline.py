@@ -52,6 +52,13 @@ def process(item: int, fail_after: int, kill: bool, cost: float) -> int:
     return item * item
 
 
+def fail_now(kill: bool) -> None:
+    """A failing worker's end, when the items ran out before it reached its count."""
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _leave.set()
+
+
 async def produce(
     items: int,
     per_worker: int,
@@ -113,6 +120,13 @@ async def produce(
         w = alive[item % len(alive)]
         results[item] = await rpc.rpc_async(w, process, (item, 0, False, cost))
         by_worker[w] += 1
+    # A failing worker that got fewer items than its count (a slow start) goes now.
+    for w in sorted(failing - gone):
+        try:
+            await rpc.rpc_async(w, fail_now, (kill,))
+        except (aiodist.RankFailedError, aiodist.ClosedError):
+            pass  # killed in the call, as planned
+        gone.add(w)
     assert sorted(results) == list(range(items)), "an item was lost"
     assert all(results[i] == i * i for i in results), "a wrong result"
     joined = f"joined: {[w for w, _ in joins]}; " if joins else ""  # replacements, if any
