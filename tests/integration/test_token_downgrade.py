@@ -472,7 +472,9 @@ async def test_ranks_in_processes_refuse_a_peer_with_another_token(tmp_path: Pat
     outs: dict[int, dict[str, Any]] = {}
     async with serve("--port", "0", env={"AIODIST_TOKEN": TOKEN}) as d:
         url = f"tcp://{d.host}:{d.port}"
-        env = {"AIODIST_TOKEN": TOKEN, "PYTHONPATH": ROOT}
+        # Without torch's group: its bring-up in init may connect the two planes (with
+        # the right token) before rank 1 takes another one, and the send goes through.
+        env = {"AIODIST_TOKEN": TOKEN, "PYTHONPATH": ROOT, "AIODIST_TORCH_GROUP": "0"}
 
         async def one(rank: int) -> None:
             outs[rank] = await run_worker(script, [url, str(rank)], env)
