@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
-__all__ = ["SHUTDOWN_LIMIT", "LingeringTask", "hand_over", "linger"]
+__all__ = ["SHUTDOWN_LIMIT", "LingeringTask", "hand_over", "hold", "linger"]
 
 T = TypeVar("T")
 
@@ -107,3 +107,27 @@ def hand_over(started: asyncio.Future[Any], exc: BaseException) -> bool:
         return False
     started.set_exception(exc)
     return True
+
+
+async def hold(
+    holder: Coroutine[Any, Any, None],
+    started: asyncio.Future[Any],
+    *,
+    name: str,
+    on_shutdown: Callable[[], object],
+) -> LingeringTask[None]:
+    """Run a group's ``holder`` as a lingering task; return it once ``started`` is set.
+
+    Raises:
+        What kept the holder from starting (``hand_over``), the task ended first.
+    """
+    task = LingeringTask(
+        holder, loop=asyncio.get_running_loop(), name=name, on_shutdown=on_shutdown
+    )
+    try:
+        await started
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    return task

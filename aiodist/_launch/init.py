@@ -25,7 +25,7 @@ import anyio
 from aiodist._control.store import as_seconds
 from aiodist._errors import ArgumentError
 from aiodist._group.join import open_process_group, run_close_hooks
-from aiodist._group.lingering import LingeringTask, hand_over
+from aiodist._group.lingering import hand_over, hold
 from aiodist._group.session import CLOSE_GRACE, DEFAULT_TIMEOUT
 from aiodist._group.world import (
     DefaultGroup,
@@ -166,15 +166,8 @@ async def init_process_group(
 
     # The loop's shutdown (asyncio.run returning without destroy_process_group) leaves
     # the job the way destroy_process_group does, rather than cancelling the holder.
-    task = LingeringTask(
-        hold_open(), loop=loop, name="aiodist-default-group", on_shutdown=on_shutdown
-    )
-    try:
-        group = await started
-    except BaseException:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise
+    task = await hold(hold_open(), started, name="aiodist-default-group", on_shutdown=on_shutdown)
+    group = started.result()
     default = DefaultGroup(group, task, stop)
     install_default(default)
     agent_for(group.session)  # every rank serves remote calls from now on (aiodist.rpc)

@@ -24,7 +24,7 @@ import anyio
 from aiodist import _settings
 from aiodist._group import ending
 from aiodist._group.join import open_process_group
-from aiodist._group.lingering import LingeringTask, hand_over
+from aiodist._group.lingering import LingeringTask, hand_over, hold
 from aiodist._group.session import DEFAULT_TIMEOUT
 from aiodist._group.world import default_group_loop, get_default_group
 
@@ -115,15 +115,8 @@ async def open_world(
             started.result().session.end_with(sys.exc_info()[1])
         stop.set()
 
-    task: LingeringTask[None] = LingeringTask(
-        hold_open(), loop=loop, name="aiodist-rpc-world", on_shutdown=on_shutdown
-    )
-    try:
-        group = await started
-    except BaseException:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise
+    task = await hold(hold_open(), started, name="aiodist-rpc-world", on_shutdown=on_shutdown)
+    group = started.result()
     _own = _World(group, loop, task, stop)
     ending.at_exit(_at_exit)
     return group
