@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from aiodist import _settings
+from aiodist._launch.forkserver import START_METHODS
 from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT
 from aiodist._wire.tls import VARIABLES as TLS_VARIABLES
 
@@ -276,6 +277,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_tls(run, "mutual TLS for the server and between ranks: each rank's certificate")
     run.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    run.add_argument(
+        "--start-method",
+        "--start_method",
+        choices=START_METHODS,
+        default=START_METHODS[0],
+        help="forkserver: fork each Python rank from one interpreter that imported torch "
+        "and aiodist once (a fresh interpreter for any other command); spawn: a fresh "
+        "interpreter for every rank, as torchrun starts scripts",
+    )
     run.add_argument("-m", "--module", action="store_true", help="run script as a module")
     run.add_argument(
         "--log-level", type=str.lower, choices=LOG_LEVELS, default=_env("LOG_LEVEL", "warning")
@@ -632,6 +642,7 @@ def _run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             token=_token(args),
             prefix=not args.no_prefix,
+            start_method=args.start_method,
         )
     except ValueError as exc:
         return _fail("run", str(exc), 2)

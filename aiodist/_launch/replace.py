@@ -45,10 +45,16 @@ ASK_TIMEOUT: Final = 5.0  # a status request to a server this launcher does not 
 
 @dataclass(frozen=True, slots=True)
 class JobLook:
-    """The job as the server saw it: ended (its last member gone), and its members' pids."""
+    """The job as the server saw it: ended (its last member gone), and its members' pids.
+
+    ``forming``: a job of that name is being formed again: only a replacement that
+    came after the job ended (between two looks) makes one, waiting for members
+    that never come; it counts as the job's end.
+    """
 
     ended: bool = False
     pids: frozenset[int] = frozenset()
+    forming: bool = False
 
 
 def look_at(snap: dict[str, Any], job_id: str, since: float) -> JobLook:
@@ -59,7 +65,8 @@ def look_at(snap: dict[str, Any], job_id: str, since: float) -> JobLook:
     """
     job = find_job(snap, job_id)
     if job is not None:
-        return JobLook(pids=frozenset(int(m["pid"]) for m in job.get("members", [])))
+        pids = frozenset(int(m["pid"]) for m in job.get("members", []))
+        return JobLook(pids=pids, forming=job.get("state") == "forming")
     ended = any(
         f.get("job") == job_id and float(f.get("ago", since)) < since
         for f in snap.get("finished", [])

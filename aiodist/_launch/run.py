@@ -48,6 +48,7 @@ import anyio
 from aiodist import _settings
 from aiodist._errors import counted
 from aiodist._launch.agent_store import AgentStore
+from aiodist._launch.forkserver import START_METHODS, Forked, ForkServer
 from aiodist._launch.output import Sink, pump
 from aiodist._launch.placement import failure_suspects, parse_endpoint, place_server
 from aiodist._launch.replace import (
@@ -67,6 +68,7 @@ __all__ = ["LaunchResult", "LaunchSpec", "launch", "rank_env"]
 logger = logging.getLogger(__name__)
 
 STOP_GRACE: Final = 5.0
+RankProcess = asyncio.subprocess.Process | Forked  # a rank exec'd, or forked (forkserver.py)
 DEFAULT_MAX_REPLACEMENTS: Final = 16
 SERVER_LINGER: Final = 60.0
 PUMP_DRAIN: Final = 2.0  # after the ranks exit, how long their last output may take
@@ -101,6 +103,9 @@ class LaunchSpec:
             stopping the others; the job is elastic, and the replacement joins
             it with the next free rank (at most ``max_replacements`` in all).
         max_replacements: How many replacements this launcher starts at most.
+        start_method: ``"forkserver"``: a Python rank is forked from one interpreter
+            that imported torch and aiodist once (``forkserver.py``); ``"spawn"``:
+            each rank is a fresh interpreter (``exec``), as torchrun starts scripts.
     """
 
     cmd: list[str]
@@ -117,6 +122,7 @@ class LaunchSpec:
     max_nnodes: int = 0
     replace_failed: bool = False
     max_replacements: int = DEFAULT_MAX_REPLACEMENTS
+    start_method: str = START_METHODS[0]
 
     def __post_init__(self) -> None:
         if self.max_nnodes and self.max_nnodes < self.nnodes:
@@ -127,6 +133,11 @@ class LaunchSpec:
             raise ValueError(f"--max-replacements must be >= 0, got {self.max_replacements}")
         if self.nproc < 1:
             raise ValueError(f"-n/--nproc-per-node must be >= 1, got {self.nproc}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"--start-method must be one of {', '.join(START_METHODS)}, "
+                f"got {self.start_method!r}"
+            )
         if self.nnodes < 1:
             raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < max(self.nnodes, self.max_nnodes):
@@ -257,14 +268,14 @@ class _Ranks:
 
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
-        self.procs: list[asyncio.subprocess.Process] = []
+        self.procs: list[RankProcess] = []
         self.signals: list[signal.Signals] = []
         self.changed = asyncio.Event()
 
     def global_rank(self, i: int) -> int:
         return self.spec.node_rank * self.spec.nproc + i
 
-    def running(self) -> list[asyncio.subprocess.Process]:
+    def running(self) -> list[RankProcess]:
         return [p for p in self.procs if p.returncode is None]
 
     def kill(self, sig: int) -> None:
@@ -436,6 +447,7 @@ async def _run_ranks(
     width = len(str(spec.world_size - 1))
     failed: tuple[int, int] | None = None
     where = _where(spec)
+    forks = ForkServer() if spec.start_method == "forkserver" else None
     async with anyio.create_task_group() as pumps:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -454,14 +466,18 @@ async def _run_ranks(
                     replacement=replacement,
                     agent_store=agent_store,
                 )
-                proc = await asyncio.create_subprocess_exec(
-                    *spec.cmd,
-                    env=env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True,
-                )
+                proc: RankProcess | None = None
+                if forks is not None:
+                    proc = await forks.start(spec.cmd, env)
+                if proc is None:
+                    proc = await asyncio.create_subprocess_exec(
+                        *spec.cmd,
+                        env=env,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
+                        start_new_session=True,
+                    )
                 if replacement:
                     ranks.procs[i] = proc
                 else:
@@ -478,7 +494,7 @@ async def _run_ranks(
 
             # Replacements not seen in the job yet, those stopped because it ended, and
             # how many replacements in a row died before they joined (``replace.py``).
-            pending: dict[int, asyncio.subprocess.Process] = {}
+            pending: dict[int, RankProcess] = {}
             ending: dict[int, float] = {}
             start_failures = 0
             first_replaced: tuple[int, int] | None = None  # the first failure replaced
@@ -527,10 +543,10 @@ async def _run_ranks(
                     if pending or ending:
                         look = await watch.look()
                         for i, proc in list(pending.items()):
-                            if proc.pid in look.pids:
+                            if proc.pid in look.pids and not look.forming:
                                 del pending[i]
                                 start_failures = 0
-                            elif look.ended and proc.returncode is None:
+                            elif (look.ended or look.forming) and proc.returncode is None:
                                 del pending[i]
                                 ending[i] = anyio.current_time() + STOP_GRACE
                                 err.line(
@@ -561,6 +577,8 @@ async def _run_ranks(
                 await ranks.stop(STOP_GRACE)
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
+                if forks is not None:
+                    await forks.close()
             # A rank's child may hold its pipes open: bound the wait for the last output.
             pumps.cancel_scope.deadline = anyio.current_time() + PUMP_DRAIN
     if ranks.signals:
@@ -608,7 +626,7 @@ async def _culprit(
     return failed
 
 
-def _kill(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _kill(proc: RankProcess, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)  # the rank's own process group: its children too
 

@@ -5,8 +5,9 @@ test kills it by pid should it outlive the test). A replacement is a process
 started without ``RANK`` (it joins the running job).
 
 - ``late``: the last rank kills itself (SIGKILL) after the first barrier; the
-  others wait ``$REPLACE_LINGER`` s (default 1) and end well, before its
-  replacement (a new Python process importing torch) can join.
+  others wait ``$REPLACE_LINGER`` s (default 1) and end well; its replacement
+  waits for the job to end (ranks 0 and 1 make ``$REPLACE_ENDED.<rank>`` once
+  they left it) before it tries to join (the launcher stops it).
 - ``startup``: a replacement exits 1 at once, before it joins; the last rank
   kills itself after the first barrier, the others wait for the test's end.
 - ``all_die``: every rank kills itself after the first barrier.
@@ -27,6 +28,7 @@ import torch
 
 MODE = sys.argv[1]
 REPLACEMENT = "RANK" not in os.environ
+ENDED = os.environ.get("REPLACE_ENDED", "")  # late: the survivors' marks, once they left
 
 
 def report(**fields: object) -> None:
@@ -39,6 +41,10 @@ def main() -> None:
     report()
     if REPLACEMENT and MODE == "startup":
         sys.exit(1)
+    if REPLACEMENT and MODE == "late":
+        # Arrives after the job ended, however fast it started: the launcher must stop it.
+        while not all(os.path.exists(f"{ENDED}.{rank}") for rank in (0, 1)):
+            time.sleep(0.05)
     from aiodist import sync as dist
 
     dist.init_process_group()
@@ -58,6 +64,9 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if MODE == "late":
         time.sleep(float(os.environ.get("REPLACE_LINGER", "1")))
+        dist.destroy_process_group()
+        open(f"{ENDED}.{os.environ['RANK']}", "w").close()  # a mark, empty
+        return
     elif MODE == "newcomer":
         dist.membership(3, timeout=60)  # epochs: 1 the death, 2 the join, 3 its leave
     else:

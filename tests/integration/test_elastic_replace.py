@@ -10,12 +10,15 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.helpers import ROOT
 from tests.helpers.procs import json_lines, run
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +94,11 @@ def _replace_failed(mode: str) -> list[str]:
     return [*launcher, str(WORKER), mode]
 
 
-async def test_replacement_arriving_after_the_job_ended_is_stopped_and_the_run_succeeds() -> None:
-    result = await run(_replace_failed("late"), limit=LIMIT)
+async def test_replacement_arriving_after_the_job_ended_is_stopped_and_the_run_succeeds(
+    tmp_path: Path,
+) -> None:
+    ended = {"REPLACE_ENDED": str(tmp_path / "ended")}
+    result = await run(_replace_failed("late"), limit=LIMIT, env=ended)
     # Before: the replacement formed a new job of its own under the old name ("forming,
     # 1/3 joined") and waited for its members until the join timeout (30 minutes).
     assert result.returncode == 0, result.stderr[-3000:]

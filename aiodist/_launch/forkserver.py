@@ -1,0 +1,399 @@
+"""Ranks started from a warm interpreter: torch and aiodist imported once, each rank forked.
+
+A rank that ``aiodist run`` starts with ``exec`` spends about two seconds of CPU
+importing torch before it runs a line of the script: for 4 local ranks on a
+small machine, seconds of start-up, and each rank's own copy of torch's Python
+heap. As Python's ``multiprocessing`` forkserver does with preloaded modules,
+the launcher starts one server process (``python -m aiodist._launch.forkserver``),
+which imports torch and aiodist once, single-threaded and before any torch
+operation (as a ``DataLoader`` forks its workers; native threads such as
+OpenBLAS's have their libraries' fork handlers), and then forks a process for
+each rank it is asked for; the rank runs its script as ``python script.py`` would
+(``__main__``, ``sys.argv``, ``sys.path[0]``, exit status, an uncaught
+exception's traceback) in the environment and directory the launcher gives it.
+
+Each rank is the launcher's own child, as with ``exec``: the launcher is a child
+subreaper and the server forks twice, so the middle process's exit hands the
+rank to the launcher, which waits for it, signals it by pid and reads its exit
+status (``Forked``). The server is the launcher's child; a request names the
+command, environment and directory in one datagram with the rank's standard
+streams beside it (``SCM_RIGHTS``). Anything the server cannot do (it failed to
+start, a Python thread appeared while preloading, a command that is not a Python script or
+module) falls back to ``exec`` (``--start-method spawn`` always uses it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import TracebackType
+
+__all__ = ["START_METHODS", "ForkServer", "Forked", "python_main"]
+
+logger = logging.getLogger("aiodist.run")
+
+START_METHODS: Final = (
+    "forkserver",
+    "spawn",
+)  # aiodist run --start-method; the first is the default
+_PR_SET_CHILD_SUBREAPER: Final = 36
+_MAX_REQUEST: Final = 1 << 20  # argv and environment of one rank
+_PRELOAD: Final = ("torch", "torch.distributed", "aiodist", "aiodist.sync")
+
+
+Main = tuple[str, str, list[str], bool]  # ("path" | "module", target, args, unbuffered)
+
+
+def python_main(cmd: Sequence[str]) -> Main | None:
+    """What ``python [-u] script|-m module args`` runs; None for any other command.
+
+    These are the commands a forked rank runs as the interpreter would.
+    """
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    rest, unbuffered = list(cmd[1:]), False
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+        unbuffered = True
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "module", rest[1], rest[2:], unbuffered
+    if rest and not rest[0].startswith("-"):
+        return "path", rest[0], rest[1:], unbuffered
+    return None
+
+
+class Forked:
+    """A rank forked by the server: what ``asyncio.subprocess.Process`` offers the launcher.
+
+    Attributes:
+        pid: The rank's process id (a child of this process).
+        returncode: Its exit status once it ended (``-N``: killed by signal N), else None.
+        stdout: Its standard output, read here.
+        stderr: Its standard error, read here.
+    """
+
+    def __init__(self, pid: int, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader):
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = stdout
+        self.stderr = stderr
+        self._ended = asyncio.Event()
+        self._pidfd = os.pidfd_open(pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: its status is lost
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return  # the pidfd of a process that has not ended yet: not a wake-up of ours
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._ended.set()
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # not reaped: the pid is still this process's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The launcher's end: starts the server once, then a rank per ``start`` call."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._server: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+        self._broken = False
+
+    async def _open(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        os.close(os.pidfd_open(os.getpid()))  # Linux 5.3 or later: Forked waits on pidfds
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+            self._server = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "aiodist._launch.forkserver",
+                str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C at the terminal is the launcher's to pass on
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = mine
+        return mine
+
+    async def start(self, cmd: Sequence[str], env: dict[str, str]) -> Forked | None:
+        """Fork a rank running ``cmd`` in ``env``; None when the server cannot (use exec)."""
+        main = python_main(cmd)
+        if main is None or self._broken:
+            return None
+        async with self._lock:
+            try:
+                return await self._start(main, env)
+            except (OSError, ValueError, RuntimeError, AttributeError) as e:
+                self._broken = True
+                logger.warning("starting ranks from a warm interpreter failed (%s); using exec", e)
+                return None
+
+    async def _start(self, main: Main, env: dict[str, str]) -> Forked:
+        sock = await self._open()
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            data = json.dumps({"main": main, "env": env, "cwd": os.getcwd()}).encode()
+            if len(data) > _MAX_REQUEST:
+                raise ValueError(f"a rank's command and environment take {len(data)} bytes")
+            reply = await asyncio.get_running_loop().run_in_executor(
+                None, _ask, sock, data, [null, out_w, err_w]
+            )
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        if "pid" not in reply:
+            os.close(out_r)
+            os.close(err_r)
+            raise RuntimeError(reply.get("error", "the server went away"))
+        return Forked(int(reply["pid"]), await _reader(out_r), await _reader(err_r))
+
+    async def close(self) -> None:
+        """Stop the server (ranks already started go on)."""
+        if self._sock is not None:
+            self._sock.close()  # the server reads end-of-file and exits
+            self._sock = None
+        if self._server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.wait_for(self._server.wait(), 5)
+            if self._server.returncode is None:
+                self._server.kill()
+                await self._server.wait()
+            self._server = None
+
+
+def _ask(sock: socket.socket, data: bytes, fds: list[int]) -> dict[str, Any]:
+    """One request and its reply (in a thread: the reply waits for the fork)."""
+    socket.send_fds(sock, [data], fds)
+    reply = sock.recv(4096)
+    return dict(json.loads(reply)) if reply else {}
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**16, loop=loop)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(fd, "rb", 0)
+    )
+    return reader
+
+
+# The server process.
+
+
+def _serve(sock: socket.socket) -> None:
+    error = ""
+    for name in _PRELOAD:
+        try:
+            __import__(name)
+        except ImportError as e:
+            error = f"preloading {name}: {e}"
+            break
+    if not error and threading.active_count() != 1:
+        error = f"{threading.active_count()} Python threads after preloading; forking is not safe"
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 3)
+        except OSError:
+            return
+        if not data:
+            return  # the launcher closed its end
+        try:
+            if error:
+                raise RuntimeError(error)
+            if len(fds) != 3:
+                raise RuntimeError(f"a request came with {len(fds)} streams, not 3")
+            reply: dict[str, Any] = {"pid": _fork_rank(sock, json.loads(data), fds)}
+        except Exception as e:  # the launcher falls back to exec, saying why
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(json.dumps(reply).encode())
+
+
+def _fork_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the middle process: forks the rank and ends, handing it to the launcher
+        try:
+            os.close(r)
+            pid = os.fork()
+            if pid == 0:
+                os.close(w)
+                _reparented(os.getppid())
+                _become_rank(sock, request, fds)  # never returns
+            os.write(w, str(pid).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        text = pipe.read()
+    os.waitpid(middle, 0)
+    if not text:
+        raise RuntimeError("the rank's process could not be forked")
+    return int(text)
+
+
+def _reparented(middle: int) -> None:
+    """Wait (a moment) until the middle process ended and the launcher is our parent."""
+    for _ in range(5000):
+        if os.getppid() != middle:
+            return
+        time.sleep(0.001)
+
+
+def _become_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    code = 1
+    try:
+        sock.close()
+        os.setsid()  # its own session and process group, as the launcher's exec gives it
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        kind, target, args, unbuffered = request["main"]
+        _streams(unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()  # its own entropy, as a process of its own would have
+        code = _run_main(kind, target, args)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            sys.excepthook(*sys.exc_info())
+    finally:
+        _exit(code)
+
+
+def _streams(unbuffered: bool) -> None:
+    """``sys.stdin``, ``stdout``, ``stderr`` on fds 0-2, buffered as the interpreter's."""
+
+    def writer(fd: int, errors: str, line: bool) -> io.TextIOWrapper:
+        raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+        return io.TextIOWrapper(
+            raw, errors=errors, line_buffering=line or raw.isatty(), write_through=unbuffered
+        )
+
+    sys.stdin = open(0, closefd=False)  # lives as long as the process
+    sys.stdout = writer(1, "strict", False)
+    sys.stderr = writer(2, "backslashreplace", True)
+
+
+def _run_main(kind: str, target: str, args: list[str]) -> int:
+    """Run the script or module as ``__main__``, as the interpreter does; its exit code."""
+    import runpy
+
+    if kind == "path":
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+    else:
+        sys.argv = ["-m", *args]
+        sys.path[0] = os.getcwd()
+    try:
+        if kind == "path":
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # what -m runs
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # exits as killed by SIGINT, as Python does
+        return 130
+    except BaseException as e:
+        tb = _from_script(e.__traceback__, kind, target)
+        # The interpreter's record of an uncaught exception, which exit handlers read.
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e.with_traceback(tb), tb
+        sys.excepthook(type(e), e, tb)
+        return 1
+    return 0
+
+
+def _from_script(tb: TracebackType | None, kind: str, target: str) -> TracebackType | None:
+    """The traceback from the script's own frame on (without runpy's and ours)."""
+    start = tb
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if (kind == "path" and os.path.abspath(name) == os.path.abspath(target)) or (
+            kind == "module" and tb.tb_frame.f_globals.get("__name__") == "__main__"
+        ):
+            return tb
+        tb = tb.tb_next
+    return start
+
+
+def _finish() -> None:
+    """What the interpreter does at exit: join threads, run atexit, flush the streams."""
+    import atexit
+
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # waits for non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+
+
+def _exit(code: int) -> None:
+    with contextlib.suppress(BaseException):
+        _finish()
+    os._exit(code if 0 <= code <= 255 else 1)
+
+
+if __name__ == "__main__":
+    _serve(socket.socket(fileno=int(sys.argv[1])))
