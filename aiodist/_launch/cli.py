@@ -283,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=START_METHODS,
         default=START_METHODS[0],
         help="forkserver: fork each Python rank from one interpreter that imported torch "
-        "and aiodist once (a fresh interpreter for any other command); spawn: a fresh "
+        "once (a fresh interpreter for any other command); spawn: a fresh "
         "interpreter for every rank, as torchrun starts scripts",
     )
     run.add_argument("-m", "--module", action="store_true", help="run script as a module")

@@ -1,11 +1,11 @@
-"""Ranks started from a warm interpreter: torch and aiodist imported once, each rank forked.
+"""Ranks started from a warm interpreter: torch imported once, each rank forked.
 
 A rank that ``aiodist run`` starts with ``exec`` spends about two seconds of CPU
 importing torch before it runs a line of the script: for 4 local ranks on a
 small machine, seconds of start-up, and each rank's own copy of torch's Python
 heap. As Python's ``multiprocessing`` forkserver does with preloaded modules,
-the launcher starts one server process (``python -m aiodist._launch.forkserver``),
-which imports torch and aiodist once, single-threaded and before any torch
+the launcher starts one server process (this file, run as a script),
+which imports torch once, single-threaded and before any torch
 operation (as a ``DataLoader`` forks its workers; native threads such as
 OpenBLAS's have their libraries' fork handlers), and then forks a process for
 each rank it is asked for; the rank runs its script as ``python script.py`` would
@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -50,9 +51,18 @@ START_METHODS: Final = (
     "forkserver",
     "spawn",
 )  # aiodist run --start-method; the first is the default
+# The server runs this file as a script: ``-m aiodist._launch.forkserver`` would import
+# the aiodist package first, and a rank must import it itself (see _PRELOAD). Nothing of
+# the launcher's directory is on its path (a rank puts its script's first, as Python does).
+_BOOT: Final = (
+    "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
+)
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _MAX_REQUEST: Final = 1 << 20  # argv and environment of one rank
-_PRELOAD: Final = ("torch", "torch.distributed", "aiodist", "aiodist.sync")
+# torch only: aiodist's own import registers exit handlers whose order against the
+# script's (an atexit registered before ``import aiodist`` runs after them) must stay
+# as a fresh interpreter has it; it costs a rank about 0.3 s, torch about 2 s.
+_PRELOAD: Final = ("torch", "torch.distributed")
 
 
 Main = tuple[str, str, list[str], bool]  # ("path" | "module", target, args, unbuffered)
@@ -86,31 +96,49 @@ class Forked:
         stderr: Its standard error, read here.
     """
 
-    def __init__(self, pid: int, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader):
+    def __init__(
+        self,
+        pid: int,
+        stdout: asyncio.StreamReader,
+        stdout_pipe: asyncio.BaseTransport,
+        stderr: asyncio.StreamReader,
+        stderr_pipe: asyncio.BaseTransport,
+    ) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self.stdout = stdout
         self.stderr = stderr
+        self._pipes = (stdout_pipe, stderr_pipe)
         self._ended = asyncio.Event()
-        self._pidfd = os.pidfd_open(pid)
-        asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
+        loop = asyncio.get_running_loop()
+        # A thread waits for it, as asyncio's ThreadedChildWatcher does (a pidfd's
+        # readiness is not something every loop can watch).
+        threading.Thread(
+            target=self._reap, args=(loop,), name="aiodist-rank-wait", daemon=True
+        ).start()
 
-    def _reap(self) -> None:
+    def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            _, status = os.waitpid(self.pid, 0)
+            code = os.waitstatus_to_exitcode(status)
         except ChildProcessError:  # reaped elsewhere: its status is lost
-            pid, status = self.pid, 255 << 8
-        if pid == 0:
-            return  # the pidfd of a process that has not ended yet: not a wake-up of ours
-        asyncio.get_running_loop().remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self.returncode = os.waitstatus_to_exitcode(status)
+            code = 255
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._end, code)
+
+    def _end(self, code: int) -> None:
+        self.returncode = code
         self._ended.set()
 
     async def wait(self) -> int:
         await self._ended.wait()
         assert self.returncode is not None
         return self.returncode
+
+    def close_pipes(self) -> None:
+        """Stop reading its output (a pipe read to its end closes by itself)."""
+        for pipe in self._pipes:
+            pipe.close()
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:  # not reaped: the pid is still this process's
@@ -124,30 +152,30 @@ class Forked:
 
 
 class ForkServer:
-    """The launcher's end: starts the server once, then a rank per ``start`` call."""
+    """The launcher's end: starts the server once, then a rank per ``start`` call.
+
+    Not bound to an event loop: each ``start`` runs on the caller's loop, and its
+    request and reply go out and back whole under a lock (in a thread).
+    """
 
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
-        self._server: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        self._server: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
         self._broken = False
 
-    async def _open(self) -> socket.socket:
+    def _open(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
-        os.close(os.pidfd_open(os.getpid()))  # Linux 5.3 or later: Forked waits on pidfds
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-            self._server = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "aiodist._launch.forkserver",
-                str(theirs.fileno()),
+            self._server = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, __file__, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C at the terminal is the launcher's to pass on
             )
         except BaseException:
@@ -158,29 +186,29 @@ class ForkServer:
         self._sock = mine
         return mine
 
-    async def start(self, cmd: Sequence[str], env: dict[str, str]) -> Forked | None:
+    async def start(
+        self, cmd: Sequence[str], env: dict[str, str], cwd: str | None = None
+    ) -> Forked | None:
         """Fork a rank running ``cmd`` in ``env``; None when the server cannot (use exec)."""
         main = python_main(cmd)
         if main is None or self._broken:
             return None
-        async with self._lock:
-            try:
-                return await self._start(main, env)
-            except (OSError, ValueError, RuntimeError, AttributeError) as e:
-                self._broken = True
-                logger.warning("starting ranks from a warm interpreter failed (%s); using exec", e)
-                return None
+        try:
+            return await self._start(main, env, cwd or os.getcwd())
+        except (OSError, ValueError, RuntimeError, AttributeError) as e:
+            self._broken = True
+            logger.warning("starting ranks from a warm interpreter failed (%s); using exec", e)
+            return None
 
-    async def _start(self, main: Main, env: dict[str, str]) -> Forked:
-        sock = await self._open()
+    async def _start(self, main: Main, env: dict[str, str], cwd: str) -> Forked:
         (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         try:
-            data = json.dumps({"main": main, "env": env, "cwd": os.getcwd()}).encode()
+            data = json.dumps({"main": main, "env": env, "cwd": cwd}).encode()
             if len(data) > _MAX_REQUEST:
                 raise ValueError(f"a rank's command and environment take {len(data)} bytes")
             reply = await asyncio.get_running_loop().run_in_executor(
-                None, _ask, sock, data, [null, out_w, err_w]
+                None, self._ask, data, [null, out_w, err_w]
             )
         except BaseException:
             os.close(out_r)
@@ -193,36 +221,38 @@ class ForkServer:
             os.close(out_r)
             os.close(err_r)
             raise RuntimeError(reply.get("error", "the server went away"))
-        return Forked(int(reply["pid"]), await _reader(out_r), await _reader(err_r))
+        return Forked(int(reply["pid"]), *await _reader(out_r), *await _reader(err_r))
 
-    async def close(self) -> None:
+    def _ask(self, data: bytes, fds: list[int]) -> dict[str, Any]:
+        """One request and its reply, whole (the reply waits for the fork)."""
+        with self._lock:
+            sock = self._open()
+            socket.send_fds(sock, [data], fds)
+            reply = sock.recv(4096)
+        return dict(json.loads(reply)) if reply else {}
+
+    def close(self) -> None:
         """Stop the server (ranks already started go on)."""
-        if self._sock is not None:
-            self._sock.close()  # the server reads end-of-file and exits
-            self._sock = None
-        if self._server is not None:
-            with contextlib.suppress(ProcessLookupError):
-                await asyncio.wait_for(self._server.wait(), 5)
-            if self._server.returncode is None:
-                self._server.kill()
-                await self._server.wait()
-            self._server = None
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()  # the server reads end-of-file and exits
+                self._sock = None
+            if self._server is not None:
+                try:
+                    self._server.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._server.kill()
+                    self._server.wait()
+                self._server = None
 
 
-def _ask(sock: socket.socket, data: bytes, fds: list[int]) -> dict[str, Any]:
-    """One request and its reply (in a thread: the reply waits for the fork)."""
-    socket.send_fds(sock, [data], fds)
-    reply = sock.recv(4096)
-    return dict(json.loads(reply)) if reply else {}
-
-
-async def _reader(fd: int) -> asyncio.StreamReader:
+async def _reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=2**16, loop=loop)
-    await loop.connect_read_pipe(
+    transport, _ = await loop.connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(fd, "rb", 0)
     )
-    return reader
+    return reader, transport
 
 
 # The server process.
@@ -334,10 +364,10 @@ def _run_main(kind: str, target: str, args: list[str]) -> int:
 
     if kind == "path":
         sys.argv = [target, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
     else:
         sys.argv = ["-m", *args]
-        sys.path[0] = os.getcwd()
+        sys.path.insert(0, os.getcwd())
     try:
         if kind == "path":
             runpy.run_path(target, run_name="__main__")
@@ -350,18 +380,23 @@ def _run_main(kind: str, target: str, args: list[str]) -> int:
             return e.code
         print(e.code, file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        _uncaught(e, kind, target)
         _finish()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # exits as killed by SIGINT, as Python does
         return 130
     except BaseException as e:
-        tb = _from_script(e.__traceback__, kind, target)
-        # The interpreter's record of an uncaught exception, which exit handlers read.
-        sys.last_type, sys.last_value, sys.last_traceback = type(e), e.with_traceback(tb), tb
-        sys.excepthook(type(e), e, tb)
+        _uncaught(e, kind, target)
         return 1
     return 0
+
+
+def _uncaught(e: BaseException, kind: str, target: str) -> None:
+    """Print it, and keep the interpreter's record of it, which exit handlers read."""
+    tb = _from_script(e.__traceback__, kind, target)
+    sys.last_type, sys.last_value, sys.last_traceback = type(e), e.with_traceback(tb), tb
+    sys.excepthook(type(e), e, tb)
 
 
 def _from_script(tb: TracebackType | None, kind: str, target: str) -> TracebackType | None:
@@ -396,4 +431,5 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(socket.socket(fileno=int(sys.argv[1])))
+    with socket.socket(fileno=int(sys.argv[-1])) as control:
+        _serve(control)

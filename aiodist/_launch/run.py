@@ -104,7 +104,7 @@ class LaunchSpec:
             it with the next free rank (at most ``max_replacements`` in all).
         max_replacements: How many replacements this launcher starts at most.
         start_method: ``"forkserver"``: a Python rank is forked from one interpreter
-            that imported torch and aiodist once (``forkserver.py``); ``"spawn"``:
+            that imported torch once (``forkserver.py``); ``"spawn"``:
             each rank is a fresh interpreter (``exec``), as torchrun starts scripts.
     """
 
@@ -578,7 +578,7 @@ async def _run_ranks(
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
                 if forks is not None:
-                    await forks.close()
+                    forks.close()
             # A rank's child may hold its pipes open: bound the wait for the last output.
             pumps.cancel_scope.deadline = anyio.current_time() + PUMP_DRAIN
     if ranks.signals:

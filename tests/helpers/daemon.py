@@ -14,6 +14,8 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from tests.helpers.warm import open_process
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from pathlib import Path
@@ -102,7 +104,7 @@ async def serve(
         cmd = [sys.executable, "-m", "aiodist", "serve", *args]
     else:
         cmd = [sys.executable, "-c", _NOFILE, "{}:{}".format(*nofile), *args]
-    async with await anyio.open_process(cmd, env=full_env) as proc:
+    async with await open_process(cmd, env=full_env) as proc:
         daemon = Daemon(proc)
         try:
             async with anyio.create_task_group() as tg:

@@ -12,6 +12,8 @@ from typing import Any
 
 import anyio
 
+from tests.helpers.warm import open_process
+
 __all__ = ["Finished", "alive", "free_port", "json_lines", "reports_by_rank", "run"]
 
 
@@ -77,7 +79,7 @@ async def run(
                 text = data[name][: data[name].rfind(b"\n") + 1].decode(errors="replace")
                 pids.update(r["pid"] for r in json_lines(text) if "pid" in r)
 
-    proc = await anyio.open_process(argv, env={**os.environ, **(env or {})}, cwd=cwd)
+    proc = await open_process(argv, env={**os.environ, **(env or {})}, cwd=cwd)
     try:
         with anyio.fail_after(limit):
             async with anyio.create_task_group() as tg:

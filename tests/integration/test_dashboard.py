@@ -27,6 +27,7 @@ from aiodist._wire.messages import Join
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS
 from tests.helpers.daemon import asyncio_only, run_cli, serve, token_file
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -286,7 +287,7 @@ async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
                 url = f"tcp://127.0.0.1:{daemon.port}"
                 for r in range(2):
                     argv = [sys.executable, WORKER, url, str(r), "2", "<b>web</b>", "sleep"]
-                    procs.append(await anyio.open_process(argv, env=env))
+                    procs.append(await open_process(argv, env=env))
 
                 async def text() -> str:
                     return str(

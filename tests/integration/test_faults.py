@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
+from tests.helpers.warm import open_process
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -152,8 +154,8 @@ async def test_rank_dying_during_rendezvous_leaves_a_clear_timeout(
     url = f"tcp://{server.address[0]}:{server.address[1]}"
     args = [sys.executable, str(script), url]
     with anyio.fail_after(60):
-        async with await anyio.open_process([*args, "0", "3"]) as waiter:
-            async with await anyio.open_process([*args, "2", "3"]) as victim:
+        async with await open_process([*args, "0", "3"]) as waiter:
+            async with await open_process([*args, "2", "3"]) as victim:
                 await server.wait_for_members("forming", 2)
                 victim.kill()
                 await victim.wait()
@@ -185,7 +187,7 @@ async def test_rank_dying_mid_gather_or_freezing_fails_survivors(
 
     args = [sys.executable, str(script), url, "2", "3", "2"]
     with anyio.fail_after(90):
-        async with await anyio.open_process(args, env=env) as victim:
+        async with await open_process(args, env=env) as victim:
             try:
                 async with anyio.create_task_group() as tg:
                     for rank in (0, 1):
@@ -244,7 +246,7 @@ async def test_a_frozen_process_fails_every_rank_it_hosts(
     script.write_text(PAIR_WORKER)
     url = f"tcp://{server.address[0]}:{server.address[1]}"
     with anyio.fail_after(60):
-        async with await anyio.open_process([sys.executable, str(script), url]) as pair:
+        async with await open_process([sys.executable, str(script), url]) as pair:
             try:
                 async with open_process_group(
                     url,

@@ -25,6 +25,7 @@ from aiodist._ops.collect import write_private
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS, ROOT
 from tests.helpers.procs import json_lines, reports_by_rank, run
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -213,7 +214,7 @@ async def test_rank_resumed_after_being_declared_failed_blames_itself(tmp_path: 
     argv = [sys.executable, "-m", "aiodist", "run", "-n", "2", "--no-prefix", str(script)]
     out = bytearray()
     with anyio.fail_after(60):
-        async with await anyio.open_process(argv, env=env) as proc:
+        async with await open_process(argv, env=env) as proc:
             try:
                 assert proc.stdout is not None
                 pids: dict[int, int] = {}

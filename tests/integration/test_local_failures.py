@@ -24,6 +24,7 @@ import aiodist
 from aiodist import AbortedError, CollectiveMismatchError
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from aiodist import ProcessGroup, RendezvousServer
@@ -42,7 +43,7 @@ async def _run_job(
     outs: dict[int, dict[str, Any]] = {}
 
     async def one(rank: int) -> None:
-        async with await anyio.open_process(
+        async with await open_process(
             [sys.executable, str(WORKER), mode, url, str(rank), str(WORLD)],
             env={**os.environ, "PYTHONPATH": str(WORKER.parent.parent), "WORKER_LOOP": loop},
         ) as proc:

@@ -21,6 +21,7 @@ import pytest
 from tests.helpers import HELPERS, ROOT
 from tests.helpers import procs as _procs
 from tests.helpers.daemon import asyncio_only, serve
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from tests.helpers.daemon import Daemon
@@ -80,7 +81,7 @@ class _Ranks:
 async def _started(argv: list[str]) -> Any:
     ranks = _Ranks()
     pids: set[int] = set()
-    async with await anyio.open_process(argv, env=_env()) as proc:
+    async with await open_process(argv, env=_env()) as proc:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ranks.drain, proc.stdout, "stdout")

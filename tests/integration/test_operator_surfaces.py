@@ -18,6 +18,7 @@ import pytest
 from aiodist import DistError
 from aiodist.testing import run_ranks
 from tests.helpers.daemon import run_cli
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from aiodist import RendezvousServer
@@ -50,7 +51,7 @@ async def test_status_escapes_a_failure_reason_that_holds_control_characters(
     env = {**os.environ, "AIODIST_TORCH_GROUP": "0"}
     argv = [sys.executable, "-c", FAILING_RANK, url]
     with anyio.fail_after(90):
-        async with await anyio.open_process([*argv, "0", ""], env=env) as survivor:
+        async with await open_process([*argv, "0", ""], env=env) as survivor:
             await anyio.run_process([*argv, "1", f"boom {ESCAPE}"], check=False, env=env)
             assert survivor.stdout is not None
             assert b"told" in await survivor.stdout.receive()

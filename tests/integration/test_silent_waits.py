@@ -28,6 +28,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aiodist import open_process_group
 from tests.helpers.daemon import asyncio_only, serve
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -228,7 +229,7 @@ async def spawn(
     stderr = tmp_path / f"stderr-{args[0]}-{args[2]}-{time.monotonic_ns()}.txt"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     with _create(stderr) as err:
-        proc = await anyio.open_process(
+        proc = await open_process(
             [sys.executable, str(path), *args], env={**full_env, **(env or {})}, stderr=err
         )
     try:
@@ -458,7 +459,7 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     path.write_text(SYNC_WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     with anyio.fail_after(60):
-        async with await anyio.open_process(
+        async with await open_process(
             [sys.executable, str(path), url, op], env=env, stderr=None
         ) as proc:
             try:
