@@ -67,19 +67,30 @@ async def server() -> AsyncIterator[RendezvousServer]:
 
 # The files that take longest, first: ``make test`` hands whole files to its two
 # workers in collection order, and a long file handed out last keeps one worker busy
-# while the other has nothing left to do. Only the order changes.
+# while the other has nothing left to do. After them the other files that start
+# processes, and the unit tests (in-process, quick) last, to fill the gaps. Only the
+# order changes.
 LONG_FILES_FIRST: Final = (
+    "test_daemon_away.py",
+    "test_rpc_programs.py",
+    "test_torch_backend.py",
+    "test_fault_matrix.py",
     "test_faults.py",
+    "test_dashboard.py",
+    "test_elastic_examples.py",
+    "test_bench_report.py",
+    "test_gpu_check.py",
     "test_exits.py",
-    "test_collectives.py",
-    "test_shm.py",
-    "test_integrity_listener.py",
+    "test_elastic_grow.py",
+    "test_elastic_replace.py",
     "test_silent_waits.py",
     "test_rpc.py",
     "test_launch_paths.py",
-    "test_bench_report.py",
     "test_daemon_restart.py",
     "test_integrity.py",
+    "test_collectives.py",
+    "test_shm.py",
+    "test_integrity_listener.py",
     "test_multiprocess.py",
     "test_new_user.py",
     "test_docs.py",
@@ -88,4 +99,10 @@ LONG_FILES_FIRST: Final = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+    def order(item: pytest.Item) -> int:
+        if item.path.name in rank:
+            return rank[item.path.name]
+        return len(rank) + ("unit" in item.path.parts)
+
+    items.sort(key=order)  # stable: files stay whole

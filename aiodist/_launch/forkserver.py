@@ -108,6 +108,7 @@ class Forked:
         self.returncode: int | None = None
         self.stdout = stdout
         self.stderr = stderr
+        self.stdin: asyncio.StreamWriter | None = None  # with ForkServer.start(stdin_pipe=True)
         self._pipes = (stdout_pipe, stderr_pipe)
         self._ended = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -139,6 +140,8 @@ class Forked:
         """Stop reading its output (a pipe read to its end closes by itself)."""
         for pipe in self._pipes:
             pipe.close()
+        if self.stdin is not None:
+            self.stdin.close()
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:  # not reaped: the pid is still this process's
@@ -187,49 +190,64 @@ class ForkServer:
         return mine
 
     async def start(
-        self, cmd: Sequence[str], env: dict[str, str], cwd: str | None = None
+        self,
+        cmd: Sequence[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        stdin_pipe: bool = False,
     ) -> Forked | None:
-        """Fork a rank running ``cmd`` in ``env``; None when the server cannot (use exec)."""
+        """Fork a rank running ``cmd`` in ``env``, its output piped here; None: use exec.
+
+        Its standard input is empty, or with ``stdin_pipe`` a pipe from here (``Forked.stdin``).
+        """
+        if python_main(cmd) is None or self._broken:
+            return None
+        (in_r, in_w) = os.pipe() if stdin_pipe else (os.open(os.devnull, os.O_RDONLY), -1)
+        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+        try:
+            pid = await asyncio.get_running_loop().run_in_executor(
+                None, self.fork, cmd, env, cwd, [in_r, out_w, err_w]
+            )
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        if pid is None:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            return None
+        forked = Forked(pid, *await _reader(out_r), *await _reader(err_r))
+        if in_w >= 0:
+            forked.stdin = await _writer(in_w)
+        return forked
+
+    def fork(
+        self, cmd: Sequence[str], env: dict[str, str], cwd: str | None, streams: list[int]
+    ) -> int | None:
+        """Fork ``cmd`` with ``streams`` as its fds 0-2; its pid, or None (use exec).
+
+        Blocking: the reply waits for the fork (and, the first time, for the
+        server's preloading). After one failure the server is not asked again.
+        """
         main = python_main(cmd)
         if main is None or self._broken:
             return None
         try:
-            return await self._start(main, env, cwd or os.getcwd())
+            data = json.dumps({"main": main, "env": env, "cwd": cwd or os.getcwd()}).encode()
+            if len(data) > _MAX_REQUEST:
+                raise ValueError(f"a rank's command and environment take {len(data)} bytes")
+            with self._lock:
+                sock = self._open()
+                socket.send_fds(sock, [data], streams)
+                text = sock.recv(4096)
+            reply = dict(json.loads(text)) if text else {}
+            if "pid" not in reply:
+                raise RuntimeError(reply.get("error", "the server went away"))
+            return int(reply["pid"])
         except (OSError, ValueError, RuntimeError, AttributeError) as e:
             self._broken = True
             logger.warning("starting ranks from a warm interpreter failed (%s); using exec", e)
             return None
-
-    async def _start(self, main: Main, env: dict[str, str], cwd: str) -> Forked:
-        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        try:
-            data = json.dumps({"main": main, "env": env, "cwd": cwd}).encode()
-            if len(data) > _MAX_REQUEST:
-                raise ValueError(f"a rank's command and environment take {len(data)} bytes")
-            reply = await asyncio.get_running_loop().run_in_executor(
-                None, self._ask, data, [null, out_w, err_w]
-            )
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-        if "pid" not in reply:
-            os.close(out_r)
-            os.close(err_r)
-            raise RuntimeError(reply.get("error", "the server went away"))
-        return Forked(int(reply["pid"]), *await _reader(out_r), *await _reader(err_r))
-
-    def _ask(self, data: bytes, fds: list[int]) -> dict[str, Any]:
-        """One request and its reply, whole (the reply waits for the fork)."""
-        with self._lock:
-            sock = self._open()
-            socket.send_fds(sock, [data], fds)
-            reply = sock.recv(4096)
-        return dict(json.loads(reply)) if reply else {}
 
     def close(self) -> None:
         """Stop the server (ranks already started go on)."""
@@ -244,6 +262,14 @@ class ForkServer:
                     self._server.kill()
                     self._server.wait()
                 self._server = None
+
+
+async def _writer(fd: int) -> asyncio.StreamWriter:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.connect_write_pipe(
+        lambda: asyncio.streams.FlowControlMixin(loop=loop), os.fdopen(fd, "wb", 0)
+    )
+    return asyncio.StreamWriter(transport, protocol, None, loop)
 
 
 async def _reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:

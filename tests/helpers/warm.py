@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
-from typing import TYPE_CHECKING, Any
+import threading
+import time
+from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 import anyio
-from anyio.abc import ByteReceiveStream, Process
+from anyio.abc import ByteReceiveStream, ByteSendStream, Process
 
 from aiodist._launch.forkserver import Forked, ForkServer
 
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from pathlib import Path
 
-__all__ = ["WarmProcess", "open_process"]
+__all__ = ["Proc", "WarmPopen", "WarmProcess", "open_process", "popen", "run"]
 
 _server: ForkServer | None = None
 
@@ -54,17 +57,30 @@ class _Reader(ByteReceiveStream):
         self._reader.feed_eof()
 
 
+class _Writer(ByteSendStream):
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    async def send(self, item: bytes) -> None:
+        self._writer.write(item)
+        await self._writer.drain()
+
+    async def aclose(self) -> None:
+        self._writer.close()
+
+
 class WarmProcess(Process):
-    """A forked process as anyio's ``Process`` (its standard input is empty: no stream)."""
+    """A forked process as anyio's ``Process``."""
 
     def __init__(self, forked: Forked) -> None:
         self._forked = forked
         self._stdout = _Reader(forked.stdout)
         self._stderr = _Reader(forked.stderr)
+        self._stdin = None if forked.stdin is None else _Writer(forked.stdin)
 
     @property
-    def stdin(self) -> None:
-        return None
+    def stdin(self) -> ByteSendStream | None:
+        return self._stdin
 
     @property
     def stdout(self) -> ByteReceiveStream:
@@ -119,7 +135,135 @@ async def open_process(
             list(argv),
             dict(os.environ if env is None else env),
             None if cwd is None else str(cwd),
+            stdin_pipe=True,
         )
         if forked is not None:
             return WarmProcess(forked)
     return await anyio.open_process(argv, env=env, cwd=cwd, **streams)
+
+
+class WarmPopen:
+    """A forked process as much of ``subprocess.Popen`` as the suite uses (text mode)."""
+
+    def __init__(self, pid: int, stdout: IO[str] | None, stderr: IO[str] | None) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Read both pipes to their end and wait, within ``timeout`` s in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        texts: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        readers = [
+            threading.Thread(target=lambda f=f, n=n: texts[n].append(f.read()), daemon=True)
+            for n, f in (("stdout", self.stdout), ("stderr", self.stderr))
+            if f is not None and not f.closed
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return "".join(texts["stdout"]), "".join(texts["stderr"])
+
+
+Proc: TypeAlias = "WarmPopen | subprocess.Popen[str]"  # what ``popen`` returns
+
+
+def popen(
+    argv: Sequence[str],
+    *,
+    stdout: int | None = None,
+    stderr: int | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> Proc:
+    """``subprocess.Popen(argv, stdout=, stderr=, text=True, env=, cwd=)``, forked warm
+    where it can be (``stdout``/``stderr``: ``PIPE``, ``DEVNULL`` or None)."""
+    ours: list[int] = [os.open(os.devnull, os.O_RDONLY)]
+    theirs: list[int] = [ours[0]]
+    pipes: list[int | None] = []
+    for how, fd in ((stdout, 1), (stderr, 2)):
+        if how == subprocess.PIPE:
+            r, w = os.pipe()
+            ours.append(w)
+            theirs.append(w)
+            pipes.append(r)
+        elif how == subprocess.DEVNULL:
+            null = os.open(os.devnull, os.O_WRONLY)
+            ours.append(null)
+            theirs.append(null)
+            pipes.append(None)
+        elif how is None:
+            theirs.append(fd)
+            pipes.append(None)
+        else:
+            break
+    pid: int | None = None
+    if len(theirs) == 3:
+        pid = _forks().fork(
+            list(argv),
+            dict(os.environ if env is None else env),
+            None if cwd is None else str(cwd),
+            theirs,
+        )
+    for fd in ours:
+        os.close(fd)
+    if pid is None:
+        for read_end in pipes:
+            if read_end is not None:
+                os.close(read_end)
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, env=env, cwd=cwd)
+    out, err = (None if fd is None else open(fd, errors="replace") for fd in pipes)
+    return WarmPopen(pid, out, err)
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=...)``, forked warm."""
+    proc = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.warm import popen
+from tests.helpers.warm import run as warm_run
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -21,10 +23,8 @@ pytestmark = pytest.mark.slow
 def test_async_pipeline_gathers_every_item(ranks: int, items: int) -> None:
     script = ROOT / "examples" / "async_pipeline.py"
     args = ["-n", str(ranks), str(script), "--items", str(items)]
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-m", "aiodist", "run", *args],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -41,10 +41,8 @@ def test_async_pipeline_gathers_every_item(ranks: int, items: int) -> None:
 def test_parameter_server_trains_through_remote_calls(mode: str) -> None:
     script = ROOT / "examples" / "parameter_server.py"
     args = ["-n", "4", str(script), "--steps", "40", *(["--async-sgd"] if mode == "async" else [])]
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-m", "aiodist", "run", *args],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -73,10 +71,8 @@ def test_torch_script_ported_by_its_import_prints_what_torch_prints(tmp_path: Pa
         source.replace("\nimport aiodist.sync as dist\n", "\nimport torch.distributed as dist\n")
     )
     assert original.read_text() != source  # the import line, and nothing else, differs
-    ours = subprocess.run(
+    ours = warm_run(
         [sys.executable, "-m", "aiodist", "run", "-n", "2", "--no-prefix", str(ported)],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert ours.returncode == 0, ours.stdout + ours.stderr
@@ -88,12 +84,11 @@ def test_torch_script_ported_by_its_import_prints_what_torch_prints(tmp_path: Pa
         "WORLD_SIZE": "2",
     }
     procs = [
-        subprocess.Popen(
+        popen(
             [sys.executable, str(original)],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
         )
         for r in range(2)
     ]
@@ -119,10 +114,8 @@ def test_crc_transport_carries_the_jobs_collectives() -> None:
     # collectives and messages travel over crc:// channels, each frame checksummed.
     script = ROOT / "examples" / "crc_transport.py"
     env = {k: v for k, v in os.environ.items() if k != "AIODIST_TRANSPORT"}
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-m", "aiodist", "run", "-n", "4", str(script)],
-        capture_output=True,
-        text=True,
         timeout=120,
         env=env,
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from typing import TYPE_CHECKING
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.warm import run as warm_run
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -76,10 +76,8 @@ WORKER = textwrap.dedent(
 
 
 def _aiodist_run(n: int, *args: str, timeout: float = 180) -> str:
-    result = subprocess.run(
+    result = warm_run(
         [sys.executable, "-m", "aiodist", "run", "-n", str(n), "--no-prefix", *args],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         cwd=ROOT,
     )

@@ -20,6 +20,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aiodist import open_process_group
 from tests.helpers import ROOT
+from tests.helpers.warm import Proc, popen
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -75,7 +76,7 @@ WORKER = textwrap.dedent(
 
 
 @pytest.fixture
-def daemon_proc(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen[str]]]:
+def daemon_proc(tmp_path: Path) -> Iterator[tuple[str, int, Proc]]:
     with open(tmp_path / "daemon.log", "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "aiodist", "serve", "--host", "127.0.0.1", "--port", "0"],
@@ -97,27 +98,26 @@ def daemon_proc(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen[str
 
 
 @pytest.fixture
-def daemon(daemon_proc: tuple[str, int, subprocess.Popen[str]]) -> tuple[str, int]:
+def daemon(daemon_proc: tuple[str, int, Proc]) -> tuple[str, int]:
     return daemon_proc[0], daemon_proc[1]
 
 
-def _kill(proc: subprocess.Popen[str]) -> None:
+def _kill(proc: Proc) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.communicate()  # reaps it and closes its pipes
 
 
-def _spawn(script: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _spawn(script: Path, *args: str) -> Proc:
+    return popen(
         [sys.executable, str(script), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
 
 
-def _reap(procs: list[subprocess.Popen[str]], timeout: float = 60) -> list[dict[str, object]]:
+def _reap(procs: list[Proc], timeout: float = 60) -> list[dict[str, object]]:
     outs = []
     try:
         for p in procs:
@@ -224,7 +224,7 @@ async def test_in_process_member_and_subprocess_members_share_a_job(
 
 
 async def test_stopping_the_daemon_fails_ranks_control_requests_clearly(
-    daemon_proc: tuple[str, int, subprocess.Popen[str]], tmp_path: Path
+    daemon_proc: tuple[str, int, Proc], tmp_path: Path
 ) -> None:
     host, port, proc = daemon_proc
     script = tmp_path / "worker.py"

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import HELPERS, ROOT
+from tests.helpers.warm import Proc, popen
+from tests.helpers.warm import run as warm_run
 
 pytestmark = pytest.mark.slow
 
@@ -50,25 +52,23 @@ def _run(
     port = _free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     base["PYTHONPATH"] = str(ROOT)
-    procs: dict[int, subprocess.Popen[str]] = {}
+    procs: dict[int, Proc] = {}
     deadline = time.monotonic() + timeout
     try:
         if daemon:
-            procs[-1] = server = subprocess.Popen(
+            procs[-1] = server = popen(
                 [sys.executable, "-m", "aiodist", "serve", "--port", str(port)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
-                text=True,
                 env=base,
             )
             assert server.stdout is not None
             assert "listening on" in server.stdout.readline()  # before any rank would embed one
         for rank in range(world):
-            procs[rank] = subprocess.Popen(
+            procs[rank] = popen(
                 [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                text=True,
                 env={**base, **(env or {}).get(rank, {})},
             )
         reports: dict[int, dict[str, Any]] = {}
@@ -283,13 +283,10 @@ def test_a_rank_failing_under_multiprocessing_is_told_to_its_peers_within_second
     # up for the others: mp.spawn reports it within seconds, not after the linger.
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
+    done = warm_run(
         [sys.executable, str(EXIT_WORKER), launcher, str(_free_port())],
-        capture_output=True,
-        text=True,
         env=env,
         timeout=150,
-        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

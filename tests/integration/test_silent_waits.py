@@ -161,12 +161,18 @@ SYNC_WORKER = textwrap.dedent(
     import aiodist.sync as dist
 
     def blocked(frame):
-        # The main thread waits on a lock inside aiodist's blocking call (no Python runs).
-        files = []
+        # The main thread waits on a lock inside aiodist's blocking call (no Python runs);
+        # for "wait", inside Work.wait itself, not in the barrier's submission before it
+        # (a Ctrl-C there interrupts a blocking call, which closes the group at once).
+        frames = []
         while frame is not None:
-            files.append(frame.f_code.co_filename)
+            frames.append((frame.f_code.co_filename, frame.f_code.co_name))
             frame = frame.f_back
-        return files[0].endswith("threading.py") and any("aiodist" in f for f in files)
+        if not frames or not frames[0][0].endswith("threading.py"):
+            return False
+        if op == "wait":
+            return any(f.endswith("work.py") and name == "wait" for f, name in frames)
+        return any("aiodist" in f for f, _ in frames)
 
     def announce():
         main = threading.main_thread().ident
