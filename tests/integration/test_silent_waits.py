@@ -405,7 +405,9 @@ async def test_rank_leaving_while_nobody_waits_breaks_nothing_for_the_others(
 async def test_daemon_killed_every_rank_learns_within_the_heartbeat_timeout(
     tmp_path: Path, how: str, idle: str
 ) -> None:
-    hb_timeout = 1.5
+    # Not shorter: init_process_group stalls a rank's loop about 0.3 s of CPU on an idle
+    # machine (torch's group coming up), 1.7 s on a loaded one, past a 1.5 s timeout.
+    hb_timeout = 3.0
     # A daemon may come back: ranks would wait for it. With no grace, they break at once.
     env = {"IDLE": idle, "HB_TIMEOUT": str(hb_timeout), "AIODIST_SERVER_GRACE": "0"}
     async with serve("--port", "0") as daemon:
