@@ -321,10 +321,11 @@ def _fork_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> 
     if middle == 0:  # the middle process: forks the rank and ends, handing it to the launcher
         try:
             os.close(r)
+            me = os.getpid()  # not the rank's getppid(): this process may be gone by then
             pid = os.fork()
             if pid == 0:
                 os.close(w)
-                _reparented(os.getppid())
+                _reparented(me)
                 _become_rank(sock, request, fds)  # never returns
             os.write(w, str(pid).encode())
         finally:
