@@ -130,7 +130,7 @@ async def open_process(
     **streams: Any,
 ) -> Process:
     """``anyio.open_process(argv, env=..., cwd=...)``, forked warm where it can be."""
-    if not streams or all(v == subprocess.PIPE for v in streams.values()):
+    if all(v == subprocess.PIPE for v in streams.values()):  # none given: pipes, as anyio
         forked = await _forks().start(
             list(argv),
             dict(os.environ if env is None else env),
