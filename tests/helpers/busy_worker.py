@@ -4,8 +4,11 @@ Usage: ``python tests/helpers/busy_worker.py URL RANK WORLD_SIZE JOB``.
 
 The rank fills its flight recorder (more operations than its ring holds, so a
 dump is as large as it gets), prints ``{"ready": RANK}``, then runs all_reduces
-until a line arrives on stdin, checking each result. Its last line is a JSON
-report: how many it ran, how many were wrong, and the error that stopped it.
+until a line has arrived on any rank's stdin, checking each result. Each
+all_reduce carries a stop flag, so that every rank leaves the loop after the same
+one (a rank that stopped alone would call barrier while another calls all_reduce:
+a mismatch). Its last line is a JSON report: how many it ran, how many were
+wrong, and the error that stopped it.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ async def main() -> None:
     stop = asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     count, wrong, error = 0, 0, None
     try:
-        while not stop.done():
-            out = await aiodist.all_reduce(torch.ones(4))
+        while True:
+            out = await aiodist.all_reduce(torch.tensor([1.0] * 4 + [float(stop.done())]))
             count += 1
-            wrong += out.tolist() != [float(n)] * 4
+            wrong += out[:4].tolist() != [float(n)] * 4
+            if out[4] > 0:
+                break
             await asyncio.sleep(0.01)
         await aiodist.barrier()
     except aiodist.DistError as exc:
