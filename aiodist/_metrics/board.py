@@ -328,7 +328,12 @@ class Board:
         self._watched[work.index] = work
 
     def _fail_locked(self, error: BaseException) -> list[list[Any]]:
-        """Fail every sync not complete yet; nothing more is written."""
+        """Fail every sync not complete yet; nothing more is written.
+
+        What this rank queued is written first: a sync every other rank had
+        written before it went away (``flush`` and then exit) completes here.
+        """
+        self._flush_locked()
         woken = self._copy_locked(eager=True)
         self._failure = error
         self._queued.clear()

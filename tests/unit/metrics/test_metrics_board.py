@@ -380,6 +380,37 @@ async def test_a_rank_without_the_board_sends_every_rank_to_sockets(
         assert outs[rank]["board"] == (not off), outs[rank]
 
 
+async def test_syncs_a_rank_flushed_before_it_went_complete_on_the_others(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 flushes a sync and goes; rank 1 learns of its failure while its own record
+    # of that sync is still queued (a step later than rank 0). The failure writes the
+    # queued record before failing what is pending: the sync completes on rank 1.
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "1")
+    flushed = anyio.Event()
+
+    async def body(g: ProcessGroup) -> float:
+        agg = MetricAggregator({"n": "sum"}, group=g)
+        agg.update(n=0.0)
+        await agg.sync()  # the board is set up on both
+        agg.update(n=float(g.rank + 10))
+        if g.rank == 0:
+            work = agg.sync()
+            await agg.flush()
+            flushed.set()
+        else:
+            await flushed.wait()
+            work = agg.sync()
+            found = agg._board
+            assert found is not None and found._queued  # written only at the next look
+            g.break_(aiodist.RankFailedError("rank 0 failed", rank=0), notify=False)
+            found._poll()  # the poller's look: it finds the group broken
+        return float((await work)["n"])
+
+    with anyio.fail_after(30):
+        assert await run_ranks(server.address, 2, body) == [21.0, 21.0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_rank_dying_fails_the_others_pending_syncs(
