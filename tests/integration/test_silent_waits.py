@@ -466,36 +466,48 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     path = tmp_path / "sync_worker.py"
     path.write_text(SYNC_WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
-    with anyio.fail_after(60):
-        async with await open_process(
-            [sys.executable, str(path), url, op], env=env, stderr=None
-        ) as proc:
-            try:
-                async with open_process_group(
-                    url, world_size=2, rank=1, group_name="ctrl-c", timeout=OP_TIMEOUT
-                ) as g:
-                    # Rank 1 waits for an object rank 0 never sends; rank 0 blocks on rank 1.
-                    waiting = irecv_object(src=0, group=g)
-                    assert proc.stdout is not None
-                    out = BufferedByteReceiveStream(proc.stdout)
-                    blocking = json.loads(await out.receive_until(b"\n", 1 << 16))
-                    sent = time.monotonic()
-                    proc.send_signal(signal.SIGINT)
-                    report = json.loads(await out.receive_until(b"\n", 1 << 16))
-                    code = await proc.wait()
-                    exited = time.monotonic()
-                    with pytest.raises(RankFailedError) as info:
-                        await waiting
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    with anyio.CancelScope(shield=True):
-                        await proc.wait()
+    step = "starting rank 0"  # named in the failure, should a step hang
+    try:
+        with anyio.fail_after(60):
+            async with await open_process(
+                [sys.executable, str(path), url, op], env=env, stderr=None
+            ) as proc:
+                try:
+                    step = "forming the job"
+                    async with open_process_group(
+                        url, world_size=2, rank=1, group_name="ctrl-c", timeout=OP_TIMEOUT
+                    ) as g:
+                        # Rank 1 waits for an object rank 0 never sends; rank 0 blocks on rank 1.
+                        waiting = irecv_object(src=0, group=g)
+                        assert proc.stdout is not None
+                        out = BufferedByteReceiveStream(proc.stdout)
+                        step = "rank 0 announcing that it blocks"
+                        blocking = json.loads(await out.receive_until(b"\n", 1 << 16))
+                        sent = time.monotonic()
+                        proc.send_signal(signal.SIGINT)
+                        step = "rank 0 reporting the KeyboardInterrupt"
+                        report = json.loads(await out.receive_until(b"\n", 1 << 16))
+                        step = "rank 0 exiting"
+                        code = await proc.wait()
+                        exited = time.monotonic()
+                        step = "rank 1 hearing that rank 0 left"
+                        with pytest.raises(RankFailedError) as info:
+                            await waiting
+                        step = "rank 1 leaving"
+                finally:
+                    if proc.returncode is None:
+                        proc.kill()
+                        with anyio.CancelScope(shield=True):
+                            await proc.wait()
+    except TimeoutError:
+        raise AssertionError(f"hung {step}") from None
     assert code == -signal.SIGINT  # KeyboardInterrupt, uncaught: Python exits by SIGINT
     print(f"Ctrl-C in {op}: KeyboardInterrupt after {report['interrupted'] - sent:.3f} s, ", end="")
     print(f"exited after {exited - sent:.3f} s")
-    assert report["interrupted"] - sent < 1.0
-    assert exited - sent < 2.0  # no close grace of 30 s
+    # At once, not after an operation's timeout or the close grace of 30 s (the bounds
+    # leave room for a loaded machine; the printed figures are what a quiet one gives).
+    assert report["interrupted"] - sent < 5.0
+    assert exited - sent < 10.0
     # The group was closed at once; an interrupted Work.wait() closes it at exit.
     assert report["initialized"] is (op == "wait")
     assert info.value.rank == 0  # the peer is told that rank 0 left, at once
