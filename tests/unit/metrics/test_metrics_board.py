@@ -402,7 +402,8 @@ async def test_syncs_a_rank_flushed_before_it_went_complete_on_the_others(
             await flushed.wait()
             work = agg.sync()
             found = agg._board
-            assert found is not None and found._queued  # written only at the next look
+            assert found is not None
+            assert found._queued  # written only at the next look
             g.break_(aiodist.RankFailedError("rank 0 failed", rank=0), notify=False)
             found._poll()  # the poller's look: it finds the group broken
         return float((await work)["n"])
