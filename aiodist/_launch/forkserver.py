@@ -144,8 +144,11 @@ class Forked:
             self.stdin.close()
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # not reaped: the pid is still this process's
-            os.kill(self.pid, sig)
+        if self.returncode is None:  # not known to be reaped: the pid is still this process's
+            # ... or it was reaped a moment ago, by the thread that will set returncode:
+            # nothing to signal then (as ``subprocess.Popen.send_signal``).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -195,10 +198,13 @@ class ForkServer:
         env: dict[str, str],
         cwd: str | None = None,
         stdin_pipe: bool = False,
+        stderr: int | None = None,
     ) -> Forked | None:
         """Fork a rank running ``cmd`` in ``env``, its output piped here; None: use exec.
 
         Its standard input is empty, or with ``stdin_pipe`` a pipe from here (``Forked.stdin``).
+        ``stderr``: a file descriptor to write its standard error to instead of a pipe
+        (``Forked.stderr`` then reads nothing).
         """
         if python_main(cmd) is None or self._broken:
             return None
@@ -206,7 +212,7 @@ class ForkServer:
         (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
         try:
             pid = await asyncio.get_running_loop().run_in_executor(
-                None, self.fork, cmd, env, cwd, [in_r, out_w, err_w]
+                None, self.fork, cmd, env, cwd, [in_r, out_w, err_w if stderr is None else stderr]
             )
         finally:
             for fd in (in_r, out_w, err_w):

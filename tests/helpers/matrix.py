@@ -44,6 +44,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from tests.helpers import ROOT
 from tests.helpers.daemon import TOKEN, serve, token_file
 from tests.helpers.matrix_worker import FIRST_CREDIT
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -264,7 +265,7 @@ class CellRun:
         err = self.workdir / f"{label.replace(' ', '')}.stderr.txt"
         argv = [sys.executable, "-m", "tests.helpers.matrix_worker", json.dumps(cfg)]
         with err.open("wb") as stderr:  # a local file: opening it does not block
-            proc = await anyio.open_process(argv, cwd=ROOT, env=self.env(), stderr=stderr)
+            proc = await open_process(argv, cwd=ROOT, env=self.env(), stderr=stderr)
         r = Rank(proc, label, err)
         if rank >= 0:
             r.rank = rank

@@ -129,17 +129,24 @@ async def open_process(
     cwd: str | Path | None = None,
     **streams: Any,
 ) -> Process:
-    """``anyio.open_process(argv, env=..., cwd=...)``, forked warm where it can be."""
-    if all(v == subprocess.PIPE for v in streams.values()):  # none given: pipes, as anyio
+    """``anyio.open_process(argv, env=..., cwd=...)``, forked warm where it can be (its
+    ``stderr`` may also be a file: ``stderr=open(path, "wb")``)."""
+    stderr = streams.pop("stderr", subprocess.PIPE)
+    to_file = hasattr(stderr, "fileno")
+    if (stderr == subprocess.PIPE or to_file) and all(
+        v == subprocess.PIPE
+        for v in streams.values()  # none given: pipes, as anyio
+    ):
         forked = await _forks().start(
             list(argv),
             dict(os.environ if env is None else env),
             None if cwd is None else str(cwd),
             stdin_pipe=True,
+            stderr=stderr.fileno() if to_file else None,
         )
         if forked is not None:
             return WarmProcess(forked)
-    return await anyio.open_process(argv, env=env, cwd=cwd, **streams)
+    return await anyio.open_process(argv, env=env, cwd=cwd, stderr=stderr, **streams)
 
 
 class WarmPopen:

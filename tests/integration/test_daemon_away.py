@@ -28,6 +28,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from aiodist._wire.timing import STALL_GAP
 from tests.helpers import HELPERS
 from tests.helpers.daemon import asyncio_only, serve
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -77,7 +78,7 @@ async def ranks(
             argv = [sys.executable, str(WORKER), url, "away", str(r), str(WORLD)]
             stderr = logs / f"rank-{r}-{time.monotonic_ns()}.txt"
             with stderr.open("wb") as err:  # a local file: opening it does not block
-                proc = await anyio.open_process(argv, env=full, stderr=err)
+                proc = await open_process(argv, env=full, stderr=err)
             procs.append(Rank(proc, r, stderr))
         yield procs
     finally:

@@ -23,6 +23,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from tests.helpers import HELPERS
 from tests.helpers.daemon import TOKEN, asyncio_only, run_cli, serve, token_file
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -76,7 +77,7 @@ async def ranks(
                 argv = [sys.executable, str(WORKER), url, job, str(r), "2"]
                 stderr = logs / f"{job}-{r}-{time.monotonic_ns()}.txt"
                 with stderr.open("wb") as err:  # a local file: opening it does not block
-                    proc = await anyio.open_process(argv, env=full, stderr=err)
+                    proc = await open_process(argv, env=full, stderr=err)
                 procs.append(Rank(proc, job, r, stderr))
         yield procs
     finally:
@@ -298,7 +299,7 @@ async def test_grown_job_survives_a_daemon_killed_and_started_again(tmp_path: Pa
         argv = [sys.executable, str(GROWN_WORKER), url, role]
         stderr = tmp_path / f"{role}-{len(procs)}.txt"
         with stderr.open("wb") as err:
-            proc = await anyio.open_process(argv, env=full, stderr=err)
+            proc = await open_process(argv, env=full, stderr=err)
         procs.append(Rank(proc, "grown", len(procs), stderr))
         return procs[-1]
 

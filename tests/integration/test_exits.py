@@ -127,7 +127,7 @@ def _assert_left(report: dict[str, Any], world: int) -> None:
     assert not report["torch_initialized"], report
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])  # alone, and with peers (2 ranks: the next test)
 @pytest.mark.parametrize("backend", ["none", "gloo"])
 @pytest.mark.parametrize("flavor", ["anyio", "sync"])
 async def test_script_without_destroy_exits_cleanly_under_aiodist_run(

@@ -20,6 +20,7 @@ from aiodist._server.state import DUMP_INTERVAL
 from aiodist._wire.messages import DumpRequest, StatusRequest
 from tests.helpers import HELPERS
 from tests.helpers.daemon import asyncio_only, run_cli, serve
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -50,7 +51,7 @@ async def ranks(
     try:
         for r in range(n):
             argv = [sys.executable, WORKER, url, str(r), str(n), job, mode]
-            procs.append(await anyio.open_process(argv, env=env))
+            procs.append(await open_process(argv, env=env))
         yield procs
     finally:
         for p in procs:
@@ -285,7 +286,7 @@ async def test_dump_requests_in_a_flood_never_fail_the_job(tmp_path: Path) -> No
         async with serve("--port", "0") as daemon:
             url = f"tcp://127.0.0.1:{daemon.port}"
             procs = [
-                await anyio.open_process([sys.executable, BUSY, url, str(r), "2", "busy"], env=env)
+                await open_process([sys.executable, BUSY, url, str(r), "2", "busy"], env=env)
                 for r in range(2)
             ]
             try:
