@@ -23,6 +23,7 @@ from aiodist._control.connection import connect_control
 from aiodist._server.dashboard import PAGE_JOBS, PAGE_MAX
 from aiodist._server.metrics import MAX_REQUESTS, start_metrics
 from aiodist._server.state import STATUS_JOBS
+from aiodist._server.traffic import HISTORY_INTERVAL, HISTORY_POINTS
 from aiodist._wire.messages import Join
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS
@@ -127,12 +128,104 @@ async def test_state_lists_a_job_its_ranks_and_where_they_are(
     assert call["name"] == "all_reduce"
     assert [w["rank"] for w in call["waiting"]] == [0]
     assert [n["rank"] for n in call["not_entered"]] == [1]
-    assert job["messages_per_second"] >= 0
+    assert job["traffic"]["messages_per_second"] >= 0
     _, _, raw = await fetch(endpoint.address, "/api/state")
     events = json.loads(raw)["events"]
     kinds = [e["event"] for e in events if e["job"] == "dash"]
     assert kinds[:2] == ["job_created", "rank_joined"]
     assert "job_formed" in kinds
+
+
+@asyncio_only
+async def test_state_shows_the_data_the_ranks_send_each_other(
+    server: aiodist.RendezvousServer, endpoint: MetricsEndpoint
+) -> None:
+    # The ranks all_reduce 256 KiB tensors until the page's rates show it: the data
+    # they move between themselves, as their heartbeats report it, not the few
+    # control messages they send the server.
+    nbytes = 256 * 1024
+    seen = anyio.Event()
+
+    async def body(g: aiodist.ProcessGroup) -> int:
+        calls = 0
+        while True:
+            await aiodist.all_reduce(torch.ones(nbytes // 4), group=g)
+            calls += 1
+            # One stop flag, reduced with the data: every rank stops after the same call.
+            stop = torch.tensor([1.0 if seen.is_set() else 0.0])
+            await aiodist.all_reduce(stop, group=g)
+            if stop.item() > 0:
+                return calls
+
+    async def watch() -> dict[str, Any]:
+        while True:
+            status, _, raw = await fetch(endpoint.address, "/api/state")
+            assert status == 200
+            jobs = [j for j in json.loads(raw)["jobs"] if j["name"] == "busy"]
+            if jobs and jobs[0]["traffic"]["bytes_per_second"] >= 1024 * 1024:
+                seen.set()
+                found: dict[str, Any] = jobs[0]
+                return found
+            await anyio.sleep(0.2)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            results: list[list[int]] = []
+
+            async def ranks() -> None:
+                results.append(
+                    await run_ranks(
+                        server.address, 2, body, group_name="busy", heartbeat_interval=0.05
+                    )
+                )
+
+            tg.start_soon(ranks)
+            job = await watch()
+    traffic = job["traffic"]
+    assert traffic["messages_per_second"] > 0
+    assert traffic["bytes"] >= nbytes  # at least one all_reduce's worth, in all
+    history = job["history"]
+    assert history["interval"] == HISTORY_INTERVAL
+    assert 1 <= len(history["points"]) <= HISTORY_POINTS
+    ago, messages, sent = history["points"][-1]
+    assert 0 <= ago < 10 * HISTORY_INTERVAL
+    assert (messages, sent) == (
+        pytest.approx(traffic["messages_per_second"], abs=0.1),
+        pytest.approx(traffic["bytes_per_second"], abs=1),
+    )
+    (calls,) = set(results[0])  # every rank stopped after the same call
+    assert calls >= 1
+
+
+@asyncio_only
+async def test_state_shows_no_rank_for_a_member_of_a_forming_job(
+    server: aiodist.RendezvousServer, endpoint: MetricsEndpoint
+) -> None:
+    # A member that let the server choose its rank has none until the job forms.
+    conn = await connect_control(*server.address, timeout=10)
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                channel = conn.open_channel(lambda notice: None)
+
+                def join(r: int) -> Join:
+                    return Join(r, "forming", 2, -1, "host-a", 4242, [], 60.0, 30.0)
+
+                tg.start_soon(partial(channel.request, join, timeout=30))
+                while True:
+                    _, _, raw = await fetch(endpoint.address, "/api/state")
+                    jobs = json.loads(raw)["jobs"]
+                    if jobs:
+                        break
+                    await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+        (job,) = jobs
+        assert job["state"] == "forming"
+        assert [(m["rank"], m["pid"], m["status"]) for m in job["members"]] == [
+            (None, 4242, "joining")
+        ]
+    finally:
+        conn.close()
 
 
 @asyncio_only
