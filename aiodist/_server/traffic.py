@@ -18,10 +18,7 @@ Sans-IO, like the job table: the caller gives the time.
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Any, Final
-
-if TYPE_CHECKING:
-    from aiodist._server.jobs import Member
+from typing import Any, Final, Protocol
 
 __all__ = ["HISTORY_INTERVAL", "HISTORY_POINTS", "Traffic"]
 
@@ -30,6 +27,12 @@ HISTORY_INTERVAL: Final = 2.0
 #: Intervals a job's history holds: five minutes of them.
 HISTORY_POINTS: Final = 150
 _SLOTS: Final = HISTORY_POINTS + 1  # points; the rates are between neighbours
+
+
+class Reporter(Protocol):
+    """A member as this module reads it (``jobs.Member``): what it reported last."""
+
+    sent: tuple[int, int] | None
 
 
 class Traffic:
@@ -43,7 +46,7 @@ class Traffic:
         self._points = array("d", bytes(8 * 3 * _SLOTS))  # a ring of (time, messages, bytes)
         self._count = 0  # points kept in all; the newest is at (count - 1) % _SLOTS
 
-    def heard(self, member: Member, sent: list[int], now: float) -> None:
+    def heard(self, member: Reporter, sent: list[int], now: float) -> None:
         """``member`` reported ``sent`` (``[messages, bytes]`` since it joined) at ``now``.
 
         A member's first report after it re-attached to a server that came back
