@@ -437,7 +437,7 @@ async def test_page_marks_the_rank_others_wait_for_and_shows_a_killed_rank(
                 # The job's throughput, plotted from the server's history.
                 await until(f"{job} figure.throughput svg polyline")
                 caption = await rows(f"{job} figure.throughput figcaption")
-                assert "data sent between ranks, last 5 min: peak" in caption[0].text
+                assert "data sent between ranks, last 1m00s: peak" in caption[0].text
 
                 # Event details in words, on a time that stays on one line.
                 details = [r.text for r in await rows("#events tbody td:last-child")]

@@ -63,8 +63,9 @@ function svg(tag, attrs) {
 function plot(history) {
   const width = 360, height = 64, pad = 2;
   const figure = el("figure", null, "throughput");
-  const span = Math.max(60, history.interval * 150);  // the server keeps 150 intervals
   const points = history.points;
+  // The time the history covers (the server keeps 150 intervals), at least a minute.
+  const span = Math.min(history.interval * 150, Math.max(60, points.length ? points[0][0] + history.interval : 0));
   const peak = Math.max(0, ...points.map((p) => p[2]));
   const chart = svg("svg", { width, height, viewBox: "0 0 " + width + " " + height, role: "img" });
   chart.appendChild(svg("rect", { x: 0, y: 0, width, height, fill: "#f7f7f7", stroke: "#ddd" }));
@@ -75,12 +76,11 @@ function plot(history) {
     chart.appendChild(svg("polyline", { points: line, fill: "none", stroke: "#2a6fb0", "stroke-width": 1.5 }));
   }
   const title = svg("title", {});
-  title.textContent = "bytes per second sent between ranks, last " + Math.round(span / 60) + " minutes";
+  title.textContent = "bytes per second sent between ranks, last " + age(span);
   chart.appendChild(title);
   figure.appendChild(chart);
-  const minutes = Math.round(span / 60);
   figure.appendChild(el("figcaption", points.length
-    ? "data sent between ranks, last " + minutes + " min: peak " + bytes(peak) + "/s"
+    ? "data sent between ranks, last " + age(span) + ": peak " + bytes(peak) + "/s"
     : "data sent between ranks: no report yet", "muted"));
   return figure;
 }
