@@ -128,8 +128,8 @@ class ControlChannel:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._sent: dict[int, Any] = {}  # the pending requests, to send again after a reconnect
         self._error: DistError | None = None
-        # What its member is doing, for the connection's heartbeats: ``[current, last]``
-        # (``Heartbeat.where``); set by the member's session (its flight recorder).
+        # What its member is doing, for the connection's heartbeats: ``[current, last,
+        # sent]`` (``Heartbeat.where``); set by the member's session.
         self.where: Callable[[], list[Any]] | None = None
         # Builds this member's ``Reattach`` (set once it joined a server that may come back).
         self.reattach: Callable[[int], Any] | None = None
@@ -302,7 +302,8 @@ class ControlChannel:
 
 
 def where_of(channels: Mapping[int, ControlChannel]) -> list[Any]:
-    """``Heartbeat.where``: ``[channel, current, last]`` per member that reports (bounded)."""
+    """``Heartbeat.where``: ``[channel, current, last, sent]`` per member that reports
+    (bounded)."""
     where: list[Any] = []
     for number, channel in channels.items():
         if channel.where is not None:

@@ -136,10 +136,11 @@ class Session:
         self.local_rank = welcome.local_rank
         self.local_size = welcome.local_size
         self.store = Store(conn, timeout)
-        # The flight recorder (recorder.py); each heartbeat says where this rank is.
+        # The flight recorder (recorder.py); each heartbeat says where this rank is, and
+        # what its data plane sent.
         self.recorder: Recorder | None = new_recorder(welcome.rank, group_name)
+        conn.where = self._where
         if self.recorder is not None:
-            conn.where = self.recorder.where
             dumps.register(self.recorder)  # SIGUSR1 writes it
         self.error: DistError | None = None
         self.closed = False
@@ -177,6 +178,11 @@ class Session:
         plane.on_peer_refused = self._peer_refused
         self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
         self.groups: dict[int, ProcessGroup] = {0: self.world}
+
+    def _where(self) -> list[Any]:
+        # ``Heartbeat.where``'s entry of this member (but its channel): ``[current, last, sent]``.
+        position = self.recorder.where() if self.recorder is not None else [None, None]
+        return [*position, self.plane.sent()]
 
     def admitted(self) -> None:
         """This process joined a formed elastic job: its default group is not formed yet.

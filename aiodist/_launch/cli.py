@@ -583,7 +583,7 @@ def format_status(where: str, snap: dict[str, Any]) -> str:
             "HEARTBEAT"
         )
         for m in job["members"]:
-            rank = "?" if m["rank"] < 0 else m["rank"]
+            rank = "?" if m["rank"] is None else m["rank"]
             local = "?" if m["local_rank"] < 0 else m["local_rank"]
             lines.append(
                 f"  {rank:>4}  {local:>5}  {m['host']:<{host_width}}  {m['pid']:>8}  "

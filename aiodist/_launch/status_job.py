@@ -131,7 +131,7 @@ def format_job(job: dict[str, Any]) -> str:
     width = max([len("HOST"), *(len(h) for h in hosts)])
     lines.append(f"  {'RANK':>4}  {'HOST':<{width}}  {'PID':>8}  {'HEARTBEAT':>9}  OPERATION")
     for m in job["members"]:
-        rank = "?" if m["rank"] < 0 else m["rank"]
+        rank = "?" if m["rank"] is None else m["rank"]
         lines.append(
             f"  {rank:>4}  {m['host']:<{width}}  {m['pid']:>8}  "
             f"{m['heartbeat_age']:>7.1f} s  {rank_state(m)}"

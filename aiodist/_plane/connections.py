@@ -118,6 +118,9 @@ class Connections(PlaneCore):
         self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()  # the shared-memory collectives' (``_ops``)
         self.failed = False  # a session-wide failure happened: sweep the segments at close
+        # What this rank sent its peers: messages and their payloads' bytes (``send_now``).
+        self.messages_sent = 0
+        self.bytes_sent = 0
         if self.use_shm:
             shm.remove_stale(if_changed=True)  # left by earlier jobs' ranks that crashed
 

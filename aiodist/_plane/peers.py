@@ -132,6 +132,9 @@ class DataPlane(Connections):
             data = memoryview(bytes(payload) if payload is not None else b"")
             self.arrived(dst, key, Received(dst, meta, data))
             return None
+        self.messages_sent += 1
+        if payload is not None:
+            self.bytes_sent += memoryview(payload).nbytes
         header = [*key, meta]
         bulk = payload is not None and _is_bulk(key, payload)
         channel = self.routes.get(dst)
@@ -147,6 +150,15 @@ class DataPlane(Connections):
         except OSError as exc:
             return self._raise_send_failed(dst, exc)
         return None if rest is None else self._finish_send(dst, rest)
+
+    def sent(self) -> list[int]:
+        """``[messages, bytes]`` this rank sent its peers (``Heartbeat.where`` reports them).
+
+        Bytes count the payloads of its messages and what its shared-memory
+        collectives placed in its segments for the peers to read; a message to
+        itself does not count, nor what torch.distributed's own backends move.
+        """
+        return [self.messages_sent, self.bytes_sent + self.segments.shared_bytes]
 
     async def send(self, dst: int, key: Key, meta: Any, payload: Buffer | None) -> None:
         """Send one message to global rank ``dst``; returns when ``payload`` may be reused.

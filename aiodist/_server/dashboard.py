@@ -9,11 +9,14 @@ loop one sample per interval.
 What ``/api/state?offset=O&limit=L`` carries: the server (version, uptime,
 connections, how many jobs it holds), one page of its jobs (``PAGE_JOBS``
 unless asked, at most ``PAGE_MAX``), each with its state, world size, members
-joined, age, messages per second received from its members and bytes per
-second sent to them, its first ``RANKS_SHOWN`` ranks (host, pid, status,
-heartbeat age, current operation) and the collectives some rank waits in; the
-recent job events (created, formed, rank failed, finished), newest last; how
-recent jobs ended. A page costs the loop what its jobs cost, however many
+joined, age, its data-plane traffic (``traffic``: the messages and bytes its
+ranks sent each other, in all and per second, as their heartbeats report it)
+and its history (``history``: ``[seconds ago, messages/s, bytes/s]`` per
+``HISTORY_INTERVAL``, at most ``HISTORY_POINTS``, ``traffic.py``), its first
+``RANKS_SHOWN`` ranks (host, pid, status, heartbeat age, current operation;
+``rank`` null until the job assigns it) and the collectives some rank waits in;
+the recent job events (created, formed, rank failed, finished), newest last;
+how recent jobs ended. A page costs the loop what its jobs cost, however many
 jobs the server holds.
 
 Security: with a token, ``/api/state`` answers 401 and no job data unless the
@@ -39,6 +42,8 @@ import time
 import urllib.parse
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from aiodist._server.traffic import HISTORY_INTERVAL
 
 if TYPE_CHECKING:
     import asyncio
@@ -86,13 +91,10 @@ class Served(Protocol):
 
 
 class Dashboard:
-    """The loop's side: recent events and message/byte rates per job (call on the loop)."""
+    """The loop's side: the recent job events, and pages of the job table (call on the loop)."""
 
     def __init__(self) -> None:
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
-        # job -> (when, messages, bytes) the last time a page showed it, and its rates then
-        self._counts: dict[str, tuple[float, int, int]] = {}
-        self._rates: dict[str, tuple[float, float]] = {}
 
     def note_events(self, events: Iterable[dict[str, Any]]) -> None:
         """Job events just recorded by the job table (``JobTable.take_events``)."""
@@ -102,27 +104,14 @@ class Dashboard:
     def sample(self, server: Served, offset: int, limit: int) -> dict[str, Any]:
         """One page of what the page shows (``limit`` jobs from the ``offset``-th), as plain data.
 
-        Its cost grows with the page, not with the jobs the server holds: rates are
-        kept for the jobs pages show, each over at least a second between two looks.
+        Its cost grows with the page, not with the jobs the server holds.
         """
         state = server.state
         now = server.loop_time()
         snap = state.snapshot(now, offset=offset, limit=limit, max_members=RANKS_SHOWN)
-        if len(self._counts) > 2 * max(len(state.jobs), PAGE_MAX):  # ended jobs: forget them
-            self._counts = {n: c for n, c in self._counts.items() if n in state.jobs}
-            self._rates = {n: r for n, r in self._rates.items() if n in state.jobs}
         for job in snap["jobs"]:
-            name = job["name"]
-            table_job = state.jobs[name]
-            counts = (now, table_job.messages, table_job.bytes_sent)
-            before = self._counts.get(name)
-            if before is None:
-                self._counts[name] = counts
-            elif now - before[0] >= 1.0:
-                span = now - before[0]
-                self._rates[name] = ((counts[1] - before[1]) / span, (counts[2] - before[2]) / span)
-                self._counts[name] = counts
-            job["messages_per_second"], job["bytes_per_second"] = self._rates.get(name, (0.0, 0.0))
+            points = state.jobs[job["name"]].traffic.history(now)
+            job["history"] = {"interval": HISTORY_INTERVAL, "points": points}
         snap["limit"] = limit
         snap["events"] = list(self.events)
         snap["token_required"] = server.token is not None

@@ -181,11 +181,7 @@ class Hub:
                         conn.write_parts(parts)  # what went before the close goes first
                     conn.end_channel(action.conn)
                 else:
-                    parts = out.setdefault(conn, [])
-                    before = len(parts)
-                    conn.queue(action.conn, action.msg, parts)
-                    if (job := self.state.job_of(action.conn)) is not None:  # the dashboard's
-                        job.bytes_sent += sum(map(len, parts[before:]))
+                    conn.queue(action.conn, action.msg, out.setdefault(conn, []))
         for conn, parts in out.items():
             if parts:
                 conn.write_parts(parts)

@@ -27,6 +27,7 @@ from aiodist._server.parts import handlers
 from aiodist._server.records import JobEnded, JobFormed, MemberAdded, RankFailed, RankLeft
 from aiodist._server.regroups import Regroups
 from aiodist._server.store import Barriers, Store
+from aiodist._server.traffic import Traffic
 from aiodist._server.where import member_position, positions
 from aiodist._wire.messages import Packed, pack_host_runs
 
@@ -67,6 +68,9 @@ class Member:
     secret: bytes | None = b""
     # Away from a server that came back: the deadline of its re-attachment (``reattach.py``).
     away: Away | None = None
+    # What its heartbeats last said it sent its peers: (messages, bytes) since it joined;
+    # None: its next report sets where it counts from (it re-attached, ``traffic.py``).
+    sent: tuple[int, int] | None = (0, 0)
 
     def added(self) -> MemberAdded:
         """The record of this member as it joined the formed job."""
@@ -120,9 +124,8 @@ class Job:
     # failure came: a program's own ``sys.exit(n)`` looks like a clean leave from here,
     # and its peers' failures follow it (a launcher, which sees exit codes, reads this).
     left_before_failure: list[int] = field(default_factory=list)
-    # For the dashboard's rates: messages received from its members, bytes sent to them.
-    messages: int = 0
-    bytes_sent: int = 0
+    # What its members sent each other, as their heartbeats report it (``traffic.py``).
+    traffic: Traffic = field(default_factory=Traffic)
     # The last notice asking its ranks for their flight recorders: (when, its number,
     # the ranks told); the table sends at most one per ``DUMP_INTERVAL``.
     dump: tuple[float, int, list[int]] | None = None
@@ -233,7 +236,7 @@ class Job:
             "age": now - self.created_at,
             "members": [
                 {
-                    "rank": m.rank if self.complete else m.requested_rank,
+                    "rank": _shown_rank(m),
                     "local_rank": m.local_rank,
                     "host": m.host,
                     "pid": m.pid,
@@ -250,7 +253,15 @@ class Job:
             ],
             "keys": len(self.store.kv),
             "waits": positions(self.name, self.members, now) if self.complete else [],
+            "traffic": self.traffic.summary(),
         }
+
+
+def _shown_rank(m: Member) -> int | None:
+    """``m``'s rank once it has one (the rank it asked for while the job forms), else None."""
+    if m.rank >= 0:
+        return m.rank
+    return m.requested_rank if m.requested_rank >= 0 else None
 
 
 def assign_ranks(job: Job) -> None:

@@ -173,6 +173,7 @@ class Reattachment:
         member.conn = conn
         member.peer = state.peer
         member.last_seen = now
+        member.sent = None  # its counts go on from before: its next report is the baseline
         state.member = member
         self.reattached += 1
         membership.log.record(

@@ -146,11 +146,12 @@ class JobTable:
         member = state.member
         if member is not None:
             member.last_seen = now
-            member.job.messages += 1
         kind = type(msg)
         if kind is Heartbeat:
             if msg.where and member is not None:
-                heard(member, msg.where[0], now)
+                entry = msg.where[0]
+                heard(member, entry, now)
+                member.job.traffic.heard(member, entry[3], now)
             return
         changes = self.out.changes
         try:
@@ -243,11 +244,6 @@ class JobTable:
         """
         self.reattachment.restored(now)
         return self.records()
-
-    def job_of(self, conn: ConnId) -> Job | None:
-        """The job of the member on connection (channel) ``conn``, if any."""
-        state = self.membership.conns.get(conn)
-        return None if state is None or state.member is None else state.member.job
 
     # --- status and dumps ------------------------------------------------------------
 

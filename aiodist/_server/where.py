@@ -1,14 +1,15 @@
 """Where every rank is: each member's latest reported operation, and who a collective waits on.
 
-Each heartbeat of a member carries ``[channel, current, last]``
+Each heartbeat of a member carries ``[channel, current, last, sent]``
 (``Heartbeat.where``, bounded and typed in ``_wire/bounds.py``): its oldest
 unfinished operation and the collective it finished last, each
-``[group, seq, name, seconds]``. ``heard`` keeps it on the ``Member``, with the
-times turned into this server's clock (``since``, ``ended``), so that ages stay
-right between heartbeats. ``positions`` reads a job: each rank's state and
-operation, and for each collective some rank is in, the ranks inside it and
-the ranks that have not entered it yet (with what they did last). A client
-puts that in words (``_control/status.py``).
+``[group, seq, name, seconds]`` (``sent`` is its traffic, ``traffic.py``).
+``heard`` keeps them on the ``Member``, with the times turned into this
+server's clock (``since``, ``ended``), so that ages stay right between
+heartbeats. ``positions`` reads a job: each rank's state and operation, and
+for each collective some rank is in, the ranks inside it and the ranks that
+have not entered it yet (with what they did last). A client puts that in
+words (``_control/status.py``).
 
 Sans-IO, like the job table: the caller gives the time.
 """
@@ -34,8 +35,8 @@ __all__ = ["heard", "member_position", "positions"]
 
 
 def heard(member: _Member, entry: list[Any], now: float) -> None:
-    """Member ``member`` reported ``entry`` (``[channel, current, last]``) at ``now``."""
-    _, current, last = entry
+    """Member ``member`` reported ``entry`` (``[channel, current, last, sent]``) at ``now``."""
+    _, current, last, _ = entry
     member.position = (
         None if current is None else (current[0], current[1], current[2], now - current[3]),
         None if last is None else (last[0], last[1], last[2], now - last[3]),

@@ -264,6 +264,7 @@ class SharedSegments:
         self._own: dict[int, Segment] = {}
         self._peers: dict[tuple[int, int], Segment] = {}
         self._turns: dict[int, asyncio.Future[None]] = {}
+        self.shared_bytes = 0  # asked of ``own`` in all: what this rank placed for its peers
 
     def take_turn(self, group_id: int) -> Turn:
         """The next turn on ``group_id``'s segments; take it when the operation is called."""
@@ -274,6 +275,7 @@ class SharedSegments:
 
     def own(self, group_id: int, nbytes: int) -> Segment:
         """This rank's segment for ``group_id``, of at least ``nbytes`` (new if too small)."""
+        self.shared_bytes += nbytes
         seg = self._own.get(group_id)
         if seg is not None and seg.nbytes >= nbytes:
             return seg

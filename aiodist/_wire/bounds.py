@@ -175,21 +175,31 @@ class Where:
 
     def problem(self, value: Any) -> str | None:
         allowed = (
-            f"at most {MAX_WHERE} entries [channel, op, op], each op None or "
+            f"at most {MAX_WHERE} entries [channel, op, op, sent], each op None or "
             f"[group, seq, name, seconds] with a group of at most {MAX_GROUP_NAME_CHARS} "
-            f"and a name of at most {MAX_OP_NAME_CHARS} printable characters"
+            f"and a name of at most {MAX_OP_NAME_CHARS} printable characters, sent "
+            f"[messages, bytes] of integers in [0, {U64}]"
         )
         if len(value) > MAX_WHERE:
             return allowed
         for entry in value:
-            if type(entry) is not list or len(entry) != 3:
+            if type(entry) is not list or len(entry) != 4:
                 return allowed
-            channel, current, last = entry
+            channel, current, last, sent = entry
             if type(channel) is not int or not 0 <= channel <= U64:
                 return allowed
-            if not (_op_ok(current) and _op_ok(last)):
+            if not (_op_ok(current) and _op_ok(last) and _sent_ok(sent)):
                 return allowed
         return None
+
+
+def _sent_ok(sent: Any) -> bool:
+    # A member's data-plane counters since it joined: messages and bytes sent to its peers.
+    return (
+        type(sent) is list
+        and len(sent) == 2
+        and all(type(n) is int and 0 <= n <= U64 for n in sent)
+    )
 
 
 def _op_ok(op: Any) -> bool:

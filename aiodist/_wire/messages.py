@@ -85,10 +85,12 @@ class Leave(Message):
 class Heartbeat(Message):
     """I am alive; ``where`` says what each member on the connection is doing.
 
-    ``where`` holds one ``[channel, current, last]`` per member that reports:
-    ``current`` its oldest unfinished operation and ``last`` the collective it
-    finished last, each ``[group, seq, name, seconds]`` (running for, ended ago)
-    or None. The server echoes a heartbeat with an empty ``where``.
+    ``where`` holds one ``[channel, current, last, sent]`` per member that
+    reports: ``current`` its oldest unfinished operation and ``last`` the
+    collective it finished last, each ``[group, seq, name, seconds]`` (running
+    for, ended ago) or None; ``sent`` the ``[messages, bytes]`` its data plane
+    sent its peers since it joined (the dashboard's rates). The server echoes a
+    heartbeat with an empty ``where``.
     """
 
     where: Annotated[list[Any], Where()] = field(default_factory=list)

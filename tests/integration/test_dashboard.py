@@ -23,6 +23,7 @@ from aiodist._control.connection import connect_control
 from aiodist._server.dashboard import PAGE_JOBS, PAGE_MAX
 from aiodist._server.metrics import MAX_REQUESTS, start_metrics
 from aiodist._server.state import STATUS_JOBS
+from aiodist._server.traffic import HISTORY_INTERVAL, HISTORY_POINTS
 from aiodist._wire.messages import Join
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS
@@ -127,12 +128,104 @@ async def test_state_lists_a_job_its_ranks_and_where_they_are(
     assert call["name"] == "all_reduce"
     assert [w["rank"] for w in call["waiting"]] == [0]
     assert [n["rank"] for n in call["not_entered"]] == [1]
-    assert job["messages_per_second"] >= 0
+    assert job["traffic"]["messages_per_second"] >= 0
     _, _, raw = await fetch(endpoint.address, "/api/state")
     events = json.loads(raw)["events"]
     kinds = [e["event"] for e in events if e["job"] == "dash"]
     assert kinds[:2] == ["job_created", "rank_joined"]
     assert "job_formed" in kinds
+
+
+@asyncio_only
+async def test_state_shows_the_data_the_ranks_send_each_other(
+    server: aiodist.RendezvousServer, endpoint: MetricsEndpoint
+) -> None:
+    # The ranks all_reduce 256 KiB tensors until the page's rates show it: the data
+    # they move between themselves, as their heartbeats report it, not the few
+    # control messages they send the server.
+    nbytes = 256 * 1024
+    seen = anyio.Event()
+
+    async def body(g: aiodist.ProcessGroup) -> int:
+        calls = 0
+        while True:
+            await aiodist.all_reduce(torch.ones(nbytes // 4), group=g)
+            calls += 1
+            # One stop flag, reduced with the data: every rank stops after the same call.
+            stop = torch.tensor([1.0 if seen.is_set() else 0.0])
+            await aiodist.all_reduce(stop, group=g)
+            if stop.item() > 0:
+                return calls
+
+    async def watch() -> dict[str, Any]:
+        while True:
+            status, _, raw = await fetch(endpoint.address, "/api/state")
+            assert status == 200
+            jobs = [j for j in json.loads(raw)["jobs"] if j["name"] == "busy"]
+            if jobs and jobs[0]["traffic"]["bytes_per_second"] >= 1024 * 1024:
+                seen.set()
+                found: dict[str, Any] = jobs[0]
+                return found
+            await anyio.sleep(0.2)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            results: list[list[int]] = []
+
+            async def ranks() -> None:
+                results.append(
+                    await run_ranks(
+                        server.address, 2, body, group_name="busy", heartbeat_interval=0.05
+                    )
+                )
+
+            tg.start_soon(ranks)
+            job = await watch()
+    traffic = job["traffic"]
+    assert traffic["messages_per_second"] > 0
+    assert traffic["bytes"] >= nbytes  # at least one all_reduce's worth, in all
+    history = job["history"]
+    assert history["interval"] == HISTORY_INTERVAL
+    assert 1 <= len(history["points"]) <= HISTORY_POINTS
+    ago, messages, sent = history["points"][-1]
+    assert 0 <= ago < 10 * HISTORY_INTERVAL
+    assert (messages, sent) == (
+        pytest.approx(traffic["messages_per_second"], abs=0.1),
+        pytest.approx(traffic["bytes_per_second"], abs=1),
+    )
+    (calls,) = set(results[0])  # every rank stopped after the same call
+    assert calls >= 1
+
+
+@asyncio_only
+async def test_state_shows_no_rank_for_a_member_of_a_forming_job(
+    server: aiodist.RendezvousServer, endpoint: MetricsEndpoint
+) -> None:
+    # A member that let the server choose its rank has none until the job forms.
+    conn = await connect_control(*server.address, timeout=10)
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                channel = conn.open_channel(lambda notice: None)
+
+                def join(r: int) -> Join:
+                    return Join(r, "forming", 2, -1, "host-a", 4242, [], 60.0, 30.0)
+
+                tg.start_soon(partial(channel.request, join, timeout=30))
+                while True:
+                    _, _, raw = await fetch(endpoint.address, "/api/state")
+                    jobs = json.loads(raw)["jobs"]
+                    if jobs:
+                        break
+                    await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+        (job,) = jobs
+        assert job["state"] == "forming"
+        assert [(m["rank"], m["pid"], m["status"]) for m in job["members"]] == [
+            (None, 4242, "joining")
+        ]
+    finally:
+        conn.close()
 
 
 @asyncio_only
@@ -257,10 +350,22 @@ def _skip_reason() -> str | None:
     return None
 
 
+# Per line box of each event's time cell, read by the page's own layout.
+_TIME_LINES = """
+const range = document.createRange();
+return [...document.querySelectorAll("#events tbody tr td:first-child")].map((td) => {
+  range.selectNodeContents(td);
+  return new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size;
+});
+"""
+
+
 @asyncio_only
 @pytest.mark.slow
 @pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
-async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
+async def test_page_marks_the_rank_others_wait_for_and_shows_a_killed_rank(
+    tmp_path: Path,
+) -> None:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -270,11 +375,13 @@ async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
     chromium, chromedriver = found
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,900"):
+    # Narrow: long event details must wrap, the time beside them must not.
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=760,1000"):
         options.add_argument(arg)
+    options.add_argument("--lang=en-US")  # times read "10:42:07 AM": a space to wrap at
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     env["AIODIST_HEARTBEAT_INTERVAL"] = "0.1"
-    with anyio.fail_after(90):
+    with anyio.fail_after(120):
         async with serve("--port", "0", "--metrics-port", "0") as daemon:
             line = daemon.ready
             page = line.split("metrics on ", 1)[1].strip().removesuffix("/metrics") + "/"
@@ -282,25 +389,65 @@ async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
                 lambda: webdriver.Chrome(options=options, service=Service(chromedriver))
             )
             procs = []
+            conn = await connect_control("127.0.0.1", daemon.port, timeout=10)
             try:
                 await anyio.to_thread.run_sync(driver.get, page)
+
+                async def call(fn: Callable[[], Any]) -> Any:
+                    return await anyio.to_thread.run_sync(fn)
+
+                async def text() -> str:
+                    return str(await call(lambda: driver.find_element(By.TAG_NAME, "body").text))
+
+                async def rows(selector: str) -> list[Any]:
+                    return list(await call(lambda: driver.find_elements(By.CSS_SELECTOR, selector)))
+
+                async def until(selector: str) -> list[Any]:
+                    # The page polls; so does the test, reading what the page shows.
+                    while not (found := await rows(selector)):  # noqa: ASYNC110
+                        await anyio.sleep(0.2)
+                    return found
+
+                # A member that let the server choose its rank: none until the job forms.
+                def join(r: int) -> Join:
+                    return Join(r, "forming", 2, -1, "host-f", 4242, [], 60.0, 90.0)
+
+                async with anyio.create_task_group() as tg:
+                    channel = conn.open_channel(lambda notice: None)
+                    tg.start_soon(partial(channel.request, join, timeout=90))
+                    (forming,) = await until('.job[data-job="forming"] tr[data-rank]')
+                    cells = await call(lambda: forming.find_elements(By.TAG_NAME, "td"))
+                    assert [c.text for c in cells[:4]] == ["\u2013", "host-f", "4242", "joining"]
+                    tg.cancel_scope.cancel()
+
                 url = f"tcp://127.0.0.1:{daemon.port}"
                 for r in range(2):
                     argv = [sys.executable, WORKER, url, str(r), "2", "<b>web</b>", "sleep"]
                     procs.append(await open_process(argv, env=env))
-
-                async def text() -> str:
-                    return str(
-                        await anyio.to_thread.run_sync(
-                            lambda: driver.find_element(By.TAG_NAME, "body").text
-                        )
-                    )
-
-                # The page polls; so does the test, reading what the page shows.
                 while "job <b>web</b> running" not in await text():  # noqa: ASYNC110
                     await anyio.sleep(0.2)  # shown as text, not markup
-                while "all_reduce #2" not in await text():  # noqa: ASYNC110
-                    await anyio.sleep(0.2)  # rank 0 inside, rank 1 outside
+                # Rank 0 waits in the all_reduce; rank 1, outside it, is the one marked.
+                job = '.job[data-job="<b>web</b>"]'
+                (stuck,) = await until(f"{job} tr.stuck")
+                assert await call(lambda: stuck.get_attribute("data-rank")) == "1"
+                assert "not in all_reduce #2, which others wait in for" in await call(
+                    lambda: stuck.text
+                )
+                assert await rows(f'{job} tr.stuck[data-rank="0"]') == []
+                # The job's throughput, plotted from the server's history.
+                await until(f"{job} figure.throughput svg polyline")
+                caption = await rows(f"{job} figure.throughput figcaption")
+                assert "data sent between ranks, last 1m00s: peak" in caption[0].text
+
+                # Event details in words, on a time that stays on one line.
+                details = [r.text for r in await rows("#events tbody td:last-child")]
+                assert details
+                assert not [d for d in details if "{" in d or '"' in d], details
+                assert any(d.startswith("all 2 ranks joined from 1 host in ") for d in details)
+                lines = await call(lambda: driver.execute_script(_TIME_LINES))
+                assert lines
+                assert set(lines) == {1}, lines
+
                 shot = Path(os.environ.get("AIODIST_SCREENSHOT", tmp_path / "dashboard.png"))
                 await anyio.to_thread.run_sync(driver.save_screenshot, str(shot))
                 assert (await anyio.Path(shot).stat()).st_size > 0
@@ -308,15 +455,12 @@ async def test_page_shows_a_killed_rank_within_seconds(tmp_path: Path) -> None:
                 with anyio.fail_after(10):  # the page says so within seconds
                     while "rank_failed" not in await text():  # noqa: ASYNC110
                         await anyio.sleep(0.2)
-                rows = await anyio.to_thread.run_sync(
-                    lambda: [
-                        r.text for r in driver.find_elements(By.CSS_SELECTOR, "#events tbody tr")
-                    ]
-                )
-                failed = [r for r in rows if "rank_failed" in r]
-                assert failed, rows
-                assert '"rank":1' in failed[0], failed
+                events = [r.text for r in await rows("#events tbody tr")]
+                failed = [r for r in events if "rank_failed" in r]
+                assert failed, events
+                assert f"rank 1 on {socket.gethostname()} (pid {procs[1].pid}) failed" in failed[0]
             finally:
+                conn.close()
                 await anyio.to_thread.run_sync(driver.quit)
                 for p in procs:
                     if p.returncode is None:

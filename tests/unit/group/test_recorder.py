@@ -197,7 +197,10 @@ def test_recorder_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_heartbeat_where_round_trips() -> None:
-    where = [[0, ["g", 7, "all_reduce", 1.5], None], [3, None, ["g", 6, "barrier", 2]]]
+    where = [
+        [0, ["g", 7, "all_reduce", 1.5], None, [0, 0]],
+        [3, None, ["g", 6, "barrier", 2], [12, 2**40]],
+    ]
     msg = decode_message(Heartbeat.KIND, message_header(Heartbeat(where)))
     assert msg == Heartbeat(where)
     assert decode_message(Heartbeat.KIND, [[]]) == Heartbeat()
@@ -206,14 +209,21 @@ def test_heartbeat_where_round_trips() -> None:
 @pytest.mark.parametrize(
     "where",
     [
-        [[0, ["g", 7, "all_reduce"], None]],  # an op of three fields
-        [[0, ["g", -1, "all_reduce", 1.0], None]],  # a negative sequence number
-        [[0, ["g", 7, "x" * (MAX_OP_NAME_CHARS + 1), 1.0], None]],  # a name too long
-        [[0, ["g", 7, "all_reduce", float("nan")], None]],  # NaN seconds
-        [[0, ["g", 7, "all_reduce", 1.0], None, "extra"]],  # an entry of four
-        [[-1, None, None]],  # a negative channel
-        [[0, None, None]] * (MAX_WHERE + 1),  # too many entries
-        [[True, None, None]],  # a bool where a channel belongs
+        [[0, ["g", 7, "all_reduce"], None, [0, 0]]],  # an op of three fields
+        [[0, ["g", -1, "all_reduce", 1.0], None, [0, 0]]],  # a negative sequence number
+        [[0, ["g", 7, "x" * (MAX_OP_NAME_CHARS + 1), 1.0], None, [0, 0]]],  # a name too long
+        [[0, ["g", 7, "all_reduce", float("nan")], None, [0, 0]]],  # NaN seconds
+        [[0, ["g", 7, "all_reduce", 1.0], None, [0, 0], "extra"]],  # an entry of five
+        [[0, ["g", 7, "all_reduce", 1.0], None]],  # no counts of what it sent
+        [[-1, None, None, [0, 0]]],  # a negative channel
+        [[0, None, None, [0, 0]]] * (MAX_WHERE + 1),  # too many entries
+        [[True, None, None, [0, 0]]],  # a bool where a channel belongs
+        [[0, None, None, [-1, 0]]],  # a negative count of messages
+        [[0, None, None, [0, 2**64]]],  # bytes beyond 64 bits
+        [[0, None, None, [0, 1.5]]],  # a float where a count belongs
+        [[0, None, None, [False, 0]]],  # a bool where a count belongs
+        [[0, None, None, [0, 0, 0]]],  # three counts
+        [[0, None, None, None]],  # no list of counts
     ],
 )
 def test_heartbeat_where_out_of_bounds_is_refused(where: list[Any]) -> None:

@@ -266,7 +266,7 @@ def test_format_status_shows_failures_and_forming_members() -> None:
                 "age": 5.0,
                 "keys": 0,
                 "members": [
-                    {"rank": -1, "local_rank": -1, "host": "h", "pid": 7, "status": "joining",
+                    {"rank": None, "local_rank": -1, "host": "h", "pid": 7, "status": "joining",
                      "heartbeat_age": 0.25},
                 ],
                 "failures": [{"rank": 2, "host": "h3", "pid": 9, "reason": "missed heartbeats"}],

@@ -15,6 +15,7 @@ from aiodist._errors import ErrorCode
 from aiodist._server.notices import FAILURE_NOTICE_INTERVAL
 from aiodist._server.parts import Close, ConnId, Send
 from aiodist._server.state import JobTable
+from aiodist._server.traffic import HISTORY_INTERVAL, HISTORY_POINTS
 from aiodist._wire.frame import FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
     Barrier,
@@ -1529,6 +1530,47 @@ def test_snapshot_reports_jobs_members_failures(srv: FakeServer) -> None:
     assert (forming["world_size"], forming["joined"], forming["state"]) == (4, 1, "forming")
     assert [(m["rank"], m["host"], m["pid"]) for m in forming["members"]] == [(2, "hx", 77)]
     assert forming["failures"] == []
+
+
+def test_snapshot_shows_no_rank_for_a_member_the_job_has_not_numbered_yet(
+    srv: FakeServer,
+) -> None:
+    srv.join("auto", 3, -1, host="ha", pid=70)  # the server assigns its rank when it forms
+    srv.join("auto", 3, 2, host="hb", pid=71)  # asked for rank 2
+    (job,) = srv.state.snapshot(srv.now)["jobs"]
+    assert [(m["rank"], m["pid"], m["status"]) for m in job["members"]] == [
+        (None, 70, "joining"),
+        (2, 71, "joining"),
+    ]
+
+
+def _report(messages: int, nbytes: int) -> Heartbeat:
+    return Heartbeat([[0, None, None, [messages, nbytes]]])
+
+
+def test_traffic_adds_what_members_report_and_keeps_a_bounded_history(srv: FakeServer) -> None:
+    a, b = srv.form(2)
+    for conn in (a, b):
+        srv.send(conn, _report(0, 0))
+    # Each member sends 10 messages of 1000 bytes a second, for far longer than the history.
+    steps = int(HISTORY_POINTS * HISTORY_INTERVAL * 2)
+    for t in range(1, steps + 1):
+        srv.now = float(t)
+        for conn in (a, b):
+            srv.send(conn, _report(10 * t, 10_000 * t))
+    (job,) = srv.state.snapshot(srv.now)["jobs"]
+    traffic = job["traffic"]
+    assert (traffic["messages"], traffic["bytes"]) == (2 * 10 * steps, 2 * 10_000 * steps)
+    assert traffic["messages_per_second"] == pytest.approx(20.0)
+    assert traffic["bytes_per_second"] == pytest.approx(20_000.0)
+    history = srv.state.jobs["job"].traffic.history(srv.now)
+    assert len(history) == HISTORY_POINTS  # bounded, however long the job runs
+    assert history[-1][0] < HISTORY_INTERVAL  # the newest interval ended just now
+    assert all(p[1:] == [20.0, 20_000] for p in history[1:])
+    # A report that goes back (its counts restarted) adds nothing, and counts from there.
+    srv.send(a, _report(0, 0))
+    srv.send(a, _report(10 * steps, 10_000 * steps))
+    assert srv.state.jobs["job"].traffic.messages == 2 * 10 * steps + 10 * steps
 
 
 def test_status_request_replies_with_snapshot_without_joining(srv: FakeServer) -> None:
