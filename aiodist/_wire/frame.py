@@ -63,7 +63,7 @@ MiB: Final = 1024 * KiB
 GiB: Final = 1024 * MiB
 
 MAGIC: Final = b"AD"
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: heartbeats carry what a rank sent its peers
 PREFIX: Final = struct.Struct("!2sBBIQ")
 
 Buffer = bytes | bytearray | memoryview
