@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-import anyio
+from tests.helpers.procs import run
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+LIMIT = 120.0  # seconds; the callers bound their own waits more tightly
+
 
 async def run_worker(script: Path, args: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Run ``script`` with ``args`` and extra ``env``; its last stdout line, parsed.
+    """Run ``script`` with ``args`` and extra ``env`` (forked warm); its last stdout line, parsed.
 
     The result also holds the ``returncode``; a worker that printed nothing (it
     was killed, or crashed) gives its ``stderr`` instead.
     """
-    result = await anyio.run_process(
-        [sys.executable, str(script), *args], check=False, env={**os.environ, **env}
-    )
-    lines = result.stdout.decode().strip().splitlines()
-    out: dict[str, Any] = json.loads(lines[-1]) if lines else {"stderr": result.stderr.decode()}
+    result = await run([sys.executable, str(script), *args], LIMIT, env=env)
+    lines = result.stdout.strip().splitlines()
+    out: dict[str, Any] = json.loads(lines[-1]) if lines else {"stderr": result.stderr}
     out["returncode"] = result.returncode
     return out
