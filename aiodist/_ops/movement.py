@@ -428,15 +428,15 @@ def _settle(work: Work[None]) -> None:
 async def meet(ex: Exchange, timeout: float | None, name: str) -> None:
     """The barrier itself, on ``ex``: every rank arrives, or ``timeout``.
 
-    Its first round opens the exchange (``ex`` rides on it).
+    Its first round opens the exchange (``ex`` rides on it). With no timeout, it is
+    the barrier's one algorithm: an ``exchange_rows`` of no bytes.
     """
     g = ex.g
     p, me = g.world_size, g.rank
-    if timeout is None and p > schedules.DIRECT_MAX_RANKS:
-        for k, (to, frm) in enumerate(schedules.dissemination_partners(me, p)):
-            future = ex.recv(frm, OPEN + k)
-            await ex.send(to, OPEN + k, None)
-            await future
+    if timeout is None:
+        arrived: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        exchange_rows(ex, memoryview(b""), lambda _: arrived.set_result(None))
+        await arrived
         return
     # One round: everyone tells everyone, so a rank that gives up knows who is late.
     peers = [r for r in range(p) if r != me]
