@@ -4,10 +4,10 @@
 collective does) and runs, inside that one operation:
 
 1. the **fused reduction** of the buffer laid out by the key set agreed at the
-   previous sync: in groups of up to ``DIRECT_MAX_RANKS`` every rank sends its
-   buffer (a few hundred bytes) to every other and combines all rows in rank
-   order, one round; in larger groups recursive doubling (``log2 P`` exchanges).
-   The combine adds the sum segment, takes the maximum of the max segment and
+   previous sync: every rank's buffer (a few hundred bytes) reaches every other
+   (``exchange_rows``: one round in small groups, ``log2 P`` in larger ones),
+   which combines all rows in rank order, so every rank gets bitwise the same
+   values. The combine adds the sum segment, takes the maximum of the max segment and
    keeps the lowest rank's pair in the select segment;
 2. only when that buffer's flag says some rank has a metric outside the agreed
    set (and at the first sync): the **key union**, recursive doubling of the
@@ -19,9 +19,9 @@ union once. Each sync needs the key set its predecessor agreed on, so syncs in
 flight chain on a future (set when the predecessor's values are known: syncs
 resolve in call order); all of them still overlap the caller's compute.
 
-The common case (host values, the previous key set known, a small group) runs
-with no task: the buffer is packed and sent when ``sync()`` is called and the
-data plane's callbacks finish the rest (``_ops.exchange.exchange_rows``). Every
+The common case (host values, the previous key set known) runs with no task:
+the buffer is packed and sent when ``sync()`` is called and the data plane's
+callbacks finish the rest (``_ops.exchange.exchange_rows``). Every
 other case runs as a task with the same messages, so ranks agree whichever way
 each of them took. A sync's exchange opens with its first round's messages
 (the fused reduction, at step 0), except the first sync's, which sets up the
@@ -31,7 +31,6 @@ shared board or agrees on keys first and so opens on its own (``Exchange``).
 from __future__ import annotations
 
 import asyncio
-from array import array
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import CollectiveMismatchError
@@ -46,6 +45,7 @@ from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
+    from array import array
     from collections.abc import Awaitable, Callable
 
     import anyio
@@ -94,7 +94,7 @@ def start_sync(
     if work.is_completed() and (aborted := work.exception()) is not None:  # aborted by a member
         _fail_agreed(agreed, aborted)
         return work
-    if previous is None or snapshot.event is not None or g.world_size > _direct_max():
+    if previous is None or snapshot.event is not None:
 
         async def op(s: int) -> MetricResults:
             return await run_sync(g, work, s, snapshot, previous, agreed, index)
@@ -159,10 +159,6 @@ def _post(
     return board_work
 
 
-def _direct_max() -> int:
-    return schedules.DIRECT_MAX_RANKS
-
-
 def _fail_agreed(agreed: asyncio.Future[Route], exc: BaseException) -> None:
     if not agreed.done():
         agreed.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
@@ -215,36 +211,9 @@ async def _doubling(
 
 async def _reduce(ex: Exchange, base: int, layout: Layout, buf: array[float]) -> list[float]:
     """All-reduce ``buf`` (laid out by ``layout``) across the group; return the values."""
-    g = ex.g
-    if g.world_size <= _direct_max():
-        loop = asyncio.get_running_loop()
-        rows: asyncio.Future[memoryview] = loop.create_future()
-        exchange_rows(ex, memoryview(buf).cast("B"), rows.set_result, step=base)
-        return layout.reduce_rows((await rows).cast("d"), g.world_size)
-    state = buf.tolist()
-    scratch = memoryview(bytearray(8 * layout.numel))
-
-    async def send_only(dst: int, step: int) -> None:
-        await ex.send(dst, step, memoryview(buf).cast("B"))
-
-    async def receive(src: int, step: int, replace: bool) -> None:
-        await ex.recv(src, step, scratch)
-        other = scratch.cast("d").tolist()
-        if replace:
-            state[:] = other
-        else:
-            layout.merge(state, other)
-        buf[:] = array("d", state)  # what send_only sends next
-
-    async def exchange(partner: int, step: int) -> None:
-        future = ex.recv(partner, step, scratch)
-        await send_only(partner, step)
-        await future
-        layout.merge(state, scratch.cast("d").tolist())
-        buf[:] = array("d", state)
-
-    await _doubling(g, base + 1, exchange, send_only, receive)
-    return state
+    rows: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
+    exchange_rows(ex, memoryview(buf).cast("B"), rows.set_result, step=base)
+    return layout.reduce_rows((await rows).cast("d"), ex.g.world_size)
 
 
 async def _union(ex: Exchange, table: dict[str, Reduction]) -> Schema:
@@ -333,13 +302,8 @@ async def run_sync(
             return await _post(route, index, seq, snapshot, agreed, work)
         if route is not None:
             layout = layout_of(route)
-            # The fused reduction's direct exchange opens the sync; recursive doubling
-            # (larger groups) does not send to r + 1 first: it opens beside it.
-            rides = g.world_size <= _direct_max()
-            ex = Exchange(g, work, seq, _signature(layout), rides=rides)
+            ex = Exchange(g, work, seq, _signature(layout), rides=True)  # its rows open it
             vals = await _reduce(ex, _FIRST, layout, layout.pack(snapshot.records(), g.rank))
-            if not rides:
-                await ex.agreed()
             if not layout.flagged(vals):
                 agreed.set_result(route)
                 return MetricResults(layout.unpack(vals), layout.reductions)

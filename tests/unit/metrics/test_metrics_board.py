@@ -367,6 +367,20 @@ async def _run_workers(
 
 
 @pytest.mark.slow
+async def test_syncs_of_ten_ranks_on_sockets_take_the_rounds_of_larger_groups(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # From 4 ranks on, a sync's rows travel in log2 rounds (and keys that come and go
+    # make later syncs agree on keys again): every rank gets the same, right values.
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "0")
+    out = await _run(server, 10, 6)
+    assert json.dumps(out) == json.dumps([out[0]] * 10)
+    for step in range(6):
+        assert out[0][step]["values"]["tok"] == 10.0 * step
+        assert out[0][step]["values"]["peak"] == 9.0 * step
+        assert out[0][step]["counts"]["loss"] == sum(range(1, 11))  # ranks 0..9 weigh rank + 1
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the ranks run their own loops
 @pytest.mark.parametrize("off", [[], [1]], ids=["all-on", "rank1-off"])
 async def test_a_rank_without_the_board_sends_every_rank_to_sockets(
