@@ -68,6 +68,9 @@ async def run(
 
     Workers print ``{"pid": ...}`` lines: ranks that ``aiodist run`` started (each in
     a session of its own) are killed by pid if they outlive it.
+
+    Raises:
+        AssertionError: It ran past ``limit``; the message holds what it printed.
     """
     pids: set[int] = set()
     data = {"stdout": bytearray(), "stderr": bytearray()}
@@ -80,8 +83,9 @@ async def run(
                 pids.update(r["pid"] for r in json_lines(text) if "pid" in r)
 
     proc = await open_process(argv, env={**os.environ, **(env or {})}, cwd=cwd)
+    returncode: int | None = None
     try:
-        with anyio.fail_after(limit):
+        with anyio.move_on_after(limit):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(drain, proc.stdout, "stdout")
                 tg.start_soon(drain, proc.stderr, "stderr")
@@ -98,4 +102,10 @@ async def run(
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    return Finished(returncode, data["stdout"].decode(), data["stderr"].decode())
+    out, err = data["stdout"].decode(errors="replace"), data["stderr"].decode(errors="replace")
+    if returncode is None:
+        raise AssertionError(
+            f"{argv} ran past {limit:g} s; its stdout ends:\n{out[-3000:]}\n"
+            f"its stderr ends:\n{err[-5000:]}"
+        )
+    return Finished(returncode, out, err)

@@ -90,10 +90,10 @@ async def _run_ranks(server: RendezvousServer, argv: list[str]) -> dict[int, tup
             "MASTER_PORT": str(port),
             "AIODIST_HEARTBEAT_TIMEOUT": "2",
         }
-        result = await anyio.run_process([sys.executable, *argv], check=False, env=env)
-        outs[rank] = (result.returncode, result.stdout.decode(), result.stderr.decode())
+        result = await run([sys.executable, *argv], 60, env=env)  # says what it printed
+        outs[rank] = (result.returncode, result.stdout, result.stderr)
 
-    with anyio.fail_after(60):  # run_process kills its process when cancelled
+    with anyio.fail_after(90):
         async with anyio.create_task_group() as tg:
             for rank in range(4):
                 tg.start_soon(one, rank)

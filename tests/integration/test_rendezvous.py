@@ -25,6 +25,7 @@ from aiodist._transport import uds
 from aiodist._wire.frame import (
     NEED_DATA,
     PREFIX,
+    PROTOCOL_VERSION,
     FrameDecoder,
     encode_message,
     frame_message,
@@ -481,10 +482,10 @@ async def test_idle_members_stay_alive_on_heartbeats_alone(server: RendezvousSer
     [
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
         b"\x00" * 64,
-        PREFIX.pack(b"AD", 1, 1, 2**31, 0),  # announces a 2 GiB header
-        PREFIX.pack(b"AD", 1, 4, 0, 2**40),  # announces a 1 TiB payload
-        PREFIX.pack(b"AD", 1, 1, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
-        PREFIX.pack(b"AD", 1, 1, 2, 0) + b"\x91\x01",  # Join with one field
+        PREFIX.pack(b"AD", PROTOCOL_VERSION, 1, 2**31, 0),  # announces a 2 GiB header
+        PREFIX.pack(b"AD", PROTOCOL_VERSION, 4, 0, 2**40),  # announces a 1 TiB payload
+        PREFIX.pack(b"AD", PROTOCOL_VERSION, 1, 3, 0) + b"\xc1\xc1\xc1",  # undecodable msgpack
+        PREFIX.pack(b"AD", PROTOCOL_VERSION, 1, 2, 0) + b"\x91\x01",  # Join with one field
         PREFIX.pack(b"AD", 9, 1, 0, 0),  # another protocol version
     ],
 )

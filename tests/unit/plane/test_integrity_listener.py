@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from aiodist import ProtocolError, serve_rendezvous
 from aiodist._plane.peers import DataPlane
 from aiodist._transport import ringwire, shm, shmring, uds
-from aiodist._wire.frame import encode_frame
+from aiodist._wire.frame import PROTOCOL_VERSION, encode_frame
 from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import Data
 from tests.helpers import ROOT as REPO
@@ -112,10 +112,11 @@ STRANGER = textwrap.dedent(
     import msgpack
 
     PREFIX = struct.Struct("!2sBBIQ")
+    VERSION = @VERSION@  # the protocol version this aiodist speaks
 
     def frame(kind, header, payload_nbytes=0):
         body = msgpack.packb(header, use_bin_type=True)
-        return PREFIX.pack(b"AD", 1, kind, len(body), payload_nbytes) + body
+        return PREFIX.pack(b"AD", VERSION, kind, len(body), payload_nbytes) + body
 
     def connect(address):
         if address.startswith("uds:"):
@@ -162,7 +163,7 @@ STRANGER = textwrap.dedent(
         for _ in range(args["rounds"]):
             socks = [connect(address) for _ in range(args["conns"])]
             for sock in socks:
-                prefix = PREFIX.pack(b"AD", 1, 65, args["header"], 0)  # a DATA frame's
+                prefix = PREFIX.pack(b"AD", VERSION, 65, args["header"], 0)  # a DATA frame's
                 sock.settimeout(10)
                 try:  # all of the header but its last byte, as far as the rank takes it
                     sock.sendall(prefix + bytes(args["header"] - 1))
@@ -207,7 +208,7 @@ STRANGER = textwrap.dedent(
             sock.close()
         report(closed=closed)
     """
-)
+).replace("@VERSION@", str(PROTOCOL_VERSION))
 
 
 @dataclass
