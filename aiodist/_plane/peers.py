@@ -68,13 +68,9 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def _is_bulk(key: Key, payload: Buffer | None) -> bool:
+def _is_bulk(key: Key, nbytes: int) -> bool:
     # A point-to-point tensor large enough to wait for its receive (``bulk.py``).
-    return (
-        key[0] == MatchKind.P2P
-        and payload is not None
-        and memoryview(payload).nbytes >= BULK_MIN_BYTES
-    )
+    return key[0] == MatchKind.P2P and nbytes >= BULK_MIN_BYTES
 
 
 def _turn_over(
@@ -133,10 +129,12 @@ class DataPlane(Connections):
             self.arrived(dst, key, Received(dst, meta, data))
             return None
         self.messages_sent += 1
+        bulk = False
         if payload is not None:
-            self.bytes_sent += memoryview(payload).nbytes
+            nbytes = memoryview(payload).nbytes
+            self.bytes_sent += nbytes
+            bulk = _is_bulk(key, nbytes)
         header = [*key, meta]
-        bulk = payload is not None and _is_bulk(key, payload)
         channel = self.routes.get(dst)
         if channel is None or dst in self.left or dst in self.unwritten:
             return self._send_in_turn(dst, _DATA, header, payload, key if bulk else None)
