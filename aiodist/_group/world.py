@@ -239,8 +239,15 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 def get_backend(group: ProcessGroup | None = None) -> str | None:
-    """The backend ``init_process_group`` was given; None when not initialised."""
+    """The backend ``init_process_group`` was given; None when not initialised.
+
+    A torch.distributed group (``_get_default_group()``, a DDP's) is answered
+    by torch: its backend is torch's to name.
+    """
     g = _group(group)
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and isinstance(g, torch_dist.ProcessGroup):
+        return str(torch_dist.get_backend(g))
     return None if g is None else g.backend
 
 

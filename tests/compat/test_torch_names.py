@@ -7,15 +7,24 @@ offers them unchanged, loaded on first use.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
+import anyio
 import pytest
+import torch
 import torch.distributed as dist
 
 import aiodist
 import aiodist.sync
+from aiodist.testing import run_ranks
 from tests.helpers import ROOT
+from tests.helpers.procs import free_port
+
+if TYPE_CHECKING:
+    from aiodist import ProcessGroup, RendezvousServer
 
 
 @pytest.mark.parametrize("name", ["DebugLevel", "GradBucket", "BuiltinCommHookType"])
@@ -58,3 +67,48 @@ def test_set_debug_level_sets_torchs_level() -> None:
         assert aiodist.get_debug_level() == dist.DebugLevel.DETAIL  # type: ignore[attr-defined]
     finally:
         dist.set_debug_level(before)  # type: ignore[attr-defined]
+
+
+async def test_irecv_from_any_source_names_its_sender_under_torchs_private_name(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> list[int] | None:
+        if g.rank == 0:
+            works = [aiodist.irecv(torch.zeros(2), group=g) for _ in range(2)]  # src=None
+            for w in works:
+                await w
+            return sorted(w._source_rank() for w in works)
+        await aiodist.isend(torch.full((2,), float(g.rank)), dst=0, group=g)
+        return None
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 3, body)
+    # Before: AttributeError: 'Work' object has no attribute '_source_rank'.
+    assert outs[0] == [1, 2]
+
+
+GET_BACKEND = """
+import json, sys
+import aiodist.sync as dist
+from torch.distributed.distributed_c10d import _get_default_group
+
+dist.init_process_group(backend="gloo", init_method=sys.argv[1], world_size=1, rank=0)
+try:
+    print(json.dumps([dist.get_backend(), dist.get_backend(_get_default_group())]))
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_get_backend_of_torchs_own_group_answers_as_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", GET_BACKEND, f"tcp://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
+        check=False,
+    )
+    # Before: AttributeError: '...ProcessGroup' object has no attribute 'backend'.
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["gloo", "gloo"]
