@@ -8,6 +8,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiodist._control.store import Store
 from aiodist._errors import (
     AbortedError,
@@ -61,7 +63,9 @@ from aiodist._group.world import (
     is_ucc_available,
     is_xccl_available,
     master_only,
+    set_debug_level,
 )
+from aiodist._group.world import torch_type as _torch_type
 from aiodist._launch.init import destroy_process_group, init_dist, init_process_group
 from aiodist._launch.launchers import infer_launcher
 from aiodist._launch.trace import trace
@@ -128,6 +132,12 @@ reduce_op = ReduceOp
 #: torch.distributed's other names of ``all_gather_into_tensor``/``reduce_scatter_tensor``.
 all_gather_single = all_gather_into_tensor
 reduce_scatter_single = reduce_scatter_tensor
+
+
+def __getattr__(name: str) -> Any:
+    """torch.distributed's own types (``DebugLevel``, ``GradBucket``...), loaded on first use."""
+    return _torch_type(__name__, name)
+
 
 __all__ = [
     "AbortedError",
@@ -237,6 +247,7 @@ __all__ = [
     "send",
     "send_object_list",
     "serve_rendezvous",
+    "set_debug_level",
     "shrink_group",
     "split_group",
     "supports_complex",

@@ -435,7 +435,8 @@ class ProcessGroup:
         said = f" Where the ranks are: {where}." if where else ""
         timed_out = DistTimeoutError(
             f"Timed out: {work.description} on group {self.name!r} timed out after "
-            f"{self.timeout:.1f} s (timeout); a rank may not have called it, or may be stuck."
+            f"{self.timeout:.1f} s (the timeout given to init_process_group or new_group); "
+            "a rank may not have called it, or may be stuck."
             f"{said} The group is broken."
         )
         work.set_exception(timed_out)

@@ -329,6 +329,9 @@ class Work(Generic[T]):
             raise RuntimeError(f"{self.description} is not a completed receive")
         return value
 
+    #: torch's other name of ``source_rank``, the one its own code calls.
+    _source_rank = source_rank
+
     def synchronize(self) -> None:
         """Block until done (torch's ``Work.synchronize``); raises the operation's error."""
         self.wait()

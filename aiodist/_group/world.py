@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
 
 __all__ = [
+    "TORCH_TYPES",
     "Backend",
     "DefaultGroup",
     "GroupMember",
@@ -73,7 +74,9 @@ __all__ = [
     "is_xccl_available",
     "master_only",
     "replace_default_group",
+    "set_debug_level",
     "take_default",
+    "torch_type",
 ]
 
 P = ParamSpec("P")
@@ -236,8 +239,15 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 def get_backend(group: ProcessGroup | None = None) -> str | None:
-    """The backend ``init_process_group`` was given; None when not initialised."""
+    """The backend ``init_process_group`` was given; None when not initialised.
+
+    A torch.distributed group (``_get_default_group()``, a DDP's) is answered
+    by torch: its backend is torch's to name.
+    """
     g = _group(group)
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and isinstance(g, torch_dist.ProcessGroup):
+        return str(torch_dist.get_backend(g))
     return None if g is None else g.backend
 
 
@@ -388,6 +398,33 @@ def get_debug_level() -> Any:
     import torch.distributed as dist
 
     return dist.get_debug_level()  # type: ignore[attr-defined]
+
+
+def set_debug_level(level: Any) -> None:
+    """Set torch.distributed's debug level (a ``DebugLevel``), as ``TORCH_DISTRIBUTED_DEBUG`` does.
+
+    It governs torch's own groups and DDP's logging; aiodist's data plane checks
+    every collective's signature whatever the level.
+    """
+    import torch.distributed as dist
+
+    dist.set_debug_level(level)  # type: ignore[attr-defined]
+
+
+#: torch.distributed's own types, offered unchanged by ``aiodist`` and ``aiodist.sync``
+#: under their names: code written for torch.distributed names them (a comm hook's
+#: ``bucket: dist.GradBucket``, ``dist.DebugLevel.DETAIL``). Loaded on first use, so
+#: that importing aiodist does not import torch.
+TORCH_TYPES: Final = frozenset({"BuiltinCommHookType", "DebugLevel", "GradBucket"})
+
+
+def torch_type(module: str, name: str) -> Any:
+    """A module's ``__getattr__``: torch.distributed's ``name``, one of ``TORCH_TYPES``."""
+    if name in TORCH_TYPES:
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
 
 def is_torchelastic_launched() -> bool:

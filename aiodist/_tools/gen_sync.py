@@ -71,6 +71,13 @@ _HEADER = f"""\
 """
 
 
+# torch.distributed's own types, served as the async API serves them (aiodist.TORCH_TYPES).
+_TORCH_TYPES = '''\
+def __getattr__(name: str) -> Any:
+    """torch.distributed's own types (``DebugLevel``, ``GradBucket``...), loaded on first use."""
+    return _torch_type(__name__, name)'''
+
+
 class Kind:
     """How a public name of the async API appears in the facade."""
 
@@ -340,6 +347,7 @@ def render(api: ModuleType, *, path: Path | None = None, fmt: bool = True) -> st
             doc,
             "\n".join(imports.lines()),
             "__all__ = [" + ", ".join(f'"{n}"' for n in sorted(exported)) + ",]",
+            _TORCH_TYPES,
             *bodies,
         ]
     )

@@ -106,6 +106,7 @@ class Imports:
             f"from typing import {', '.join(sorted(self.typing))}",
             f"import {self.api.__name__} as _api",
             "from aiodist._sync import handoff as _portal",
+            "from aiodist._group.world import torch_type as _torch_type",
         ]
         if self.runtime:
             out.append(f"from {self.api.__name__} import {', '.join(sorted(self.runtime))}")

@@ -5,6 +5,7 @@ Real server, real clients and sockets on 127.0.0.1 (``run_ranks``).
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,9 @@ async def test_group_timeout_says_timed_out_as_torch(server: RendezvousServer) -
     # torch's tests look for "Timed out", "closed" or "timeout": before, only "timed out".
     assert message.startswith("Timed out"), message
     assert "timeout" in message, message
+    # torch's own tests match " (Timed out|closed|timeout) ": before, "s (timeout);" did not.
+    assert re.search(r" (Timed out|closed|timeout) ", message), message
+    assert "init_process_group or new_group" in message, message  # where it is set
 
 
 def test_get_debug_level_is_torchs() -> None:
