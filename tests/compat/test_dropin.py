@@ -25,6 +25,7 @@ import pytest
 
 from tests.helpers import HELPERS
 from tests.helpers.dropin_compare import agree, dtype_of, function_of
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -62,7 +63,7 @@ async def _launch(side: str, suite: str) -> list[dict[str, Any]]:
 
     async def one(rank: int) -> None:
         cmd = [sys.executable, str(WORKER), side, suite, init, str(rank), str(WORLD)]
-        async with await anyio.open_process(cmd, env=env) as proc:
+        async with await open_process(cmd, env=env) as proc:
             try:
                 async with anyio.create_task_group() as tg:
                     chunks: dict[str, list[bytes]] = {"out": [], "err": []}
@@ -203,7 +204,7 @@ async def test_monitored_barrier_in_real_processes_names_the_rank_that_never_cam
     try:
         with anyio.fail_after(60):
             procs = [
-                await anyio.open_process([sys.executable, str(script), init, str(r)], env=env)
+                await open_process([sys.executable, str(script), init, str(r)], env=env)
                 for r in range(WORLD)
             ]
             for proc in procs:

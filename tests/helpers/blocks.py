@@ -188,7 +188,11 @@ async def _launch(command: str, cwd: Path) -> Finished:
 async def check_run(command: str, cwd: Path) -> None:
     """``aiodist run``: a script of the repository, or the reader's ``train.py``."""
     if "train.py" not in command:  # a script of the repository
-        await _launch(command, ROOT)
+        result = await _launch(command, ROOT)
+        if "examples/train_overlap.py" in command:  # overlapped and blocking steps agree
+            assert "[rank 0]  overlap:" in result.stdout, result.stdout
+            assert result.stdout.count("weights in sync") == 2, result.stdout
+            assert "overlap efficiency" in result.stdout, result.stdout
         return
     (cwd / "train.py").write_text(TRAIN_PY)  # the reader's own script
     result = await _launch(command, cwd)

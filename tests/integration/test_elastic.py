@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from tests.helpers import HELPERS
+from tests.helpers.procs import run
 
 if TYPE_CHECKING:
     from aiodist import RendezvousServer
@@ -35,12 +36,12 @@ async def _run_job(server: RendezvousServer, world: int, mode: str) -> dict[int,
 
     async def one(rank: int) -> None:
         argv = [sys.executable, str(WORKER), url, str(rank), str(world), mode]
-        result = await anyio.run_process(argv, check=False)
-        lines = [ln for ln in result.stdout.decode().splitlines() if ln.startswith("{")]
-        assert lines, result.stderr.decode()[-3000:]
+        result = await run(argv, limit=60)
+        lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
+        assert lines, result.stderr[-3000:]
         out: dict[str, Any] = json.loads(lines[-1])
         out["returncode"] = result.returncode
-        out["stderr"] = result.stderr.decode()[-3000:]
+        out["stderr"] = result.stderr[-3000:]
         outs[rank] = out
 
     with anyio.fail_after(60):  # run_process kills its process when cancelled

@@ -17,6 +17,7 @@ import pytest
 
 from aiodist import serve_rendezvous
 from tests.helpers import HELPERS
+from tests.helpers.procs import run
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -41,12 +42,12 @@ async def _run(
 
     async def one(role: str) -> None:
         argv = [sys.executable, str(WORKER), url, role, str(members), str(hi), str(target)]
-        result = await anyio.run_process(argv, check=False)
-        lines = [ln for ln in result.stdout.decode().splitlines() if ln.startswith("{")]
-        assert lines, result.stderr.decode()[-3000:]
+        result = await run(argv, limit=45)
+        lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
+        assert lines, result.stderr[-3000:]
         out: dict[str, Any] = json.loads(lines[-1])
         out["returncode"] = result.returncode
-        out["stderr"] = result.stderr.decode()[-3000:]
+        out["stderr"] = result.stderr[-3000:]
         outs.append(out)
 
     def formed(s: RendezvousServer) -> bool:

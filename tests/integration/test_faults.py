@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
+from tests.helpers.procs import run
 from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
@@ -77,9 +78,9 @@ async def _run_rank(
     script: Path, url: str, rank: int, world: int, victim: int, env: dict[str, str]
 ) -> dict[str, Any]:
     args = [sys.executable, str(script), url, str(rank), str(world), str(victim)]
-    result = await anyio.run_process(args, check=False, env={**os.environ, **env})
-    lines = result.stdout.decode().strip().splitlines()
-    assert lines, result.stderr.decode()
+    result = await run(args, limit=60, env=env)
+    lines = result.stdout.strip().splitlines()
+    assert lines, result.stderr
     out: dict[str, Any] = json.loads(lines[-1])
     out["returncode"] = result.returncode
     return out

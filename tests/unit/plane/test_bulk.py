@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from aiodist._errors import CollectiveMismatchError
 from aiodist._plane.bulk import BULK_MIN_BYTES
 from aiodist._transport import shm
 from aiodist.testing import run_ranks
+from tests.helpers.procs import run
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -240,10 +240,9 @@ async def test_rank_dying_mid_rendezvous_fails_the_other_side_with_its_rank(
 
     async def one(rank: int) -> None:
         args = [sys.executable, str(script), url, str(rank), victim]
-        env = {**os.environ, "AIODIST_SHM": shm_on}
-        result = await anyio.run_process(args, check=False, env=env)
-        lines = result.stdout.decode().strip().splitlines()
-        outs[rank] = json.loads(lines[-1]) if lines else {"stderr": result.stderr.decode()}
+        result = await run(args, limit=90, env={"AIODIST_SHM": shm_on})
+        lines = result.stdout.strip().splitlines()
+        outs[rank] = json.loads(lines[-1]) if lines else {"stderr": result.stderr}
         outs[rank]["returncode"] = result.returncode
 
     with anyio.fail_after(90):

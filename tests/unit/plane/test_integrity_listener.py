@@ -44,6 +44,7 @@ from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import Data
 from tests.helpers import ROOT as REPO
 from tests.helpers.daemon import TOKEN
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -283,7 +284,7 @@ async def _job(
     try:
         async with anyio.create_task_group() as tg:
             for r in range(2):
-                proc = await anyio.open_process(
+                proc = await open_process(
                     [sys.executable, str(script), url, str(r)],
                     env={
                         **os.environ,
