@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import HELPERS, ROOT
+from tests.helpers.warm import popen
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +53,10 @@ def _run_ranks(mode: str, world: int, *, torchrun_env: bool, timeout: float = 90
                     LOCAL_WORLD_SIZE=str(world),
                 )
             procs.append(
-                subprocess.Popen(
+                popen(
                     [sys.executable, str(WORKER), mode, str(rank), str(world)],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    text=True,
                     env=env,
                 )
             )
