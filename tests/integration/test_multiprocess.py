@@ -20,7 +20,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aiodist import open_process_group
 from tests.helpers import ROOT
-from tests.helpers.warm import Proc, popen
+from tests.helpers.warm import Proc, open_process, popen
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -232,9 +232,7 @@ async def test_stopping_the_daemon_fails_ranks_control_requests_clearly(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     url = f"tcp://{host}:{port}"
     workers = [
-        await anyio.open_process(
-            [sys.executable, str(script), url, str(r), "2", "server-gone"], env=env
-        )
+        await open_process([sys.executable, str(script), url, str(r), "2", "server-gone"], env=env)
         for r in range(2)
     ]
     try:
@@ -249,6 +247,8 @@ async def test_stopping_the_daemon_fails_ranks_control_requests_clearly(
             for w, stream in zip(workers, streams, strict=True):
                 assert await w.wait() == 0
                 outs.append(json.loads(await stream.receive_until(b"\n", 1 << 16)))
+            # It exits by itself, cleanly (a second SIGTERM would make it exit at once).
+            assert await anyio.to_thread.run_sync(proc.wait) == 0
     finally:
         for w in workers:
             if w.returncode is None:

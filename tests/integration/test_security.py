@@ -45,6 +45,7 @@ from aiodist._wire.preauth import PreAuthLimits
 from aiodist.testing import run_ranks
 from tests.helpers import ROOT as REPO
 from tests.helpers.daemon import TOKEN, asyncio_only
+from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -437,7 +438,7 @@ async def test_server_gone_mid_job_breaks_groups_naming_the_server_restart_serve
             # A daemon may come back: ranks would wait for it. With no grace, they break at once.
             env = {**os.environ, "PYTHONPATH": ROOT, "AIODIST_SERVER_GRACE": "0"}
             workers = [
-                await anyio.open_process([sys.executable, str(script), url, str(r)], env=env)
+                await open_process([sys.executable, str(script), url, str(r)], env=env)
                 for r in range(2)
             ]
             procs += workers
