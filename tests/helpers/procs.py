@@ -14,7 +14,7 @@ import anyio
 
 from tests.helpers.warm import open_process
 
-__all__ = ["Finished", "alive", "free_port", "json_lines", "reports_by_rank", "run"]
+__all__ = ["Finished", "alive", "free_port", "json_lines", "reports_by_rank", "run", "run_job"]
 
 
 def free_port() -> int:
@@ -109,3 +109,34 @@ async def run(
             f"its stderr ends:\n{err[-5000:]}"
         )
     return Finished(returncode, out, err)
+
+
+async def run_job(
+    argv: list[str], world: int, limit: float, env: dict[str, str] | None = None
+) -> list[Finished]:
+    """Run ``world`` ranks of ``argv`` (forked warm) as one job, each to its end within ``limit``.
+
+    Each rank gets what torchrun gives it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``/``MASTER_PORT``), so ``init_process_group()`` forms the job with
+    rank 0 hosting the server: for tests whose subject is the job, not the launcher
+    (``aiodist run`` costs a server process importing torch per job). Ranks by rank.
+    """
+    port = str(free_port())
+    done: dict[int, Finished] = {}
+
+    async def one(rank: int) -> None:
+        rank_env = {
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        done[rank] = await run(argv, limit, rank_env)
+
+    async with anyio.create_task_group() as tg:
+        for rank in range(world):
+            tg.start_soon(one, rank)
+    return [done[rank] for rank in range(world)]

@@ -24,7 +24,7 @@ from aiodist import AbortedError
 from aiodist._ops.collect import write_private
 from aiodist.testing import run_ranks
 from tests.helpers import HELPERS, ROOT
-from tests.helpers.procs import json_lines, reports_by_rank, run
+from tests.helpers.procs import json_lines, reports_by_rank, run, run_job
 from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
@@ -47,11 +47,10 @@ def _env(**extra: str) -> dict[str, str]:
 async def test_p2p_interleaved_with_refused_collectives_gets_every_value(seed: int) -> None:
     # 1500 steps: about 3,300 operations over the 3 ranks, a third of them receives
     # started before a refused collective's abort reaches their rank.
-    argv = [sys.executable, "-m", "aiodist", "run", "-n", "3", "--no-prefix"]
-    done = await run([*argv, str(INTERLEAVE), str(seed), "1500"], limit=120, env=_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    reports = [r for r in json_lines(done.stdout) if "ops" in r]
-    assert sorted(r["rank"] for r in reports) == [0, 1, 2], done.stdout[-2000:]
+    ranks = await run_job([sys.executable, str(INTERLEAVE), str(seed), "1500"], 3, 120, _env())
+    assert [r.returncode for r in ranks] == [0, 0, 0], [r.stderr[-3000:] for r in ranks]
+    reports = [r for rank in ranks for r in json_lines(rank.stdout) if "ops" in r]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2], [r.stdout[-2000:] for r in ranks]
     for r in reports:
         assert r["wrong"] == [], r
         assert r["errors"] == [], r
@@ -71,10 +70,11 @@ async def test_swapped_collectives_raise_the_mismatch_on_every_rank_at_once(
     # Rank 0 calls A then B, the others B then A: whatever the sizes (direct exchange,
     # socket ring, shared memory) and kinds (tensors, objects, one-way), every rank's
     # first call fails with CollectiveMismatchError within seconds, not the timeout (60 s).
-    argv = [sys.executable, "-m", "aiodist", "run", "-n", str(world), "--no-prefix"]
-    done = await run([*argv, str(SWAPPED), case], limit=60, env=_env())
-    reports = reports_by_rank(done.stdout)
-    assert sorted(reports) == list(range(world)), (done.stdout[-2000:], done.stderr[-3000:])
+    ranks = await run_job([sys.executable, str(SWAPPED), case], world, 60, _env())
+    reports = reports_by_rank("".join(r.stdout for r in ranks))
+    assert sorted(reports) == list(range(world)), [
+        (r.stdout[-2000:], r.stderr[-3000:]) for r in ranks
+    ]
     for r in reports.values():
         assert r["raised"] == "CollectiveMismatchError", r
         assert r["field"] in ("op", "algorithm", "shape", "root"), r
