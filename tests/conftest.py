@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import zlib
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -29,6 +30,15 @@ ONE_LOOP_FOLDERS: Final = ("integration", "compat")
 @pytest.fixture(params=[pytest.param(loop, id=name) for name, loop in LOOPS.items()])
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     return cast("tuple[str, dict[str, Any]]", request.param)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A background job of a non-interactive shell (``make test &``, a CI step, nohup)
+    # starts with SIGINT ignored, and every process it starts inherits that: the tests
+    # that press Ctrl-C on a rank would find it deaf (Python leaves an ignored SIGINT
+    # ignored). The suite's processes take Ctrl-C as from a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)  # a mark, before marks and fixtures are parametrized
