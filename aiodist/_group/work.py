@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
@@ -37,8 +38,9 @@ from aiodist._group.recorder import TRACED, wait_ended, wait_started
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
+    from concurrent.futures import Future
 
-__all__ = ["Work"]
+__all__ = ["Work", "wait_event", "wait_future"]
 
 T = TypeVar("T")
 _UNSET: Any = object()
@@ -405,7 +407,7 @@ class Work(Generic[T]):
         assert loop is not None
         done = threading.Event()
         loop.call_soon_threadsafe(self.when_done, lambda _: loop.call_soon(done.set))
-        return done.wait(timeout)
+        return wait_event(done, timeout)
 
 
 def _torch_value(value: Any) -> Any:
@@ -424,3 +426,30 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+# How long a blocked thread sleeps at most before it looks for signals: the kernel may hand
+# a process's SIGINT to any thread that does not block it (torch's, the program's own), and
+# Python's handler then only marks it for the main thread, which a lock wait does not see.
+SIGNAL_SLICE = 0.1
+
+
+def wait_event(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)`` in slices, so that Ctrl-C interrupts it within one slice."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not event.is_set():
+        left = SIGNAL_SLICE if deadline is None else min(SIGNAL_SLICE, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        event.wait(left)
+    return True
+
+
+def wait_future(future: Future[T]) -> T:
+    """``future.result()``, looking for signals every ``SIGNAL_SLICE`` (see ``wait_event``)."""
+    while True:
+        try:
+            return future.result(SIGNAL_SLICE)
+        except TimeoutError:
+            if future.done():  # the operation's own TimeoutError
+                raise

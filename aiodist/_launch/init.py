@@ -27,6 +27,7 @@ from aiodist._errors import ArgumentError
 from aiodist._group.join import open_process_group, run_close_hooks
 from aiodist._group.lingering import hand_over, hold
 from aiodist._group.session import CLOSE_GRACE, DEFAULT_TIMEOUT
+from aiodist._group.work import wait_future
 from aiodist._group.world import (
     DefaultGroup,
     default_group_loop,
@@ -274,6 +275,6 @@ def _leave_at_exit() -> None:
     if loop is None or loop.is_closed() or _installed_by != os.getpid():
         return
     if loop.is_running():  # another thread's loop
-        asyncio.run_coroutine_threadsafe(destroy_process_group(), loop).result()
+        wait_future(asyncio.run_coroutine_threadsafe(destroy_process_group(), loop))
     else:
         loop.run_until_complete(destroy_process_group())

@@ -26,6 +26,7 @@ from aiodist._group import ending
 from aiodist._group.join import open_process_group
 from aiodist._group.lingering import LingeringTask, hand_over, hold
 from aiodist._group.session import DEFAULT_TIMEOUT
+from aiodist._group.work import wait_future
 from aiodist._group.world import default_group_loop, get_default_group
 
 if TYPE_CHECKING:
@@ -144,6 +145,6 @@ def _at_exit(exc: BaseException | None) -> None:
             await close_world(world.group)
 
     if world.loop.is_running():  # another thread's loop (aiodist.sync's)
-        asyncio.run_coroutine_threadsafe(end(), world.loop).result()
+        wait_future(asyncio.run_coroutine_threadsafe(end(), world.loop))
     else:
         world.loop.run_until_complete(end())

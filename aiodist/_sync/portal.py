@@ -52,7 +52,7 @@ from anyio.from_thread import BlockingPortal
 
 from aiodist._group import ending
 from aiodist._group.ending import failure_of, interrupted
-from aiodist._group.work import Work
+from aiodist._group.work import Work, wait_future
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
 from aiodist._rpc import world as rpc_world
@@ -193,7 +193,7 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
     future: Future[T] | None = None
     try:
         future = lt.portal.start_task_soon(run)
-        return future.result()
+        return wait_future(future)
     except BaseException as exc:
         if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
             if future is not None:
@@ -248,7 +248,7 @@ def submit(
 
     try:
         lt.loop.call_soon_threadsafe(start)
-        return box.result()  # type: ignore[no-any-return]
+        return wait_future(box)  # type: ignore[no-any-return]
     except BaseException as exc:
         if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
             _abandon(lt, exc)

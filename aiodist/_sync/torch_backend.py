@@ -25,6 +25,7 @@ import sys
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist import _settings
+from aiodist._group.work import wait_future
 from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._launch.init import destroy_process_group, init_process_group
 from aiodist._sync import portal
@@ -116,7 +117,7 @@ def _on_group_loop(fn: Callable[..., T], *args: Any) -> T:
             result.set_exception(exc)
 
     loop.call_soon_threadsafe(run)
-    return result.result()
+    return wait_future(result)
 
 
 def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:

@@ -84,7 +84,7 @@ import threading
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
-from aiodist._group.work import Work
+from aiodist._group.work import Work, wait_future
 from aiodist._group.world import get_default_group
 from aiodist._rpc.agent import Agent, agent_for, default_agent
 from aiodist._rpc.calls import prepare
@@ -422,7 +422,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
     if _on_loop(agent):
         started = agent.shutdown(graceful, seconds)  # now: the waves start at the call
         return Work(asyncio.ensure_future(_leave_after(agent, started)), "rpc.shutdown")
-    asyncio.run_coroutine_threadsafe(_shutdown(agent, graceful, seconds), agent.loop).result()
+    wait_future(asyncio.run_coroutine_threadsafe(_shutdown(agent, graceful, seconds), agent.loop))
     return Work.completed(None, "rpc.shutdown")
 
 

@@ -157,7 +157,7 @@ WORKER = textwrap.dedent(
 
 SYNC_WORKER = textwrap.dedent(
     """
-    import json, os, sys, threading, time
+    import json, os, signal, sys, threading, time
     import aiodist.sync as dist
 
     def blocked(frame):
@@ -179,6 +179,8 @@ SYNC_WORKER = textwrap.dedent(
         while not blocked(sys._current_frames().get(main)):
             time.sleep(0.001)  # a state to see, not an event to wait for
         print(json.dumps({"blocking": op, "pid": os.getpid()}), flush=True)
+        if op == "barrier-elsewhere":  # the kernel may hand SIGINT to any thread
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
     url, op = sys.argv[1], sys.argv[2]
     if op == "recv":
@@ -188,7 +190,7 @@ SYNC_WORKER = textwrap.dedent(
                             timeout=600)
     threading.Thread(target=announce, daemon=True).start()
     try:
-        if op == "barrier":
+        if op.startswith("barrier"):
             dist.barrier()  # rank 1 never comes (a Work-returning operation)
         elif op == "wait":
             dist.barrier(async_op=True).wait()  # the same, through its handle
@@ -456,7 +458,7 @@ async def test_daemon_killed_every_rank_learns_within_the_heartbeat_timeout(
 
 
 @asyncio_only
-@pytest.mark.parametrize("op", ["barrier", "recv", "wait"])
+@pytest.mark.parametrize("op", ["barrier", "barrier-elsewhere", "recv", "wait"])
 async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     server: RendezvousServer, tmp_path: Path, op: str
 ) -> None:
@@ -484,7 +486,8 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
                         step = "rank 0 announcing that it blocks"
                         blocking = json.loads(await out.receive_until(b"\n", 1 << 16))
                         sent = time.monotonic()
-                        proc.send_signal(signal.SIGINT)
+                        if op != "barrier-elsewhere":  # there, a thread of its own signals it
+                            proc.send_signal(signal.SIGINT)
                         step = "rank 0 reporting the KeyboardInterrupt"
                         report = json.loads(await out.receive_until(b"\n", 1 << 16))
                         step = "rank 0 exiting"
