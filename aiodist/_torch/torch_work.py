@@ -16,6 +16,7 @@ import torch
 from torch._C._distributed_c10d import Work as TorchWork
 
 from aiodist._errors import DistTimeoutError
+from aiodist._group.work import wait_event
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -114,7 +115,7 @@ class AiodistWork(TorchWork):
         seconds = None
         if timeout is not None and timeout.total_seconds() > 0:
             seconds = timeout.total_seconds()
-        if not self._done.wait(seconds):
+        if not wait_event(self._done, seconds):  # Ctrl-C interrupts it
             raise DistTimeoutError(f"{self._description} did not complete within {seconds} s")
         if self._error is not None:
             raise self._error

@@ -179,7 +179,7 @@ SYNC_WORKER = textwrap.dedent(
         while not blocked(sys._current_frames().get(main)):
             time.sleep(0.001)  # a state to see, not an event to wait for
         print(json.dumps({"blocking": op, "pid": os.getpid()}), flush=True)
-        if op == "barrier-elsewhere":  # the kernel may hand SIGINT to any thread
+        if op.endswith("elsewhere"):  # the kernel may hand SIGINT to any thread
             signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
     url, op = sys.argv[1], sys.argv[2]
@@ -192,6 +192,9 @@ SYNC_WORKER = textwrap.dedent(
     try:
         if op.startswith("barrier"):
             dist.barrier()  # rank 1 never comes (a Work-returning operation)
+        elif op == "torch-elsewhere":
+            import torch.distributed
+            torch.distributed.barrier()  # torch's call, on the aiodist backend
         elif op == "wait":
             dist.barrier(async_op=True).wait()  # the same, through its handle
         else:
@@ -458,7 +461,7 @@ async def test_daemon_killed_every_rank_learns_within_the_heartbeat_timeout(
 
 
 @asyncio_only
-@pytest.mark.parametrize("op", ["barrier", "barrier-elsewhere", "recv", "wait"])
+@pytest.mark.parametrize("op", ["barrier", "barrier-elsewhere", "torch-elsewhere", "recv", "wait"])
 async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     server: RendezvousServer, tmp_path: Path, op: str
 ) -> None:
@@ -486,7 +489,7 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
                         step = "rank 0 announcing that it blocks"
                         blocking = json.loads(await out.receive_until(b"\n", 1 << 16))
                         sent = time.monotonic()
-                        if op != "barrier-elsewhere":  # there, a thread of its own signals it
+                        if not op.endswith("elsewhere"):  # there, its own thread signals
                             proc.send_signal(signal.SIGINT)
                         step = "rank 0 reporting the KeyboardInterrupt"
                         report = json.loads(await out.receive_until(b"\n", 1 << 16))
@@ -511,8 +514,9 @@ async def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt_at_once(
     # leave room for a loaded machine; the printed figures are what a quiet one gives).
     assert report["interrupted"] - sent < 5.0
     assert exited - sent < 10.0
-    # The group was closed at once; an interrupted Work.wait() closes it at exit.
-    assert report["initialized"] is (op == "wait")
+    # The group was closed at once; an interrupted Work.wait() (aiodist's or torch's) closes it
+    # at exit.
+    assert report["initialized"] is (op in ("wait", "torch-elsewhere"))
     assert info.value.rank == 0  # the peer is told that rank 0 left, at once
     assert info.value.pid == blocking["pid"]
     assert "left the job" in str(info.value)
