@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import platform
 import resource
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from multiprocessing.context import ForkServerContext
 
 __all__ = [
     "RESULTS_DIR",
@@ -37,6 +39,7 @@ __all__ = [
     "peak_rss_bytes",
     "pss_bytes",
     "raise_fd_limit",
+    "rank_context",
     "reset_peak_rss",
     "rss_bytes",
     "summarize",
@@ -254,3 +257,15 @@ def jsonable(obj: object) -> object:
     if isinstance(obj, Summary | Goal):
         return asdict(obj)
     raise TypeError(f"cannot write {type(obj).__name__} as JSON")
+
+
+def rank_context() -> ForkServerContext:
+    """Where the benchmarks' processes start: forked from one that imported torch and aiodist.
+
+    Spawned, each paid their import (about 2.5 s of CPU) before its first line; a
+    benchmark times what its processes do once started, which the start method
+    does not touch, and starts gloo's and aiodist's ranks alike.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "aiodist"])
+    return ctx

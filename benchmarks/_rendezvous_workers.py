@@ -25,7 +25,7 @@ from benchmarks._servers import HOST, STARTUP_TIMEOUT, recv, stop_process
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
     from multiprocessing.connection import Connection
-    from multiprocessing.context import SpawnContext, SpawnProcess
+    from multiprocessing.context import ForkServerContext, ForkServerProcess
     from multiprocessing.synchronize import Barrier
 
 __all__ = ["PHASES", "SYSTEMS", "RunResult", "System", "WorkerPool", "worker_pool"]
@@ -227,10 +227,10 @@ def _run_tcpstore(spec: RunSpec, conn: Connection, barrier: Barrier) -> WorkerRe
 class WorkerPool:
     """``size`` spawned worker processes and the barrier that releases them together."""
 
-    def __init__(self, ctx: SpawnContext, size: int) -> None:
+    def __init__(self, ctx: ForkServerContext, size: int) -> None:
         self._ctx = ctx
         self.size = size
-        self._procs: list[SpawnProcess] = []
+        self._procs: list[ForkServerProcess] = []
         self._conns: list[Connection] = []
         self._barrier: Barrier | None = None
         self._up = False
@@ -308,7 +308,7 @@ class WorkerPool:
 
 
 @contextlib.contextmanager
-def worker_pool(ctx: SpawnContext, size: int) -> Iterator[WorkerPool]:
+def worker_pool(ctx: ForkServerContext, size: int) -> Iterator[WorkerPool]:
     pool = WorkerPool(ctx, size)
     try:
         pool.start()

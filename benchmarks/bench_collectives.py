@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing
 import os
 import socket
 import sys
@@ -66,7 +65,15 @@ from benchmarks._collective_ranks import (
     moved_bytes,
     timed_ranks,
 )
-from benchmarks._common import Goal, format_table, goal_table, now, summarize, write_results
+from benchmarks._common import (
+    Goal,
+    format_table,
+    goal_table,
+    now,
+    rank_context,
+    summarize,
+    write_results,
+)
 from benchmarks._servers import DNS_WORKAROUND, AiodistServer
 from benchmarks._small import SMALL_CASES, SMALL_WORLD_SIZES
 from benchmarks._small import render as render_small
@@ -74,7 +81,7 @@ from benchmarks._small import render as render_small
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from multiprocessing.connection import Connection
-    from multiprocessing.context import SpawnContext, SpawnProcess
+    from multiprocessing.context import ForkServerContext, ForkServerProcess
 
 
 DEFAULT_REPEATS: Final[dict[Mode, int]] = {"full": 5, "quick": 3, "smoke": 1}
@@ -87,10 +94,10 @@ DEFAULT_BATCH_MS: Final[dict[Mode, float]] = {"full": 25.0, "quick": 10.0, "smok
 class Ranks:
     """N spawned ranks of one system, driven over pipes."""
 
-    def __init__(self, ctx: SpawnContext, system: System, n: int, address: str) -> None:
+    def __init__(self, ctx: ForkServerContext, system: System, n: int, address: str) -> None:
         self.system, self.n = system, n
         self.error = ""
-        self._procs: list[SpawnProcess] = []
+        self._procs: list[ForkServerProcess] = []
         self._conns: list[Connection] = []
         job = f"bench-collectives-{n}-{uuid.uuid4().hex[:8]}"
         for rank in range(n):
@@ -239,7 +246,7 @@ def bench(
         if case_list is None
         else [c for c in case_list if not only or c.op in only]
     )
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         server = AiodistServer()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import multiprocessing
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Final
@@ -49,6 +48,7 @@ from benchmarks._common import (
     format_table,
     goal_table,
     raise_fd_limit,
+    rank_context,
     summarize,
     write_results,
 )
@@ -109,7 +109,7 @@ def bench(
     profile_server: str | None = None,
 ) -> dict[str, Any]:
     """Run every size for both systems; return the results as plain data."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     results: list[dict[str, Any]] = []
     systems = [s for s in SYSTEMS if s in systems]
     with contextlib.ExitStack() as stack:

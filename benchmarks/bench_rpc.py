@@ -54,7 +54,6 @@ import argparse
 import collections
 import contextlib
 import math
-import multiprocessing
 import os
 import signal
 import socket
@@ -65,12 +64,20 @@ import traceback
 import uuid
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from benchmarks._common import Goal, format_table, goal_table, now, summarize, write_results
+from benchmarks._common import (
+    Goal,
+    format_table,
+    goal_table,
+    now,
+    rank_context,
+    summarize,
+    write_results,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from multiprocessing.connection import Connection
-    from multiprocessing.context import SpawnContext, SpawnProcess
+    from multiprocessing.context import ForkServerContext, ForkServerProcess
 
     import torch
 
@@ -350,7 +357,7 @@ def _serve_parent(conn: Connection, batch: Any) -> None:
 class Pair:
     """One system's two ranks: the master driven over a pipe, the worker serving."""
 
-    def __init__(self, ctx: SpawnContext, system: System) -> None:
+    def __init__(self, ctx: ForkServerContext, system: System) -> None:
         self.system = system
         with socket.socket() as s:
             s.bind((HOST, 0))
@@ -358,7 +365,7 @@ class Pair:
         target = aiodist_main if system == "aiodist" else torch_main
         parent_end, child_end = ctx.Pipe()
         self._conn = parent_end
-        self._procs: list[SpawnProcess] = []
+        self._procs: list[ForkServerProcess] = []
         for rank, conn in ((0, child_end), (1, None)):
             proc = ctx.Process(
                 target=target, args=(conn, rank, port), name=f"{system}-{rank}", daemon=True
@@ -448,7 +455,7 @@ def bench(
     for key, value in {"RES_OPTIONS": "use-vc", "TORCH_CPP_LOG_LEVEL": "ERROR"}.items():
         os.environ.setdefault(key, value)  # see _servers.DNS_WORKAROUND
     os.environ.setdefault("AIODIST_JOB_ID", f"bench-rpc-{uuid.uuid4().hex[:8]}")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     results: list[dict[str, Any]] = []
     started = now()
     with contextlib.ExitStack() as stack:

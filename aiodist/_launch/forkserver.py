@@ -1,11 +1,11 @@
-"""Ranks started from a warm interpreter: torch imported once, each rank forked.
+"""Ranks started from a warm interpreter: torch and aiodist imported once, each rank forked.
 
 A rank that ``aiodist run`` starts with ``exec`` spends about two seconds of CPU
 importing torch before it runs a line of the script: for 4 local ranks on a
 small machine, seconds of start-up, and each rank's own copy of torch's Python
 heap. As Python's ``multiprocessing`` forkserver does with preloaded modules,
 the launcher starts one server process (this file, run as a script),
-which imports torch once, single-threaded and before any torch
+which imports torch and aiodist once, single-threaded and before any torch
 operation (as a ``DataLoader`` forks its workers; native threads such as
 OpenBLAS's have their libraries' fork handlers), and then forks a process for
 each rank it is asked for; the rank runs its script as ``python script.py`` would
@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import ctypes
+import importlib.abc
 import io
 import json
 import logging
@@ -40,8 +42,9 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-    from types import TracebackType
+    from collections.abc import Iterator, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType, TracebackType
 
 __all__ = ["START_METHODS", "ForkServer", "Forked", "python_main"]
 
@@ -52,17 +55,20 @@ START_METHODS: Final = (
     "spawn",
 )  # aiodist run --start-method; the first is the default
 # The server runs this file as a script: ``-m aiodist._launch.forkserver`` would import
-# the aiodist package first, and a rank must import it itself (see _PRELOAD). Nothing of
+# the aiodist package before its exit handlers could be deferred (see _DEFERRED). Nothing of
 # the launcher's directory is on its path (a rank puts its script's first, as Python does).
 _BOOT: Final = (
     "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv[1], run_name='__main__')"
 )
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _MAX_REQUEST: Final = 1 << 20  # argv and environment of one rank
-# torch only: aiodist's own import registers exit handlers whose order against the
-# script's (an atexit registered before ``import aiodist`` runs after them) must stay
-# as a fresh interpreter has it; it costs a rank about 0.3 s, torch about 2 s.
-_PRELOAD: Final = ("torch", "torch.distributed")
+# What a rank's script imports first: torch (about 2 s of CPU apiece) and aiodist (0.3 s).
+_PRELOAD: Final = ("torch", "torch.distributed", "aiodist", "aiodist.sync")
+# Preloaded packages whose import registers exit handlers: their order against the
+# script's (one registered before ``import aiodist`` runs after aiodist's) stays as a
+# fresh interpreter has it, as the script's first import of the package registers them
+# (``_Deferred``). torch's stay registered at preloading, before anything of the script.
+_DEFERRED: Final = "aiodist"
 
 
 Main = tuple[str, str, list[str], bool]  # ("path" | "module", target, args, unbuffered)
@@ -291,10 +297,14 @@ async def _reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]
 
 
 def _serve(sock: socket.socket) -> None:
-    error = ""
+    error, handlers = "", list[_Handler]()
     for name in _PRELOAD:
         try:
-            __import__(name)
+            if name.partition(".")[0] == _DEFERRED:
+                with _exit_handlers_kept(handlers):
+                    __import__(name)
+            else:
+                __import__(name)
         except ImportError as e:
             error = f"preloading {name}: {e}"
             break
@@ -312,7 +322,7 @@ def _serve(sock: socket.socket) -> None:
                 raise RuntimeError(error)
             if len(fds) != 3:
                 raise RuntimeError(f"a request came with {len(fds)} streams, not 3")
-            reply: dict[str, Any] = {"pid": _fork_rank(sock, json.loads(data), fds)}
+            reply: dict[str, Any] = {"pid": _fork_rank(sock, json.loads(data), fds, handlers)}
         except Exception as e:  # the launcher falls back to exec, saying why
             reply = {"error": f"{type(e).__name__}: {e}"}
         finally:
@@ -321,7 +331,9 @@ def _serve(sock: socket.socket) -> None:
         sock.send(json.dumps(reply).encode())
 
 
-def _fork_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+def _fork_rank(
+    sock: socket.socket, request: dict[str, Any], fds: list[int], handlers: list[_Handler]
+) -> int:
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:  # the middle process: forks the rank and ends, handing it to the launcher
@@ -332,6 +344,7 @@ def _fork_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> 
             if pid == 0:
                 os.close(w)
                 _reparented(me)
+                _Deferred.install(_DEFERRED, handlers)
                 _become_rank(sock, request, fds)  # never returns
             os.write(w, str(pid).encode())
         finally:
@@ -343,6 +356,69 @@ def _fork_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> 
     if not text:
         raise RuntimeError("the rank's process could not be forked")
     return int(text)
+
+
+_Handler = tuple[Any, tuple[Any, ...], dict[str, Any]]  # atexit.register's arguments
+
+
+@contextlib.contextmanager
+def _exit_handlers_kept(kept: list[_Handler]) -> Iterator[None]:
+    """Keep the exit handlers registered meanwhile in ``kept`` instead of registering them."""
+    import atexit
+
+    register = atexit.register
+
+    def keep(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        kept.append((fn, args, kwargs))
+        return fn
+
+    atexit.register = keep  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        atexit.register = register
+
+
+class _Deferred(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A preloaded package, out of ``sys.modules`` until the script first imports it.
+
+    That import puts every preloaded module back (nothing runs again) and
+    registers the package's exit handlers, when a fresh interpreter would have.
+    """
+
+    def __init__(self, modules: dict[str, ModuleType], handlers: list[_Handler]) -> None:
+        self._modules, self._handlers = modules, handlers
+        self._spec: ModuleSpec | None = None
+
+    @classmethod
+    def install(cls, package: str, handlers: list[_Handler]) -> None:
+        names = [n for n in sys.modules if n == package or n.startswith(package + ".")]
+        if names:
+            sys.meta_path.insert(0, cls({n: sys.modules.pop(n) for n in names}, handlers))
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        module = self._modules.get(fullname)
+        if module is None or module.__spec__ is None:
+            return None
+        spec = copy.copy(module.__spec__)
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
+        sys.meta_path.remove(self)
+        module = self._modules.pop(spec.name)
+        self._spec = module.__spec__  # importlib sets the one found next
+        sys.modules.update(self._modules)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        import atexit
+
+        module.__spec__ = self._spec
+        for fn, args, kwargs in self._handlers:
+            atexit.register(fn, *args, **kwargs)
 
 
 def _reparented(middle: int) -> None:

@@ -1,4 +1,4 @@
-"""The suite's processes, forked warm: ``open_process`` as anyio's, torch already imported.
+"""The suite's processes, forked warm: ``open_process`` as anyio's, torch and aiodist imported.
 
 A test worker (``python worker.py ...``) or launcher (``python -m aiodist run ...``)
 exec'd pays about 2.5 s of CPU importing torch and aiodist before its first line;

@@ -52,7 +52,11 @@ print(json.dumps({
     "py_random": random.random(),
     "np_random": float(numpy.random.random()),
     "main_module": sys.modules["__main__"].__file__,
+    # The server preloads aiodist, yet a rank imports it as a fresh interpreter does.
+    "aiodist_before_import": any(n.split(".")[0] == "aiodist" for n in sys.modules),
 }), flush=True)
+import aiodist.sync
+assert aiodist.sync.get_rank() == 0 and aiodist._group.world is sys.modules["aiodist._group.world"]
 if first != "ok" and os.environ["RANK"] == "0":
     threading.Event().wait(60)  # still running when rank 1 ends: the launcher stops it
 if first == "exit" and os.environ["RANK"] == "1":
@@ -145,6 +149,7 @@ def test_a_forked_rank_sees_what_an_execd_rank_sees(tmp_path: Path) -> None:
             assert r["ppid_is_launcher"], (method, r)
             assert r["own_group"], (method, r)
             assert r["stdin"] == ""
+            assert not r["aiodist_before_import"], (method, r)
         # Each rank has its own random state, as processes of their own have.
         assert reports[0]["py_random"] != reports[1]["py_random"], method
         assert reports[0]["np_random"] != reports[1]["np_random"], method
