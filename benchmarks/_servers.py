@@ -20,7 +20,12 @@ from benchmarks._common import now
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from multiprocessing.connection import Connection
-    from multiprocessing.context import ForkServerContext, ForkServerProcess
+    from multiprocessing.context import (
+        ForkServerContext,
+        ForkServerProcess,
+        SpawnContext,
+        SpawnProcess,
+    )
 
 __all__ = [
     "DNS_WORKAROUND",
@@ -73,7 +78,7 @@ def cpu_seconds(pid: int | None) -> float:
     return total / 1e9
 
 
-def stop_process(proc: ForkServerProcess) -> None:
+def stop_process(proc: ForkServerProcess | SpawnProcess) -> None:
     proc.terminate()
     proc.join(5)
     if proc.is_alive():
@@ -155,10 +160,10 @@ def _read_banner(proc: subprocess.Popen[bytes], timeout: float) -> int:
 class TCPStoreMaster:
     """A TCPStore master (libuv backend) in its own process; ``port`` once started."""
 
-    def __init__(self, ctx: ForkServerContext) -> None:
+    def __init__(self, ctx: ForkServerContext | SpawnContext) -> None:
         self._ctx = ctx
         self.port = 0
-        self._proc: ForkServerProcess | None = None
+        self._proc: ForkServerProcess | SpawnProcess | None = None
         self._conn: Connection | None = None
 
     def start(self) -> None:
