@@ -237,15 +237,20 @@ class Session:
         self._members_loading = None
 
     async def _load_members(self) -> list[MemberInfo]:
+        # The job may grow while the table comes (``forget_members``: the notice can be
+        # handled before this task resumes with the reply): that table is not kept.
+        mine = asyncio.current_task()
         try:
             table: Any = await self.conn.request(MembersRequest, timeout=self.timeout + REPLY_GRACE)
             members = [
                 MemberInfo(int(r), int(lr), str(h), int(p), tuple(a)) for r, lr, h, p, a in table
             ]
         except BaseException:
-            self._members_loading = None  # the next caller tries again
+            if self._members_loading is mine:
+                self._members_loading = None  # the next caller tries again
             raise
-        self._members = members
+        if self._members_loading is mine:
+            self._members = members
         return members
 
     async def _peer_table(self) -> dict[int, tuple[str, ...]]:
@@ -290,7 +295,7 @@ class Session:
             return broken
         if self.error is None:
             # A peer that connected to us may be lost before we ever fetched the table.
-            m = self._members[rank] if self._members is not None else None
+            m = next((m for m in self._members or () if m.rank == rank), None)
             where = f" (host {m.host}, pid {m.pid})" if m is not None else ""
             self.fail(
                 RankFailedError(

@@ -206,10 +206,14 @@ class Connections(PlaneCore):
         return all(mine in table.get(r, ()) for r in ranks)
 
     async def addresses(self) -> PeerTable:
-        if self._table is None:
-            assert self._lookup is not None, "set_members() first"
-            self._table = await self._lookup()
-        return self._table
+        if self._table is not None:
+            return self._table
+        assert self._lookup is not None, "set_members() first"
+        size = self.world_size
+        table = await self._lookup()
+        if self.world_size == size:  # not a table the job outgrew while it came (``grow``)
+            self._table = table
+        return table
 
     # --- connecting ---------------------------------------------------------------------
 

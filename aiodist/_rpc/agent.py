@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import functools
 import itertools
+import logging
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from aiodist._plane.peers import Received
 
 __all__ = ["Agent", "agent_for", "default_agent"]
+
+logger = logging.getLogger(__name__)
 
 
 class Agent:
@@ -223,6 +226,9 @@ class Agent:
             if tensors:
                 await send_parts(self.plane, to, call, tensors, request=True)
         except (OSError, DistError) as exc:  # the session judged whose fault it was
+            self._abandon(call, exc)
+        except Exception as exc:  # a fault of this rank's own: the call fails, never waits
+            logger.error("sending %s to rank %d failed", record and record.what, to, exc_info=exc)
             self._abandon(call, exc)
 
     def _abandon(self, call: int, exc: BaseException) -> None:
