@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import reduce_ops
-from aiodist._ops.requests import Call, Op, Request, outsider, root_of, size_of
+from aiodist._ops.requests import Call, Op, Request, Whole, outsider, root_of, size_of
 from aiodist._ops.tensors import (
     LazyModule,
     check_alike,
@@ -166,7 +166,7 @@ def reduce_scatter_tensor(
             out.copy_(parts[0])
             return _done(out)
         req = _reduce_scatter(parts, out, reduce_op)
-        req.whole = {"inputs": (t, lambda whole: slices(whole, out, size) or [])}
+        req.whole_inputs = Whole(t, lambda whole: slices(whole, out, size) or [])
         return req
 
     return Call("reduce_scatter_tensor", group, check, input)

@@ -4,7 +4,7 @@ torch's variants are the same operation with other outputs:
 ``all_gather_into_tensor`` fills the slices of one tensor, ``all_to_all_single``
 sends and receives the slices of two, ``all_gather_coalesced`` gathers several
 tensors packed into one buffer. A device tensor cut into slices is staged
-whole (``Request.whole``).
+whole (``Request.whole_inputs``, ``whole_outputs``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import staging
-from aiodist._ops.requests import Call, Op, Request, outsider, size_of
+from aiodist._ops.requests import Call, Op, Request, Whole, outsider, size_of
 from aiodist._ops.tensors import (
     LazyModule,
     check_outputs,
@@ -89,7 +89,7 @@ def all_gather_into_tensor(
             description="all_gather_into_tensor",
             tensor=t,
             outputs=parts,
-            whole={"outputs": (out, lambda whole: slices(whole, t, size) or [])},
+            whole_outputs=Whole(out, lambda whole: slices(whole, t, size) or []),
             resolve=lambda _: out,
         )
 
@@ -234,10 +234,10 @@ def all_to_all_single(
             description="all_to_all_single",
             inputs=sends,
             outputs=recvs,
-            whole={
-                "inputs": (t, lambda whole: _split(whole, input_split_sizes, size, "input")),
-                "outputs": (out, lambda whole: _split(whole, output_split_sizes, size, "output")),
-            },
+            whole_inputs=Whole(t, lambda whole: _split(whole, input_split_sizes, size, "input")),
+            whole_outputs=Whole(
+                out, lambda whole: _split(whole, output_split_sizes, size, "output")
+            ),
             fill="exact",
             resolve=lambda _: out,
         )

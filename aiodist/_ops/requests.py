@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
 
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-    #: Cuts a whole tensor into one view per rank (``Request.whole``).
+    #: Cuts a whole tensor into one view per rank (``Whole.cut``).
     Cut: TypeAlias = Callable[[torch.Tensor], list[torch.Tensor]]
 
-__all__ = ["NOT_DONE", "Call", "Op", "Request", "outsider", "root_of", "size_of"]
+__all__ = ["NOT_DONE", "Call", "Op", "Request", "Whole", "outsider", "root_of", "size_of"]
 
 #: ``Request.answer`` of a request that still has to run.
 NOT_DONE: Any = object()
@@ -77,6 +77,13 @@ class Op(enum.Enum):
     DONE = "done", False  # answered without sending anything (``Request.done``)
 
 
+class Whole(NamedTuple):
+    """A tensor that a request's ``inputs`` or ``outputs`` are views of, and how they are cut."""
+
+    tensor: torch.Tensor
+    cut: Cut
+
+
 @dataclass(slots=True, kw_only=True)
 class Request:
     """One call in canonical form.
@@ -90,10 +97,11 @@ class Request:
             (scatter on the root, reduce_scatter, all_to_all).
         outputs: The caller's tensors for the results (torch's forms); None
             for new ones.
-        whole: Tensors that ``inputs`` and ``outputs`` are views of, with the
-            functions that cut them so (torch's ``*_tensor`` and ``*_single``
-            forms): a device call copies the whole tensor to host memory (and
-            back) once, and cuts the host copy the same way.
+        whole_inputs, whole_outputs: The tensors that ``inputs`` and
+            ``outputs`` are views of, with the functions that cut them so
+            (torch's ``*_tensor`` and ``*_single`` forms): a device call copies
+            the whole tensor to host memory (and back) once, and cuts the host
+            copy the same way.
         fill: How results go into ``outputs``: copied, reshaped to each output
             (the same number of elements), or only of the same shape.
         reduce_op: The reduction, for reductions.
@@ -113,7 +121,8 @@ class Request:
     in_place: bool = False
     inputs: Sequence[torch.Tensor] = ()
     outputs: list[torch.Tensor] | None = None
-    whole: dict[str, tuple[torch.Tensor, Cut]] | None = None
+    whole_inputs: Whole | None = None
+    whole_outputs: Whole | None = None
     fill: Literal["copy", "reshape", "exact"] = "copy"
     reduce_op: str | None = None
     root: int | None = None
@@ -134,8 +143,8 @@ class Request:
         """The tensor whose device says where the call runs."""
         if self.tensor is not None:
             return self.tensor
-        if self.whole is not None and "inputs" in self.whole:
-            return self.whole["inputs"][0]
+        if self.whole_inputs is not None:
+            return self.whole_inputs.tensor
         return self.inputs[0] if self.inputs else None
 
     def deliver(self, got: Any) -> Any:

@@ -243,10 +243,9 @@ def _staged(
     start: Callable[[ProcessGroup, int, Request], Work[Any]],
 ) -> Work[Any]:
     """The same request on host copies of its device tensors; the results copied back."""
-    whole = req.whole or {}
-    whole_in, whole_out = whole.get("inputs"), whole.get("outputs")
+    whole_in, whole_out = req.whole_inputs, req.whole_outputs
     named = [*([req.tensor] if req.tensor is not None else [])]
-    named += [whole_in[0]] if whole_in is not None else req.inputs
+    named += [whole_in.tensor] if whole_in is not None else req.inputs
     first = req.first
     assert first is not None
     host_out: list[torch.Tensor] = []  # host buffers for the caller's outputs, to copy back
@@ -256,8 +255,8 @@ def _staged(
         rest = hosts[1:] if req.tensor is not None else hosts
         outputs = None
         if whole_out is not None:
-            host_out.append(staging.host_buffer(whole_out[0]))
-            outputs = whole_out[1](host_out[0])
+            host_out.append(staging.host_buffer(whole_out.tensor))
+            outputs = whole_out.cut(host_out[0])
         elif req.outputs is not None:
             host_out.extend(staging.host_buffer(o) for o in req.outputs)
             outputs = list(host_out)
@@ -266,9 +265,10 @@ def _staged(
         host = dataclasses.replace(
             req,
             tensor=tensor,
-            inputs=whole_in[1](rest[0]) if whole_in is not None else rest,
+            inputs=whole_in.cut(rest[0]) if whole_in is not None else rest,
             outputs=outputs,
-            whole=None,
+            whole_inputs=None,
+            whole_outputs=None,
             resolve=None,
             shm=False,
         )
@@ -281,7 +281,9 @@ def _staged(
         if host_out:  # the caller's outputs, filled on the host
             outs = req.outputs
             assert outs is not None
-            pairs += zip([whole_out[0]] if whole_out is not None else outs, host_out, strict=True)
+            pairs += zip(
+                [whole_out.tensor] if whole_out is not None else outs, host_out, strict=True
+            )
             value: Any = outs if isinstance(got, list) else outs[0]
         elif isinstance(got, list):
             new, value = staging.new_on_device(got, first)
