@@ -90,7 +90,10 @@ async def test_a_rank_killed_inside_ddps_backward_fails_the_others_naming_it(ini
     reports = await _train(launcher, init, 3, "4", "2", code=1)
     for rank in (0, 1):
         r = reports[rank]
-        assert r["step"] == 2, r
+        # Rank 2 dies in step 2's backward, having finished step 1: a survivor still
+        # in step 1's all_reduce fails there (what rank 2 sent last is not awaited once
+        # the server says it failed: a failed rank may be frozen, not dead).
+        assert r["step"] in (1, 2), r
         # DDP's reducer raises torch's RuntimeError; aiodist's error is in its message.
         assert "RankFailedError: rank 2 (host " in r["message"], r
         assert r["seconds"] < 5.0, r  # not a timeout: at once, or within the heartbeat's
