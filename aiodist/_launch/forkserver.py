@@ -69,6 +69,10 @@ _PRELOAD: Final = ("torch", "torch.distributed", "aiodist", "aiodist.sync")
 # fresh interpreter has it, as the script's first import of the package registers them
 # (``_Deferred``). torch's stay registered at preloading, before anything of the script.
 _DEFERRED: Final = "aiodist"
+# A launcher forked from a server (``python -m aiodist run`` asked of it: nested launches,
+# the test suite's) gets a server of its own forked beside it, at the same moment, instead
+# of starting one (a second import of torch): "fd:pid" of that server, for ``ForkServer``.
+_SPARE_ENV: Final = "_AIODIST_FORK_SERVER"
 
 
 Main = tuple[str, str, list[str], bool]  # ("path" | "module", target, args, unbuffered)
@@ -90,6 +94,12 @@ def python_main(cmd: Sequence[str]) -> Main | None:
     if rest and not rest[0].startswith("-"):
         return "path", rest[0], rest[1:], unbuffered
     return None
+
+
+def _launches(main: Main) -> bool:
+    """Whether ``main`` is ``aiodist run`` (which starts ranks from a server of its own)."""
+    kind, target, args, _ = main
+    return kind == "module" and target == "aiodist" and args[:1] == ["run"]
 
 
 class Forked:
@@ -173,6 +183,7 @@ class ForkServer:
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self._server: subprocess.Popen[bytes] | None = None
+        self._spare = _spare_server()  # this process's, if it was forked with one
         self._lock = threading.Lock()
         self._broken = False
 
@@ -182,6 +193,9 @@ class ForkServer:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+        if self._spare is not None:
+            self._sock = self._spare[0]
+            return self._sock
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._server = subprocess.Popen(
@@ -245,7 +259,9 @@ class ForkServer:
         if main is None or self._broken:
             return None
         try:
-            data = json.dumps({"main": main, "env": env, "cwd": cwd or os.getcwd()}).encode()
+            cwd = cwd or os.getcwd()
+            request = {"main": main, "env": env, "cwd": cwd, "spare": _launches(main)}
+            data = json.dumps(request).encode()
             if len(data) > _MAX_REQUEST:
                 raise ValueError(f"a rank's command and environment take {len(data)} bytes")
             with self._lock:
@@ -267,6 +283,11 @@ class ForkServer:
             if self._sock is not None:
                 self._sock.close()  # the server reads end-of-file and exits
                 self._sock = None
+            if self._spare is not None:
+                sock, pid = self._spare
+                sock.close()
+                _wait_or_kill(pid, 5.0)
+                self._spare = None
             if self._server is not None:
                 try:
                     self._server.wait(5)
@@ -274,6 +295,38 @@ class ForkServer:
                     self._server.kill()
                     self._server.wait()
                 self._server = None
+
+
+def _spare_server() -> tuple[socket.socket, int] | None:
+    """The server forked beside this process (``_SPARE_ENV``, taken out of the environment).
+
+    None where there is none, or where the variable does not name a socket of this
+    process and a child of it (copied from elsewhere: ignored).
+    """
+    fd_text, _, pid_text = os.environ.pop(_SPARE_ENV, "").partition(":")
+    try:
+        fd, pid = int(fd_text), int(pid_text)
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        sock = socket.socket(fileno=fd)
+    except (ValueError, OSError, IndexError):
+        return None
+    if ppid != os.getpid() or sock.type != socket.SOCK_SEQPACKET:
+        sock.detach()
+        return None
+    return sock, pid
+
+
+def _wait_or_kill(pid: int, timeout: float) -> None:
+    """Reap child ``pid``, killing it if it has not ended within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.005)
 
 
 async def _writer(fd: int) -> asyncio.StreamWriter:
@@ -296,9 +349,10 @@ async def _reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]
 # The server process.
 
 
-def _serve(sock: socket.socket) -> None:
-    error, handlers = "", list[_Handler]()
-    for name in _PRELOAD:
+def _serve(sock: socket.socket, preloaded: list[_Handler] | None = None) -> None:
+    """Preload (unless ``preloaded``: a spare server, forked preloaded), then fork ranks."""
+    error, handlers = "", list[_Handler]() if preloaded is None else preloaded
+    for name in _PRELOAD if preloaded is None else ():
         try:
             if name.partition(".")[0] == _DEFERRED:
                 with _exit_handlers_kept(handlers):
@@ -344,8 +398,9 @@ def _fork_rank(
             if pid == 0:
                 os.close(w)
                 _reparented(me)
+                spare = _fork_spare(sock, fds, handlers) if request.get("spare") else None
                 _Deferred.install(_DEFERRED, handlers)
-                _become_rank(sock, request, fds)  # never returns
+                _become_rank(sock, request, fds, spare)  # never returns
             os.write(w, str(pid).encode())
         finally:
             os._exit(0)
@@ -421,6 +476,33 @@ class _Deferred(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             atexit.register(fn, *args, **kwargs)
 
 
+def _fork_spare(sock: socket.socket, fds: list[int], handlers: list[_Handler]) -> str:
+    """Fork a server for the rank about to start (a launcher): ``_SPARE_ENV``'s value.
+
+    It is the rank's child, preloaded as this server is, in a session of its own,
+    writing to the rank's output as a server the launcher started would.
+    """
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sock.close()
+            mine.close()
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            for i, fd in enumerate(fds[1:], 1):
+                os.dup2(fd, i)
+            for fd in fds:
+                os.close(fd)
+            _serve(theirs, handlers)
+        finally:
+            os._exit(0)
+    theirs.close()
+    return f"{mine.detach()}:{pid}"
+
+
 def _reparented(middle: int) -> None:
     """Wait (a moment) until the middle process ended and the launcher is our parent."""
     for _ in range(5000):
@@ -429,7 +511,9 @@ def _reparented(middle: int) -> None:
         time.sleep(0.001)
 
 
-def _become_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+def _become_rank(
+    sock: socket.socket, request: dict[str, Any], fds: list[int], spare: str | None
+) -> None:
     code = 1
     try:
         sock.close()
@@ -439,6 +523,8 @@ def _become_rank(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        if spare is not None:
+            os.environ[_SPARE_ENV] = spare
         os.chdir(request["cwd"])
         kind, target, args, unbuffered = request["main"]
         _streams(unbuffered or bool(os.environ.get("PYTHONUNBUFFERED")))

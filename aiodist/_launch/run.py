@@ -447,7 +447,7 @@ async def _run_ranks(
     width = len(str(spec.world_size - 1))
     failed: tuple[int, int] | None = None
     where = _where(spec)
-    forks = ForkServer() if spec.start_method == "forkserver" else None
+    forks = ForkServer()  # also takes (and closes) a server this launcher was forked with
     async with anyio.create_task_group() as pumps:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -467,7 +467,7 @@ async def _run_ranks(
                     agent_store=agent_store,
                 )
                 proc: RankProcess | None = None
-                if forks is not None:
+                if spec.start_method == "forkserver":
                     proc = await forks.start(spec.cmd, env)
                 if proc is None:
                     proc = await asyncio.create_subprocess_exec(
@@ -577,8 +577,7 @@ async def _run_ranks(
                 await ranks.stop(STOP_GRACE)
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
-                if forks is not None:
-                    forks.close()
+                forks.close()
             # A rank's child may hold its pipes open: bound the wait for the last output.
             pumps.cancel_scope.deadline = anyio.current_time() + PUMP_DRAIN
     if ranks.signals:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, warm
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -46,7 +46,11 @@ print(json.dumps({
     "path0": sys.path[0],
     "cwd": os.getcwd(),
     "mine": os.environ.get("PROBE_VAR"),
-    "ppid_is_launcher": os.getppid() == int(os.environ["LAUNCHER_PID"]),
+    "ppid_is_launcher": os.getppid() == int(os.environ.get("LAUNCHER_PID", os.getppid())),
+    "ppid": os.getppid(),
+    # What the process image was exec'd with: a forked rank has its server's.
+    "image_env_has_probe_var": b"PROBE_VAR=" in open("/proc/self/environ", "rb").read(),
+    "spare_env": "_AIODIST_FORK_SERVER" in os.environ,
     "own_group": os.getpgrp() == os.getpid(),
     "stdin": sys.stdin.read(),
     "py_random": random.random(),
@@ -176,6 +180,41 @@ def test_a_forked_ranks_end_is_reported_as_an_execd_ranks(tmp_path: Path, how: s
             assert "ValueError: the probe's own error" in tb
     if how == "kill":
         assert "killed by SIGKILL" in done["forkserver"].stderr
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_launcher_forked_warm_forks_its_ranks_from_a_server_forked_beside_it(
+    tmp_path: Path, method: str
+) -> None:
+    """``python -m aiodist run`` forked from a server (as the suite starts its launchers)
+    gets a preloaded server forked with it instead of exec'ing one; its ranks see what
+    ranks of an exec'd launcher see, and nothing of the hand-over."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
+    env |= {"PYTHONPATH": str(ROOT), "PROBE_VAR": "from the launcher's environment"}
+    argv = [sys.executable, "-m", "aiodist", "run", "-n", "2", "--no-prefix"]
+    proc = warm.popen(
+        [*argv, "--start-method", method, "probe.py", "ok"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert isinstance(proc, warm.WarmPopen), "the launcher was not forked warm"
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    reports = _reports(out)
+    assert sorted(reports) == [0, 1], out
+    for r in reports.values():
+        assert r["ppid"] == proc.pid
+        assert r["mine"] == "from the launcher's environment"
+        assert r["argv"] == ["probe.py", "ok"]
+        assert not r["aiodist_before_import"], r
+        assert not r["spare_env"], r
+        # Forked from the server forked with the launcher, whose image is the suite's
+        # server's (no PROBE_VAR); an exec'd server's image has the launcher's environment.
+        assert r["image_env_has_probe_var"] == (method == "spawn"), r
+    assert out.count("atexit ran") == 2, out
 
 
 def test_ranks_start_by_exec_when_the_warm_interpreter_cannot_fork(tmp_path: Path) -> None:

@@ -381,3 +381,26 @@ async def test_torchrun_store_that_does_not_listen_is_a_rendezvous_error() -> No
     ):
         await connect_rendezvous(spec, None, timeout=1.0, environ=env)
     assert time.monotonic() - started < 10
+
+
+# --- the fork server handed to a launcher forked warm -------------------------------------
+
+
+@pytest.mark.parametrize("stale", ["{fd}:{ppid}", "{fd}:1", "{fd}", "9999:{pid}", "x:y"])
+def test_a_spare_server_variable_not_naming_a_child_and_its_socket_is_ignored_and_taken(
+    monkeypatch: pytest.MonkeyPatch, stale: str
+) -> None:
+    """Copied into another process's environment, ``_AIODIST_FORK_SERVER`` names no
+    server of that process: it is dropped, and no descriptor of the process is taken."""
+    import os
+
+    from aiodist._launch import forkserver
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        value = stale.format(fd=a.fileno(), pid=os.getpid(), ppid=os.getppid())
+        monkeypatch.setenv(forkserver._SPARE_ENV, value)
+        assert forkserver._spare_server() is None
+        assert forkserver._SPARE_ENV not in os.environ
+        a.send(b"still ours")  # not closed by the refusal
+        assert b.recv(16) == b"still ours"
