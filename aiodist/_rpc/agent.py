@@ -105,6 +105,10 @@ class Agent:
         """The ranks that neither failed nor left (rpc.shutdown completes among them)."""
         return ranks_alive(self.session)
 
+    def alone(self) -> bool:
+        """Whether every other rank failed or left (shutdown needs no one's word then)."""
+        return self.ranks_alive() == [self.rank]
+
     def configure(self, timeout: float | None, threads: int | None) -> None:
         """Take ``init_rpc``'s options: the calls' default timeout (0: none), the rpc threads."""
         if timeout is not None:
@@ -428,6 +432,11 @@ class Agent:
     def shutdown(self, graceful: bool, timeout: float | None) -> Work[None]:
         """``rpc.shutdown`` on this rank (see ``shutdown``); its handle."""
         if self.closed or self.shut_down:
+            return Work.completed(None, "rpc.shutdown")
+        if self.alone() and (self.error or self.session.error) is not None:
+            # The session broke (a failing rank 0 took its server along) after every
+            # other rank was known to have failed or left: there is nobody to agree with.
+            self.finish_shutdown()
             return Work.completed(None, "rpc.shutdown")
         if self.error is not None:
             raise self.error

@@ -82,6 +82,8 @@ class Host(Protocol):
 
     def ranks_alive(self) -> list[int]: ...
 
+    def alone(self) -> bool: ...  # every other rank failed or left
+
     def finish_shutdown(self, *, force: bool = False) -> None: ...
 
     async def wait_idle(self) -> None: ...
@@ -132,6 +134,11 @@ class Termination:
                 await self._waves()
         except TimeoutError:
             raise DistTimeoutError(self._late_message(timeout)) from None
+        except DistError:
+            # The session broke (a failing rank 0 took its server along) after every other
+            # rank was known to have failed or left: no verdict was needed from anyone.
+            if not self.agent.alone():
+                raise
         self.agent.finish_shutdown()
 
     async def _waves(self) -> None:
