@@ -166,5 +166,8 @@ def run_worker(rank, world_size):
 
 
 if __name__ == "__main__":
-    mp.spawn(run_worker, args=(WORLD,), nprocs=WORLD, join=True)
+    # The workers fork from one interpreter that imported this script (and torch) once.
+    mp.start_processes(
+        run_worker, args=(WORLD,), nprocs=WORLD, join=True, start_method="forkserver"
+    )
     sys.exit(0)

@@ -144,5 +144,6 @@ def run(rank, world):
 
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(WORLD,), nprocs=WORLD, join=True)
+    # The workers fork from one interpreter that imported this script (and torch) once.
+    mp.start_processes(run, args=(WORLD,), nprocs=WORLD, join=True, start_method="forkserver")
     sys.exit(0)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-SMALL, LARGE = 37, 100_003  # LARGE is over the 64 KiB ring threshold for every dtype but bool
+SMALL, LARGE = 37, 70_001  # LARGE is over the 64 KiB ring threshold for every dtype
 OPS = ["sum", "mean", "product", "min", "max", "band", "bor", "bxor"]
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.bool, torch.bfloat16]
 
