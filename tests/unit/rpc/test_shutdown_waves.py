@@ -59,6 +59,9 @@ class Rank:
     def ranks_alive(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.gone]
 
+    def alone(self) -> bool:
+        return self.ranks_alive() == [self.rank]
+
     def finish_shutdown(self, *, force: bool = False) -> None:
         self.finished = True
 
@@ -204,3 +207,24 @@ async def test_a_rank_that_stopped_and_left_is_not_waited_for_by_the_next_coordi
     job.ranks[1].hears_gone(2)
     await _done(works[1:2])
     assert job.ranks[1].finished
+
+
+@pytest.mark.parametrize("others_gone", [True, False])
+async def test_a_session_breaking_fails_the_shutdown_unless_every_other_rank_was_gone(
+    others_gone: bool,
+) -> None:
+    """A failing rank 0 that hosted the server takes it along: rank 1, still waiting for
+    rank 0's verdict, completes alone if it knew rank 0 had failed, else fails."""
+    job = Job(2)
+    job.kill(0)  # never answers
+    work = job.ranks[1].termination.start(None)
+    await _until(job, lambda: any(src == 1 for src, _, _ in job.sent))  # its wave-1 report
+    if others_gone:
+        job.ranks[1].gone.add(0)  # heard of the failure, but no wave ran since
+    job.ranks[1].termination.fail(ClosedError("the server went away"))
+    if others_gone:
+        await _done([work])
+        assert job.ranks[1].finished
+    else:
+        with anyio.fail_after(5), pytest.raises(ClosedError, match="the server went away"):
+            await work
