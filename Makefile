@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# The suite runs on two workers, a test file to each (the longest files first, see
-# tests/conftest.py). PYTEST_ARGS= runs it serially; `make test-stress` loads the machine.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# The suite runs on three workers, a test file to each (the longest files first, see
+# tests/conftest.py): on two cores, a third keeps them busy while a test waits (a heartbeat
+# timeout, a peer's deadline). PYTEST_ARGS= runs it serially; `make test-stress` loads the
+# machine.
+PYTEST_ARGS ?= -n 3 --dist loadfile
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 
-.PHONY: install browser lint format test test-stress docs demo bench bench-quick soak gpu-check clean
+.PHONY: install browser lint format test suite test-stress docs demo bench bench-quick soak gpu-check clean
 
 install: $(STAMP)
 
@@ -48,9 +50,12 @@ format: install
 # Bytecode is written: the suite starts hundreds of interpreters, and where
 # PYTHONDONTWRITEBYTECODE is set each of them would compile again what it imports (aiodist's
 # sources about 0.25 s of CPU apiece, torch's several seconds).
-# lint (mypy: one core) and docs run side by side.
+# lint runs beside the docs and the suite (it fails `make test` all the same; its few
+# lines come first, the suite's progress after them).
 test: install browser
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs
+	$(MAKE) --no-print-directory -j2 lint suite
+
+suite: install docs
 	DOCS_SITE=$(CURDIR)/$(SITE) env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests that start processes, 5 rounds in a row, in parallel, with a CPU burner on

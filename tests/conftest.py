@@ -75,7 +75,7 @@ async def server() -> AsyncIterator[RendezvousServer]:
         tg.cancel_scope.cancel()
 
 
-# The files that take longest, first: ``make test`` hands whole files to its two
+# The files that take longest, first: ``make test`` hands whole files to its
 # workers in collection order, and a long file handed out last keeps one worker busy
 # while the other has nothing left to do. After them the other files that start
 # processes, and the unit tests (in-process, quick) last, to fill the gaps. Only the
