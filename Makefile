@@ -11,7 +11,7 @@ PYTEST_ARGS ?= -n 3 --dist loadfile
 # Where `make docs` builds the site; the suite's link checks read it there.
 SITE ?= site
 
-.PHONY: install browser lint format test suite test-stress docs demo bench bench-quick soak gpu-check clean
+.PHONY: install browser lint format test test-stress docs demo bench bench-quick soak gpu-check clean
 
 install: $(STAMP)
 
@@ -50,12 +50,9 @@ format: install
 # Bytecode is written: the suite starts hundreds of interpreters, and where
 # PYTHONDONTWRITEBYTECODE is set each of them would compile again what it imports (aiodist's
 # sources about 0.25 s of CPU apiece, torch's several seconds).
-# lint runs beside the docs and the suite (it fails `make test` all the same; its few
-# lines come first, the suite's progress after them).
+# lint (mypy: one core) and docs run side by side, then the suite.
 test: install browser
-	$(MAKE) --no-print-directory -j2 lint suite
-
-suite: install docs
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs
 	DOCS_SITE=$(CURDIR)/$(SITE) env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest $(PYTEST_ARGS)
 
 # The tests that start processes, 5 rounds in a row, in parallel, with a CPU burner on
