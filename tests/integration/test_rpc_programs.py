@@ -3,7 +3,7 @@
 Each program of tests/helpers/rpc_programs/ is written as programs for torch's
 rpc are (parameter servers, an agent with observers, an RNN split across
 workers, DDP beside an rpc world), launched with ``torch.multiprocessing``
-(all but one with its ``forkserver`` start method, one with ``spawn``), and
+(three with its ``forkserver`` start method, two with ``spawn``), and
 picks its imports from ``RPC_SYSTEM``: ``torch`` (TensorPipe) or ``aiodist``,
 nothing else differs. Each runs on both, at once, and what the master prints
 (losses, gradients from distributed autograd, final parameters) must be the

@@ -166,8 +166,5 @@ def run_worker(rank, world_size):
 
 
 if __name__ == "__main__":
-    # The workers fork from one interpreter that imported this script (and torch) once.
-    mp.start_processes(
-        run_worker, args=(WORLD,), nprocs=WORLD, join=True, start_method="forkserver"
-    )
+    mp.spawn(run_worker, args=(WORLD,), nprocs=WORLD, join=True)
     sys.exit(0)
