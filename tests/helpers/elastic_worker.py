@@ -147,10 +147,13 @@ def sync_main() -> None:
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
     )
     out: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
-    dist.barrier()
-    if rank == 1:
-        die(out)
     try:
+        # Rank 1 dies once its barrier returned; a peer may still be waiting for rank 1's
+        # last barrier message then (a failed rank's data is not awaited), so either call
+        # may be the one that names it.
+        dist.barrier()
+        if rank == 1:
+            die(out)
         dist.all_reduce(torch.ones(1))
     except aiodist.RankFailedError as exc:
         out["error"] = [type(exc).__name__, exc.rank]
