@@ -298,7 +298,7 @@ class MetricAggregator:
             # Every step: a few attribute reads, no helper calls.
             g, session = board.group, board.session
             if (
-                g.error is None
+                (g.error is None or g.keeps_p2p)  # a failed member: the board fails what needs it
                 and not g.closed
                 and session.error is None
                 and not session.closed

@@ -38,7 +38,10 @@ Completion is noticed rather than announced, and handles are settled lazily:
   the board holds them and settles them, in index order, once copied out, and
   the poller on the event loop looks every ``POLL_MIN``..``POLL_MAX`` seconds
   while one is pending. The poller also fails pending syncs when the group
-  breaks or the oldest written one passes the group's timeout; with nobody
+  breaks or the oldest written one passes the group's timeout (when a member
+  failed, only those it did not write: a rank that flushed and then went away
+  handed its syncs over, and they complete once the live ranks wrote theirs);
+  with nobody
   waiting it looks every ``POLL_QUEUED`` seconds while syncs are in flight,
   and only writes what sat queued. It goes on for ``IDLE_POLLS`` looks after
   the last one: a ``sync()`` that had to start it would wake the loop's
@@ -134,7 +137,10 @@ class Board:
         self._bucket = Bucket(-1)  # the latest one handed out
         self._watched: dict[int, BoardWork] = {}  # waited on: held until settled
         self._deadlines: deque[tuple[int, float]] = deque()  # (last index, deadline) a write
-        self._failure: BaseException | None = None  # every sync not copied out fails with it
+        # Syncs from ``fail_from`` on that are not copied out fail with ``failure``: all of
+        # them when the group broke, those a failed member did not write when one failed.
+        self._failure: BaseException | None = None
+        self._fail_from = 0
         self._polling = False  # the poller runs; ``_delay`` is its current period
         self._delay = POLL_MIN
         self._timer: asyncio.TimerHandle | None = None
@@ -263,11 +269,8 @@ class Board:
         bucket is skipped.
         """
         with self.lock:
-            if self._failure is None:
-                self._flush_locked()
-                drain = self.waker.queue_locked(self._copy_locked(eager))
-            else:
-                drain = None
+            self._flush_locked()
+            drain = self.waker.queue_locked(self._copy_locked(eager))
         self.waker.run(drain)
 
     def _copy_locked(self, eager: bool) -> list[list[Any]]:
@@ -316,7 +319,7 @@ class Board:
         index = work.index
         if index < self._copied:
             value, error = work.bucket.outcome(index, self.group.name)
-        elif self._failure is not None:
+        elif self._failure is not None and index >= self._fail_from:
             value, error = None, self._failure
         else:
             return None
@@ -327,24 +330,28 @@ class Board:
         """Hold ``work`` and settle it once its sync is copied out (someone waits for it)."""
         self._watched[work.index] = work
 
-    def _fail_locked(self, error: BaseException) -> list[list[Any]]:
-        """Fail every sync not complete yet; nothing more is written.
+    def _fail_locked(self, error: BaseException, fail_from: int) -> list[list[Any]]:
+        """Fail every sync from ``fail_from`` on that is not complete yet.
 
-        What this rank queued is written first: a sync every other rank had
-        written before it went away (``flush`` and then exit) completes here.
+        What this rank queued is written first, and records are still written
+        after: a sync every failed member wrote before it went away (``flush``
+        and then exit) completes here once the live ranks wrote it too.
         """
         self._flush_locked()
         woken = self._copy_locked(eager=True)
-        self._failure = error
-        self._queued.clear()
-        self._backlog = []
+        if self._failure is not None and self._fail_from <= fail_from:
+            return woken
+        self._failure, self._fail_from = error, fail_from
         watched = self._watched
-        for index in sorted(watched):
+        for index in sorted(i for i in watched if i >= fail_from):
             settled = self.settle_locked(watched[index])
             if settled is not None:
                 woken.append(settled)
-        watched.clear()
         return woken
+
+    def _can_complete_locked(self) -> int:
+        """Syncs below this may still complete (every failed member wrote them)."""
+        return self._written if self._failure is None else min(self._written, self._fail_from)
 
     # --- draining (the loop's thread) --------------------------------------------------------
 
@@ -363,23 +370,19 @@ class Board:
         delay = POLL_MIN
         while True:
             self.check()
+            failure = self._failure_now()
             with self.lock:
-                if self._failure is not None:
-                    return
-                pending = bool(self._queued or self._backlog or self._written_above)
+                drain = None
+                if failure is not None:
+                    drain = self.waker.queue_locked(self._fail_locked(*failure))
+                if self._failure is None:
+                    pending = bool(self._queued or self._backlog or self._written_above)
+                else:  # what a failed member did not write is failed, not waited for
+                    pending = False
                 if complete and not pending:
-                    pending = self._copied < self._written
+                    pending = self._copied < self._can_complete_locked()
+            self.waker.run(drain)
             if not pending:
-                return
-            error = self._failure_now()
-            if error is not None:
-                with self.lock:
-                    drain = (
-                        self.waker.queue_locked(self._fail_locked(error))
-                        if self._failure is None
-                        else None
-                    )
-                self.waker.run(drain)
                 return
             await asyncio.sleep(delay)  # the other ranks' progress is only seen by looking
             delay = min(POLL_MAX, delay * 2)
@@ -388,8 +391,8 @@ class Board:
         """Close hook: write what is queued; return a task draining the rest, if any is left."""
         self.check()
         with self.lock:
-            done = self._failure is not None or not (
-                self._queued or self._backlog or self._written_above or self._copied < self._written
+            done = not (self._queued or self._backlog or self._written_above) and (
+                self._copied >= self._can_complete_locked()
             )
         if done:
             return None
@@ -437,18 +440,18 @@ class Board:
         # that still syncs writes its own), and retry the backlog; copy out what is done.
         if period < POLL_QUEUED or stale or self._backlog or self._complete > self._copied:
             self.check()
-        error = self._failure_now()
+        failure = self._failure_now()
         with self.lock:
             drain = None
-            if error is not None and self._failure is None:
-                drain = self.waker.queue_locked(self._fail_locked(error))
+            if failure is not None:
+                drain = self.waker.queue_locked(self._fail_locked(*failure))
             watched = bool(self._watched)
             # Syncs in flight keep it looking (slowly when nobody waits): it writes what
-            # a caller left queued, and fails them all if the group breaks or times out.
-            busy = self._failure is None and (
+            # a caller left queued, and fails them if the group breaks or times out.
+            busy = (self._failure is None or self._fail_from > self._copied) and (
                 watched
                 or bool(self._backlog or self._queued or self._written_above)
-                or self._written > self._complete
+                or self._can_complete_locked() > self._complete
             )
             # It goes on a while after the last sync in flight: a caller that syncs again
             # soon finds it running, rather than waking the loop to start it.
@@ -472,13 +475,22 @@ class Board:
             # poller still running and left it to us: look at its record in time.
             self.watch(soon=False)
 
-    def _failure_now(self) -> BaseException | None:
-        """The error pending syncs fail with: the group broke, or the oldest timed out."""
+    def _failure_now(self) -> tuple[BaseException, int] | None:
+        """The error pending syncs fail with and the first sync it fails: all of them when
+        the group broke or the oldest timed out; when members failed (or left), those
+        that one of them did not write."""
         g = self.group
         try:
-            g.check_usable()
+            g.check_usable(p2p=True)
         except Exception as exc:
-            return exc
+            return exc, 0
+        if g.error is not None:
+            session = g.session
+            gone = session.failed_ranks.keys() | session.plane.left.keys()
+            members = [r for r, rank in enumerate(g.ranks) if rank in gone]
+            failure = g.error, self._slots.written_by(members) if members else 0
+            if self._failure is None or failure[1] < self._fail_from:
+                return failure
         with self.lock:
             deadlines = self._deadlines
             if not deadlines or deadlines[0][1] > time.monotonic():
@@ -494,4 +506,4 @@ class Board:
             "have called it, or may be stuck. The group is broken."
         )
         g.break_(timed_out)
-        return timed_out
+        return timed_out, 0

@@ -89,7 +89,9 @@ def start_sync(
     always resolved, with an exception if this sync fails, so a sync chained
     after it never waits forever.
     """
-    seq = g.take_seq()
+    # On the shared board, a member's failure fails only the syncs it did not write.
+    g.check_usable(p2p=previous is not None and _on_board(previous))
+    seq = g.next_seq()
     work: Work[MetricResults] = g.begin("metrics.sync", seq=seq)
     if work.is_completed() and (aborted := work.exception()) is not None:  # aborted by a member
         _fail_agreed(agreed, aborted)
@@ -114,12 +116,14 @@ def start_sync(
         if prev.cancelled() or prev.exception() is not None:
             g.fail(work, prev.exception() or asyncio.CancelledError(), collective=True)
             return
+        route = prev.result()
         try:
-            g.check_usable()  # broken since sync() was called: receives posted now would hang
+            # Broken since sync() was called: receives posted now would hang (the board
+            # fails what a failed member did not write).
+            g.check_usable(p2p=isinstance(route, Board))
         except Exception as exc:
             g.fail(work, exc, collective=True)
             return
-        route = prev.result()
         if isinstance(route, Board):
             _post(route, index, seq, snapshot, agreed, work)
             return
@@ -157,6 +161,15 @@ def _post(
     board_work = board.post(index, seq, encode(snapshot), work.settle_as)
     agreed.set_result(board)  # at once: later syncs need not wait for this one's values
     return board_work
+
+
+def _on_board(route: asyncio.Future[Route]) -> bool:
+    return (
+        route.done()
+        and not route.cancelled()
+        and route.exception() is None
+        and isinstance(route.result(), Board)
+    )
 
 
 def _fail_agreed(agreed: asyncio.Future[Route], exc: BaseException) -> None:

@@ -247,6 +247,11 @@ class Slots:
         counts: tuple[int, ...] = self._counts.unpack_from(self._mem, 0)
         return min(counts)
 
+    def written_by(self, ranks: list[int]) -> int:
+        """The fewest syncs any of ``ranks`` (group ranks) has written."""
+        counts: tuple[int, ...] = self._counts.unpack_from(self._mem, 0)
+        return min(counts[r] for r in ranks)
+
     def slowest_copied(self) -> int:
         """The fewest syncs any rank has copied out."""
         counts: tuple[int, ...] = self._counts.unpack_from(self._mem, self._copied)

@@ -333,6 +333,7 @@ FLUSH_WORKER = textwrap.dedent(
     from aiodist.metrics import MetricAggregator
 
     url, rank, flavor = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    late = rank == 1 and sys.argv[4] == "late"  # its later syncs only once rank 0 is gone
     kwargs = dict(init_method=url, rank=rank, world_size=2, group_name="flush", timeout=30)
 
     def results(works, wait):
@@ -354,6 +355,11 @@ FLUSH_WORKER = textwrap.dedent(
         for step in range(3):
             agg.update(n=rank + 1)
             works.append(agg.sync())
+            if late and step == 0:
+                dist.membership(1, timeout=20)  # the view without rank 0
+        if late:  # one rank 0 never made
+            agg.update(n=2)
+            works.append(agg.sync())
         if rank == 0:
             done = agg.flush()
             assert done.is_completed()  # the blocking form returns once flushed
@@ -372,6 +378,11 @@ FLUSH_WORKER = textwrap.dedent(
             works = []
             for step in range(3):
                 agg.update(n=rank + 1)
+                works.append(agg.sync())
+                if late and step == 0:
+                    await aiodist.membership(1, timeout=20)  # the view without rank 0
+            if late:  # one rank 0 never made
+                agg.update(n=2)
                 works.append(agg.sync())
             if rank == 0:
                 await agg.flush()
@@ -395,11 +406,10 @@ FLUSH_WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("route", ["board", "data-plane"])
-@pytest.mark.parametrize("flavor", ["anyio", "sync"])
-async def test_flush_hands_syncs_to_the_peers_before_returning(
-    server: RendezvousServer, tmp_path: Path, flavor: str, route: str
-) -> None:
+async def _flush_job(
+    server: RendezvousServer, tmp_path: Path, flavor: str, route: str, late: bool
+) -> list[Any]:
+    """Rank 0 syncs three times, flushes and exits at once; rank 1's outcomes of its syncs."""
     script = tmp_path / "worker.py"
     script.write_text(FLUSH_WORKER)
     url = f"tcp://{server.address[0]}:{server.address[1]}"
@@ -407,7 +417,7 @@ async def test_flush_hands_syncs_to_the_peers_before_returning(
     results: dict[int, Finished] = {}
 
     async def one(rank: int) -> None:
-        argv = [sys.executable, str(script), url, str(rank), flavor]
+        argv = [sys.executable, str(script), url, str(rank), flavor, "late" if late else "-"]
         results[rank] = await _run(argv, limit=45, env=env)
 
     async with anyio.create_task_group() as tg:
@@ -416,5 +426,27 @@ async def test_flush_hands_syncs_to_the_peers_before_returning(
     assert results[0].returncode == 0, results[0].stderr
     reports = reports_by_rank(results[1].stdout)
     assert 1 in reports, f"rank 1 reported nothing:\n{results[1].stderr}"
-    out = reports[1]
-    assert out["n"] == [3.0, 3.0, 3.0], (out, results[1].stderr)
+    n: list[Any] = reports[1]["n"]
+    return n
+
+
+@pytest.mark.parametrize("route", ["board", "data-plane"])
+@pytest.mark.parametrize("flavor", ["anyio", "sync"])
+async def test_flush_hands_syncs_to_the_peers_before_returning(
+    server: RendezvousServer, tmp_path: Path, flavor: str, route: str
+) -> None:
+    assert await _flush_job(server, tmp_path, flavor, route, late=False) == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("flavor", ["anyio", "sync"])
+async def test_syncs_a_peer_flushed_before_it_failed_complete_on_a_rank_that_makes_them_later(
+    server: RendezvousServer, tmp_path: Path, flavor: str
+) -> None:
+    # On the shared board, rank 0's flush returns once its records are written, not once
+    # rank 1 made its syncs: rank 1 makes its last two only when rank 0 is gone (its group
+    # broken), and they still complete from rank 0's records. The one rank 0 never made
+    # fails, naming it.
+    n = await _flush_job(server, tmp_path, flavor, "board", late=True)
+    assert n[:3] == [3.0, 3.0, 3.0], n
+    assert len(n) == 4, n
+    assert n[3].startswith("RankFailedError: rank 0 "), n

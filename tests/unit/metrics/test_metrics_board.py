@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import aiodist
+from aiodist._group.membership import isolate_failure
 from aiodist._group.work import Work
 from aiodist._metrics import board, slots
 from aiodist._metrics.board_work import BoardWork
@@ -424,6 +425,49 @@ async def test_syncs_a_rank_flushed_before_it_went_complete_on_the_others(
 
     with anyio.fail_after(30):
         assert await run_ranks(server.address, 2, body) == [21.0, 21.0]
+
+
+async def test_after_a_member_failed_the_syncs_it_wrote_wait_for_the_live_ranks(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 flushes two syncs and fails; ranks 1 and 2 make theirs only after they heard,
+    # rank 2 after rank 1 waits: both syncs still complete on both (every rank wrote them),
+    # and the third, which rank 0 never made, fails on both at once.
+    monkeypatch.setenv("AIODIST_METRICS_SHM", "1")
+    flushed, made = anyio.Event(), anyio.Event()
+
+    async def body(g: ProcessGroup) -> list[Any]:
+        agg = MetricAggregator({"n": "sum"}, group=g)
+        agg.update(n=0.0)
+        await agg.sync()  # the board is set up on every rank
+        if g.rank == 0:
+            for _ in range(2):
+                agg.update(n=1.0)
+                agg.sync()
+            await agg.flush()
+            flushed.set()
+            return []
+        await flushed.wait()
+        isolate_failure(g.session, 0, "", 0, "gone in this test")
+        if g.rank == 2:
+            await made.wait()
+        works = []
+        for _ in range(3):
+            agg.update(n=1.0)
+            works.append(agg.sync())
+        if g.rank == 1:
+            made.set()
+        out: list[Any] = []
+        for w in works:
+            try:
+                out.append((await w)["n"])
+            except aiodist.RankFailedError as exc:
+                out.append(exc.rank)
+        return out
+
+    with anyio.fail_after(30):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs[1:] == [[3.0, 3.0, 0], [3.0, 3.0, 0]]
 
 
 @pytest.mark.slow
