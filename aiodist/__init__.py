@@ -117,6 +117,7 @@ from aiodist._ops.regroup import (
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.shrink import shrink_group
 from aiodist._ops.tensor_groups import all_reduce_coalesced, all_reduce_dict, all_reduce_params
+from aiodist._remote.start import init_master_worker
 from aiodist._server.serve import RendezvousServer, serve_rendezvous
 from aiodist._sync.torch_backend import register_with_torch
 from aiodist._transport.registry import register_transport
@@ -209,6 +210,7 @@ __all__ = [
     "infer_launcher",
     "init_dist",
     "init_local_group",
+    "init_master_worker",
     "init_process_group",
     "irecv",
     "irecv_object",

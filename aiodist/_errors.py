@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, ClassVar
 
 __all__ = [
@@ -189,6 +190,13 @@ class RemoteError(DistError):
 
     def wire_details(self) -> dict[str, Any]:
         return {"rank": self.rank, "exc_type": self.exc_type}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its keywords (master-worker replies)
+        rebuild = functools.partial(
+            RemoteError, rank=self.rank, exc_type=self.exc_type,
+            remote_traceback=self.remote_traceback,
+        )  # fmt: skip
+        return rebuild, (str(self),)
 
 
 class ProtocolError(DistError):

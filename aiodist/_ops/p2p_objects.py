@@ -10,6 +10,7 @@ messages match by (group, source, tag) in send order, and a send that fails
 
 from __future__ import annotations
 
+import enum
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from aiodist._plane.peers import Received
 
 __all__ = [
+    "Tag",
     "irecv_object",
     "isend_object",
     "receive_object",
@@ -34,8 +36,17 @@ __all__ = [
     "send_object_list",
 ]
 
-# The tag of send_object_list's messages: apart from every tag users can pass (>= 0).
-_OBJECT_LIST_TAG = -1
+
+class Tag(enum.IntEnum):
+    """aiodist's own tags of object messages: apart from every tag users can pass (>= 0)."""
+
+    OBJECT_LIST = -1  # send_object_list's messages
+    REMOTE_ORDERS = -2  # master-worker mode: the master's orders to a worker
+    REMOTE_REPLIES = -3  # ... a worker's answers to the master
+    REMOTE_TRANSFERS = -4  # ... tensors and event notices between workers
+
+
+_OBJECT_LIST_TAG = Tag.OBJECT_LIST
 
 
 def isend_object(
@@ -81,9 +92,14 @@ def _given(peer: int | None) -> int:
     return peer
 
 
-def receive_object(g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool) -> Work[Any]:
-    """Receive an object from ``src`` (None: any) with ``tag``; ``(obj, sender)`` if asked."""
-    work = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False)
+def receive_object(
+    g: ProcessGroup, src: int | None, tag: int, *, with_sender: bool, timed: bool = True
+) -> Work[Any]:
+    """Receive an object from ``src`` (None: any) with ``tag``; ``(obj, sender)`` if asked.
+
+    Not ``timed``: no deadline (a worker waiting for its next order).
+    """
+    work = g.begin(f"irecv_object(src={src}, tag={tag})", collective=False, timed=timed)
 
     def arrived(msg: Received | BaseException) -> None:
         try:

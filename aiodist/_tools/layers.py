@@ -79,12 +79,15 @@ LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
         "starting a job: init_process_group, launchers, aiodist run, the CLI",
         ("_torch", "_rpc"),
     ),
-    ("_sync", "the background loop thread the blocking facade runs on", ("_launch", "_metrics")),
+    ("_remote", "master-worker mode: rank 0 drives tensors held by the others", ("_launch",)),
+    ("_sync", "the background loop thread the blocking facade runs on", ("_remote", "_metrics")),
     ("public", "the public face: aiodist, aiodist.sync, aiodist.metrics, ...", ("_sync",)),
     ("_tools", "developer tools (gen_sync, this checker); nothing imports them", ("public",)),
 )
 #: Modules of the package root that make up the public face.
-PUBLIC: Final = ("__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport")
+PUBLIC: Final = (
+    "__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport", "remote"
+)  # fmt: skip
 #: Packages (or modules) whose cycles through ``TYPE_CHECKING`` imports are still
 #: tolerated: the control side, the launchers and the session, reworked next. A
 #: type-only import from or to one of them does not count; every other one does.

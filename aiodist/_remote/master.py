@@ -1,0 +1,711 @@
+"""The master of master-worker mode: remote tensors, the orders they make, and their replies.
+
+A ``RemoteTensor`` is the master's handle to a tensor on a worker (a "node").
+Its shape and dtype are known here without asking: each operation runs first
+on ``meta`` tensors (shapes and dtypes only), which also raises a shape
+mismatch at once, as torch.cuda raises it when the kernel is launched. The
+operation itself is queued as an order to the node that holds its first
+remote operand; the orders of one event-loop turn go out in one message per
+node. A remote operand on another node is pushed there by its own node, in
+its own stream's order, never through the master.
+
+The only waits are sync points: ``fetch`` (a copy to the master),
+``synchronize`` and ``Event.synchronize``. An operation that failed on its
+worker fails what uses its result, and its error is raised at the sync point
+that meets it, naming the operation and the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import itertools
+import logging
+import operator
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from aiodist._errors import ArgumentError, ClosedError, DistError, RankFailedError
+from aiodist._group.lingering import linger
+from aiodist._group.work import Work, wait_future
+from aiodist._ops.p2p_objects import Tag, receive_object, send_object
+from aiodist._remote.orders import Kind, Moved, Ref, keep
+from aiodist._remote.worker import MASTER
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
+    from aiodist._group.group import ProcessGroup
+
+__all__ = [
+    "Event",
+    "Master",
+    "RemoteTensor",
+    "Stream",
+    "current_master",
+    "current_node",
+    "current_stream",
+    "factory",
+    "install",
+    "node",
+    "send",
+    "stream",
+    "synchronize",
+]
+
+logger = logging.getLogger("aiodist.remote")
+
+#: Seconds the master waits for its workers to stop when it leaves the job.
+STOP_TIMEOUT: Final = 30.0
+
+# Methods that answer from the shape alone: nothing is sent.
+_QUERIES: Final = frozenset(
+    {
+        "size", "dim", "ndimension", "numel", "nelement", "stride", "element_size",
+        "is_contiguous", "is_floating_point", "is_complex", "storage_offset", "__len__",
+    }
+)  # fmt: skip
+# Methods that need the values here: fetch first.
+_VALUES: Final = frozenset(
+    {
+        "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+        "__complex__", "__array__", "__iter__",
+    }
+)  # fmt: skip
+_DEVICE_MOVES: Final = frozenset({"cuda", "cpu", "to"})
+
+_master: Master | None = None
+_node: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "aiodist_remote_node", default=None
+)
+_streams: contextvars.ContextVar[dict[int, Stream] | None] = contextvars.ContextVar(
+    "aiodist_remote_streams", default=None
+)
+
+
+def current_master() -> Master:
+    """The master of this process's master-worker job.
+
+    Raises:
+        RuntimeError: None runs here.
+    """
+    if _master is None or _master.closed:
+        raise RuntimeError(
+            "no master-worker job runs in this process: on rank 0, call "
+            "`await aiodist.init_master_worker()` (aiodist.sync: `init_master_worker()`) first"
+        )
+    return _master
+
+
+class Master:
+    """Rank 0's side of the job: ids, the orders not sent yet, the requests not answered."""
+
+    def __init__(self, g: ProcessGroup) -> None:
+        self.g = g
+        self.loop = asyncio.get_running_loop()
+        self.nodes: tuple[int, ...] = tuple(r for r in range(g.world_size) if r != MASTER)
+        self.closed = False
+        self._ids = itertools.count(1)  # tensors, transfers, requests, events, streams
+        self._lock = threading.Lock()
+        self._orders: dict[int, list[tuple[Any, ...]]] = {}
+        self._flushing = False
+        self._requests: dict[int, tuple[int, asyncio.Future[Any]]] = {}
+        self.dead: dict[int, BaseException] = {}
+        self._replies: Work[Any] | None = None
+        self._receiving = linger(self._receive(), name="aiodist-remote-replies")
+        g.session.on_member_gone.append(self._gone)
+        g.on_close(self._closing)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def check_node(self, n: object) -> int:
+        if not isinstance(n, int) or isinstance(n, bool) or n not in self.nodes:
+            raise ArgumentError(
+                f"node {n!r} is not a worker of this job: pick one of {list(self.nodes)} "
+                "(rank 0 is the master)"
+            )
+        return n
+
+    # --- orders out ---------------------------------------------------------------------------
+
+    def order(self, n: int, order: tuple[Any, ...]) -> None:
+        """Queue ``order`` for node ``n``; this loop turn's orders go out together."""
+        if self.closed:
+            raise ClosedError("the master-worker job has ended: its remote tensors are gone")
+        with self._lock:
+            self._orders.setdefault(n, []).append(order)
+            if self._flushing:
+                return
+            self._flushing = True
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self.loop.call_soon(self.flush)
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:
+        with self._lock:
+            orders, self._orders = self._orders, {}
+            self._flushing = False
+        for n, batch in orders.items():
+            if n in self.dead:
+                continue  # what it was asked for failed when it died
+            work = send_object(self.g, n, Tag.REMOTE_ORDERS, batch)
+            work.when_done(functools.partial(self._sent, n))
+
+    def _sent(self, n: int, work: Work[Any]) -> None:
+        error = work.exception()
+        if error is not None and n not in self.dead:
+            self._lose(n, error)
+
+    def request(self, n: int, make: Callable[[int], tuple[Any, ...]]) -> asyncio.Future[Any]:
+        """Send node ``n`` the order ``make(request)``; the future its answer settles.
+
+        On the loop's thread.
+        """
+        request = self.new_id()
+        future: asyncio.Future[Any] = self.loop.create_future()
+        if n in self.dead:
+            future.set_exception(self.dead[n])
+            return future
+        self._requests[request] = (n, future)
+        self.order(n, make(request))
+        return future
+
+    # --- answers in ---------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            self._replies = receive_object(
+                self.g, None, Tag.REMOTE_REPLIES, with_sender=False, timed=False
+            )
+            try:
+                request, value, error = await self._replies
+            except DistError:
+                return  # the session ended
+            except Exception:  # an answer that does not decode: its request cannot be told
+                logger.exception("master-worker: an answer from a worker could not be read")
+                continue
+            entry = self._requests.pop(request, None)
+            if entry is None or entry[1].done():
+                continue
+            if error is not None:
+                entry[1].set_exception(error)
+            else:
+                entry[1].set_result(value)
+
+    def _gone(self, rank: int) -> None:
+        if rank in self.nodes and rank not in self.dead:
+            error = self.g.session.failed_ranks.get(rank) or RankFailedError(
+                f"worker {rank} failed", rank=rank
+            )
+            self._lose(rank, error)
+
+    def _lose(self, n: int, error: BaseException) -> None:
+        """Node ``n`` is gone: what it was asked for fails with ``error``."""
+        self.dead[n] = error
+        for request, (node_, future) in list(self._requests.items()):
+            if node_ == n:
+                del self._requests[request]
+                if not future.done():
+                    future.set_exception(error)
+
+    # --- the end ------------------------------------------------------------------------------
+
+    def _closing(self) -> asyncio.Task[None]:
+        """Close hook of the default group (while it is usable): tell every worker to stop
+        once it ran what it was told; a task waiting (bounded) until each did."""
+        global _master
+        stops = [
+            self.request(n, lambda r: (Kind.STOP, r)) for n in self.nodes if n not in self.dead
+        ]
+        self.flush()
+        self.closed = True
+        if _master is self:
+            _master = None
+        task = linger(self._stopped(stops), name="aiodist-remote-stop")
+        self.g.spawn(task)
+        return task
+
+    async def _stopped(self, stops: list[asyncio.Future[Any]]) -> None:
+        if stops:
+            await asyncio.wait(stops, timeout=STOP_TIMEOUT)
+        with contextlib.suppress(ValueError):
+            self.g.session.on_member_gone.remove(self._gone)
+        if self._replies is not None:
+            self._replies.cancel()
+        self._receiving.cancel()
+
+    # --- waiting from either side -------------------------------------------------------------
+
+    def wait(self, make: Callable[[], asyncio.Future[Any]], what: str) -> Any:
+        """``make()``'s future: a ``Work`` on the loop, its value in plain code (blocking)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            return Work(make(), what)
+        if running is not None:
+            raise RuntimeError(
+                f"{what} was called on an event loop other than the master's; call it on "
+                "the loop that called init_master_worker"
+            )
+
+        async def on_loop() -> Any:
+            return await make()
+
+        return wait_future(asyncio.run_coroutine_threadsafe(on_loop(), self.loop))
+
+
+def install(g: ProcessGroup) -> Master:
+    global _master
+    _master = Master(g)
+    return _master
+
+
+# --- nodes and streams -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def node(n: int) -> Iterator[int]:
+    """New remote tensors go to worker ``n`` inside the block (``torch.cuda.device``'s way)."""
+    token = _node.set(current_master().check_node(n))
+    try:
+        yield n
+    finally:
+        _node.reset(token)
+
+
+def current_node() -> int:
+    """The worker new remote tensors go to: ``node(n)``'s, else the first worker."""
+    n = _node.get()
+    if n is not None:
+        return n
+    nodes = current_master().nodes
+    if not nodes:
+        raise RuntimeError("this master-worker job has no worker: start it with 2 ranks or more")
+    return nodes[0]
+
+
+class Stream:
+    """A queue of operations on one worker, run in issue order (``torch.cuda.Stream``'s way).
+
+    Each worker has a default stream; operations of different streams may run
+    in any order relative to each other, unless an ``Event`` orders them.
+    """
+
+    def __init__(self, node: int | None = None, *, _id: int | None = None) -> None:
+        master = current_master()
+        self.node = current_node() if node is None else master.check_node(node)
+        self.id = master.new_id() if _id is None else _id
+
+    def __repr__(self) -> str:
+        return f"<aiodist.remote.Stream {self.id} on worker {self.node}>"
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one if None) at this point of the stream."""
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        """Later operations of this stream wait until ``event`` is reached."""
+        event.wait(self)
+
+    def synchronize(self) -> Any:
+        """Wait until this stream ran what was issued to it (a ``Work`` on the loop)."""
+        return self.record_event().synchronize()
+
+
+def current_stream(n: int | None = None) -> Stream:
+    """The stream operations on worker ``n`` (the current one if None) go to."""
+    n = current_node() if n is None else current_master().check_node(n)
+    chosen = (_streams.get() or {}).get(n)
+    return chosen if chosen is not None else Stream(n, _id=0)
+
+
+@contextlib.contextmanager
+def stream(s: Stream) -> Iterator[Stream]:
+    """Operations on ``s``'s worker go to ``s`` inside the block, and new tensors to its worker."""
+    chosen = dict(_streams.get() or {})
+    chosen[s.node] = s
+    token, node_token = _streams.set(chosen), _node.set(s.node)
+    try:
+        yield s
+    finally:
+        _node.reset(node_token)
+        _streams.reset(token)
+
+
+class Event:
+    """A point in a stream that other streams, on any worker, or the master can wait for."""
+
+    def __init__(self) -> None:
+        self._at: tuple[int, int] | None = None  # (node, event id) of the last record
+
+    def record(self, s: Stream | None = None) -> None:
+        """Mark the current end of stream ``s`` (the current one if None)."""
+        s = s if s is not None else current_stream()
+        master = current_master()
+        at = (s.node, master.new_id())
+        master.order(s.node, (Kind.RECORD, s.id, at[1]))
+        self._at = at
+
+    def wait(self, s: Stream | None = None) -> None:
+        """Later operations of ``s`` (the current stream if None) wait for this event."""
+        at = self._recorded()
+        s = s if s is not None else current_stream()
+        master = current_master()
+        if s.node != at[0]:
+            master.order(at[0], (Kind.NOTIFY, at[1], s.node, None))
+        master.order(s.node, (Kind.WAIT, s.id, at[1], at[0]))
+
+    def synchronize(self) -> Any:
+        """Wait until the event is reached: a ``Work`` on the loop; in plain code, blocks."""
+        n, event = self._recorded()
+        master = current_master()
+        return master.wait(
+            lambda: master.request(n, lambda r: (Kind.NOTIFY, event, MASTER, r)),
+            "Event.synchronize",
+        )
+
+    def _recorded(self) -> tuple[int, int]:
+        if self._at is None:
+            raise RuntimeError("the event was never recorded: call event.record() first")
+        return self._at
+
+
+def synchronize(n: int | None = None) -> Any:
+    """Wait until worker ``n`` (every worker if None) ran every operation issued to it.
+
+    Returns:
+        On the loop, a ``Work`` to await; in plain code it blocks.
+
+    Raises:
+        RemoteError: An operation failed there since the last ``synchronize``
+            (the first of them, naming the operation and the worker).
+        RankFailedError: A worker failed.
+    """
+    master = current_master()
+    nodes = master.nodes if n is None else (master.check_node(n),)
+
+    async def all_synced() -> None:
+        answers = [master.request(m, lambda r: (Kind.SYNC, r)) for m in nodes]
+        for errors in await asyncio.gather(*answers):
+            if errors:
+                raise errors[0]
+
+    return master.wait(lambda: asyncio.ensure_future(all_synced()), "synchronize")
+
+
+# --- remote tensors ----------------------------------------------------------------------------
+
+
+class RemoteTensor:
+    """A tensor on a worker of a master-worker job, as the master sees it.
+
+    Operations on it (``x + y``, ``torch.matmul(x, y)``, methods, in-place
+    methods, ``.cuda()``) return new remote tensors at once and run on its
+    worker in issue order; ``fetch`` copies it to the master.
+    """
+
+    __slots__ = ("__weakref__", "_master", "device", "id", "meta", "node")
+
+    _NO_META: ClassVar[str] = (
+        "its shape depends on its values (the operation that made it has no shape "
+        "function); fetch it to see it"
+    )
+
+    def __init__(
+        self, master: Master, node: int, id: int, device: torch.device, meta: torch.Tensor | None
+    ) -> None:
+        self._master = master
+        self.node = node
+        self.id = id
+        self.device = device
+        self.meta = meta
+        weakref.finalize(self, _free, weakref.ref(master), node, id)
+
+    # --- what the master knows ----------------------------------------------------------------
+
+    def get_node(self) -> int:
+        """The worker that holds it."""
+        return self.node
+
+    def get_device(self) -> int:
+        """Its device index on its worker, -1 for the CPU (``Tensor.get_device``'s answer)."""
+        return -1 if self.device.type == "cpu" else (self.device.index or 0)
+
+    def _known(self) -> torch.Tensor:
+        if self.meta is None:
+            raise RuntimeError(f"the shape of {self!r} is not known: {self._NO_META}")
+        return self.meta
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._known().shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._known().dtype
+
+    @property
+    def ndim(self) -> int:
+        return self._known().ndim
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __repr__(self) -> str:
+        if self.meta is None:
+            return f"RemoteTensor(worker={self.node}, device={self.device}, shape=unknown)"
+        return (
+            f"RemoteTensor(worker={self.node}, device={self.device}, "
+            f"shape={tuple(self.meta.shape)}, dtype={self.meta.dtype})"
+        )
+
+    # --- the one sync point -------------------------------------------------------------------
+
+    def fetch(self) -> Any:
+        """Copy it to the master once every operation issued before has made it.
+
+        Returns:
+            On the master's event loop, a ``Work`` resolving to the tensor (on the
+            master's CPU); in plain code, the tensor (it blocks).
+
+        Raises:
+            RemoteError: The operation that made it (or one it depends on) failed
+                on its worker; the message names both.
+            RankFailedError: Its worker failed.
+        """
+        master, s = self._master, current_stream(self.node)
+        return master.wait(
+            lambda: master.request(self.node, lambda r: (Kind.FETCH, s.id, self.id, r)),
+            f"fetch of {self!r}",
+        )
+
+    # --- operations -----------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return dispatch(func, tuple(args), kwargs or {})
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(torch.Tensor, name, None)
+        if found is None or name.startswith("_"):
+            raise AttributeError(f"'RemoteTensor' object has no attribute {name!r}")
+        if name in _VALUES:
+            _need_values(name)
+        if callable(found):
+            return lambda *args, **kwargs: dispatch(found, (self, *args), kwargs)
+        return dispatch(operator.attrgetter(name), (self,), {})  # a property: .T, .real, ...
+
+
+def _method(name: str) -> Callable[..., Any]:
+    func = getattr(torch.Tensor, name)
+
+    def method(self: RemoteTensor, *args: Any, **kwargs: Any) -> Any:
+        if name in _VALUES:
+            _need_values(name)
+        return dispatch(func, (self, *args), kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
+    "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__floordiv__", "__rfloordiv__",
+    "__mod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__", "__pos__", "__abs__",
+    "__invert__", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "__eq__", "__ne__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__getitem__", "__setitem__", "__len__", "__bool__",
+    "__int__", "__float__", "__index__", "__iter__",
+):  # fmt: skip
+    setattr(RemoteTensor, _name, _method(_name))
+RemoteTensor.__hash__ = object.__hash__  # type: ignore[method-assign]  # __eq__ is elementwise
+
+
+def _need_values(name: str) -> None:
+    raise RuntimeError(
+        f"{name}() needs the tensor's values on the master: fetch it first "
+        "(`await x.fetch()`; in plain code `x.fetch()`)"
+    )
+
+
+def _free(master_ref: weakref.ref[Master], n: int, i: int) -> None:
+    master = master_ref()
+    if master is None or master.closed or n in master.dead:
+        return
+    with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
+        master.order(n, (Kind.FREE, [i]))
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on the worker of its first remote operand; its remote result at once."""
+    name = getattr(func, "__name__", "")
+    remotes = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteTensor)]
+    if not remotes:
+        return func(*args, **kwargs)
+    if name in _VALUES:
+        _need_values(name)
+    master = remotes[0]._master
+    n = remotes[0].node
+    # The result's shape and dtype, from meta tensors (a shape mismatch raises here).
+    meta, whole = _meta(func, name, args, kwargs)
+    if name in _QUERIES and meta is not None:
+        return meta
+    s = current_stream(n)
+    shipped = tree_map(lambda x: _ship(master, x, n), (args, kwargs))
+    device = _device_of(func, name, args, kwargs, remotes[0])
+    if whole:
+        out = RemoteTensor(master, n, master.new_id(), device, None)
+        master.order(n, (Kind.OP, s.id, func, shipped[0], shipped[1], [out.id], True, _what(func)))
+        return out
+    inputs = {id(r.meta): r for r in remotes if r.node == n and r.meta is not None}
+    leaves, spec = tree_flatten(meta)
+    outs: list[int | None] = []
+    results: list[Any] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            results.append(leaf)
+            continue
+        same = inputs.get(id(leaf))
+        if same is not None:  # changed in place: the input itself
+            outs.append(None)
+            results.append(same)
+        else:
+            out = RemoteTensor(master, n, master.new_id(), device, leaf)
+            outs.append(out.id)
+            results.append(out)
+    master.order(n, (Kind.OP, s.id, func, shipped[0], shipped[1], outs, False, _what(func)))
+    return tree_unflatten(results, spec)
+
+
+def _meta(func: Any, name: str, args: Any, kwargs: Any) -> tuple[Any, bool]:
+    """What ``func`` makes of meta tensors; ``(None, True)`` when its shape needs the values."""
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, RemoteTensor):
+            if x.meta is None:
+                raise _Unknown
+            return x.meta
+        if isinstance(x, torch.Tensor):
+            return x.to("meta")
+        return x
+
+    try:
+        margs, mkwargs = tree_map(to_meta, (args, kwargs))
+        if name in _DEVICE_MOVES:
+            dtype = _parse_to(*margs[1:], **mkwargs)[1] if name == "to" else None
+            return torch.empty_like(margs[0], dtype=dtype), False
+        if "device" in mkwargs:
+            mkwargs = {**mkwargs, "device": "meta"}
+        return func(*margs, **mkwargs), False
+    except (_Unknown, NotImplementedError):
+        return None, True
+    except RuntimeError as exc:
+        if "meta" in str(exc):  # no shape function, or one that needs values
+            return None, True
+        raise
+
+
+class _Unknown(Exception):
+    pass
+
+
+# torch's own reading of ``Tensor.to``'s arguments: (device, dtype, non_blocking, format).
+_parse_to: Any = torch._C._nn._parse_to
+
+
+def _ship(master: Master, x: Any, n: int) -> Any:
+    """How operand ``x`` reaches node ``n``: a reference, a push from its node, or itself."""
+    if not isinstance(x, RemoteTensor):
+        return x
+    if x.node == n:
+        return Ref(x.id)
+    transfer = master.new_id()
+    master.order(x.node, (Kind.PUSH, current_stream(x.node).id, x.id, n, transfer))
+    return Moved(transfer, x.node)
+
+
+def _device_of(
+    func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], first: RemoteTensor
+) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        index = args[1] if len(args) > 1 else kwargs.get("device")
+        return (
+            torch.device(index)
+            if isinstance(index, str | torch.device)
+            else torch.device("cuda", index or 0)
+        )
+    if name == "to":
+        rest = [a.meta if isinstance(a, RemoteTensor) else a for a in args[1:]]
+        if rest and isinstance(args[1], RemoteTensor):
+            return args[1].device
+        device = _parse_to(*rest, **kwargs)[0]
+        return device if device is not None else first.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else first.device
+
+
+def _what(func: Any) -> str:
+    """How errors name the operation: ``torch.matmul``, ``Tensor.add_``, ``Tensor.T``."""
+    if isinstance(func, operator.attrgetter):
+        return f"Tensor.{repr(func).split(chr(39))[1]}"  # attrgetter('T')
+    name = getattr(func, "__name__", None) or repr(func)
+    if hasattr(func, "__objclass__") or getattr(func, "__module__", None) is None:
+        return f"Tensor.{name}"  # a method of torch's tensors
+    return f"{func.__module__}.{name}"
+
+
+# --- tensors made on a worker, or sent there ----------------------------------------------------
+
+
+def factory(
+    func: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> RemoteTensor:
+    """``func(*args, **kwargs)`` run on the current worker (``node``), ``node=`` if given."""
+    master = current_master()
+    chosen = kwargs.pop("node", None)
+    n = current_node() if chosen is None else master.check_node(chosen)
+    device = kwargs.get("device")
+    if isinstance(device, int) and not isinstance(device, bool):
+        kwargs["device"] = device = torch.device("cuda", device)  # FloatTensor(10, device=1)
+    meta = func(*args, **{**kwargs, "device": "meta"})
+    out = RemoteTensor(master, n, master.new_id(), torch.device(device or "cpu"), meta)
+    s = current_stream(n)
+    master.order(n, (Kind.OP, s.id, func, args, kwargs, [out.id], False, _what(func)))
+    return out
+
+
+def send(t: torch.Tensor, node: int | None = None) -> RemoteTensor:
+    """Copy the master's tensor ``t`` to worker ``node`` (the current one if None)."""
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"send() takes a torch.Tensor, got {type(t).__name__}")
+    master = current_master()
+    n = current_node() if node is None else master.check_node(node)
+    copy = t.detach().cpu().clone()  # what it is now, whatever the caller does to it next
+    out = RemoteTensor(master, n, master.new_id(), torch.device("cpu"), copy.to("meta"))
+    s = current_stream(n)
+    master.order(n, (Kind.OP, s.id, keep, (copy,), {}, [out.id], False, "aiodist.remote.send"))
+    return out
