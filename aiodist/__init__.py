@@ -22,6 +22,7 @@ from aiodist._errors import (
     GroupBrokenError,
     ProtocolError,
     RankFailedError,
+    RemoteError,
     RendezvousError,
     RendezvousTimeout,
 )
@@ -158,6 +159,7 @@ __all__ = [
     "ProtocolError",
     "RankFailedError",
     "ReduceOp",
+    "RemoteError",
     "RendezvousError",
     "RendezvousServer",
     "RendezvousTimeout",

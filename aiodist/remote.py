@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from aiodist._errors import ArgumentError
+from aiodist._errors import ArgumentError, RemoteError
 from aiodist._remote.master import (
     Event,
     RemoteTensor,
@@ -36,6 +36,7 @@ from aiodist._remote.master import (
     current_node,
     current_stream,
     factory,
+    held_tensors,
     node,
     send,
     stream,
@@ -51,6 +52,7 @@ __all__ = [
     "HalfTensor",
     "IntTensor",
     "LongTensor",
+    "RemoteError",
     "RemoteTensor",
     "Stream",
     "arange",
@@ -58,6 +60,7 @@ __all__ = [
     "current_stream",
     "empty",
     "full",
+    "held_tensors",
     "node",
     "ones",
     "rand",

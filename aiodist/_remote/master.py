@@ -26,10 +26,10 @@ import logging
 import operator
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeAlias
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from aiodist._errors import ArgumentError, ClosedError, DistError, RankFailedError
 from aiodist._group.lingering import linger
@@ -52,6 +52,7 @@ __all__ = [
     "current_node",
     "current_stream",
     "factory",
+    "held_tensors",
     "install",
     "node",
     "send",
@@ -380,6 +381,15 @@ class Event:
             "Event.synchronize",
         )
 
+    def query(self) -> Any:
+        """Whether the event is reached now: a ``Work`` resolving to a bool on the loop; in
+        plain code, the bool."""
+        n, event = self._recorded()
+        master = current_master()
+        return master.wait(
+            lambda: master.request(n, lambda r: (Kind.QUERY, event, r)), "Event.query"
+        )
+
     def _recorded(self) -> tuple[int, int]:
         if self._at is None:
             raise RuntimeError("the event was never recorded: call event.record() first")
@@ -407,6 +417,25 @@ def synchronize(n: int | None = None) -> Any:
                 raise errors[0]
 
     return master.wait(lambda: asyncio.ensure_future(all_synced()), "synchronize")
+
+
+def held_tensors(n: int | None = None) -> Any:
+    """How many tensors worker ``n`` (every worker if None) holds for the master, by worker.
+
+    Counted once every operation issued before ran (a failed one's outputs count):
+    a tensor is freed there once the master's last handle to it is gone.
+
+    Returns:
+        On the loop, a ``Work`` resolving to ``{worker: count}``; in plain code, the dict.
+    """
+    master = current_master()
+    nodes = master.nodes if n is None else (master.check_node(n),)
+
+    async def counted() -> dict[int, int]:
+        answers = [master.request(m, lambda r: (Kind.HELD, r)) for m in nodes]
+        return dict(zip(nodes, await asyncio.gather(*answers), strict=True))
+
+    return master.wait(lambda: asyncio.ensure_future(counted()), "held_tensors")
 
 
 # --- remote tensors ----------------------------------------------------------------------------
@@ -560,71 +589,176 @@ def _free(master_ref: weakref.ref[Master], n: int, i: int) -> None:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on the worker of its first remote operand; its remote result at once."""
-    name = getattr(func, "__name__", "")
-    remotes = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteTensor)]
+    leaves, rebuild = _flatten(args, kwargs)
+    remotes = [x for x in leaves if isinstance(x, RemoteTensor)]
     if not remotes:
         return func(*args, **kwargs)
+    name = getattr(func, "__name__", "")
     if name in _VALUES:
         _need_values(name)
-    master = remotes[0]._master
-    n = remotes[0].node
+    first = remotes[0]
+    master, n = first._master, first.node
+    if name in _QUERIES:  # answered from the shape alone, if it is known
+        answer = _meta(func, name, leaves, rebuild)
+        if answer is not None:
+            return answer
     # The result's shape and dtype, from meta tensors (a shape mismatch raises here).
-    meta, whole = _meta(func, name, args, kwargs)
-    if name in _QUERIES and meta is not None:
-        return meta
+    shape = _shape_of(func, name, leaves, rebuild)
     s = current_stream(n)
-    shipped = tree_map(lambda x: _ship(master, x, n), (args, kwargs))
-    device = _device_of(func, name, args, kwargs, remotes[0])
-    if whole:
+    shipped_args, shipped_kwargs = rebuild([_ship(master, x, n) for x in leaves])
+    device = _device_of(func, name, args, kwargs, first)
+    if shape is None:  # known from the values only
         out = RemoteTensor(master, n, master.new_id(), device, None)
-        master.order(n, (Kind.OP, s.id, func, shipped[0], shipped[1], [out.id], True, _what(func)))
+        order = (Kind.OP, s.id, func, shipped_args, shipped_kwargs, [out.id], True, _what(func))
+        master.order(n, order)
         return out
-    inputs = {id(r.meta): r for r in remotes if r.node == n and r.meta is not None}
-    leaves, spec = tree_flatten(meta)
+    _, outs_made, spec = shape
     outs: list[int | None] = []
     results: list[Any] = []
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            results.append(leaf)
-            continue
-        same = inputs.get(id(leaf))
-        if same is not None:  # changed in place: the input itself
-            outs.append(None)
-            results.append(same)
-        else:
-            out = RemoteTensor(master, n, master.new_id(), device, leaf)
+    for made in outs_made:
+        if made[0] == _IN:  # changed in place: the input itself (if it lives there)
+            same = leaves[made[1]]
+            if same.node == n:
+                outs.append(None)
+                results.append(same)
+                continue
+            made = (_NEW, torch.empty_like(same.meta))
+        if made[0] == _NEW:
+            out = RemoteTensor(master, n, master.new_id(), device, made[1])
             outs.append(out.id)
             results.append(out)
-    master.order(n, (Kind.OP, s.id, func, shipped[0], shipped[1], outs, False, _what(func)))
-    return tree_unflatten(results, spec)
+        else:
+            results.append(made[1])
+    master.order(n, (Kind.OP, s.id, func, shipped_args, shipped_kwargs, outs, False, _what(func)))
+    return results[0] if spec is None else tree_unflatten(results, spec)
 
 
-def _meta(func: Any, name: str, args: Any, kwargs: Any) -> tuple[Any, bool]:
-    """What ``func`` makes of meta tensors; ``(None, True)`` when its shape needs the values."""
+Rebuild: TypeAlias = "Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]"
 
-    def to_meta(x: Any) -> Any:
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Rebuild]:
+    """The leaves of a call's arguments, and how to put new ones in their places.
+
+    Most calls have no nested arguments: their leaves are the arguments
+    themselves (a pytree pass costs far more than the rest of an operation here).
+    """
+    if not any(type(x) in _NESTED for x in args) and not any(
+        type(x) in _NESTED for x in kwargs.values()
+    ):
+        keys, k = tuple(kwargs), len(args)
+
+        def flat(leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return tuple(leaves[:k]), dict(zip(keys, leaves[k:], strict=True))
+
+        return [*args, *kwargs.values()], flat
+    leaves, spec = tree_flatten((args, kwargs))
+
+    def nested(new: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        rebuilt: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(new, spec)
+        return rebuilt
+
+    return leaves, nested
+
+
+_NESTED: Final = frozenset({tuple, list, dict})
+# What the shape cache keeps of each leaf of a result: a new tensor (its meta), an
+# input changed in place (its place among the leaves), or a value.
+_NEW, _IN, _VALUE = 0, 1, 2
+Made: TypeAlias = "tuple[int, Any]"
+Shape: TypeAlias = "tuple[Any, list[Made], Any]"  # (the meta result, its leaves, its spec)
+_SHAPES: dict[Any, tuple[list[Made], Any]] = {}
+_SHAPES_KEPT: Final = 2048
+
+
+def _shape_of(func: Any, name: str, leaves: list[Any], rebuild: Rebuild) -> Shape | None:
+    """What ``func`` makes of its inputs' shapes and dtypes (cached by them); None when
+    its shape needs the values."""
+    key = _key(func, leaves)
+    if key is not None:
+        found = _SHAPES.get(key)
+        if found is not None:
+            cached, cached_spec = found
+            fresh = [
+                (_NEW, torch.empty_strided(m[1][0], m[1][1], dtype=m[1][2], device="meta"))
+                if m[0] == _NEW
+                else m
+                for m in cached
+            ]
+            return None, fresh, cached_spec
+    meta = _meta(func, name, leaves, rebuild)
+    if meta is None:
+        return None
+    out_leaves, spec = ([meta], None) if isinstance(meta, torch.Tensor) else tree_flatten(meta)
+    inputs = {id(x.meta): i for i, x in enumerate(leaves) if isinstance(x, RemoteTensor)}
+    made: list[Made] = []
+    for leaf in out_leaves:
+        if not isinstance(leaf, torch.Tensor):
+            made.append((_VALUE, leaf))
+        elif id(leaf) in inputs:
+            made.append((_IN, inputs[id(leaf)]))
+        else:
+            made.append((_NEW, leaf))
+    if key is not None:
+        if len(_SHAPES) >= _SHAPES_KEPT:
+            _SHAPES.clear()
+        _SHAPES[key] = (
+            [
+                (_NEW, (tuple(m[1].shape), m[1].stride(), m[1].dtype)) if m[0] == _NEW else m
+                for m in made
+            ],
+            spec,
+        )
+    return meta, made, spec
+
+
+def _key(func: Any, leaves: list[Any]) -> tuple[Any, ...] | None:
+    """What a meta result depends on: the function, its tensors' layouts, its other
+    arguments (None: one of them cannot be told apart by value)."""
+    parts: list[Any] = [func, len(leaves)]
+    for x in leaves:
         if isinstance(x, RemoteTensor):
-            if x.meta is None:
-                raise _Unknown
-            return x.meta
-        if isinstance(x, torch.Tensor):
-            return x.to("meta")
-        return x
+            m = x.meta
+            if m is None:
+                return None
+            parts.append((m.shape, m.dtype, m.stride()))
+        elif isinstance(x, torch.Tensor):
+            parts.append((x.shape, x.dtype, x.stride()))
+        elif x is None or type(x) in _PLAIN:
+            parts.append((type(x), x))
+        else:
+            return None
+    return tuple(parts)
 
+
+_PLAIN: Final = frozenset({int, float, bool, str, torch.dtype, torch.device, torch.Size})
+
+
+def _meta(func: Any, name: str, leaves: list[Any], rebuild: Rebuild) -> Any:
+    """What ``func`` makes of meta tensors; None when its shape needs the values."""
     try:
-        margs, mkwargs = tree_map(to_meta, (args, kwargs))
+        margs, mkwargs = rebuild([_to_meta(x) for x in leaves])
         if name in _DEVICE_MOVES:
             dtype = _parse_to(*margs[1:], **mkwargs)[1] if name == "to" else None
-            return torch.empty_like(margs[0], dtype=dtype), False
+            return torch.empty_like(margs[0], dtype=dtype)
         if "device" in mkwargs:
             mkwargs = {**mkwargs, "device": "meta"}
-        return func(*margs, **mkwargs), False
+        return func(*margs, **mkwargs)
     except (_Unknown, NotImplementedError):
-        return None, True
+        return None
     except RuntimeError as exc:
         if "meta" in str(exc):  # no shape function, or one that needs values
-            return None, True
+            return None
         raise
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, RemoteTensor):
+        if x.meta is None:
+            raise _Unknown
+        return x.meta
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    return x
 
 
 class _Unknown(Exception):

@@ -20,6 +20,9 @@ first item is its ``Kind``:
   ``request``) once ``event`` is reached here; not ordered on a stream.
 - ``(SYNC, request)``: answer once every stream got here, with the errors of
   the operations that failed since the last ``SYNC``.
+- ``(QUERY, event, request)``: answer at once whether ``event`` is reached here.
+- ``(HELD, request)``: answer once every stream got here, with how many tensors
+  (and errors in their place) this worker holds.
 - ``(STOP, request)``: answer once every stream got here, and stop serving.
 
 Workers answer the master (``Tag.REMOTE_REPLIES``) with ``(request, value,
@@ -47,6 +50,8 @@ class Kind(enum.IntEnum):
     NOTIFY = 6
     SYNC = 7
     STOP = 8
+    HELD = 9
+    QUERY = 10
 
 
 #: Kinds of messages between workers.

@@ -35,6 +35,8 @@ logger = logging.getLogger("aiodist.remote")
 
 #: The master's rank.
 MASTER = 0
+#: Seconds a stream runs its queued operations before it lets the rest of the loop run.
+TURN = 0.002
 
 
 class _Failed(Exception):
@@ -77,6 +79,12 @@ class Worker:
                     self._free(order[1])
                 elif kind == Kind.NOTIFY:
                     self._notify(order[1], order[2], order[3])
+                elif kind == Kind.QUERY:
+                    reached = self._reached.get(order[1])
+                    self._reply(order[2], reached is not None and reached.done(), None)
+                elif kind == Kind.HELD:
+                    await self._drained()
+                    self._reply(order[1], len(self.tensors) + len(self.errors), None)
                 elif kind == Kind.SYNC or kind == Kind.STOP:
                     await self._drained()
                     errors, self._unreported = self._unreported, []
@@ -131,7 +139,12 @@ class Worker:
     # --- a stream's orders, one after the other ----------------------------------------------
 
     async def _run_stream(self, queue: asyncio.Queue[tuple[Any, list[int]]]) -> None:
+        clock = self._loop.time
+        turn = clock()
         while True:
+            if clock() - turn > TURN:  # let the orders that come in, and other streams, go on
+                await asyncio.sleep(0)
+                turn = clock()
             order, used = await queue.get()
             try:
                 kind = order[0]
