@@ -5,6 +5,8 @@
 Rank 0 is the master; ranks 1 and 2 hold its tensors and run its operations.
 """
 
+from __future__ import annotations
+
 import anyio
 import torch
 

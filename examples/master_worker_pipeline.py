@@ -7,6 +7,8 @@ waiting; the master reads back one number per batch, and overlaps its own
 work (here: preparing the next batches) with theirs.
 """
 
+from __future__ import annotations
+
 import anyio
 import torch
 
@@ -35,9 +37,10 @@ async def main() -> None:
     busy = await remote.held_tensors()  # a sync point too: every worker ran its batches
     got = [(await s.fetch()).item() for s in scores]  # the only waits for values
     expected = [(torch.relu(b @ w1) @ w2).mean().item() for b in batches]
-    assert all(abs(g - e) < 1e-4 for g, e in zip(got, expected)), (got, expected)
-    print(f"{BATCHES} batches issued to workers {workers} without waiting; "
-          f"tensors held there: {busy}")
+    assert all(abs(g - e) < 1e-4 for g, e in zip(got, expected, strict=True)), (got, expected)
+    print(
+        f"{BATCHES} batches issued to workers {workers} without waiting; tensors held there: {busy}"
+    )
     print(f"first scores: {', '.join(f'{g:.4f}' for g in got[:4])} (as computed here)")
     await aiodist.destroy_process_group()
 
