@@ -441,6 +441,18 @@ def held_tensors(n: int | None = None) -> Any:
 # --- remote tensors ----------------------------------------------------------------------------
 
 
+def _method(name: str) -> Callable[..., Any]:
+    func = getattr(torch.Tensor, name)
+
+    def method(self: RemoteTensor, *args: Any, **kwargs: Any) -> Any:
+        if name in _VALUES:
+            _need_values(name)
+        return dispatch(func, (self, *args), kwargs)
+
+    method.__name__ = name
+    return method
+
+
 class RemoteTensor:
     """A tensor on a worker of a master-worker job, as the master sees it.
 
@@ -547,29 +559,50 @@ class RemoteTensor:
             return lambda *args, **kwargs: dispatch(found, (self, *args), kwargs)
         return dispatch(operator.attrgetter(name), (self,), {})  # a property: .T, .real, ...
 
-
-def _method(name: str) -> Callable[..., Any]:
-    func = getattr(torch.Tensor, name)
-
-    def method(self: RemoteTensor, *args: Any, **kwargs: Any) -> Any:
-        if name in _VALUES:
-            _need_values(name)
-        return dispatch(func, (self, *args), kwargs)
-
-    method.__name__ = name
-    return method
-
-
-for _name in (
-    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
-    "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__floordiv__", "__rfloordiv__",
-    "__mod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__", "__pos__", "__abs__",
-    "__invert__", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "__eq__", "__ne__",
-    "__lt__", "__le__", "__gt__", "__ge__", "__getitem__", "__setitem__", "__len__", "__bool__",
-    "__int__", "__float__", "__index__", "__iter__",
-):  # fmt: skip
-    setattr(RemoteTensor, _name, _method(_name))
-RemoteTensor.__hash__ = object.__hash__  # type: ignore[method-assign]  # __eq__ is elementwise
+    # Operators: as the tensor methods of the same names, run on the worker.
+    __add__ = _method("__add__")
+    __radd__ = _method("__radd__")
+    __iadd__ = _method("__iadd__")
+    __sub__ = _method("__sub__")
+    __rsub__ = _method("__rsub__")
+    __isub__ = _method("__isub__")
+    __mul__ = _method("__mul__")
+    __rmul__ = _method("__rmul__")
+    __imul__ = _method("__imul__")
+    __truediv__ = _method("__truediv__")
+    __rtruediv__ = _method("__rtruediv__")
+    __itruediv__ = _method("__itruediv__")
+    __floordiv__ = _method("__floordiv__")
+    __rfloordiv__ = _method("__rfloordiv__")
+    __mod__ = _method("__mod__")
+    __pow__ = _method("__pow__")
+    __rpow__ = _method("__rpow__")
+    __matmul__ = _method("__matmul__")
+    __rmatmul__ = _method("__rmatmul__")
+    __neg__ = _method("__neg__")
+    __pos__ = _method("__pos__")
+    __abs__ = _method("__abs__")
+    __invert__ = _method("__invert__")
+    __and__ = _method("__and__")
+    __or__ = _method("__or__")
+    __xor__ = _method("__xor__")
+    __lshift__ = _method("__lshift__")
+    __rshift__ = _method("__rshift__")
+    __eq__ = _method("__eq__")
+    __ne__ = _method("__ne__")
+    __lt__ = _method("__lt__")
+    __le__ = _method("__le__")
+    __gt__ = _method("__gt__")
+    __ge__ = _method("__ge__")
+    __getitem__ = _method("__getitem__")
+    __setitem__ = _method("__setitem__")
+    __len__ = _method("__len__")
+    __bool__ = _method("__bool__")
+    __int__ = _method("__int__")
+    __float__ = _method("__float__")
+    __index__ = _method("__index__")
+    __iter__ = _method("__iter__")
+    __hash__ = object.__hash__  # ``==`` is elementwise, as a tensor's
 
 
 def _need_values(name: str) -> None:
