@@ -65,7 +65,7 @@ from aiodist._wire.messages import (
     MembersLeft,
     MembersRequest,
 )
-from aiodist._wire.timing import reattach_window
+from aiodist._wire.timing import STALL_WINDOW, reattach_window
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -325,6 +325,12 @@ class Session:
         hb, liveness = self.heartbeat_timeout, self.conn.liveness
         since = loop.time()  # the server's time to decide counts from here
         deadline = since + hb
+        # A server that stood still just before (one this rank's loop hosts stands still
+        # with it) counts a connection lost within STALL_WINDOW of its return as
+        # reconnecting: its verdict on that member comes a re-attach window later.
+        late = liveness.resumed_at + STALL_WINDOW + reattach_window(hb)
+        if late > since:
+            deadline = late + hb
         was_away = False
         while not decided():
             if self.conn.server_away:

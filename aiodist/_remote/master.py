@@ -35,7 +35,7 @@ from aiodist._errors import ArgumentError, ClosedError, DistError, RankFailedErr
 from aiodist._group.lingering import linger
 from aiodist._group.work import Work, wait_future
 from aiodist._ops.p2p_objects import Tag, receive_object, send_object
-from aiodist._remote.orders import Kind, Moved, Ref, keep
+from aiodist._remote.orders import Kind, Moved, Rebuild, Ref, flatten, keep
 from aiodist._remote.worker import MASTER
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ __all__ = [
     "held_tensors",
     "install",
     "node",
+    "ready_shapes",
     "send",
     "stream",
     "synchronize",
@@ -267,6 +268,14 @@ class Master:
             return await make()
 
         return wait_future(asyncio.run_coroutine_threadsafe(on_loop(), self.loop))
+
+
+def ready_shapes() -> None:
+    """Run a few operations on meta tensors: the first of them readies torch's shape
+    machinery (imports and registrations, seconds of CPU once per process)."""
+    x = torch.empty(2, 2, device="meta")
+    torch.relu(x * 2 + 1).sum(dim=0)
+    torch.matmul(x, x)
 
 
 def install(g: ProcessGroup) -> Master:
@@ -622,7 +631,7 @@ def _free(master_ref: weakref.ref[Master], n: int, i: int) -> None:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on the worker of its first remote operand; its remote result at once."""
-    leaves, rebuild = _flatten(args, kwargs)
+    leaves, rebuild = flatten(args, kwargs)
     remotes = [x for x in leaves if isinstance(x, RemoteTensor)]
     if not remotes:
         return func(*args, **kwargs)
@@ -666,34 +675,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return results[0] if spec is None else tree_unflatten(results, spec)
 
 
-Rebuild: TypeAlias = "Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]"
-
-
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Rebuild]:
-    """The leaves of a call's arguments, and how to put new ones in their places.
-
-    Most calls have no nested arguments: their leaves are the arguments
-    themselves (a pytree pass costs far more than the rest of an operation here).
-    """
-    if not any(type(x) in _NESTED for x in args) and not any(
-        type(x) in _NESTED for x in kwargs.values()
-    ):
-        keys, k = tuple(kwargs), len(args)
-
-        def flat(leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            return tuple(leaves[:k]), dict(zip(keys, leaves[k:], strict=True))
-
-        return [*args, *kwargs.values()], flat
-    leaves, spec = tree_flatten((args, kwargs))
-
-    def nested(new: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        rebuilt: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(new, spec)
-        return rebuilt
-
-    return leaves, nested
-
-
-_NESTED: Final = frozenset({tuple, list, dict})
 # What the shape cache keeps of each leaf of a result: a new tensor (its meta), an
 # input changed in place (its place among the leaves), or a value.
 _NEW, _IN, _VALUE = 0, 1, 2

@@ -35,9 +35,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
-__all__ = ["EVENT", "TENSOR", "Kind", "Moved", "Ref", "keep"]
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["EVENT", "TENSOR", "Kind", "Moved", "Rebuild", "Ref", "flatten", "keep"]
 
 
 class Kind(enum.IntEnum):
@@ -77,3 +82,33 @@ class Moved:
 def keep(value: Any) -> Any:
     """The operation of ``aiodist.remote.send``: the tensor as it arrived."""
     return value
+
+
+Rebuild: TypeAlias = "Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]"
+
+
+def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Rebuild]:
+    """The leaves of a call's arguments, and how to put new ones in their places.
+
+    Most calls have no nested arguments: their leaves are the arguments
+    themselves (a pytree pass costs far more than the rest of an operation here).
+    """
+    if not any(type(x) in NESTED for x in args) and not any(
+        type(x) in NESTED for x in kwargs.values()
+    ):
+        keys, k = tuple(kwargs), len(args)
+
+        def flat(leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return tuple(leaves[:k]), dict(zip(keys, leaves[k:], strict=True))
+
+        return [*args, *kwargs.values()], flat
+    leaves, spec = tree_flatten((args, kwargs))
+
+    def nested(new: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        rebuilt: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(new, spec)
+        return rebuilt
+
+    return leaves, nested
+
+
+NESTED: Final = frozenset({tuple, list, dict})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import anyio
+
 from aiodist._group.world import get_default_group
 from aiodist._launch.init import destroy_process_group, init_process_group
 
@@ -52,6 +54,10 @@ async def init_master_worker(
     from aiodist._remote import master, worker
 
     if g.rank == worker.MASTER:
+        # The first operation on meta tensors readies torch's shape machinery, seconds of
+        # CPU once per process: here, off the loop, which goes on serving the job (and
+        # the rendezvous server, when this rank hosts it) meanwhile.
+        await anyio.to_thread.run_sync(master.ready_shapes)
         master.install(g)
         return True
     try:

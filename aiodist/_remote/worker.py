@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from aiodist._errors import RankFailedError, RemoteError
 from aiodist._ops.p2p_objects import Tag, receive_object, send_object
-from aiodist._remote.orders import EVENT, TENSOR, Kind, Moved, Ref
+from aiodist._remote.orders import EVENT, TENSOR, Kind, Moved, Ref, flatten
 
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
@@ -97,7 +97,7 @@ class Worker:
     def _queue(self, order: tuple[Any, ...]) -> None:
         kind, stream = order[0], order[1]
         if kind == Kind.OP:
-            leaves = tree_flatten((order[3], order[4]))[0]
+            leaves = flatten(order[3], order[4])[0]
             used = [x.id for x in leaves if isinstance(x, Ref)]
             used += [i for i in order[5] if i is not None]
             for x in leaves:
@@ -174,7 +174,7 @@ class Worker:
         what: str,
     ) -> None:
         try:
-            args, kwargs = await self._inputs((args, kwargs))
+            args, kwargs = await self._inputs(args, kwargs)
             result = func(*args, **kwargs)
         except _Failed as failed:
             error = failed.error
@@ -187,7 +187,7 @@ class Worker:
             )
             self._unreported.append(error)
         else:
-            if whole:
+            if whole or isinstance(result, torch.Tensor):
                 values = [result]
             else:
                 values = [x for x in tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
@@ -199,24 +199,23 @@ class Worker:
             if i is not None:
                 self.errors[i] = error
 
-    async def _inputs(self, tree: Any) -> Any:
-        moved = [x for x in tree_flatten(tree)[0] if isinstance(x, Moved)]
-        arrived = {}
-        for x in moved:
-            _, future = self._arriving[x.transfer]
-            try:
-                arrived[x.transfer] = await future
-            finally:
-                self._arriving.pop(x.transfer, None)
-
-        def value(x: Any) -> Any:
+    async def _inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves, rebuild = flatten(args, kwargs)
+        values = []
+        for x in leaves:
             if isinstance(x, Ref):
-                return self._tensor(x.id)
-            if isinstance(x, Moved):
-                return arrived[x.transfer]
-            return x
-
-        return tree_map(value, tree)
+                x = self._tensor(x.id)
+            elif isinstance(x, Moved):
+                transfer = x.transfer
+                _, future = self._arriving[transfer]
+                try:
+                    x = await future
+                finally:
+                    self._arriving.pop(transfer, None)
+            values.append(x)
+        return rebuild(values)
 
     def _tensor(self, i: int) -> Any:
         error = self.errors.get(i)

@@ -189,6 +189,11 @@ async def check_run(command: str, cwd: Path) -> None:
     """``aiodist run``: a script of the repository, or the reader's ``train.py``."""
     if "train.py" not in command:  # a script of the repository
         result = await _launch(command, ROOT)
+        if "examples/master_worker.py" in command:  # z came back; b was made on worker 2
+            assert "[rank 0] z fetched: (20, 20)" in result.stdout, result.stdout
+            assert "(on worker 2)" in result.stdout, result.stdout
+        if "examples/master_worker_pipeline.py" in command:  # it checks its results itself
+            assert "24 batches issued to workers [1, 2]" in result.stdout, result.stdout
         if "examples/train_overlap.py" in command:  # overlapped and blocking steps agree
             assert "[rank 0]  overlap:" in result.stdout, result.stdout
             assert result.stdout.count("weights in sync") == 2, result.stdout

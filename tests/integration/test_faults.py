@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from tests.helpers.procs import run
+from tests.helpers import ROOT
+from tests.helpers.procs import reports_by_rank, run, run_job
 from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
@@ -268,3 +269,28 @@ async def test_a_frozen_process_fails_every_rank_it_hosts(
             finally:
                 pair.kill()  # a frozen process never exits by itself
                 await pair.wait()
+
+
+STALLED_HOST = str(ROOT / "tests" / "helpers" / "stalled_host_worker.py")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the ranks run their own loops
+async def test_a_rank_that_dies_just_after_its_hosts_loop_stood_still_fails_alone() -> None:
+    # Rank 0 hosts the server and blocks its loop past STALL_GAP: the server stood still
+    # with it, and counts rank 2's connection, lost right after, as reconnecting (its
+    # verdict comes a re-attach window later). Rank 0, finding rank 2 unreachable, waits
+    # for that verdict instead of giving up after the heartbeat timeout and breaking its
+    # whole session: only what needs rank 2 fails, and rank 0 and rank 1 go on.
+    ranks = await run_job(
+        [sys.executable, STALLED_HOST], 3, limit=90, env={"AIODIST_HEARTBEAT_TIMEOUT": "5"}
+    )
+    reports: dict[int, dict[str, Any]] = {}
+    for finished in ranks:
+        reports.update(reports_by_rank(finished.stdout))
+    assert 0 in reports, ranks[0].stderr[-3000:]
+    error = reports[0]["error"]
+    assert error.startswith("RankFailedError: rank 2 "), error
+    assert "Other ranks, groups without it and the store go on" in error, error
+    assert reports[0]["back"] == 42.0
+    assert reports[1]["got"] == 41.0
+    assert ranks[2].returncode == 9

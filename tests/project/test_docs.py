@@ -107,6 +107,13 @@ def _remote_calls_ran(result: Finished, cwd: Path, world: int) -> None:
     assert "[rank 2] Counter.add(5) -> 5" in lines, result.stdout
 
 
+def _master_worker_ran(result: Finished, cwd: Path, world: int) -> None:
+    # The shape was known on the master; the sum came back from worker 1.
+    lines = result.stdout.splitlines()
+    assert "[rank 0] 1 -1 (20, 20)" in lines, result.stdout
+    assert "[rank 0] 2010.0" in lines, result.stdout
+
+
 def _server_trained(result: Finished, cwd: Path, world: int) -> None:
     # The loss falls step by step: the gradients reached worker1 and SGD stepped there.
     lines = result.stdout.splitlines()
@@ -284,6 +291,9 @@ assert results == (list(dataset) if rank == 0 else None), results
         # The torch-style parameter server: trained over an rpc world of its own.
         "import os": Harness(runs=(("aiodist run", 2),), check=_server_trained),
     },
+    "docs/guide/master-worker.md": {
+        "import anyio": Harness(runs=(("aiodist run", 3),), check=_master_worker_ran),
+    },
     "docs/guide/metrics.md": {
         # The on_done snippet, alone (world size 1, nothing initialised) and on 4 ranks.
         "import torch": Harness(
@@ -411,6 +421,10 @@ BASH: dict[str, Check | str] = {
     # GPUs
     "aiodist run -n 4 examples/train_overlap.py": check_run,
     "aiodist run -n 4 examples/crc_transport.py": check_run,
+    # Master-worker mode
+    "aiodist run -n 3 examples/master_worker.py": check_run,
+    "aiodist run -n 3 examples/master_worker_pipeline.py": check_run,
+    "python -m benchmarks.bench_remote": "a benchmark (make bench runs it)",
     "aiodist run -n 2 examples/train_nccl.py": "needs two CUDA GPUs",
     "aiodist run -n 2 examples/train_overlap.py --device cuda --backend none": _NEEDS_CUDA,
     "python -m benchmarks.bench_bridge": "a benchmark (make bench runs it)",
