@@ -35,7 +35,7 @@ async def main() -> None:
         print(json.dumps({"rank": 1, "got": got.item()}), flush=True)
         return
     t0 = time.monotonic()
-    time.sleep(STALL_GAP + 0.5)  # this loop (and the server's) stands still
+    time.sleep(STALL_GAP + 0.5)  # noqa: ASYNC251 - this loop (and the server's) stands still
     await aiodist.send(torch.zeros(1), 2)  # rank 2 dies on it
     error = ""
     try:
