@@ -1473,9 +1473,7 @@ def init_master_worker(
     the job (``destroy_process_group``, or the end of its event loop or
     process), then leaves the job itself and returns False.
 
-    Args:
-        backend, init_method, timeout, world_size, rank, group_name: As for
-            ``init_process_group``.
+    Its arguments are ``init_process_group``'s.
 
     Returns:
         True on the master, False on a worker once the job has ended.

@@ -31,6 +31,7 @@ SECTION_TITLES: Final = {
     "metrics": "Metric sync step time",
     "load": "Server load",
     "rpc": "Remote calls vs torch.distributed.rpc (TensorPipe)",
+    "remote": "Master-worker mode vs remote calls",
     "recorder": "Flight recorder cost (on vs off)",
     "torch": "torch.distributed on the aiodist backend vs gloo, and DDP",
 }
@@ -467,6 +468,28 @@ def _rpc(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _remote(data: dict[str, Any]) -> list[str]:
+    from benchmarks.bench_remote import CASES, figure
+
+    cfg = data["config"]
+    return [
+        "One job, a master and a worker: the master adds 1 to a 16-element tensor the "
+        f"worker holds, {cfg['ops']} times per round as `x.add_(1)` on an `aiodist.remote` "
+        f"tensor (issued, then `remote.synchronize()`), and {cfg['calls']} times as remote "
+        "calls of the same update, awaited one by one and all at once; the cases take turns "
+        f"over {_count(cfg['rounds'], 'round')}, in alternating order. Median over rounds "
+        "(min-max); the ratios are per round.",
+        _table(
+            ["case", "operations/s"],
+            [[case, figure(data["per_second"][case])] for case in CASES],
+        ),
+        _table(
+            ["ratio", "median (min-max)"],
+            [[name, figure(s, ratio=True)] for name, s in data["ratios"].items()],
+        ),
+    ]
+
+
 def _recorder(data: dict[str, Any]) -> list[str]:
     rows = [
         [
@@ -548,6 +571,7 @@ _RENDER: Final = {
     "metrics": _metrics,
     "load": _load,
     "rpc": _rpc,
+    "remote": _remote,
     "recorder": _recorder,
     "torch": _torch_backend,
 }

@@ -35,7 +35,7 @@ from typing import Any, Final
 
 from benchmarks._common import Goal, as_summary, format_table, summarize, write_results
 
-__all__ = ["bench", "goal_list", "render"]
+__all__ = ["CASES", "bench", "figure", "goal_list", "render"]
 
 CASES: Final = ("remote issued", "remote done", "rpc one by one", "rpc_async")
 _HELD: dict[str, Any] = {}
@@ -146,18 +146,20 @@ def bench(
     }
 
 
+def figure(obj: Any, *, ratio: bool = False) -> str:
+    """A summary as the tables show it: ``median (min-max)``."""
+    s = as_summary(obj)
+    if s is None:
+        return "-"
+    if ratio:
+        return f"{s.median:.1f}x ({s.min:.1f}-{s.max:.1f})"
+    return f"{s.median:,.0f} ({s.min:,.0f}-{s.max:,.0f})"
+
+
 def render(data: dict[str, Any]) -> str:
-    def cell(obj: Any) -> str:
-        s = as_summary(obj)
-        return "-" if s is None else f"{s.median:,.0f} ({s.min:,.0f}-{s.max:,.0f})"
-
-    def ratio(obj: Any) -> str:
-        s = as_summary(obj)
-        return "-" if s is None else f"{s.median:.1f}x ({s.min:.1f}-{s.max:.1f})"
-
-    rows = [[case, cell(data["per_second"][case])] for case in CASES]
+    rows = [[case, figure(data["per_second"][case])] for case in CASES]
     text = format_table(["case", "operations/s, median (min-max)"], rows)
-    ratio_rows = [[name, ratio(s)] for name, s in data["ratios"].items()]
+    ratio_rows = [[name, figure(s, ratio=True)] for name, s in data["ratios"].items()]
     return text + "\n\n" + format_table(["ratio", "median (min-max)"], ratio_rows)
 
 

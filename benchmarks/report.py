@@ -22,6 +22,9 @@ and servers, and stops them before the next starts):
 - ``load``: thousands of control connections on one server (``bench_load``);
 - ``rpc``: remote calls vs torch.distributed.rpc (TensorPipe): no-op round
   trip, calls/s with 64 in flight, a 4 MiB tensor argument (``bench_rpc``);
+- ``remote``: master-worker mode, updates of a tensor held by a worker issued
+  without waiting, vs the same update as remote calls one by one and all at
+  once (``bench_remote``; not part of ``--smoke``);
 - ``recorder``: the flight recorder's cost on a 4 B all_reduce and an 8 B
   round trip, on and off in alternating pairs (A B B A) (``bench_recorder``).
 - ``torch``: torch.distributed's all_reduce through the aiodist backend vs gloo
@@ -71,6 +74,7 @@ from benchmarks import (
     bench_load,
     bench_metrics,
     bench_recorder,
+    bench_remote,
     bench_rendezvous,
     bench_rpc,
     bench_tls,
@@ -104,6 +108,7 @@ SECTIONS: Final = (
     "metrics",
     "load",
     "rpc",
+    "remote",
     "recorder",
     "torch",
     "tls",
@@ -128,6 +133,8 @@ class Plan:
     # The flight recorder's cost: A B B A pairs, calls per block (None: not in this mode).
     recorder: tuple[int, int] | None = (25, 800)
     sim_sizes: tuple[int, ...] = rdzv_sim.SIM_SIZES  # the join-storm simulator
+    # Master-worker mode: rounds, updates per round, remote calls per round (None: not run).
+    remote: tuple[int, int, int] | None = (7, 4000, 1000)
 
 
 PLANS: Final[dict[Mode, Plan]] = {
@@ -158,6 +165,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         _small.SMALL_WORLD_SIZES["quick"],
         (9, 500),
         (1024, 4096),
+        (3, 2000, 500),
     ),
     "smoke": Plan(
         (2,),
@@ -173,6 +181,7 @@ PLANS: Final[dict[Mode, Plan]] = {
         _small.SMALL_WORLD_SIZES["smoke"],
         None,
         (64,),
+        None,
     ),
 }
 
@@ -231,6 +240,10 @@ def _run_section(name: str, plan: Plan, mode: Mode) -> tuple[dict[str, Any], lis
         pairs, batch_ms = plan.rpc
         data = bench_rpc.bench(pairs, batch_ms, mode=mode)
         return data, bench_rpc.goal_list(data), bench_rpc.render(data)
+    if name == "remote":
+        assert plan.remote is not None
+        data = bench_remote.bench(*plan.remote)
+        return data, bench_remote.goal_list(data), bench_remote.render(data)
     if name == "recorder":
         assert plan.recorder is not None
         data = bench_recorder.bench(*plan.recorder)
@@ -255,6 +268,7 @@ def _skip_reason(name: str, plan: Plan, mode: Mode, chosen: Sequence[str]) -> st
         (name == "bridge" and plan.bridge is None)
         or (name == "metrics" and plan.metrics is None)
         or (name == "recorder" and plan.recorder is None)
+        or (name == "remote" and plan.remote is None)
     ):
         return f"not part of --{mode} (it spawns several more jobs)"
     return None

@@ -6,7 +6,8 @@ Each round runs the tests that start processes of their own (``tests/integration
 ``tests/compat``) in parallel, as ``make test`` does, while burner processes keep
 every core busy: what a quiet machine hides (a wait sized for its speed, an order
 that only a slow process shows) fails here. Every failure of every round is
-reported, with the round it came in; nothing is run again. Exit status 1 when any
+reported, with the round it came in (and pytest's whole output of that round kept in
+``$TMPDIR/aiodist-stress``); nothing is run again. Exit status 1 when any
 test failed in any round. A flaky mark may only ever come back after this passes
 clean.
 """
@@ -19,13 +20,17 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from tests.helpers import ROOT
 
 PROCESS_HEAVY = ("tests/integration", "tests/compat")
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+# Where a round with failures leaves pytest's whole output.
+LOGS = Path(tempfile.gettempdir()) / "aiodist-stress"
 
 
 def burn() -> None:  # pragma: no cover - runs in a burner process
@@ -64,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {n}/{args.rounds}: {took:.0f} s, {tail[0]}", flush=True)
             for test in failed:
                 print(f"    failed: {test}", flush=True)
+            if failed:  # what each failure said, kept for finding its cause
+                log = LOGS / f"round-{n}.log"
+                LOGS.mkdir(parents=True, exist_ok=True)
+                log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+                print(f"    pytest's output: {log}", flush=True)
     finally:
         for b in burners:
             b.kill()

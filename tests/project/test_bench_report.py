@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from benchmarks import _small, bench_rpc
+from benchmarks import _small, bench_remote, bench_rpc
 from benchmarks._collective_ranks import SIZES, TENSOR_OPS, Case, cases, moved_bytes
 from benchmarks._common import Goal, Summary
 from benchmarks._report_md import render_report
@@ -410,3 +410,20 @@ def test_torch_backend_bench_times_the_backend_gloo_and_aiodists_api() -> None:
     assert len(ws["ddp"]) == 2
     text = bench_torch_backend.render(data)
     assert "DistributedDataParallel training step" in text
+
+
+@pytest.mark.slow
+def test_remote_bench_measures_the_three_ways_and_loses_no_update() -> None:
+    # The worker's tensor must hold every update of every case (bench raises if not).
+    data = bench_remote.bench(rounds=2, ops=200, calls=40, timeout=120)
+    for case in bench_remote.CASES:
+        summary = data["per_second"][case]
+        assert summary is not None
+        assert summary.n == 2
+        assert summary.median > 0
+    assert set(data["ratios"]) == {"remote done / rpc one by one", "remote done / rpc_async"}
+    text = bench_remote.render(data)
+    assert "remote issued" in text
+    assert "rpc one by one" in text
+    goal = bench_remote.goal_list(data)[0]
+    assert goal.value is not None
