@@ -8,6 +8,11 @@ picks its imports from ``RPC_SYSTEM``: ``torch`` (TensorPipe) or ``aiodist``,
 nothing else differs. Each runs on both, at once, and what the master prints
 (losses, gradients from distributed autograd, final parameters) must be the
 same: bitwise, as the programs are deterministic.
+
+torch's runs get their TCPStore from this process, as torchrun's agent hosts it
+(``TORCHELASTIC_USE_AGENT_STORE``): hosted by rank 0, it goes when rank 0's
+``rpc.shutdown()`` returns, and the other ranks, still reading it in theirs,
+failed with "Connection reset by peer" now and then on a loaded machine.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -33,6 +39,7 @@ LIMIT = 240.0  # seconds for a run; each takes a few (torch's import dominates) 
 def _run_both(program: str) -> dict[str, dict[str, Any]]:
     """Run ``program`` on torch and on aiodist at once; what each master printed."""
     procs: dict[str, subprocess.Popen[str]] = {}
+    stores = []  # torch's: held until its run ends
     try:
         for system in ("torch", "aiodist"):
             env = {
@@ -46,6 +53,9 @@ def _run_both(program: str) -> dict[str, dict[str, Any]]:
                 RPC_PORT=str(free_port()),
                 PYTHONPATH=str(ROOT),
             )
+            if system == "torch":
+                stores = [_agent_store(int(env[name])) for name in ("MASTER_PORT", "RPC_PORT")]
+                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
             procs[system] = subprocess.Popen(
                 [sys.executable, str(PROGRAMS / program)],
                 stdout=subprocess.PIPE,
@@ -67,6 +77,16 @@ def _run_both(program: str) -> dict[str, dict[str, Any]]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+        stores.clear()
+
+
+def _agent_store(port: int) -> Any:
+    """A TCPStore server on ``port`` for the ranks of one torch run (torchrun's agent's)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=LIMIT)
+    )
 
 
 def _flat(x: Any) -> list[float]:

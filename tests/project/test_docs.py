@@ -424,7 +424,6 @@ BASH: dict[str, Check | str] = {
     # Master-worker mode
     "aiodist run -n 3 examples/master_worker.py": check_run,
     "aiodist run -n 3 examples/master_worker_pipeline.py": check_run,
-    "python -m benchmarks.bench_remote": "a benchmark (make bench runs it)",
     "aiodist run -n 2 examples/train_nccl.py": "needs two CUDA GPUs",
     "aiodist run -n 2 examples/train_overlap.py --device cuda --backend none": _NEEDS_CUDA,
     "python -m benchmarks.bench_bridge": "a benchmark (make bench runs it)",
