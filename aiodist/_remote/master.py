@@ -162,8 +162,12 @@ class Master:
         for n, batch in orders.items():
             if n in self.dead:
                 continue  # what it was asked for failed when it died
-            work = send_object(self.g, n, Tag.REMOTE_ORDERS, batch)
-            work.when_done(functools.partial(self._sent, n))
+            try:
+                work = send_object(self.g, n, Tag.REMOTE_ORDERS, batch)
+            except Exception as exc:  # the session broke, or an order does not pickle
+                self._lose(n, exc)
+            else:
+                work.when_done(functools.partial(self._sent, n))
 
     def _sent(self, n: int, work: Work[Any]) -> None:
         error = work.exception()
@@ -485,7 +489,7 @@ class RemoteTensor:
         self.id = id
         self.device = device
         self.meta = meta
-        weakref.finalize(self, _free, weakref.ref(master), node, id)
+        weakref.finalize(self, _free, weakref.ref(master), node, id).atexit = False
 
     # --- what the master knows ----------------------------------------------------------------
 

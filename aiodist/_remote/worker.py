@@ -27,6 +27,8 @@ from aiodist._ops.p2p_objects import Tag, receive_object, send_object
 from aiodist._remote.orders import EVENT, TENSOR, Kind, Moved, Ref, flatten
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from aiodist._group.group import ProcessGroup
 
 __all__ = ["MASTER", "serve"]
@@ -37,6 +39,8 @@ logger = logging.getLogger("aiodist.remote")
 MASTER = 0
 #: Seconds a stream runs its queued operations before it lets the rest of the loop run.
 TURN = 0.002
+#: Errors kept for the next ``synchronize`` (the first ones: each fails what uses it anyway).
+MAX_UNREPORTED = 64
 
 
 class _Failed(Exception):
@@ -82,15 +86,13 @@ class Worker:
                 elif kind == Kind.QUERY:
                     reached = self._reached.get(order[1])
                     self._reply(order[2], reached is not None and reached.done(), None)
-                elif kind == Kind.HELD:
+                elif kind == Kind.STOP:
                     await self._drained()
-                    self._reply(order[1], len(self.tensors) + len(self.errors), None)
-                elif kind == Kind.SYNC or kind == Kind.STOP:
-                    await self._drained()
-                    errors, self._unreported = self._unreported, []
-                    self._reply(order[1], errors if kind == Kind.SYNC else None, None)
-                    if kind == Kind.STOP:
-                        return
+                    self._reply(order[1], None, None)
+                    return
+                elif kind == Kind.SYNC or kind == Kind.HELD:
+                    # Answered once the streams got here; meanwhile orders go on arriving.
+                    self._tg.start_soon(self._answer, kind, order[1], self._drained())
                 else:
                     self._queue(order)
 
@@ -126,15 +128,22 @@ class Worker:
             if error is not None:
                 future.set_exception(error)
 
-    async def _drained(self) -> None:
-        """Wait until every stream ran what was queued before now."""
+    def _drained(self) -> Awaitable[Any]:
+        """Done once every stream ran what is queued on it now."""
         marks = []
         for queue in self._streams.values():
             mark: asyncio.Future[None] = self._loop.create_future()
             queue.put_nowait(((None, mark), []))
             marks.append(mark)
-        if marks:
-            await asyncio.wait(marks)
+        return asyncio.gather(*marks)
+
+    async def _answer(self, kind: Kind, request: int, drained: Awaitable[Any]) -> None:
+        await drained
+        if kind == Kind.HELD:
+            self._reply(request, len(self.tensors) + len(self.errors), None)
+        else:
+            errors, self._unreported = self._unreported, []
+            self._reply(request, errors, None)
 
     # --- a stream's orders, one after the other ----------------------------------------------
 
@@ -185,7 +194,8 @@ class Worker:
                 exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
                 remote_traceback=traceback.format_exc(),
             )
-            self._unreported.append(error)
+            if len(self._unreported) < MAX_UNREPORTED:
+                self._unreported.append(error)
         else:
             if whole or isinstance(result, torch.Tensor):
                 values = [result]
