@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import HELPERS, ROOT
+from tests.helpers.procs import free_port
 from tests.helpers.warm import popen
 
 pytestmark = pytest.mark.slow
@@ -26,19 +27,13 @@ WORKER = HELPERS / "sync_worker.py"
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(mode: str, world: int, *, torchrun_env: bool, timeout: float = 90) -> list[Any]:
     """Run ``world`` worker processes; return their JSON reports in rank order."""
     base = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     base.update(
         PYTHONPATH=str(ROOT),
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         AIODIST_HEARTBEAT_INTERVAL="0.2",
     )
     procs = []
@@ -131,7 +126,7 @@ def test_ranks_that_never_destroy_the_group_exit_cleanly() -> None:
 
 
 def test_ctrl_c_interrupts_a_blocked_call_at_once() -> None:
-    port = _free_port()
+    port = free_port()
     code = (
         "import aiodist.sync as dist\n"
         f"dist.init_process_group(init_method='tcp://127.0.0.1:{port}', rank=0, world_size=2,"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 from dataclasses import dataclass
@@ -17,10 +19,32 @@ from tests.helpers.warm import open_process
 __all__ = ["Finished", "alive", "free_port", "json_lines", "reports_by_rank", "run", "run_job"]
 
 
+# Ports below the kernel's ephemeral range, a slice for each pytest-xdist worker.
+PORT_BASE, PORTS_PER_WORKER, WORKER_SLICES = 20000, 2000, 6
+# From a random place in the slice: two test sessions at once on one machine rarely meet.
+_next_port = itertools.count(random.randrange(PORTS_PER_WORKER))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, from this test process's own slice of ports.
+
+    The kernel's ``bind(port 0)`` hands a port it just handed out (and that was
+    closed again) to the next process that asks: two workers starting tests at
+    once got the same port for servers their children bind seconds later, and
+    one's TCPStore clients talked to the other's aiodist server. A slice per
+    worker, taken in turn, is never another worker's.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = PORT_BASE + (int(worker) % WORKER_SLICES if worker.isdecimal() else 0) * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = base + next(_next_port) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # also taken when something listens on any address
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + PORTS_PER_WORKER - 1}")
 
 
 def alive(pid: int) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.procs import free_port
 from tests.helpers.warm import popen
 from tests.helpers.warm import run as warm_run
 
@@ -54,14 +55,6 @@ def test_parameter_server_trains_through_remote_calls(mode: str) -> None:
     assert "Warning" not in result.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_torch_script_ported_by_its_import_prints_what_torch_prints(tmp_path: Path) -> None:
     ported = ROOT / "examples" / "torch_port.py"
     source = ported.read_text()
@@ -80,7 +73,7 @@ def test_torch_script_ported_by_its_import_prints_what_torch_prints(tmp_path: Pa
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
     }
     procs = [

@@ -32,6 +32,7 @@ from aiodist._wire.frame import (
 )
 from aiodist._wire.messages import Heartbeat, Join, StatusRequest, Welcome
 from aiodist.testing import run_ranks
+from tests.helpers.procs import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -40,12 +41,6 @@ if TYPE_CHECKING:
 
 def _url(server: RendezvousServer) -> str:
     return f"tcp://{server.address[0]}:{server.address[1]}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
@@ -524,7 +519,7 @@ async def test_status_request_reports_jobs(server: RendezvousServer) -> None:
 
 
 async def test_embedded_server_started_by_rank_zero() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
 
     async def member(rank: int, out: list[int]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import HELPERS, ROOT
+from tests.helpers.procs import free_port
 from tests.helpers.warm import Proc, popen
 from tests.helpers.warm import run as warm_run
 
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.slow
 
 WORKER = HELPERS / "rpc_worker.py"
 HEARTBEAT_TIMEOUT = 2.0  # rpc_worker.py's
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(
@@ -49,7 +43,7 @@ def _run(
     it is killed once the others are done. With ``daemon``, the server is an
     ``aiodist serve`` of its own instead of rank 0's. No process outlives this call.
     """
-    port = _free_port()
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     base["PYTHONPATH"] = str(ROOT)
     procs: dict[int, Proc] = {}
@@ -284,7 +278,7 @@ def test_a_rank_failing_under_multiprocessing_is_told_to_its_peers_within_second
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")}
     env["PYTHONPATH"] = str(ROOT)
     done = warm_run(
-        [sys.executable, str(EXIT_WORKER), launcher, str(_free_port())],
+        [sys.executable, str(EXIT_WORKER), launcher, str(free_port())],
         env=env,
         timeout=150,
     )
@@ -400,7 +394,7 @@ def test_plain_code_gets_torch_futures_rrefs_and_async_execution() -> None:
 
 
 def test_init_rpc_forms_a_world_of_another_size_beside_the_process_group() -> None:
-    rpc_port = str(_free_port())
+    rpc_port = str(free_port())
     reports = _run("two-worlds", env={rank: {"RPC_PORT": rpc_port} for rank in range(3)})
     for rank in range(3):
         assert reports[rank]["returncode"] == 0, reports[rank]

@@ -11,7 +11,6 @@ needs a GPU (pinned memory, events, the copy kernels) is in ``test_cuda.py``.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +25,7 @@ import aiodist.sync as dist
 from aiodist._ops import staging
 from aiodist._sync import portal
 from aiodist.testing import run_ranks
+from tests.helpers.procs import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -215,16 +215,10 @@ async def test_staged_collectives_and_p2p_match_their_host_results(
     assert device.copies.count("back") == 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sync_facade_stages_on_the_callers_stream_not_the_loops(device: FakeDevice) -> None:
     assert not portal.is_running()
     dist.init_process_group(
-        init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0, timeout=30
+        init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0, timeout=30
     )
     try:
         t = device.tensor(torch.full((3,), 2.0))

@@ -6,7 +6,6 @@ Multi-process use of the facade (N ranks of plain code) is in test_sync_mp.py.
 from __future__ import annotations
 
 import inspect
-import socket
 import sys
 import textwrap
 import threading
@@ -22,15 +21,10 @@ import aiodist.sync as dist
 from aiodist._sync import portal
 from aiodist._tools import gen_sync
 from aiodist._tools.gen_sync import ASYNC_ONLY, TWINS, GenerateError, Kind, classify, render
+from tests.helpers.procs import free_port
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +42,7 @@ def _no_loop_thread_left() -> Iterator[None]:
 def world_of_one() -> Iterator[None]:
     """The facade initialised as a real one-rank job (rank 0 embeds the server)."""
     dist.init_process_group(
-        init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0, timeout=30
+        init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0, timeout=30
     )
     yield
     dist.destroy_process_group()
@@ -309,7 +303,7 @@ def test_facade_runs_operations_on_one_named_loop_thread() -> None:
 def test_destroy_stops_the_loop_thread_and_init_works_again() -> None:
     for _ in range(2):
         dist.init_process_group(
-            init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0, timeout=30
+            init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0, timeout=30
         )
         thread = portal.loop_thread()
         assert thread is not None
@@ -354,7 +348,7 @@ def test_blocking_calls_on_the_loop_thread_raise_instead_of_deadlocking() -> Non
 
 async def test_facade_refuses_a_group_initialised_on_another_loop() -> None:
     await aiodist.init_process_group(
-        init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0, timeout=30
+        init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0, timeout=30
     )
     try:
         with pytest.raises(RuntimeError, match="belongs to another event loop"):

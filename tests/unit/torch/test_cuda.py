@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
+from tests.helpers.procs import free_port
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -82,16 +82,10 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(tmp: Path, backend: str) -> list[dict[str, Any]]:
     script = tmp / "cuda_worker.py"
     script.write_text(WORKER)
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
@@ -138,7 +132,7 @@ def test_nccl_at_world_size_one_sets_the_callers_device() -> None:
     import aiodist.sync as dist
 
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0, timeout=60
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0, timeout=60
     )
     try:
         g = dist.get_default_group()
