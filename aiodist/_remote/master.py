@@ -652,13 +652,13 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     shape = _shape_of(func, name, leaves, rebuild)
     s = current_stream(n)
     shipped_args, shipped_kwargs = rebuild([_ship(master, x, n) for x in leaves])
-    device = _device_of(func, name, args, kwargs, first)
+    device = _device_of(name, args, kwargs, first)
     if shape is None:  # known from the values only
         out = RemoteTensor(master, n, master.new_id(), device, None)
         order = (Kind.OP, s.id, func, shipped_args, shipped_kwargs, [out.id], True, _what(func))
         master.order(n, order)
         return out
-    _, outs_made, spec = shape
+    outs_made, spec = shape
     outs: list[int | None] = []
     results: list[Any] = []
     for made in outs_made:
@@ -683,8 +683,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 # input changed in place (its place among the leaves), or a value.
 _NEW, _IN, _VALUE = 0, 1, 2
 Made: TypeAlias = "tuple[int, Any]"
-Shape: TypeAlias = "tuple[Any, list[Made], Any]"  # (the meta result, its leaves, its spec)
-_SHAPES: dict[Any, tuple[list[Made], Any]] = {}
+Shape: TypeAlias = "tuple[list[Made], Any]"  # (the result's leaves, its spec)
+_SHAPES: dict[Any, Shape] = {}
 _SHAPES_KEPT: Final = 2048
 
 
@@ -702,7 +702,7 @@ def _shape_of(func: Any, name: str, leaves: list[Any], rebuild: Rebuild) -> Shap
                 else m
                 for m in cached
             ]
-            return None, fresh, cached_spec
+            return fresh, cached_spec
     meta = _meta(func, name, leaves, rebuild)
     if meta is None:
         return None
@@ -726,7 +726,7 @@ def _shape_of(func: Any, name: str, leaves: list[Any], rebuild: Rebuild) -> Shap
             ],
             spec,
         )
-    return meta, made, spec
+    return made, spec
 
 
 def _key(func: Any, leaves: list[Any]) -> tuple[Any, ...] | None:
@@ -799,7 +799,7 @@ def _ship(master: Master, x: Any, n: int) -> Any:
 
 
 def _device_of(
-    func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], first: RemoteTensor
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], first: RemoteTensor
 ) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
