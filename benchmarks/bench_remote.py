@@ -25,15 +25,22 @@ Results go to ``benchmarks/results/remote.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import socket
-import subprocess
 import sys
 import time
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from benchmarks._common import Goal, as_summary, format_table, summarize, write_results
+from benchmarks._common import (
+    Goal,
+    as_summary,
+    format_table,
+    rank_context,
+    summarize,
+    write_results,
+)
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 __all__ = ["CASES", "bench", "figure", "goal_list", "render"]
 
@@ -96,17 +103,28 @@ async def _master(rounds: int, ops: int, calls: int) -> dict[str, list[float]]:
     return per_second
 
 
-async def _rank(rank: int, port: int, rounds: int, ops: int, calls: int) -> None:
+async def _rank(rank: int, port: int, rounds: int, ops: int, calls: int) -> dict[str, Any]:
     import aiodist
 
     is_master = await aiodist.init_master_worker(
         init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=120
     )
     if not is_master:
-        return
+        return {}
     per_second = await _master(rounds, ops, calls)
     await aiodist.destroy_process_group()
-    print("RESULT " + json.dumps(per_second), flush=True)
+    return per_second
+
+
+def _rank_main(rank: int, port: int, rounds: int, ops: int, calls: int, out: Connection) -> None:
+    """A rank's process, forked by ``rank_context``: its result, or its error, to ``out``."""
+    import anyio
+
+    try:
+        out.send(anyio.run(_rank, rank, port, rounds, ops, calls))
+    except BaseException as exc:
+        out.send(RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
 
 
 def bench(
@@ -116,23 +134,36 @@ def bench(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "benchmarks.bench_remote", f"--port={port}"]
-    argv += [f"--rounds={rounds}", f"--ops={ops}", f"--calls={calls}"]
+    ctx = rank_context()
+    ends = [ctx.Pipe(duplex=False) for _ in range(2)]
     procs = [
-        subprocess.Popen([*argv, f"--rank={r}"], stdout=subprocess.PIPE, text=True, env=os.environ)
+        ctx.Process(target=_rank_main, args=(r, port, rounds, ops, calls, ends[r][1]), daemon=True)
         for r in range(2)
     ]
+    for p in procs:
+        p.start()
     try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        deadline = time.monotonic() + timeout
+        got: list[Any] = []
+        for rank, (recv_end, send_end) in enumerate(ends):
+            send_end.close()
+            if not recv_end.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"rank {rank} gave no result within {timeout:g} s")
+            try:
+                got.append(recv_end.recv())
+            except EOFError:
+                raise RuntimeError(f"rank {rank} exited without a result") from None
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.communicate()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"a rank exited with {[p.returncode for p in procs]}")
-    line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
-    per_second: dict[str, list[float]] = json.loads(line.removeprefix("RESULT "))
+                p.join()
+    for value in got:
+        if isinstance(value, BaseException):
+            raise RuntimeError(f"a rank failed: {value}")
+    per_second: dict[str, list[float]] = got[0]
     ratios = {
         f"remote done / {case}": [
             a / b for a, b in zip(per_second["remote done"], per_second[case], strict=True)
@@ -183,14 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--ops", type=int, default=4000)
     parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rank is not None:
-        import anyio
-
-        anyio.run(_rank, args.rank, args.port, args.rounds, args.ops, args.calls)
-        return 0
     data = bench(args.rounds, args.ops, args.calls)
     path = write_results("remote", data)
     print(render(data))
