@@ -56,6 +56,7 @@ from aiodist._group.work import Work, wait_future
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
 from aiodist._rpc import world as rpc_world
+from aiodist._sync import profiling
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -187,8 +188,14 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
     lt = _running()
     assert lt.portal is not None
 
+    end_event = profiling.begin(fn, args, kwargs, tensors_only=True)
+
     async def run() -> T:
-        return await fn(*args, **kwargs)
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            if end_event is not None:
+                end_event()
 
     future: Future[T] | None = None
     try:
@@ -232,15 +239,20 @@ def submit(
     lt = _running()
     assert lt.loop is not None
     box: Future[Any] = Future()
+    end_event = profiling.begin(fn, args, kwargs)
 
     def start() -> None:
         try:
             started = fn(*args, **kwargs)
         except BaseException as exc:
+            if end_event is not None:
+                end_event()
             box.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
+        if end_event is not None:
+            started.when_done(lambda _: end_event())
         if async_op:
             box.set_result(started)
         else:
