@@ -10,7 +10,6 @@ must be the same.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,8 +18,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import HELPERS, ROOT
-from tests.helpers.procs import free_port
-from tests.helpers.warm import popen
+from tests.helpers.procs import free_port, last_reports
+from tests.helpers.warm import Proc, popen
 
 pytestmark = pytest.mark.slow
 
@@ -36,27 +35,16 @@ def _events(system: str) -> list[list[list[Any]]]:
         WORLD_SIZE="2",
         TORCH_CPP_LOG_LEVEL="ERROR",
     )
-    procs = [
-        popen(
+
+    def start(rank: int) -> Proc:
+        return popen(
             [sys.executable, str(WORKER), system],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
         )
-        for rank in range(2)
-    ]
-    try:
-        reports = []
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, f"{system} rank {rank} exited {proc.returncode}:\n{err}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        return reports
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+
+    return last_reports(start, 2, timeout=120)
 
 
 def test_profiled_calls_record_the_events_gloo_records() -> None:

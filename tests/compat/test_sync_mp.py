@@ -6,7 +6,6 @@ embeds the rendezvous server at ``MASTER_ADDR:MASTER_PORT``.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -18,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import HELPERS, ROOT
-from tests.helpers.procs import free_port
-from tests.helpers.warm import popen
+from tests.helpers.procs import free_port, last_reports
+from tests.helpers.warm import Proc, popen
 
 pytestmark = pytest.mark.slow
 
@@ -36,36 +35,24 @@ def _run_ranks(mode: str, world: int, *, torchrun_env: bool, timeout: float = 90
         MASTER_PORT=str(free_port()),
         AIODIST_HEARTBEAT_INTERVAL="0.2",
     )
-    procs = []
-    try:
-        for rank in range(world):
-            env = dict(base)
-            if torchrun_env:
-                env.update(
-                    RANK=str(rank),
-                    WORLD_SIZE=str(world),
-                    LOCAL_RANK=str(rank),
-                    LOCAL_WORLD_SIZE=str(world),
-                )
-            procs.append(
-                popen(
-                    [sys.executable, str(WORKER), mode, str(rank), str(world)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env=env,
-                )
+
+    def start(rank: int) -> Proc:
+        env = dict(base)
+        if torchrun_env:
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
             )
-        reports = []
-        for rank, proc in enumerate(procs):
-            stdout, stderr = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{stderr}"
-            reports.append(json.loads(stdout.strip().splitlines()[-1]))
-        return reports
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        return popen(
+            [sys.executable, str(WORKER), mode, str(rank), str(world)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+
+    return last_reports(start, world, timeout)
 
 
 def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:

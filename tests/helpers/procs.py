@@ -10,13 +10,25 @@ import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from tests.helpers.warm import open_process
+from tests.helpers.warm import Proc, open_process
 
-__all__ = ["Finished", "alive", "free_port", "json_lines", "reports_by_rank", "run", "run_job"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "Finished",
+    "alive",
+    "free_port",
+    "json_lines",
+    "last_reports",
+    "reports_by_rank",
+    "run",
+    "run_job",
+]
 
 
 # Ports below the kernel's ephemeral range, a slice for each pytest-xdist worker.
@@ -83,6 +95,28 @@ class Finished:
     returncode: int
     stdout: str
     stderr: str
+
+
+def last_reports(start: Callable[[int], Proc], world: int, timeout: float) -> list[Any]:
+    """Start ``world`` ranks (``start(rank)``); their last lines of output as JSON, in rank order.
+
+    Every rank must exit 0 within ``timeout`` s. Whatever happens, no process is
+    left running.
+    """
+    procs: list[Proc] = []
+    try:
+        procs.extend(start(rank) for rank in range(world))
+        reports = []
+        for rank, proc in enumerate(procs):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{stderr}"
+            reports.append(json.loads(stdout.strip().splitlines()[-1]))
+        return reports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
 
 
 async def run(
