@@ -54,7 +54,8 @@ def _reduction(op: object, dtype: torch.dtype, call: str) -> str:
 
 def all_reduce(tensor: object, op: object, group: ProcessGroup | None) -> Call:
     def check(g: ProcessGroup | None) -> Request:
-        t = check_tensor(tensor, "tensor")
+        bridged = g is not None and g.bridge is not None and g.bridge.crosses(tensor)
+        t = check_tensor(tensor, "tensor", sparse=bridged)
         reduce_op = _reduction(op, t.dtype, "all_reduce")
         if g is None or g.rank < 0:
             return _done(t)

@@ -51,11 +51,12 @@ class LazyModule:
         return value
 
 
-def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
+def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) -> torch.Tensor:
     """Return ``tensor`` if the data plane can carry it, else raise ``TypeError``/``ValueError``.
 
     CPU tensors travel as they are; CUDA tensors are staged through host
-    memory (``staging``). A sparse tensor is refused.
+    memory (``staging``). A sparse tensor is refused unless ``sparse`` (torch's
+    gloo carries the call: its sparse all_reduce).
     """
     import torch
 
@@ -67,8 +68,14 @@ def check_tensor(tensor: object, name: str = "tensor") -> torch.Tensor:
         raise ArgumentError(
             f"{name} is on {tensor.device}; aiodist's data plane carries CPU and CUDA tensors"
         )
+    if tensor.layout == torch.sparse_coo and sparse:
+        return tensor
     if tensor.layout != torch.strided:
-        raise ArgumentError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
+        raise ArgumentError(
+            f"{name} must be a dense (strided) tensor, got {tensor.layout} (all_reduce takes "
+            "sparse COO CPU tensors on a group whose CPU tensors go to torch's gloo: "
+            "init_process_group(backend='gloo'))"
+        )
     return tensor
 
 

@@ -102,7 +102,8 @@ def _torch_op(op: str) -> Any:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
+    """``t`` in one block (a sparse tensor as it is: gloo reduces it, in place)."""
+    return t if t.is_sparse or t.is_contiguous() else t.contiguous()
 
 
 def _copy_back(t: torch.Tensor, buf: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import uuid
 from collections import Counter
@@ -25,6 +24,7 @@ import pytest
 
 from tests.helpers import HELPERS
 from tests.helpers.dropin_compare import agree, dtype_of, function_of
+from tests.helpers.procs import free_port
 from tests.helpers.warm import open_process
 
 if TYPE_CHECKING:
@@ -43,15 +43,9 @@ def anyio_backend() -> str:
     return "asyncio"  # the loop only waits for the processes: once is enough
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _launch(side: str, suite: str) -> list[dict[str, Any]]:
     """Run the worker on ``WORLD`` ranks; return each rank's records."""
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -197,7 +191,7 @@ async def test_monitored_barrier_in_real_processes_names_the_rank_that_never_cam
 ) -> None:
     script = tmp_path / "monitored.py"
     script.write_text(MONITORED)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
     outs: list[dict[str, Any]] = []

@@ -74,6 +74,7 @@ def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:
         assert out["store"] == ["0", True]
         assert out["recv_from"] == (rank - 1) % world
         assert out["recv"] == [float((rank - 1) % world)] * 4
+        assert out["sparse"] == [True, [1.0] * world + [float(world)]]
         assert out["loop_threads_after"] == []  # destroy stopped the loop thread
         assert not out["initialized_after"]
     assert reports[0]["collect_results"] == [f"s{i}" for i in range(10)]

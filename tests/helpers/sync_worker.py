@@ -66,6 +66,12 @@ def workload(rank: int, world: int) -> dict[str, Any]:
     out["recv_from"] = dist.recv(buf, src=left)
     send.wait(timeout=60)
     out["recv"] = buf.tolist()
+    # A sparse tensor: gloo (which carries this group's CPU tensors) sums it in place.
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[rank, world]]), torch.ones(2), (world + 1,), check_invariants=True
+    )
+    dist.all_reduce(sparse)
+    out["sparse"] = [sparse.is_sparse, sparse.to_dense().tolist()]
     dist.barrier()
     dist.destroy_process_group()
     out["loop_threads_after"] = _loop_threads()

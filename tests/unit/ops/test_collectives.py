@@ -480,6 +480,11 @@ async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> N
             all_to_all([torch.ones(1), torch.ones(1, dtype=torch.int32)], group=g)
         with pytest.raises(TypeError, match="list of tensors"):
             all_to_all(torch.ones(2), group=g)  # type: ignore[arg-type]
+        sparse = torch.sparse_coo_tensor(
+            torch.tensor([[0]]), torch.ones(1), (2,), check_invariants=True
+        )
+        with pytest.raises(ValueError, match=r"sparse_coo .*backend='gloo'"):
+            all_reduce(sparse, group=g)  # aiodist's own plane: gloo's sparse all_reduce only
         # Nothing was sent and no sequence number was used: the group still works.
         t = torch.ones(2)
         return await all_reduce(t, group=g)
