@@ -7,7 +7,9 @@ then, in this order:
 1. resolves the group (the default group; None when nothing is initialised);
 2. takes the call's place in the group's order (``Slot``) before anything
    else, so that a call failing its checks on one rank still holds its number
-   there and aborts it on every member;
+   there and aborts it on every member (a group that cannot take the call,
+   broken or closed, says so; but bad arguments are said first: they are this
+   rank's own error, and torch raises them whatever the group's state);
 3. runs the call's checks, which return the canonical ``Request``, or its
    answer when nothing is to be sent (a process outside the group, world size 1);
 4. hands a call whose tensors a torch bridge carries to torch.distributed
@@ -108,7 +110,12 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
     g = call.group if call.group is not None else default_group_for(call.name)
     bridge = None if g is None or g.bridge is None else _bridge_for(g, call.first)
     torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
-    with Slot(g, call.name, torch=torch) as seq:
+    try:
+        slot = Slot(g, call.name, torch=torch)
+    except Exception:
+        call.check(g)  # bad arguments are this rank's own error: said before the group's
+        raise
+    with slot as seq:
         req = call.check(g)
         if req.answer is not NOT_DONE:
             if g is not None and g.rank < 0:

@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from aiodist import CollectiveMismatchError, ProcessGroup, RendezvousServer
+from aiodist import CollectiveMismatchError, GroupBrokenError, ProcessGroup, RendezvousServer
 from aiodist._ops import schedules
 from aiodist._ops.agreement import signature
 from aiodist._ops.exchange import DISSEMINATE_MIN_RANKS, Exchange, exchange_rows
@@ -452,6 +452,21 @@ async def test_mismatch_raises_on_every_rank_and_breaks_group(
     with anyio.fail_after(20):
         fields = await run_ranks(server.address, world_size, body)
     assert fields == [field] * world_size
+
+
+async def test_bad_arguments_on_a_broken_group_are_said_before_the_break(
+    server: RendezvousServer,
+) -> None:
+    # torch raises a bad argument whatever the group's state; the break comes after.
+    async def body(g: ProcessGroup) -> None:
+        g.break_(GroupBrokenError("broken for the test"), notify=False)
+        with pytest.raises(ValueError, match="does not support max on complex"):
+            all_reduce(torch.ones(2, dtype=torch.complex64), op="max", group=g)
+        with pytest.raises(GroupBrokenError, match="broken for the test"):
+            all_reduce(torch.ones(2), group=g)
+
+    with anyio.fail_after(10):
+        await run_ranks(server.address, 2, body)
 
 
 async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> None:
