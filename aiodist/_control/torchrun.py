@@ -16,7 +16,9 @@ outlives the workers, so a key from an earlier start must not be read.
 torch is imported here only, when torchrun's environment is found: ``import
 aiodist`` stays free of it. The store's calls block, so each runs in a daemon
 thread of its own, abandoned if the caller is cancelled: bounded by its
-timeout, it never holds up the loop nor, being a daemon, the process's exit.
+timeout, it never holds up the loop nor, being a daemon, the process's exit. The
+wait for rank 0's server polls the store (every ``STORE_POLL`` s), so that a
+cancelled caller's thread ends at once instead of at the timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import asyncio
 import datetime
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = [
+    "STORE_POLL",
     "Torchrun",
     "find_in",
     "find_server",
@@ -44,6 +48,9 @@ __all__ = [
     "server_key",
     "torchrun_env",
 ]
+
+#: Seconds between looks for rank 0's server in torchrun's store (a key set soon after start).
+STORE_POLL: Final = 0.05
 
 # Stores this process hosts (rank 0 without the agent's store): they must outlive the
 # join, as torch's own do, since the other ranks may still be reading them.
@@ -211,8 +218,24 @@ async def find_in(
         RendezvousError: The store holds a malformed address.
     """
 
+    abandoned = threading.Event()
+
     def wait_and_get() -> bytes:
-        store.wait([key], datetime.timedelta(seconds=timeout))
+        # Polled, not store.wait(): a wait cannot be taken back, and one abandoned by a
+        # cancelled caller would hold its thread and connection for the whole timeout.
+        deadline = time.monotonic() + timeout
+        try:
+            present = store.check([key])
+        except RuntimeError:  # a store of the user's without check(): its wait, then
+            store.wait([key], datetime.timedelta(seconds=timeout))
+            return bytes(store.get(key))
+        while not present:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no {key!r} within {timeout:g} s")
+            if abandoned.wait(min(STORE_POLL, left)):
+                raise RuntimeError("abandoned: the caller was cancelled")
+            present = store.check([key])
         return bytes(store.get(key))
 
     try:
@@ -222,6 +245,8 @@ async def find_in(
             f"{whose} published no aiodist server in {where} within {timeout:.1f} s; check "
             "that rank 0 runs and calls init_process_group too"
         ) from exc
+    finally:
+        abandoned.set()
     text = value.decode(errors="replace")
     server_host, _, server_port = text.rpartition(":")
     if not server_host or not server_port.isdecimal():

@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -368,6 +369,12 @@ async def test_torchrun_rank_cancelled_while_waiting_for_the_server_returns_at_o
         await connect_rendezvous(spec, None, timeout=600, environ=env)
     assert scope.cancelled_caught
     assert time.monotonic() - started < 2  # not the store's 600 s wait
+    # Nor does its thread wait on: it ends, and lets go of the store (a wait left in
+    # it would outlive the test and complain when the store goes away).
+    for thread in threading.enumerate():
+        if thread.name == "aiodist-torchrun-store":
+            thread.join(5)
+            assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
