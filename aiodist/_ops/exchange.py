@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from aiodist._plane.peers import Received
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DISSEMINATE_MIN_RANKS", "Exchange", "exchange_rows"]
+__all__ = ["ONE_ROUND_MAX_RANKS", "STAR_MAX_RANKS", "Exchange", "exchange_rows"]
 
 
 class Exchange:
@@ -216,9 +216,11 @@ class Exchange:
 
 # --- rows: every rank's few bytes, everywhere -------------------------------------------------
 
-#: From this many ranks on, ``exchange_rows`` takes ``log2 size`` rounds of fewer
-#: messages: 4 ranks send 2 messages each instead of 3.
-DISSEMINATE_MIN_RANKS: Final = 4
+#: Up to this many ranks, ``exchange_rows`` swaps in one round, everyone with everyone.
+ONE_ROUND_MAX_RANKS: Final = 3
+#: Up to this many ranks (above ``ONE_ROUND_MAX_RANKS``), ``exchange_rows`` goes through
+#: group rank 0: ``2 (size - 1)`` messages in all instead of ``size log2 size``.
+STAR_MAX_RANKS: Final = 16
 
 
 def exchange_rows(
@@ -237,22 +239,38 @@ def exchange_rows(
     copy of ``data``, which may change from now on). Once every row is in and
     every send was handed to the kernel, ``done(staging)`` runs.
 
-    Fewer than ``DISSEMINATE_MIN_RANKS`` ranks swap in one round, every rank
-    with every other one. More take ``log2 size`` rounds (Bruck's all-gather;
-    with no bytes, the dissemination barrier): in round ``k`` a rank sends the
-    rows it holds (its own, then those of the ranks before it, up to ``2**k``
-    of them) to rank ``r + 2**k`` and gets as many from rank ``r - 2**k``
-    (modulo the size), and starts round ``k + 1`` once round ``k``'s message
-    is in: ``log2 size`` messages each way instead of ``size - 1``. Either way
-    a rank is done only once it heard, directly or through the rounds, from
-    every rank: every signature was checked on the way.
+    Up to ``ONE_ROUND_MAX_RANKS`` ranks swap in one round, every rank
+    with every other one. Up to ``STAR_MAX_RANKS`` go through group rank 0:
+    every other rank sends it its row, and once all are in it sends every rank
+    all the rows (``2 (size - 1)`` messages in all, one each way for the
+    others). Larger groups take ``log2 size`` rounds (Bruck's all-gather; with
+    no bytes, the dissemination barrier): in round ``k`` a rank sends the rows
+    it holds (its own, then those of the ranks before it, up to ``2**k`` of
+    them) to rank ``r + 2**k`` and gets as many from rank ``r - 2**k`` (modulo
+    the size), and starts round ``k + 1`` once round ``k``'s message is in.
+    Either way a rank is done only once it heard, directly or through rank 0 or
+    the rounds, from every rank: every signature was checked on the way (rank
+    0 checks every rank's; the others check rank 0's, which rank 0 sends only
+    once every rank agreed with it).
+
+    Why the star up to ``STAR_MAX_RANKS``: a small exchange costs each rank
+    mostly the Python that handles each message, not the bytes. The rounds
+    cost ``size log2 size`` messages handled, the star ``2 (size - 1)``, on
+    the critical path two hops and rank 0's handling of ``2 (size - 1)``
+    messages against ``log2 size`` hops. With more ranks than cores (ranks of
+    one host, a busy machine), the total is what the wait is: at 8 ranks on 2
+    cores a 4-byte all_reduce took 1.2-1.3 ms instead of 1.9-2.4 ms, a
+    barrier of 16 ranks 1.3-1.6 ms instead of 1.4-4.6 ms
+    (``benchmarks/bench_collectives.py --small``).
 
     Round 0 uses ``step`` (``OPEN``: it carries the opening) and round ``k``
     ``later + k`` (``step + k`` if ``later`` is None).
     """
     p = ex.g.world_size
-    if p >= DISSEMINATE_MIN_RANKS:
+    if p > STAR_MAX_RANKS:
         _in_rounds(_Rows(ex, data, done, 1), step, step if later is None else later)
+    elif p > ONE_ROUND_MAX_RANKS:
+        _through_root(_Rows(ex, data, done, 1), step, step if later is None else later)
     else:
         # Receives still to come, plus one for this rank's sends: however many messages
         # were waiting already, ``done`` runs only once every send went out.
@@ -333,3 +351,34 @@ def _in_rounds(rows: _Rows, step: int, later: int) -> None:
         ex.post(frm, at, memoryview(bytearray(count * n)), arrived)
 
     round_(0)
+
+
+def _through_root(rows: _Rows, step: int, later: int) -> None:
+    """Every row to group rank 0 at ``step``; all of them back from it at ``later + 1``."""
+    ex, n = rows.ex, rows.n
+    p, me = ex.g.world_size, ex.g.rank
+    if me:
+        rows.send(0, step, rows.row(me))
+
+        def back(got: Received) -> None:
+            if got.data.nbytes != p * n:
+                raise ProtocolError(f"{got.data.nbytes} bytes where {p * n} belong")
+            rows.one_less()
+
+        ex.post(0, later + 1, rows.staging if n else None, back)
+        return
+    left = p - 1
+
+    def arrived(_: Received) -> None:
+        nonlocal left
+        left -= 1
+        if left:
+            return
+        for r in range(1, p):
+            if ex.work.is_completed():
+                return
+            rows.send(r, later + 1, rows.staging if n else None)
+        rows.one_less()
+
+    for r in range(1, p):
+        ex.post(r, step, rows.row(r), arrived)

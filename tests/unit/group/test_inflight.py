@@ -8,7 +8,7 @@ import torch
 
 import aiodist
 from aiodist import DistTimeoutError, ProcessGroup, RendezvousServer
-from aiodist._ops.exchange import DISSEMINATE_MIN_RANKS
+from aiodist._ops.exchange import ONE_ROUND_MAX_RANKS
 from aiodist._ops.p2p import irecv, isend
 from aiodist.testing import run_ranks
 
@@ -18,9 +18,9 @@ async def test_all_reduce_called_after_every_peer_sent_still_sends_its_part(
 ) -> None:
     # Rank 0 calls all_reduce only once the others' messages are in: its handle could
     # complete at call time, but only after its own part went out to everyone. Three
-    # ranks swap in one round (from DISSEMINATE_MIN_RANKS on, rank 0 would not hear
-    # from every rank before it sends).
-    assert 3 < DISSEMINATE_MIN_RANKS
+    # ranks swap in one round, everyone with everyone (larger groups go through rank 0
+    # or in rounds, where rank 0's part has no such shortcut).
+    assert ONE_ROUND_MAX_RANKS >= 3
 
     async def body(g: ProcessGroup) -> list[float]:
         await aiodist.all_reduce(torch.zeros(1), group=g)  # connections up

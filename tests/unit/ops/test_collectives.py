@@ -14,7 +14,12 @@ import torch
 from aiodist import CollectiveMismatchError, GroupBrokenError, ProcessGroup, RendezvousServer
 from aiodist._ops import schedules
 from aiodist._ops.agreement import signature
-from aiodist._ops.exchange import DISSEMINATE_MIN_RANKS, Exchange, exchange_rows
+from aiodist._ops.exchange import (
+    ONE_ROUND_MAX_RANKS,
+    STAR_MAX_RANKS,
+    Exchange,
+    exchange_rows,
+)
 from aiodist._ops.movement import all_gather, all_to_all, barrier
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter
 from aiodist._ops.rooted import broadcast, gather, scatter
@@ -558,14 +563,22 @@ def _settle_with_bytes(work: Work[bytes], staging: memoryview) -> None:
     work.set_result(bytes(staging))
 
 
-@pytest.mark.parametrize("world_size", [4, 5, 6, 7, 8])
-async def test_exchange_rows_in_rounds_puts_every_rank_row_in_its_place(
+@pytest.mark.parametrize(
+    "world_size",
+    [
+        ONE_ROUND_MAX_RANKS,  # everyone with everyone
+        ONE_ROUND_MAX_RANKS + 1,  # through rank 0
+        7,
+        STAR_MAX_RANKS,
+        STAR_MAX_RANKS + 1,  # in log2(size) rounds
+        STAR_MAX_RANKS + 3,
+    ],
+)
+async def test_exchange_rows_puts_every_rank_row_in_its_place(
     server: RendezvousServer, world_size: int
 ) -> None:
-    # From 4 ranks on, exchange_rows forwards rows in log2(size) rounds: each row must
-    # land in its sender's place on every rank, whatever the size.
-    assert world_size >= DISSEMINATE_MIN_RANKS
-
+    # In one round, through rank 0 or forwarded in rounds: each row must land in its
+    # sender's place on every rank, whatever the size, call after call.
     async def body(g: ProcessGroup) -> list[bytes]:
         rows = []
         for call in range(3):
