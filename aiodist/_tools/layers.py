@@ -89,9 +89,9 @@ PUBLIC: Final = (
     "__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport", "remote"
 )  # fmt: skip
 #: Packages (or modules) whose cycles through ``TYPE_CHECKING`` imports are still
-#: tolerated: the control side, the launchers and the session, reworked next. A
-#: type-only import from or to one of them does not count; every other one does.
-TYPE_CYCLES_TOLERATED: Final = ("_control", "_launch", "_group.session")
+#: tolerated: the session (with its groups, membership, views and stalls), reworked
+#: next. A type-only import from or to one of them does not count; every other one does.
+TYPE_CYCLES_TOLERATED: Final = ("_group.session",)
 _NAMES: Final = tuple(name for name, _, _ in LAYERS)
 
 

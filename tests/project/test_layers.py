@@ -249,3 +249,23 @@ def test_type_only_cycle_of_a_tolerated_module_is_left_alone(tmp_path: Path) -> 
         },
     )
     assert _problems(pkg) == []
+
+
+@pytest.mark.parametrize("package", ["_control", "_launch"])
+def test_type_only_cycle_of_a_package_no_longer_tolerated_is_named(
+    tmp_path: Path, package: str
+) -> None:
+    pkg = _tree(
+        tmp_path,
+        {
+            f"{package}/run.py": f"from aiodist.{package} import placement\n",
+            f"{package}/placement.py": f"""\
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from aiodist.{package}.run import LaunchSpec
+            """,
+        },
+    )
+    [problem] = _problems(pkg)
+    assert problem.startswith(f"import cycle: aiodist.{package}.placement (")
+    assert "placement.py:3, type only" in problem
