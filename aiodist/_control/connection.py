@@ -542,8 +542,12 @@ class ControlConnection(asyncio.Protocol):
     def member_channels(self) -> list[ControlChannel]:
         return list(self._channels.values())
 
-    def fresh_transport_state(self) -> None:
-        """A new transport for this protocol: framing, channels and the handshake start over."""
+    async def reopen(self) -> None:
+        """Connect again to the address ``connect_control`` reached (``reconnect.py``).
+
+        The new transport starts framing, channels and the handshake over.
+        """
+        assert self.address is not None
         self._decoder = FrameDecoder(CLIENT_LIMITS)
         self._out_channel = self._in_channel = 0
         self._outbox = []
@@ -555,6 +559,7 @@ class ControlConnection(asyncio.Protocol):
         rules.echoed = False
         rules.unanswered_since = None
         rules.last_heard = self.loop.time()
+        await self.loop.create_connection(lambda: self, *self.address)
 
     def back(self) -> None:
         """Every member re-attached: heartbeats again, at once (the echo restarts the watch)."""

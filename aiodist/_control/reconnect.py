@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from aiodist import _settings
 from aiodist._control.channel import ServerLost
@@ -32,9 +32,8 @@ from aiodist._errors import AuthenticationError, DistError
 
 if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel
-    from aiodist._control.connection import ControlConnection
 
-__all__ = ["DEFAULT_SERVER_GRACE", "Reconnect", "server_grace"]
+__all__ = ["DEFAULT_SERVER_GRACE", "LostConnection", "Reconnect", "server_grace"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +51,59 @@ def server_grace() -> float:
         return DEFAULT_SERVER_GRACE
 
 
+class LostConnection(Protocol):
+    """A control connection as its search for the server sees it.
+
+    ``aiodist._control.connection.ControlConnection`` is the one implementation:
+    it owns its transport and its members' channels, and this module the policy
+    of looking for the server (backoff, re-attaching, giving up).
+    """
+
+    reattached: bool  # every member re-attached: their pending requests may go again
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def server(self) -> str:
+        """The server's address, for the log."""
+        ...
+
+    @property
+    def token(self) -> str:
+        """The token to prove again ("": none)."""
+        ...
+
+    @property
+    def error(self) -> DistError | None:
+        """Why the connection is unusable, or None while it works."""
+        ...
+
+    async def reopen(self) -> None:
+        """Open a new transport to the server's address, the state of the last one reset."""
+        ...
+
+    async def authenticate(self, token: str, timeout: float) -> None:
+        """Answer the server's challenge with a proof of ``token``."""
+        ...
+
+    def member_channels(self) -> list[ControlChannel]: ...
+
+    def transport_or_none(self) -> asyncio.Transport | None: ...
+
+    def back(self) -> None:
+        """Every member re-attached: tell them the server is back."""
+        ...
+
+    def give_up(self, why: str, grace: float) -> None:
+        """The server did not come back within ``grace`` seconds: fail every member."""
+        ...
+
+
 class Reconnect:
     """One connection's search for its server (see the module)."""
 
-    def __init__(self, conn: ControlConnection, why: str, grace: float) -> None:
+    def __init__(self, conn: LostConnection, why: str, grace: float) -> None:
         self.conn = conn
         self.why = why
         self.grace = grace
@@ -64,7 +112,7 @@ class Reconnect:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def start(cls, conn: ControlConnection, why: str) -> Reconnect | None:
+    def start(cls, conn: LostConnection, why: str) -> Reconnect | None:
         """Start looking for the server; None when reconnecting is off (grace 0)."""
         grace = server_grace()
         if grace <= 0:
@@ -132,9 +180,7 @@ class Reconnect:
 
     async def _attempt(self, remaining: float) -> None:
         conn = self.conn
-        assert conn.address is not None
-        conn.fresh_transport_state()
-        await conn.loop.create_connection(lambda: conn, *conn.address)
+        await conn.reopen()
         if conn.token:
             await conn.authenticate(conn.token, remaining)
         channels = [c for c in conn.member_channels() if c.reattach is not None]

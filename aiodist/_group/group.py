@@ -426,7 +426,8 @@ class ProcessGroup:
             self._expire(work, "")
 
     async def _expire_named(self, work: Work[Any], seq: int) -> None:
-        where = await stalls.where_others_are(self._session, self.name, seq)
+        session = self._session
+        where = await stalls.where_others_are(session.conn, session.group_name, self.name, seq)
         self._expire(work, where)
 
     def _expire(self, work: Work[Any], where: str) -> None:

@@ -2,7 +2,8 @@
 
 Joining parses the init method, listens on the data plane, starts heartbeats
 (a timer of the control connection, stopped when it closes) and sends the
-``Join``; the server's ``Welcome`` makes the session. An embedded server runs
+``Join``; the server's ``Welcome`` makes the session, then its world group
+(the session knows its groups only as ``SessionGroup``). An embedded server runs
 in a task owned by ``open_process_group`` (made only when this process embeds
 one). Nothing outlives the ``async with``.
 
@@ -37,10 +38,12 @@ from aiodist._control.rendezvous import (
     parse_init_method,
 )
 from aiodist._control.store import REPLY_GRACE
+from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import LingeringTask
 from aiodist._group.session import (
     CLOSE_GRACE,
     DEFAULT_TIMEOUT,
+    WORLD_GROUP_ID,
     Session,
 )
 from aiodist._plane.peers import DataPlane
@@ -50,7 +53,7 @@ from aiodist._wire.messages import Join, Reattach
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 
-    from aiodist._group.group import ProcessGroup
+    from aiodist._group.session import SessionGroup
     from aiodist._server.serve import RendezvousServer
 
 __all__ = ["open_process_group", "run_close_hooks"]
@@ -181,7 +184,7 @@ async def open_process_group(
             await servers.aclose()
 
 
-async def run_close_hooks(groups: Iterable[ProcessGroup], grace: float) -> None:
+async def run_close_hooks(groups: Iterable[SessionGroup], grace: float) -> None:
     """Run the close hooks of ``groups`` while they are usable; wait for what they started.
 
     A hook may return a future (the metric board's: its syncs reaching every
@@ -343,6 +346,8 @@ async def _joined(
             heartbeat_timeout=hb_timeout,
         )
         session.hostname = host
+        world = ProcessGroup(session, range(session.world_size), name=name, group_id=WORLD_GROUP_ID)
+        session.groups[WORLD_GROUP_ID] = world
         # Admitted to a formed elastic job: its rank space is past the size it formed with.
         newcomer = max_ws > 0 and welcome.world_size > spec.world_size
         if newcomer:
@@ -362,7 +367,7 @@ async def _joined(
         if newcomer:  # its first view: the notice of its own join, right behind the Welcome
             with anyio.fail_after(timeout):
                 await session.views.after(-1)
-        yield session.world
+        yield world
     finally:
         with anyio.CancelScope(shield=True):
             await run_close_hooks(session.groups.values(), min(timeout, CLOSE_GRACE))

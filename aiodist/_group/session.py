@@ -4,7 +4,10 @@ A *session* is this process's membership in one job: its control connection,
 the job's store, heartbeats, the member table, and (once the data plane joins
 in) the channels to its peers. It hears of failed members from the server and
 of lost connections from the data plane, decides who failed, and breaks its
-groups (``group.py``) with the same error on every rank. Closing it lets
+groups with the same error on every rank. It sees its groups through
+``SessionGroup``, what it needs of them: ``group.py``'s ``ProcessGroup``
+builds on the session, never the other way round (``join.py`` makes the world
+group once the session is made). Closing it lets
 started operations finish, leaves the job, and keeps an embedded server up
 while other members still use it.
 
@@ -29,7 +32,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import anyio
 
@@ -50,11 +53,11 @@ from aiodist._errors import (
 )
 from aiodist._group import dumps, tracefile
 from aiodist._group.ending import failure_of, interrupted
-from aiodist._group.group import ProcessGroup
 from aiodist._group.lingering import linger
-from aiodist._group.membership import isolate_failure
+from aiodist._group.membership import failed_error
 from aiodist._group.recorder import Recorder, new_recorder
-from aiodist._group.views import Views, follow_join
+from aiodist._group.views import Views
+from aiodist._wire.bounds import MAX_WORLD_SIZE
 from aiodist._wire.messages import (
     Barrier,
     DumpNotice,
@@ -68,9 +71,10 @@ from aiodist._wire.messages import (
 from aiodist._wire.timing import STALL_WINDOW, reattach_window
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from aiodist._control.channel import ControlChannel, Notice
+    from aiodist._group.inflight import Deadlines
     from aiodist._plane.peers import DataPlane
     from aiodist._server.serve import RendezvousServer
     from aiodist._wire.messages import PeerError, Welcome
@@ -79,8 +83,10 @@ __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "DEFAULT_TIMEOUT",
+    "WORLD_GROUP_ID",
     "MemberInfo",
     "Session",
+    "SessionGroup",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,6 +103,8 @@ CLOSE_GRACE: Final = 30.0
 LEAVE_TIMEOUT: Final = 5.0
 # How long a process that embeds the server keeps it up for the other members.
 EMBEDDED_SERVER_LINGER: Final = 60.0
+#: The group id of the job's world group (``join.py`` makes it with the session).
+WORLD_GROUP_ID: Final = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +116,37 @@ class MemberInfo:
     host: str
     pid: int
     addresses: tuple[str, ...]
+
+
+class SessionGroup(Protocol):
+    """What the session needs of each of its groups (``group.ProcessGroup``).
+
+    The session breaks them when a member fails or a peer says so, fails a
+    call a member aborted, and closes them with itself; the rest of a group
+    (its operations, its numbering, torch's side) is the group's own.
+    """
+
+    ranks: Sequence[int]  # the job's rank of each group rank
+    error: DistError | None  # what broke it; None while usable
+    keeps_p2p: bool  # broken by a member's failure: point-to-point goes on
+    closed: bool
+    deadlines: Deadlines  # its operations in flight
+
+    def break_(self, exc: DistError, *, notify: bool = True, keep_p2p: bool = False) -> None:
+        """Mark the group unusable with ``exc`` here and (``notify``) on every member."""
+        ...
+
+    def abort_remote(self, seq: int, exc: AbortedError) -> None:
+        """A member aborted call ``seq``: fail it here, now or when it is made."""
+        ...
+
+    def on_close(self, method: Callable[[], object]) -> None:
+        """Call the bound ``method`` (held weakly) when the group or its session closes."""
+        ...
+
+    def run_close_hooks(self) -> list[asyncio.Future[Any]]:
+        """Run the close hooks registered so far; return the futures they returned."""
+        ...
 
 
 class Session:
@@ -176,8 +215,8 @@ class Session:
         plane.on_peer_left = self._peer_left
         plane.on_peer_error = self._peer_error
         plane.on_peer_refused = self._peer_refused
-        self.world = ProcessGroup(self, range(self.world_size), name=group_name, group_id=0)
-        self.groups: dict[int, ProcessGroup] = {0: self.world}
+        # Its groups by id; the world group (WORLD_GROUP_ID) first, put here by ``join.py``.
+        self.groups: dict[int, SessionGroup] = {}
 
     def _where(self) -> list[Any]:
         # ``Heartbeat.where``'s entry of this member (but its channel): ``[current, last, sent]``.
@@ -204,6 +243,11 @@ class Session:
             "collective on the default group"
         )
         self.world.keeps_p2p = True
+
+    @property
+    def world(self) -> SessionGroup:
+        """The job's world group (``join.py`` makes it once the session is made)."""
+        return self.groups[WORLD_GROUP_ID]
 
     def next_group_id(self) -> int:
         return next(self._group_ids)
@@ -461,6 +505,52 @@ class Session:
                 hook(rank)
         self._wake()
 
+    def _members_joined(self, notice: MembersJoined) -> None:
+        """The server admitted newcomers: grow this member's view of the job."""
+        try:
+            joined = [(int(r), str(h)) for r, h, _ in notice.joined]
+            ranks = [int(r) for r in notice.ranks]
+        except (TypeError, ValueError):
+            logger.warning("ignoring a malformed notice of members that joined: %r", notice)
+            return
+        if notice.world_size > self.world_size and notice.world_size <= MAX_WORLD_SIZE:
+            plane = self.plane
+            old = plane.host_ids
+            ids = [old[r] for r in range(self.world_size)]
+            fresh = max(ids, default=0) + 1
+            hosts = dict(joined)
+            for rank in range(self.world_size, notice.world_size):
+                if hosts.get(rank) == self.hostname:
+                    ids.append(ids[self.rank] if self.rank < len(ids) else fresh)
+                else:
+                    ids.append(fresh)  # another host (or one this member does not know)
+                    fresh += 1
+            self.world_size = notice.world_size
+            self.forget_members()  # the table is fetched again, newcomers' addresses with it
+            plane.grow(notice.world_size, ids)
+        self.views.joined(notice.epoch, ranks, [r for r, _ in joined])
+
+    def isolate_failure(self, rank: int, host: str, pid: int, reason: str) -> None:
+        """Break what needs failed ``rank`` on this member, and nothing else (``membership``)."""
+        if rank in self.failed_ranks or not 0 <= rank < self.world_size:
+            return
+        exc = failed_error(rank, host, pid, reason)
+        self.failed_ranks[rank] = exc
+        # Sends to it and receives from it fail now (its channels are dropped).
+        self.plane.peer_failed(rank, exc)
+        for group in list(self.groups.values()):
+            if rank in group.ranks and group.error is None and not group.closed:
+                # Every member of the group hears the same notice: no need to tell them.
+                group.break_(exc, notify=False, keep_p2p=True)
+        self.note_trouble()
+        for hook in list(self.on_member_gone):
+            hook(rank)
+
+    def ranks_alive(self) -> list[int]:
+        """The job's ranks that neither failed nor left, as this member knows them."""
+        gone = self.failed_ranks.keys() | self.plane.left.keys()
+        return [r for r in range(self.world_size) if r not in gone]
+
     def _wake(self) -> None:
         news, self._news = self._news, asyncio.Event()
         news.set()
@@ -476,7 +566,7 @@ class Session:
         elif isinstance(notice, ServerAway | ServerBack):
             self._wake()  # a wait for the server's verdict stops or starts counting
         elif isinstance(notice, MembersJoined):
-            follow_join(self, notice)
+            self._members_joined(notice)
         elif isinstance(notice, MembersFailed):
             try:
                 failures = notice.each()
@@ -494,7 +584,7 @@ class Session:
                 return  # told again (a re-attached member hears every failure of its job)
             self.views.gone(notice.rank)
             # Only what needs it breaks (failure isolation, membership.py).
-            isolate_failure(self, notice.rank, notice.host, notice.pid, notice.reason)
+            self.isolate_failure(notice.rank, notice.host, notice.pid, notice.reason)
 
     def note_trouble(self) -> None:
         """A group of this session broke: wake whoever waits for the first sign of trouble."""

@@ -19,7 +19,7 @@ from aiodist._errors import DistError
 from aiodist._wire.messages import StatusRequest
 
 if TYPE_CHECKING:
-    from aiodist._group.session import Session
+    from aiodist._control.channel import ControlChannel
 
 __all__ = ["ASK_TIMEOUT", "seq_of", "where_others_are"]
 
@@ -34,24 +34,25 @@ def seq_of(description: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-async def where_others_are(session: Session, group: str, seq: int) -> str:
-    """A sentence on who call ``seq`` of ``group`` waits for, from the server ('' if unknown)."""
-    if session.conn.closed or not seq:
+async def where_others_are(conn: ControlChannel, job: str, group: str, seq: int) -> str:
+    """A sentence on who call ``seq`` of ``group`` (of ``job``) waits for ('' if unknown).
+
+    Asked of the rendezvous server over ``conn``, this rank's connection to it.
+    """
+    if conn.closed or not seq:
         return ""
     snap: Any = None
     with anyio.move_on_after(ASK_TIMEOUT):
         try:
-            snap = await session.conn.request(
-                lambda r: StatusRequest(r, session.group_name), timeout=ASK_TIMEOUT
-            )
+            snap = await conn.request(lambda r: StatusRequest(r, job), timeout=ASK_TIMEOUT)
         except DistError:
             return ""
     if not isinstance(snap, dict):
         return ""
-    job = next((j for j in snap.get("jobs", []) if j.get("name") == session.group_name), None)
-    if job is None:
+    state = next((j for j in snap.get("jobs", []) if j.get("name") == job), None)
+    if state is None:
         return ""
-    for call in job.get("waits", []):
+    for call in state.get("waits", []):
         if call["group"] == group and call["seq"] == seq:
             return describe_wait(call)
-    return positions_line(job)
+    return positions_line(state)

@@ -1,8 +1,8 @@
 """Membership views of an elastic job: who is in it, epoch by epoch.
 
 The server owns the sequence (``_server/membership.py``): each membership change of
-a formed job (a join, a failure, a leave) is one epoch. A member follows it
-from the server's notices, in the order the server sent them: a join carries
+a formed job (a join, a failure, a leave) is one epoch. A member (its session)
+follows it from the server's notices, in the order the server sent them: a join carries
 the whole view and its epoch; a failure or a leave moves the view on by one.
 Groups are formed over a view (``regroup``), never over "whoever is alive".
 """
@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
-
-from aiodist._wire.bounds import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterable
 
-    from aiodist._group.session import Session
-    from aiodist._wire.messages import MembersJoined
-
-__all__ = ["MembershipView", "Views", "follow_join"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MembershipView", "Views"]
 
 # Views a member keeps, so that a watcher that fell behind still sees each one.
 MAX_VIEWS: Final = 64
@@ -108,29 +100,3 @@ class Views:
         while True:
             yield view
             view = await self.after(view.epoch)
-
-
-def follow_join(session: Session, notice: MembersJoined) -> None:
-    """The server admitted newcomers (``MembersJoined``): grow this member's view of the job."""
-    try:
-        joined = [(int(r), str(h)) for r, h, _ in notice.joined]
-        ranks = [int(r) for r in notice.ranks]
-    except (TypeError, ValueError):
-        logger.warning("ignoring a malformed notice of members that joined: %r", notice)
-        return
-    if notice.world_size > session.world_size and notice.world_size <= MAX_WORLD_SIZE:
-        plane = session.plane
-        old = plane.host_ids
-        ids = [old[r] for r in range(session.world_size)]
-        fresh = max(ids, default=0) + 1
-        hosts = dict(joined)
-        for rank in range(session.world_size, notice.world_size):
-            if hosts.get(rank) == session.hostname:
-                ids.append(ids[session.rank] if session.rank < len(ids) else fresh)
-            else:
-                ids.append(fresh)  # another host (or one this member does not know)
-                fresh += 1
-        session.world_size = notice.world_size
-        session.forget_members()  # the table is fetched again, newcomers' addresses with it
-        plane.grow(notice.world_size, ids)
-    session.views.joined(notice.epoch, ranks, [r for r, _ in joined])

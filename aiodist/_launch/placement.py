@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import anyio
 
@@ -37,14 +37,32 @@ from aiodist._wire.tls import speaks_tls_message
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from aiodist._launch.run import LaunchSpec
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["PROBE_TIMEOUT", "failure_suspects", "parse_endpoint", "place_server"]
+__all__ = ["PROBE_TIMEOUT", "Placement", "failure_suspects", "parse_endpoint", "place_server"]
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT: Final = 5.0  # an aiodist server answers a status request in milliseconds
+
+
+class Placement(Protocol):
+    """Where a launch looks for its server: the options of ``aiodist run`` that say so.
+
+    ``aiodist._launch.run.LaunchSpec`` is the one implementation; its docstring
+    says what each means.
+    """
+
+    @property
+    def rdzv_endpoint(self) -> str: ...
+    @property
+    def nnodes(self) -> int: ...
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def master_addr(self) -> str: ...
+    @property
+    def master_port(self) -> int: ...
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -109,7 +127,7 @@ async def _host(tg: TaskGroup, host: str, port: int, token: str | None) -> Rende
 
 
 async def place_server(
-    spec: LaunchSpec, tg: TaskGroup, token: str | None
+    spec: Placement, tg: TaskGroup, token: str | None
 ) -> tuple[tuple[str, int], RendezvousServer | None]:
     """Find or host the job's server; return its address and the server if hosted here.
 
@@ -130,7 +148,7 @@ async def place_server(
 
 
 async def _join_or_host(
-    spec: LaunchSpec, tg: TaskGroup, token: str | None
+    spec: Placement, tg: TaskGroup, token: str | None
 ) -> tuple[tuple[str, int], RendezvousServer | None]:
     host, port = parse_endpoint(spec.rdzv_endpoint)
     where = f"{host}:{port}"

@@ -27,7 +27,6 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
-from aiodist._group.membership import ranks_alive
 from aiodist._group.work import Work
 from aiodist._rpc.calls import Call, Deadlines, Request
 from aiodist._rpc.contexts import incoming
@@ -103,7 +102,7 @@ class Agent:
 
     def ranks_alive(self) -> list[int]:
         """The ranks that neither failed nor left (rpc.shutdown completes among them)."""
-        return ranks_alive(self.session)
+        return self.session.ranks_alive()
 
     def alone(self) -> bool:
         """Whether every other rank failed or left (shutdown needs no one's word then)."""

@@ -123,10 +123,10 @@ async def open_world(
     return group
 
 
-async def close_world(group: ProcessGroup) -> None:
-    """Leave the rpc world of its own whose group is ``group`` (a no-op for any other)."""
+async def close_world(session: Session) -> None:
+    """Leave the rpc world of its own whose session is ``session`` (a no-op for any other)."""
     world = _own
-    if world is None or world.group is not group:
+    if world is None or world.group.session is not session:
         return
     world.stop.set()
     await asyncio.shield(asyncio.gather(world.task, return_exceptions=True))
@@ -142,7 +142,7 @@ def _at_exit(exc: BaseException | None) -> None:
     async def end() -> None:
         session.end_with(exc)
         with anyio.CancelScope(shield=True):
-            await close_world(world.group)
+            await close_world(session)
 
     if world.loop.is_running():  # another thread's loop (aiodist.sync's)
         wait_future(asyncio.run_coroutine_threadsafe(end(), world.loop))

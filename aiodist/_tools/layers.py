@@ -15,8 +15,7 @@ The rules (shared/DESIGN.md, "Layers"):
 - No import cycle between modules, counting imports inside functions: no file
   imports a file that imports it back, however many files lie between. Inside
   one package, imports under ``TYPE_CHECKING`` count too: a reader has to hold
-  such a cycle in mind all the same (``TYPE_CYCLES_TOLERATED`` names the
-  packages whose type-only cycles are still to go).
+  such a cycle in mind all the same.
 - The package root holds only the public face and the errors module.
 
 **The layers are a graph, not a ladder.** Up to ``_group`` each layer builds on
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LAYERS",
     "PUBLIC",
-    "TYPE_CYCLES_TOLERATED",
     "Import",
     "beneath",
     "check",
@@ -88,10 +86,6 @@ LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (
 PUBLIC: Final = (
     "__init__", "__main__", "sync", "metrics", "testing", "rpc", "transport", "remote"
 )  # fmt: skip
-#: Packages (or modules) whose cycles through ``TYPE_CHECKING`` imports are still
-#: tolerated: the control side, the launchers and the session, reworked next. A
-#: type-only import from or to one of them does not count; every other one does.
-TYPE_CYCLES_TOLERATED: Final = ("_control", "_launch", "_group.session")
 _NAMES: Final = tuple(name for name, _, _ in LAYERS)
 
 
@@ -233,16 +227,7 @@ def check(modules: Sequence[str], imports: Iterable[Import]) -> list[str]:
 
 def _counts_for_cycles(imp: Import) -> bool:
     """Runtime imports always; type-only ones inside one package (see the module docstring)."""
-    if not imp.type_only:
-        return True
-    if layer_of(imp.importer) != layer_of(imp.imported):
-        return False
-    return not any(_tolerated(m) for m in (imp.importer, imp.imported))
-
-
-def _tolerated(module: str) -> bool:
-    inner = module.partition(".")[2]  # "_group.session" of "aiodist._group.session"
-    return any(inner == t or inner.startswith(t + ".") for t in TYPE_CYCLES_TOLERATED)
+    return not imp.type_only or layer_of(imp.importer) == layer_of(imp.imported)
 
 
 def _cycles(modules: Sequence[str], imports: list[Import]) -> list[str]:

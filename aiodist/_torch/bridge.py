@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._group.group import ProcessGroup
 from aiodist._ops import staging
 from aiodist._torch import ops
 from aiodist._torch.agree import agree, checking, signature_of
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
     from aiodist._ops.agreement import Signature
     from aiodist._ops.requests import Request
@@ -503,8 +503,11 @@ async def tear_down(group: ProcessGroup) -> None:
         group.bridge = None
         return
     for other in list(group.session.groups.values()):
+        # Every group of a session is a ProcessGroup; the session types them by what it uses.
+        if not isinstance(other, ProcessGroup) or other is group:
+            continue
         other_bridge = _bridge_of(other)
-        if other is not group and other_bridge is not None:
+        if other_bridge is not None:
             await asyncio.shield(other_bridge.aclose(None))
             other.bridge = None
     await asyncio.shield(bridge.aclose(dist.destroy_process_group))

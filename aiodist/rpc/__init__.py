@@ -347,7 +347,7 @@ async def _init_rpc(name: str, rank: int, world_size: int, settings: RpcSettings
         # init_rpc may use them on its callee (get_worker_info, a call by name).
         await aiodist.barrier(group=group)
     except BaseException:
-        await close_world(group)
+        await close_world(group.session)
         raise
 
 
@@ -433,7 +433,7 @@ async def _shutdown(agent: Agent, graceful: bool, timeout: float | None) -> None
 async def _leave_after(agent: Agent, started: Work[None]) -> None:
     """Once rpc stopped here, leave the rpc world if it is one of its own."""
     await started
-    await close_world(agent.session.world)
+    await close_world(agent.session)
 
 
 def _what(name: str, to: object) -> str:

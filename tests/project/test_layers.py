@@ -236,7 +236,8 @@ def test_type_only_cycle_inside_a_package_is_named(tmp_path: Path) -> None:
     assert "b.py:3, type only" in problem
 
 
-def test_type_only_cycle_of_a_tolerated_module_is_left_alone(tmp_path: Path) -> None:
+def test_type_only_cycle_between_session_and_group_is_named(tmp_path: Path) -> None:
+    # No package's type-only cycles are tolerated any more: not even the session's.
     pkg = _tree(
         tmp_path,
         {
@@ -248,4 +249,27 @@ def test_type_only_cycle_of_a_tolerated_module_is_left_alone(tmp_path: Path) -> 
             """,
         },
     )
-    assert _problems(pkg) == []
+    [problem] = _problems(pkg)
+    assert problem.startswith("import cycle: aiodist._group.group (")
+    assert "group.py:3, type only" in problem
+    assert "aiodist._group.session (" in problem
+
+
+@pytest.mark.parametrize("package", ["_control", "_launch"])
+def test_type_only_cycle_of_a_package_no_longer_tolerated_is_named(
+    tmp_path: Path, package: str
+) -> None:
+    pkg = _tree(
+        tmp_path,
+        {
+            f"{package}/run.py": f"from aiodist.{package} import placement\n",
+            f"{package}/placement.py": f"""\
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from aiodist.{package}.run import LaunchSpec
+            """,
+        },
+    )
+    [problem] = _problems(pkg)
+    assert problem.startswith(f"import cycle: aiodist.{package}.placement (")
+    assert "placement.py:3, type only" in problem

@@ -23,7 +23,7 @@ async def test_a_table_the_job_outgrew_while_it_came_is_not_kept(
         session = g.session
         loading = asyncio.ensure_future(session.members())
         await asyncio.sleep(0)  # the request is on its way
-        session.forget_members()  # the job grew meanwhile, as ``follow_join`` does
+        session.forget_members()  # the job grew meanwhile, as ``Session._members_joined`` does
         came = await loading
         again = await session.members()
         return again is not came and again == came  # fetched anew (the same job here)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import aiodist
-from aiodist._group.membership import isolate_failure
 from aiodist._group.work import Work
 from aiodist._metrics import board, slots
 from aiodist._metrics.board_work import BoardWork
@@ -448,7 +447,7 @@ async def test_after_a_member_failed_the_syncs_it_wrote_wait_for_the_live_ranks(
             flushed.set()
             return []
         await flushed.wait()
-        isolate_failure(g.session, 0, "", 0, "gone in this test")
+        g.session.isolate_failure(0, "", 0, "gone in this test")
         if g.rank == 2:
             await made.wait()
         works = []
