@@ -37,6 +37,7 @@ __all__ = [
     "cpu_seconds",
     "recv",
     "running",
+    "sched_seconds",
     "stop_process",
 ]
 
@@ -64,18 +65,29 @@ def cpu_seconds(pid: int | None) -> float:
     Read from each thread's ``schedstat`` (time on a CPU): ``/proc/PID/stat``
     counts in clock ticks of 10 ms, too coarse for a small run. 0 if unknown.
     """
+    return sched_seconds(pid)[0]
+
+
+def sched_seconds(pid: int | None) -> tuple[float, float]:
+    """Seconds process ``pid`` spent on a CPU so far, and waiting for one, its live threads
+    together (each thread's ``schedstat``); (0, 0) if unknown.
+
+    The wait is time it could have run while other processes held every CPU: on a
+    shared machine, what its wall-clock time holds besides its own work.
+    """
     if pid is None:
-        return 0.0
-    total = 0
+        return 0.0, 0.0
+    ran = waited = 0
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     for tid in threads:
         with contextlib.suppress(OSError, ValueError, IndexError):
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-    return total / 1e9
+                fields = f.read().split()
+                ran, waited = ran + int(fields[0]), waited + int(fields[1])
+    return ran / 1e9, waited / 1e9
 
 
 def stop_process(proc: ForkServerProcess | SpawnProcess) -> None:

@@ -27,6 +27,11 @@ complete in the kernel before the server accepted it, so counting until then
 let the accept queue overflow at 16K ranks.
 aiodist ranks then leave (``Leave``) before they close, outside the clock.
 
+Beside each server's CPU time inside the clock, the table shows how long the
+server waited for a CPU while it could have run (its run-queue wait): on a
+machine other work shares, the wall-clock times hold that wait too, and it can
+exceed the server's own work by far.
+
 TCPStore's master runs with ``DNS_WORKAROUND`` as in the full-client benchmark
 (its reverse look-up of each client otherwise waits out a 5 s resolver timeout
 here, one connection after another).
@@ -50,7 +55,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from benchmarks._common import Goal, format_table, summarize
-from benchmarks._servers import HOST, AiodistServer, TCPStoreMaster, cpu_seconds, running
+from benchmarks._servers import HOST, AiodistServer, TCPStoreMaster, running, sched_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -427,12 +432,12 @@ def _run(
         for p in pipes:
             if not p.poll(120) or p.recv() != "ready":
                 raise RuntimeError("a simulator worker did not start")
-        cpu_before = cpu_seconds(server.pid)
+        sched_before = sched_seconds(server.pid)
         start = time.monotonic()
         for p in pipes:
             p.send("go")
         reports = [p.recv() if p.poll(timeout + 30) else None for p in pipes]
-        server_cpu = cpu_seconds(server.pid) - cpu_before  # before any rank leaves
+        sched_after = sched_seconds(server.pid)  # before any rank leaves
         for p in pipes:
             p.send("close")
         for p in pipes:  # let the workers close their sockets before the next run
@@ -457,7 +462,11 @@ def _run(
             "cpu": None,
         }
     phases = [max(r["finished"][i] for r in got) - start for i in range(len(SIM_PHASES))]
-    cpu = {"server": server_cpu, "clients": sum(r["cpu"] for r in got)}
+    cpu = {
+        "server": sched_after[0] - sched_before[0],
+        "server_wait": sched_after[1] - sched_before[1],
+        "clients": sum(r["cpu"] for r in got),
+    }
     return {"wall": phases[-1], "phases": phases, "error": "", "cpu": cpu}
 
 
@@ -545,6 +554,8 @@ def sim_bench(
                     # and the simulated ranks' (every worker process together).
                     "server_cpu_s": summarize([r["cpu"]["server"] for r in done if r["cpu"]]),
                     "clients_cpu_s": summarize([r["cpu"]["clients"] for r in done if r["cpu"]]),
+                    # Seconds the server could have run but waited for a CPU (the load).
+                    "server_wait_s": summarize([r["cpu"]["server_wait"] for r in done if r["cpu"]]),
                 }
             aio = row.get("aiodist", {}).get("summary_s")
             tcp = row.get("tcpstore", {}).get("summary_s")
@@ -578,7 +589,7 @@ def sim_bench(
 
 def _not_run(why: str) -> dict[str, Any]:
     return {"wall_s": [], "summary_s": None, "phases_s": None, "errors": [why],
-            "server_cpu_s": None, "clients_cpu_s": None}  # fmt: skip
+            "server_cpu_s": None, "clients_cpu_s": None, "server_wait_s": None}  # fmt: skip
 
 
 def _s(summary: Any) -> str:
@@ -588,7 +599,7 @@ def _s(summary: Any) -> str:
 def render_sim(data: dict[str, Any]) -> str:
     """The simulator's table: N, aiodist, TCPStore, ratio; each server's CPU seconds inside
     the clock (the server's own cost, apart from the simulated ranks sharing its cores),
-    the simulated ranks' CPU, and aiodist's steps."""
+    the simulated ranks' CPU, how long each server waited for a CPU, and aiodist's steps."""
     rows = []
     for res in data["results"]:
         shared = res.get("aiodist_ranks_per_connection")
@@ -619,6 +630,8 @@ def render_sim(data: dict[str, Any]) -> str:
             (res.get(system) or {}).get("clients_cpu_s") for system in ("aiodist", "tcpstore")
         ]
         cells.append(" / ".join(_s(c) for c in clients))
+        waits = [(res.get(system) or {}).get("server_wait_s") for system in ("aiodist", "tcpstore")]
+        cells.append(" / ".join(_s(w) for w in waits))
         phases = (res.get("aiodist") or {}).get("phases_s") or [None] * 3
         cells.append(" / ".join(_s(p) for p in phases))
         rows.append(cells)
@@ -631,6 +644,7 @@ def render_sim(data: dict[str, Any]) -> str:
             "server CPU aiodist / TCPStore (s)",
             "server CPU TCPStore/aiodist",
             "simulated ranks' CPU aiodist / TCPStore (s)",
+            "server waiting for a CPU aiodist / TCPStore (s)",
             "aiodist join / keys / barrier (s)",
         ],
         rows,

@@ -378,6 +378,7 @@ def test_sim_runs_both_servers_and_times_their_cpu() -> None:
         assert row[system]["summary_s"].median > 0
         assert row[system]["server_cpu_s"].median > 0  # the server's own work, in the clock
         assert row[system]["clients_cpu_s"].median > 0
+        assert row[system]["server_wait_s"].median >= 0  # what the machine's load cost it
     assert row["server_cpu_ratio_tcpstore_over_aiodist"] > 0
     (line,) = [x for x in render_sim(data).splitlines() if x.startswith("64 ")]
     assert "x" in line
