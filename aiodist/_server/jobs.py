@@ -61,8 +61,6 @@ class Member:
     local_rank: int = -1
     status: MemberStatus = "joining"
     done: bool = False  # its join deadline no longer applies
-    # Its entry in the heartbeat sweep's heap (``Membership.watch``); 0: none.
-    watched: int = 0
     # What its heartbeats say it does: (current, last) operations (``where.py``).
     position: tuple[Any, Any] | None = None
     # Its proof of membership when it re-attaches (``Join.secret``); None: not known yet

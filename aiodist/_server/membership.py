@@ -43,18 +43,11 @@ Rules this part of the job table keeps:
 - Heartbeats are checked by a periodic sweep, every quarter of the shortest
   heartbeat timeout of the members present, never more often than every
   ``MIN_SWEEP_INTERVAL``: it speeds up for a job with a short timeout, and
-  slows down again once that job is gone. A sweep looks only at the members
-  that may have gone silent by then (a heap of when each could be, at the
-  earliest), not at every member: each member is looked at about once per
-  heartbeat timeout, so a server holding N members spends O(N / timeout) per
-  second on it, not O(N) per sweep.
+  slows down again once that job is gone.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -118,15 +111,6 @@ class Membership:
         self.restartable = False  # told to members in their Welcome (see reattach.py)
         self.next_sweep: float | None = None
         self._sweep_interval = MAX_SWEEP_INTERVAL
-        # (the earliest a member could be found silent, sequence, member): what a sweep
-        # looks at. A member's entry is never later than the time it could fail: its
-        # last_seen only grows, but when it re-attaches (``watch`` then replaces its
-        # entry). Only the entry whose sequence the member holds counts; the others are
-        # dropped when they come up, or once they are half the heap (members gone).
-        self._silence: list[tuple[float, int, Member]] = []
-        self._silence_seq = itertools.count(1)
-        # The sweep interval of each watched member, counted: the sweep needs the least.
-        self._intervals: Counter[float] = Counter()
 
     # --- joining ---------------------------------------------------------------------------
 
@@ -213,7 +197,7 @@ class Membership:
         job.add(member)
         state.member = member
         self.log.rank_joined(member)
-        self.watch(member, now)
+        self.watch(member.heartbeat_timeout, now)
         if grow:
             self._admit(member, now)
         elif len(job.members) < job.world_size:
@@ -221,14 +205,9 @@ class Membership:
         else:
             self._form(job, now)
 
-    def watch(self, member: Member, now: float) -> None:
-        """``member`` is here (or back): sweep often enough for it, and look at it once
-        it could be silent, counting from ``now`` at the earliest."""
-        interval = _sweep_interval(member.heartbeat_timeout)
-        if not member.watched:
-            self._intervals[interval] += 1
-        self._expect(member, max(member.last_seen, now))
-        self._sweep_interval = min(self._sweep_interval, interval)
+    def watch(self, heartbeat_timeout: float, now: float) -> None:
+        """A member with ``heartbeat_timeout`` is here: sweep often enough for it."""
+        self._sweep_interval = min(self._sweep_interval, _sweep_interval(heartbeat_timeout))
         # A shorter heartbeat timeout than any before must not wait for a sweep planned
         # with the old, longer interval.
         if self.next_sweep is None or now + self._sweep_interval < self.next_sweep:
@@ -448,8 +427,6 @@ class Membership:
             member.away.done = True
         job = member.job
         job.discard(member)
-        if member.watched:
-            self._unwatch(member)
         if member.status == "left" and member.rank in job.left:
             job.barriers.member_left(member.rank)
         if not job.members and not job.ended:
@@ -466,64 +443,25 @@ class Membership:
         job.end()
         self.log.job_finished(job, now)
 
-    def _unwatch(self, member: Member) -> None:
-        """``member`` is gone: the sweep no longer looks at it, nor needs its interval."""
-        member.watched = 0
-        interval = _sweep_interval(member.heartbeat_timeout)
-        self._intervals[interval] -= 1
-        if not self._intervals[interval]:
-            del self._intervals[interval]
-        # Its entry would hold it until it came up (a heartbeat timeout later): once
-        # entries of members gone are half the heap, they go (amortized O(1) a member).
-        silence = self._silence
-        if len(silence) > 2 * self._intervals.total():
-            self._silence = [entry for entry in silence if entry[2].watched == entry[1]]
-            heapq.heapify(self._silence)
-
-    def _expect(self, member: Member, seen: float) -> None:
-        """Look at ``member`` again at the first sweep after ``seen`` + its timeout."""
-        member.watched = seq = next(self._silence_seq)
-        heapq.heappush(self._silence, (seen + member.heartbeat_timeout, seq, member))
-
     def sweep(self, now: float) -> None:
-        """Fail the members silent for longer than their heartbeat timeout.
-
-        Only the members whose entry came up are looked at; those that spoke since
-        are put back for when they could be silent next.
-        """
-        silence = self._silence
-        due: list[Member] = []
-        by_job: dict[Job, set[Member]] = {}
-        while silence and silence[0][0] <= now:
-            _, seq, member = heapq.heappop(silence)
-            job = member.job
-            if member.watched != seq or self.jobs.get(job.name) is not job:
-                continue  # gone, looked at later, or its job was started again
-            due.append(member)
-            if member.status == "active" and now - member.last_seen > member.heartbeat_timeout:
-                by_job.setdefault(job, set()).add(member)
-        silent: list[Member] = []
-        if by_job:  # in the order of jobs and their members, as the notices always went out
-            for job in self.jobs.values():
-                if (found := by_job.get(job)) is not None:
-                    silent += [m for m in job.members if m in found]
-        for member in silent:
-            silent_for = now - member.last_seen
-            if member.status == "active" and silent_for > member.heartbeat_timeout:
-                self.fail(member, f"missed heartbeats for {silent_for:.1f} s", now)
-                self.remove(member, now)
-                self.out.send(
-                    member.conn,
-                    ErrorReply(0, ErrorCode.RANK_FAILED, "declared failed: missed heartbeats", {}),
-                )
-                self.out.close(member.conn, "missed heartbeats")
-                self.conns[member.conn].member = None
-        for member in due:
-            if member.watched:  # a forming member's silence starts counting once it formed
-                seen = member.last_seen if member.status == "active" else now
-                self._expect(member, max(member.last_seen, seen))
-        # What the members still here need: it may grow again.
-        self._sweep_interval = min(self._intervals, default=MAX_SWEEP_INTERVAL)
+        """Fail the members silent for longer than their heartbeat timeout."""
+        shortest = MAX_SWEEP_INTERVAL  # what the members still here need: it may grow again
+        for job in list(self.jobs.values()):
+            for member in list(job.members):
+                shortest = min(shortest, _sweep_interval(member.heartbeat_timeout))
+                silent = now - member.last_seen
+                if member.status == "active" and silent > member.heartbeat_timeout:
+                    self.fail(member, f"missed heartbeats for {silent:.1f} s", now)
+                    self.remove(member, now)
+                    self.out.send(
+                        member.conn,
+                        ErrorReply(
+                            0, ErrorCode.RANK_FAILED, "declared failed: missed heartbeats", {}
+                        ),
+                    )
+                    self.out.close(member.conn, "missed heartbeats")
+                    self.conns[member.conn].member = None
+        self._sweep_interval = shortest
         self.next_sweep = now + self._sweep_interval if self.jobs else None
 
     def close(self, reason: str) -> None:

@@ -173,7 +173,6 @@ class Reattachment:
         member.conn = conn
         member.peer = state.peer
         member.last_seen = now
-        membership.watch(member, now)  # its silence counts from now, not from its window's end
         member.sent = None  # its counts go on from before: its next report is the baseline
         state.member = member
         self.reattached += 1
@@ -363,7 +362,7 @@ class Reattachment:
             job.epoch = len(job.failures) + len(job.left) + job.world_size - job.min_world_size
             for member in job.members:
                 self.away(member, now)
-                membership.watch(member, now)
+                membership.watch(member.heartbeat_timeout, now)
             self.restored_jobs += 1
             membership.log.record(
                 "job_restored",
