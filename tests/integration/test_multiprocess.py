@@ -58,6 +58,19 @@ WORKER = textwrap.dedent(
             except aiodist.RankFailedError as exc:
                 out["error"] = type(exc).__name__
                 out["failed_rank"] = exc.rank
+        elif mode == "collectives":  # barriers and small all_reduces until one fails
+            t, calls = torch.ones(1), 0
+            try:
+                while True:
+                    await aiodist.all_reduce(t)
+                    await aiodist.barrier()
+                    if not calls:
+                        print("running", flush=True)
+                    calls += 1
+            except aiodist.RankFailedError as exc:
+                out["error"] = type(exc).__name__
+                out["failed_rank"] = exc.rank
+                out["calls"] = calls
         elif mode == "server-gone":
             await store.set(f"ready/{rank}", b"")
             await store.wait([f"ready/{r}" for r in range(world)])
@@ -142,6 +155,33 @@ def test_ranks_in_separate_processes_exchange_tensors_through_the_daemon(
         left = (rank - 1) % 4
         assert out["from"] == left
         assert out["got"] == [float(left)] * 3
+
+
+@pytest.mark.parametrize("victim", [0, 3], ids=["root", "other"])
+async def test_rank_killed_in_small_collectives_through_rank_0_fails_them_everywhere(
+    daemon: tuple[str, int], tmp_path: Path, victim: int
+) -> None:
+    # Five ranks: barriers and small all_reduces go through group rank 0 (the star of
+    # exchange_rows). Whether rank 0 dies (everyone waits on it) or another rank (rank 0
+    # waits on it, the rest on rank 0), every survivor's call fails, naming the victim.
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    url = f"tcp://{daemon[0]}:{daemon[1]}"
+    procs = [_spawn(script, url, str(r), "5", "collectives") for r in range(5)]
+    try:
+        lines = procs[victim].stdout
+        assert lines is not None
+        with anyio.fail_after(60):  # its first barrier passed: every rank runs the loop
+            assert await anyio.to_thread.run_sync(lines.readline) == "running\n"
+        _kill(procs[victim])
+        survivors = _reap([p for r, p in enumerate(procs) if r != victim], timeout=30)
+    finally:
+        for p in procs:
+            _kill(p)
+    for out in survivors:
+        assert out["error"] == "RankFailedError", out
+        assert out["failed_rank"] == victim, out
+        assert int(out["calls"]) >= 1  # type: ignore[call-overload]
 
 
 async def test_killed_rank_is_reported_to_survivors_by_rank(
