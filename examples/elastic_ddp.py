@@ -127,14 +127,16 @@ def rejoin(model: torch.nn.Module, step: int, full: int) -> tuple[Any, int, int]
 def report(curve: list[tuple[int, int, float]], events: list[tuple[int, str]]) -> None:
     for step, event in events:
         print(f"event: step {step}: {event}")
-    marks = {
-        s: "a rank was killed here" if "killed" in e else "a rank joined here" for s, e in events
-    }
+    marks: dict[int, list[str]] = {}  # a replacement may join at the step of the kill
+    for step, event in events:
+        marks.setdefault(step, []).append(
+            "a rank was killed here" if "killed" in event else "a rank joined here"
+        )
     every = max(1, len(curve) // 20)
     for step, world, value in curve:
         if step % every == 0 or step in marks or step == curve[-1][0]:
             bar = "#" * min(60, round(value * 200))
-            mark = f"  <- {marks[step]}" if step in marks else ""
+            mark = f"  <- {', '.join(marks[step])}" if step in marks else ""
             print(f"step {step:3d}  world {world}  loss {value:9.6f}  {bar}{mark}")
     first, last = curve[0][2], curve[-1][2]
     print(

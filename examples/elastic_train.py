@@ -118,14 +118,16 @@ def report(
 ) -> None:
     for step, event in events:
         print(f"event: step {step}: {event}")
-    marks = {}
+    marks: dict[int, list[str]] = {}  # a newcomer may join at the step of a failure
     for step, event in events:
-        marks[step] = "a rank joined here" if "joined" in event else "a rank failed here"
+        marks.setdefault(step, []).append(
+            "a rank joined here" if "joined" in event else "a rank failed here"
+        )
     every = max(1, len(curve) // 24)
     for step, world, value in curve:
         if step % every == 0 or step in marks or step - 1 in marks or step == curve[-1][0]:
             bar = "#" * min(60, round(value * 4))
-            mark = f"  <- {marks[step]}" if step in marks else ""
+            mark = f"  <- {', '.join(marks[step])}" if step in marks else ""
             print(f"step {step:3d}  world {world}  loss {value:10.6f}  {bar}{mark}")
     first, last = curve[0][2], curve[-1][2]
     dist = (w - TRUE_W).norm().item()
