@@ -259,8 +259,8 @@ def exchange_rows(
     the critical path two hops and rank 0's handling of ``2 (size - 1)``
     messages against ``log2 size`` hops. With more ranks than cores (ranks of
     one host, a busy machine), the total is what the wait is: at 8 ranks on 2
-    cores a 4-byte all_reduce took 1.2-1.3 ms instead of 1.9-2.4 ms, a
-    barrier of 16 ranks 1.3-1.6 ms instead of 1.4-4.6 ms
+    quiet cores a 4-byte all_reduce took 0.65-0.9 ms instead of 1.0-1.5 ms,
+    a barrier 0.3-0.5 ms instead of 0.5-1.1 ms
     (``benchmarks/bench_collectives.py --small``).
 
     Round 0 uses ``step`` (``OPEN``: it carries the opening) and round ``k``
