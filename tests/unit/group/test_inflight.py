@@ -13,15 +13,13 @@ from aiodist._ops.p2p import irecv, isend
 from aiodist.testing import run_ranks
 
 
+@pytest.mark.parametrize("world_size", [ONE_ROUND_MAX_RANKS, ONE_ROUND_MAX_RANKS + 1])
 async def test_all_reduce_called_after_every_peer_sent_still_sends_its_part(
-    server: RendezvousServer,
+    server: RendezvousServer, world_size: int
 ) -> None:
     # Rank 0 calls all_reduce only once the others' messages are in: its handle could
-    # complete at call time, but only after its own part went out to everyone. Three
-    # ranks swap in one round, everyone with everyone (larger groups go through rank 0
-    # or in rounds, where rank 0's part has no such shortcut).
-    assert ONE_ROUND_MAX_RANKS >= 3
-
+    # complete at call time, but only after its own part went out to everyone (in one
+    # round, everyone with everyone; through rank 0, all the rows back to every rank).
     async def body(g: ProcessGroup) -> list[float]:
         await aiodist.all_reduce(torch.zeros(1), group=g)  # connections up
         t = torch.tensor([float(g.rank + 1)])
@@ -37,8 +35,9 @@ async def test_all_reduce_called_after_every_peer_sent_still_sends_its_part(
         return t.tolist()
 
     with anyio.fail_after(20):
-        outs = await run_ranks(server.address, 3, body)
-    assert outs == [[6.0]] * 3
+        outs = await run_ranks(server.address, world_size, body)
+    total = float(sum(range(1, world_size + 1)))
+    assert outs == [[total]] * world_size
 
 
 async def test_unmatched_receive_times_out_and_breaks_the_group_everywhere(
