@@ -67,6 +67,7 @@ from aiodist._wire.messages import (
     MembersJoined,
     MembersLeft,
     MembersRequest,
+    PeerError,
 )
 from aiodist._wire.timing import STALL_WINDOW, reattach_window
 
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
     from aiodist._group.inflight import Deadlines
     from aiodist._plane.peers import DataPlane
     from aiodist._server.serve import RendezvousServer
-    from aiodist._wire.messages import PeerError, Welcome
+    from aiodist._wire.messages import Welcome
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
@@ -427,6 +428,28 @@ class Session:
         else:
             group.break_(error, notify=False)
 
+    async def _retell_breaks(self) -> None:
+        """Before the goodbyes: tell each peer this rank has a channel to why a group of
+        theirs broke here (a disagreement, a timeout; not a member's failure or leave).
+
+        A member still waiting in the call that broke then reads the reason before this
+        rank's goodbye (one channel, in order). Otherwise the goodbye can overtake the
+        notice of the rank that found the reason (another channel), and the call fails
+        with "rank r left the job" instead: a rank that learned of a disagreement from
+        group rank 0 (``exchange_rows``) and ended its program at once.
+        """
+        routes = self.plane.routes
+        with anyio.move_on_after(LEAVE_TIMEOUT):  # a stopped peer's full socket waits no longer
+            for group_id, group in list(self.groups.items()):
+                exc = group.error
+                if exc is None or isinstance(exc, RankFailedError | ClosedError):
+                    continue
+                notice = PeerError(group_id, exc.code, str(exc), exc.wire_details())
+                for rank in group.ranks:
+                    if rank != self.rank and rank in routes:
+                        with contextlib.suppress(OSError, DistError):
+                            await self.plane.send_error(rank, notice)
+
     def _declared_failed(self) -> DistError | None:
         """This session's error if its loop stopped long enough for the server to fail it.
 
@@ -683,7 +706,10 @@ class Session:
             await self._leave()
         # A rank that lost its server does not leave cleanly (the server cannot hear it):
         # no goodbye, so that its peers learn why from their own server connection.
-        await self.plane.aclose(bye=self.conn.error is None and not failed)
+        bye = self.conn.error is None and not failed
+        if bye:
+            await self._retell_breaks()
+        await self.plane.aclose(bye=bye)
         await self._leave()
         self.conn.close()
         if self.server is not None and not self.abandoned:

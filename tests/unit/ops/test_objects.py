@@ -304,8 +304,12 @@ async def test_sync_random_seed_is_equal_on_all_ranks(
     ],
     ids=["gather-dst", "broadcast-src", "scatter-src", "broadcast-len", "op"],
 )
+# At 5 ranks the opening of a one-way call goes through group rank 0: the others learn
+# of the disagreement from its notice, and a rank that raised it and left at once must
+# not be what a rank still waiting hears instead ("rank r left the job").
+@pytest.mark.parametrize("world_size", [3, 5])
 async def test_disagreement_raises_mismatch_on_every_rank(
-    server: RendezvousServer, start: Any
+    server: RendezvousServer, start: Any, world_size: int
 ) -> None:
     async def body(g: ProcessGroup) -> tuple[str, CollectiveMismatchError | None]:
         work: Work[Any] = start(g)
@@ -322,7 +326,7 @@ async def test_disagreement_raises_mismatch_on_every_rank(
         return "none", None
 
     with anyio.fail_after(15):
-        outs = await run_ranks(server.address, 3, body, timeout=10)
+        outs = await run_ranks(server.address, world_size, body, timeout=10)
     assert all(isinstance(exc, CollectiveMismatchError) for _, exc in outs), outs
     assert sum(where == "op" for where, _ in outs) >= 2, outs  # both sides of a disagreement
     assert {exc.field for _, exc in outs if exc is not None} <= {"root", "shape", "op"}
