@@ -267,10 +267,11 @@ def exchange_rows(
     ``later + k`` (``step + k`` if ``later`` is None).
     """
     p = ex.g.world_size
+    later = step if later is None else later
     if p > STAR_MAX_RANKS:
-        _in_rounds(_Rows(ex, data, done, 1), step, step if later is None else later)
+        _in_rounds(_Rows(ex, data, done, 1), step, later)
     elif p > ONE_ROUND_MAX_RANKS:
-        _through_root(_Rows(ex, data, done, 1), step, step if later is None else later)
+        _through_root(_Rows(ex, data, done, 1), step, later)
     else:
         # Receives still to come, plus one for this rank's sends: however many messages
         # were waiting already, ``done`` runs only once every send went out.
