@@ -225,7 +225,14 @@ def _operation(name: str, fn: Callable[..., Any], imports: Imports) -> str:
         stub_false, _ = _params(fn, imports, stub=True, literal="Literal[False] = ...")
         stub_true, _ = _params(fn, imports, stub=True, literal="Literal[True]")
         impl, forward = _params(fn, imports, stub=False)
-        forward = [a for a in forward if a not in ("async_op", "async_op=async_op")]
+        # async_op goes to the portal by keyword, so what follows it goes by keyword too.
+        names = list(inspect.signature(fn).parameters)
+        after = set(names[names.index("async_op") + 1 :])
+        forward = [
+            f"{a}={a}" if a in after else a
+            for a in forward
+            if a not in ("async_op", "async_op=async_op")
+        ]
     else:
         stub_false, _ = _params(fn, imports, stub=True, extra="async_op: Literal[False] = ...")
         stub_true, _ = _params(fn, imports, stub=True, extra="async_op: Literal[True]")

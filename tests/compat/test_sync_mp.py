@@ -75,6 +75,10 @@ def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:
         assert out["recv_from"] == (rank - 1) % world
         assert out["recv"] == [float((rank - 1) % world)] * 4
         assert out["sparse"] == [True, [1.0] * world + [float(world)]]
+        if rank > 0:
+            summed = [6.0, 6.0] if rank == 1 else None
+            gathered = [1.0, 2.0, 3.0] if rank == 1 else None
+            assert out["group_roots"] == [[3.0, 3.0], summed, gathered, 9.0 + rank], out
         assert out["loop_threads_after"] == []  # destroy stopped the loop thread
         assert not out["initialized_after"]
     assert reports[0]["collect_results"] == [f"s{i}" for i in range(10)]

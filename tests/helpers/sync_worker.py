@@ -72,7 +72,26 @@ def workload(rank: int, world: int) -> dict[str, Any]:
     )
     dist.all_reduce(sparse)
     out["sparse"] = [sparse.is_sparse, sparse.to_dense().tolist()]
-    dist.barrier()
+    # Roots named by group rank (``group_src``, ``group_dst``, keywords after torch's
+    # ``async_op``): group rank g of ``top`` is global rank g + 1.
+    top = dist.new_group([1, 2, 3])
+    if rank > 0:
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, group=top, group_src=2)
+        r = torch.full((2,), float(rank))
+        dist.reduce(r, group=top, group_dst=0)
+        gathered = [torch.zeros(1) for _ in range(3)] if rank == 1 else None
+        dist.gather(torch.full((1,), float(rank)), gathered, group=top, group_dst=0)
+        pieces = [torch.full((1,), 10.0 + g) for g in range(3)] if rank == 3 else None
+        piece = torch.zeros(1)
+        dist.scatter(piece, pieces, group=top, group_src=2)
+        out["group_roots"] = [
+            b.tolist(),
+            r.tolist() if rank == 1 else None,
+            [t.item() for t in gathered] if gathered is not None else None,
+            piece.item(),
+        ]
+    dist.barrier(timeout=60)
     dist.destroy_process_group()
     out["loop_threads_after"] = _loop_threads()
     out["initialized_after"] = dist.is_initialized()
