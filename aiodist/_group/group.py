@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from aiodist._errors import (
     AbortedError,
@@ -47,12 +47,13 @@ from aiodist._wire.messages import PeerError
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Sequence
+    from datetime import timedelta
 
     from aiodist._control.store import Store
     from aiodist._group.session import Session
     from aiodist._wire.keys import Key
 
-__all__ = ["Bridge", "ProcessGroup"]
+__all__ = ["Bridge", "Methods", "ProcessGroup"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,20 @@ class Bridge(Protocol):
         ...
 
 
+class Methods(Protocol):
+    """torch's ``ProcessGroup`` methods that run an operation, as ``_group`` sees them.
+
+    ``_group`` knows no operation: ``aiodist._sync.portal.GroupMethods`` is the
+    one implementation, set as ``ProcessGroup.methods`` when ``aiodist`` is imported.
+    """
+
+    def monitored_barrier(
+        self, group: ProcessGroup, timeout: float | timedelta | None, wait_all_ranks: bool
+    ) -> Work[None]:
+        """``aiodist.monitored_barrier(group, ...)``: started in async code, waited for in plain."""
+        ...
+
+
 class ProcessGroup:
     """A set of ranks that communicate together.
 
@@ -94,6 +109,9 @@ class ProcessGroup:
         world_size: Number of ranks in the group.
         ranks: The global rank of each group rank.
     """
+
+    #: torch's methods that run an operation (see ``Methods``).
+    methods: ClassVar[Methods]
 
     def __init__(self, session: Session, ranks: Sequence[int], *, name: str, group_id: int) -> None:
         self._session = session
@@ -555,6 +573,17 @@ class ProcessGroup:
     def size(self) -> int:
         """Number of ranks in the group (torch's ``ProcessGroup.size()``)."""
         return self.world_size
+
+    def monitored_barrier(
+        self, timeout: float | timedelta | None = None, wait_all_ranks: bool = False
+    ) -> Work[None]:
+        """torch's ``ProcessGroup.monitored_barrier``: ``monitored_barrier(self, timeout)``.
+
+        In async code it returns the running ``Work`` (await it); in plain code
+        (``aiodist.sync``) it blocks until every member arrived and raises as
+        torch's does, naming the ranks that never came (then returns the ``Work``, done).
+        """
+        return self.methods.monitored_barrier(self, timeout, wait_all_ranks)
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"

@@ -301,14 +301,21 @@ def barrier(
     *,
     monitored: bool = False,
 ) -> Call:
-    """A barrier; ``monitored`` (torch's ``monitored_barrier``) waits the group's timeout."""
+    """A barrier; ``monitored`` (torch's ``monitored_barrier``) waits the group's timeout.
+
+    A monitored barrier takes a timeout of 0, as torch's does: it gives up at
+    once unless every member has arrived already.
+    """
+    least = ">= 0" if monitored else "> 0"
 
     def check(g: ProcessGroup | None) -> Request:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if seconds is None and monitored and g is not None:
             seconds = g.timeout
-        if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
-            raise ArgumentError(f"timeout must be a number of seconds > 0, got {seconds!r}")
+        if seconds is not None and (
+            isinstance(seconds, bool) or not (seconds >= 0 if monitored else seconds > 0)
+        ):
+            raise ArgumentError(f"timeout must be a number of seconds {least}, got {seconds!r}")
         if g is None or g.rank < 0:
             return _done(None)
         return Request(op=Op.BARRIER, description=name, timeout=seconds)

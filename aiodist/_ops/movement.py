@@ -453,10 +453,13 @@ async def meet(ex: Exchange, timeout: float | None, name: str) -> None:
             raise
         assert timeout is not None  # only a deadline expires
         missing = [g.ranks[r] for r, f in zip(peers, futures, strict=True) if not f.done()]
-        # torch's words lead ("Rank 1 failed to pass monitoredBarrier", "Timed out"), so
-        # that code and tests written against torch's message still match.
+        # torch's words lead ("Rank 1 failed to pass monitoredBarrier in 300 ms", "Rank 0
+        # timed out in monitoredBarrier", "Timed out"), so that code and tests written
+        # against torch's message still match.
+        ms = f"{timeout * 1000:.0f} ms"
         torch_words = (
-            "; ".join(f"Rank {r} failed to pass monitoredBarrier" for r in missing)
+            "; ".join(f"Rank {r} failed to pass monitoredBarrier in {ms}" for r in missing)
+            + f" (Rank {g.ranks[me]} timed out in monitoredBarrier after {ms})"
             if name == "monitored_barrier"
             else "Timed out"
         )

@@ -52,17 +52,21 @@ from anyio.from_thread import BlockingPortal
 
 from aiodist._group import ending
 from aiodist._group.ending import failure_of, interrupted
+from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work, wait_future
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
+from aiodist._ops.movement import monitored_barrier
 from aiodist._rpc import world as rpc_world
 from aiodist._sync import profiling
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
+    from datetime import timedelta
 
 
 __all__ = [
+    "GroupMethods",
     "call",
     "is_running",
     "loop_thread",
@@ -417,3 +421,34 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class GroupMethods:
+    """torch's ``ProcessGroup`` methods on aiodist's groups (``_group.group.Methods``).
+
+    On an event loop's thread (async code) a method starts its operation and
+    returns the ``Work``; from any other thread it runs it on the loop thread,
+    as ``aiodist.sync``'s functions do, and blocks, as torch's methods do (then
+    returns the ``Work``, done).
+    """
+
+    def monitored_barrier(
+        self, group: ProcessGroup, timeout: float | timedelta | None, wait_all_ranks: bool
+    ) -> Work[None]:
+        if _on_a_loop():
+            return monitored_barrier(group, timeout, wait_all_ranks)
+        work = submit(monitored_barrier, group, timeout, wait_all_ranks, async_op=True)
+        assert isinstance(work, Work)
+        work.wait()
+        return work
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+ProcessGroup.methods = GroupMethods()

@@ -165,19 +165,29 @@ if __name__ == "__main__":  # pragma: no cover
 
 MONITORED = """
 import json, sys, time
+from datetime import timedelta
 import aiodist.sync as dist
 
 init, rank = sys.argv[1], int(sys.argv[2])
 dist.init_process_group(init_method=init, rank=rank, world_size=2, timeout=60)
 store = dist.get_store()
+pair = dist.new_group([0, 1])
 out = {}
 if rank == 0:
+    try:
+        dist.barrier(timeout=0)
+    except ValueError as exc:
+        barrier = str(exc)
     began = time.monotonic()
     try:
         dist.monitored_barrier(timeout=1.0)  # rank 1 never comes
     except Exception as exc:
         out = {"error": [c.__name__ for c in type(exc).__mro__], "ranks": exc.ranks,
-               "seconds": time.monotonic() - began}
+               "seconds": time.monotonic() - began, "words": str(exc), "barrier": barrier}
+    try:  # torch's method of a group, with no time to wait at all
+        pair.monitored_barrier(timedelta(seconds=0))
+    except RuntimeError as exc:
+        out["method"] = str(exc)
     store.set("reported", "1")
 else:
     store.wait(["reported"], timeout=60)
@@ -217,5 +227,13 @@ async def test_monitored_barrier_in_real_processes_names_the_rank_that_never_cam
     assert "RuntimeError" in first["error"]
     assert first["ranks"] == [1]
     assert 0.9 < first["seconds"] < 4.0
+    # torch's words lead, as gloo says them.
+    assert first["words"].startswith("Rank 1 failed to pass monitoredBarrier in 1000 ms")
+    # ``group.monitored_barrier(timeout)``, torch's method: blocks in plain code, takes 0.
+    assert "Rank 1 failed to pass monitoredBarrier in 0 ms" in first["method"]
+    assert "Rank 0 timed out in monitoredBarrier after 0 ms" in first["method"]
+    assert "ranks [1] never arrived" in first["method"]
+    # A plain barrier still wants time to wait.
+    assert first["barrier"] == "timeout must be a number of seconds > 0, got 0", first
     assert outs[1] == {}
     assert all(proc.returncode == 0 for proc in procs)  # every process exited cleanly
