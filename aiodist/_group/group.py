@@ -100,6 +100,10 @@ class Methods(Protocol):
         """``aiodist.monitored_barrier(group, ...)``: started in async code, waited for in plain."""
         ...
 
+    def allreduce(self, group: ProcessGroup, tensors: Any, opts: Any) -> Work[Any]:
+        """``aiodist.all_reduce(tensor, op, group)``, started (from plain code too)."""
+        ...
+
 
 class ProcessGroup:
     """A set of ranks that communicate together.
@@ -584,6 +588,16 @@ class ProcessGroup:
         torch's does, naming the ranks that never came (then returns the ``Work``, done).
         """
         return self.methods.monitored_barrier(self, timeout, wait_all_ranks)
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Work[Any]:
+        """torch's ``ProcessGroup.allreduce``: ``all_reduce(tensor, op, group=self)``, started.
+
+        ``tensors`` is one tensor or a list of one; ``opts`` torch's
+        ``AllreduceOptions`` or a ``ReduceOp`` (sum if None). It returns the
+        running ``Work`` from plain and async code alike, as torch's does
+        (``.get_future()``, ``.wait()``, or ``await`` it).
+        """
+        return self.methods.allreduce(self, tensors, opts)
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal
 
+from aiodist._errors import ArgumentError
 from aiodist._group import ending
 from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.group import ProcessGroup
@@ -57,6 +58,7 @@ from aiodist._group.work import Work, wait_future
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.init import destroy_process_group
 from aiodist._ops.movement import monitored_barrier
+from aiodist._ops.reductions import all_reduce
 from aiodist._rpc import world as rpc_world
 from aiodist._sync import profiling
 
@@ -426,10 +428,10 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 class GroupMethods:
     """torch's ``ProcessGroup`` methods on aiodist's groups (``_group.group.Methods``).
 
-    On an event loop's thread (async code) a method starts its operation and
-    returns the ``Work``; from any other thread it runs it on the loop thread,
-    as ``aiodist.sync``'s functions do, and blocks, as torch's methods do (then
-    returns the ``Work``, done).
+    On an event loop's thread (async code) a method starts its operation
+    there; from any other thread it starts it on the loop thread, as
+    ``aiodist.sync``'s functions do. It returns the running ``Work``, except
+    where torch's method blocks: then plain code waits for it first.
     """
 
     def monitored_barrier(
@@ -437,10 +439,29 @@ class GroupMethods:
     ) -> Work[None]:
         if _on_a_loop():
             return monitored_barrier(group, timeout, wait_all_ranks)
-        work = submit(monitored_barrier, group, timeout, wait_all_ranks, async_op=True)
-        assert isinstance(work, Work)
+        work = _start(monitored_barrier, group, timeout, wait_all_ranks)
         work.wait()
         return work
+
+    def allreduce(self, group: ProcessGroup, tensors: Any, opts: Any) -> Work[Any]:
+        if isinstance(tensors, list | tuple):
+            if len(tensors) != 1:
+                raise ArgumentError(
+                    f"ProcessGroup.allreduce takes one tensor (or a list of one), got "
+                    f"{len(tensors)}; call it once per tensor, or all_reduce_coalesced"
+                )
+            (tensors,) = tensors
+        op = "sum" if opts is None else getattr(opts, "reduceOp", opts)
+        return _start(all_reduce, tensors, op, group)
+
+
+def _start(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
+    """``fn(*args)``, started here in async code, else on the loop thread: its ``Work``."""
+    if _on_a_loop():
+        return fn(*args)
+    work = submit(fn, *args, async_op=True)
+    assert isinstance(work, Work)
+    return work
 
 
 def _on_a_loop() -> bool:

@@ -79,6 +79,7 @@ def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:
             summed = [6.0, 6.0] if rank == 1 else None
             gathered = [1.0, 2.0, 3.0] if rank == 1 else None
             assert out["group_roots"] == [[3.0, 3.0], summed, gathered, 9.0 + rank], out
+        assert out["method"] == [3 * total] * 2
         assert out["loop_threads_after"] == []  # destroy stopped the loop thread
         assert not out["initialized_after"]
     assert reports[0]["collect_results"] == [f"s{i}" for i in range(10)]

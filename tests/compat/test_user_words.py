@@ -134,3 +134,20 @@ def test_cli_help_and_status_json_speak_to_the_user(capsys: pytest.CaptureFixtur
     report = json.loads(out.out)
     assert report["server"] == f"127.0.0.1:{port}"
     assert "no rendezvous server answers" in report["error"]
+
+
+async def test_a_groups_torch_methods_run_in_async_code(server: RendezvousServer) -> None:
+    async def body(g: ProcessGroup) -> Any:
+        t = torch.full((2,), float(g.rank + 1))
+        work = g.allreduce([t], aiodist.ReduceOp.MAX)  # torch's method: started at once
+        await work
+        with pytest.raises(ValueError, match="one tensor"):
+            g.allreduce([t, t])
+        summed = torch.ones(1)
+        await g.allreduce(summed)  # one tensor, the sum by default
+        await g.monitored_barrier(timedelta(seconds=10))
+        return t.tolist(), summed.item()
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [([3.0, 3.0], 3.0)] * 3

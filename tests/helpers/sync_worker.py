@@ -91,6 +91,12 @@ def workload(rank: int, world: int) -> dict[str, Any]:
             [t.item() for t in gathered] if gathered is not None else None,
             piece.item(),
         ]
+    # torch's methods of a group: allreduce starts it (a future to chain, as DDP's hooks do).
+    method = torch.full((2,), float(rank))
+    everyone = dist.group.WORLD
+    assert everyone is not None
+    fut = everyone.allreduce([method]).get_future()
+    out["method"] = fut.then(lambda f: [t * 3 for t in f.wait()]).wait()[0].tolist()
     dist.barrier(timeout=60)
     dist.destroy_process_group()
     out["loop_threads_after"] = _loop_threads()
