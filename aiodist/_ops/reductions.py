@@ -207,7 +207,8 @@ def start_all_reduce(
     assert t is not None
     assert reduce_op is not None
     p = g.world_size
-    nbytes, numel = t.numel() * t.element_size(), t.numel()
+    numel = t.numel()
+    nbytes = numel * t.element_size()
     # Only a tensor large enough for shared memory asks whether this group may use it.
     use_shm = shm and p > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     algorithm = schedules.all_reduce_algorithm(nbytes, numel, p, shared_memory=use_shm)
