@@ -43,12 +43,6 @@ __all__ = [
 _done = Request.done
 
 
-def _reduction(op: object, dtype: torch.dtype, call: str) -> str:
-    reduce_op = reduce_ops.reduce_op(op)
-    reduce_ops.check_op_dtype(reduce_op, dtype, call)
-    return reduce_op
-
-
 # --- reductions ------------------------------------------------------------------------------
 
 
@@ -56,7 +50,7 @@ def all_reduce(tensor: object, op: object, group: ProcessGroup | None) -> Call:
     def check(g: ProcessGroup | None) -> Request:
         bridged = g is not None and g.bridge is not None and g.bridge.crosses(tensor)
         t = check_tensor(tensor, "tensor", sparse=bridged)
-        reduce_op = _reduction(op, t.dtype, "all_reduce")
+        reduce_op = reduce_ops.reduction(op, t.dtype, "all_reduce")
         if g is None or g.rank < 0:
             return _done(t)
         return Request(
@@ -75,7 +69,7 @@ def reduce(
 ) -> Call:
     def check(g: ProcessGroup | None) -> Request:
         t = check_tensor(tensor, "tensor")
-        reduce_op = _reduction(op, t.dtype, "reduce")
+        reduce_op = reduce_ops.reduction(op, t.dtype, "reduce")
         if outsider(g):
             return _done(t)
         root = root_of(g, dst, group_dst, "dst")
@@ -153,7 +147,7 @@ def reduce_scatter_tensor(
     def check(g: ProcessGroup | None) -> Request:
         out = check_tensor(output, "output")
         t = check_tensor(input, "input")
-        reduce_op = _reduction(op, t.dtype, "reduce_scatter")
+        reduce_op = reduce_ops.reduction(op, t.dtype, "reduce_scatter")
         size = size_of(g)
         parts = slices(t, out, size)
         if parts is None or t.dtype != out.dtype:

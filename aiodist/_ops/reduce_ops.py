@@ -8,12 +8,14 @@ way everywhere.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._ops.tensors import SLICE_NUMEL, LazyModule
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 else:
     torch = LazyModule("torch")
@@ -24,11 +26,24 @@ __all__ = [
     "ReduceOp",
     "check_op_dtype",
     "combine",
+    "kernel",
     "reduce_op",
+    "reduction",
     "supports_complex",
 ]
 
-OPS: Final = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
+#: Each reduce op, and the torch function that computes it (on bool tensors, ``kernel`` says).
+_TORCH_NAMES: Final = {
+    "sum": "add",
+    "mean": "add",
+    "product": "mul",
+    "min": "minimum",
+    "max": "maximum",
+    "band": "bitwise_and",
+    "bor": "bitwise_or",
+    "bxor": "bitwise_xor",
+}
+OPS: Final = tuple(_TORCH_NAMES)
 ALIASES: Final = {"prod": "product", "avg": "mean", "average": "mean"}
 # torch.distributed refuses these on complex tensors (``supports_complex``).
 _NOT_COMPLEX: Final = ("product", "min", "max", "band", "bor", "bxor")
@@ -112,7 +127,7 @@ def _computable(op: str, dtype: torch.dtype) -> bool:
     if known is None:
         a = torch.ones(1, dtype=dtype)
         try:
-            _kernel(op, a, a, a)
+            kernel(op, dtype)(a, a, out=a)
             if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
                 torch.true_divide(a, 2)
             known = True
@@ -122,25 +137,49 @@ def _computable(op: str, dtype: torch.dtype) -> bool:
     return known
 
 
-def _kernel(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
-    if out.dtype == torch.bool and op in ("sum", "mean", "max"):
-        torch.logical_or(first, second, out=out)
-    elif out.dtype == torch.bool and op in ("product", "min"):
-        torch.logical_and(first, second, out=out)
-    elif op in ("sum", "mean"):
-        torch.add(first, second, out=out)
-    elif op == "product":
-        torch.mul(first, second, out=out)
-    elif op == "min":
-        torch.minimum(first, second, out=out)
-    elif op == "max":
-        torch.maximum(first, second, out=out)
-    elif op == "band":
-        torch.bitwise_and(first, second, out=out)
-    elif op == "bor":
-        torch.bitwise_or(first, second, out=out)
+_checked: dict[tuple[object, object], str] = {}
+
+
+def reduction(op: object, dtype: torch.dtype, call: str) -> str:
+    """``reduce_op(op)``, checked against ``dtype`` (``check_op_dtype``) for ``call``.
+
+    Runs on every reduction's call, so what passed is remembered (for ops given
+    as strings, ``ReduceOp`` included): the next call with them is one lookup.
+    """
+    named = isinstance(op, str)
+    if named:
+        known = _checked.get((op, dtype))
+        if known is not None:
+            return known
+    name = reduce_op(op)
+    check_op_dtype(name, dtype, call)
+    if named:
+        _checked[(op, dtype)] = name
+    return name
+
+
+_kernels: dict[tuple[str, object], Callable[..., Any]] = {}
+
+
+def kernel(op: str, dtype: torch.dtype) -> Callable[..., Any]:
+    """torch's function for ``op`` (canonical) on ``dtype``: ``fn(first, second, out=out)``.
+
+    On bool tensors ``sum``/``mean``/``max`` are logical or, ``product``/``min``
+    logical and. Looked up once per op and dtype: the small reductions call it
+    directly, once per part.
+    """
+    known = _kernels.get((op, dtype))
+    if known is not None:
+        return known
+    if dtype == torch.bool and op in ("sum", "mean", "max"):
+        name = "logical_or"
+    elif dtype == torch.bool and op in ("product", "min"):
+        name = "logical_and"
     else:
-        torch.bitwise_xor(first, second, out=out)
+        name = _TORCH_NAMES[op]
+    fn: Callable[..., Any] = getattr(torch, name)
+    _kernels[(op, dtype)] = fn
+    return fn
 
 
 def combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> None:
@@ -149,11 +188,12 @@ def combine(op: str, out: torch.Tensor, first: torch.Tensor, second: torch.Tenso
     Large tensors go through in slices of ``SLICE_NUMEL`` elements, each below
     torch's parallel grain, so that no rank wakes its intra-op thread pool.
     """
+    fn = kernel(op, out.dtype)
     n = out.numel()
     if n <= SLICE_NUMEL:
-        _kernel(op, out, first, second)
+        fn(first, second, out=out)
         return
     o, a, b = out.view(-1), first.reshape(-1), second.reshape(-1)
     for start in range(0, n, SLICE_NUMEL):
         stop = start + SLICE_NUMEL
-        _kernel(op, o[start:stop], a[start:stop], b[start:stop])
+        fn(a[start:stop], b[start:stop], out=o[start:stop])

@@ -49,26 +49,30 @@ def _direct_all_reduce(ex: Exchange, t: torch.Tensor, op: str) -> None:
 
     Every rank combines the same parts in the same order, so results are
     bitwise identical everywhere. The parts land in one staging buffer viewed
-    as a ``(size, numel)`` tensor: a few torch calls whatever the group size.
-    Driven by the data plane's callbacks: no task, no coroutine.
+    as ``size`` tensors shaped like ``t``: a few torch calls whatever the group
+    size, and the op's kernel called straight, once per part (the tensors are
+    below ``combine``'s slices). Driven by the data plane's callbacks: no task,
+    no coroutine.
     """
     buf = contiguous(t)
-    flat = buf.view(-1)
     p = ex.g.world_size
 
     def done(staging: memoryview) -> None:
-        if p > 1 and flat.numel():
-            parts = torch.frombuffer(staging, dtype=buf.dtype).view(p, -1)
-            reduce_ops.combine(op, flat, parts[0], parts[1])
-            for r in range(2, p):
-                reduce_ops.combine(op, flat, flat, parts[r])
+        if p > 1 and buf.numel():
+            fn = reduce_ops.kernel(op, buf.dtype)
+            first, second, *rest = (
+                torch.frombuffer(staging, dtype=buf.dtype).view(p, *buf.shape).unbind(0)
+            )
+            fn(first, second, out=buf)
+            for part in rest:
+                fn(buf, part, out=buf)
             if op == "mean":
                 divide_(buf, p)
         if buf is not t:
             copy_into(t, buf)
         ex.work.set_result(t)
 
-    exchange_rows(ex, byte_view(flat), done)
+    exchange_rows(ex, byte_view(buf), done)
 
 
 async def _recursive_doubling(ex: Exchange, buf: torch.Tensor, op: str) -> None:
@@ -203,10 +207,11 @@ def start_all_reduce(
     assert t is not None
     assert reduce_op is not None
     p = g.world_size
-    nbytes, numel = t.numel() * t.element_size(), t.numel()
-    algorithm = schedules.all_reduce_algorithm(
-        nbytes, numel, p, shared_memory=shm and p > 1 and shared.usable(g)
-    )
+    numel = t.numel()
+    nbytes = numel * t.element_size()
+    # Only a tensor large enough for shared memory asks whether this group may use it.
+    use_shm = shm and p > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
+    algorithm = schedules.all_reduce_algorithm(nbytes, numel, p, shared_memory=use_shm)
     work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
 
     def mine(algorithm: str) -> Signature:

@@ -51,6 +51,10 @@ class LazyModule:
         return value
 
 
+if not TYPE_CHECKING:
+    torch = LazyModule("torch")
+
+
 def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) -> torch.Tensor:
     """Return ``tensor`` if the data plane can carry it, else raise ``TypeError``/``ValueError``.
 
@@ -58,8 +62,6 @@ def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) 
     memory (``staging``). A sparse tensor is refused unless ``sparse`` (torch's
     gloo carries the call: its sparse all_reduce).
     """
-    import torch
-
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(
             f"Invalid function argument: {name} must be a torch.Tensor, got {type(tensor).__name__}"
@@ -117,8 +119,6 @@ def check_outputs(outs: object, name: str, like: torch.Tensor, size: int) -> lis
 
 def slices(whole: torch.Tensor, part: torch.Tensor, n: int) -> list[torch.Tensor] | None:
     """``whole`` as ``n`` views shaped like ``part`` (concatenated or stacked), else None."""
-    import torch
-
     if whole.numel() != n * part.numel():
         return None
     if whole.dim() and whole.shape[0] == n and whole.shape[1:] == part.shape:
@@ -167,6 +167,4 @@ def _divide(t: torch.Tensor, divisor: int) -> None:
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.div_(divisor)
     else:
-        import torch
-
         t.copy_(torch.true_divide(t, divisor))

@@ -130,8 +130,6 @@ _NUMPY_VIEWABLE: dict[Any, bool] = {}
 
 def byte_view(t: Any) -> memoryview:
     """A writable view of contiguous CPU tensor ``t``'s bytes (no copy): what travels."""
-    import torch
-
     assert t.is_contiguous()
     if t.numel() == 0:
         return memoryview(bytearray(0))
@@ -141,6 +139,8 @@ def byte_view(t: Any) -> memoryview:
         direct = _NUMPY_VIEWABLE[dtype] = _casts_directly(t)
     if direct and not t.requires_grad:
         return t.numpy().data.cast("B")  # type: ignore[no-any-return]  # the fast way
+    import torch  # here, not above: an import statement costs every small message
+
     return flat_view(t).view(torch.uint8).numpy().data.cast("B")  # type: ignore[no-any-return]
 
 

@@ -121,6 +121,35 @@ async def test_all_reduce_float_sums_are_bitwise_identical_on_every_rank(
             assert torch.equal(a, b)
 
 
+def _odd_shapes(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(shape, generator=gen) * 1e3 for shape in [(), (2, 3), (4, 1, 2)]]
+    # Contiguous to torch, with a stride of 7 on its dimension of size 1.
+    xs.append(torch.randn(5, generator=gen).as_strided((1, 5), (7, 1)))
+    return xs
+
+
+@pytest.mark.parametrize("world_size", [2, 4])  # one round; through group rank 0
+async def test_small_all_reduce_keeps_shapes_and_sums_in_rank_order(
+    server: RendezvousServer, world_size: int
+) -> None:
+    async def body(g: ProcessGroup) -> list[torch.Tensor]:
+        xs = _odd_shapes(g.rank)
+        for x in xs:
+            assert x.is_contiguous()
+            assert await all_reduce(x, group=g) is x
+        return xs
+
+    with anyio.fail_after(30):
+        results = await run_ranks(server.address, world_size, body)
+    inputs = [_odd_shapes(r) for r in range(world_size)]
+    for i in range(len(inputs[0])):
+        expected = functools.reduce(torch.add, [xs[i] for xs in inputs])  # rank 0 first
+        for r in range(world_size):
+            assert results[r][i].shape == inputs[0][i].shape
+            assert torch.equal(results[r][i], expected), f"rank {r}, tensor {i}"
+
+
 ALGORITHM_CASES = [
     ("sum", torch.float32),
     ("max", torch.int64),
