@@ -14,6 +14,8 @@ started without ``RANK`` (it joins the running job).
 - ``newcomer``: the last rank kills itself after the first barrier; the others
   wait for its replacement, which reports its rank and world size and then
   tries an ``all_reduce`` on the default group before any ``regroup``.
+
+Ranks die only once every rank is past that barrier (the store says so).
 """
 
 from __future__ import annotations
@@ -59,8 +61,13 @@ def main() -> None:
         dist.destroy_process_group()
         return
     dist.barrier()
-    last = int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1
-    if last or MODE == "all_die":
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Ranks die only once every rank is past the barrier: one that left it and died at
+    # once could fail a peer's barrier that had not read its message yet.
+    store = dist.get_store()
+    store.set(f"passed/{rank}", "1")
+    store.wait([f"passed/{r}" for r in range(world)], timeout=60)
+    if rank == world - 1 or MODE == "all_die":
         os.kill(os.getpid(), signal.SIGKILL)
     if MODE == "late":
         time.sleep(float(os.environ.get("REPLACE_LINGER", "1")))
