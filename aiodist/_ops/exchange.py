@@ -230,6 +230,7 @@ def exchange_rows(
     *,
     step: int = OPEN,
     later: int | None = None,
+    fold: Callable[[memoryview], memoryview] | None = None,
 ) -> None:
     """Swap ``data`` with every rank of ``ex``'s group, with no task; then ``done(rows)``.
 
@@ -266,32 +267,44 @@ def exchange_rows(
 
     Round 0 uses ``step`` (``OPEN``: it carries the opening) and round ``k``
     ``later + k`` (``step + k`` if ``later`` is None).
+
+    ``fold`` (an all_reduce's reduction) turns the rows into one row of
+    ``data.nbytes``, which ``done`` then gets instead of the rows. Through
+    rank 0, only rank 0 folds, and sends the others its result instead of the
+    rows: they fold nothing, and every rank ends with rank 0's bytes.
     """
     p = ex.g.world_size
     later = step if later is None else later
     if p > STAR_MAX_RANKS:
-        _in_rounds(_Rows(ex, data, done, 1), step, later)
+        _in_rounds(_Rows(ex, data, done, 1, fold), step, later)
     elif p > ONE_ROUND_MAX_RANKS:
-        _through_root(_Rows(ex, data, done, 1), step, later)
+        _through_root(_Rows(ex, data, done, 1, fold), step, later)
     else:
         # Receives still to come, plus one for this rank's sends: however many messages
         # were waiting already, ``done`` runs only once every send went out.
-        _in_one_round(_Rows(ex, data, done, p), step)
+        _in_one_round(_Rows(ex, data, done, p, fold), step)
 
 
 class _Rows:
     """One exchange's staging rows, and the countdown to ``done``."""
 
-    __slots__ = ("_done", "_left", "ex", "n", "staging")
+    __slots__ = ("_done", "_left", "ex", "fold", "folded", "n", "staging")
 
     def __init__(
-        self, ex: Exchange, data: memoryview, done: Callable[[memoryview], None], left: int
+        self,
+        ex: Exchange,
+        data: memoryview,
+        done: Callable[[memoryview], None],
+        left: int,
+        fold: Callable[[memoryview], memoryview] | None,
     ) -> None:
         self.ex, self.n = ex, data.nbytes
         self.staging = memoryview(bytearray(ex.g.world_size * self.n))
         self.row(ex.g.rank)[:] = data
         self._done = done
         self._left = left  # what is still to come before done may run
+        self.fold = fold
+        self.folded: memoryview | None = None  # the fold's result, made (or received) once
 
     def row(self, r: int) -> memoryview:
         return self.staging[r * self.n : (r + 1) * self.n]
@@ -304,7 +317,11 @@ class _Rows:
         self._left -= 1
         if self._left == 0 and not self.ex.work.is_completed():
             try:
-                self._done(self.staging)
+                if self.fold is None:
+                    self._done(self.staging)
+                else:
+                    folded = self.folded
+                    self._done(self.fold(self.staging) if folded is None else folded)
             except Exception as exc:
                 self.ex.fail(exc)
 
@@ -356,18 +373,22 @@ def _in_rounds(rows: _Rows, step: int, later: int) -> None:
 
 
 def _through_root(rows: _Rows, step: int, later: int) -> None:
-    """Every row to group rank 0 at ``step``; all of them back from it at ``later + 1``."""
+    """Every row to group rank 0 at ``step``; all of them (or their fold) back at ``later + 1``."""
     ex, n = rows.ex, rows.n
     p, me = ex.g.world_size, ex.g.rank
     if me:
         rows.send(0, step, rows.row(me))
+        back_n = p * n if rows.fold is None else n
+        into = rows.staging if rows.fold is None else memoryview(bytearray(n))
 
         def back(got: Received) -> None:
-            if got.data.nbytes != p * n:
-                raise ProtocolError(f"{got.data.nbytes} bytes where {p * n} belong")
+            if got.data.nbytes != back_n:
+                raise ProtocolError(f"{got.data.nbytes} bytes where {back_n} belong")
+            if rows.fold is not None:
+                rows.folded = got.data
             rows.one_less()
 
-        ex.post(0, later + 1, rows.staging if n else None, back)
+        ex.post(0, later + 1, into if n else None, back)
         return
     left = p - 1
 
@@ -376,10 +397,17 @@ def _through_root(rows: _Rows, step: int, later: int) -> None:
         left -= 1
         if left:
             return
+        out = rows.staging
+        if rows.fold is not None:
+            try:
+                out = rows.folded = rows.fold(out)
+            except Exception as exc:
+                ex.fail(exc)
+                return
         for r in range(1, p):
             if ex.work.is_completed():
                 return
-            rows.send(r, later + 1, rows.staging if n else None)
+            rows.send(r, later + 1, out if n else None)
         rows.one_less()
 
     for r in range(1, p):

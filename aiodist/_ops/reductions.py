@@ -45,19 +45,22 @@ _FOLD, _UNFOLD = 1 << 19, (1 << 19) + 1
 
 
 def _direct_all_reduce(ex: Exchange, t: torch.Tensor, op: str) -> None:
-    """Send ``t`` to every rank, then reduce all parts in rank order (one round).
+    """``t``'s part to every rank (``exchange_rows``), reduced in rank order.
 
-    Every rank combines the same parts in the same order, so results are
-    bitwise identical everywhere. The parts land in one staging buffer viewed
-    as ``size`` tensors shaped like ``t``: a few torch calls whatever the group
-    size, and the op's kernel called straight, once per part (the tensors are
-    below ``combine``'s slices). Driven by the data plane's callbacks: no task,
-    no coroutine.
+    Whoever reduces combines the parts in rank order: through group rank 0,
+    rank 0 alone, and the others take its bytes; else every rank, the same
+    parts in the same order. Either way results are bitwise identical
+    everywhere. The parts land in one staging buffer viewed as ``size``
+    tensors shaped like ``t``: a few torch calls whatever the group size, and
+    the op's kernel called straight, once per part (the tensors are below
+    ``combine``'s slices). Driven by the data plane's callbacks: no task, no
+    coroutine.
     """
     buf = contiguous(t)
+    mine = byte_view(buf)
     p = ex.g.world_size
 
-    def done(staging: memoryview) -> None:
+    def fold(staging: memoryview) -> memoryview:
         if p > 1 and buf.numel():
             fn = reduce_ops.kernel(op, buf.dtype)
             first, second, *rest = (
@@ -68,11 +71,16 @@ def _direct_all_reduce(ex: Exchange, t: torch.Tensor, op: str) -> None:
                 fn(buf, part, out=buf)
             if op == "mean":
                 divide_(buf, p)
+        return mine
+
+    def done(result: memoryview) -> None:
+        if result is not mine:  # group rank 0 folded the rows: its bytes, as it sent them
+            mine[:] = result
         if buf is not t:
             copy_into(t, buf)
         ex.work.set_result(t)
 
-    exchange_rows(ex, byte_view(buf), done)
+    exchange_rows(ex, mine, done, fold=fold)
 
 
 async def _recursive_doubling(ex: Exchange, buf: torch.Tensor, op: str) -> None:
