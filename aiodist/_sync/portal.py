@@ -437,10 +437,9 @@ class GroupMethods:
     def monitored_barrier(
         self, group: ProcessGroup, timeout: float | timedelta | None, wait_all_ranks: bool
     ) -> Work[None]:
-        if _on_a_loop():
-            return monitored_barrier(group, timeout, wait_all_ranks)
         work = _start(monitored_barrier, group, timeout, wait_all_ranks)
-        work.wait()
+        if not _on_a_loop():
+            work.wait()  # torch's blocks
         return work
 
     def allreduce(self, group: ProcessGroup, tensors: Any, opts: Any) -> Work[Any]:
