@@ -84,8 +84,7 @@ def signature(
     """
     if tensor is None:
         return [op, None, shape, reduce_op, root, algorithm]
-    name = _dtype_names.get(tensor.dtype) or dtype_name(tensor)
-    return [op, name, list(tensor.shape), reduce_op, root, algorithm]
+    return [op, dtype_name(tensor), list(tensor.shape), reduce_op, root, algorithm]
 
 
 def check(g: ProcessGroup, mine: Signature, msg: Received) -> None:
