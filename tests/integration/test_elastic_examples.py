@@ -70,8 +70,9 @@ async def test_elastic_ddp_goes_on_after_a_kill_in_backward_and_takes_in_a_repla
     steps = int(summary.split("elastic ddp: ")[1].split(" steps")[0])
     assert steps >= max(40, int(joined.group(1)) + 5), summary
     assert summary.endswith("world 4 -> 4"), summary
-    assert "<- a rank was killed here" in out, out
-    assert "<- a rank joined here" in out, out
+    # The replacement may join at the step of the kill: then one mark names both.
+    assert re.search(r"<- a rank was killed here", out), out
+    assert re.search(r"<- (.*, )?a rank joined here", out), out
     assert "was killed by SIGKILL; starting a replacement" in result.stderr
 
 
