@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiodist._group.lingering import linger
 from aiodist._group.work import Work
-from aiodist._group.world import is_initialized
+from aiodist._group.world import is_initialized, resolve_group
 from aiodist._metrics.board import Board
 from aiodist._metrics.fused import Route, reduce_locally, start_sync
 from aiodist._metrics.record import Single, encode_host
@@ -83,7 +83,6 @@ from aiodist._metrics.state import (
     host_number,
 )
 from aiodist._metrics.state import take_snapshot as _take_snapshot
-from aiodist._ops.run import resolve_group
 from aiodist._sync import portal
 from aiodist._torch.handoff import quiet as torch_quiet
 

@@ -36,7 +36,6 @@ from aiodist import (
     DistError,
     DistTimeoutError,
     GroupBrokenError,
-    GroupMember,
     MemberInfo,
     MembershipView,
     P2POp,
@@ -71,7 +70,6 @@ from aiodist import (
     get_process_group_ranks,
     get_rank,
     get_world_size,
-    group,
     infer_launcher,
     is_available,
     is_backend_available,
@@ -94,7 +92,7 @@ from aiodist import (
 )
 from aiodist._group.world import torch_type as _torch_type
 from aiodist._sync import handoff as _portal
-from aiodist._sync.blocking import batch_isend_irecv, get_store
+from aiodist._sync.blocking import GroupMember, batch_isend_irecv, get_store, group
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, overload
 
-from aiodist._errors import ArgumentError
+from aiodist._errors import ArgumentError, ArgumentTypeError
+from aiodist._group.group import ProcessGroup
 from aiodist._group.session import DEFAULT_TIMEOUT
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
     from aiodist._control.store import Store
-    from aiodist._group.group import ProcessGroup
 
 __all__ = [
     "TORCH_TYPES",
     "Backend",
     "DefaultGroup",
     "GroupMember",
+    "as_group",
     "default_group_for",
     "default_group_loop",
     "default_pg_timeout",
@@ -59,6 +60,7 @@ __all__ = [
     "get_store",
     "get_world_size",
     "group",
+    "group_or_default",
     "install_default",
     "install_local_group",
     "is_available",
@@ -74,6 +76,7 @@ __all__ = [
     "is_xccl_available",
     "master_only",
     "replace_default_group",
+    "resolve_group",
     "set_debug_level",
     "take_default",
     "torch_type",
@@ -102,16 +105,19 @@ default_pg_timeout: Final = timedelta(seconds=DEFAULT_TIMEOUT)
 class _WorldMeta(type):
     """Gives ``GroupMember.WORLD`` (and ``group.WORLD``) its live value, as torch's does."""
 
+    _world: Callable[[], object]
+
     @property
-    def WORLD(cls) -> ProcessGroup | None:
+    def WORLD(cls) -> Any:
         """The default (world) group; None when not initialised."""
-        return get_default_group()
+        return cls._world()
 
 
 class GroupMember(metaclass=_WorldMeta):
     """torch.distributed's group constants: ``WORLD`` (live), ``NON_GROUP_MEMBER``."""
 
     NON_GROUP_MEMBER: Final = -100
+    _world: Callable[[], object] = staticmethod(lambda: get_default_group())
 
 
 class group(metaclass=_WorldMeta):
@@ -120,6 +126,8 @@ class group(metaclass=_WorldMeta):
     Example:
         >>> aiodist.get_rank(aiodist.group.WORLD)
     """
+
+    _world: Callable[[], object] = staticmethod(lambda: get_default_group())
 
 
 class Backend(str):
@@ -178,8 +186,52 @@ def get_default_group() -> ProcessGroup | None:
     return None if _default is None else _default.group
 
 
-def _group(group: ProcessGroup | None) -> ProcessGroup | None:
-    return group if group is not None else default_group_for()
+def as_group(group: object) -> ProcessGroup | None:
+    """The aiodist group ``group`` names; None stays None.
+
+    An aiodist group is itself. A torch.distributed group over this job names
+    the aiodist group under it: torch's groups on the ``aiodist`` backend
+    (``aiodist.sync``'s ``group.WORLD``, a DDP's ``process_group``) and the
+    torch groups a bridged group brought up (``backend="gloo"``/``"nccl"``).
+
+    Raises:
+        TypeError: ``group`` is neither (a torch group of another job, a rank list).
+    """
+    if group is None or type(group) is ProcessGroup:
+        return group
+    rides = getattr(group, "aiodist_group", None)  # _torch.backend.AiodistProcessGroup
+    if callable(rides):
+        g = rides()
+        if g is None:
+            raise RuntimeError(f"{group!r} has been destroyed: its aiodist job is gone")
+        return g  # type: ignore[no-any-return]
+    default = get_default_group()
+    if default is not None:
+        for g in list(default.session.groups.values()):
+            if isinstance(g, ProcessGroup) and g.bridge and g.bridge.torch_group is group:
+                return g
+    raise ArgumentTypeError(
+        f"group must be an aiodist process group (group.WORLD, or one new_group made) or a "
+        f"torch.distributed group over aiodist's job, got {group!r}; a torch group of "
+        "another backend goes to torch.distributed's own functions"
+    )
+
+
+def group_or_default(group: object, what: str) -> ProcessGroup:
+    """``group``'s aiodist group, or the default group: ``what`` needs one.
+
+    Raises:
+        RuntimeError: No ``group`` and not initialised.
+    """
+    g = as_group(group) if group is not None else get_default_group()
+    if g is None:
+        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
+    return g
+
+
+def resolve_group(group: object) -> ProcessGroup | None:
+    """``group``'s aiodist group, else the default group, else None (not initialised)."""
+    return as_group(group) if group is not None else default_group_for()
 
 
 _warned_alone = False
@@ -223,7 +275,7 @@ def is_distributed() -> bool:
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (default: world); 0 when not initialised."""
-    g = _group(group)
+    g = resolve_group(group)
     return 0 if g is None else g.rank
 
 
@@ -232,7 +284,7 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
     -1 on a process outside ``group``, as torch.distributed answers.
     """
-    g = _group(group)
+    g = resolve_group(group)
     if g is None:
         return 1
     return g.world_size if g.rank >= 0 else -1
@@ -244,10 +296,10 @@ def get_backend(group: ProcessGroup | None = None) -> str | None:
     A torch.distributed group (``_get_default_group()``, a DDP's) is answered
     by torch: its backend is torch's to name.
     """
-    g = _group(group)
     torch_dist = sys.modules.get("torch.distributed")
-    if torch_dist is not None and isinstance(g, torch_dist.ProcessGroup):
-        return str(torch_dist.get_backend(g))
+    if torch_dist is not None and isinstance(group, torch_dist.ProcessGroup):
+        return str(torch_dist.get_backend(group))
+    g = resolve_group(group)
     return None if g is None else g.backend
 
 
@@ -283,7 +335,7 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     Raises:
         ValueError: Not initialised.
     """
-    g = _group(group)
+    g = resolve_group(group)
     if g is None:
         raise ArgumentError(
             "Default process group has not been initialized, call init_process_group"
@@ -299,12 +351,13 @@ def _renumbered(g: ProcessGroup, job_rank: int) -> int:
     return job_rank if numbering is None else numbering.index(job_rank)
 
 
-def _registered(group: ProcessGroup | None) -> ProcessGroup:
-    if group is None:
+def _registered(group: object) -> ProcessGroup:
+    g = as_group(group)
+    if g is None:
         raise ArgumentError(
             "Group None is not registered, please create group with new_group (or pass group.WORLD)"
         )
-    return group
+    return g
 
 
 def get_pg_count() -> int:
@@ -322,7 +375,7 @@ def get_backend_config(group: ProcessGroup | None = None) -> str:
     Raises:
         ValueError: Not initialised.
     """
-    g = _group(group)
+    g = resolve_group(group)
     if g is None:
         raise ArgumentError(
             "Default process group has not been initialized, call init_process_group"

@@ -30,6 +30,7 @@ from aiodist._group.session import CLOSE_GRACE, DEFAULT_TIMEOUT
 from aiodist._group.work import wait_future
 from aiodist._group.world import (
     DefaultGroup,
+    as_group,
     default_group_loop,
     get_default_group,
     install_default,
@@ -232,6 +233,7 @@ async def destroy_process_group(group: ProcessGroup | None = None) -> None:
     Cancellation:
         Shielded: once called, the group is torn down even if the caller is cancelled.
     """
+    group = as_group(group)
     if group is not None and group.group_id != 0:  # a group made by new_group
         # Its metric syncs still queued reach every member first (its close hooks).
         await asyncio.shield(run_close_hooks([group], min(group.timeout, CLOSE_GRACE)))

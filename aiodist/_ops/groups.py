@@ -14,7 +14,12 @@ from aiodist._errors import (
     counted,
 )
 from aiodist._group.group import ProcessGroup
-from aiodist._group.world import get_default_group, get_local_group, install_local_group
+from aiodist._group.world import (
+    get_default_group,
+    get_local_group,
+    group_or_default,
+    install_local_group,
+)
 from aiodist._ops.objects import start_all_gather_object
 from aiodist._ops.requests import Op, Request
 from aiodist._ops.run import Slot, record
@@ -104,9 +109,7 @@ async def new_groups(
     disjoint: bool = False,
 ) -> list[ProcessGroup]:
     """Create a group per entry of ``rank_lists`` in one call (one place in the parent's order)."""
-    world = parent if parent is not None else get_default_group()
-    if world is None:
-        raise RuntimeError("new_group needs init_process_group first")
+    world = group_or_default(parent, "new_group")
     session = world.session
     called = perf_counter_ns()
     with Slot(world, "new_group") as seq:
@@ -192,9 +195,7 @@ async def new_subgroups(
     Example:
         >>> mine, groups = await aiodist.new_subgroups(2)
     """
-    parent = group if group is not None else get_default_group()
-    if parent is None:
-        raise RuntimeError("new_subgroups needs init_process_group first")
+    parent = group_or_default(group, "new_subgroups")
     if group_size is None:
         import torch
 

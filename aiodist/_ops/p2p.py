@@ -29,9 +29,10 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from aiodist._errors import ArgumentError, CollectiveMismatchError
+from aiodist._group.world import resolve_group
 from aiodist._ops import staging
 from aiodist._ops.agreement import dtype_name
-from aiodist._ops.run import PeerCall, resolve_group, run_p2p
+from aiodist._ops.run import PeerCall, run_p2p
 from aiodist._ops.tensors import check_tensor
 from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind

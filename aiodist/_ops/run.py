@@ -36,8 +36,9 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiodist._errors import ArgumentError
+from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
-from aiodist._group.world import default_group_for
+from aiodist._group.world import as_group, default_group_for, group_or_default
 from aiodist._ops import staging
 from aiodist._ops.requests import NOT_DONE
 
@@ -46,17 +47,15 @@ if TYPE_CHECKING:
 
     import torch
 
-    from aiodist._group.group import Bridge, ProcessGroup
+    from aiodist._group.group import Bridge
     from aiodist._ops.requests import Call, Request
 
 __all__ = [
     "PeerCall",
     "Slot",
     "chain",
-    "p2p_group",
     "peer_of",
     "record",
-    "resolve_group",
     "run",
     "run_p2p",
 ]
@@ -65,13 +64,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
-    """``group``, else the default group, else None (not initialised: world size 1)."""
-    if group is not None:
-        return group
-    return default_group_for()
 
 
 class Slot:
@@ -107,7 +99,11 @@ class Slot:
 def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) -> Work[Any]:
     """Make ``call``: the set-up every collective shares (the module docstring), then ``start``."""
     called = perf_counter_ns()
-    g = call.group if call.group is not None else default_group_for(call.name)
+    g = call.group
+    if g is None:
+        g = default_group_for(call.name)
+    elif type(g) is not ProcessGroup:
+        g = as_group(g)  # torch's group over the job: the aiodist group under it
     bridge = None if g is None or g.bridge is None else _bridge_for(g, call.first)
     torch = bridge is not None or (call.torch and g is not None and g.bridge is not None)
     try:
@@ -182,7 +178,7 @@ def run_p2p(
     flight recorder notes.
     """
     called = perf_counter_ns()
-    g = p2p_group(call.group, call.name)
+    g = group_or_default(call.group, call.name)
     if g.rank < 0:
         return Work.completed(call.outside)
     if call.user_tag:
@@ -199,14 +195,6 @@ def run_p2p(
     work, first = start(g, peer)
     record(g, work, call.name, 0, first, called, -1 if peer is None else peer)
     return work
-
-
-def p2p_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
-    """``group`` or the default group; point-to-point needs one (no world-size-1 answer)."""
-    g = resolve_group(group)
-    if g is None:
-        raise RuntimeError(f"{what} needs a process group: call init_process_group() first")
-    return g
 
 
 def peer_of(g: ProcessGroup, peer: int | None, group_peer: int | None, name: str) -> int:

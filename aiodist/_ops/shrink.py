@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiodist._control.store import REPLY_GRACE, as_seconds
 from aiodist._errors import ArgumentError, ArgumentTypeError, DistError, ProtocolError
 from aiodist._group.group import ProcessGroup
-from aiodist._group.world import get_default_group, replace_default_group
+from aiodist._group.world import get_default_group, group_or_default, replace_default_group
 from aiodist._wire.messages import Regroup
 
 if TYPE_CHECKING:
@@ -83,9 +83,7 @@ async def shrink_group(
         ... except aiodist.RankFailedError as exc:
         ...     await aiodist.shrink_group([exc.rank])   # the default group: ranks are global
     """
-    old = group if group is not None else get_default_group()
-    if old is None:
-        raise RuntimeError("shrink_group needs init_process_group first")
+    old = group_or_default(group, "shrink_group")
     excluded = _check_excluded(ranks_to_exclude, old)
     session = old.session
     session.check_usable()

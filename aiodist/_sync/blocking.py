@@ -1,14 +1,18 @@
-"""Hand-written blocking twins of the few public names that return async objects.
+"""Hand-written twins of the few public names that answer plain code otherwise.
 
 ``aiodist.sync`` is generated from the async API; a query such as ``get_store``
 is re-exported there unchanged unless it hands back something whose methods
-are coroutines. Those names get a twin here, and ``gen_sync`` imports it.
+are coroutines, or, for ``group.WORLD``, an aiodist group where plain torch
+code needs torch's. Those names get a twin here, and ``gen_sync`` imports it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
+from aiodist._group import world
+from aiodist._group.world import as_group, get_default_group
 from aiodist._group.world import get_store as _get_store
 from aiodist._ops import staging
 from aiodist._ops.p2p import batch_isend_irecv as _batch_isend_irecv
@@ -21,7 +25,42 @@ if TYPE_CHECKING:
     from aiodist._group.work import Work
     from aiodist._ops.p2p import P2POp
 
-__all__ = ["BlockingStore", "batch_isend_irecv", "get_store"]
+__all__ = ["BlockingStore", "GroupMember", "batch_isend_irecv", "get_store", "group"]
+
+
+def torch_world() -> object:
+    """The default group as plain torch code holds it.
+
+    torch's default group when it rides aiodist's (``init_process_group`` made it
+    so): a torch ``ProcessGroup`` that ``DistributedDataParallel`` and torch's
+    functions take, and every ``aiodist.sync`` call too (``as_group``). Else,
+    as in the async API, aiodist's default group; None when not initialised.
+    """
+    g = get_default_group()
+    torch_dist = sys.modules.get("torch.distributed")
+    if g is None or torch_dist is None or not torch_dist.is_initialized():
+        return g
+    pg = torch_dist.GroupMember.WORLD
+    try:
+        return pg if as_group(pg) is g else g
+    except TypeError:  # torch's own group of another job
+        return g
+
+
+class GroupMember(world.GroupMember):
+    """torch.distributed's group constants; ``WORLD`` is torch's default group (``torch_world``)."""
+
+    _world = staticmethod(torch_world)
+
+
+class group(world.group):
+    """``group.WORLD``: torch's default group over aiodist's job (``torch_world``).
+
+    Example:
+        >>> model = DistributedDataParallel(model, process_group=aiodist.sync.group.WORLD)
+    """
+
+    _world = staticmethod(torch_world)
 
 
 class BlockingStore:

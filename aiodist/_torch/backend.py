@@ -150,18 +150,19 @@ class AiodistProcessGroup(TorchProcessGroup):
 
     # --- what torch asks of every group -------------------------------------------------------
 
-    def _current(self) -> ProcessGroup | None:
+    def aiodist_group(self) -> ProcessGroup | None:
+        """The aiodist group this torch group rides now (``_group.world.as_group`` asks)."""
         g = self._follow()
         if g is not None:
             self._rank, self._size = g.rank, g.world_size
         return g
 
     def getRank(self) -> int:
-        self._current()
+        self.aiodist_group()
         return self._rank
 
     def getSize(self) -> int:
-        self._current()
+        self.aiodist_group()
         return self._size
 
     def getBackendName(self) -> str:
@@ -202,7 +203,7 @@ class AiodistProcessGroup(TorchProcessGroup):
                 "CUDA and a torch build with it; AIODIST_TORCH_PARTS names the parts)"
             )
         loop = default_group_loop()
-        g = self._current()
+        g = self.aiodist_group()
         if loop is None or g is None:
             raise RuntimeError("aiodist's job is not running in this process")
         if on_loop(loop):
@@ -229,7 +230,7 @@ class AiodistProcessGroup(TorchProcessGroup):
 
         def begin() -> None:
             try:
-                g = self._current()
+                g = self.aiodist_group()
                 if g is None:
                     work._fail(RuntimeError(f"{description}: aiodist's job ended"))
                     return

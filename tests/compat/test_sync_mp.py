@@ -87,6 +87,18 @@ def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:
     assert len({out["seed"] for out in reports}) == 1
 
 
+def test_torch_and_aiodist_groups_each_go_where_the_other_is_expected() -> None:
+    # Before, DDP refused aiodist.sync's group.WORLD (not a torch ProcessGroup), and
+    # get_rank(torch's group) answered with a bound method.
+    reports = _run_ranks("torch_groups", 2, torchrun_env=False)
+    for rank, out in enumerate(reports):
+        assert out["world_type"] == "AiodistProcessGroup"
+        assert out["grad"] == [[1.5, 1.5, 1.5]]
+        assert out["queries"] == [rank, 2, [0, 1], 2.0]
+        assert "group must be an aiodist process group" in out["not_a_group"], out
+        assert "got [0, 1]" in out["not_a_group"]
+
+
 def test_mmengine_docstring_examples_give_the_documented_results() -> None:
     reports = _run_ranks("mmengine", 2, torchrun_env=True)
     for rank, out in enumerate(reports):

@@ -151,3 +151,28 @@ async def test_a_groups_torch_methods_run_in_async_code(server: RendezvousServer
     with anyio.fail_after(15):
         outs = await run_ranks(server.address, 3, body)
     assert outs == [([3.0, 3.0], 3.0)] * 3
+
+
+async def test_a_group_that_is_not_one_is_refused_and_the_group_goes_on(
+    server: RendezvousServer,
+) -> None:
+    async def body(g: ProcessGroup) -> Any:
+        words = []
+        for call in (
+            lambda: aiodist.get_world_size("world"),  # type: ignore[arg-type]
+            lambda: aiodist.all_reduce(torch.ones(1), group=[0, 1]),  # type: ignore[arg-type]
+            lambda: aiodist.isend(torch.ones(1), dst=0, group=g.ranks),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(TypeError) as refused:
+                call()
+            words.append(str(refused.value))
+        t = torch.ones(1)
+        await aiodist.all_reduce(t, group=g)  # the refused calls took no place in its order
+        return words, t.item()
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 2, body)
+    for words, total in outs:
+        # Before: an AttributeError deep inside, or a bound method for a rank.
+        assert all(w.startswith("group must be an aiodist process group") for w in words), words
+        assert total == 2.0

@@ -11,7 +11,7 @@ import atexit
 import json
 import sys
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -156,6 +156,39 @@ def mmengine(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def torch_groups(rank: int, world: int) -> dict[str, Any]:
+    """torch's groups and aiodist.sync's, each where the other is expected (default backend)."""
+    import torch.distributed as torch_dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group(rank=rank, world_size=world, timeout=60)
+    out: dict[str, Any] = {"world_type": type(dist.group.WORLD).__name__}
+    # dist.group.WORLD is torch's group over the job: DDP takes it, as under torch.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    ddp = DistributedDataParallel(model, process_group=dist.group.WORLD)
+    ddp(torch.full((1, 3), float(rank + 1))).sum().backward()
+    grad = model.weight.grad
+    assert grad is not None
+    out["grad"] = grad.tolist()  # the mean of (rank + 1) over ranks
+    # ... and aiodist.sync takes torch's groups: the default, a DDP's, one torch made.
+    pair = torch_dist.new_group([0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pair)
+    out["queries"] = [
+        dist.get_rank(cast("Any", torch_dist.group.WORLD)),
+        dist.get_world_size(cast("Any", ddp.process_group)),
+        dist.get_process_group_ranks(pair),
+        t.item(),
+    ]
+    try:
+        dist.get_rank([0, 1])  # type: ignore[arg-type]
+    except TypeError as exc:
+        out["not_a_group"] = str(exc)
+    dist.destroy_process_group()
+    return out
+
+
 def no_destroy(rank: int, world: int) -> dict[str, Any]:
     """Leave without destroy_process_group: interpreter exit tears the group down.
 
@@ -178,7 +211,12 @@ def no_destroy(rank: int, world: int) -> dict[str, Any]:
 
 def main() -> None:
     mode, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    modes = {"workload": workload, "mmengine": mmengine, "no_destroy": no_destroy}
+    modes = {
+        "workload": workload,
+        "mmengine": mmengine,
+        "no_destroy": no_destroy,
+        "torch_groups": torch_groups,
+    }
     print(json.dumps(modes[mode](rank, world)), flush=True)
 
 
