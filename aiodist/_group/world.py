@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeGuard, TypeVar, overload
 
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.group import ProcessGroup
@@ -67,6 +67,7 @@ __all__ = [
     "is_backend_available",
     "is_distributed",
     "is_gloo_available",
+    "is_group",
     "is_initialized",
     "is_main_process",
     "is_mpi_available",
@@ -205,6 +206,11 @@ def as_group(group: object) -> ProcessGroup | None:
         if g is None:
             raise RuntimeError(f"{group!r} has been destroyed: its aiodist job is gone")
         return g  # type: ignore[no-any-return]
+    if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
+        raise ArgumentError(
+            "group is torch's GroupMember.NON_GROUP_MEMBER: torch's new_group gave it to a rank "
+            "outside the group; call the group's operations on its members only"
+        )
     default = get_default_group()
     if default is not None:
         for g in list(default.session.groups.values()):
@@ -215,6 +221,18 @@ def as_group(group: object) -> ProcessGroup | None:
         f"torch.distributed group over aiodist's job, got {group!r}; a torch group of "
         "another backend goes to torch.distributed's own functions"
     )
+
+
+def is_group(x: object) -> TypeGuard[ProcessGroup]:
+    """True for a group ``as_group`` may take: aiodist's, or torch.distributed's.
+
+    For the forms that take a group in another argument's place (mmengine's
+    ``all_gather(data, group)``).
+    """
+    if type(x) is ProcessGroup:
+        return True
+    torch_dist = sys.modules.get("torch.distributed")
+    return torch_dist is not None and isinstance(x, torch_dist.ProcessGroup)
 
 
 def group_or_default(group: object, what: str) -> ProcessGroup:

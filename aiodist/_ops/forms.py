@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from aiodist._errors import ArgumentError, ArgumentTypeError
-from aiodist._group.group import ProcessGroup
+from aiodist._group.world import is_group
 from aiodist._ops import reduce_ops
 from aiodist._ops.requests import Call, Op, Request, Whole, outsider, root_of, size_of
 from aiodist._ops.tensors import (
@@ -26,6 +26,8 @@ from aiodist._ops.tensors import (
 
 if TYPE_CHECKING:
     import torch
+
+    from aiodist._group.group import ProcessGroup
 else:
     torch = LazyModule("torch")
 
@@ -94,7 +96,7 @@ def reduce_scatter(
         inputs: object = output
         out_tensor: object = None
         the_op: object = input_list if input_list is not None else op
-        if isinstance(op, ProcessGroup):
+        if is_group(op):
             group = op  # the group, passed third
     else:
         inputs, out_tensor, the_op = input_list, output, op
@@ -201,10 +203,10 @@ def gather(
 ) -> Call:
     if isinstance(gather_list, int) and not isinstance(gather_list, bool):
         # mmengine's form, gather(data, dst, group): shift the arguments by one.
-        if isinstance(dst, ProcessGroup):
+        if is_group(dst):
             group = dst
         gather_list, dst = None, gather_list
-    if isinstance(dst, ProcessGroup):
+    if is_group(dst):
         raise ArgumentTypeError("dst must be an int rank, got a ProcessGroup")
     if group_dst is not None and dst == 0:
         dst = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aiodist._errors import ArgumentError, ArgumentTypeError
-from aiodist._group.group import ProcessGroup
+from aiodist._group.world import is_group
 from aiodist._ops import staging
 from aiodist._ops.requests import Call, Op, Request, Whole, outsider, size_of
 from aiodist._ops.tensors import (
@@ -26,6 +26,8 @@ from aiodist._wire import codec
 
 if TYPE_CHECKING:
     import torch
+
+    from aiodist._group.group import ProcessGroup
 else:
     torch = LazyModule("torch")
 
@@ -46,7 +48,7 @@ def all_gather(tensor_list: object, tensor: object, group: ProcessGroup | None) 
         outs, data = tensor_list, tensor
     else:  # mmengine's form, all_gather(data, group)
         data = tensor_list
-        if isinstance(tensor, ProcessGroup):
+        if is_group(tensor):
             group = tensor
 
     def check(g: ProcessGroup | None) -> Request:
@@ -165,7 +167,7 @@ def all_to_all(
         outs, inputs = output_tensor_list, input_tensor_list
     else:  # aiodist's form, all_to_all(inputs, group)
         inputs = output_tensor_list
-        if isinstance(input_tensor_list, ProcessGroup):
+        if is_group(input_tensor_list):
             group = input_tensor_list
 
     def check(g: ProcessGroup | None) -> Request:

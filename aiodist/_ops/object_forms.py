@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ArgumentError, ArgumentTypeError, AssertedArgumentError, counted
-from aiodist._group.group import ProcessGroup
+from aiodist._group.world import is_group
 from aiodist._ops import staging
 from aiodist._ops.requests import Call, Op, Request, outsider, root_of
 from aiodist._wire import codec
+
+if TYPE_CHECKING:
+    from aiodist._group.group import ProcessGroup
 
 __all__ = [
     "all_gather_object",
@@ -39,9 +42,9 @@ def _encoded(obj: object) -> bytes:
 
 def all_gather_object(object_list: Any, obj: Any, group: ProcessGroup | None) -> Call:
     out: list[Any] | None = None
-    if obj is ... or isinstance(obj, ProcessGroup):  # mmengine's form: (data, group)
+    if obj is ... or is_group(obj):  # mmengine's form: (data, group)
         data = object_list
-        if isinstance(obj, ProcessGroup):
+        if is_group(obj):
             group = obj
     else:
         data, out = obj, object_list
@@ -86,10 +89,10 @@ def gather_object(
 ) -> Call:
     if isinstance(object_gather_list, int) and not isinstance(object_gather_list, bool):
         # mmengine's form, gather_object(data, dst, group): shift the arguments by one.
-        if isinstance(dst, ProcessGroup):
+        if is_group(dst):
             group = dst
         object_gather_list, dst = None, object_gather_list
-    if isinstance(dst, ProcessGroup):
+    if is_group(dst):
         raise ArgumentTypeError("dst must be an int rank, got a ProcessGroup")
     if group_dst is not None and dst == 0:
         dst = None
@@ -166,10 +169,10 @@ def scatter_object_list(
     inputs: Any = scatter_object_input_list
     if isinstance(inputs, int) and not isinstance(inputs, bool):
         # aiodist's older form, (objects, src, group): shift the arguments by one.
-        if isinstance(src, ProcessGroup):
+        if is_group(src):
             group = src
         out, inputs, src = None, scatter_object_output_list, inputs
-    if isinstance(src, ProcessGroup):
+    if is_group(src):
         raise ArgumentTypeError("src must be an int rank, got a ProcessGroup")
     if group_src is not None and src == 0:
         src = None

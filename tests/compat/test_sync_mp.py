@@ -90,11 +90,14 @@ def test_four_ranks_of_plain_code_run_collectives_handles_and_p2p() -> None:
 def test_torch_and_aiodist_groups_each_go_where_the_other_is_expected() -> None:
     # Before, DDP refused aiodist.sync's group.WORLD (not a torch ProcessGroup), and
     # get_rank(torch's group) answered with a bound method.
-    reports = _run_ranks("torch_groups", 2, torchrun_env=False)
+    reports = _run_ranks("torch_groups", 3, torchrun_env=False)
     for rank, out in enumerate(reports):
         assert out["world_type"] == "AiodistProcessGroup"
-        assert out["grad"] == [[1.5, 1.5, 1.5]]
-        assert out["queries"] == [rank, 2, [0, 1], 2.0]
+        assert out["grad"] == [[2.0, 2.0, 2.0]]  # the mean of rank + 1 over 3 ranks
+        assert out["queries"] == [rank, 3]
+        # Before, mmengine's forms read torch's group as data and ran on the world.
+        if rank < 2:
+            assert out["pair"] == [[0, 1], 2.0, [0.0, 1.0], [0, 1]], out
         assert "group must be an aiodist process group" in out["not_a_group"], out
         assert "got [0, 1]" in out["not_a_group"]
 

@@ -176,3 +176,8 @@ async def test_a_group_that_is_not_one_is_refused_and_the_group_goes_on(
         # Before: an AttributeError deep inside, or a bound method for a rank.
         assert all(w.startswith("group must be an aiodist process group") for w in words), words
         assert total == 2.0
+
+
+def test_torchs_non_member_sentinel_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match="NON_GROUP_MEMBER: torch's new_group gave it"):
+        aiodist.get_rank(aiodist.GroupMember.NON_GROUP_MEMBER)  # type: ignore[arg-type]

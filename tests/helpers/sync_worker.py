@@ -171,16 +171,24 @@ def torch_groups(rank: int, world: int) -> dict[str, Any]:
     grad = model.weight.grad
     assert grad is not None
     out["grad"] = grad.tolist()  # the mean of (rank + 1) over ranks
-    # ... and aiodist.sync takes torch's groups: the default, a DDP's, one torch made.
+    # ... and aiodist.sync takes torch's groups: the default, a DDP's, one torch made,
+    # also where mmengine's forms take a group in another argument's place.
     pair = torch_dist.new_group([0, 1])
-    t = torch.ones(1)
-    dist.all_reduce(t, group=pair)
     out["queries"] = [
         dist.get_rank(cast("Any", torch_dist.group.WORLD)),
         dist.get_world_size(cast("Any", ddp.process_group)),
-        dist.get_process_group_ranks(pair),
-        t.item(),
     ]
+    if rank < 2:
+        t = torch.ones(1)
+        dist.all_reduce(t, group=pair)
+        gathered = dist.all_gather(torch.full((1,), float(rank)), pair)  # mmengine's form
+        objects = dist.all_gather_object(rank, pair)  # mmengine's form
+        out["pair"] = [
+            dist.get_process_group_ranks(pair),
+            t.item(),
+            [x.item() for x in gathered],
+            objects,
+        ]
     try:
         dist.get_rank([0, 1])  # type: ignore[arg-type]
     except TypeError as exc:
