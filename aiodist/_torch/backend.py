@@ -143,6 +143,9 @@ class AiodistProcessGroup(TorchProcessGroup):
         self.leave_job: Callable[[], None] | None = None
         #: torch's ``destroy_process_group`` is under way (aiodist must not start another).
         self.destroying = False
+        # torch's name and description of the group (``_set_group_name``): a group of
+        # torch's keeps them on its backends, and this one has none of torch's.
+        self._name = self._desc = ""
         self._parts = {
             device: DevicePart(device, name)
             for device, name in (parts_from_env() if parts is None else parts).items()
@@ -167,6 +170,21 @@ class AiodistProcessGroup(TorchProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch's ``group_name``/``group_desc`` read these (DeviceMesh, FSDP2, DTensor name
+    # groups by them; torch's ``new_group`` sets them once it has made the group).
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
 
     def __repr__(self) -> str:
         return f"<AiodistProcessGroup rank {self.getRank()} of {self.getSize()}>"
