@@ -39,6 +39,7 @@ this rank left the job. The same happens at exit after an uncaught
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -63,7 +64,7 @@ from aiodist._rpc import world as rpc_world
 from aiodist._sync import profiling
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Iterator
     from datetime import timedelta
 
 
@@ -146,6 +147,7 @@ class _LoopThread:
 
 _lock = threading.Lock()
 _current: _LoopThread | None = None
+_calls = 0  # ``call``s under way, from any thread
 _unstarted = 0  # start_soon calls whose operation has not started on the loop yet
 _unstarted_lock = threading.Lock()
 
@@ -183,7 +185,8 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
     """Run the async operation ``fn(*args, **kwargs)`` on the loop thread; block for its result.
 
     Once it returns or raises, if no default group is initialised (it was
-    destroyed, or never formed), the loop thread stops; the next call starts it.
+    destroyed, or never formed) and no other call is under way, the loop thread
+    stops; the next call starts it.
 
     Raises:
         RuntimeError: Called on the loop thread, or the default group belongs to
@@ -205,8 +208,9 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
 
     future: Future[T] | None = None
     try:
-        future = lt.portal.start_task_soon(run)
-        return wait_future(future)
+        with _under_way():
+            future = lt.portal.start_task_soon(run)
+            return wait_future(future)
     except BaseException as exc:
         if not isinstance(exc, Exception):  # interrupted while it waited (Ctrl-C)
             if future is not None:
@@ -214,8 +218,26 @@ def call(fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) ->
             _abandon(lt, exc)
         raise
     finally:
-        if not _in_use():
+        if not _calls and not _in_use():
             stop(lt)
+
+
+@contextlib.contextmanager
+def _under_way() -> Iterator[None]:
+    """Counts a blocking call into the loop: the loop thread stops under none.
+
+    torch's ``destroy_process_group``, run inside aiodist's (the group torch's
+    ``init_process_group`` joined leaves the job through a call of its own),
+    would otherwise stop the loop under the outer call.
+    """
+    global _calls
+    with _lock:
+        _calls += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _calls -= 1
 
 
 def _in_use() -> bool:
@@ -392,7 +414,8 @@ def _abandon(lt: _LoopThread, exc: BaseException | None = None) -> None:
     if default_group_loop() is not lt.loop or lt.portal is None:
         return
     try:
-        lt.portal.call(_destroy_abandoned, exc)
+        with _under_way():
+            lt.portal.call(_destroy_abandoned, exc)
     except Exception:
         logger.exception("closing the default process group after an interrupt failed")
 

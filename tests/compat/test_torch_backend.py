@@ -137,6 +137,83 @@ async def test_a_gloo_group_beside_the_aiodist_default_group(tmp_path: Path) -> 
         assert expected in result.stdout, result.stdout
 
 
+FSDP2 = """
+import json, torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import aiodist  # registers the "aiodist" backend
+dist.init_process_group(backend="aiodist")
+on_aiodist = init_device_mesh("cpu", (dist.get_world_size(),))
+on_gloo = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")  # the reference
+
+def train(mesh):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x = torch.full((4, 8), float(dist.get_rank() + step + 1) / 8)
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.full_tensor().sum().item() for p in model.parameters()]
+
+print(json.dumps({"rank": dist.get_rank(), "aiodist": train(on_aiodist), "gloo": train(on_gloo),
+       "named": bool(on_aiodist.get_group().group_name)}))
+dist.destroy_process_group()
+"""
+
+
+async def test_fsdp2_over_a_device_mesh_trains_on_the_aiodist_backend_as_on_gloo(
+    tmp_path: Path,
+) -> None:
+    # Before: DeviceMesh (which FSDP2, DTensor and tensor parallelism build on) failed with
+    # "ProcessGroup name not set": torch keeps a group's name on its backends.
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2)
+    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = _procs.reports_by_rank(
+        "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
+    )
+    assert sorted(reports) == [0, 1], result.stdout
+    for report in reports.values():
+        # The same losses and parameters as over gloo, bit for bit (a sum of two).
+        assert report["aiodist"] == report["gloo"], report
+        assert report["named"]
+
+
+RAISES = """
+import torch, torch.distributed as dist
+import aiodist
+dist.init_process_group(backend="aiodist")  # torch's init joins aiodist's job
+t = torch.ones(1)
+dist.all_reduce(t)
+raise RuntimeError("the script's own error")
+"""
+
+
+async def test_a_torch_script_that_raises_ends_with_its_own_error_alone(tmp_path: Path) -> None:
+    # Before: leaving the job at exit was cancelled halfway ("closing the default process
+    # group after an interrupt failed" and a CancelledError on every rank; now and then a
+    # segmentation fault): torch's destroy_process_group, run inside aiodist's, stopped
+    # aiodist's loop thread under it.
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "RuntimeError: the script's own error" in out, out
+    assert "interrupt failed" not in out, out
+    assert "CancelledError" not in out, out
+
+
 ON_LOOP = """
 import anyio, torch, torch.distributed as dist, aiodist
 
