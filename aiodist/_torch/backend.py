@@ -150,6 +150,10 @@ class AiodistProcessGroup(TorchProcessGroup):
             device: DevicePart(device, name)
             for device, name in (parts_from_env() if parts is None else parts).items()
         }
+        # The devices it carries, as torch lists them (``_device_types``: checkpoint
+        # loading asks for the group's device); no torch backend object stands behind them.
+        for device in sorted({"cpu", *self._parts}):
+            self._register_backend(torch.device(device), TorchProcessGroup.BackendType.CUSTOM, None)
 
     # --- what torch asks of every group -------------------------------------------------------
 
