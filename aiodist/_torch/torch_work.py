@@ -4,11 +4,19 @@ torch's callers wait on it in two ways: its ``wait()`` (torch's Python API,
 which gets aiodist's error itself) and its future (DDP's reducer and its
 communication hooks, in C++). The future must fail for both kinds of caller,
 which torch's ``Future.set_exception`` does not do (see ``AiodistWork``).
+
+The future's callbacks (``then``) run on the thread that completes it, and
+torch's may block there: PowerSGD's hook starts the next all_reduce in one and
+waits for it. So a future is never completed on aiodist's loop thread (whose
+loop would then wait for itself) but on a ``Completer`` thread, one more of
+which starts whenever every one is busy, as gloo's own threads run its callbacks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +27,49 @@ from aiodist._errors import DistTimeoutError
 from aiodist._group.work import wait_event
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from datetime import timedelta
 
     from aiodist._group.work import Work
 
-__all__ = ["ON_LOOP", "AiodistWork", "on_loop"]
+__all__ = ["ON_LOOP", "AiodistWork", "Completer", "on_loop"]
+
+logger = logging.getLogger(__name__)
+
+
+class Completer:
+    """Runs what completes torch futures, off aiodist's loop, on threads of its own.
+
+    A thread starts whenever no thread of its is idle (callbacks may block, waiting
+    for a later future), and stays for the next; daemon threads never hold the exit.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        with self._lock:
+            start = not self._idle
+            if not start:
+                self._idle -= 1  # an idle thread takes it
+        self._queue.put(fn)
+        if start:
+            threading.Thread(target=self._run, name="aiodist-torch-future", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except Exception:  # a torch callback's error: its future holds it already
+                logger.debug("completing a torch future failed", exc_info=True)
+            with self._lock:
+                self._idle += 1
+
+
+_completer = Completer()
 
 
 class AiodistWork(TorchWork):
@@ -82,7 +128,11 @@ class AiodistWork(TorchWork):
             if self._done.is_set():
                 return
             self._done.set()
-        self._settled.set_result(None)
+        loop = self._loop
+        if loop is not None and on_loop(loop):
+            _completer.submit(lambda: self._settled.set_result(None))  # see the module's doc
+        else:
+            self._settled.set_result(None)
 
     def follow(self, torch_work: Any) -> None:
         """Settle as ``torch_work`` (of a device part) does: its value, or its error."""

@@ -197,6 +197,57 @@ async def test_fsdp2_over_a_device_mesh_trains_on_the_aiodist_backend_as_on_gloo
         assert report["named"]
 
 
+HOOKS = """
+import json, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
+import aiodist  # registers the "aiodist" backend
+dist.init_process_group(backend="aiodist")
+rank = dist.get_rank()
+
+def train(group):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    model = DDP(net, process_group=group)
+    state = powerSGD.PowerSGDState(group, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD.powerSGD_hook)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.01)
+    with Join([model, opt]):  # uneven inputs: rank 1 takes one step more
+        for i in range(3 + rank):
+            opt.zero_grad()
+            model(torch.full((2, 16), float(rank + i))).sum().backward()
+            opt.step()
+    return [p.sum().item() for p in model.parameters()]
+
+print(json.dumps({"rank": rank, "aiodist": train(None),
+                  "gloo": train(dist.new_group(backend="gloo"))}))
+dist.destroy_process_group()
+"""
+
+
+async def test_powersgd_zero_and_join_run_on_the_aiodist_backend_as_on_gloo(
+    tmp_path: Path,
+) -> None:
+    # Before: PowerSGD's hook failed ("torch.distributed all_reduce on aiodist's event-loop
+    # thread would wait for the loop itself"): a future's callbacks ran on aiodist's loop
+    # thread, and PowerSGD's starts an all_reduce there and waits for it.
+    script = tmp_path / "hooks.py"
+    script.write_text(HOOKS)
+    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = _procs.reports_by_rank(
+        "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
+    )
+    assert sorted(reports) == [0, 1], result.stdout
+    for report in reports.values():
+        assert report["aiodist"] == report["gloo"], report  # bit for bit (a sum of two)
+    assert reports[0]["aiodist"] == reports[1]["aiodist"]  # the replicas stayed equal
+
+
 RAISES = """
 import torch, torch.distributed as dist
 import aiodist
