@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,15 @@ class Completer:
 
 
 _completer = Completer()
+
+
+def _forget_after_fork() -> None:
+    # Threads do not survive fork: the child's idle count would name threads it lacks.
+    global _completer
+    _completer = Completer()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class AiodistWork(TorchWork):
