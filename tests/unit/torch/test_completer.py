@@ -14,7 +14,12 @@ def test_a_callback_that_waits_for_a_later_one_gets_a_thread_of_its_own() -> Non
     # PowerSGD's shape: a future's callback waits for a future completed after it.
     completer = Completer()
     later, finished = threading.Event(), threading.Event()
-    completer.submit(lambda: later.wait(10) and finished.set())
+
+    def waits() -> None:
+        if later.wait(10):
+            finished.set()
+
+    completer.submit(waits)
     completer.submit(later.set)  # every thread is busy: one more starts
     assert finished.wait(10)
 
