@@ -77,10 +77,6 @@ class Device(Protocol):
         """The calling thread's current stream on ``t``'s device."""
         ...
 
-    def current_device(self) -> Any:
-        """The calling thread's current device (where received objects' tensors go)."""
-        ...
-
     def to_host(
         self, tensors: Sequence[torch.Tensor], stream: Any
     ) -> tuple[list[torch.Tensor], Any]:
@@ -114,11 +110,6 @@ class CudaDevice:
 
     def current_stream(self, t: torch.Tensor) -> Any:
         return torch.cuda.current_stream(t.device)
-
-    def current_device(self) -> Any:
-        if not torch.cuda.is_available():
-            return None
-        return torch.device("cuda", torch.cuda.current_device())
 
     def _copy_stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -189,9 +180,9 @@ def on_device(t: object) -> bool:
 
 # --- the caller's streams, from the thread that made the call -------------------------------
 
-# Streams (and the current device) captured on the thread that called the blocking
-# facade, for the loop thread that runs the call: ``{device key: stream}`` plus
-# ``"device"``. Unset in async code, where the loop's thread is the caller.
+# Streams captured on the thread that called the blocking facade, for the loop thread
+# that runs the call: ``{device key: stream}``. Unset in async code, where the loop's
+# thread is the caller.
 _caller: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
     "aiodist_caller_streams", default=None
 )
@@ -229,7 +220,6 @@ def capture(args: Sequence[object], kwargs: dict[str, object]) -> dict[Any, Any]
         device = device_of(t)
         if device is not None and _key(t) not in found:
             found[_key(t)] = device.current_stream(t)
-            found.setdefault("device", device.current_device())
     return found or None
 
 
@@ -258,18 +248,6 @@ def caller_stream(t: torch.Tensor, device: Device) -> Any:
     if captured is not None and _key(t) in captured:
         return captured[_key(t)]
     return device.current_stream(t)
-
-
-def caller_device() -> Any:
-    """The caller's current device for received objects' device tensors, or None."""
-    captured = _caller.get()
-    if captured is not None and captured.get("device") is not None:
-        return captured["device"]
-    for device in _devices:
-        current = device.current_device()
-        if current is not None:
-            return current
-    return None
 
 
 # --- waiting for events off the loop --------------------------------------------------------
