@@ -58,6 +58,18 @@ async def _train(
     return _procs.reports_by_rank("\n".join(lines))
 
 
+async def _two_ranks(script: Path) -> dict[int, dict[str, Any]]:
+    """Run ``script`` on two ranks (``aiodist run``); their JSON reports by rank."""
+    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = _procs.reports_by_rank(
+        "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
+    )
+    assert sorted(reports) == [0, 1], result.stdout
+    return reports
+
+
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 async def test_ddp_on_the_aiodist_backend_trains_as_on_gloo(launcher: str) -> None:
     runs: dict[str, dict[int, dict[str, Any]]] = {}
@@ -184,13 +196,7 @@ async def test_fsdp2_over_a_device_mesh_trains_on_the_aiodist_backend_as_on_gloo
     # ("Default device not found" in the FSDP2 example, an IndexError here).
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2)
-    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
-    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = _procs.reports_by_rank(
-        "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
-    )
-    assert sorted(reports) == [0, 1], result.stdout
+    reports = await _two_ranks(script)
     for report in reports.values():
         # The same losses and parameters as over gloo, bit for bit (a sum of two).
         assert report["aiodist"] == report["gloo"], report
@@ -236,13 +242,7 @@ async def test_powersgd_zero_and_join_run_on_the_aiodist_backend_as_on_gloo(
     # thread, and PowerSGD's starts an all_reduce there and waits for it.
     script = tmp_path / "hooks.py"
     script.write_text(HOOKS)
-    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
-    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = _procs.reports_by_rank(
-        "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
-    )
-    assert sorted(reports) == [0, 1], result.stdout
+    reports = await _two_ranks(script)
     for report in reports.values():
         assert report["aiodist"] == report["gloo"], report  # bit for bit (a sum of two)
     assert reports[0]["aiodist"] == reports[1]["aiodist"]  # the replicas stayed equal
