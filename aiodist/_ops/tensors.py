@@ -60,7 +60,10 @@ def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) 
 
     CPU tensors travel as they are; CUDA tensors are staged through host
     memory (``staging``). A sparse tensor is refused unless ``sparse`` (torch's
-    gloo carries the call: its sparse all_reduce).
+    gloo carries the call: its sparse all_reduce). A tensor that requires grad
+    (a parameter, DDP's bucket under ``create_graph``) comes back detached: its
+    data, the same memory, which collectives read and write in place outside
+    autograd, as gloo's do.
     """
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(
@@ -78,7 +81,7 @@ def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) 
             "sparse COO CPU tensors on a group whose CPU tensors go to torch's gloo: "
             "init_process_group(backend='gloo'))"
         )
-    return tensor
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def check_tensor_list(tensors: object, name: str, length: int | None) -> list[torch.Tensor]:

@@ -93,7 +93,9 @@ def create(opts: Any, backend_options: Any = None) -> Any:
 
     ranks = list(opts.global_ranks_in_group)
     if ranks:  # a subgroup: torch calls this on its members only
-        return _on_group_loop(create_subgroup, str(opts.group_id), ranks, opts.group_rank)
+        return _on_group_loop(
+            create_subgroup, str(opts.group_id), ranks, opts.group_rank, opts.timeout
+        )
     joined = get_default_group() is None
     if joined:
         _join(opts.store, opts.group_rank, opts.group_size, opts.timeout)

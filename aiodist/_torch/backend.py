@@ -441,7 +441,9 @@ class AiodistProcessGroup(TorchProcessGroup):
         self, timeout: timedelta | None = None, wait_all_ranks: bool = False
     ) -> None:
         work = self._issue(
-            "monitored_barrier", [], [_bind(monitored_barrier, timeout, wait_all_ranks)]
+            "monitored_barrier",
+            [],
+            [_bind(monitored_barrier, timeout=timeout, wait_all_ranks=wait_all_ranks)],
         )
         work.wait()
 
@@ -502,8 +504,13 @@ TORCH_GROUP_IDS: Final = 1 << 62
 _TORCH_GROUP_SPAN: Final = 1 << 48
 
 
-def create_subgroup(name: str, ranks: Sequence[int], rank: int) -> AiodistProcessGroup:
+def create_subgroup(
+    name: str, ranks: Sequence[int], rank: int, timeout: timedelta | None = None
+) -> AiodistProcessGroup:
     """torch's group ``name`` over ``ranks`` (torch's global ranks: the default group's).
+
+    ``timeout``: torch's for the group (``new_group(timeout=...)``); the default
+    group's when None.
 
     Made by its members only (torch calls no backend on the others), so no agreement
     among the whole world: every member derives the same group id from the name.
@@ -516,7 +523,7 @@ def create_subgroup(name: str, ranks: Sequence[int], rank: int) -> AiodistProces
     digest = hashlib.blake2b(f"{world.group_id}/{name}/{members}".encode(), digest_size=8)
     group_id = TORCH_GROUP_IDS + int.from_bytes(digest.digest()) % _TORCH_GROUP_SPAN
     group = ProcessGroup(session, members, name=f"{world.name}/torch:{name}", group_id=group_id)
-    group.timeout = world.timeout
+    group.timeout = world.timeout if timeout is None else timeout.total_seconds()
     session.groups[group_id] = group
     if group.rank != rank:
         raise ValueError(f"torch made rank {rank} of group {name!r}; aiodist has {group.rank}")

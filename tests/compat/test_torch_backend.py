@@ -248,6 +248,46 @@ async def test_powersgd_zero_and_join_run_on_the_aiodist_backend_as_on_gloo(
     assert reports[0]["aiodist"] == reports[1]["aiodist"]  # the replicas stayed equal
 
 
+TIMEOUTS = """
+import json, time, torch, torch.distributed as dist
+from datetime import timedelta
+import aiodist  # registers the "aiodist" backend
+dist.init_process_group(backend="aiodist")
+out = {"rank": dist.get_rank()}
+short = dist.new_group(timeout=timedelta(seconds=1))
+other = dist.new_group()
+if dist.get_rank() == 0:  # alone: rank 1 waits in the world's barrier below
+    began = time.monotonic()
+    try:
+        dist.barrier(group=short)
+    except Exception as exc:
+        out["barrier"] = [str(exc), time.monotonic() - began]
+    try:
+        other.monitored_barrier(timedelta(seconds=0))  # torch's method of a group
+    except Exception as exc:
+        out["monitored"] = str(exc)
+dist.barrier()
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+async def test_torchs_subgroups_keep_their_timeout_and_monitor_their_barrier(
+    tmp_path: Path,
+) -> None:
+    # Before: a subgroup torch made took the default group's timeout (300 s in torch's
+    # tests, 30 min by default), so rank 0 waited on; and group.monitored_barrier(timeout)
+    # passed the timeout as the group ("group must be an aiodist process group, got
+    # datetime.timedelta(0)"). Found by torch's distributed_test on this backend.
+    script = tmp_path / "timeouts.py"
+    script.write_text(TIMEOUTS)
+    reports = await _two_ranks(script)
+    message, seconds = reports[0]["barrier"]
+    assert message.startswith("Timed out"), message
+    assert 0.9 < seconds < 10, seconds  # the group's own 1 s, not the default's
+    assert "Rank 0 timed out in monitoredBarrier" in reports[0]["monitored"]
+
+
 RAISES = """
 import torch, torch.distributed as dist
 import aiodist

@@ -272,6 +272,36 @@ async def test_all_reduce_non_contiguous_is_copied_back(server: RendezvousServer
         torch.testing.assert_close(out, torch.arange(12, dtype=torch.float64).reshape(3, 4) * 3)
 
 
+async def test_tensors_that_require_grad_are_reduced_and_moved_in_place(
+    server: RendezvousServer,
+) -> None:
+    # Parameters, and DDP's buckets under create_graph. Before: "add(): functions with
+    # out=... arguments don't support automatic differentiation", and the group broke.
+    async def body(g: ProcessGroup) -> list[Any]:
+        def param(value: float, n: int = 2) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.full((n,), value))
+
+        summed, big = param(g.rank + 1.0), param(g.rank + 1.0, 100_000)
+        await all_reduce(summed, group=g)
+        await all_reduce(big, op="max", group=g)  # the socket algorithms' kernels too
+        root = param(g.rank + 1.0)
+        await broadcast(root, src=1, group=g)
+        gathered: list[torch.Tensor] = [param(0.0) for _ in range(g.world_size)]
+        await all_gather(gathered, param(g.rank + 1.0), group=g)
+        return [
+            summed.tolist(),
+            big[:2].tolist(),
+            root.tolist(),
+            [x.tolist() for x in gathered],
+            summed.requires_grad,  # still the parameter it was
+        ]
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 2, body)
+    for out in outs:
+        assert out == [[3.0, 3.0], [2.0, 2.0], [2.0, 2.0], [[1.0, 1.0], [2.0, 2.0]], True]
+
+
 async def test_many_all_reduces_in_flight_complete_in_any_await_order(
     server: RendezvousServer,
 ) -> None:
