@@ -50,9 +50,13 @@ _done = Request.done
 
 def all_reduce(tensor: object, op: object, group: ProcessGroup | None) -> Call:
     def check(g: ProcessGroup | None) -> Request:
-        bridged = g is not None and g.bridge is not None and g.bridge.crosses(tensor)
-        t = check_tensor(tensor, "tensor", sparse=bridged)
+        t = check_tensor(tensor, "tensor", sparse=True)
         reduce_op = reduce_ops.reduction(op, t.dtype, "all_reduce")
+        if t.is_sparse and (reduce_op != "sum" or not t.is_cpu):
+            raise ArgumentError(
+                f"all_reduce of a sparse tensor sums CPU tensors only (as gloo's), got "
+                f"op={reduce_op} on {t.device}"
+            )
         if g is None or g.rank < 0:
             return _done(t)
         return Request(

@@ -18,6 +18,7 @@ from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._ops.outputs import new_outputs
 from aiodist._ops.run import run
 from aiodist._ops.tensors import LazyModule, contiguous, copy_into, divide_
+from aiodist._wire import codec
 from aiodist._wire.codec import byte_view
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ def start_all_reduce(
     t, reduce_op, shm = req.tensor, req.reduce_op, req.shm
     assert t is not None
     assert reduce_op is not None
+    if t.is_sparse:
+        return _start_sparse_all_reduce(g, seq, req.description, t, label)
     p = g.world_size
     numel = t.numel()
     nbytes = numel * t.element_size()
@@ -251,6 +254,39 @@ def start_all_reduce(
         return t
 
     return g.drive(work, run, seq, on_end=None if turn is None else turn.release)
+
+
+def _start_sparse_all_reduce(
+    g: ProcessGroup, seq: int, description: str, t: torch.Tensor, label: str
+) -> Work[torch.Tensor]:
+    """The sum of sparse COO ``t`` over ``g``, into ``t`` (gloo's sparse all_reduce).
+
+    Every rank sends its coalesced indices and values to every other one
+    (``r + 1`` first: the opening), and every rank adds all of them in rank
+    order, so results are bitwise identical everywhere. ``t`` then holds the sum
+    (``copy_``: the number of its entries may change).
+    """
+    work: Work[torch.Tensor] = g.begin(description, seq=seq)
+    mine = t.coalesce()
+    payload = codec.dumps((mine.indices(), mine.values()))
+
+    async def op(seq: int) -> torch.Tensor:
+        peers = schedules.direct_peers(g.rank, g.world_size)
+        agreed = signature(label, t, reduce_op="sum", algorithm="sparse")
+        async with Exchange(g, work, seq, agreed, rides=True) as ex:
+            futures = [ex.recv(r, OPEN) for r in peers]
+            for r in peers:
+                await ex.send(r, OPEN, payload)
+            parts = {r: codec.loads((await f).data) for r, f in zip(peers, futures, strict=True)}
+        parts[g.rank] = (mine.indices(), mine.values())
+        indices, values = zip(*(parts[r] for r in range(g.world_size)), strict=True)
+        total = torch.sparse_coo_tensor(
+            torch.cat(indices, 1), torch.cat(values), t.shape, check_invariants=True
+        )
+        t.copy_(total.coalesce())
+        return t
+
+    return g.drive(work, op, seq)
 
 
 async def _socket_all_reduce(

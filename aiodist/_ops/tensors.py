@@ -59,8 +59,8 @@ def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) 
     """Return ``tensor`` if the data plane can carry it, else raise ``TypeError``/``ValueError``.
 
     CPU tensors travel as they are; CUDA tensors are staged through host
-    memory (``staging``). A sparse tensor is refused unless ``sparse`` (torch's
-    gloo carries the call: its sparse all_reduce). A tensor that requires grad
+    memory (``staging``). A sparse COO tensor is refused unless ``sparse``
+    (all_reduce sums them). A tensor that requires grad
     (a parameter, DDP's bucket under ``create_graph``) comes back detached: its
     data, the same memory, which collectives read and write in place outside
     autograd, as gloo's do.
@@ -77,9 +77,8 @@ def check_tensor(tensor: object, name: str = "tensor", *, sparse: bool = False) 
         return tensor
     if tensor.layout != torch.strided:
         raise ArgumentError(
-            f"{name} must be a dense (strided) tensor, got {tensor.layout} (all_reduce takes "
-            "sparse COO CPU tensors on a group whose CPU tensors go to torch's gloo: "
-            "init_process_group(backend='gloo'))"
+            f"{name} must be a dense (strided) tensor, got {tensor.layout} (of the "
+            "collectives, only all_reduce takes sparse COO tensors: it sums them, as gloo's)"
         )
     return tensor.detach() if tensor.requires_grad else tensor
 

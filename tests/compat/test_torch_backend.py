@@ -228,18 +228,30 @@ def train(group):
             opt.step()
     return [p.sum().item() for p in model.parameters()]
 
-print(json.dumps({"rank": rank, "aiodist": train(None),
-                  "gloo": train(dist.new_group(backend="gloo"))}))
+def sparse(group):  # a sparse embedding's gradients: a sparse all_reduce
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Embedding(10, 3, sparse=True), process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(torch.tensor([rank, 5, 7 + step])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.module.weight.tolist()
+
+gloo = dist.new_group(backend="gloo")
+print(json.dumps({"rank": rank, "aiodist": [train(None), sparse(None)],
+                  "gloo": [train(gloo), sparse(gloo)]}))
 dist.destroy_process_group()
 """
 
 
-async def test_powersgd_zero_and_join_run_on_the_aiodist_backend_as_on_gloo(
+async def test_powersgd_zero_join_and_sparse_gradients_run_on_the_aiodist_backend_as_on_gloo(
     tmp_path: Path,
 ) -> None:
     # Before: PowerSGD's hook failed ("torch.distributed all_reduce on aiodist's event-loop
     # thread would wait for the loop itself"): a future's callbacks ran on aiodist's loop
-    # thread, and PowerSGD's starts an all_reduce there and waits for it.
+    # thread, and PowerSGD's starts an all_reduce there and waits for it. A sparse
+    # embedding's gradients were refused ("must be a dense (strided) tensor").
     script = tmp_path / "hooks.py"
     script.write_text(HOOKS)
     reports = await _two_ranks(script)

@@ -302,6 +302,27 @@ async def test_tensors_that_require_grad_are_reduced_and_moved_in_place(
         assert out == [[3.0, 3.0], [2.0, 2.0], [2.0, 2.0], [[1.0, 1.0], [2.0, 2.0]], True]
 
 
+async def test_sparse_all_reduce_sums_into_the_tensor_alike_on_every_rank(
+    server: RendezvousServer,
+) -> None:
+    # DDP's gradients of a sparse embedding on the aiodist backend. Before: refused ("must
+    # be a dense (strided) tensor") unless gloo carried the group's CPU tensors.
+    async def body(g: ProcessGroup) -> list[Any]:
+        rows = torch.tensor([[g.rank, 5, 5 + g.rank]])  # ranks overlap on row 5
+        values = torch.tensor([1.0, 2.0, 0.5]) * (g.rank + 1)
+        t = torch.sparse_coo_tensor(rows, values, (9,), check_invariants=True)
+        same = await all_reduce(t, group=g)
+        return [same is t, t.is_sparse, t.to_dense().tolist()]
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 3, body)
+    dense = torch.zeros(9)
+    for r in range(3):
+        for row, value in zip([r, 5, 5 + r], [1.0, 2.0, 0.5], strict=True):
+            dense[row] += value * (r + 1)
+    assert outs == [[True, True, dense.tolist()]] * 3
+
+
 async def test_many_all_reduces_in_flight_complete_in_any_await_order(
     server: RendezvousServer,
 ) -> None:
@@ -563,8 +584,10 @@ async def test_bad_arguments_raise_before_sending(server: RendezvousServer) -> N
         sparse = torch.sparse_coo_tensor(
             torch.tensor([[0]]), torch.ones(1), (2,), check_invariants=True
         )
-        with pytest.raises(ValueError, match=r"sparse_coo .*backend='gloo'"):
-            all_reduce(sparse, group=g)  # aiodist's own plane: gloo's sparse all_reduce only
+        with pytest.raises(ValueError, match=r"sparse tensor sums CPU tensors only .*op=max"):
+            all_reduce(sparse, op="max", group=g)  # gloo's sparse all_reduce sums only
+        with pytest.raises(ValueError, match=r"sparse_coo .*only all_reduce takes sparse"):
+            broadcast(sparse, src=0, group=g)
         # Nothing was sent and no sequence number was used: the group still works.
         t = torch.ones(2)
         return await all_reduce(t, group=g)
