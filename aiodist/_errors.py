@@ -57,8 +57,13 @@ class ErrorCode(enum.IntEnum):
     REMOTE = 18
 
 
-class DistError(Exception):
-    """Root of every error aiodist raises on purpose."""
+class DistError(RuntimeError):
+    """Root of every error aiodist raises on purpose.
+
+    A ``RuntimeError``, as torch.distributed's own errors are (``DistError``,
+    ``DistBackendError``): code ported from torch that catches ``RuntimeError``
+    around a collective catches aiodist's too.
+    """
 
     code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
 
@@ -95,11 +100,8 @@ class DistTimeoutError(DistError, TimeoutError):
     code = ErrorCode.TIMEOUT
 
 
-class BarrierTimeoutError(DistTimeoutError, RuntimeError):
-    """A barrier's own timeout passed first on this rank; ``.ranks`` never arrived.
-
-    A ``RuntimeError`` too, as torch's ``monitored_barrier`` raises.
-    """
+class BarrierTimeoutError(DistTimeoutError):
+    """A barrier's own timeout passed first on this rank; ``.ranks`` never arrived."""
 
     def __init__(self, message: str, *, ranks: list[int]) -> None:
         super().__init__(message)
