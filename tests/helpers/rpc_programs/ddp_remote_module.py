@@ -6,9 +6,10 @@ rpc imports (``torch``: TensorPipe; ``aiodist``), while DDP runs on
 torch.distributed's gloo group in both. Ranks 0 and 1 are trainers (their own
 process group of two), rank 2 the master, rank 3 the parameter server
 holding an EmbeddingBag behind a RemoteModule. Each trainer looks up rows of
-its own half of the table, and they wait for each other after each step, so
-the run is deterministic. The master prints one JSON line: every trainer's
-losses, the first step's gradients of the local layer, and the final table.
+its own half of the table, and they take turns stepping (torch's concurrent
+steps could lose one's update), so the run is deterministic. The master
+prints one JSON line: every trainer's losses, the first step's gradients of
+the local layer, and the final table.
 
 Usage: ``RPC_SYSTEM=aiodist MASTER_PORT=29500 RPC_PORT=29501 python ddp_remote_module.py``
 """
@@ -81,9 +82,15 @@ def _run_trainer(remote_emb_module, rank):
             if fc_grads is None:
                 grads = dist_autograd.get_gradients(context_id)
                 fc_grads = [grads[p].tolist() for p in model.fc.parameters()]
-            opt.step(context_id)
+            # One trainer steps the parameter server at a time: torch's functional SGD
+            # steps concurrently, and a step's dense update of the whole table (zeros
+            # beyond its rows) could overwrite the other's. Both are in before the
+            # next lookups.
+            for turn in range(2):
+                if turn == rank:
+                    opt.step(context_id)
+                dist.barrier()
         losses.append(loss.item())
-        dist.barrier()  # both trainers' updates are in before the next lookups
     return {"losses": losses, "fc_grads": fc_grads}
 
 
