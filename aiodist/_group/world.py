@@ -106,7 +106,9 @@ default_pg_timeout: Final = timedelta(seconds=DEFAULT_TIMEOUT)
 class _WorldMeta(type):
     """Gives ``GroupMember.WORLD`` (and ``group.WORLD``) its live value, as torch's does."""
 
-    _world: Callable[[], object]
+    def _world(cls) -> object:
+        # What WORLD answers: aiodist.sync's twins answer torch's group instead.
+        return get_default_group()
 
     @property
     def WORLD(cls) -> Any:
@@ -118,7 +120,6 @@ class GroupMember(metaclass=_WorldMeta):
     """torch.distributed's group constants: ``WORLD`` (live), ``NON_GROUP_MEMBER``."""
 
     NON_GROUP_MEMBER: Final = -100
-    _world: Callable[[], object] = staticmethod(lambda: get_default_group())
 
 
 class group(metaclass=_WorldMeta):
@@ -127,8 +128,6 @@ class group(metaclass=_WorldMeta):
     Example:
         >>> aiodist.get_rank(aiodist.group.WORLD)
     """
-
-    _world: Callable[[], object] = staticmethod(lambda: get_default_group())
 
 
 class Backend(str):
