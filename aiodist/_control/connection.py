@@ -121,6 +121,11 @@ WAITING_WORD_INTERVAL: Final = 30.0
 _REJOINING: Final = frozenset({AuthStart, Hello, Reattach})
 
 
+class _Shed(ProtocolError):
+    """The server's gate closed this connection before its handshake, to make room
+    (a flood of connections): ``connect_control`` connects again."""
+
+
 class ControlConnection(asyncio.Protocol):
     """Requests to the rendezvous server and the notices it sends back, for every channel."""
 
@@ -181,8 +186,6 @@ class ControlConnection(asyncio.Protocol):
         self.liveness.heard(self.loop.time())
         try:
             for event in self._decoder.frames(data):
-                if not self.heard.done():
-                    self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
                 header = event.header
                 if (
                     event.kind == Reply.KIND
@@ -193,8 +196,10 @@ class ControlConnection(asyncio.Protocol):
                 ):
                     # Most of what a member hears: resolve it without building a Reply.
                     self._resolve(header[0], header[1])
-                    continue
-                self._dispatch(frame_message(event))
+                else:
+                    self._dispatch(frame_message(event))
+                if not self.heard.done():  # (a refusal it dispatched failed it)
+                    self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
         except ProtocolError as exc:
             self._fail(exc)
             assert self._transport is not None
@@ -382,7 +387,7 @@ class ControlConnection(asyncio.Protocol):
                 "point init_method at the port `aiodist serve` or rank 0 listens on"
             ) from None
         except DistError as exc:
-            if isinstance(exc, AuthenticationError):
+            if isinstance(exc, AuthenticationError | _Shed):
                 raise
             raise RendezvousError(
                 f"something listens at {self.server}, but it does not speak as an aiodist "
@@ -484,6 +489,11 @@ class ControlConnection(asyncio.Protocol):
             self._in_channel = msg.channel
         elif isinstance(msg, ErrorReply):
             exc = from_wire(msg.code, msg.message, msg.details)
+            if msg.req_id == 0 and msg.details.get("again") is True:
+                if self.reconnect is not None and self._transport is not None:
+                    self._transport.abort()  # shed while coming back: the search tries again
+                    return
+                exc = _Shed(msg.message)
             if msg.req_id in self.routes:
                 self._resolve(msg.req_id, exc)
             elif msg.code in (ErrorCode.PROTOCOL, ErrorCode.AUTHENTICATION):
@@ -630,7 +640,8 @@ async def connect_control(
     token: str | None = None,
     tls_config: tls.TlsConfig | None = None,
 ) -> ControlConnection:
-    """Connect to the rendezvous server, retrying while nothing listens yet.
+    """Connect to the rendezvous server, retrying while nothing listens yet, and while its
+    gate sheds this connection before the handshake (a flood of connections).
 
     Args:
         host: The server's address.
@@ -648,7 +659,8 @@ async def connect_control(
 
     Raises:
         ConnectionRefusedError: Nothing listens and ``retry_refused`` is false.
-        RendezvousTimeout: Nothing answered within ``timeout``.
+        RendezvousTimeout: Nothing answered within ``timeout``, or the server's
+            gate shed every try.
         AuthenticationError: The server refused the token, or requires none; or
             TLS failed: the server speaks clear, or one side refused the other's
             certificate (never retried).
@@ -708,6 +720,16 @@ async def connect_control(
                 await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))
             else:
                 await protocol.probe(min(PROBE_WAIT, max(deadline - loop.time(), 0.1)))
+        except _Shed as exc:
+            protocol.close()
+            if loop.time() >= deadline:
+                raise RendezvousTimeout(
+                    f"the rendezvous server at {host}:{port} closed every connection of this "
+                    f"rank within {timeout:.1f} s to make room for others ({exc}); it is flooded "
+                    "with connections that do not finish their handshake"
+                ) from exc
+            logger.debug("connecting again to %s:%d: %s", host, port, exc)
+            continue
         except BaseException:
             protocol.close()
             raise

@@ -336,13 +336,15 @@ class ServerConnection(asyncio.Protocol):
         self._server.log_refusal("token", "refused a connection from %s: %s", self.peer, why)
         self._close_after(ErrorReply(0, ErrorCode.AUTHENTICATION, message, {}))
 
-    def cut_off(self, reason: str, why: str, message: str) -> None:
+    def cut_off(self, reason: str, why: str, message: str, *, again: bool = False) -> None:
         """Close a connection the gate gave up on: tell it why, then abort (no lingering).
 
         Args:
             reason: The short fixed phrase the log's summary counts it under.
             why: What the log says it did.
             message: What the client is told.
+            again: It was closed to make room, not for anything it did: a client
+                connects again (``details["again"]``) until its own timeout.
         """
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -354,7 +356,7 @@ class ServerConnection(asyncio.Protocol):
             token = self._server.token is not None and reason == "deadline"
             code = ErrorCode.AUTHENTICATION if token else ErrorCode.PROTOCOL
             # Small: the kernel takes it at once, before the abort drops what it did not.
-            self.write(ErrorReply(0, code, message, {}))
+            self.write(ErrorReply(0, code, message, {"again": True} if again else {}))
         transport.abort()
 
     def expired(self) -> None:
@@ -383,6 +385,7 @@ class ServerConnection(asyncio.Protocol):
             f"{most} connections were waiting for their handshake; it was the oldest",
             f"the rendezvous server closed this connection: {most} connections were waiting "
             "for their handshake, and this one had waited longest; connect again",
+            again=True,
         )
 
     def _close_after(self, error: ErrorReply) -> None:

@@ -250,9 +250,124 @@ async def test_silent_connection_is_closed_after_the_auth_timeout() -> None:
             frames = await peer.frames_until_closed()  # it sends nothing; the server gives up
         peer.close()
         assert [f.kind for f in frames] == [Challenge.KIND, ErrorReply.KIND]
-        assert ErrorReply(*frames[1].header).code == ErrorCode.AUTHENTICATION
+        refusal = ErrorReply(*frames[1].header)
+        assert refusal.code == ErrorCode.AUTHENTICATION
+        assert refusal.details == {}  # its own fault: connecting again would not help
         assert token_server.auth_failures == 1
         await token_server.wait_until(lambda s: s.num_connections == 0)
+        tg.cancel_scope.cancel()
+
+
+async def test_gate_tells_the_connection_it_shed_to_connect_again() -> None:
+    async with anyio.create_task_group() as tg:
+        server = await tg.start(
+            functools.partial(serve_rendezvous, token=TOKEN, preauth=PreAuthLimits(max_pending=1))
+        )
+        address = f"tcp://{server.address[0]}:{server.address[1]}"
+        with anyio.fail_after(10):
+            first = await RawPeer.connect(address)
+            await server.wait_until(lambda s: s.num_connections == 1)
+            second = await RawPeer.connect(address)  # no room for both: the older goes
+            frames = await first.frames_until_closed()
+        first.close()
+        second.close()
+        assert [f.kind for f in frames] == [Challenge.KIND, ErrorReply.KIND]
+        shed = ErrorReply(*frames[1].header)
+        assert shed.code == ErrorCode.PROTOCOL
+        assert shed.details == {"again": True}
+        assert "connect again" in shed.message
+        tg.cancel_scope.cancel()
+
+
+class _Gate:
+    """A gate in front of the server at ``target``: after the first ``skip`` connections,
+    the next ``shed`` that speak get what the server's gate sends a connection it shed
+    to make room; every other connection is relayed to ``target``."""
+
+    def __init__(self, target: tuple[str, int], shed: int, skip: int = 0, token: bool = True):
+        self.target = target
+        self.token = token  # the server's challenge comes first
+        self.shed = shed
+        self.skip = skip
+        self.accepted = 0
+
+    async def __call__(self, client: SocketStream) -> None:
+        self.accepted += 1
+        if self.accepted > self.skip and self.shed > 0:
+            async with client:
+                try:
+                    # Its first frame, read: the close is then no reset, which could
+                    # discard the refusal before the client reads it.
+                    await client.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return  # it gave up before a word (a reconnect attempt superseded)
+                self.shed -= 1
+                again = {"again": True}
+                refusal = ErrorReply(0, ErrorCode.PROTOCOL, "no room; connect again", again)
+                challenge = _message(Challenge(new_nonce())) if self.token else b""
+                await client.send(challenge + _message(refusal))
+            return
+        try:
+            await _relay(self.target, [], [], client)
+        except OSError:  # nothing listens there (between two servers)
+            await client.aclose()
+
+
+@pytest.mark.parametrize("shed", [2, 1000])
+@pytest.mark.parametrize("token", [TOKEN, ""])
+async def test_client_shed_by_the_gate_connects_again_until_its_timeout(
+    token: str, shed: int
+) -> None:
+    async with anyio.create_task_group() as servers:
+        server = await servers.start(functools.partial(serve_rendezvous, token=token or None))
+        await _shed_then_served(_Gate(server.address, shed, token=bool(token)), token)
+        servers.cancel_scope.cancel()
+
+
+async def _shed_then_served(gate: _Gate, token: str) -> None:
+    shed = gate.shed
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, gate)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        with anyio.fail_after(10):
+            if shed == 2:  # shed twice, then served: the third connection is the one used
+                conn = await connect_control("127.0.0.1", port, timeout=5, token=token)
+                reply = await conn.request(StatusRequest)
+                conn.close()
+                assert (gate.accepted, gate.shed) == (3, 0)
+                assert reply is not None
+            else:  # shed every time: a timeout that says why, once the rank's time is up
+                with pytest.raises(aiodist.RendezvousTimeout, match="to make room for others"):
+                    await connect_control("127.0.0.1", port, timeout=1, token=token)
+                assert gate.accepted > 2
+        tg.cancel_scope.cancel()
+
+
+async def test_member_shed_while_coming_back_after_a_restart_tries_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("AIODIST_TOKEN", TOKEN)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    serve = functools.partial(
+        serve_rendezvous, token=TOKEN, state_dir=str(tmp_path / "state"), shutdown_timeout=1
+    )
+    async with listener, anyio.create_task_group() as tg:
+        first = await tg.start(serve)
+        gate = _Gate(first.address, shed=1, skip=1)  # the member's first try to come back
+        tg.start_soon(listener.serve, gate)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        with anyio.fail_after(30):
+            async with aiodist.open_process_group(
+                f"tcp://127.0.0.1:{port}", world_size=1, group_name="shed-coming-back"
+            ) as g:
+                await g.store.set("before", b"1")
+                await first.aclose("restarting")  # with its state kept: it comes back
+                second = await tg.start(serve)
+                gate.target = second.address
+                await g.store.set("after", b"2")  # sent again once the member is back
+                assert await g.store.get("before") == b"1"
+        assert gate.shed == 0
         tg.cancel_scope.cancel()
 
 
