@@ -6,6 +6,7 @@ The launch paths themselves run as real processes in ``test_launch_paths.py``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import logging
@@ -411,3 +412,33 @@ def test_a_spare_server_variable_not_naming_a_child_and_its_socket_is_ignored_an
         assert forkserver._SPARE_ENV not in os.environ
         a.send(b"still ours")  # not closed by the refusal
         assert b.recv(16) == b"still ours"
+
+
+async def test_daemon_runs_full_collections_on_its_own_clock_and_gives_the_thresholds_back() -> (
+    None
+):
+    from aiodist._launch.daemon import collect_on_a_clock
+
+    before = gc.get_threshold()
+    collected = asyncio.Event()
+    full = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info)
+            if len(full) >= 2:
+                collected.set()
+
+    gc.callbacks.append(watch)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(collect_on_a_clock, 0.01)
+            with anyio.fail_after(10):
+                await collected.wait()
+            young, middle, old = gc.get_threshold()
+            assert (young, middle) == before[:2]  # the young generations as before
+            assert old >= 1 << 30  # Python starts no full collection of its own
+            tg.cancel_scope.cancel()
+        assert gc.get_threshold() == before
+    finally:
+        gc.callbacks.remove(watch)
