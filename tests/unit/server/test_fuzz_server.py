@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 import aiodist
 from aiodist import serve_rendezvous
+from aiodist._errors import ProtocolError
 from aiodist._wire.frame import MAGIC, PREFIX, PROTOCOL_VERSION, encode_frame
-from aiodist._wire.headers import MESSAGES, message_fields
+from aiodist._wire.headers import MESSAGES, _decode_checked, _spec, message_fields
 from aiodist.testing import run_ranks
 from tests.integration.test_security import RawPeer
 
@@ -87,6 +88,33 @@ def _message_frames(draw: st.DrawFn) -> bytes:
         header = draw(st.one_of(st.lists(_values, max_size=10), _values))
     payload = draw(st.one_of(st.none(), st.binary(min_size=1, max_size=16)))
     return b"".join(bytes(p) for p in encode_frame(int(kind), header, payload))
+
+
+@st.composite
+def _headers(draw: st.DrawFn) -> tuple[Any, list[Any]]:
+    """A declared class and a header for it: fitting or wild fields, sometimes too few."""
+    cls = draw(st.sampled_from(list(MESSAGES.classes.values())))
+    hints = typing.get_type_hints(cls)
+    header = [draw(_field(hints[name])) for name, _ in message_fields(cls)]
+    if draw(st.integers(0, 9)) == 0:
+        header = header[: draw(st.integers(0, len(header)))]
+    return cls, header
+
+
+@FUZZ
+@given(_headers())
+def test_quick_and_long_decoding_agree_on_any_header(drawn: tuple[Any, list[Any]]) -> None:
+    # The generated checks accept exactly what the long way accepts, and make the same object.
+    cls, header = drawn
+    spec = _spec(cls)
+    try:
+        slow = _decode_checked(spec, header)
+    except (ValueError, ProtocolError):  # a wrong type or count; a value out of range
+        slow = None
+    quick = spec.accept(header)
+    assert (quick is None) == (slow is None), (cls.__name__, header)
+    if quick is not None:
+        assert quick == slow
 
 
 @st.composite
