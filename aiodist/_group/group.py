@@ -112,13 +112,14 @@ class ProcessGroup:
         rank: This process's rank within the group.
         world_size: Number of ranks in the group.
         ranks: The global rank of each group rank.
+        session: The session (the job's connection) the group belongs to.
     """
 
     #: torch's methods that run an operation (see ``Methods``).
     methods: ClassVar[Methods]
 
     def __init__(self, session: Session, ranks: Sequence[int], *, name: str, group_id: int) -> None:
-        self._session = session
+        self.session = session
         self.ranks = ranks  # the world's is a range: O(1) lookups in a job of any size
         self.name = name
         self.group_id = group_id
@@ -135,7 +136,10 @@ class ProcessGroup:
         self._seqs = itertools.count(1)
         self._seq = 0  # the latest number taken
         self._p2p_seqs = itertools.count(1)  # point-to-point's own numbers (descriptions)
-        self._index: dict[int, int] | None = None  # global rank -> group rank, on first use
+        # Global rank -> group rank; the world's range needs none (O(1) in a job of any size).
+        self._index: dict[int, int] | None = (
+            None if isinstance(ranks, range) else {r: i for i, r in enumerate(ranks)}
+        )
         self.deadlines = Deadlines(self)  # one timer for the timeouts of all its operations
         self._on_close: list[weakref.WeakMethod[Callable[[], object]]] = []
         # Calls a member aborted before this rank made them: they fail when made.
@@ -157,13 +161,13 @@ class ProcessGroup:
 
         :meta private:
         """
-        self._session.check_usable()
+        self.session.check_usable()
         if self.closed:
             raise ClosedError(f"{self!r} was destroyed; create a new group with new_group")
         if self.error is not None and not (p2p and self.keeps_p2p):
             raise self.error
         if self.rank < 0:
-            raise ValueError(f"this process (rank {self._session.rank}) is not in {self!r}")
+            raise ValueError(f"this process (rank {self.session.rank}) is not in {self!r}")
 
     def on_close(self, method: Callable[[], object]) -> None:
         """Call the bound ``method`` (held weakly) when this group or its session closes.
@@ -215,8 +219,8 @@ class ProcessGroup:
             return
         self.run_close_hooks()
         self.closed = True
-        self._session.groups.pop(self.group_id, None)
-        self._session.plane.fail(ClosedError(f"{self!r} was destroyed"), self.group_id)
+        self.session.groups.pop(self.group_id, None)
+        self.session.plane.fail(ClosedError(f"{self!r} was destroyed"), self.group_id)
         self.deadlines.close()
 
     def break_(self, exc: DistError, *, notify: bool = True, keep_p2p: bool = False) -> None:
@@ -233,7 +237,7 @@ class ProcessGroup:
         # A member failed or left (as the server, the data plane or a member said): only what
         # needs it fails, point-to-point with the others goes on.
         self.keeps_p2p = keep_p2p or (
-            isinstance(exc, RankFailedError) and exc.rank not in (-1, self._session.rank)
+            isinstance(exc, RankFailedError) and exc.rank not in (-1, self.session.rank)
         )
         self._aborted.clear()
         # INFO: every operation on it raises ``exc`` itself; code that handles it (a
@@ -245,18 +249,18 @@ class ProcessGroup:
                 fn(exc)
             except Exception:
                 logger.exception("a listener of group %r's break failed", self.name)
-        self._session.note_trouble()
-        plane = self._session.plane
+        self.session.note_trouble()
+        plane = self.session.plane
         plane.fail(exc, self.group_id, keep_p2p=self.keeps_p2p)
         if notify:
             error = PeerError(self.group_id, exc.code, str(exc), exc.wire_details())
             for rank in self.ranks:
-                if rank != self._session.rank:
+                if rank != self.session.rank:
                     self._spawn(self._notify(rank, error))
 
     async def _notify(self, rank: int, error: PeerError) -> None:
         with contextlib.suppress(OSError, DistError):
-            await self._session.plane.send_error(rank, error)
+            await self.session.plane.send_error(rank, error)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self.spawn(linger(coro))  # peers learn why even when the loop is ending
@@ -266,7 +270,7 @@ class ProcessGroup:
 
         :meta private:
         """
-        inflight = self._session.inflight
+        inflight = self.session.inflight
         inflight.add(task)
         task.add_done_callback(inflight.discard)
 
@@ -428,7 +432,7 @@ class ProcessGroup:
             self.break_(
                 GroupBrokenError(
                     f"{work.description} on group {self.name!r} failed on rank "
-                    f"{self._session.rank}: {type(exc).__name__}: {exc}; the group is "
+                    f"{self.session.rank}: {type(exc).__name__}: {exc}; the group is "
                     "broken. Restart the job."
                 )
             )
@@ -442,13 +446,13 @@ class ProcessGroup:
         :meta private:
         """
         seq = stalls.seq_of(work.description)
-        if seq and not self._session.conn.closed:
+        if seq and not self.session.conn.closed:
             self._spawn(self._expire_named(work, seq))
         else:
             self._expire(work, "")
 
     async def _expire_named(self, work: Work[Any], seq: int) -> None:
-        session = self._session
+        session = self.session
         where = await stalls.where_others_are(session.conn, session.group_name, self.name, seq)
         self._expire(work, where)
 
@@ -493,7 +497,7 @@ class ProcessGroup:
         """
         if self.error is not None or self.closed:
             return  # every member fails its calls with the group's error anyway
-        me = self._session.rank
+        me = self.session.rank
         reason = f"{type(exc).__name__}: {exc}"
         if torch:
             self.break_(
@@ -512,10 +516,10 @@ class ProcessGroup:
             rank=me,
             reason=reason,
         )
-        self._session.plane.drop_call(self.group_id, seq, aborted)
+        self.session.plane.drop_call(self.group_id, seq, aborted)
         details = {**aborted.wire_details(), "seq": seq}
         header = message_header(PeerError(self.group_id, ErrorCode.ABORTED, str(aborted), details))
-        plane = self._session.plane
+        plane = self.session.plane
         for rank in self.ranks:
             if rank != me:  # written now: this rank's next messages cannot overtake it
                 plane.send_notice(rank, PeerError.KIND, header)
@@ -529,7 +533,7 @@ class ProcessGroup:
             self._aborted[seq] = exc  # not made here yet
         for work in self.deadlines.running_call(seq):
             work.set_exception(exc)  # its callbacks then stand down, its task stops
-        self._session.plane.drop_call(self.group_id, seq, exc)
+        self.session.plane.drop_call(self.group_id, seq, exc)
 
     def next_seq(self) -> int:
         """Take the group's next sequence number (from any thread).
@@ -542,6 +546,20 @@ class ProcessGroup:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def job_rank_of(self, rank: object, name: str) -> int:
+        """``global_rank(group_rank_of(rank, name))``: the job rank of member ``rank``.
+
+        Raises:
+            TypeError, ValueError: As ``group_rank_of``.
+
+        :meta private:
+        """
+        if type(rank) is int and self.session.numbering is None:
+            # Global ranks are job ranks (not renumbered): a member names itself.
+            if rank in (self.ranks if self._index is None else self._index):
+                return rank
+        return self.ranks[self.group_rank_of(rank, name)]
+
     def group_rank_of(self, rank: object, name: str) -> int:
         """The group rank of global ``rank``: ``src``/``dst`` are global ranks, as in torch.
 
@@ -553,7 +571,7 @@ class ProcessGroup:
         """
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise ArgumentTypeError(f"{name} must be an int rank, got {type(rank).__name__}")
-        if (numbering := self._session.numbering) is not None:
+        if (numbering := self.session.numbering) is not None:
             # The default group was shrunk: global ranks are renumbered, as in torch.
             if not 0 <= rank < len(numbering):
                 raise ArgumentError(
@@ -561,14 +579,12 @@ class ProcessGroup:
                     f"{counted(len(numbering), 'rank')} since shrink_group renumbered them"
                 )
             rank = numbering[rank]
-        if isinstance(self.ranks, range):
+        index = self._index
+        if index is None:  # a range
             if rank in self.ranks:
                 return self.ranks.index(rank)
-        else:
-            if self._index is None:
-                self._index = {r: i for i, r in enumerate(self.ranks)}
-            if rank in self._index:
-                return self._index[rank]
+        elif rank in index:
+            return index[rank]
         raise ArgumentError(
             f"{name}={rank} is not a member of {self!r} (its global ranks: "
             f"{_ranges(self.ranks)}); {name} is a global rank, as in torch.distributed"
@@ -603,16 +619,12 @@ class ProcessGroup:
         return f"<ProcessGroup {self.name!r} rank {self.rank} of {self.world_size}>"
 
     @property
-    def session(self) -> Session:
-        return self._session
-
-    @property
     def backend(self) -> str | None:
-        return self.group_backend or self._session.backend
+        return self.group_backend or self.session.backend
 
     @property
     def store(self) -> Store:
-        return self._session.store
+        return self.session.store
 
 
 def _stop(task: asyncio.Task[Any], work: Work[Any]) -> None:

@@ -32,7 +32,7 @@ from aiodist._errors import ArgumentError, CollectiveMismatchError
 from aiodist._group.world import resolve_group
 from aiodist._ops import staging
 from aiodist._ops.agreement import dtype_name
-from aiodist._ops.run import PeerCall, run_p2p
+from aiodist._ops.run import run_p2p
 from aiodist._ops.tensors import check_tensor
 from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
@@ -116,8 +116,8 @@ def isend(
     Example:
         >>> await aiodist.isend(torch.ones(4), dst=1)
     """
-    call = PeerCall("isend", group, dst, group_dst, tag, sends=True)
-    return run_p2p(call, functools.partial(_start_send, tensor, tag))
+    start = functools.partial(_start_send, tensor, tag)
+    return run_p2p("isend", group, dst, group_dst, tag, start, sends=True)
 
 
 def _start_send(
@@ -225,8 +225,8 @@ def irecv(
     Cancellation:
         Cancelling the awaiting task does not cancel the receive.
     """
-    call = PeerCall("irecv", group, src, group_src, tag, sends=False, outside=-1)
-    return run_p2p(call, functools.partial(_start_receive, tensor, tag))
+    start = functools.partial(_start_receive, tensor, tag)
+    return run_p2p("irecv", group, src, group_src, tag, start, sends=False, outside=-1)
 
 
 def _start_receive(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiodist._errors import ArgumentTypeError, CollectiveMismatchError
 from aiodist._ops import staging
 from aiodist._ops.p2p import abort_send, send_message
-from aiodist._ops.run import PeerCall, chain, run_p2p
+from aiodist._ops.run import chain, run_p2p
 from aiodist._wire import codec
 from aiodist._wire.keys import MatchKind
 
@@ -57,8 +57,15 @@ def isend_object(
     Example:
         >>> await aiodist.isend_object({"step": 3}, dst=1)
     """
-    call = PeerCall("isend_object", group, dst, None, tag, sends=True)
-    return run_p2p(call, lambda g, peer: (send_object(g, _given(peer), tag, obj), None))
+    return run_p2p(
+        "isend_object",
+        group,
+        dst,
+        None,
+        tag,
+        lambda g, peer: (send_object(g, _given(peer), tag, obj), None),
+        sends=True,
+    )
 
 
 def send_object(g: ProcessGroup, dst: int, tag: int, obj: object) -> Work[None]:
@@ -83,8 +90,15 @@ def irecv_object(
     Returns:
         Work resolving to the object (None on a process outside ``group``).
     """
-    call = PeerCall("irecv_object", group, src, None, tag, sends=False)
-    return run_p2p(call, lambda g, peer: (receive_object(g, peer, tag, with_sender=False), None))
+    return run_p2p(
+        "irecv_object",
+        group,
+        src,
+        None,
+        tag,
+        lambda g, peer: (receive_object(g, peer, tag, with_sender=False), None),
+        sends=False,
+    )
 
 
 def _given(peer: int | None) -> int:
@@ -148,9 +162,6 @@ def send_object_list(
     Example:
         >>> await aiodist.send_object_list([{"step": 3}], dst=1)
     """
-    call = PeerCall(
-        "send_object_list", group, dst, group_dst, _OBJECT_LIST_TAG, sends=True, user_tag=False
-    )
 
     def start(g: ProcessGroup, peer: int | None) -> tuple[Work[None], None]:
         if not isinstance(object_list, list):
@@ -158,7 +169,16 @@ def send_object_list(
         staging.settle_streams(object_list)
         return send_object(g, _given(peer), _OBJECT_LIST_TAG, object_list), None
 
-    return run_p2p(call, start)
+    return run_p2p(
+        "send_object_list",
+        group,
+        dst,
+        group_dst,
+        _OBJECT_LIST_TAG,
+        start,
+        sends=True,
+        user_tag=False,
+    )
 
 
 def recv_object_list(
@@ -190,16 +210,6 @@ def recv_object_list(
         >>> objs = [None]
         >>> await aiodist.recv_object_list(objs, src=0)
     """
-    call = PeerCall(
-        "recv_object_list",
-        group,
-        src,
-        group_src,
-        _OBJECT_LIST_TAG,
-        sends=False,
-        outside=-1,
-        user_tag=False,
-    )
 
     def start(g: ProcessGroup, peer: int | None) -> tuple[Work[int], None]:
         if not isinstance(object_list, list):
@@ -207,7 +217,17 @@ def recv_object_list(
         got = receive_object(g, peer, _OBJECT_LIST_TAG, with_sender=True)
         return chain(got, functools.partial(_place, object_list, g.session.rank)), None
 
-    return run_p2p(call, start)
+    return run_p2p(
+        "recv_object_list",
+        group,
+        src,
+        group_src,
+        _OBJECT_LIST_TAG,
+        start,
+        sends=False,
+        outside=-1,
+        user_tag=False,
+    )
 
 
 def _place(object_list: list[Any], me: int, pair: tuple[Any, int]) -> int:

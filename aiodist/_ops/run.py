@@ -21,7 +21,7 @@ then, in this order:
    the request's ``deliver`` makes the call's value of the result (torch's
    output lists filled, mmengine's new tensors returned).
 
-Point-to-point takes no place in a group's order: ``run_p2p(call, start)``
+Point-to-point takes no place in a group's order: ``run_p2p(name, ..., start)``
 is its set-up, shared by tensors and objects (``p2p``, ``p2p_objects``): the
 group (one is needed), the answer outside it, the tag, the peer (never this
 rank for a send), then ``start`` and the flight recorder.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
     from aiodist._ops.requests import Call, Request
 
 __all__ = [
-    "PeerCall",
     "Slot",
     "chain",
     "peer_of",
@@ -147,68 +145,62 @@ def record(
 # --- point to point -------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class PeerCall:
-    """A point-to-point call, read: its name, its group, the peer and the tag it names.
-
-    ``sends``: a send, whose peer must be given and must not be this rank; a
-    receive's peer may be None (any rank). ``outside`` is the call's value on a
-    process outside the group (torch.distributed's: nothing happens there).
-    ``user_tag``: the tag is the caller's (an int >= 0); else aiodist's own.
-    """
-
-    name: str
-    group: ProcessGroup | None
-    peer: int | None
-    group_peer: int | None
-    tag: int
-    sends: bool
-    outside: Any = None
-    user_tag: bool = True
-
-
 def run_p2p(
-    call: PeerCall,
+    name: str,
+    group: ProcessGroup | None,
+    peer: int | None,
+    group_peer: int | None,
+    tag: int,
     start: Callable[[ProcessGroup, int | None], tuple[Work[T], torch.Tensor | None]],
+    *,
+    sends: bool,
+    outside: Any = None,
+    user_tag: bool = True,
 ) -> Work[T]:
-    """Make ``call``: the set-up every point-to-point call shares, then ``start(g, peer)``.
+    """Make point-to-point call ``name``: the set-up every one shares, then ``start(g, peer)``.
+
+    The call names its group, its peer (``peer`` a global rank or ``group_peer``
+    a rank of the group) and its tag, read as they are here, with no request
+    object in between (the small-message path pays for every one). ``sends``:
+    a send, whose peer must be given and must not be this rank; a receive's
+    peer may be None (any rank). ``outside`` is the call's value on a process
+    outside the group (torch.distributed's: nothing happens there).
+    ``user_tag``: the tag is the caller's (an int >= 0); else aiodist's own.
 
     ``start`` gets the group and the peer's global rank (None: any rank) and
     returns the call's ``Work`` and its tensor (None for objects), which the
     flight recorder notes.
     """
     called = perf_counter_ns()
-    g = group_or_default(call.group, call.name)
+    g = group_or_default(group, name)
     if g.rank < 0:
-        return Work.completed(call.outside)
-    if call.user_tag:
-        _check_tag(call.tag)
-    name = "dst" if call.sends else "src"
-    peer = None
-    if call.sends or call.peer is not None or call.group_peer is not None:
-        peer = peer_of(g, call.peer, call.group_peer, name)
-    if call.sends and peer == g.session.rank:
+        return Work.completed(outside)
+    if user_tag and (type(tag) is not int or tag < 0):  # the usual tag needs no call
+        _check_tag(tag)
+    if sends or peer is not None or group_peer is not None:
+        peer = peer_of(g, peer, group_peer, "dst" if sends else "src")
+    if sends and peer == g.session.rank:
         raise ArgumentError(
             "Invalid destination rank: destination rank should not be the same as the rank "
             "of the current process."
         )
     work, first = start(g, peer)
-    record(g, work, call.name, 0, first, called, -1 if peer is None else peer)
+    record(g, work, name, 0, first, called, -1 if peer is None else peer)
     return work
 
 
 def peer_of(g: ProcessGroup, peer: int | None, group_peer: int | None, name: str) -> int:
     """The global rank named by ``peer`` (global) or ``group_peer`` (a rank of ``g``)."""
-    if peer is not None and group_peer is not None:
+    if group_peer is None:
+        if peer is None:
+            raise ArgumentError(f"Must specify {name} or group_{name}")
+        # A member, as in torch.distributed; its job rank (renumbered after shrink_group).
+        return g.job_rank_of(peer, name)
+    if peer is not None:
         raise ArgumentError(f"Can not specify both {name} and group_{name}")
-    if group_peer is not None:
-        if not isinstance(group_peer, int) or not 0 <= group_peer < g.world_size:
-            raise ArgumentError(f"group_{name}={group_peer!r} is not a rank of {g!r}")
-        return g.global_rank(group_peer)
-    if peer is None:
-        raise ArgumentError(f"Must specify {name} or group_{name}")
-    # A member, as in torch.distributed; its job rank (renumbered after shrink_group).
-    return g.global_rank(g.group_rank_of(peer, name))
+    if not isinstance(group_peer, int) or not 0 <= group_peer < g.world_size:
+        raise ArgumentError(f"group_{name}={group_peer!r} is not a rank of {g!r}")
+    return g.global_rank(group_peer)
 
 
 def _check_tag(tag: object) -> None:
