@@ -275,15 +275,11 @@ class StreamChannel(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None or self._lost or transport.is_closing():
             raise ConnectionResetError(f"connection to {self.peer} is closed")
-        parts = encode_frame(kind, header, payload)
-        if len(parts) == 1:
-            transport.write(parts[0])
-        else:
-            view = memoryview(parts[1]).cast("B")
-            if view.nbytes <= COALESCE_BYTES:
-                transport.write(bytes(parts[0]) + view)
-            else:
-                transport.write(parts[0])
+        parts = encode_frame(kind, header, payload, join_bytes=COALESCE_BYTES)
+        transport.write(parts[0])
+        if len(parts) > 1:  # a large payload (or header), in slices
+            for part in parts[1:]:
+                view = memoryview(part).cast("B")
                 for start in range(0, view.nbytes, WRITE_SLICE_BYTES):
                     transport.write(view[start : start + WRITE_SLICE_BYTES])
         writable = self._writable

@@ -38,7 +38,7 @@ from aiodist._wire.headers import MESSAGES, message_header
 from aiodist._wire.messages import Packed
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
 __all__ = [
     "CLOSED",
@@ -121,28 +121,32 @@ class _Packers(threading.local):
 _packers = _Packers()
 
 
-def encode_frame(kind: int, header: Any, payload: Buffer | None = None) -> list[Buffer]:
+def encode_frame(
+    kind: int, header: Any, payload: Buffer | None = None, *, join_bytes: int = 0
+) -> list[Buffer]:
     """Encode one frame as the buffers to hand to ``transport.writelines``.
 
-    The payload is never copied: it is returned as given (a memoryview of a tensor
-    stays one).
+    The payload is never copied, but one of at most ``join_bytes`` bytes: that
+    one is joined to the prefix and the header, one buffer for one write (a
+    small message's, as dask's comm joins them). Otherwise it is returned as
+    given (a memoryview of a tensor stays one).
     """
-    return _frame(kind, [_packers.pack(header)], payload)
+    return _frame(kind, (_packers.pack(header),), payload, join_bytes)
 
 
-def _frame(kind: int, body: list[bytes], payload: Buffer | None) -> list[Buffer]:
+def _frame(
+    kind: int, body: Sequence[bytes], payload: Buffer | None, join_bytes: int = 0
+) -> list[Buffer]:
     nbytes = 0 if payload is None else memoryview(payload).nbytes
-    body_nbytes = sum(map(len, body))
+    body_nbytes = len(body[0]) if len(body) == 1 else sum(map(len, body))
     prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, body_nbytes, nbytes)
-    # Small headers are joined (one write); a big one (a member table) is not copied.
-    parts: list[Buffer]
-    if body_nbytes <= _JOIN_HEADER_BYTES:
-        parts = [b"".join([prefix, *body])]
-    else:
-        parts = [prefix, *body]
-    if nbytes:
-        parts.append(payload)  # type: ignore[arg-type]
-    return parts
+    if body_nbytes > _JOIN_HEADER_BYTES:  # a big header (a member table) is not copied
+        return [prefix, *body, payload] if nbytes else [prefix, *body]  # type: ignore[list-item]
+    if not nbytes:
+        return [b"".join((prefix, *body))]
+    if nbytes <= join_bytes:
+        return [b"".join((prefix, *body, payload))]  # type: ignore[arg-type]
+    return [b"".join((prefix, *body)), payload]  # type: ignore[list-item]
 
 
 def encode_message(msg: Any, payload: Buffer | None = None) -> list[Buffer]:
