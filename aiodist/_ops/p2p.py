@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ArgumentError, CollectiveMismatchError
 from aiodist._group.world import resolve_group
@@ -57,6 +57,10 @@ __all__ = [
     "send",
     "send_message",
 ]
+
+
+# Read once: an enum member's lookup costs every small message (~75 ns on Python 3.11).
+_P2P: Final = MatchKind.P2P
 
 
 def _meta(t: torch.Tensor) -> list[Any]:
@@ -124,7 +128,7 @@ def _start_send(
     tensor: torch.Tensor, tag: int, g: ProcessGroup, dst: int | None
 ) -> tuple[Work[None], torch.Tensor]:
     assert dst is not None
-    description, key = f"isend(dst={dst}, tag={tag})", (MatchKind.P2P, g.group_id, tag, 0)
+    description, key = f"isend(dst={dst}, tag={tag})", (_P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
         device = staging.device_of(t)
@@ -145,7 +149,8 @@ def send_message(
     # no task and no timer. The rest (a first connection, a full socket) finish in a task.
     work = g.begin(description, collective=False, timed=False)
     # A send still being staged from a device to the same place goes first (call order).
-    before = g.staging_sends.get((dst, key))
+    staging_sends = g.staging_sends
+    before = staging_sends.get((dst, key)) if staging_sends else None
     if before is not None and not before.done():
 
         async def after_staged(_seq: int) -> None:
@@ -232,7 +237,7 @@ def irecv(
 def _start_receive(
     tensor: torch.Tensor, tag: int, g: ProcessGroup, src: int | None
 ) -> tuple[Work[int], torch.Tensor]:
-    key = (MatchKind.P2P, g.group_id, tag, 0)
+    key = (_P2P, g.group_id, tag, 0)
     try:
         t = check_tensor(tensor)
     except BaseException:

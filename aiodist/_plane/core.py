@@ -68,6 +68,7 @@ _DEAD_CALLS_KEPT: Final = 4096
 _P2P_KINDS: Final = frozenset(
     {MatchKind.P2P, MatchKind.OBJECT_P2P, MatchKind.CLEAR, MatchKind.BULK}
 )
+_P2P: Final = MatchKind.P2P  # read once: an enum member's lookup costs every receive
 
 
 class PeerState(enum.Enum):
@@ -297,7 +298,7 @@ class PlaneCore:
             self.complete(posted, found[1])
         elif src in self.gone:
             self._settle_left(src)  # nothing more comes from it: fails at once
-        elif key[0] == MatchKind.P2P and src is not None:
+        elif key[0] == _P2P and src is not None:
             self.bulk.offer(src, posted)
         return posted
 

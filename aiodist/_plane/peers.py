@@ -70,7 +70,7 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 def _is_bulk(key: Key, nbytes: int) -> bool:
     # A point-to-point tensor large enough to wait for its receive (``bulk.py``).
-    return key[0] == MatchKind.P2P and nbytes >= BULK_MIN_BYTES
+    return nbytes >= BULK_MIN_BYTES and key[0] == MatchKind.P2P
 
 
 def _turn_over(
