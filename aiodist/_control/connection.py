@@ -186,6 +186,8 @@ class ControlConnection(asyncio.Protocol):
         self.liveness.heard(self.loop.time())
         try:
             for event in self._decoder.frames(data):
+                if not self.heard.done():
+                    self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
                 header = event.header
                 if (
                     event.kind == Reply.KIND
@@ -196,10 +198,8 @@ class ControlConnection(asyncio.Protocol):
                 ):
                     # Most of what a member hears: resolve it without building a Reply.
                     self._resolve(header[0], header[1])
-                else:
-                    self._dispatch(frame_message(event))
-                if not self.heard.done():  # (a refusal it dispatched failed it)
-                    self.heard.set_result(None)  # a frame of aiodist's: the probe's answer
+                    continue
+                self._dispatch(frame_message(event))
         except ProtocolError as exc:
             self._fail(exc)
             assert self._transport is not None
@@ -379,6 +379,8 @@ class ControlConnection(asyncio.Protocol):
         try:
             with anyio.fail_after(timeout):
                 await asyncio.shield(self.heard)
+            if isinstance(self._error, _Shed):  # its answer was that it had no room
+                raise self._error
         except TimeoutError:
             self.close()
             raise RendezvousTimeout(

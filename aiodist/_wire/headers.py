@@ -215,7 +215,10 @@ def _accepting(
         unless_none = f"v{i} is not None and " if nullable else ""
         lines.append(f"    if {unless_none}B{j}(v{i}) is not None: return None")
     lines.append(f"    return cls({', '.join(values)})")
-    exec("\n".join(lines), env)  # built from the declaration alone: no peer's byte in it
+    # Built from the declaration alone: no peer's byte in it. Compiled first: ``exec`` of a
+    # string resets CPython's note of an uncaught KeyboardInterrupt, and a class first
+    # decoded while a process exits after Ctrl-C would make it exit 1, not by SIGINT.
+    exec(compile("\n".join(lines), f"<decoder of {cls.__name__}>", "exec"), env)
     return cast("Callable[[object], Any]", env["accept"])
 
 
