@@ -158,9 +158,12 @@ def _post(
     work: Work[MetricResults],
 ) -> Work[MetricResults]:
     """Sync ``index`` goes onto the board; ``work`` settles with it, in call order."""
-    board_work = board.post(index, seq, encode(snapshot), work.settle_as)
-    agreed.set_result(board)  # at once: later syncs need not wait for this one's values
-    return board_work
+    record = encode(snapshot)
+    # Its route at once: later syncs need not wait for this one's values. And before
+    # posting: a sync the board fails at once (one a failed member never wrote) fails
+    # ``work`` inside ``post``, and ``work``'s listener fails ``agreed`` with it.
+    agreed.set_result(board)
+    return board.post(index, seq, record, work.settle_as)
 
 
 def _on_board(route: asyncio.Future[Route]) -> bool:
