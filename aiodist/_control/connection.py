@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import socket
 import ssl
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -731,6 +732,8 @@ async def connect_control(
                     "with connections that do not finish their handshake"
                 ) from exc
             logger.debug("connecting again to %s:%d: %s", host, port, exc)
+            # Spread out: the ranks of a job shed together do not come back together.
+            await anyio.sleep(CONNECT_RETRY_INTERVAL * random.random())
             continue
         except BaseException:
             protocol.close()
