@@ -58,8 +58,10 @@ async def _train(
     return _procs.reports_by_rank("\n".join(lines))
 
 
-async def _two_ranks(script: Path) -> dict[int, dict[str, Any]]:
-    """Run ``script`` on two ranks (``aiodist run``); their JSON reports by rank."""
+async def _two_ranks(tmp_path: Path, source: str) -> dict[int, dict[str, Any]]:
+    """Run the program ``source`` on two ranks (``aiodist run``); their JSON reports by rank."""
+    script = tmp_path / "program.py"
+    script.write_text(source)
     argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
     result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -194,9 +196,7 @@ async def test_fsdp2_over_a_device_mesh_trains_on_the_aiodist_backend_as_on_gloo
     # "ProcessGroup name not set": torch keeps a group's name on its backends; and loading
     # a full state dict into the shards failed: torch found no device for the group
     # ("Default device not found" in the FSDP2 example, an IndexError here).
-    script = tmp_path / "fsdp2.py"
-    script.write_text(FSDP2)
-    reports = await _two_ranks(script)
+    reports = await _two_ranks(tmp_path, FSDP2)
     for report in reports.values():
         # The same losses and parameters as over gloo, bit for bit (a sum of two).
         assert report["aiodist"] == report["gloo"], report
@@ -252,9 +252,7 @@ async def test_powersgd_zero_join_and_sparse_gradients_run_on_the_aiodist_backen
     # thread would wait for the loop itself"): a future's callbacks ran on aiodist's loop
     # thread, and PowerSGD's starts an all_reduce there and waits for it. A sparse
     # embedding's gradients were refused ("must be a dense (strided) tensor").
-    script = tmp_path / "hooks.py"
-    script.write_text(HOOKS)
-    reports = await _two_ranks(script)
+    reports = await _two_ranks(tmp_path, HOOKS)
     for report in reports.values():
         assert report["aiodist"] == report["gloo"], report  # bit for bit (a sum of two)
     assert reports[0]["aiodist"] == reports[1]["aiodist"]  # the replicas stayed equal
@@ -292,9 +290,7 @@ async def test_torchs_subgroups_keep_their_timeout_and_monitor_their_barrier(
     # passed the timeout as the group ("group must be an aiodist process group, got
     # datetime.timedelta(0)"). Found by torch's distributed_test on this backend. And
     # aiodist's timeout was no RuntimeError, which torch's errors are.
-    script = tmp_path / "timeouts.py"
-    script.write_text(TIMEOUTS)
-    reports = await _two_ranks(script)
+    reports = await _two_ranks(tmp_path, TIMEOUTS)
     message, seconds = reports[0]["barrier"]
     assert message.startswith("Timed out"), message
     assert 0.9 < seconds < 10, seconds  # the group's own 1 s, not the default's
