@@ -98,6 +98,7 @@ class DefaultGroup:
 
 _default: DefaultGroup | None = None
 _local: ProcessGroup | None = None  # mmengine's local group (init_local_group)
+_outside: ProcessGroup | None = None  # torch's NON_GROUP_MEMBER, as aiodist names it
 
 #: torch.distributed's default timeout of a group's operations (aiodist's, as a timedelta).
 default_pg_timeout: Final = timedelta(seconds=DEFAULT_TIMEOUT)
@@ -164,9 +165,9 @@ def replace_default_group(old: ProcessGroup, new: ProcessGroup) -> None:
 
 def take_default() -> DefaultGroup | None:
     """Forget the default group and return it (``destroy_process_group`` tears it down)."""
-    global _default, _local
+    global _default, _local, _outside
     default, _default = _default, None
-    _local = None  # a subgroup of it
+    _local = _outside = None  # groups of its job
     return default
 
 
@@ -193,6 +194,9 @@ def as_group(group: object) -> ProcessGroup | None:
     the aiodist group under it: torch's groups on the ``aiodist`` backend
     (``aiodist.sync``'s ``group.WORLD``, a DDP's ``process_group``) and the
     torch groups a bridged group brought up (``backend="gloo"``/``"nccl"``).
+    torch's ``GroupMember.NON_GROUP_MEMBER`` (what torch's ``new_group`` gives
+    a rank outside the group) names a group this rank is not in: calls on it
+    do nothing there, as in torch.
 
     Raises:
         TypeError: ``group`` is neither (a torch group of another job, a rank list).
@@ -205,12 +209,9 @@ def as_group(group: object) -> ProcessGroup | None:
         if g is None:
             raise RuntimeError(f"{group!r} has been destroyed: its aiodist job is gone")
         return g  # type: ignore[no-any-return]
-    if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
-        raise ArgumentError(
-            "group is torch's GroupMember.NON_GROUP_MEMBER: torch's new_group gave it to a rank "
-            "outside the group; call the group's operations on its members only"
-        )
     default = get_default_group()
+    if type(group) is int and group == GroupMember.NON_GROUP_MEMBER:
+        return _non_member(default)
     if default is not None:
         for g in list(default.session.groups.values()):
             if isinstance(g, ProcessGroup) and g.bridge and g.bridge.torch_group is group:
@@ -220,6 +221,19 @@ def as_group(group: object) -> ProcessGroup | None:
         f"torch.distributed group over aiodist's job, got {group!r}; a torch group of "
         "another backend goes to torch.distributed's own functions"
     )
+
+
+def _non_member(default: ProcessGroup | None) -> ProcessGroup:
+    """A group of the job that this rank is outside of (``rank == -1``), for torch's sentinel."""
+    global _outside
+    if default is None:
+        raise RuntimeError(
+            "group is torch's GroupMember.NON_GROUP_MEMBER, but aiodist's default group is "
+            "not initialised; call init_process_group() first"
+        )
+    if _outside is None or _outside.session is not default.session:
+        _outside = ProcessGroup(default.session, (), name=f"{default.name}/non-member", group_id=-1)
+    return _outside
 
 
 def is_group(x: object) -> TypeGuard[ProcessGroup]:

@@ -8,24 +8,37 @@ code needs torch's. Those names get a twin here, and ``gen_sync`` imports it.
 
 from __future__ import annotations
 
+import datetime
 import sys
 from typing import TYPE_CHECKING, Any
 
 from aiodist._group import world
 from aiodist._group.world import as_group, get_default_group
 from aiodist._group.world import get_store as _get_store
+from aiodist._ops import groups as _groups
 from aiodist._ops import staging
 from aiodist._ops.p2p import batch_isend_irecv as _batch_isend_irecv
 from aiodist._sync import portal
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from datetime import timedelta
 
     from aiodist._control.store import Store
+    from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
     from aiodist._ops.p2p import P2POp
 
-__all__ = ["BlockingStore", "GroupMember", "batch_isend_irecv", "get_store", "group"]
+__all__ = [
+    "BlockingStore",
+    "GroupMember",
+    "batch_isend_irecv",
+    "get_store",
+    "group",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+]
 
 
 def torch_world() -> object:
@@ -134,3 +147,128 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
     captured = staging.capture([p2p_op_list], {})
     with staging.caller_context(captured):
         return portal.run_sync(_batch_isend_irecv, p2p_op_list)
+
+
+def _as_torch(made: ProcessGroup, timeout: float | timedelta | None, desc: str | None) -> Any:
+    """torch's group over ``made`` where torch's default group is over aiodist's job, else ``made``.
+
+    Members get torch's group (``DistributedDataParallel`` takes it), the
+    others torch's ``GroupMember.NON_GROUP_MEMBER``, on which every call does
+    nothing, as in torch. On the ``aiodist`` backend, torch's ``new_group``
+    runs here on every rank, as aiodist's did, and its group rides ``made``
+    itself; bridged to another backend, aiodist's ``new_group`` made torch's.
+    """
+    default = get_default_group()
+    if default is None or torch_world() is default:  # no torch group over aiodist's job
+        return made
+    if default.bridge is not None:  # torch's group came up with aiodist's (backend="gloo")
+        bridge = made.bridge
+        return world.GroupMember.NON_GROUP_MEMBER if bridge is None else bridge.torch_group
+    import torch.distributed as dist
+
+    from aiodist._torch.backend import riding
+
+    if isinstance(timeout, int | float):
+        timeout = datetime.timedelta(seconds=timeout)
+    with riding(made):
+        return dist.new_group(list(made.ranks), timeout=timeout, group_desc=desc)
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+    sort_ranks: bool = True,
+    *,
+    parent: ProcessGroup | None = None,
+) -> Any:
+    """Create a group of some ranks of the world, as ``torch.distributed.new_group`` does.
+
+    Blocking twin of ``aiodist.new_group`` (see there). Where torch's default
+    group rides aiodist's job (``init_process_group()`` made it so), the
+    result is torch's group over the new aiodist group, which
+    ``DistributedDataParallel(process_group=...)`` takes as every
+    ``aiodist.sync`` call does; a rank outside ``ranks`` gets torch's
+    ``GroupMember.NON_GROUP_MEMBER``. With ``backend``, ``parent`` or
+    ``sort_ranks=False`` (which torch's ``new_group`` lacks), aiodist's group.
+
+    Example:
+        >>> evens = aiodist.sync.new_group([0, 2])
+        >>> model = DistributedDataParallel(model, process_group=evens)
+    """
+    made = portal.call(
+        _groups.new_group,
+        ranks,
+        timeout,
+        backend,
+        pg_options,
+        use_local_synchronization,
+        group_desc,
+        device_id,
+        sort_ranks,
+        parent=parent,
+    )
+    if backend is not None or parent is not None or not sort_ranks:
+        return made
+    return _as_torch(made, timeout, group_desc)
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[Any, list[Any]]:
+    """Split the world into groups of ``group_size`` consecutive ranks (torch's ``new_subgroups``).
+
+    Blocking twin of ``aiodist.new_subgroups`` (see there); its groups are
+    torch's as ``new_group``'s are.
+
+    Example:
+        >>> mine, groups = aiodist.sync.new_subgroups(2)
+    """
+    _, made = portal.call(
+        _groups.new_subgroups, group_size, group, timeout, backend, pg_options, group_desc
+    )
+    return _mine(made, timeout, group_desc, backend is not None or group is not None)
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[Any, list[Any]]:
+    """Create one group per rank list; every rank calls it (torch's function of that name).
+
+    Blocking twin of ``aiodist.new_subgroups_by_enumeration`` (see there); its
+    groups are torch's as ``new_group``'s are.
+
+    Example:
+        >>> mine, groups = aiodist.sync.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    """
+    _, made = portal.call(
+        _groups.new_subgroups_by_enumeration,
+        ranks_per_subgroup_list,
+        timeout,
+        backend,
+        pg_options,
+        group_desc,
+    )
+    return _mine(made, timeout, group_desc, backend is not None)
+
+
+def _mine(
+    made: list[ProcessGroup], timeout: float | timedelta | None, desc: str | None, keep: bool
+) -> tuple[Any, list[Any]]:
+    """(this rank's group, every group), torch's where ``_as_torch`` says (none if ``keep``)."""
+    groups = made if keep else [_as_torch(g, timeout, desc) for g in made]
+    mine = next((t for g, t in zip(made, groups, strict=True) if g.rank >= 0), None)
+    return mine, groups

@@ -57,13 +57,17 @@ ASYNC_ONLY: Final[dict[str, str]] = {
 #: ``async_op``: torch.distributed's ``isend``/``irecv`` return their request.
 HANDLES: Final[frozenset[str]] = frozenset({"isend", "irecv"})
 
-# Queries that hand back objects with coroutine methods, and ``group.WORLD`` (torch's
-# group in plain code): their twins are written by hand and imported by the facade instead.
+# Queries that hand back objects with coroutine methods, and ``group.WORLD`` and the
+# group makers (torch's groups in plain code): their twins are written by hand and
+# imported by the facade instead.
 TWINS: Final[dict[str, str]] = {
     "get_store": "aiodist._sync.blocking",
     "batch_isend_irecv": "aiodist._sync.blocking",
     "group": "aiodist._sync.blocking",
     "GroupMember": "aiodist._sync.blocking",
+    "new_group": "aiodist._sync.blocking",
+    "new_subgroups": "aiodist._sync.blocking",
+    "new_subgroups_by_enumeration": "aiodist._sync.blocking",
 }
 
 _TOOL = "aiodist/_tools/gen_sync.py"

@@ -27,6 +27,7 @@ builds again when the membership changes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -55,7 +56,7 @@ from aiodist._torch.parts import DevicePart, parts_from_env
 from aiodist._torch.torch_work import ON_LOOP, AiodistWork, on_loop
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
     from datetime import timedelta
     from typing import TypeAlias
 
@@ -64,7 +65,14 @@ if TYPE_CHECKING:
     #: An aiodist operation on a group, started on aiodist's loop.
     Start: TypeAlias = Callable[[ProcessGroup], Work[Any]]
 
-__all__ = ["BACKEND", "AiodistProcessGroup", "AiodistWork", "create_default", "create_subgroup"]
+__all__ = [
+    "BACKEND",
+    "AiodistProcessGroup",
+    "AiodistWork",
+    "create_default",
+    "create_subgroup",
+    "riding",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -504,6 +512,25 @@ TORCH_GROUP_IDS: Final = 1 << 62
 _TORCH_GROUP_SPAN: Final = 1 << 48
 
 
+#: aiodist groups that torch's next group over the same members rides (``riding``).
+_riding: dict[tuple[int, ...], ProcessGroup] = {}
+
+
+@contextlib.contextmanager
+def riding(group: ProcessGroup) -> Iterator[None]:
+    """torch's group over ``group``'s members, made inside, rides ``group`` itself.
+
+    ``aiodist.sync.new_group`` makes aiodist's group first (every rank agrees on
+    its ranks), then torch's over it: DDP takes torch's, and both name one group.
+    """
+    key = tuple(group.ranks)
+    _riding[key] = group
+    try:
+        yield
+    finally:
+        _riding.pop(key, None)
+
+
 def create_subgroup(
     name: str, ranks: Sequence[int], rank: int, timeout: timedelta | None = None
 ) -> AiodistProcessGroup:
@@ -513,18 +540,21 @@ def create_subgroup(
     group's when None.
 
     Made by its members only (torch calls no backend on the others), so no agreement
-    among the whole world: every member derives the same group id from the name.
+    among the whole world: every member derives the same group id from the name,
+    unless the group rides one ``aiodist.sync.new_group`` made (``riding``).
     """
     world = get_default_group()
     if world is None:
         raise RuntimeError("aiodist's default group is not initialised")
     session = world.session
     members = [world.ranks[r] for r in ranks]
-    digest = hashlib.blake2b(f"{world.group_id}/{name}/{members}".encode(), digest_size=8)
-    group_id = TORCH_GROUP_IDS + int.from_bytes(digest.digest()) % _TORCH_GROUP_SPAN
-    group = ProcessGroup(session, members, name=f"{world.name}/torch:{name}", group_id=group_id)
-    group.timeout = world.timeout if timeout is None else timeout.total_seconds()
-    session.groups[group_id] = group
+    group = _riding.pop(tuple(members), None)
+    if group is None:
+        digest = hashlib.blake2b(f"{world.group_id}/{name}/{members}".encode(), digest_size=8)
+        group_id = TORCH_GROUP_IDS + int.from_bytes(digest.digest()) % _TORCH_GROUP_SPAN
+        group = ProcessGroup(session, members, name=f"{world.name}/torch:{name}", group_id=group_id)
+        group.timeout = world.timeout if timeout is None else timeout.total_seconds()
+        session.groups[group_id] = group
     if group.rank != rank:
         raise ValueError(f"torch made rank {rank} of group {name!r}; aiodist has {group.rank}")
     return AiodistProcessGroup(lambda: group, rank, len(members), owns_job=False)

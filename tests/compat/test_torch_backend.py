@@ -58,17 +58,17 @@ async def _train(
     return _procs.reports_by_rank("\n".join(lines))
 
 
-async def _two_ranks(tmp_path: Path, source: str) -> dict[int, dict[str, Any]]:
-    """Run the program ``source`` on two ranks (``aiodist run``); their JSON reports by rank."""
+async def _ranks(tmp_path: Path, source: str, n: int = 2) -> dict[int, dict[str, Any]]:
+    """Run the program ``source`` on ``n`` ranks (``aiodist run``); their JSON reports by rank."""
     script = tmp_path / "program.py"
     script.write_text(source)
-    argv = [*LAUNCHERS["aiodist-run"], "-n", "2", str(script)]
+    argv = [*LAUNCHERS["aiodist-run"], "-n", str(n), str(script)]
     result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     reports = _procs.reports_by_rank(
         "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
     )
-    assert sorted(reports) == [0, 1], result.stdout
+    assert sorted(reports) == list(range(n)), result.stdout
     return reports
 
 
@@ -196,7 +196,7 @@ async def test_fsdp2_over_a_device_mesh_trains_on_the_aiodist_backend_as_on_gloo
     # "ProcessGroup name not set": torch keeps a group's name on its backends; and loading
     # a full state dict into the shards failed: torch found no device for the group
     # ("Default device not found" in the FSDP2 example, an IndexError here).
-    reports = await _two_ranks(tmp_path, FSDP2)
+    reports = await _ranks(tmp_path, FSDP2)
     for report in reports.values():
         # The same losses and parameters as over gloo, bit for bit (a sum of two).
         assert report["aiodist"] == report["gloo"], report
@@ -252,7 +252,7 @@ async def test_powersgd_zero_join_and_sparse_gradients_run_on_the_aiodist_backen
     # thread would wait for the loop itself"): a future's callbacks ran on aiodist's loop
     # thread, and PowerSGD's starts an all_reduce there and waits for it. A sparse
     # embedding's gradients were refused ("must be a dense (strided) tensor").
-    reports = await _two_ranks(tmp_path, HOOKS)
+    reports = await _ranks(tmp_path, HOOKS)
     for report in reports.values():
         assert report["aiodist"] == report["gloo"], report  # bit for bit (a sum of two)
     assert reports[0]["aiodist"] == reports[1]["aiodist"]  # the replicas stayed equal
@@ -290,7 +290,7 @@ async def test_torchs_subgroups_keep_their_timeout_and_monitor_their_barrier(
     # passed the timeout as the group ("group must be an aiodist process group, got
     # datetime.timedelta(0)"). Found by torch's distributed_test on this backend. And
     # aiodist's timeout was no RuntimeError, which torch's errors are.
-    reports = await _two_ranks(tmp_path, TIMEOUTS)
+    reports = await _ranks(tmp_path, TIMEOUTS)
     message, seconds = reports[0]["barrier"]
     assert message.startswith("Timed out"), message
     assert 0.9 < seconds < 10, seconds  # the group's own 1 s, not the default's
@@ -354,3 +354,52 @@ async def test_torch_calls_on_the_loops_thread_raise_at_once_and_work_from_a_thr
         said = "'error': \"torch.distributed all_reduce on aiodist's event-loop thread"
         assert f"[rank {rank}] {{'rank': {rank}, {said}" in result.stdout, result.stdout
         assert f"[rank {rank}] {{'rank': {rank}, 'sum': [2.0, 2.0]}}" in result.stdout
+
+
+NEW_GROUP = """
+import json, torch, torch.nn as nn
+import aiodist.sync as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group()
+rank = dist.get_rank()
+pair = dist.new_group([0, 1], group_desc="pair")
+out = {"rank": rank, "member": pair != dist.GroupMember.NON_GROUP_MEMBER}
+out["size"], out["group_rank"] = dist.get_world_size(pair), dist.get_rank(pair)
+t = torch.full((2,), float(rank + 1))
+dist.all_reduce(t, group=pair)  # nothing happens on rank 2, as in torch
+out["sum"] = t.tolist()
+if rank < 2:
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2), process_group=pair)
+    model(torch.full((3, 4), float(rank + 1))).sum().backward()
+    out["grad"] = model.module.weight.grad[0].tolist()
+    import aiodist._group.world as world
+    out["rides"] = world.as_group(pair).name  # the group aiodist's new_group agreed on
+mine, groups = dist.new_subgroups_by_enumeration([[0, 2], [1]])
+out["outside"] = [g == dist.GroupMember.NON_GROUP_MEMBER for g in groups]
+x = torch.tensor([float(rank)])
+dist.all_reduce(x, group=mine)
+out["subsum"] = x.item()
+dist.destroy_process_group(pair)
+print(json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+async def test_sync_new_group_gives_torchs_group_that_ddp_takes(tmp_path: Path) -> None:
+    # Before: aiodist.sync.new_group returned aiodist's group, and DDP refused it with
+    # torch's TypeError (_verify_params_across_processes); torch.distributed's worked.
+    reports = await _ranks(tmp_path, NEW_GROUP, 3)
+    for rank in (0, 1):
+        r = reports[rank]
+        assert (r["member"], r["size"], r["group_rank"]) == (True, 2, rank), r
+        assert r["sum"] == [3.0, 3.0], r
+        assert r["grad"] == [4.5] * 4, r  # the mean of 3 * 1 and 3 * 2: DDP reduced over the pair
+        assert r["rides"].endswith("/pair"), r
+    outside = reports[2]
+    assert (outside["member"], outside["size"], outside["group_rank"]) == (False, -1, -1)
+    assert outside["sum"] == [3.0, 3.0]  # untouched
+    outsides = [reports[r]["outside"] for r in range(3)]
+    assert outsides == [[False, True], [True, False], [False, True]]
+    assert [reports[r]["subsum"] for r in range(3)] == [2.0, 1.0, 2.0]

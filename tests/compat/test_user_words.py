@@ -178,6 +178,6 @@ async def test_a_group_that_is_not_one_is_refused_and_the_group_goes_on(
         assert total == 2.0
 
 
-def test_torchs_non_member_sentinel_is_refused_with_its_name() -> None:
-    with pytest.raises(ValueError, match="NON_GROUP_MEMBER: torch's new_group gave it"):
+def test_torchs_non_member_sentinel_before_init_says_what_to_do() -> None:
+    with pytest.raises(RuntimeError, match="NON_GROUP_MEMBER, but aiodist's default group is"):
         aiodist.get_rank(aiodist.GroupMember.NON_GROUP_MEMBER)  # type: ignore[arg-type]

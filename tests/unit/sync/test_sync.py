@@ -112,7 +112,7 @@ def test_sync_twin_has_the_same_parameters(name: str) -> None:
         result = str(theirs.return_annotation).removeprefix("Work[").removesuffix("]")
         assert str(inspect.signature(overloads[0]).return_annotation) == result
         assert str(inspect.signature(overloads[1]).return_annotation) == f"Work[{result}]"
-    else:
+    elif name not in gen_sync.TWINS:  # a twin may hand back torch's objects (its docstring)
         assert ours.return_annotation == theirs.return_annotation
     assert [(p.name, p.kind, p.default, p.annotation) for p in params] == [
         (p.name, p.kind, p.default, p.annotation) for p in theirs.parameters.values()
@@ -166,7 +166,7 @@ from aiodist import ProcessGroup, Work
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["ProcessGroup", "Work", "echo", "new_group"]
+__all__ = ["ProcessGroup", "Work", "echo", "make_group"]
 
 
 def echo(value: int, *, tag: int = 0) -> Work[int]:
@@ -178,7 +178,7 @@ def echo(value: int, *, tag: int = 0) -> Work[int]:
     return Work.completed(value + tag)
 
 
-async def new_group(
+async def make_group(
     ranks: Sequence[int] | None = None, timeout: float | None = None, backend: str | None = None
 ) -> ProcessGroup:
     """Make a group of ``ranks``."""
@@ -197,14 +197,14 @@ def test_generator_picks_up_a_new_async_operation(
 
     text = render(fakeapi, path=tmp_path / "fakesync.py")
     assert "    from collections.abc import Sequence\n" in text  # under TYPE_CHECKING
-    assert "def new_group(\n    ranks: Sequence[int] | None = None," in text
+    assert "def make_group(\n    ranks: Sequence[int] | None = None," in text
     (tmp_path / "fakesync.py").write_text(text)
     monkeypatch.delitem(sys.modules, "fakesync", raising=False)
     import fakesync  # type: ignore[import-not-found]
 
-    assert fakesync.__all__ == ["ProcessGroup", "Work", "echo", "new_group"]
-    assert inspect.signature(fakesync.new_group) == inspect.signature(fakeapi.new_group)
-    assert fakesync.new_group([0, 1]) == ([0, 1], portal.THREAD_NAME)  # ran on the loop
+    assert fakesync.__all__ == ["ProcessGroup", "Work", "echo", "make_group"]
+    assert inspect.signature(fakesync.make_group) == inspect.signature(fakeapi.make_group)
+    assert fakesync.make_group([0, 1]) == ([0, 1], portal.THREAD_NAME)  # ran on the loop
     assert not portal.is_running()  # nothing initialised: the loop thread stopped again
     assert fakesync.echo(3, tag=1) == 4
     work = fakesync.echo(3, async_op=True)
