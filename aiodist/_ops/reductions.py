@@ -228,15 +228,16 @@ def start_all_reduce(
     use_shm = shm and p > 1 and nbytes >= schedules.SHM_MIN_BYTES and shared.usable(g)
     algorithm = schedules.all_reduce_algorithm(nbytes, numel, p, shared_memory=use_shm)
     work: Work[torch.Tensor] = g.begin(req.description, seq=seq)
+    if algorithm == "direct":
+        if not work.is_completed():  # else a member aborted this call: send and post nothing
+            agreed = signature(label, t, reduce_op=reduce_op, algorithm="direct")
+            _direct_all_reduce(Exchange(g, work, seq, agreed, rides=True), t, reduce_op)
+        return work
+    turn = shared.take_turn(g) if algorithm == "shared_memory" else None  # now: call order
 
     def mine(algorithm: str) -> Signature:
         return signature(label, t, reduce_op=reduce_op, algorithm=algorithm)
 
-    if algorithm == "direct":
-        if not work.is_completed():  # else a member aborted this call: send and post nothing
-            _direct_all_reduce(Exchange(g, work, seq, mine("direct"), rides=True), t, reduce_op)
-        return work
-    turn = shared.take_turn(g) if algorithm == "shared_memory" else None  # now: call order
     # Where shared memory turns out off for some rank, every rank takes the sockets.
     fallback = schedules.all_reduce_algorithm(nbytes, numel, p)
 

@@ -188,7 +188,7 @@ def direct_peers(rank: int, size: int) -> list[int]:
     Starting at the next rank spreads the first messages over all receivers.
     """
     _check(rank, size)
-    return [(rank + k) % size for k in range(1, size)]
+    return [*range(rank + 1, size), *range(rank)]  # (rank + k) % size for k = 1, 2, ...
 
 
 def all_reduce_algorithm(
