@@ -212,13 +212,18 @@ class StreamChannel(asyncio.BufferedProtocol):
                 self._admission.spoke(self)  # a peer that speaks is shed after silent ones
             self._frame = event
             dest = self._frame_received(event)
-            if event.payload_nbytes:
-                if dest is None or dest.nbytes != event.payload_nbytes:
+            nbytes = event.payload_nbytes
+            if nbytes:
+                if dest is None or dest.nbytes != nbytes:
                     raise ProtocolError("frame sink gave no buffer of the payload's size")
-                self._dest, self._dest_offset = dest, 0
-                self._take_payload()
-            else:
-                self._payload_done()
+                # A small payload came with this read: taken here, at once. The rest of a
+                # larger one comes in later reads, straight into ``dest`` (``get_buffer``).
+                taken = dec.take_payload(dest)
+                if taken < nbytes:  # every buffered byte was taken: nothing else to decode
+                    self._dest, self._dest_offset = dest, taken
+                    return
+            self._frame = None
+            self._payload_received(event)
 
     def _take_payload(self) -> None:
         # The payload bytes that came with this read, copied straight into place.
