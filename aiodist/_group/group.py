@@ -482,17 +482,8 @@ class ProcessGroup:
 
         :meta private:
         """
-        session = self.session
-        if (
-            self.error is not None
-            or self.closed
-            or self.rank < 0
-            or session.error is not None
-            or session.closed
-        ):
-            self.check_usable()  # raises what makes it unusable
-        seq = self._seq = next(self._seqs)  # ``next_seq``, without its call
-        return seq
+        self.check_usable()
+        return self.next_seq()
 
     def abort(self, seq: int, description: str, exc: BaseException, *, torch: bool = False) -> None:
         """This rank's call ``seq`` failed before it sent anything: fail it on every member.
