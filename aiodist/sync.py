@@ -915,8 +915,10 @@ def barrier(
     With ``async_op=True`` it returns the running ``Work`` instead (``.wait()`` from any
     thread, ``.is_completed()``).
 
-    Dissemination: ``log2 size`` rounds of one message in and one out per rank.
-    With ``timeout``, every rank hears from every other one instead (one round),
+    An ``exchange_rows`` of no bytes: 2 ranks tell each other; from 3 to 16,
+    every rank tells group rank 0, which tells every rank once all came;
+    beyond, the dissemination barrier (``log2 size`` rounds). With
+    ``timeout``, every rank hears from every other one instead (one round),
     so a rank that gives up can say which ranks never arrived (as torch's
     ``monitored_barrier`` does).
 

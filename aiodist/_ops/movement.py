@@ -335,8 +335,10 @@ def barrier(
 ) -> Work[None]:
     """Wait until every rank of ``group`` reached this barrier (on the data plane).
 
-    Dissemination: ``log2 size`` rounds of one message in and one out per rank.
-    With ``timeout``, every rank hears from every other one instead (one round),
+    An ``exchange_rows`` of no bytes: 2 ranks tell each other; from 3 to 16,
+    every rank tells group rank 0, which tells every rank once all came;
+    beyond, the dissemination barrier (``log2 size`` rounds). With
+    ``timeout``, every rank hears from every other one instead (one round),
     so a rank that gives up can say which ranks never arrived (as torch's
     ``monitored_barrier`` does).
 
@@ -411,8 +413,8 @@ def _start_barrier(g: ProcessGroup, seq: int, req: Request) -> Work[None]:
 def _barrier_now(g: ProcessGroup, seq: int, name: str) -> Work[None]:
     """A barrier with no timeout of its own: an ``exchange_rows`` of no bytes, with no task.
 
-    From 4 ranks on, that is the dissemination barrier (``log2 size`` rounds of
-    one message each way). The group's timeout still applies.
+    Its messages are ``exchange_rows``' (through group rank 0 from 3 ranks to 16,
+    dissemination beyond). The group's timeout still applies.
     """
     work: Work[None] = g.begin(name, seq=seq)
     if not work.is_completed():  # else a member aborted this call: send and post nothing
