@@ -497,9 +497,22 @@ def set_debug_level(level: Any) -> None:
 
 #: torch.distributed's own types, offered unchanged by ``aiodist`` and ``aiodist.sync``
 #: under their names: code written for torch.distributed names them (a comm hook's
-#: ``bucket: dist.GradBucket``, ``dist.DebugLevel.DETAIL``). Loaded on first use, so
-#: that importing aiodist does not import torch.
-TORCH_TYPES: Final = frozenset({"BuiltinCommHookType", "DebugLevel", "GradBucket"})
+#: ``bucket: dist.GradBucket``, ``dist.DebugLevel.DETAIL``, a store of its own such as
+#: ``dist.TCPStore(...)``, ``dist.init_device_mesh("cpu", (2,))`` over torch's default
+#: group). Loaded on first use, so that importing aiodist does not import torch.
+TORCH_TYPES: Final = frozenset(
+    {
+        "BuiltinCommHookType",
+        "DebugLevel",
+        "DeviceMesh",
+        "FileStore",
+        "GradBucket",
+        "HashStore",
+        "PrefixStore",
+        "TCPStore",
+        "init_device_mesh",
+    }
+)
 
 
 def torch_type(module: str, name: str) -> Any:

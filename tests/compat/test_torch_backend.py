@@ -403,3 +403,25 @@ async def test_sync_new_group_gives_torchs_group_that_ddp_takes(tmp_path: Path) 
     outsides = [reports[r]["outside"] for r in range(3)]
     assert outsides == [[False, True], [True, False], [False, True]]
     assert [reports[r]["subsum"] for r in range(3)] == [2.0, 1.0, 2.0]
+
+
+MESH = """
+import json, torch
+import aiodist.sync as dist
+
+dist.init_process_group()
+mesh = dist.init_device_mesh("cpu", (2,))  # torch's, over torch's default group: aiodist's
+t = torch.full((2,), float(dist.get_rank() + 1))
+dist.all_reduce(t, group=mesh.get_group())
+store = dist.HashStore()  # a store of the program's own
+store.set("k", "v")
+print(json.dumps({"rank": dist.get_rank(), "sum": t.tolist(), "store": store.get("k").decode()}))
+dist.destroy_process_group()
+"""
+
+
+async def test_torchs_mesh_and_stores_come_through_the_sync_module(tmp_path: Path) -> None:
+    # Before: AttributeError: module 'aiodist.sync' has no attribute 'init_device_mesh'.
+    reports = await _ranks(tmp_path, MESH)
+    for rank in (0, 1):
+        assert reports[rank] == {"rank": rank, "sum": [3.0, 3.0], "store": "v"}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import aiodist
 import aiodist.sync
+from aiodist._group.world import TORCH_TYPES
 from aiodist.testing import run_ranks
 from tests.helpers import ROOT
 from tests.helpers.procs import free_port
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from aiodist import ProcessGroup, RendezvousServer
 
 
-@pytest.mark.parametrize("name", ["DebugLevel", "GradBucket", "BuiltinCommHookType"])
+@pytest.mark.parametrize("name", sorted(TORCH_TYPES))
 def test_torch_types_are_torchs_own_under_both_modules(name: str) -> None:
     assert getattr(aiodist.sync, name) is getattr(dist, name)
     assert getattr(aiodist, name) is getattr(dist, name)
