@@ -222,8 +222,7 @@ class StreamChannel(asyncio.BufferedProtocol):
                 if taken < nbytes:  # every buffered byte was taken: nothing else to decode
                     self._dest, self._dest_offset = dest, taken
                     return
-            self._frame = None
-            self._payload_received(event)
+            self._payload_done()
 
     def _take_payload(self) -> None:
         # The payload bytes that came with this read, copied straight into place.
