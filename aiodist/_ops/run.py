@@ -37,12 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiodist._errors import ArgumentError
 from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work
-from aiodist._group.world import (
-    as_group,
-    default_group_for,
-    get_default_group,
-    group_or_default,
-)
+from aiodist._group.world import as_group, default_group_for, group_or_default
 from aiodist._ops import staging
 from aiodist._ops.requests import NOT_DONE
 
@@ -104,9 +99,7 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
     called = perf_counter_ns()
     g = call.group
     if g is None:
-        g = get_default_group()  # the usual answer, in one call
-        if g is None:
-            g = default_group_for(call.name)
+        g = default_group_for(call.name)
     elif type(g) is not ProcessGroup:
         g = as_group(g)  # torch's group over the job: the aiodist group under it
     bridge = None if g is None or g.bridge is None else _bridge_for(g, call.first)
@@ -128,7 +121,7 @@ def run(call: Call, start: Callable[[ProcessGroup, int, Request], Work[Any]]) ->
             record(g, work, call.name, seq, req.first, called)
             return work
     first = req.first
-    if first is not None and staging.device_of(first) is not None:  # ``on_device``
+    if first is not None and staging.on_device(first):
         work = _staged(g, seq, req, start)
     else:
         work = _delivered(start(g, seq, req), req)
