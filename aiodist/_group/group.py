@@ -152,6 +152,7 @@ class ProcessGroup:
         self.staging_sends: dict[tuple[int, Key], asyncio.Future[None]] = {}
         self.kept_outputs: dict[str, Any] = {}
         self.shrinks = 0
+        self.rows: Any = None  # its board of small exchanges, once decided (``_ops.board``)
 
     def check_usable(self, *, p2p: bool = False) -> None:
         """Raise the error that broke this group (or its session), if any.

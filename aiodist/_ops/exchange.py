@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiodist._errors import ProtocolError
 from aiodist._group.lingering import linger
-from aiodist._ops import agreement, schedules
+from aiodist._ops import agreement, board, schedules
 from aiodist._ops.agreement import AGREE, OPEN
 from aiodist._wire.keys import MatchKind
 
@@ -241,6 +241,10 @@ def exchange_rows(
     copy of ``data``, which may change from now on). Once every row is in and
     every send was handed to the kernel, ``done(staging)`` runs.
 
+    When every rank of the group runs on one host with shared memory on, an
+    exchange opened at ``OPEN`` goes through the group's board instead, with no
+    message (``board``). Over sockets:
+
     Up to ``ONE_ROUND_MAX_RANKS`` ranks swap in one round, every rank
     with every other one. Up to ``STAR_MAX_RANKS`` go through group rank 0:
     every other rank sends it its row, and once all are in it sends every rank
@@ -274,6 +278,20 @@ def exchange_rows(
     rank 0, only rank 0 folds, and sends the others its result instead of the
     rows: they fold nothing, and every rank ends with rank 0's bytes.
     """
+    if step == OPEN and board.take(ex, data, done, fold, later, _over_sockets):
+        return  # every rank of the group on one host: through shared memory (``board``)
+    _over_sockets(ex, data, done, step=step, later=later, fold=fold)
+
+
+def _over_sockets(
+    ex: Exchange,
+    data: memoryview,
+    done: Callable[[memoryview], None],
+    *,
+    step: int = OPEN,
+    later: int | None = None,
+    fold: Callable[[memoryview], memoryview] | None = None,
+) -> None:
     p = ex.g.world_size
     later = step if later is None else later
     if p > STAR_MAX_RANKS:

@@ -74,11 +74,7 @@ async def agreed(g: ProcessGroup) -> bool:
     table, so ranks that mix ``AIODIST_SHM=0`` and ``1`` all fall back to sockets
     instead of waiting for each other in different algorithms. Cached per group.
     """
-    plane = g.session.plane
-    known = plane.shm_agreement.get(g.group_id)
-    if known is None:
-        known = plane.shm_agreement[g.group_id] = await plane.shared_memory_agreed(g.ranks)
-    return known
+    return await g.session.plane.shares_memory(g.group_id, g.ranks)
 
 
 async def _notify_all(ex: Exchange, step: int, payload: bytes | None) -> None:

@@ -60,6 +60,7 @@ __all__ = ["ChannelState"]
 _DATA: Final = Data.KIND
 _DATA_FIELDS: Final = DATA_META + 1
 _CREDIT: Final = MatchKind.CREDIT  # read once: an enum lookup costs every message
+_BELL: Final = MatchKind.BELL
 
 
 class ChannelState:
@@ -216,6 +217,9 @@ class ChannelState:
             if key[0] == _CREDIT:  # a peer posted a receive for a large payload of ours
                 core.bulk.credited(src, key)
                 return None
+            if key[0] == _BELL:  # a peer wrote rows on its board: look (``_ops.board``)
+                core.rang()
+                return None
             self._key, self._meta = key, header[DATA_META]
             posted = core.matcher.arrive(src, key)
             self.posted = posted
@@ -256,8 +260,8 @@ class ChannelState:
         return None
 
     def payload_received(self, channel: DataChannel, frame: Frame) -> None:
-        if frame.kind != _DATA or frame.header[0] == _CREDIT:
-            return  # not data, or a credit (handled on arrival)
+        if frame.kind != _DATA or frame.header[0] in (_CREDIT, _BELL):
+            return  # not data, or a credit or a bell (handled on arrival)
         src = self.src
         assert src is not None
         assert self._buffer is not None

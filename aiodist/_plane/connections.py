@@ -41,7 +41,7 @@ from aiodist._plane.channel import ChannelState
 from aiodist._plane.core import PlaneCore
 from aiodist._plane.listener import SharedListener, preauth_limits, shared_listener
 from aiodist._plane.routes import Selection
-from aiodist._transport import registry, shm
+from aiodist._transport import registry, shm, shmrows
 from aiodist._wire.headers import MESSAGES
 from aiodist._wire.messages import HostIds, PeerBye
 
@@ -117,6 +117,10 @@ class Connections(PlaneCore):
         self.use_shm = self.selection.use_shm
         self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()  # the shared-memory collectives' (``_ops``)
+        # This rank's rows segment and the peers' it mapped (``shmrows``, ``_ops.board``).
+        self.rows: shm.Segment | None = None
+        self.peer_rows: dict[int, shm.Segment] = {}
+        self.on_bell: Callable[[], None] | None = None  # a peer's bell: its board looks
         self.failed = False  # a session-wide failure happened: sweep the segments at close
         # What this rank sent its peers: messages and their payloads' bytes (``send_now``).
         self.messages_sent = 0
@@ -153,6 +157,13 @@ class Connections(PlaneCore):
             addresses.append(listener.address)
         if self.use_shm:  # not an address: the promise to use shared memory with peers that agree
             addresses.append(shm.capability())
+            if self.rows is None and shmrows.supported():
+                try:
+                    self.rows = shmrows.create()
+                except OSError as exc:
+                    logger.warning("small collectives keep to sockets: %s", exc)
+            if self.rows is not None:
+                addresses.append(shmrows.address(self.rows))
         return addresses
 
     def set_members(
@@ -204,6 +215,13 @@ class Connections(PlaneCore):
         mine = shm.capability()
         table = await self.addresses()
         return all(mine in table.get(r, ()) for r in ranks)
+
+    async def shares_memory(self, group_id: int, ranks: Sequence[int]) -> bool:
+        """``shared_memory_agreed(ranks)`` for group ``group_id``, asked once per group."""
+        known = self.shm_agreement.get(group_id)
+        if known is None:
+            known = self.shm_agreement[group_id] = await self.shared_memory_agreed(ranks)
+        return known
 
     async def addresses(self) -> PeerTable:
         if self._table is not None:
@@ -340,6 +358,10 @@ class Connections(PlaneCore):
     def peer_error(self, src: int, error: PeerError) -> None:
         self.on_peer_error(src, error)
 
+    def rang(self) -> None:
+        if self.on_bell is not None:
+            self.on_bell()
+
     def news(self) -> None:
         if self._bye_news is not None:
             self._bye_news.set()
@@ -377,3 +399,9 @@ class Connections(PlaneCore):
             task.cancel()
         self.forget_channels()
         self.segments.close(sweep=self.failed)  # a dead peer's may outlive the sweep at fail
+        for segment in self.peer_rows.values():
+            segment.close()
+        self.peer_rows.clear()
+        if self.rows is not None:
+            self.rows.close()
+            self.rows = None

@@ -490,6 +490,10 @@ class PlaneCore:
         """``exc.rank`` failed the token handshake: what needs it must fail."""
         self.actions.append(("refused_peer", exc))
 
+    def rang(self) -> None:
+        """A peer wrote rows this rank may wait for on a board (``_ops.board``): look."""
+        self.actions.append(("rang",))
+
     def peer_error(self, src: int, error: PeerError) -> None:
         """``src`` sent ``PeerError`` (a broken group, an aborted call)."""
         self.actions.append(("peer_error", src, error))

@@ -261,22 +261,25 @@ class DataPlane(Connections):
             if rest is not None:
                 await rest
         except OSError as exc:
-            raise await self._send_failed(dst, exc) from None
+            raise await self.unreachable(dst, exc) from None
 
     async def _finish_send(self, dst: int, rest: Awaitable[None]) -> None:
         try:
             await rest
         except OSError as exc:
-            raise await self._send_failed(dst, exc) from None
+            raise await self.unreachable(dst, exc) from None
 
     async def _raise_send_failed(self, dst: int, exc: OSError) -> None:
-        raise await self._send_failed(dst, exc) from None
+        raise await self.unreachable(dst, exc) from None
 
-    async def _send_failed(self, dst: int, exc: OSError) -> BaseException:
-        # Raised ``from None``: the session's verdict names the rank and why; the broken
-        # socket behind it is not news to the user (and ``exc`` itself says it all).
-        # A peer we cannot reach or whose connection broke mid-send: the session works
-        # out who failed (the peer, or another rank whose failure made the peer leave).
+    async def unreachable(self, dst: int, exc: OSError) -> BaseException:
+        """The error to raise for ``dst``, which this rank could not reach or send to (``exc``).
+
+        A peer we cannot reach or whose connection broke mid-send: the session works
+        out who failed (the peer, or another rank whose failure made the peer leave).
+        Raise it ``from None``: the session's verdict names the rank and why; the
+        broken socket behind it is not news to the user (and ``exc`` itself says it all).
+        """
         if self.closing:
             return exc
         return await self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc

@@ -38,6 +38,7 @@ class MatchKind(IntEnum):
     BULK = 4
     CREDIT = 5
     RPC = 6
+    BELL = 7  # a header alone: the sender wrote rows this rank may wait for (``_ops.board``)
 
 
 # Parts of one call (see sub_seq): at most 2**20 collectives inside one call.
