@@ -270,7 +270,8 @@ SHM: Final = Setting(
     "AIODIST_SHM",
     _switch,
     True,
-    "`0`: no shared-memory ring between ranks of one host (set it on every rank)",
+    "`0`: no shared memory between ranks of one host: no ring for large payloads, no "
+    "board for small collectives (set it on every rank)",
     shown="`1`",
 )
 

@@ -376,11 +376,17 @@ class _Op:
             return
         try:
             if isinstance(msg, BaseException):
-                # The group broke, or a member left: rows that are all in were written
-                # before (a rank that finished this call and left wrote its row first).
-                side = _side(self.ex.g.session.plane)
-                self.step(side)
+                # The group broke, or r - 1 left or failed. Rows that are all in were
+                # written before (a rank that finished this call and left wrote its row
+                # first); and a call whose r - 1 wrote its row does not wait on it any
+                # more (it took the board: nothing comes over sockets either).
+                g = self.ex.g
+                self.step(_side(g.session.plane))
                 if self.state:
+                    return
+                broken = g.error is not None or g.closed or g.session.error is not None
+                prev = self.board.mems[(g.rank - 1) % g.world_size]
+                if not broken and self.key in _TAGS.unpack_from(prev, TAGS):
                     return
                 raise msg
             if msg.meta != self.ex.mine:
