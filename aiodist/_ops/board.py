@@ -404,6 +404,8 @@ class _Op:
         if self.state != 1:
             return self.state == 2 or self.ex.work.is_completed()
         g = self.ex.g
+        if g.error is not None or g.closed:
+            return True  # a reader still at it finds the row changed (``_read``) and fails
         me, plane = g.session.rank, g.session.plane
         at = ACKS + (me * SLOTS + i) * 8
         gone = plane.gone
@@ -494,9 +496,10 @@ class _Op:
                 staging[r * n : (r + 1) * n] = mem[at + _ROW_AT : at + _ROW_AT + n]
         key, mine = self.key, self.board.mems[me]
         for r, (mem, i) in enumerate(zip(mems, found, strict=True)):
+            if r != me and _KEY.unpack_from(mem, TAGS + i * 8)[0] != key:
+                return None
+        for r, i in enumerate(found):  # every row was whole: they may be written again
             if r != me:
-                if _KEY.unpack_from(mem, TAGS + i * 8)[0] != key:
-                    return None
                 _KEY.pack_into(mine, ACKS + (g.ranks[r] * SLOTS + i) * 8, key)
         return staging
 
