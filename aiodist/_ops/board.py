@@ -12,7 +12,8 @@ a wait is young and backing off to a timer once it is not.
 **Which groups.** Every rank publishes its rows segment among its addresses,
 and every rank reads the same member table: a group takes the board when all
 its ranks are on this host, agreed on shared memory (``shared.agreed``), and
-published a segment (the same answer on every rank). Until a rank knows the
+published a segment, and when the host has a CPU for every ``RANKS_PER_CPU``
+of them (the same answer on every rank). Until a rank knows the
 answer, its exchanges wait in a queue, in call order.
 
 **The agreement.** A rank's slot carries its signature; a rank is done only
@@ -78,6 +79,12 @@ BIG_STEP: Final = 5 << 20
 #: without one): the bells wake it otherwise.
 SLEEP: Final = 5e-3
 
+#: Groups of more ranks than this per CPU of the host keep to sockets: the ranks that
+#: poll crowd out the ones still to write, where a socket's sleeper costs nothing (16
+#: ranks on 2 cores: a 4-byte all_reduce took 5.4-10.5 ms on the board, 4.0 ms over
+#: sockets; 8 ranks: 0.46-0.67 ms against 0.83; ``bench_collectives --small``).
+RANKS_PER_CPU: Final = 4
+
 _TAGS: Final = Struct(f"={SLOTS}q")
 _KEY: Final = Struct("=q")
 _SIG_AT: Final = SLOT_HEAD.size
@@ -139,6 +146,7 @@ def _open(g: ProcessGroup, sockets: Sockets) -> Board | str:
     if (
         plane.rows is None
         or g.world_size < 2
+        or g.world_size > RANKS_PER_CPU * (os.cpu_count() or 1)
         or max(g.ranks) >= shmrows.MAX_RANKS
         or not plane.all_local(g.ranks)
     ):

@@ -6,6 +6,7 @@ unless ``hostnames`` says otherwise) write their rows into their own segments.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import anyio
@@ -169,3 +170,19 @@ async def test_a_rank_that_writes_late_rings_the_ranks_that_stopped_polling(
         outs = await run_ranks(server.address, 3, body)
     assert [t for _, t in outs] == [[6.0]] * 3
     assert outs[1][0] >= 1  # rank 1 found the others asleep and rang
+
+
+async def test_more_ranks_than_the_host_has_cpus_for_keep_to_sockets(
+    server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(board, "RANKS_PER_CPU", 1)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+    async def body(g: ProcessGroup) -> tuple[object, list[float]]:
+        t = torch.tensor([float(g.rank + 1)])
+        await all_reduce(t, group=g)
+        return g.rows, t.tolist()
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs == [("off", [6.0])] * 3
