@@ -138,7 +138,8 @@ def take(
         if board is _OFF:
             return False
     assert isinstance(board, Board)
-    return board.take(ex, data, done, fold, later)
+    board.take(ex, data, done, fold, later)
+    return True
 
 
 def _open(g: ProcessGroup, sockets: Sockets) -> Board | str:
@@ -241,7 +242,7 @@ class _Side:
         except Exception:  # the peer is gone: its own failure is reported elsewhere
             return
         if rest is not None:
-            asyncio.ensure_future(rest).add_done_callback(_ignore)
+            plane.spawn(rest)
 
     def free_slot(self) -> int:
         """A slot no reader needs any more, or -1."""
@@ -315,12 +316,11 @@ class Board:
         done: Callable[[memoryview], None],
         fold: Callable[[memoryview], memoryview] | None,
         later: int | None,
-    ) -> bool:
-        if not self.ready:
+    ) -> None:
+        if self.ready:
+            self._start(ex, bytes(data), done, fold, later)
+        else:
             self.queue.append((ex, bytes(data), done, fold, later))
-            return True
-        self._start(ex, bytes(data), done, fold, later)
-        return True
 
     def _start(
         self,
@@ -537,11 +537,6 @@ def _fence() -> None:
     """A full memory fence: the stores before it are seen before the loads after it."""
     with _fence_lock:  # a locked instruction each way
         pass
-
-
-def _ignore(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 async def _prove(plane: DataPlane, rank: int) -> None:

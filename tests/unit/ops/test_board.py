@@ -13,7 +13,13 @@ import anyio
 import pytest
 import torch
 
-from aiodist import CollectiveMismatchError, DistError, ProcessGroup, RendezvousServer
+from aiodist import (
+    CollectiveMismatchError,
+    DistError,
+    ProcessGroup,
+    RankFailedError,
+    RendezvousServer,
+)
 from aiodist._ops import board
 from aiodist._ops.agreement import signature
 from aiodist._ops.board import Board
@@ -186,3 +192,52 @@ async def test_more_ranks_than_the_host_has_cpus_for_keep_to_sockets(
     with anyio.fail_after(20):
         outs = await run_ranks(server.address, 3, body)
     assert outs == [("off", [6.0])] * 3
+
+
+async def test_a_slot_a_reader_never_acknowledged_is_free_again_once_the_group_broke(
+    server: RendezvousServer,
+) -> None:
+    # Rank 2 writes its row and never looks again, as a rank stopped right after writing
+    # and then declared failed: it acknowledges no one's row. Held until it did, the
+    # others' slots would stay taken for good, and sixteen such breaks would leave a rank
+    # no slot at all.
+    groups: dict[int, ProcessGroup] = {}
+    all_in, written, checked = anyio.Event(), anyio.Event(), anyio.Event()
+    looked: list[int] = []
+
+    async def body(g: ProcessGroup) -> tuple[bool, bool] | None:
+        await barrier(group=g)  # decides the board
+        groups[g.rank] = g
+        if len(groups) == g.world_size:
+            all_in.set()
+        await all_in.wait()
+        side = board._side(g.session.plane)
+        seq = g.take_seq()
+        work: Work[memoryview] = g.begin("rows", seq=seq)
+        ex = Exchange(g, work, seq, signature("rows", shape=[8]), rides=True)
+
+        def done(rows: memoryview) -> None:
+            work.set_result(rows)
+
+        exchange_rows(ex, memoryview(bytes([g.rank]) * 8), done)
+        if g.rank == 2:
+            side.ops.clear()  # written; it never looks again
+            written.set()
+            await checked.wait()  # alive: the rows of a rank that left are not waited for
+            return None
+        await written.wait()
+        assert bytes(await work) == bytes([0] * 8 + [1] * 8 + [2] * 8)
+        (slot,) = [i for i, op in enumerate(side.owner) if op is not None and op.ex is ex]
+        op = side.owner[slot]
+        assert op is not None
+        before = op.acknowledged(side, slot)
+        g.break_(RankFailedError("rank 2 failed", rank=groups[2].session.rank), notify=False)
+        after = op.acknowledged(side, slot)
+        looked.append(g.rank)
+        if len(looked) == 2:
+            checked.set()
+        return before, after
+
+    with anyio.fail_after(20):
+        outs = await run_ranks(server.address, 3, body)
+    assert outs[:2] == [(False, True)] * 2
