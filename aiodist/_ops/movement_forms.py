@@ -244,7 +244,7 @@ def all_to_all_single(
             resolve=lambda _: out,
         )
 
-    return Call("all_to_all_single", group, check)
+    return Call("all_to_all_single", group, check, input)
 
 
 def _split(t: torch.Tensor, sizes: list[int] | None, n: int, name: str) -> list[torch.Tensor]:

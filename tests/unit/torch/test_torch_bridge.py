@@ -45,6 +45,13 @@ WORKER = textwrap.dedent(
         return (torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r).to(dtype)
 
     async def collectives(out):
+        # Counts torch's all_to_all_single calls (the bridge reads it on first use).
+        torch_calls = []
+        torch_all_to_all_single = dist.all_to_all_single
+        def counted(*args, **kwargs):
+            torch_calls.append(1)
+            return torch_all_to_all_single(*args, **kwargs)
+        dist.all_to_all_single = counted
         g = aiodist.get_default_group()
         out["bridged"] = g.bridge is not None
         for op in ("sum", "mean", "product", "min", "max"):
@@ -73,6 +80,15 @@ WORKER = textwrap.dedent(
         await store.wait([f"counted/{r}" for r in range(world)])
         sent = [torch.full((rank + 1, i + 1), float(10 * rank + i)) for i in range(world)]
         out["all_to_all"] = [p.tolist() for p in await aiodist.all_to_all(sent)]
+        # Uneven splits: rank r sends i + 1 elements to rank i, receives r + 1 from each.
+        single = torch.empty(world * (rank + 1))
+        before = len(torch_calls)
+        sent = torch.cat([torch.full((i + 1,), float(10 * rank + i)) for i in range(world)])
+        got = await aiodist.all_to_all_single(
+            single, sent, [rank + 1] * world, [i + 1 for i in range(world)]
+        )
+        out["all_to_all_single"] = [got is single, single.tolist(), len(torch_calls) - before]
+        dist.all_to_all_single = torch_all_to_all_single
 
     async def ordered(out):
         works = [aiodist.all_reduce(torch.full((i + 1,), float(rank + i)))
@@ -298,6 +314,9 @@ def test_every_tensor_collective_matches_a_torch_reference(results: list[dict[st
         close(torch.tensor(out["all_gather"]), xs)
         for src, part in enumerate(out["all_to_all"]):
             close(torch.tensor(part), torch.full((src + 1, rank + 1), float(10 * src + rank)))
+        expected = [float(10 * src + rank) for src in range(WORLD) for _ in range(rank + 1)]
+        # It ran on the bridge's torch group, as all_to_all does.
+        assert out["all_to_all_single"] == [True, expected, 1]
 
 
 def test_tensor_collectives_bypass_the_data_plane(results: list[dict[str, Any]]) -> None:
