@@ -63,17 +63,6 @@ class Issuer(Protocol):
     ) -> Work[T]: ...
 
 
-_TORCH_OPS = {
-    "sum": "SUM",
-    "product": "PRODUCT",
-    "min": "MIN",
-    "max": "MAX",
-    "band": "BAND",
-    "bor": "BOR",
-    "bxor": "BXOR",
-}
-
-
 def start(g: ProcessGroup, bridge: Issuer, req: Request, seq: int) -> Work[Any]:
     """Start ``req`` (checked: ``_ops.forms``; ``req.op.torch``) on torch.distributed as
     ``g``'s operation ``seq``."""
@@ -98,7 +87,8 @@ def _rooted(req: Request, bridge: Issuer) -> tuple[torch.Tensor, int, torch.Tens
 
 
 def _torch_op(op: str) -> Any:
-    return getattr(dist.ReduceOp, _TORCH_OPS[op])
+    """torch's ``ReduceOp`` of a canonical reduce op (``_ops.reduce_ops.OPS``) but ``mean``."""
+    return getattr(dist.ReduceOp, op.upper())
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
