@@ -9,10 +9,12 @@ shares (group, slot, checks, outsider's answer, torch bridge, device staging,
 ``rooted``, ``movement`` (tensors), ``shared`` (through shared memory),
 ``objects`` and ``collect`` (objects, mmengine's helpers), ``tensor_groups``
 (many tensors at once), ``groups`` (``new_group``). Their messages go through
-one ``exchange``, whose first messages carry the one ``agreement``; plans are
-``schedules``' (sans-IO), tensor helpers ``tensors``', reduce ops
-``reduce_ops``', device staging ``staging``'. Point-to-point (``p2p``,
-``p2p_objects``) takes no place in a group's order and sets itself up.
+one ``exchange``, whose first messages carry the one ``agreement`` (through
+shared memory on a group of one host: ``board``); plans are ``schedules``'
+(sans-IO), tensor helpers ``tensors``', reduce ops ``reduce_ops``', device
+staging ``staging``'. Point-to-point (``p2p``, ``p2p_objects``) takes no place
+in a group's order: ``run_p2p`` is its share of the call path (group, peer and
+tag checks, the outsider's answer, the flight recorder).
 Remote calls are a sibling layer, ``_rpc``.
 
 May import: ``_group`` and the layers beneath it (``_plane`` down to ``_errors``);

@@ -332,17 +332,17 @@ class Reattachment:
             code = ErrorCode(rec.code) if rec.code else 0
             job.regroups.restore(rec.key, Answer(rec.ranks, code, rec.message, rec.details))
             return
+        if not isinstance(rec, RankFailed | RankLeft):
+            raise ValueError(f"no replay for record {type(rec).__name__}")
         if not 0 <= rec.rank < job.world_size:
             raise ValueError(f"rank {rec.rank} of job {job.name!r}, which has {job.world_size}")
         member = job.by_rank[rec.rank]
         if isinstance(rec, RankFailed):
             job.failures.append((rec.rank, rec.host, rec.pid, rec.reason))
             member.status = "failed"
-        elif isinstance(rec, RankLeft):
+        else:
             job.left[rec.rank] = (rec.host, rec.pid)
             member.status = "left"
-        else:
-            raise ValueError(f"no replay for record {type(rec).__name__}")
         job.discard(member)
 
     def restored(self, now: float) -> None:
