@@ -29,6 +29,7 @@ from aiodist._errors import (
 from aiodist._group.group import ProcessGroup
 from aiodist._group.join import open_process_group
 from aiodist._group.session import MemberInfo
+from aiodist._group.views import MembershipView
 from aiodist._group.work import Work
 from aiodist._group.world import (
     Backend,
@@ -109,7 +110,6 @@ from aiodist._ops.p2p_objects import (
 from aiodist._ops.reduce_ops import ReduceOp, supports_complex
 from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_scatter_tensor
 from aiodist._ops.regroup import (
-    MembershipView,
     joined_late,
     membership,
     regroup,

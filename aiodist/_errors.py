@@ -6,30 +6,6 @@ import enum
 import functools
 from typing import Any, ClassVar
 
-__all__ = [
-    "AbortedError",
-    "ArgumentError",
-    "ArgumentTypeError",
-    "AssertedArgumentError",
-    "AssertedValueError",
-    "AuthenticationError",
-    "BarrierTimeoutError",
-    "ClosedError",
-    "CollectiveMismatchError",
-    "DistError",
-    "DistTimeoutError",
-    "ErrorCode",
-    "GroupBrokenError",
-    "ProtocolError",
-    "RankFailedError",
-    "RemoteError",
-    "RendezvousError",
-    "RendezvousTimeout",
-    "counted",
-    "from_wire",
-    "rank_left_error",
-]
-
 # Why an operation that needed a rank failed when that rank left the job cleanly.
 LEFT_REASON = "left the job (destroy_process_group, or its program ended)"
 

@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["LOG_FORMATS", "LOG_LEVELS", "SETTINGS", "Setting", "by_name", "tables", "warn_unknown"]
-
 logger = logging.getLogger("aiodist")
 
 T = TypeVar("T")

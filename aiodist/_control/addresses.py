@@ -33,8 +33,6 @@ from aiodist._errors import RendezvousError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["interface_address", "is_local", "is_loopback", "reachable_host"]
-
 _SIOCGIFADDR: Final = 0x8915  # Linux: an interface's IPv4 address
 _IFNAMSIZ: Final = 16
 

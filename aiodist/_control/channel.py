@@ -27,17 +27,6 @@ if TYPE_CHECKING:
 
     from aiodist._control.liveness import Liveness
 
-__all__ = [
-    "MAX_HELD_NOTICES",
-    "Carrier",
-    "ControlChannel",
-    "Notice",
-    "ServerAway",
-    "ServerBack",
-    "ServerLost",
-    "where_of",
-]
-
 # Notices a channel keeps until its member sets a callback (a job breaks with the first).
 MAX_HELD_NOTICES: Final = 16
 

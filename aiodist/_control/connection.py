@@ -97,8 +97,6 @@ if TYPE_CHECKING:
 
     from aiodist._wire.frame import Buffer
 
-__all__ = ["ControlChannel", "ControlConnection", "Notice", "ServerLost", "connect_control"]
-
 logger = logging.getLogger(__name__)
 
 CLIENT_LIMITS: Final = Limits(max_header_bytes=64 * MiB, max_payload_bytes=0)

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-__all__ = ["SERVER_STALL", "Heartbeats", "Liveness"]
-
 # Below the server's own threshold: a stall it counts shows here as a silence a little
 # shorter (its last word came before it stopped); a server that echoes each heartbeat
 # (every interval, 1 s by default) is never this silent otherwise.

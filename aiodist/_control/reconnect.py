@@ -33,8 +33,6 @@ from aiodist._errors import AuthenticationError, DistError
 if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel
 
-__all__ = ["DEFAULT_SERVER_GRACE", "LostConnection", "Reconnect", "server_grace"]
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVER_GRACE: Final = _settings.SERVER_GRACE.default

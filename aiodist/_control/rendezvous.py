@@ -66,8 +66,6 @@ if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["RendezvousSpec", "ServerHost", "connect_rendezvous", "may_embed", "parse_init_method"]
-
 logger = logging.getLogger(__name__)
 FILE_PROBE_TIMEOUT: Final = 2.0
 _file_locks: dict[str, asyncio.Lock] = {}  # fcntl locks are per process: also lock in-process

@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
     from aiodist._control.channel import ControlChannel, Notice
 
-__all__ = ["open_channel", "sharing_enabled"]
-
 _Key = tuple[str, int, str]
 # Per event loop: the shared connection to each (host, port, token), or its connect in progress.
 _shared: weakref.WeakKeyDictionary[

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["describe_wait", "positions_line"]
-
 
 def describe_wait(call: dict[str, Any]) -> str:
     """One collective's line: ``all_reduce #1042 on group 'g': ranks 0, 1 waiting 12.3 s; ...``."""

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 
     from aiodist._control.channel import ControlChannel
 
-__all__ = ["Store", "as_seconds"]
-
 # How much longer than the server-side timeout the client waits for its answer.
 REPLY_GRACE: Final = 5.0
 

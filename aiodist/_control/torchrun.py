@@ -38,17 +38,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = [
-    "STORE_POLL",
-    "Torchrun",
-    "find_in",
-    "find_server",
-    "publish_in",
-    "publish_server",
-    "server_key",
-    "torchrun_env",
-]
-
 #: Seconds between looks for rank 0's server in torchrun's store (a key set soon after start).
 STORE_POLL: Final = 0.05
 

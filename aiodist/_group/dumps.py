@@ -48,19 +48,6 @@ from aiodist._group.recorder import FORMAT
 if TYPE_CHECKING:
     from aiodist._group.recorder import Entry, Recorder
 
-__all__ = [
-    "MIN_DUMP_INTERVAL",
-    "dump",
-    "dump_dir",
-    "dump_path",
-    "on_failure",
-    "register",
-    "request_dump",
-    "snapshot",
-    "write_atomic",
-    "write_dump",
-]
-
 logger = logging.getLogger(__name__)
 
 #: The least time between two dumps of one rank's recorder on request or on SIGUSR1.

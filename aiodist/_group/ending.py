@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["MAX_REASON_CHARS", "at_exit", "failure_of", "interrupted"]
-
 logger = logging.getLogger(__name__)
 
 #: The longest failure reason sent to the server (the wire's bound on ``Leave.reason``).

@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from aiodist._group.session import Session
     from aiodist._wire.keys import Key
 
-__all__ = ["Bridge", "Methods", "ProcessGroup"]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-__all__ = ["Deadlines", "Timed"]
-
 # Entries kept before dropping finished ones behind a long-running operation.
 _COMPACT_AT: Final = 1024
 

@@ -56,8 +56,6 @@ if TYPE_CHECKING:
     from aiodist._group.session import SessionGroup
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["open_process_group", "run_close_hooks"]
-
 logger = logging.getLogger(__name__)
 
 #: Seconds an embedded server waits for its clients to hang up before it shuts down.

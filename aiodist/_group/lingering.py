@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
 
-__all__ = ["SHUTDOWN_LIMIT", "LingeringTask", "hand_over", "hold", "linger"]
-
 T = TypeVar("T")
 
 #: Seconds into its loop's shutdown after which a lingering task is cancelled after all

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from aiodist._errors import RankFailedError
 
-__all__ = ["failed_error"]
-
 
 def failed_error(rank: int, host: str, pid: int, reason: str) -> RankFailedError:
     """The error of what needs ``rank``, which failed."""

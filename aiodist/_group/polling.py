@@ -38,8 +38,6 @@ from aiodist import _settings
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["Poller", "poller"]
-
 DEFAULT_SPIN_US: Final = _settings.SPIN_US.default
 MISSES_TO_BACK_OFF: Final = 3
 BACK_OFF_WAITS: Final = 64

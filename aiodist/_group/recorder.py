@@ -37,18 +37,6 @@ class Work(Protocol):
     def when_done(self, fn: Callable[[Any], object]) -> None: ...
 
 
-__all__ = [
-    "DEFAULT_CAPACITY",
-    "FORMAT",
-    "TRACED",
-    "Entry",
-    "Recorder",
-    "capacity_from_env",
-    "new_recorder",
-    "wait_ended",
-    "wait_started",
-]
-
 #: How many operations a rank's recorder keeps, unless ``AIODIST_RECORDER_SIZE`` says.
 DEFAULT_CAPACITY: Final = _settings.RECORDER_SIZE.default
 #: The ``format`` field of a dump (bumped when a field changes meaning).

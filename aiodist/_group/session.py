@@ -80,16 +80,6 @@ if TYPE_CHECKING:
     from aiodist._server.serve import RendezvousServer
     from aiodist._wire.messages import Welcome
 
-__all__ = [
-    "DEFAULT_HEARTBEAT_INTERVAL",
-    "DEFAULT_HEARTBEAT_TIMEOUT",
-    "DEFAULT_TIMEOUT",
-    "WORLD_GROUP_ID",
-    "MemberInfo",
-    "Session",
-    "SessionGroup",
-]
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT: Final = 1800.0  # torch's default process-group timeout

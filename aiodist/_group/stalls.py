@@ -21,8 +21,6 @@ from aiodist._wire.messages import StatusRequest
 if TYPE_CHECKING:
     from aiodist._control.channel import ControlChannel
 
-__all__ = ["ASK_TIMEOUT", "seq_of", "where_others_are"]
-
 #: How long a timed-out collective waits for the server's view before failing.
 ASK_TIMEOUT: Final = 1.0
 _SEQ = re.compile(r"#(\d+)$")

@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from aiodist._group.recorder import Entry, Recorder
 
-__all__ = ["WAIT_LANES", "trace_events", "trace_path", "write_trace"]
-
 #: Thread ids from here on hold the waits (below: the operations' lanes).
 WAIT_LANES: Final = 1000
 

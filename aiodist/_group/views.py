@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterable
 
-__all__ = ["MembershipView", "Views"]
-
 # Views a member keeps, so that a watcher that fell behind still sees each one.
 MAX_VIEWS: Final = 64
 

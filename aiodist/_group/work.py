@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Generator
     from concurrent.futures import Future
 
-__all__ = ["Work", "wait_event", "wait_future"]
-
 T = TypeVar("T")
 _UNSET: Any = object()
 

@@ -32,8 +32,6 @@ import subprocess
 import sys
 from typing import Final
 
-__all__ = ["AgentStore"]
-
 logger = logging.getLogger(__name__)
 
 #: The store's process: serve on the inherited socket until stdin closes.

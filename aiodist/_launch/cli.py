@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from aiodist._server.serve import RendezvousServer
     from aiodist._transport.tls import TlsConfig
 
-__all__ = ["main"]
-
 logger = logging.getLogger("aiodist")
 
 LOG_LEVELS = _settings.LOG_LEVELS

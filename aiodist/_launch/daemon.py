@@ -37,15 +37,6 @@ if TYPE_CHECKING:
 
     from aiodist._transport.tls import TlsConfig
 
-__all__ = [
-    "collect_on_a_clock",
-    "is_loopback",
-    "raise_open_files_limit",
-    "read_token_file",
-    "run_daemon",
-    "sd_notify",
-]
-
 logger = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES: Final = 4096

@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
     from types import ModuleType, TracebackType
 
-__all__ = ["START_METHODS", "ForkServer", "Forked", "python_main"]
-
 logger = logging.getLogger("aiodist.run")
 
 START_METHODS: Final = (

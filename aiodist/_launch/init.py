@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["destroy_process_group", "init_dist", "init_process_group"]
-
 
 async def init_process_group(
     backend: str | None = None,

@@ -26,13 +26,6 @@ from aiodist._launch.slurm_hostlist import first_slurm_host
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = [
-    "DEFAULT_MASTER_PORT",
-    "LAUNCHERS",
-    "infer_launcher",
-    "launcher_env",
-]
-
 DEFAULT_MASTER_PORT: Final = 29500
 """torch.distributed's default store port; mmengine falls back to it too."""
 

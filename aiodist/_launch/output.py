@@ -21,8 +21,6 @@ import asyncio
 import re
 from typing import IO, Final
 
-__all__ = ["MAX_PENDING_BYTES", "PARTIAL_DELAY", "READ_CHUNK_BYTES", "Sink", "pump"]
-
 READ_CHUNK_BYTES: Final = 64 * 1024
 PARTIAL_DELAY: Final = 0.05  # how long a partial line waits for the rest of it
 MAX_PENDING_BYTES: Final = 1024 * 1024  # a longer partial line is written at once

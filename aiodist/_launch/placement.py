@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["PROBE_TIMEOUT", "Placement", "failure_suspects", "parse_endpoint", "place_server"]
-
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT: Final = 5.0  # an aiodist server answers a status request in milliseconds

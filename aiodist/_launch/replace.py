@@ -35,8 +35,6 @@ from aiodist._wire.messages import StatusRequest
 if TYPE_CHECKING:
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["MAX_START_FAILURES", "START_BACKOFF", "WATCH_INTERVAL", "JobLook", "JobWatch"]
-
 MAX_START_FAILURES: Final = 3  # replacements in a row that die before joining
 START_BACKOFF: Final = 1.0  # s before the replacement after a start-up failure; doubles
 WATCH_INTERVAL: Final = 0.25  # s between looks at the job while a replacement is pending

@@ -63,8 +63,6 @@ if TYPE_CHECKING:
 
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["LaunchResult", "LaunchSpec", "launch", "rank_env"]
-
 logger = logging.getLogger(__name__)
 
 STOP_GRACE: Final = 5.0

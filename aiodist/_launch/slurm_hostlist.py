@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["expand_slurm_hostlist", "first_slurm_host"]
-
 
 # A hostlist is comma-separated host expressions; commas inside brackets separate
 # ranges instead. An expression is literal text and bracket groups, each group a

@@ -25,8 +25,6 @@ from aiodist._wire.messages import DumpRequest
 if TYPE_CHECKING:
     from aiodist._control.connection import ControlConnection
 
-__all__ = ["collect_dumps", "find_job", "format_job", "rank_state", "read_dump"]
-
 # How often the command looks for the ranks' files while they write them.
 _POLL = 0.05
 

@@ -19,8 +19,6 @@ from aiodist._group.world import get_default_group
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["merge_traces", "trace"]
-
 
 @contextlib.contextmanager
 def trace(directory: str | Path) -> Iterator[Path]:

@@ -82,9 +82,7 @@ from aiodist._group.lingering import linger
 from aiodist._metrics.board_work import BoardWork, Bucket, Waker
 from aiodist._metrics.slots import (
     BUCKETS,
-    DEPTH,
     GROUP,
-    MAX_RECORD_BYTES,
     Slots,
 )
 
@@ -96,8 +94,6 @@ if TYPE_CHECKING:
     from aiodist._metrics.record import Record, Single
     from aiodist._metrics.results import MetricResults
     from aiodist._transport import shm
-
-__all__ = ["BATCH", "DEPTH", "MAX_RECORD_BYTES", "Board"]
 
 #: A sync writes its rank's queued records once this many are queued (or a bucket ends).
 BATCH: Final = GROUP

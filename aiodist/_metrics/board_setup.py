@@ -22,8 +22,6 @@ from aiodist._transport import shm
 if TYPE_CHECKING:
     from aiodist._ops.exchange import Exchange
 
-__all__ = ["enabled", "open_board"]
-
 logger = logging.getLogger(__name__)
 
 _STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases

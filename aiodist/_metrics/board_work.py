@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
     from aiodist._metrics.slots import Chunk
 
-__all__ = ["BoardWork", "Bucket", "Rows", "Settler", "Waker", "wake"]
-
 # Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
 _DELIVERY_WAIT: Final = 5.0
 

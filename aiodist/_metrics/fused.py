@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
 
-__all__ = ["Schema", "reduce_locally", "start_sync"]
-
 Schema = tuple[tuple[str, Reduction], ...]
 # What a sync hands the next one: the key set it agreed on, or the shared board
 # that every later sync of the aggregator on the group goes through.

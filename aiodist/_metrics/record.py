@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
     from aiodist._metrics.state import Accumulator, Reduction, Snapshot
 
-__all__ = ["SINGLE", "Record", "Single", "decode", "encode", "encode_host", "prefix_length"]
-
 #: First byte of a single-update record (a msgpack list starts with 0x90-0x9F or 0xDC-0xDD).
 SINGLE: Final = 0x01
 _SCHEMA_LEN: Final = struct.Struct("<BI")  # SINGLE, then the schema's length

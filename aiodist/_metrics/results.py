@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-__all__ = ["MetricResults", "MetricsWriter", "deliver", "deliver_when_done"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -52,20 +52,6 @@ if TYPE_CHECKING:
 
     from aiodist._metrics.record import Record, Single
 
-__all__ = [
-    "BUCKETS",
-    "CHECKSUM",
-    "DEPTH",
-    "GROUP",
-    "MAX_RECORD_BYTES",
-    "OVERSIZE",
-    "RECORD",
-    "VALUES",
-    "Chunk",
-    "Slots",
-    "nbytes",
-]
-
 #: Syncs per bucket.
 GROUP: Final = 16
 #: Bucket slots per rank.

@@ -40,20 +40,6 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = [
-    "INT_LIMIT",
-    "REDUCTIONS",
-    "Accumulator",
-    "Layout",
-    "Reduction",
-    "Snapshot",
-    "check_reduction",
-    "check_update",
-    "host_number",
-    "layout_of",
-    "take_snapshot",
-]
-
 Reduction = Literal["mean", "sum", "min", "max", "last"]
 REDUCTIONS: Final[tuple[Reduction, ...]] = ("mean", "sum", "min", "max", "last")
 _TOTAL, _COUNT, _NONFINITE, _EXTREME, _LAST = range(5)  # device record slots

@@ -42,9 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.group import ProcessGroup
-    from aiodist._plane.peers import Received
-
-__all__ = ["AGREE", "FIELDS", "OPEN", "Signature", "check", "mismatch", "signature"]
+    from aiodist._plane.receives import Received
 
 #: The step of the opening message of every collective (see the module docstring).
 OPEN: Final = 0

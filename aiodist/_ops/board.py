@@ -66,10 +66,8 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
     from aiodist._ops.agreement import Signature
-    from aiodist._plane.peers import DataPlane, Received
-    from aiodist._plane.receives import Posted
-
-__all__ = ["BIG_STEP", "take"]
+    from aiodist._plane.peers import DataPlane
+    from aiodist._plane.receives import Posted, Received
 
 logger = logging.getLogger(__name__)
 

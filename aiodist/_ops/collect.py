@@ -26,14 +26,6 @@ if TYPE_CHECKING:
     from aiodist._group.work import Work
     from aiodist._ops.requests import Request
 
-__all__ = [
-    "collect_results",
-    "collect_results_cpu",
-    "collect_results_gpu",
-    "sync_random_seed",
-    "write_private",
-]
-
 
 def collect_results(
     results: list[Any],

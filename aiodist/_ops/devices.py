@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["cast_data_device", "get_comm_device", "get_data_device"]
-
 
 def _is_tensor(data: object) -> bool:
     import torch

@@ -48,10 +48,8 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
     from aiodist._ops.agreement import Signature
-    from aiodist._plane.peers import Received
+    from aiodist._plane.receives import Received
     from aiodist._wire.frame import Buffer
-
-__all__ = ["ONE_ROUND_MAX_RANKS", "STAR_MAX_RANKS", "Exchange", "exchange_rows"]
 
 
 class Exchange:

@@ -31,17 +31,6 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = [
-    "all_reduce",
-    "barrier",
-    "broadcast",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-]
-
 _done = Request.done
 
 

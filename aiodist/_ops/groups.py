@@ -29,15 +29,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from datetime import timedelta
 
-__all__ = [
-    "init_local_group",
-    "new_group",
-    "new_groups",
-    "new_subgroups",
-    "new_subgroups_by_enumeration",
-    "split_group",
-]
-
 
 async def new_group(
     ranks: Sequence[int] | None = None,

@@ -35,19 +35,6 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = [
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "meet",
-    "monitored_barrier",
-    "start_all_gather",
-    "start_all_to_all",
-]
-
 
 def all_gather(
     tensor_list: list[torch.Tensor] | torch.Tensor,

@@ -31,14 +31,6 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = [
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_to_all",
-    "all_to_all_single",
-]
-
 _done = Request.done
 
 

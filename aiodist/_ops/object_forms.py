@@ -22,16 +22,6 @@ from aiodist._wire import codec
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
 
-__all__ = [
-    "all_gather_object",
-    "broadcast_object_list",
-    "collect_results",
-    "gather_object",
-    "ordered",
-    "scatter_object_list",
-    "sync_random_seed",
-]
-
 _done = Request.done
 
 

@@ -30,16 +30,6 @@ if TYPE_CHECKING:
     from aiodist._ops.requests import Request
 
 
-__all__ = [
-    "all_gather_object",
-    "broadcast_object_list",
-    "gather_object",
-    "scatter_object_list",
-    "start_all_gather_object",
-    "start_broadcast_object_list",
-    "start_gather_object",
-]
-
 # The step of the data of rooted operations (step 0 is their exchange's opening).
 _DATA = 1
 

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["MIN_KEPT_BYTES", "new_outputs"]
-
 #: Gathers whose output is smaller than this allocate every time (faults matter little).
 MIN_KEPT_BYTES: Final = 1 << 20
 

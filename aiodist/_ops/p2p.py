@@ -44,19 +44,9 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
-    from aiodist._plane.peers import Key, Received
+    from aiodist._plane.receives import Received
     from aiodist._wire.frame import Buffer
-
-__all__ = [
-    "P2POp",
-    "abort_send",
-    "batch_isend_irecv",
-    "irecv",
-    "isend",
-    "recv",
-    "send",
-    "send_message",
-]
+    from aiodist._wire.keys import Key
 
 
 # Read once: an enum member's lookup costs every small message (~75 ns on Python 3.11).

@@ -24,17 +24,7 @@ from aiodist._wire.keys import MatchKind
 if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.work import Work
-    from aiodist._plane.peers import Received
-
-__all__ = [
-    "Tag",
-    "irecv_object",
-    "isend_object",
-    "receive_object",
-    "recv_object_list",
-    "send_object",
-    "send_object_list",
-]
+    from aiodist._plane.receives import Received
 
 
 class Tag(enum.IntEnum):

@@ -20,18 +20,6 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = [
-    "ALIASES",
-    "OPS",
-    "ReduceOp",
-    "check_op_dtype",
-    "combine",
-    "kernel",
-    "reduce_op",
-    "reduction",
-    "supports_complex",
-]
-
 #: Each reduce op, and the torch function that computes it (on bool tensors, ``kernel`` says).
 _TORCH_NAMES: Final = {
     "sum": "add",

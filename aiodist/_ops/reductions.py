@@ -31,15 +31,6 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = [
-    "all_reduce",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "start_all_reduce",
-    "start_reduce_scatter",
-]
-
 # Recursive doubling's fold and unfold messages, apart from its rounds (steps 1, 2, ...).
 _FOLD, _UNFOLD = 1 << 19, (1 << 19) + 1
 # --- all_reduce ----------------------------------------------------------------------------

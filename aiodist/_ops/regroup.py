@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.session import Session
 
-__all__ = ["MembershipView", "joined_late", "membership", "regroup", "watch_membership"]
-
 # The group id of the group formed over view ``e`` is ``REGROUP_IDS + e * REGROUP_STRIDE``:
 # every member, newcomers included, computes the same one, and numbers the groups it
 # makes after it from there (``Session.number_groups_from``).

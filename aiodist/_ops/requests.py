@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     #: Cuts a whole tensor into one view per rank (``Whole.cut``).
     Cut: TypeAlias = Callable[[torch.Tensor], list[torch.Tensor]]
 
-__all__ = ["NOT_DONE", "Call", "Op", "Request", "Whole", "outsider", "root_of", "size_of"]
-
 #: ``Request.answer`` of a request that still has to run.
 NOT_DONE: Any = object()
 

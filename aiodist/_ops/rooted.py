@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch")
 
-__all__ = ["broadcast", "gather", "scatter"]
-
 
 def broadcast(
     tensor: torch.Tensor,

@@ -49,15 +49,6 @@ if TYPE_CHECKING:
     from aiodist._group.group import Bridge
     from aiodist._ops.requests import Call, Request
 
-__all__ = [
-    "Slot",
-    "chain",
-    "peer_of",
-    "record",
-    "run",
-    "run_p2p",
-]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

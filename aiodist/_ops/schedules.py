@@ -32,24 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-__all__ = [
-    "DIRECT_MAX_BYTES",
-    "DIRECT_MAX_RANKS",
-    "RING_MIN_BYTES",
-    "SHM_MIN_BYTES",
-    "RecursiveDoubling",
-    "TreeLinks",
-    "all_reduce_algorithm",
-    "binomial_tree",
-    "chunk_bounds",
-    "direct_peers",
-    "dissemination_partners",
-    "recursive_doubling",
-    "ring_all_gather_steps",
-    "ring_neighbours",
-    "ring_reduce_scatter_steps",
-]
-
 #: Largest group that uses the one-round direct exchange for latency-bound operations.
 DIRECT_MAX_RANKS: Final = 8
 #: Largest all_reduce (bytes per rank) that uses the direct exchange in such a group.

@@ -36,18 +36,8 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
     from aiodist._ops.exchange import Exchange
-    from aiodist._plane.peers import Received
+    from aiodist._plane.receives import Received
     from aiodist._transport.shm import Segment, Turn
-
-__all__ = [
-    "agreed",
-    "all_gather",
-    "all_reduce",
-    "broadcast",
-    "reduce_scatter",
-    "take_turn",
-    "usable",
-]
 
 
 def usable(g: ProcessGroup) -> bool:

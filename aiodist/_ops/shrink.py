@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.session import Session
 
-__all__ = ["adopt_group", "agree", "shrink_group"]
-
 #: torch's flag values for ``shrink_flags``; aiodist has one way to shrink.
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1

@@ -51,16 +51,6 @@ else:
 
     torch = _Torch()
 
-__all__ = [
-    "Device",
-    "caller_context",
-    "capture",
-    "device_of",
-    "on_device",
-    "register",
-    "staged",
-]
-
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")

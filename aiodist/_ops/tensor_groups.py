@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from aiodist._group.work import Work
     from aiodist._ops.reduce_ops import ReduceOp
 
-__all__ = ["all_reduce_coalesced", "all_reduce_dict", "all_reduce_params"]
-
 
 def _check_reduce_op(op: object, tensors: Iterable[torch.Tensor]) -> str:
     """Validate ``op`` against every tensor now: a failure after some reductions

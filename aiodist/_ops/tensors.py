@@ -15,19 +15,6 @@ from aiodist._wire.codec import byte_view
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "SLICE_NUMEL",
-    "LazyModule",
-    "check_alike",
-    "check_outputs",
-    "check_tensor",
-    "check_tensor_list",
-    "contiguous",
-    "copy_into",
-    "divide_",
-    "slices",
-]
-
 #: Elements per torch call on large tensors: torch's GRAIN_SIZE, below which it stays serial.
 #: Every rank of a host has its own intra-op thread pool, and when several ranks wake
 #: theirs at once they spin against each other (a 256 KiB add took 28 ms with 4 ranks on

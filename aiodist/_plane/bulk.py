@@ -57,8 +57,6 @@ if TYPE_CHECKING:
     from aiodist._plane.receives import Announced, Posted
     from aiodist._wire.keys import Key
 
-__all__ = ["BULK_MIN_BYTES", "BulkTransfers"]
-
 #: Point-to-point tensor payloads of at least this many bytes wait for clear-to-send.
 BULK_MIN_BYTES: Final = 1 * MiB
 

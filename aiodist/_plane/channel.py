@@ -55,8 +55,6 @@ if TYPE_CHECKING:
     from aiodist._wire.frame import Frame
     from aiodist._wire.keys import Key
 
-__all__ = ["ChannelState"]
-
 _DATA: Final = Data.KIND
 _DATA_FIELDS: Final = DATA_META + 1
 _CREDIT: Final = MatchKind.CREDIT  # read once: an enum lookup costs every message

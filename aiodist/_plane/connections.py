@@ -52,8 +52,6 @@ if TYPE_CHECKING:
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.messages import PeerError
 
-__all__ = ["BYE_TIMEOUT", "HANDSHAKE_TIMEOUT", "Connections", "PeerTable"]
-
 logger = logging.getLogger(__name__)
 
 # Each rank's data-plane addresses.

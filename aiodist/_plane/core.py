@@ -58,8 +58,6 @@ if TYPE_CHECKING:
     from aiodist._wire.keys import Key
     from aiodist._wire.messages import PeerError, PeerHello
 
-__all__ = ["Peer", "PeerState", "PlaneCore"]
-
 logger = logging.getLogger(__name__)
 
 # Aborted calls whose late messages are still dropped (see drop_call).

@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from aiodist._transport.base import DataChannel, Listener
     from aiodist._wire.frame import Frame
 
-__all__ = ["HANDSHAKE_DEADLINE", "SharedListener", "preauth_limits", "shared_listener"]
-
 #: Seconds from accept to a finished handshake on a data-plane listener (a real peer's
 #: takes milliseconds; a plane with a token answers a hello once it has its own rank).
 #: Read when a listener opens: a test may lower it first.

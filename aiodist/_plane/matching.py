@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["Matcher"]
-
 R = TypeVar("R")  # a posted receive
 M = TypeVar("M")  # an unexpected message
 

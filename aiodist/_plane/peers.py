@@ -44,8 +44,6 @@ if TYPE_CHECKING:
 
     from aiodist._wire.frame import Buffer
 
-__all__ = ["DataPlane", "Key", "Received"]
-
 logger = logging.getLogger(__name__)
 
 _DATA: Final = Data.KIND

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from aiodist._wire.keys import Key
     from aiodist._wire.messages import PeerAbort
 
-__all__ = ["Announced", "Posted", "Received", "aborted_message"]
-
 
 @dataclass(slots=True, eq=False)
 class Announced:

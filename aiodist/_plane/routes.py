@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from aiodist._plane.channel import ChannelState
     from aiodist._transport.base import DataChannel
 
-__all__ = ["Selection", "TlsMismatch", "connect", "scheme_of", "selection", "tls_route"]
-
 logger = logging.getLogger(__name__)
 
 _CAPABILITY_SCHEME: Final = "shm"  # shm.capability(): a promise among the addresses, not one

@@ -43,24 +43,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = [
-    "Event",
-    "Master",
-    "RemoteTensor",
-    "Stream",
-    "current_master",
-    "current_node",
-    "current_stream",
-    "factory",
-    "held_tensors",
-    "install",
-    "node",
-    "ready_shapes",
-    "send",
-    "stream",
-    "synchronize",
-]
-
 logger = logging.getLogger("aiodist.remote")
 
 #: Seconds the master waits for its workers to stop when it leaves the job.

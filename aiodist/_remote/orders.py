@@ -42,8 +42,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["EVENT", "TENSOR", "Kind", "Moved", "Rebuild", "Ref", "flatten", "keep"]
-
 
 class Kind(enum.IntEnum):
     OP = 0

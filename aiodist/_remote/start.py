@@ -12,8 +12,6 @@ from aiodist._launch.init import destroy_process_group, init_process_group
 if TYPE_CHECKING:
     from datetime import timedelta
 
-__all__ = ["init_master_worker"]
-
 
 async def init_master_worker(
     backend: str | None = None,

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["MASTER", "serve"]
-
 logger = logging.getLogger("aiodist.remote")
 
 #: The master's rank.

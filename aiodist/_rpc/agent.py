@@ -56,9 +56,7 @@ if TYPE_CHECKING:
     import torch
 
     from aiodist._group.session import Session
-    from aiodist._plane.peers import Received
-
-__all__ = ["Agent", "agent_for", "default_agent"]
+    from aiodist._plane.receives import Received
 
 logger = logging.getLogger(__name__)
 

@@ -51,8 +51,6 @@ if TYPE_CHECKING:
 
     from aiodist._rpc.agent import Agent
 
-__all__ = ["backward", "exit_context", "propagate"]
-
 
 def exit_context(ctx: Context, agent: Agent | None) -> None:
     """Leave ``ctx``: not current any more, dropped here and on the ranks it reached."""

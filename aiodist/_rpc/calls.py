@@ -26,17 +26,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-__all__ = [
-    "MAX_FUNCTION_BYTES",
-    "Call",
-    "Caller",
-    "Deadlines",
-    "Pending",
-    "Request",
-    "describe",
-    "prepare",
-]
-
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
 _encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name

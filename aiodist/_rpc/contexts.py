@@ -19,20 +19,6 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = [
-    "CURRENT",
-    "GRAD_LOCK",
-    "Context",
-    "context_of",
-    "drop",
-    "enter",
-    "incoming",
-    "local_pass",
-    "outgoing",
-    "parse_meta",
-    "within",
-]
-
 # Context ids: the rank in the high bits, as torch's (worker id << 48).
 _ID_BITS: Final = 48
 #: Held while a pass sets leaves' ``.grad`` aside, and while DistributedOptimizer steps.

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-__all__ = ["Future", "follow"]
-
 T = TypeVar("T")
 
 

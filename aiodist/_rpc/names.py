@@ -19,18 +19,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.session import Session
 
-__all__ = [
-    "MAX_NAME_CHARS",
-    "WorkerInfo",
-    "check_name",
-    "lookup",
-    "names_of",
-    "rank_of",
-    "register",
-    "registered",
-    "worker",
-]
-
 #: torch.distributed.rpc allows names of up to 128 characters.
 MAX_NAME_CHARS: Final = 128
 

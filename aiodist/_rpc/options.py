@@ -16,18 +16,6 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = [
-    "DEFAULT_INIT_METHOD",
-    "DEFAULT_NUM_WORKER_THREADS",
-    "DEFAULT_RPC_TIMEOUT",
-    "BackendType",
-    "RpcBackendOptions",
-    "RpcSettings",
-    "TensorPipeRpcBackendOptions",
-    "check_backend",
-    "settings_of",
-]
-
 #: torch's defaults for ``TensorPipeRpcBackendOptions``.
 DEFAULT_RPC_TIMEOUT: Final = 60.0
 DEFAULT_INIT_METHOD: Final = "env://"

@@ -40,19 +40,6 @@ if TYPE_CHECKING:
     from aiodist._group.session import Session
     from aiodist._rpc.names import WorkerInfo
 
-__all__ = [
-    "AGENTS",
-    "DECODING",
-    "OwnedTable",
-    "RRef",
-    "RRefAgent",
-    "RRefId",
-    "make_remote",
-    "method_request",
-    "new_id",
-    "start_op",
-]
-
 T = TypeVar("T")
 RRefId = tuple[int, int]  # (creator's rank, its number there)
 # Deeper copy chains than this would make weights no message should carry.

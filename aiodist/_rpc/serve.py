@@ -56,10 +56,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from aiodist._plane.peers import DataPlane, Received
+    from aiodist._plane.peers import DataPlane
+    from aiodist._plane.receives import Received
     from aiodist._wire.frame import Buffer
-
-__all__ = ["ASYNC_MARK", "DEFAULT_RPC_THREADS", "Host", "Server"]
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,6 @@ from aiodist._group.work import Work
 from aiodist._rpc.wire import REQUEST_KEY, Op
 from aiodist._wire.messages import Data
 
-__all__ = ["Host", "Termination"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
 
-__all__ = ["Job", "Threads"]
-
 
 class Job:
     """One plain function to run; ``done(ok, value)`` is called on the loop with its outcome."""

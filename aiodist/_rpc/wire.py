@@ -48,22 +48,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from aiodist._plane.peers import DataPlane, Key, Received
-
-__all__ = [
-    "REQUEST_KEY",
-    "RPC_GROUP",
-    "Op",
-    "Status",
-    "empty_tensors",
-    "encode_error",
-    "part_key",
-    "rebuild_error",
-    "receive_parts",
-    "reply_key",
-    "send_parts",
-    "tensor_meta",
-]
+    from aiodist._plane.peers import DataPlane
+    from aiodist._plane.receives import Received
+    from aiodist._wire.keys import Key
 
 RPC_GROUP: Final = -1
 # Frames of the serving machinery, left out of the remote traceback (they precede the call's).

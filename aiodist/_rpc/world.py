@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from aiodist._group.group import ProcessGroup
     from aiodist._group.session import Session
 
-__all__ = ["RPC_JOB_SUFFIX", "close_world", "open_world", "own_world", "rpc_session", "rpc_world"]
-
 #: An rpc world of its own is a job named after the process group's, with this suffix.
 RPC_JOB_SUFFIX: Final = "/rpc"
 

@@ -71,8 +71,6 @@ if TYPE_CHECKING:
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["AUTH_TIMEOUT", "MAX_CHANNELS", "ServerConnection", "ServerSide"]
-
 # The server never relays bulk data: any payload is a protocol error.
 SERVER_LIMITS: Final = Limits(max_header_bytes=1 * MiB, max_payload_bytes=0)
 # A client that stops reading its replies is cut off rather than buffered forever.

@@ -51,8 +51,6 @@ if TYPE_CHECKING:
 
     from aiodist._server.state import JobTable
 
-__all__ = ["CACHE_SECONDS", "EVENTS_KEPT", "Dashboard", "DashboardApp", "Served"]
-
 #: How long one sample of the server serves every page that polls.
 CACHE_SECONDS: Final = 0.5
 #: Job events the dashboard keeps (newest last).

@@ -69,8 +69,6 @@ from aiodist._server.records import decode_record, encode_record
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-__all__ = ["Journal", "StateDir", "StateDirError", "file_header", "frame"]
-
 logger = logging.getLogger("aiodist._server.serve")
 
 MAGIC: Final = b"AIODST03"

@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from aiodist._server.jobs import Job, Member
 
-__all__ = ["HISTORY", "JobLog"]
-
 HISTORY: Final = 64  # finished jobs remembered
 
 

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["Hub"]
-
 logger = logging.getLogger("aiodist._server.serve")  # one logger for the whole server
 event_logger = logging.getLogger("aiodist.events")
 

@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from aiodist._server.parts import ConnId, Outbox
     from aiodist._server.records import Record
 
-__all__ = ["Away", "Job", "Member", "assign_ranks", "host_runs"]
-
 MemberStatus = Literal["joining", "active", "failed", "left"]
 
 

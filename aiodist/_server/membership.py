@@ -73,8 +73,6 @@ if TYPE_CHECKING:
     from aiodist._server.events import JobLog
     from aiodist._server.parts import ConnId, Outbox
 
-__all__ = ["MAX_SWEEP_INTERVAL", "MIN_SWEEP_INTERVAL", "Conn", "Membership", "Stats"]
-
 MAX_SWEEP_INTERVAL: Final = 1.0
 # The sweep for silent members runs at most this often, whatever a member asked for.
 MIN_SWEEP_INTERVAL: Final = MIN_HEARTBEAT_TIMEOUT / 4

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
     from aiodist._server.serve import RendezvousServer
 
-__all__ = ["MetricsEndpoint", "start_metrics"]
-
 logger = logging.getLogger(__name__)
 
 SAMPLE_TIMEOUT: Final = 5.0

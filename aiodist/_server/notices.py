@@ -27,14 +27,6 @@ if TYPE_CHECKING:
 
     from aiodist._server.parts import MemberView, Outbox
 
-__all__ = [
-    "FAILURE_NOTICE_INTERVAL",
-    "LEAVE_NOTICE_INTERVAL",
-    "MAX_NOTICE_INTERVAL",
-    "NOTICE_FANOUT",
-    "Notices",
-]
-
 # The least time between two notices of members that left one job (the first goes at once).
 LEAVE_NOTICE_INTERVAL: Final = 0.1
 # The same for failures: the first is told at once, those within the interval after it

@@ -38,21 +38,6 @@ from aiodist._wire.headers import check_message
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = [
-    "BadRequest",
-    "Close",
-    "ConnId",
-    "JobView",
-    "MemberView",
-    "Outbox",
-    "Send",
-    "Target",
-    "check_values",
-    "handled",
-    "handlers",
-    "handles",
-]
-
 F = TypeVar("F", bound="Callable[..., None]")
 
 ConnId = int

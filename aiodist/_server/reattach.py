@@ -62,8 +62,6 @@ if TYPE_CHECKING:
     from aiodist._server.membership import Membership
     from aiodist._server.parts import ConnId, Outbox
 
-__all__ = ["MIN_SECRET_BYTES", "Reattachment"]
-
 # A re-attachment's secret is at least this long (aiodist's clients draw 32 bytes).
 MIN_SECRET_BYTES: Final = 16
 

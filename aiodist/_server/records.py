@@ -36,21 +36,6 @@ from aiodist._wire.headers import Registry, message_header
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = [
-    "RECORDS",
-    "BarriersPassed",
-    "JobEnded",
-    "JobFormed",
-    "KeySet",
-    "MemberAdded",
-    "RankFailed",
-    "RankLeft",
-    "Record",
-    "RegroupSettled",
-    "decode_record",
-    "encode_record",
-]
-
 R = TypeVar("R")
 
 #: The longest key and value a state directory may hold.

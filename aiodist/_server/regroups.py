@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from aiodist._server.parts import ConnId, JobView, MemberView, Outbox
     from aiodist._server.records import Record
 
-__all__ = ["MAX_SETTLED", "Agreement", "Answer", "Regroups"]
-
 #: Decided or failed agreements a job remembers (a late caller gets the same answer).
 MAX_SETTLED: Final = 256
 

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_SHUTDOWN_TIMEOUT", "RendezvousServer", "serve_rendezvous"]
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT: Final = 29500

@@ -55,8 +55,6 @@ if TYPE_CHECKING:
     from aiodist._server.parts import Close, ConnId, Send
     from aiodist._server.records import Record
 
-__all__ = ["DUMP_INTERVAL", "STATUS_JOBS", "JobTable"]
-
 RECENT_IN_STATUS: Final = 16  # finished jobs a status report lists
 STATUS_JOBS: Final = 100  # jobs a status report lists (of however many the server holds)
 STATUS_RANKS: Final = 64  # ranks each job of such a list shows

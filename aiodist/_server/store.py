@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from aiodist._server.parts import JobView, MemberView, Outbox
     from aiodist._server.records import Record
 
-__all__ = ["MAX_PASSED_AHEAD", "Barriers", "Store", "Waiter", "left_error"]
-
 #: Barriers passed out of order a job remembers (beyond the ones passed in order).
 MAX_PASSED_AHEAD: Final = 1024
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 from array import array
 from typing import Any, Final, Protocol
 
-__all__ = ["HISTORY_INTERVAL", "HISTORY_POINTS", "Traffic"]
-
 #: The least time between two points of a job's history, in seconds.
 HISTORY_INTERVAL: Final = 2.0
 #: Intervals a job's history holds: five minutes of them.

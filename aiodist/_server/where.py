@@ -31,8 +31,6 @@ class _Member(MemberView, Protocol):
 #: The most ranks a collective's ``waiting`` and ``not_entered`` list (the counts say all).
 LISTED: Final = 64
 
-__all__ = ["heard", "member_position", "positions"]
-
 
 def heard(member: _Member, entry: list[Any], now: float) -> None:
     """Member ``member`` reported ``entry`` (``[channel, current, last, sent]``) at ``now``."""

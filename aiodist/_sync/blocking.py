@@ -29,17 +29,6 @@ if TYPE_CHECKING:
     from aiodist._group.work import Work
     from aiodist._ops.p2p import P2POp
 
-__all__ = [
-    "BlockingStore",
-    "GroupMember",
-    "batch_isend_irecv",
-    "get_store",
-    "group",
-    "new_group",
-    "new_subgroups",
-    "new_subgroups_by_enumeration",
-]
-
 
 def torch_world() -> object:
     """The default group as plain torch code holds it.

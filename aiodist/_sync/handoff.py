@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-__all__ = ["call", "submit"]
-
 P = ParamSpec("P")
 T = TypeVar("T")
 

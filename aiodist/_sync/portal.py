@@ -68,18 +68,6 @@ if TYPE_CHECKING:
     from datetime import timedelta
 
 
-__all__ = [
-    "GroupMethods",
-    "call",
-    "is_running",
-    "loop_thread",
-    "quiet",
-    "run_sync",
-    "start_soon",
-    "stop",
-    "submit",
-]
-
 logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["INPUT_NAMES", "TORCH_NAMES", "begin", "tensors_of"]
-
 #: The parameters that hold a call's inputs, in the order looked for (torch's names).
 INPUT_NAMES: Final = (
     "input",

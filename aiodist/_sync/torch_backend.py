@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
     from types import ModuleType
 
-__all__ = ["create", "register_with_torch"]
-
 BACKEND = "aiodist"
 T = TypeVar("T")
 

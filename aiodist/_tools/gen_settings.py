@@ -24,8 +24,6 @@ from aiodist._settings import tables
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["PAGE", "main", "render"]
-
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "environment.md"
 
 

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import ModuleType
 
-__all__ = ["ASYNC_ONLY", "HANDLES", "GenerateError", "Kind", "classify", "main", "render"]
-
 #: Names of the async API with no blocking twin, and why.
 ASYNC_ONLY: Final[dict[str, str]] = {
     "open_process_group": "an async context manager; plain code uses init_process_group",

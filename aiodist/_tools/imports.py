@@ -13,8 +13,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import ModuleType
 
-__all__ = ["GenerateError", "Import", "Imports", "module_names"]
-
 
 class GenerateError(Exception):
     """The async API has something the generator cannot express; the message says what."""

@@ -46,17 +46,6 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = [
-    "LAYERS",
-    "PUBLIC",
-    "Import",
-    "beneath",
-    "check",
-    "layer_of",
-    "main",
-    "read_imports",
-]
-
 #: The layers from the bottom up: each with what it owns and the layers right
 #: beneath it (it may import those and, through them, everything they may).
 LAYERS: Final[tuple[tuple[str, str, tuple[str, ...]], ...]] = (

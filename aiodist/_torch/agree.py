@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from aiodist._ops.agreement import Signature
     from aiodist._ops.requests import Request
 
-__all__ = ["agree", "checking", "signature_of"]
-
 
 def checking(environ: Mapping[str, str] | None = None) -> bool:
     """True if bridged collectives agree on their signature first (the module docstring)."""

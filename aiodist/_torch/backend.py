@@ -65,15 +65,6 @@ if TYPE_CHECKING:
     #: An aiodist operation on a group, started on aiodist's loop.
     Start: TypeAlias = Callable[[ProcessGroup], Work[Any]]
 
-__all__ = [
-    "BACKEND",
-    "AiodistProcessGroup",
-    "AiodistWork",
-    "create_default",
-    "create_subgroup",
-    "riding",
-]
-
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound="Callable[..., Any]")

@@ -49,14 +49,6 @@ if TYPE_CHECKING:
     from aiodist._ops.agreement import Signature
     from aiodist._ops.requests import Request
 
-__all__ = [
-    "STORE_PREFIX",
-    "GroupBridge",
-    "bring_up",
-    "parse_backend",
-    "tear_down",
-]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

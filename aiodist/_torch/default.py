@@ -32,15 +32,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.group import ProcessGroup
 
-__all__ = [
-    "BACKEND",
-    "bring_up_default",
-    "default_backend",
-    "is_aiodist",
-    "tear_down_default",
-    "wants_default_group",
-]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

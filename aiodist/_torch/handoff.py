@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["handed", "quiet", "started"]
-
 _lock = threading.Lock()
 _unstarted = 0
 

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["IssuingThread"]
-
 T = TypeVar("T")
 
 

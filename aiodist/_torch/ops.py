@@ -40,8 +40,6 @@ else:  # the bridge imports this module: ``import aiodist`` stays torch-free
     torch = LazyModule("torch")
     dist = LazyModule("torch.distributed")
 
-__all__ = ["Issuer", "start"]
-
 T = TypeVar("T")
 
 

@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from aiodist._errors import DistError
     from aiodist._group.group import ProcessGroup
 
-__all__ = ["DevicePart", "parts_from_env"]
-
 logger = logging.getLogger(__name__)
 
 _TYPES: Final = {

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 
     from aiodist._control.store import Store
 
-__all__ = ["LoopStore"]
-
 T = TypeVar("T")
 
 

@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
-__all__ = ["ON_LOOP", "AiodistWork", "Completer", "on_loop"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -24,8 +24,6 @@ from aiodist._wire.preauth import Gate, LogBudget, PreAuthLimits
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-__all__ = ["ACCEPT_BATCH", "DEFAULT_PREAUTH", "LOG_INTERVAL", "Admission", "Admitted", "serve"]
-
 logger = logging.getLogger(__name__)
 
 #: What a listener allows before a handshake when its caller says nothing.

@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from aiodist._wire.frame import Buffer, Frame
     from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["DataChannel", "FrameSink", "Listener", "Transport", "start_now"]
-
 
 class FrameSink(Protocol):
     """Receives what arrives on a channel (implemented by the data plane)."""

@@ -28,16 +28,6 @@ from aiodist._transport import shmring, tcp, tls, uds
 if TYPE_CHECKING:
     from aiodist._transport.base import Transport
 
-__all__ = [
-    "BUILTIN",
-    "ENTRY_POINT_GROUP",
-    "by_scheme",
-    "get_transport",
-    "register_transport",
-    "registered",
-    "unregister_transport",
-]
-
 logger = logging.getLogger(__name__)
 
 #: The entry point group packages register transports under.

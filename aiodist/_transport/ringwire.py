@@ -23,21 +23,6 @@ from typing import Any, Final
 from aiodist._errors import ProtocolError
 from aiodist._wire.frame import MiB
 
-__all__ = [
-    "MAX_SLOTS",
-    "MAX_SLOT_BYTES",
-    "RING_CHUNK",
-    "RING_DATA",
-    "RING_FREE",
-    "RING_HELLO",
-    "Ring",
-    "RingData",
-    "parse_ring_chunk",
-    "parse_ring_data",
-    "parse_ring_free",
-    "shown",
-]
-
 # Frame kinds of the ring, above every message kind (``_wire/messages.py``: below 96).
 RING_HELLO: Final = 96
 RING_DATA: Final = 97

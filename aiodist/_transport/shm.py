@@ -41,18 +41,6 @@ from aiodist import _settings
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "Segment",
-    "SharedSegments",
-    "Turn",
-    "available",
-    "capability",
-    "create_segment",
-    "map_segment",
-    "remove_stale",
-    "segment_prefix",
-]
-
 logger = logging.getLogger(__name__)
 
 SHM_DIR: Final = "/dev/shm"

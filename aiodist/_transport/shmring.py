@@ -66,19 +66,6 @@ if TYPE_CHECKING:
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = [
-    "MIN_RING_BYTES",
-    "RING_CHUNK",
-    "RING_DATA",
-    "RING_FREE",
-    "RING_HELLO",
-    "ShmChannel",
-    "ShmTransport",
-    "connect",
-    "listen",
-    "scheme",
-]
-
 logger = logging.getLogger(__name__)
 
 scheme: Final = "uds"

@@ -35,24 +35,6 @@ from typing import Final
 
 from aiodist._transport import shm
 
-__all__ = [
-    "ACKS",
-    "ASLEEP",
-    "MAX_RANKS",
-    "NBYTES",
-    "PREFIX",
-    "ROW_MAX",
-    "SIG_MAX",
-    "SLOTS",
-    "TAGS",
-    "address",
-    "create",
-    "key",
-    "name_in",
-    "slot_at",
-    "supported",
-]
-
 #: Rows per rank in flight at once (across all its groups).
 SLOTS: Final = 16
 #: Ranks of a job whose rows a segment acknowledges: larger groups keep to sockets.

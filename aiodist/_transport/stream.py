@@ -47,8 +47,6 @@ if TYPE_CHECKING:
     from aiodist._transport.base import FrameSink
     from aiodist._wire.frame import Buffer
 
-__all__ = ["StreamChannel"]
-
 logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES: Final = 256 * KiB

@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     from aiodist._transport.base import FrameSink
     from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = ["LISTEN_BACKLOG", "TcpListener", "connect", "listen", "scheme"]
-
 scheme: Final = "tcp"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
 # Connections a listener queues before accepting them: every peer of a large job may

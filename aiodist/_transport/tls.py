@@ -55,18 +55,6 @@ if TYPE_CHECKING:
     from aiodist._transport.base import FrameSink
     from aiodist._wire.preauth import PreAuthLimits
 
-__all__ = [
-    "TlsChannel",
-    "TlsConfig",
-    "TlsServer",
-    "config_from",
-    "connect",
-    "describe_ssl_error",
-    "from_env",
-    "listen",
-    "scheme",
-]
-
 logger = logging.getLogger(__name__)
 
 scheme: Final = "tls"

@@ -28,17 +28,6 @@ if TYPE_CHECKING:
     # (None on the connecting side).
     MakeChannel = Callable[[FrameSink, Admission | None], StreamChannel]
 
-__all__ = [
-    "LISTEN_BACKLOG",
-    "UdsListener",
-    "available",
-    "connect",
-    "listen",
-    "member_of",
-    "scheme",
-    "socket_name",
-]
-
 scheme: Final = "uds"
 SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
 # As tcp.LISTEN_BACKLOG: a connect beyond it fails at once (EAGAIN) on a Unix socket.

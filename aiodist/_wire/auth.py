@@ -45,17 +45,6 @@ import hmac
 import secrets
 from typing import Final
 
-__all__ = [
-    "NONCE_BYTES",
-    "accept_proof",
-    "client_proof",
-    "connect_proof",
-    "mac",
-    "new_nonce",
-    "server_proof",
-    "verify",
-]
-
 NONCE_BYTES: Final = 32
 
 

@@ -26,44 +26,6 @@ from typing import Annotated, Any, Final
 
 from aiodist._errors import ProtocolError
 
-__all__ = [
-    "I64",
-    "MAX_ADDRESSES",
-    "MAX_ADDRESS_CHARS",
-    "MAX_GROUP_NAME_CHARS",
-    "MAX_HOST_CHARS",
-    "MAX_NONCE_BYTES",
-    "MAX_OP_NAME_CHARS",
-    "MAX_REASON_CHARS",
-    "MAX_SECRET_BYTES",
-    "MAX_TIMEOUT",
-    "MAX_WHERE",
-    "MAX_WORLD_SIZE",
-    "MIN_HEARTBEAT_TIMEOUT",
-    "MIN_TIMEOUT",
-    "U64",
-    "Addresses",
-    "Bound",
-    "FieldError",
-    "Generation",
-    "HeartbeatTimeout",
-    "HostName",
-    "Int",
-    "JobName",
-    "Len",
-    "Name",
-    "Nonce",
-    "Pid",
-    "Rank",
-    "ReqId",
-    "Seconds",
-    "Secret",
-    "Timeout",
-    "U64Int",
-    "Where",
-    "WorldSize",
-]
-
 #: The longest timeout anything may ask for: a year, in seconds.
 MAX_TIMEOUT: Final = 365 * 86400.0
 #: The shortest store, barrier or join timeout (a shorter one fails at once anyway).

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
     from aiodist._wire.frame import Buffer
 
-__all__ = ["SPLIT_MIN_BYTES", "dumps", "dumps_split", "loads", "loads_split"]
-
 #: ``dumps_split`` sets aside CPU tensors of at least this many bytes.
 SPLIT_MIN_BYTES: Final = 64 * 1024
 

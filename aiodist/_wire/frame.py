@@ -40,24 +40,6 @@ from aiodist._wire.messages import Packed
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-__all__ = [
-    "CLOSED",
-    "NEED_DATA",
-    "PREFIX",
-    "PROTOCOL_VERSION",
-    "Buffer",
-    "Frame",
-    "FrameDecoder",
-    "GiB",
-    "KiB",
-    "Limits",
-    "MiB",
-    "PayloadChunk",
-    "encode_frame",
-    "encode_message",
-    "frame_message",
-]
-
 KiB: Final = 1024
 MiB: Final = 1024 * KiB
 GiB: Final = 1024 * MiB

@@ -40,15 +40,6 @@ from typing import Final, Literal
 
 from aiodist._wire.auth import NONCE_BYTES, mac, new_nonce, verify
 
-__all__ = [
-    "CONTROL",
-    "Binding",
-    "Refused",
-    "Role",
-    "TokenHandshake",
-    "peer_binding",
-]
-
 
 class Role(enum.Enum):
     """Which side of the exchange an end is: who draws the first nonce."""

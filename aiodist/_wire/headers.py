@@ -41,17 +41,6 @@ from aiodist._wire.bounds import Bound, FieldError
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = [
-    "MESSAGES",
-    "Message",
-    "Registry",
-    "check_message",
-    "decode_message",
-    "message",
-    "message_fields",
-    "message_header",
-]
-
 M = TypeVar("M")
 
 # (exact types allowed, or None for anything; exact types of list items, or None).

@@ -23,8 +23,6 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final
 
-__all__ = ["Key", "MatchKind", "call_of", "sub_seq"]
-
 Key = tuple[int, int, int, int]
 
 

@@ -45,7 +45,7 @@ from aiodist._wire.bounds import (
     Where,
     WorldSize,
 )
-from aiodist._wire.headers import MESSAGES, Message, message
+from aiodist._wire.headers import Message, message
 
 # --- control plane: client -> server ------------------------------------------------
 
@@ -632,12 +632,3 @@ _STR = frozenset((str,))
 
 
 # The declared messages, then the rest.
-__all__ = [
-    *(cls.__name__ for cls in MESSAGES.classes.values()),
-    "DATA_META",
-    "HostIds",
-    "Packed",
-    "pack_host_runs",
-    "pack_keys",
-    "unpack_keys",
-]

@@ -34,15 +34,6 @@ from typing import Final, Generic, TypeVar
 
 from aiodist._wire.frame import KiB, Limits
 
-__all__ = [
-    "MIN_PENDING",
-    "PREAUTH_FRAME_LIMITS",
-    "Gate",
-    "LogBudget",
-    "PreAuthLimits",
-    "open_files_limit",
-]
-
 #: Frames before the handshake: hellos, challenges and proofs are a few hundred bytes.
 PREAUTH_FRAME_LIMITS: Final = Limits(max_header_bytes=4 * KiB, max_payload_bytes=0)
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["printable", "printable_data"]
-
 
 def printable(text: str) -> str:
     """``text`` with every character that is not printable escaped as ``repr`` does."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["MIN_REATTACH_WINDOW", "STALL_GAP", "STALL_WINDOW", "reattach_window"]
-
 MIN_REATTACH_WINDOW: Final = 5.0
 # Two inputs this far apart mean the loop stood still (the sweep runs every second).
 STALL_GAP: Final = 3.0

@@ -14,16 +14,6 @@ from typing import Final, Literal
 
 from aiodist._wire.frame import MAGIC
 
-__all__ = [
-    "FLAGS",
-    "TLS_HANDSHAKE_BYTE",
-    "VARIABLES",
-    "explain_ssl_failure",
-    "first_byte_kind",
-    "speaks_clear_message",
-    "speaks_tls_message",
-]
-
 #: A TLS record of the handshake type: what every ClientHello starts with.
 TLS_HANDSHAKE_BYTE: Final = 0x16
 #: The environment variables that configure TLS, in the order cert, key, CA.

@@ -91,6 +91,28 @@ def test_each_layer_package_says_what_it_owns_and_may_import() -> None:
         assert not any(isinstance(n, ast.Import | ast.ImportFrom) for n in tree.body), init
 
 
+def test_only_public_modules_list_their_names_in_all() -> None:
+    # A private module's interface is its names without a leading underscore; only
+    # the public modules' ``__all__`` (the API, read by gen_sync and the docs) is kept.
+    listed = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        private = any(
+            part.startswith("_") and part != "__init__.py"
+            for part in path.relative_to(PACKAGE).parts
+        )
+        tree = ast.parse(path.read_text())
+        names = {
+            t.id
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        if private and "__all__" in names:
+            listed.append(str(path.relative_to(ROOT)))
+    assert listed == []
+
+
 def test_internal_layers_never_import_the_public_face() -> None:
     _, imports = read_imports(PACKAGE)
     upward = [

@@ -18,12 +18,8 @@ from aiodist import (
     RendezvousServer,
     open_process_group,
 )
-from aiodist._control.connection import (
-    ControlChannel,
-    ControlConnection,
-    ServerLost,
-    connect_control,
-)
+from aiodist._control.channel import ControlChannel, ServerLost
+from aiodist._control.connection import ControlConnection, connect_control
 from aiodist._errors import ProtocolError
 from aiodist._wire.frame import NEED_DATA, FrameDecoder, encode_message, frame_message
 from aiodist._wire.messages import (
@@ -43,7 +39,7 @@ from aiodist._wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from aiodist._control.connection import Notice
+    from aiodist._control.channel import Notice
 
 
 def _join(rank: int, job: str, world_size: int) -> Any:

@@ -19,9 +19,10 @@ import pytest
 
 import aiodist
 from aiodist import RendezvousError, open_process_group
+from aiodist._control.addresses import is_loopback
 from aiodist._control.connection import ControlConnection
 from aiodist._launch.cli import format_status, main
-from aiodist._launch.daemon import is_loopback, sd_notify
+from aiodist._launch.daemon import sd_notify
 from aiodist._wire.messages import StoreGet
 from aiodist.testing import run_ranks
 from tests.helpers.daemon import asyncio_only, run_cli, serve

@@ -166,7 +166,7 @@ async def test_handles_nobody_holds_are_skipped_and_their_callbacks_still_run(
 ) -> None:
     """Most handles are dropped at once (a rank that only logs); rank 0 keeps a few and
     gives others only an on_done callback: the board holds those until they ran."""
-    n = 3 * board.DEPTH
+    n = 3 * slots.DEPTH
 
     async def body(g: ProcessGroup) -> tuple[dict[int, float], list[tuple[int, float]]]:
         agg = MetricAggregator({"x": "sum"}, group=g)
@@ -202,7 +202,7 @@ async def test_handles_nobody_holds_are_skipped_and_their_callbacks_still_run(
 
 async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServer) -> None:
     """Fast ranks run 3 x DEPTH syncs ahead of a slow one: their writes queue, none is lost."""
-    n = 3 * board.DEPTH
+    n = 3 * slots.DEPTH
     slow_may_go = anyio.Event()
 
     async def body(g: ProcessGroup) -> list[float]:
@@ -218,7 +218,7 @@ async def test_more_syncs_in_flight_than_the_board_holds(server: RendezvousServe
         if g.rank == 0:
             assert agg._board is not None
             b = agg._board
-            assert len(b._backlog) + len(b._queued) >= n - board.DEPTH  # the slow rank holds slots
+            assert len(b._backlog) + len(b._queued) >= n - slots.DEPTH  # the slow rank holds slots
             slow_may_go.set()
         return [(await w)["step"] for w in works]
 
@@ -291,7 +291,7 @@ async def test_too_many_metrics_for_one_slot_fail_on_every_rank(server: Rendezvo
         agg = MetricAggregator(group=g)
         agg.update(x=1.0)
         await agg.sync()
-        n = 1 if g.rank else board.MAX_RECORD_BYTES // 20  # rank 0 logs far too many
+        n = 1 if g.rank else slots.MAX_RECORD_BYTES // 20  # rank 0 logs far too many
         agg.update(**{f"metric_{i:08d}": float(i) for i in range(n)})
         with pytest.raises(ValueError, match=r"rank 0 synced more metrics than fit") as caught:
             await agg.sync()

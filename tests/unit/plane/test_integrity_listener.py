@@ -384,8 +384,8 @@ async def test_ring_data_from_a_stranger_is_refused_before_any_allocation(
         "2 GiB of int slots": [65, None, 1, [ring, 16, GiB // 8]],
         "a chunk": [0, 1],
     }
-    frames = [_hex(shmring.RING_DATA, h) for h in list(crafted.values())[:2]]
-    frames.append(_hex(shmring.RING_CHUNK, crafted["a chunk"]))
+    frames = [_hex(ringwire.RING_DATA, h) for h in list(crafted.values())[:2]]
+    frames.append(_hex(ringwire.RING_CHUNK, crafted["a chunk"]))
     with anyio.fail_after(120):
         async with _job(token_server, tmp_path) as job:
             target = job.ranks[1]
@@ -567,20 +567,20 @@ def _malformed(ring: str) -> dict[str, list[tuple[int, Any]]]:
     data_header = [MatchKind.P2P, 0, 0, 1, None]  # a DATA frame's header, for the ring payload
     announce = [Data.KIND, data_header, 100, [ring, 2, 4096]]
     return {
-        "a string for the slots": [(shmring.RING_DATA, [65, data_header, 1, [ring, "a", GiB]])],
-        "a ring over the limit": [(shmring.RING_DATA, [65, data_header, 100, [ring, 1024, GiB]])],
-        "a ring with no name": [(shmring.RING_DATA, [65, data_header, 100, [None, 2, 4096]])],
+        "a string for the slots": [(ringwire.RING_DATA, [65, data_header, 1, [ring, "a", GiB]])],
+        "a ring over the limit": [(ringwire.RING_DATA, [65, data_header, 100, [ring, 1024, GiB]])],
+        "a ring with no name": [(ringwire.RING_DATA, [65, data_header, 100, [None, 2, 4096]])],
         "a chunk of a string slot": [
-            (shmring.RING_DATA, announce),
-            (shmring.RING_CHUNK, ["x", 10]),
+            (ringwire.RING_DATA, announce),
+            (ringwire.RING_CHUNK, ["x", 10]),
         ],
-        "a chunk out of the ring": [(shmring.RING_DATA, announce), (shmring.RING_CHUNK, [2, 10])],
+        "a chunk out of the ring": [(ringwire.RING_DATA, announce), (ringwire.RING_CHUNK, [2, 10])],
         "a chunk past the payload": [
-            (shmring.RING_DATA, announce),
-            (shmring.RING_CHUNK, [0, 4096]),
+            (ringwire.RING_DATA, announce),
+            (ringwire.RING_CHUNK, [0, 4096]),
         ],
-        "a free of a slot never sent": [(shmring.RING_FREE, [0])],
-        "an unknown ring kind": [(shmring.RING_FREE + 1, [])],
+        "a free of a slot never sent": [(ringwire.RING_FREE, [0])],
+        "an unknown ring kind": [(ringwire.RING_FREE + 1, [])],
     }
 
 
@@ -674,7 +674,7 @@ async def test_second_free_of_a_ring_slot_closes_the_connection_before_a_slot_is
             # Rank 0 wrote its RING_FREE before the payload was delivered: this one follows it.
             assert bytes((await received).data) == payload
             assert isinstance(b.routes[0], shmring.ShmChannel)
-            await channel.send(shmring.RING_FREE, [0])
+            await channel.send(ringwire.RING_FREE, [0])
             await news.wait()
     finally:
         await a.aclose(bye=False)
@@ -713,7 +713,7 @@ async def test_refused_ring_channel_is_freed_without_a_garbage_collection(proved
     closed: list[weakref.ref[DataChannel]] = []
     news = anyio.Event()
     hello = b"".join(bytes(p) for p in encode_frame(Data.KIND, ["hello"]))
-    bad = b"".join(bytes(p) for p in encode_frame(shmring.RING_CHUNK, ["x", 1]))
+    bad = b"".join(bytes(p) for p in encode_frame(ringwire.RING_CHUNK, ["x", 1]))
     gc.collect()
     gc.disable()  # reference counting alone must free it
     try:

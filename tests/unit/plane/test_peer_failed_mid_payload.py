@@ -15,7 +15,7 @@ from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import Data, PeerHello
 
 if TYPE_CHECKING:
-    from aiodist._plane.peers import Key
+    from aiodist._wire.keys import Key
 
 
 @pytest.mark.parametrize(

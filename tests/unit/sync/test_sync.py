@@ -20,7 +20,8 @@ import aiodist
 import aiodist.sync as dist
 from aiodist._sync import portal
 from aiodist._tools import gen_sync
-from aiodist._tools.gen_sync import ASYNC_ONLY, TWINS, GenerateError, Kind, classify, render
+from aiodist._tools.gen_sync import ASYNC_ONLY, TWINS, Kind, classify, render
+from aiodist._tools.imports import GenerateError
 from tests.helpers.procs import free_port
 
 if TYPE_CHECKING:
