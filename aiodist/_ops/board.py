@@ -56,7 +56,7 @@ from aiodist._errors import ProtocolError
 from aiodist._group.lingering import linger
 from aiodist._ops import agreement
 from aiodist._ops.agreement import OPEN
-from aiodist._transport import shm, shmrows
+from aiodist._transport import shmrows
 from aiodist._transport.shmrows import ACKS, ASLEEP, ROW_MAX, SIG_MAX, SLOT_HEAD, SLOTS, TAGS
 from aiodist._wire.keys import MatchKind
 
@@ -552,7 +552,5 @@ def _own(plane: DataPlane) -> memoryview:
 
 
 def _mapped(plane: DataPlane, rank: int, name: str) -> memoryview:
-    segment = plane.peer_rows.get(rank)
-    if segment is None or segment.name != name:
-        segment = plane.peer_rows[rank] = shm.map_segment(name, shmrows.NBYTES)
-    return memoryview(segment.memory)
+    # Kept among the plane's peer segments, under a key no group has (ids are >= 0).
+    return memoryview(plane.segments.peer(-1, rank, name, shmrows.NBYTES).memory)

@@ -115,9 +115,8 @@ class Connections(PlaneCore):
         self.use_shm = self.selection.use_shm
         self.shm_agreement: dict[int, bool] = {}  # group id -> shared_memory_agreed(its ranks)
         self.segments = shm.SharedSegments()  # the shared-memory collectives' (``_ops``)
-        # This rank's rows segment and the peers' it mapped (``shmrows``, ``_ops.board``).
+        # This rank's rows segment (``shmrows``, ``_ops.board``; peers' are in ``segments``).
         self.rows: shm.Segment | None = None
-        self.peer_rows: dict[int, shm.Segment] = {}
         self.on_bell: Callable[[], None] | None = None  # a peer's bell: its board looks
         self.failed = False  # a session-wide failure happened: sweep the segments at close
         # What this rank sent its peers: messages and their payloads' bytes (``send_now``).
@@ -397,9 +396,6 @@ class Connections(PlaneCore):
             task.cancel()
         self.forget_channels()
         self.segments.close(sweep=self.failed)  # a dead peer's may outlive the sweep at fail
-        for segment in self.peer_rows.values():
-            segment.close()
-        self.peer_rows.clear()
         if self.rows is not None:
             self.rows.close()
             self.rows = None
