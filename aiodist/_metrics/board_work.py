@@ -21,7 +21,7 @@ from aiodist._group.work import Work
 from aiodist._metrics import record
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.slots import MAX_RECORD_BYTES
-from aiodist._metrics.state import Reduction, layout_of
+from aiodist._metrics.state import layout_of, union_of
 
 if TYPE_CHECKING:
     import asyncio
@@ -54,20 +54,8 @@ class Rows:
                     "set AIODIST_METRICS_SHM=0 on every rank"
                 )
             decoded.append(record.decode(row))
-        table: dict[str, tuple[Reduction, int]] = {}
-        for r, records in enumerate(decoded):
-            for name, red, *_ in records:
-                have = table.setdefault(name, (red, r))
-                if have[0] != red:
-                    values = {have[1]: have[0], r: red}
-                    raise CollectiveMismatchError(
-                        f"ranks reduce metric {name!r} differently (rank {have[1]}: "
-                        f"{have[0]!r}, rank {r}: {red!r}) in group {self.group!r}; give every "
-                        "rank the same reductions",
-                        field="reduction",
-                        values_by_rank=values,
-                    )
-        layout = layout_of(tuple(sorted((name, red) for name, (red, _) in table.items())))
+        tables = [{name: red for name, red, *_ in records} for records in decoded]
+        layout = layout_of(union_of(tables, self.group))
         buf: array[float] = array("d")
         for r, records in enumerate(decoded):
             buf.extend(layout.pack({rec[0]: rec[2:] for rec in records}, r))

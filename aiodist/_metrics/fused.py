@@ -10,8 +10,9 @@ collective does) and runs, inside that one operation:
    values. The combine adds the sum segment, takes the maximum of the max segment and
    keeps the lowest rank's pair in the select segment;
 2. only when that buffer's flag says some rank has a metric outside the agreed
-   set (and at the first sync): the **key union**, recursive doubling of the
-   ``{name: reduction}`` tables, then the fused reduction again on the new layout.
+   set (and at the first sync): the **key union** of every rank's
+   ``{name: reduction}`` table (two ``exchange_rows``: the tables' lengths, then
+   the tables), then the fused reduction again on the new layout.
 
 The agreed key set only grows, so a loop whose metrics do not change pays one
 reduction per sync, and one that logs an extra metric every N steps pays the
@@ -31,22 +32,20 @@ shared board or agrees on keys first and so opens on its own (``Exchange``).
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import TYPE_CHECKING, Any
 
-from aiodist._errors import CollectiveMismatchError
 from aiodist._metrics.board import Board
 from aiodist._metrics.board_setup import open_board
 from aiodist._metrics.record import encode
 from aiodist._metrics.results import MetricResults
-from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of
-from aiodist._ops import schedules
+from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of, union_of
 from aiodist._ops.agreement import signature
 from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
     from array import array
-    from collections.abc import Awaitable, Callable
 
     import anyio
 
@@ -60,9 +59,9 @@ Route = Schema | Board
 Reduced = dict[str, tuple[float, float, int]]
 
 # Step ranges of the three phases inside one sequence number.
-# (A phase of recursive doubling starts one step later: step 0 of a sync is the opening's.)
 _FIRST, _UNION, _SECOND = 0, 1 << 10, 2 << 10
-_FOLD, _UNFOLD = 1 << 9, (1 << 9) + 1  # offsets within a phase
+_TABLES = 1 << 9  # the union's second exchange, within its phase
+_SIZE = struct.Struct("=Q")  # native, as ``cast("Q")`` reads it
 _limiters: dict[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = {}
 
 
@@ -196,76 +195,30 @@ async def wait_device_copy(snapshot: Snapshot) -> None:
     await anyio.to_thread.run_sync(snapshot.event.synchronize, limiter=limiter)
 
 
-async def _doubling(
-    g: ProcessGroup,
-    base: int,
-    exchange: Callable[[int, int], Awaitable[None]],
-    send_only: Callable[[int, int], Awaitable[None]],
-    receive: Callable[[int, int, bool], Awaitable[None]],
-) -> None:
-    """Recursive doubling with callbacks that move and merge one phase's state.
-
-    ``exchange(partner, step)`` swaps states and merges; ``send_only(dst, step)``
-    sends the state; ``receive(src, step, replace)`` merges (or, with
-    ``replace``, adopts) a received state.
-    """
-    plan = schedules.recursive_doubling(g.rank, g.world_size)
-    if plan.is_extra:
-        assert plan.fold_partner is not None
-        await send_only(plan.fold_partner, base + _FOLD)
-        await receive(plan.fold_partner, base + _UNFOLD, True)
-        return
-    if plan.fold_partner is not None:
-        await receive(plan.fold_partner, base + _FOLD, False)
-    for k, partner in enumerate(plan.partners):
-        await exchange(partner, base + k)
-    if plan.fold_partner is not None:
-        await send_only(plan.fold_partner, base + _UNFOLD)
+async def _rows(ex: Exchange, step: int, data: memoryview) -> memoryview:
+    """Every rank's ``data`` (as long as this rank's), in rank order (``exchange_rows``)."""
+    rows: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
+    exchange_rows(ex, data, rows.set_result, step=step)
+    return await rows
 
 
 async def _reduce(ex: Exchange, base: int, layout: Layout, buf: array[float]) -> list[float]:
     """All-reduce ``buf`` (laid out by ``layout``) across the group; return the values."""
-    rows: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
-    exchange_rows(ex, memoryview(buf).cast("B"), rows.set_result, step=base)
-    return layout.reduce_rows((await rows).cast("d"), ex.g.world_size)
+    rows = await _rows(ex, base, memoryview(buf).cast("B"))
+    return layout.reduce_rows(rows.cast("d"), ex.g.world_size)
 
 
 async def _union(ex: Exchange, table: dict[str, Reduction]) -> Schema:
-    """The union of every rank's ``{name: reduction}`` table, sorted."""
-    g = ex.g
-    state = dict(table)
+    """The union of every rank's ``{name: reduction}`` table, sorted (``state.union_of``).
 
-    def merge(other: dict[str, Reduction], src: int) -> None:
-        for name, red in other.items():
-            have = state.setdefault(name, red)
-            if have != red:
-                values = {g.rank: have, src: red}
-                raise CollectiveMismatchError(
-                    f"ranks reduce metric {name!r} differently (rank {g.rank}: {have!r}, "
-                    f"rank {src}: {red!r}); give every rank the same reductions",
-                    field="reduction",
-                    values_by_rank=values,
-                )
-
-    async def send_only(dst: int, step: int) -> None:
-        await ex.send(dst, step, codec.dumps(sorted(state.items())))
-
-    async def get(src: int, step: int) -> dict[str, Reduction]:
-        return dict(codec.loads((await ex.recv(src, step)).data))
-
-    async def receive(src: int, step: int, replace: bool) -> None:
-        other = await get(src, step)
-        if replace:
-            state.clear()
-        merge(other, src)
-
-    async def exchange(partner: int, step: int) -> None:
-        future = ex.recv(partner, step)
-        await send_only(partner, step)
-        merge(dict(codec.loads((await future).data)), partner)
-
-    await _doubling(g, _UNION, exchange, send_only, receive)
-    return tuple(sorted(state.items()))
+    Two exchanges: the encoded tables' lengths, then the tables, each padded to the longest.
+    """
+    mine = codec.dumps(sorted(table.items()))
+    sizes = (await _rows(ex, _UNION, memoryview(_SIZE.pack(len(mine))))).cast("Q")
+    n = max(sizes)
+    rows = await _rows(ex, _UNION + _TABLES, memoryview(mine.ljust(n, b"\0")))
+    tables = [dict(codec.loads(rows[r * n : r * n + size])) for r, size in enumerate(sizes)]
+    return union_of(tables, ex.g.name)
 
 
 async def _agree(

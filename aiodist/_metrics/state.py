@@ -35,6 +35,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
+from aiodist._errors import CollectiveMismatchError
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
@@ -437,3 +439,26 @@ def layout_of(schema: tuple[tuple[str, Reduction], ...]) -> Layout:
             _layouts.clear()
         layout = _layouts[schema] = Layout.of(schema)
     return layout
+
+
+def union_of(
+    tables: Sequence[Mapping[str, Reduction]], group: str
+) -> tuple[tuple[str, Reduction], ...]:
+    """The union of every rank's ``{name: reduction}`` table (in rank order), sorted.
+
+    Raises:
+        CollectiveMismatchError: Two ranks reduce one metric differently.
+    """
+    union: dict[str, tuple[Reduction, int]] = {}
+    for r, table in enumerate(tables):
+        for name, red in table.items():
+            have = union.setdefault(name, (red, r))
+            if have[0] != red:
+                raise CollectiveMismatchError(
+                    f"ranks reduce metric {name!r} differently (rank {have[1]}: "
+                    f"{have[0]!r}, rank {r}: {red!r}) in group {group!r}; give every "
+                    "rank the same reductions",
+                    field="reduction",
+                    values_by_rank={have[1]: have[0], r: red},
+                )
+    return tuple(sorted((name, red) for name, (red, _) in union.items()))
