@@ -2,8 +2,7 @@
 
 Owns local accumulation and the fused buffer's layout (``state``), the fused
 reduction on the data plane (``fused``), the same-host shared-memory board
-(``board``, ``board_setup``, ``board_work``, ``slots``, ``record``) and what a
-sync resolves to (``results``).
+(``board``, ``slots``, ``record``) and what a sync resolves to (``results``).
 
 May import: ``_ops`` and the layers beneath it (``_group`` down to ``_errors``);
 not its siblings ``_torch`` and ``_rpc``, nor ``_launch``.

@@ -49,7 +49,12 @@ Completion is noticed rather than announced, and handles are settled lazily:
   timer's.
 
 The segment's layout, and writing and copying records, are ``_metrics.slots``'s.
-The records (``_metrics.record``) are decoded only when someone reads the
+A sync's handle (``BoardWork``) is a ``Work`` settled as above, on whichever
+thread looked: its waiters and listeners register under the board's lock, and
+``Waker`` wakes them on the loop's thread, in the order they settled. The
+handles of one bucket share a ``Bucket``, which receives every rank's raw
+records of the bucket's syncs when they are copied out. A sync's records
+(``_metrics.record``) are decoded (``Rows``) only when someone reads the
 results; the reduction is the fused path's own (``Layout``), so both paths
 give bitwise the same values.
 
@@ -64,36 +69,47 @@ event loop and ranks that wrote at once keep numbering the group's
 operations alike. Each record carries it; ranks that disagree get
 ``CollectiveMismatchError``.
 
-Set-up is ``_metrics.board_setup``'s.
+Set-up (``open_board``) runs inside the aggregator's first sync on the group:
+group rank 0 creates the segment (``shm.create_segment``: ``0600``, named after
+its pid, so a crashed creator's file is removed by the others) and sends its
+name; each rank maps it and answers whether it could (and whether
+``AIODIST_METRICS_SHM`` lets it); rank 0 unlinks the file and tells everyone
+the outcome. Any "no" sends every rank down the socket path, together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import weakref
+from array import array
 from collections import deque
+from datetime import timedelta
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
-from aiodist._errors import DistTimeoutError
+from aiodist import _settings
+from aiodist._errors import CollectiveMismatchError, DistError, DistTimeoutError
 from aiodist._group.lingering import linger
-from aiodist._metrics.board_work import BoardWork, Bucket, Waker
-from aiodist._metrics.slots import (
-    BUCKETS,
-    GROUP,
-    Slots,
-)
+from aiodist._group.work import Work
+from aiodist._metrics import record, slots
+from aiodist._metrics.results import MetricResults
+from aiodist._metrics.slots import BUCKETS, GROUP, MAX_RECORD_BYTES, Slots
+from aiodist._metrics.state import layout_of, union_of
+from aiodist._ops import shared
+from aiodist._transport import shm
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Generator
 
     from aiodist._group.group import ProcessGroup
-    from aiodist._group.work import Work
     from aiodist._metrics.record import Record, Single
-    from aiodist._metrics.results import MetricResults
-    from aiodist._transport import shm
+    from aiodist._metrics.slots import Chunk
+    from aiodist._ops.exchange import Exchange
+
+logger = logging.getLogger(__name__)
 
 #: A sync writes its rank's queued records once this many are queued (or a bucket ends).
 BATCH: Final = GROUP
@@ -106,6 +122,10 @@ LAG: Final = 2  # buckets a batch leaves complete before copying them out
 #: A queued record: (sync index, sequence number, record).
 Entry: TypeAlias = "tuple[int, int, Record]"
 _index = itemgetter(0)
+
+_STEP: Final = 3 << 10  # set-up messages: after the fused path's three phases
+# Seconds wait() gives the loop to deliver earlier callbacks when the sync is done already.
+_DELIVERY_WAIT: Final = 5.0
 
 
 class Board:
@@ -503,3 +523,307 @@ class Board:
         )
         g.break_(timed_out)
         return timed_out, 0
+
+
+def enabled() -> bool:
+    """``AIODIST_METRICS_SHM`` (default on): whether this rank offers the shared board."""
+    return _settings.METRICS_SHM.read()
+
+
+async def open_board(ex: Exchange) -> Board | None:
+    """Set up the shared board inside ``ex``, the aggregator's first sync on its group.
+
+    Returns the same kind of answer on every rank: a board each, or None each.
+    """
+    g = ex.g
+    if g.world_size < 2 or not await shared.agreed(g):
+        return None
+    nbytes = slots.nbytes(g.world_size)
+    others = range(1, g.world_size)
+    segment: shm.Segment | None = None
+    try:
+        if g.rank == 0:
+            if enabled():
+                try:
+                    segment = shm.create_segment(nbytes)
+                except OSError as exc:
+                    logger.warning("metrics sync falls back to sockets: %s", exc)
+            offer = segment.name.encode() if segment is not None else b""
+            for r in others:
+                await ex.send(r, _STEP, offer)
+            answers = [await ex.recv(r, _STEP + 1) for r in others]
+            ok = segment is not None and all(bytes(m.data) == b"1" for m in answers)
+            if segment is not None:
+                segment.unlink()  # every rank mapped it, or none will use it
+            for r in others:
+                await ex.send(r, _STEP + 2, b"1" if ok else b"0")
+        else:
+            msg = await ex.recv(0, _STEP)
+            name = bytes(msg.data).decode()
+            if name and enabled():
+                try:
+                    segment = shm.map_segment(name, nbytes)
+                except (OSError, ValueError) as exc:
+                    logger.warning("metrics sync falls back to sockets: %s", exc)
+            await ex.send(0, _STEP + 1, b"1" if segment is not None else b"0")
+            go = await ex.recv(0, _STEP + 2)
+            ok = segment is not None and bytes(go.data) == b"1"
+    except BaseException:
+        if segment is not None:
+            segment.close()
+        raise
+    if not ok:
+        if segment is not None:
+            segment.close()
+        return None
+    assert segment is not None
+    return Board(g, segment)
+
+
+class BoardWork(Work[MetricResults]):
+    """A sync on the board: settled by whoever looks at it once it is copied out."""
+
+    __slots__ = ("_board", "bucket", "index", "seq")
+
+    def __init__(self, board: Board, index: int, seq: int, bucket: Bucket) -> None:
+        # Work.pending(), spelled out (one per training step); the description is
+        # made when someone reads it.
+        self._loop = board.loop
+        self._value = self._error = self._waiters = self._listeners = self._withdraw = None
+        self._done = False
+        self._board = board
+        self.index = index
+        self.seq = seq
+        self.bucket = bucket  # holding it keeps the bucket's records copied out
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"metrics.sync#{self.seq}"
+
+    def _look(self) -> None:
+        """Write what this rank queued, copy out what completed; settle if it can."""
+        board = self._board
+        board.check()  # settles the watched handles first: they run in index order
+        if not self._done:
+            with board.lock:
+                board.settle_locked(self)  # not watched: nobody to wake
+
+    # Waiters and listeners register under the board's lock: another thread may settle.
+
+    def when_done(self, fn: Callable[[Work[MetricResults]], object]) -> None:
+        # Even a handle done already goes through the board's queue: listeners run in
+        # the order handles settled (call order), whichever thread settled them.
+        board = self._board
+        with board.lock:
+            woken = board.settle_locked(self)
+            if not self._done:
+                if self._listeners is None:
+                    self._listeners = [fn]
+                    board.watch_locked(self)
+                else:
+                    self._listeners.append(fn)
+                drain = None
+            else:
+                items = [woken] if woken is not None else []
+                items.append([self, None, [fn]])
+                drain = board.waker.queue_locked(items)
+        if not self._done:
+            board.watch()
+        else:
+            board.waker.run(drain)
+
+    def add_done_callback(self, fn: Callable[[Work[MetricResults]], object]) -> None:
+        """Call ``fn(self)`` on the event loop once the sync finished, in call order."""
+        loop = self._loop
+        assert loop is not None
+        self.when_done(lambda w: loop.call_soon(fn, w))
+
+    def __await__(self) -> Generator[Any, None, MetricResults]:
+        if not self._done:
+            self._look()
+        if not self._done:
+            assert self._loop is not None
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            board = self._board
+            with board.lock:
+                woken = board.settle_locked(self)
+                pending = not self._done
+                if pending:
+                    if self._waiters is None:
+                        self._waiters = [waiter]
+                    else:
+                        self._waiters.append(waiter)
+                    board.watch_locked(self)
+                drain = board.waker.queue_locked([woken] if woken is not None else [])
+            board.waker.run(drain)
+            if pending:
+                board.watch()
+                yield from waiter.__await__()
+        return self.result()
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            self._look()
+        return self._done
+
+    def result(self) -> MetricResults:
+        if not self._done:
+            self._look()
+        self._materialize()
+        return super().result()
+
+    def exception(self) -> BaseException | None:
+        if not self._done:
+            self._look()
+        self._materialize()
+        return super().exception()
+
+    def wait(self, timeout: float | timedelta | None = None) -> MetricResults:
+        """Block until done; callbacks of syncs that finished before this one have run.
+
+        A sync this thread found complete is done before the loop has run the
+        callbacks of the syncs before it: the loop gets one turn to deliver them.
+        """
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        loop = self._loop
+        assert loop is not None
+        if not self._done:
+            self._look()
+        if self._done and loop.is_running() and not self._board.on_loop_thread():
+            self._done_on_loop(_DELIVERY_WAIT if timeout is None else timeout)
+            return self.result()
+        return super().wait(timeout)
+
+    def _materialize(self) -> None:
+        value = self._value
+        if type(value) is Rows:
+            try:
+                self._value = value.decode()
+            except (DistError, ValueError) as exc:
+                self._value, self._error = None, exc
+
+    def _settle_locked(self, value: Any, error: BaseException | None) -> list[Any] | None:
+        """Settle under the board's lock; return what to wake (outside it), if anything."""
+        if self._done:
+            return None
+        self._value, self._error, self._done = value, error, True
+        waiters, listeners = self._waiters, self._listeners
+        self._waiters = self._listeners = None
+        if waiters is None and listeners is None:
+            return None
+        return [self, waiters, listeners]
+
+
+class Bucket:
+    """The records of one bucket's syncs, copied out for the handles that share it."""
+
+    __slots__ = ("__weakref__", "_chunks", "number")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self._chunks: list[tuple[int, int, list[Chunk]]] = []  # (start, stop, one per rank)
+
+    def add(self, start: int, stop: int, chunks: list[Chunk]) -> None:
+        self._chunks.append((start, stop, chunks))
+
+    def outcome(self, index: int, group: str) -> tuple[Rows | None, BaseException | None]:
+        """Sync ``index``'s every-rank records, or the error they make (not one sequence)."""
+        chunks = next((c for start, stop, c in self._chunks if start <= index < stop), None)
+        if chunks is None:  # the board copies out every bucket a handle holds: not expected
+            return None, RuntimeError(f"metrics sync {index} was not copied out")
+        rows = [chunk.record(index) for chunk in chunks]
+        seqs = {seq for seq, _ in rows}
+        if len(seqs) > 1:
+            by_rank = {r: seq for r, (seq, _) in enumerate(rows)}
+            return None, CollectiveMismatchError(
+                f"ranks reached metrics sync {index} of group {group!r} at different points "
+                f"among the group's collectives (sequence numbers {by_rank}); call "
+                "collectives in the same order on every rank",
+                field="seq",
+                values_by_rank=by_rank,
+            )
+        return Rows(group, [data for _, data in rows], MAX_RECORD_BYTES), None
+
+
+class Rows:
+    """Every rank's slot of one completed sync, copied out; decoded on first read."""
+
+    __slots__ = ("group", "limit", "rows")
+
+    def __init__(self, group: str, rows: list[bytes | None], limit: int) -> None:
+        self.group = group
+        self.rows = rows  # None: that rank's records did not fit in ``limit`` bytes
+        self.limit = limit
+
+    def decode(self) -> MetricResults:
+        """Reduce the ranks' records as the fused path does (same layout, same order)."""
+        decoded: list[list[list[Any]]] = []
+        for r, row in enumerate(self.rows):
+            if row is None:
+                raise ValueError(
+                    f"rank {r} synced more metrics than fit in one shared-memory sync "
+                    f"({self.limit} bytes encoded); sync fewer metrics at a time, or "
+                    "set AIODIST_METRICS_SHM=0 on every rank"
+                )
+            decoded.append(record.decode(row))
+        tables = [{name: red for name, red, *_ in records} for records in decoded]
+        layout = layout_of(union_of(tables, self.group))
+        buf: array[float] = array("d")
+        for r, records in enumerate(decoded):
+            buf.extend(layout.pack({rec[0]: rec[2:] for rec in records}, r))
+        vals = layout.reduce_rows(memoryview(buf), len(decoded))
+        return MetricResults(layout.unpack(vals), layout.reductions)
+
+
+class Waker:
+    """Wakes settled handles on the loop's thread, in the order they settled.
+
+    Handles settle in index order, on whichever thread looked (the training
+    loop's, the event loop's): one queue, drained by one callback on the loop.
+    """
+
+    __slots__ = ("_draining", "_items", "_lock", "_loop", "_loop_thread")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, lock: threading.Lock, loop_thread: int
+    ) -> None:
+        self._loop, self._lock, self._loop_thread = loop, lock, loop_thread
+        self._items: list[list[Any]] = []  # settled handles whose waiters wake next
+        self._draining = False
+
+    def queue_locked(self, woken: list[list[Any]]) -> bool | None:
+        """Queue ``woken`` (under the lock); True: drain it now (loop thread), False: soon,
+        None: no need."""
+        if not woken:
+            return None
+        self._items.extend(woken)
+        if self._draining:
+            return None
+        self._draining = True
+        return threading.get_ident() == self._loop_thread
+
+    def run(self, drain: bool | None) -> None:
+        """Act on ``queue_locked``'s answer, outside the lock."""
+        if drain:
+            self._drain()
+        elif drain is False and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                items, self._items = self._items, []
+                if not items:
+                    self._draining = False
+                    return
+            wake(items)
+
+
+def wake(items: list[list[Any]]) -> None:
+    for work, waiters, listeners in items:
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+        for fn in listeners or ():
+            fn(work)

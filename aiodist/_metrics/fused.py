@@ -35,8 +35,7 @@ import asyncio
 import struct
 from typing import TYPE_CHECKING, Any
 
-from aiodist._metrics.board import Board
-from aiodist._metrics.board_setup import open_board
+from aiodist._metrics.board import Board, open_board
 from aiodist._metrics.record import encode
 from aiodist._metrics.results import MetricResults
 from aiodist._metrics.state import Layout, Reduction, Snapshot, layout_of, union_of

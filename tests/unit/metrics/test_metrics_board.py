@@ -21,7 +21,6 @@ import torch
 import aiodist
 from aiodist._group.work import Work
 from aiodist._metrics import board, slots
-from aiodist._metrics.board_work import BoardWork
 from aiodist._transport import shm
 from aiodist.metrics import MetricAggregator
 from aiodist.testing import run_ranks
@@ -112,7 +111,7 @@ async def _run_single(server: RendezvousServer, world: int, steps: int) -> list[
         assert bool(agg._singles) == (agg._board is not None)  # the single records were used
         if agg._board is not None:  # a board's handle sets every field a Work has itself
             work = agg.sync()
-            assert isinstance(work, BoardWork)
+            assert isinstance(work, board.BoardWork)
             assert all(hasattr(work, name) for name in Work.__slots__)
             await work
         return out
