@@ -279,13 +279,6 @@ class Slots:
             return None  # being written, or not visible yet: read again later
         return chunk
 
-    def read(self, index: int) -> list[tuple[int, bytes | None]] | None:
-        """Every rank's (seq, record) of sync ``index``, or None while one is missing."""
-        if self.complete() <= index:
-            return None
-        chunks = self.copy(index, index + 1)
-        return None if chunks is None else [chunk.record(index) for chunk in chunks]
-
     def seq(self, index: int) -> int:
         """The sequence number this rank wrote with sync ``index``."""
         at = self.slot(index, self._rank) + _SEQS + index % GROUP * 8
@@ -323,15 +316,6 @@ class Slots:
         data = b"".join(e for e in encoded if e is not None)
         memory[base + used : base + used + len(data)] = data
         self.commit_records(first, seqs, [None if e is None else len(e) for e in encoded], used)
-
-    def record_at(self, index: int, rank: int) -> int:
-        """Where ``rank``'s record of sync ``index`` (or its numbers) starts, once written."""
-        base = self.slot(index, rank)
-        rid = self._mem[base + _RUNS + index % GROUP]
-        kind, first, offset, size, _ = RUN.unpack_from(self._mem, base + _TABLE + rid * RUN.size)
-        if kind == VALUES:
-            offset += ((index - first) & 0xFFFFFFFF) * size
-        return base + _DATA + int(offset)
 
 
 def _encode(

@@ -579,6 +579,26 @@ async def test_an_aggregator_moves_to_a_new_default_group(
     assert outs[1] == {"out": expected, "returncode": 0}
 
 
+def _read(memory: slots.Slots, index: int) -> list[tuple[int, bytes | None]] | None:
+    """Every rank's (seq, record) of sync ``index``, or None while one is missing."""
+    if memory.complete() <= index:
+        return None
+    chunks = memory.copy(index, index + 1)
+    return None if chunks is None else [chunk.record(index) for chunk in chunks]
+
+
+def _record_at(memory: slots.Slots, index: int, rank: int) -> int:
+    """Where ``rank``'s record of sync ``index`` (or its numbers) starts, once written."""
+    mem, base = memory.memory, memory.slot(index, rank)
+    rid = mem[base + slots._RUNS + index % slots.GROUP]
+    kind, first, offset, size, _ = slots.RUN.unpack_from(
+        mem, base + slots._TABLE + rid * slots.RUN.size
+    )
+    if kind == slots.VALUES:
+        offset += ((index - first) & 0xFFFFFFFF) * size
+    return base + slots._DATA + int(offset)
+
+
 async def test_with_checksums_a_torn_slot_is_not_read(
     server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -594,13 +614,13 @@ async def test_with_checksums_a_torn_slot_is_not_read(
         b = agg._board
         assert b is not None
         memory = b._slots
-        assert memory.read(4) is not None  # sync 4, complete: every slot checks out
-        data = memory.record_at(4, 1)
-        memory._mem[data] ^= 0xFF  # rank 1's record of sync 4, torn
-        torn = memory.read(4)
-        memory._mem[data] ^= 0xFF
+        assert _read(memory, 4) is not None  # sync 4, complete: every slot checks out
+        data = _record_at(memory, 4, 1)
+        memory.memory[data] ^= 0xFF  # rank 1's record of sync 4, torn
+        torn = _read(memory, 4)
+        memory.memory[data] ^= 0xFF
         assert torn is None
-        assert memory.read(4) is not None
+        assert _read(memory, 4) is not None
         return sums
 
     with anyio.fail_after(60):
