@@ -28,10 +28,10 @@ A *run* is what one write put in the slot's data, by ``kind``:
 holds every record written there.
 
 ``written[r]``: rank ``r`` has written every sync below it, stored after the
-records it counts. x86 keeps stores in program order, so a count seen means
-the bytes it counts are there. Elsewhere (``CHECKSUM``) each record carries its
-CRC, seeded with the sync's index, and one that does not check out is read
-again later.
+records it counts. Where stores are seen in the order they were made
+(``shm.STORES_IN_ORDER``: x86), a count seen means the bytes it counts are
+there. Elsewhere (``CHECKSUM``) each record carries its CRC, seeded with the
+sync's index, and one that does not check out is read again later.
 
 ``copied[r]``: rank ``r`` has copied out every sync below it. A bucket slot is
 written again only once every rank has copied out the bucket it held.
@@ -39,13 +39,13 @@ written again only once every rank has copied out the bucket it held.
 
 from __future__ import annotations
 
-import platform
 import struct
 import zlib
 from itertools import chain
 from typing import TYPE_CHECKING, Final
 
 from aiodist._metrics import record
+from aiodist._transport import shm
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -70,8 +70,8 @@ _CRCS: Final = _RUNS + GROUP
 _TABLE: Final = _CRCS + GROUP * 4
 _DATA: Final = _TABLE + GROUP * RUN.size
 SLOT_BYTES: Final = _DATA + GROUP * MAX_RECORD_BYTES
-# Total store order: no checksum needed to trust a record whose count is seen.
-CHECKSUM: Final = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}
+# Where stores may be seen out of order, records carry a CRC, checked when copied out.
+CHECKSUM: Final = not shm.STORES_IN_ORDER
 
 # Packings of k sequence numbers, CRCs and runs, by k (0 unused).
 _SEQ_RUNS: Final = [struct.Struct(f"<{k}Q") for k in range(GROUP + 1)]

@@ -30,6 +30,7 @@ import functools
 import logging
 import mmap
 import os
+import platform
 import secrets
 import stat
 import sys
@@ -60,6 +61,12 @@ def _dev_shm_writable() -> bool:
     return (
         sys.platform.startswith("linux") and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
     )
+
+
+#: Whether other processes see this machine's stores in the order they were made (x86's
+#: total store order): then a count or tag stored after the bytes it covers is all the
+#: ordering a reader of shared memory needs. Elsewhere readers check what they read.
+STORES_IN_ORDER: Final = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 
 
 def capability() -> str:

@@ -22,15 +22,16 @@ Layout, every number a native ``int64`` at an 8-byte boundary:
 A key is one ``int64`` naming a group's operation (``key``), so one store
 publishes a slot whole: a reader never sees half of it. The owner writes the
 slot first and its tag last, and writes a slot again only once every reader
-acknowledged it (or the operation failed); on x86-64, where stores are seen
-in the order they were made, that is all the ordering needed. Other
-machines keep their small collectives on sockets (``supported``).
+acknowledged it (or the operation failed); where stores are seen in the
+order they were made (``shm.STORES_IN_ORDER``) and a 64-bit process stores
+a key in one go, that is all the ordering needed. Other machines keep their
+small collectives on sockets (``supported``).
 """
 
 from __future__ import annotations
 
-import platform
 import struct
+import sys
 from typing import Final
 
 from aiodist._transport import shm
@@ -62,8 +63,8 @@ SLOT_HEAD: Final = struct.Struct("=II")
 
 
 def supported() -> bool:
-    """x86-64 (stores seen in order), with shared memory on (``shm.available``)."""
-    return platform.machine() in ("x86_64", "AMD64") and shm.available()
+    """Stores seen in order, keys stored whole (a 64-bit process), shared memory on."""
+    return shm.STORES_IN_ORDER and sys.maxsize > 2**32 and shm.available()
 
 
 def create() -> shm.Segment:
