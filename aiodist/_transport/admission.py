@@ -1,4 +1,4 @@
-"""A listener's connections before their handshake: the gate, its timer, its log.
+"""A listener, and its connections before their handshake: the gate, its timer, its log.
 
 Each listener of a stream transport (``tcp``, ``uds``, and so ``shmring``)
 admits what it accepts through one ``Admission``: the I/O side of the sans-IO
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 from aiodist._errors import ProtocolError
@@ -44,6 +45,25 @@ class Admitted(Protocol):
 
     def refuse(self, exc: ProtocolError) -> None:
         """Close the connection at once, reporting ``exc`` as the reason."""
+
+
+class Server(Protocol):
+    """What a listener accepts with: an ``asyncio.Server``, or ``tls.TlsServer``."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SocketListener:
+    """A stream transport's listener (``tcp``, ``uds``, ``tls``); ``address`` is what peers dial."""
+
+    address: str
+    server: Server
+    admission: Admission
+
+    def close(self) -> None:
+        self.server.close()
+        self.admission.close()
 
 
 class Admission:

@@ -61,7 +61,7 @@ from aiodist._wire.frame import Frame, Limits, MiB, encode_frame
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aiodist._transport.admission import Admission
+    from aiodist._transport.admission import Admission, SocketListener
     from aiodist._transport.base import FrameSink
     from aiodist._wire.frame import Buffer
     from aiodist._wire.preauth import PreAuthLimits
@@ -347,7 +347,7 @@ class ShmTransport:
         sink_factory: Callable[[], FrameSink],
         *,
         preauth: PreAuthLimits | None = None,
-    ) -> uds.UdsListener:
+    ) -> SocketListener:
         """Listen on a fresh abstract Unix socket; plain ``uds`` peers may connect too."""
         return await uds.listen(host, sink_factory, self._channel, preauth=preauth)
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from aiodist._transport.admission import Admission, serve
+from aiodist._transport.admission import Admission, SocketListener, serve
 from aiodist._transport.stream import StreamChannel
 
 if TYPE_CHECKING:
@@ -22,6 +21,8 @@ SOCKET_BUFFER_BYTES: Final = 4 * 1024 * 1024
 # connect at once. (``admission.serve`` keeps the loop's number from replacing it.)
 LISTEN_BACKLOG: Final = 1024
 
+P = TypeVar("P", bound=asyncio.BaseProtocol)
+
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -29,20 +30,9 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
-@dataclass
-class TcpListener:
-    address: str
-    server: asyncio.Server
-    admission: Admission
-
-    def close(self) -> None:
-        self.server.close()
-        self.admission.close()
-
-
 async def listen(
     host: str, sink_factory: Callable[[], FrameSink], *, preauth: PreAuthLimits | None = None
-) -> TcpListener:
+) -> SocketListener:
     """Listen on ``host`` (numeric) at a port the OS picks.
 
     ``preauth`` bounds what a connection may cost before its handshake (see
@@ -59,7 +49,7 @@ async def listen(
     server = await serve(sock, lambda: StreamChannel(sink_factory(), admission), LISTEN_BACKLOG)
     bound_host, port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    return TcpListener(f"tcp://{shown}:{port}", server, admission)
+    return SocketListener(f"tcp://{shown}:{port}", server, admission)
 
 
 def parse(address: str) -> tuple[str, int]:
@@ -69,16 +59,25 @@ def parse(address: str) -> tuple[str, int]:
 
 async def connect(address: str, sink: FrameSink) -> StreamChannel:
     """Connect to a ``tcp://`` address another rank published."""
-    loop = asyncio.get_running_loop()
     host, port = parse(address)
+    return await dial(host, port, lambda: StreamChannel(sink))
+
+
+async def dial(host: str, port: int, protocol_factory: Callable[[], P], **kwargs: Any) -> P:
+    """Connect a tuned socket to ``host:port`` (numeric) and hand it to the loop.
+
+    ``kwargs`` go to ``loop.create_connection`` (``tls.connect``'s ``ssl=``); the
+    socket is closed if anything fails.
+    """
+    loop = asyncio.get_running_loop()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         _tune(sock)
         sock.setblocking(False)
         await loop.sock_connect(sock, (host, port))
-        _, channel = await loop.create_connection(lambda: StreamChannel(sink), sock=sock)
+        _, protocol = await loop.create_connection(protocol_factory, sock=sock, **kwargs)
     except BaseException:
         sock.close()
         raise
-    return channel
+    return protocol

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from aiodist._errors import ProtocolError
-from aiodist._transport.admission import Admission
+from aiodist._transport.admission import Admission, SocketListener
 from aiodist._transport.stream import StreamChannel
-from aiodist._transport.tcp import LISTEN_BACKLOG, _tune, parse
+from aiodist._transport.tcp import LISTEN_BACKLOG, _tune, dial, parse
 from aiodist._wire.preauth import LogBudget
 from aiodist._wire.tls import FLAGS, VARIABLES, explain_ssl_failure, first_byte_kind
 
@@ -341,17 +341,6 @@ class TlsChannel(StreamChannel):
         super().connection_lost(exc)
 
 
-@dataclass
-class TlsListener:
-    address: str
-    server: TlsServer
-    admission: Admission
-
-    def close(self) -> None:
-        self.server.close()
-        self.admission.close()
-
-
 def _required(config: TlsConfig | None, doing: str) -> TlsConfig:
     if config is None:
         raise ConnectionError(
@@ -367,7 +356,7 @@ async def listen(
     *,
     preauth: PreAuthLimits | None = None,
     config: TlsConfig | None = None,
-) -> TlsListener:
+) -> SocketListener:
     """Listen with TLS on ``host`` (numeric) at a port the OS picks.
 
     ``config`` defaults to ``$AIODIST_TLS_*``.
@@ -390,7 +379,7 @@ async def listen(
     )
     bound_host, port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if sock.family == socket.AF_INET6 else bound_host
-    return TlsListener(f"tls://{shown}:{port}", server, admission)
+    return SocketListener(f"tls://{shown}:{port}", server, admission)
 
 
 async def connect(address: str, sink: FrameSink, *, config: TlsConfig | None = None) -> TlsChannel:
@@ -401,28 +390,18 @@ async def connect(address: str, sink: FrameSink, *, config: TlsConfig | None = N
             handshake failed (the message says why and names the peer).
     """
     config = _required(config or from_env(), f"connecting to {address}")
-    loop = asyncio.get_running_loop()
     host, port = parse(address.replace("tls://", "tcp://", 1))
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        _tune(sock)
-        sock.setblocking(False)
-        await loop.sock_connect(sock, (host, port))
-        _, channel = await loop.create_connection(
+        return await dial(
+            host,
+            port,
             lambda: TlsChannel(sink),
-            sock=sock,
             ssl=config.client_context(),
             server_hostname=host,
             ssl_handshake_timeout=DEFAULT_HANDSHAKE_TIMEOUT,
         )
     except ssl.SSLError as exc:
-        sock.close()
         raise ConnectionError(describe_ssl_error(exc, f"the rank at {address}")) from exc
-    except BaseException:
-        sock.close()
-        raise
-    return channel
 
 
 #: Seconds a connecting side gives the TLS handshake.

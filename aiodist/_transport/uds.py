@@ -12,10 +12,9 @@ import os
 import secrets
 import socket
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from aiodist._transport.admission import Admission, serve
+from aiodist._transport.admission import Admission, SocketListener, serve
 from aiodist._transport.stream import StreamChannel
 
 if TYPE_CHECKING:
@@ -39,17 +38,6 @@ def available() -> bool:
     return sys.platform.startswith("linux")
 
 
-@dataclass
-class UdsListener:
-    address: str
-    server: asyncio.Server
-    admission: Admission
-
-    def close(self) -> None:
-        self.server.close()
-        self.admission.close()
-
-
 def _tune(sock: socket.socket) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
@@ -61,7 +49,7 @@ async def listen(
     make_channel: MakeChannel = StreamChannel,
     *,
     preauth: PreAuthLimits | None = None,
-) -> UdsListener:
+) -> SocketListener:
     """Listen on a fresh abstract name (``host`` is unused: same-host only).
 
     ``make_channel`` makes the protocol of each accepted connection (``shmring``'s).
@@ -77,7 +65,7 @@ async def listen(
     sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     server = await serve(sock, lambda: make_channel(sink_factory(), admission), LISTEN_BACKLOG)
-    return UdsListener(f"uds:{name}", server, admission)
+    return SocketListener(f"uds:{name}", server, admission)
 
 
 def socket_name(address: str) -> str:
