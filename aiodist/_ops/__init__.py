@@ -1,8 +1,8 @@
 """Layer ``_ops``: the operations on a group, on aiodist's data plane.
 
 One call path. A public function reads its arguments, torch's or mmengine's
-form, into a ``Call`` (``forms`` and ``movement_forms`` for tensors,
-``object_forms`` for objects, over ``requests``' canonical ``Request``);
+form, into a ``Call`` (``forms`` for tensors, ``object_forms`` for
+objects, over ``requests``' canonical ``Request``);
 ``run`` does what every call
 shares (group, slot, checks, outsider's answer, torch bridge, device staging,
 ``Work``) and starts the algorithm. The algorithms: ``reductions``,

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from aiodist._errors import BarrierTimeoutError
-from aiodist._ops import forms, movement_forms, schedules, shared
+from aiodist._ops import forms, schedules, shared
 from aiodist._ops.agreement import OPEN, Signature, signature
 from aiodist._ops.exchange import Exchange, exchange_rows
 from aiodist._ops.outputs import new_outputs
@@ -72,7 +72,7 @@ def all_gather(
     Example:
         >>> parts = await aiodist.all_gather(torch.tensor([rank]))
     """
-    return run(movement_forms.all_gather(tensor_list, tensor, group), start_all_gather)
+    return run(forms.all_gather(tensor_list, tensor, group), start_all_gather)
 
 
 def start_all_gather(g: ProcessGroup, seq: int, req: Request) -> Work[list[torch.Tensor]]:
@@ -138,9 +138,7 @@ def all_gather_into_tensor(
     Example:
         >>> await aiodist.all_gather_into_tensor(out, torch.tensor([rank]))
     """
-    return run(
-        movement_forms.all_gather_into_tensor(output_tensor, input_tensor, group), start_all_gather
-    )
+    return run(forms.all_gather_into_tensor(output_tensor, input_tensor, group), start_all_gather)
 
 
 def all_gather_coalesced(
@@ -169,7 +167,7 @@ def all_gather_coalesced(
         >>> await aiodist.all_gather_coalesced([[a0, b0], [a1, b1]], [a, b])
     """
     return run(
-        movement_forms.all_gather_coalesced(output_tensor_lists, input_tensor_list, group),
+        forms.all_gather_coalesced(output_tensor_lists, input_tensor_list, group),
         start_all_gather,
     )
 
@@ -237,9 +235,7 @@ def all_to_all(
     Example:
         >>> outs = await aiodist.all_to_all([torch.tensor([rank, i]) for i in range(n)])
     """
-    return run(
-        movement_forms.all_to_all(output_tensor_list, input_tensor_list, group), start_all_to_all
-    )
+    return run(forms.all_to_all(output_tensor_list, input_tensor_list, group), start_all_to_all)
 
 
 def start_all_to_all(g: ProcessGroup, seq: int, req: Request) -> Work[list[torch.Tensor]]:
@@ -307,9 +303,7 @@ def all_to_all_single(
         >>> await aiodist.all_to_all_single(out, torch.arange(world_size) + rank)
     """
     return run(
-        movement_forms.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group
-        ),
+        forms.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group),
         start_all_to_all,
     )
 
