@@ -21,7 +21,17 @@ from typing import TYPE_CHECKING
 from aiodist._errors import ArgumentError, ArgumentTypeError
 from aiodist._group.world import is_group
 from aiodist._ops import reduce_ops, staging
-from aiodist._ops.requests import Call, Op, Request, Whole, outsider, root_of, size_of
+from aiodist._ops.requests import (
+    Call,
+    Op,
+    Request,
+    Whole,
+    one_root,
+    outsider,
+    root_of,
+    shifted_root,
+    size_of,
+)
 from aiodist._ops.tensors import (
     LazyModule,
     check_alike,
@@ -396,8 +406,7 @@ def _split(t: torch.Tensor, sizes: list[int] | None, n: int, name: str) -> list[
 
 
 def broadcast(tensor: object, src: object, group: ProcessGroup | None, group_src: object) -> Call:
-    if group_src is not None and src == 0:
-        src = None  # torch: one of the two
+    src = one_root(src, group_src)
 
     def check(g: ProcessGroup | None) -> Request:
         t = check_tensor(tensor, "tensor")
@@ -424,15 +433,7 @@ def gather(
     group: ProcessGroup | None,
     group_dst: object,
 ) -> Call:
-    if isinstance(gather_list, int) and not isinstance(gather_list, bool):
-        # mmengine's form, gather(data, dst, group): shift the arguments by one.
-        if is_group(dst):
-            group = dst
-        gather_list, dst = None, gather_list
-    if is_group(dst):
-        raise ArgumentTypeError("dst must be an int rank, got a ProcessGroup")
-    if group_dst is not None and dst == 0:
-        dst = None
+    gather_list, dst, group = shifted_root(gather_list, dst, group, group_dst, "dst")
 
     def check(g: ProcessGroup | None) -> Request:
         t = check_tensor(tensor, "tensor")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiodist._errors import ArgumentError, ArgumentTypeError, AssertedArgumentError, counted
 from aiodist._group.world import is_group
 from aiodist._ops import staging
-from aiodist._ops.requests import Call, Op, Request, outsider, root_of
+from aiodist._ops.requests import Call, Op, Request, one_root, outsider, root_of, shifted_root
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -77,15 +77,7 @@ def gather_object(
     group: ProcessGroup | None,
     group_dst: object,
 ) -> Call:
-    if isinstance(object_gather_list, int) and not isinstance(object_gather_list, bool):
-        # mmengine's form, gather_object(data, dst, group): shift the arguments by one.
-        if is_group(dst):
-            group = dst
-        object_gather_list, dst = None, object_gather_list
-    if is_group(dst):
-        raise ArgumentTypeError("dst must be an int rank, got a ProcessGroup")
-    if group_dst is not None and dst == 0:
-        dst = None
+    object_gather_list, dst, group = shifted_root(object_gather_list, dst, group, group_dst, "dst")
 
     def check(g: ProcessGroup | None) -> Request:
         if outsider(g):
@@ -120,8 +112,7 @@ def gather_object(
 def broadcast_object_list(
     object_list: Any, src: object, group: ProcessGroup | None, group_src: object
 ) -> Call:
-    if group_src is not None and src == 0:
-        src = None
+    src = one_root(src, group_src)
 
     def check(g: ProcessGroup | None) -> Request:
         if outsider(g):
@@ -156,16 +147,11 @@ def scatter_object_list(
     group_src: object,
 ) -> Call:
     out: list[Any] | None = scatter_object_output_list
-    inputs: Any = scatter_object_input_list
-    if isinstance(inputs, int) and not isinstance(inputs, bool):
-        # aiodist's older form, (objects, src, group): shift the arguments by one.
-        if is_group(src):
-            group = src
-        out, inputs, src = None, scatter_object_output_list, inputs
-    if is_group(src):
-        raise ArgumentTypeError("src must be an int rank, got a ProcessGroup")
-    if group_src is not None and src == 0:
-        src = None
+    inputs: Any
+    inputs, src, group = shifted_root(scatter_object_input_list, src, group, group_src, "src")
+    if inputs is None and scatter_object_input_list is not None:
+        # aiodist's older form, (objects, src, group): the objects came first.
+        out, inputs = None, scatter_object_output_list
 
     def check(g: ProcessGroup | None) -> Request:
         nonlocal out, inputs

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from aiodist._errors import ArgumentError, ArgumentTypeError, CollectiveMismatchError
+from aiodist._group.world import is_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -244,3 +245,35 @@ def root_of(g: ProcessGroup | None, root: object, group_root: object, name: str)
             raise ArgumentError(f"{name} must be 0 when not initialised (world size 1), got {root}")
         return 0
     return g.group_rank_of(root, name)
+
+
+def one_root(root: object, group_root: object) -> object:
+    """``root``, or None where ``group_root`` is given and ``root`` is its default 0.
+
+    torch takes one of the two (``root_of``); a ``src``/``dst`` that defaults to 0
+    must not count as given beside ``group_src``/``group_dst``.
+    """
+    return None if group_root is not None and root == 0 else root
+
+
+def shifted_root(
+    second: object, root: object, group: ProcessGroup | None, group_root: object, name: str
+) -> tuple[object, object, ProcessGroup | None]:
+    """torch's ``(second, root, group)``, from mmengine's shifted form if it is that.
+
+    mmengine's ``gather(data, dst, group)`` (and aiodist's older
+    ``scatter_object_list(objects, src, group)``) passes the root where torch
+    passes its second argument: an int ``second`` is the root, and ``root`` the
+    group if it is one; the second argument is then None. The root returned is
+    ``one_root``'s.
+
+    Raises:
+        TypeError: ``root`` is a group, and ``second`` not a rank.
+    """
+    if isinstance(second, int) and not isinstance(second, bool):
+        if is_group(root):
+            group = root
+        second, root = None, second
+    if is_group(root):
+        raise ArgumentTypeError(f"{name} must be an int rank, got a ProcessGroup")
+    return second, one_root(root, group_root), group
