@@ -14,22 +14,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
-import importlib.metadata
 import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
 from aiodist import _settings
 from aiodist._launch.forkserver import START_METHODS
-from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT
+from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT, version
 from aiodist._wire.tls import VARIABLES as TLS_VARIABLES
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from aiodist._server.serve import RendezvousServer
     from aiodist._transport.tls import TlsConfig
@@ -39,18 +38,14 @@ logger = logging.getLogger("aiodist")
 LOG_LEVELS = _settings.LOG_LEVELS
 LOG_FORMATS = _settings.LOG_FORMATS
 
+T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
+
 
 def _env(name: str, default: Any) -> Any:
     """A flag's default: ``AIODIST_<name>``, checked (``ValueError`` names it), or ``default``."""
     value = _settings.by_name(f"AIODIST_{name}").read()
     return default if value is None else value
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("aiodist")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout
-        return "unknown"
 
 
 def _time(record: logging.LogRecord) -> str:
@@ -112,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         description="aiodist's command line: run a rendezvous server (serve), ask one how "
         "its jobs are doing (status), or start the ranks of a job (run).",
     )
-    parser.add_argument("--version", action="version", version=f"aiodist {_version()}")
+    parser.add_argument("--version", action="version", version=f"aiodist {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
@@ -351,34 +346,25 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+def run_async(func: Callable[[], Awaitable[T]]) -> T:
+    """``anyio.run(func)`` on asyncio, with uvloop's loop factory where uvloop is installed.
+
+    The command's loop, and ``aiodist.sync``'s loop thread (``_sync/portal.py``).
+    """
     try:
         import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency, but optional at runtime
-        return anyio.run(lambda: coro)
-    return anyio.run(lambda: coro, backend_options={"loop_factory": uvloop.new_event_loop})
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return anyio.run(func)
+    return anyio.run(func, backend_options={"loop_factory": uvloop.new_event_loop})
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError in ``exc``, unwrapping the groups task groups raise."""
-    if isinstance(exc, OSError):
+def _first(exc: BaseException, kind: type[E]) -> E | None:
+    """The first ``kind`` in ``exc``, unwrapping the groups task groups raise."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            if (found := _os_error(inner)) is not None:
-                return found
-    return None
-
-
-def _dist_error(exc: BaseException) -> BaseException | None:
-    """The aiodist error in ``exc``, unwrapping the groups task groups raise."""
-    from aiodist._errors import DistError
-
-    if isinstance(exc, DistError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            if (found := _dist_error(inner)) is not None:
+            if (found := _first(inner, kind)) is not None:
                 return found
     return None
 
@@ -435,8 +421,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         return int(
-            _run_async(
-                run_daemon(
+            run_async(
+                lambda: run_daemon(
                     args.host,
                     args.port,
                     token=token,
@@ -453,7 +439,7 @@ def _serve(args: argparse.Namespace) -> int:
     except StateDirError as exc:
         return _fail("serve", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
-        if (error := _os_error(exc)) is None:
+        if (error := _first(exc, OSError)) is None:
             raise
         hint = ""
         if error.errno == errno.EADDRINUSE:
@@ -472,7 +458,7 @@ def _status(args: argparse.Namespace) -> int:
         tls = _tls(args)
     except ValueError as exc:
         return _fail("status", str(exc), 2)
-    return int(_run_async(_status_async(args, token, tls)))
+    return int(run_async(lambda: _status_async(args, token, tls)))
 
 
 async def _status_async(
@@ -658,12 +644,12 @@ def _run(args: argparse.Namespace) -> int:
             )
 
     try:
-        result = _run_async(launch(spec, on_server=on_server))
+        result = run_async(lambda: launch(spec, on_server=on_server))
     except DistError as exc:
         return _fail("run", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
-        if (error := _os_error(exc)) is None:
-            if isinstance(exc, BaseExceptionGroup) and (dist := _dist_error(exc)) is not None:
+        if (error := _first(exc, OSError)) is None:
+            if isinstance(exc, BaseExceptionGroup) and (dist := _first(exc, DistError)) is not None:
                 return _fail("run", str(dist))
             raise
         return _fail("run", f"cannot start: {error}")

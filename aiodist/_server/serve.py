@@ -56,7 +56,8 @@ DEFAULT_SHUTDOWN_TIMEOUT: Final = 5.0
 MAX_PENDING_HANDSHAKES: Final = 65536
 
 
-def _version() -> str:
+def version() -> str:
+    """aiodist's installed version, or ``unknown``."""
     try:
         return importlib.metadata.version("aiodist")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout
@@ -88,7 +89,7 @@ class RendezvousServer:
         self._loop = asyncio.get_running_loop()
         now = self._loop.time()
         self.state = JobTable(now, durable=state_dir is not None, restartable=restartable)
-        self.state.version = _version()
+        self.state.version = version()
         journal = None if state_dir is None else Journal(StateDir(state_dir), self.state, now)
         self.state_dir = None if journal is None else journal.state_dir
         self.token = token or None

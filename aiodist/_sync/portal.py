@@ -48,7 +48,6 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-import anyio
 from anyio.from_thread import BlockingPortal
 
 from aiodist._errors import ArgumentError
@@ -57,6 +56,7 @@ from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.group import ProcessGroup
 from aiodist._group.work import Work, wait_future
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
+from aiodist._launch.cli import run_async
 from aiodist._launch.init import destroy_process_group
 from aiodist._ops.movement import monitored_barrier
 from aiodist._ops.reductions import all_reduce
@@ -105,15 +105,8 @@ class _LoopThread:
         # (Ctrl-C, pytest-timeout's SIGALRM): POSIX lets the kernel deliver them to
         # any thread that does not block them, and Python handles them in the main one.
         signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS)
-        options: dict[str, Any] = {}
         try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-            pass
-        else:
-            options["loop_factory"] = uvloop.new_event_loop
-        try:
-            anyio.run(self._main, backend="asyncio", backend_options=options)
+            run_async(self._main)
         except BaseException as exc:  # pragma: no cover - only if the loop cannot start
             self._error = exc
             self._ready.set()
