@@ -65,7 +65,8 @@ HANG_UP_GRACE: Final = 2.0
 ABANDON_SHUTDOWN: Final = 0.2
 
 
-def _default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
+def default_group_name(environ: dict[str, str] | os._Environ[str]) -> str:
+    """The job's name when none is given: ``AIODIST_JOB_ID``, torchrun's run id, or ``default``."""
     return _settings.JOB_ID.read(environ) or environ.get("TORCHELASTIC_RUN_ID") or "default"
 
 
@@ -154,7 +155,7 @@ async def open_process_group(
             f"torch.distributed's {backend!r} cannot grow its groups; start it without a "
             "backend (torch's group is then aiodist's, and grows with the job)"
         )
-    name = group_name or _default_group_name(env)
+    name = group_name or default_group_name(env)
     transports = selection(transport)  # an unknown name fails here, before anything starts
     args = (
         spec,

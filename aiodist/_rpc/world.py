@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 
-from aiodist import _settings
 from aiodist._group import ending
-from aiodist._group.join import open_process_group
+from aiodist._group.join import default_group_name, open_process_group
 from aiodist._group.lingering import LingeringTask, hand_over, hold
 from aiodist._group.session import DEFAULT_TIMEOUT
 from aiodist._group.work import wait_future
@@ -90,7 +89,7 @@ async def open_world(
     loop = asyncio.get_running_loop()
     started: asyncio.Future[ProcessGroup] = loop.create_future()
     stop = asyncio.Event()
-    base = _settings.JOB_ID.read() or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    base = default_group_name(os.environ)
 
     async def hold_open() -> None:
         try:
