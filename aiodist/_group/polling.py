@@ -38,7 +38,6 @@ from aiodist import _settings
 if TYPE_CHECKING:
     import asyncio
 
-DEFAULT_SPIN_US: Final = _settings.SPIN_US.default
 MISSES_TO_BACK_OFF: Final = 3
 BACK_OFF_WAITS: Final = 64
 MAX_BACK_OFF_WAITS: Final = 4096

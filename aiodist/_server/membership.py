@@ -81,7 +81,6 @@ MIN_SWEEP_INTERVAL: Final = MIN_HEARTBEAT_TIMEOUT / 4
 @dataclass(slots=True)
 class Conn:
     peer: str
-    opened_at: float
     member: Member | None = None
     channel: bool = False  # a member's channel on a shared connection, not a socket
 

@@ -110,7 +110,7 @@ class JobTable:
         self, conn: ConnId, peer: str, now: float, *, channel: bool = False
     ) -> None:
         self.reattachment.tick(now)
-        self.membership.conns[conn] = Conn(peer=peer, opened_at=now, channel=channel)
+        self.membership.conns[conn] = Conn(peer=peer, channel=channel)
 
     def connection_lost(self, conn: ConnId, now: float, reason: str = "connection lost") -> None:
         self.reattachment.tick(now)
