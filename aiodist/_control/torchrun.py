@@ -24,6 +24,7 @@ cancelled caller's thread ends at once instead of at the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import threading
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: The name of the threads the store's calls run in.
+_THREAD: Final = "aiodist-torchrun-store"
 #: Seconds between looks for rank 0's server in torchrun's store (a key set soon after start).
 STORE_POLL: Final = 0.05
 
@@ -108,8 +111,16 @@ def _open_store(
     return store
 
 
-async def _blocking(func: Callable[..., T], *args: object) -> T:
-    """Run ``func(*args)`` in a daemon thread; abandon it if the caller is cancelled."""
+async def in_thread(fn: Callable[..., T], *args: object, name: str) -> T:
+    """Run the blocking ``fn(*args)`` in a daemon thread named ``name``; await its result.
+
+    Not ``asyncio.to_thread``: its executor refuses work once the interpreter is
+    exiting, and joins its threads before the exit handlers that leave the job run;
+    a daemon thread stuck in torch never holds the exit up.
+
+    Cancellation:
+        Cancelling the caller abandons the wait; the call runs to its end.
+    """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -123,15 +134,13 @@ async def _blocking(func: Callable[..., T], *args: object) -> T:
 
     def run() -> None:
         try:
-            outcome: tuple[Any, BaseException | None] = (func(*args), None)
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
         except BaseException as exc:
             outcome = (None, exc)
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for it
             loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits for it
 
-    threading.Thread(target=run, name="aiodist-torchrun-store", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return await future
 
 
@@ -140,7 +149,9 @@ async def _store(
 ) -> Any:
     where = f"{host}:{port}"
     try:
-        return await _blocking(_open_store, host, port, rank, world_size, run, timeout)
+        return await in_thread(
+            _open_store, host, port, rank, world_size, run, timeout, name=_THREAD
+        )
     except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
         raise RendezvousError(
             f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT={where} ({exc}); {_HOW}"
@@ -173,7 +184,7 @@ async def publish_in(store: Any, key: str, server: tuple[str, int], where: str) 
     """
     value = f"{server[0]}:{server[1]}".encode()
     try:
-        await _blocking(store.set, key, value)
+        await in_thread(store.set, key, value, name=_THREAD)
     except RuntimeError as exc:
         raise RendezvousError(f"cannot write to {where} ({exc}); {_HOW}") from exc
 
@@ -228,7 +239,7 @@ async def find_in(
         return bytes(store.get(key))
 
     try:
-        value = await _blocking(wait_and_get)
+        value = await in_thread(wait_and_get, name=_THREAD)
     except RuntimeError as exc:
         raise RendezvousTimeout(
             f"{whose} published no aiodist server in {where} within {timeout:.1f} s; check "

@@ -21,20 +21,21 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from aiodist import _settings
+from aiodist._control.torchrun import in_thread
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
     from aiodist._group.group import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+#: The name of the threads torch's default group is brought up and torn down in.
+_THREAD = "aiodist-torch-group"
 
 #: The backend name of aiodist's own (``torch.distributed`` backend ``"aiodist"``).
 BACKEND = "aiodist"
@@ -109,7 +110,7 @@ async def bring_up_default(world: ProcessGroup) -> None:
         )
 
     try:
-        await in_thread(bring_up)
+        await in_thread(bring_up, name=_THREAD)
     except Exception as exc:
         raise GroupBrokenError(
             f"torch.distributed.init_process_group({backend!r}) on aiodist's job failed: {exc}"
@@ -139,39 +140,8 @@ async def tear_down_default() -> None:
     pg = dist.distributed_c10d._get_default_group()
     if isinstance(pg, AiodistProcessGroup) and not pg.destroying:
         with contextlib.suppress(TimeoutError):  # a group stuck in torch is abandoned
-            await asyncio.wait_for(asyncio.shield(in_thread(dist.destroy_process_group)), 5.0)
+            await asyncio.wait_for(
+                asyncio.shield(in_thread(dist.destroy_process_group, name=_THREAD)), 5.0
+            )
     global _store
     _store = None
-
-
-async def in_thread(fn: Callable[[], T]) -> T:
-    """Run torch's blocking ``fn`` in a daemon thread of its own; await its result.
-
-    Not ``asyncio.to_thread``: its executor refuses work once the interpreter is
-    exiting, and joins its threads before the exit handlers that leave the job run;
-    a daemon thread stuck in torch never holds the exit up.
-
-    Cancellation:
-        Cancelling the caller abandons the wait; the call runs to its end.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def run() -> None:
-        try:
-            outcome: tuple[Any, BaseException | None] = (fn(), None)
-        except BaseException as exc:
-            outcome = (None, exc)
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=run, name="aiodist-torch-group", daemon=True).start()
-    return await future
