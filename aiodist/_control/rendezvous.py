@@ -51,9 +51,9 @@ from aiodist._control.shared import open_channel
 from aiodist._control.torchrun import (
     Torchrun,
     find_in,
-    find_server,
+    open_store,
     publish_in,
-    publish_server,
+    server_key,
     torchrun_env,
 )
 from aiodist._errors import AuthenticationError, RendezvousError
@@ -262,10 +262,8 @@ async def connect_rendezvous(
     env = os.environ if environ is None else environ
     # One token for the server this process may embed and for its own clients.
     token = _settings.TOKEN.read(env) or ""
-    if spec.scheme == "torchrun":
-        return await _connect_torchrun(spec, tg, timeout=timeout, token=token, env=env)
-    if spec.scheme == "store":
-        return await _connect_store(spec, tg, timeout=timeout, token=token, env=env)
+    if spec.scheme in ("torchrun", "store"):
+        return await _connect_through_store(spec, tg, timeout=timeout, token=token, env=env)
     if not may_embed(spec, env):
         conn = await open_channel(spec.host, spec.port, timeout=timeout, token=token)
         return conn, None
@@ -315,36 +313,11 @@ def _embed_host(spec: RendezvousSpec, env: Mapping[str, str], *, toward: str | N
     return reachable_host(toward, env)
 
 
-async def _connect_torchrun(
-    spec: RendezvousSpec,
-    tg: ServerHost | None,
-    *,
-    timeout: float,
-    token: str,
-    env: Mapping[str, str],
-) -> tuple[ControlChannel, RendezvousServer | None]:
-    run = spec.torchrun
-    assert run is not None
-    if spec.rank != 0:
-        address = await find_server(
-            spec.host, spec.port, spec.rank, spec.world_size, run, timeout=timeout
-        )
-        return await open_channel(*address, timeout=timeout, token=token), None
-    assert tg is not None, "rank 0 embeds the server: it needs a task group"
-    # Before the server starts: an address that cannot be found is an error, not a wait.
-    host = _embed_host(spec, env, toward=spec.host)
-    server = await _embed(tg, host, 0, token)
-    await publish_server(
-        spec.host, spec.port, spec.world_size, run, server.address, timeout=timeout
-    )
-    return await open_channel(*server.address, timeout=timeout, token=token), server
-
-
 #: The key a job's server is published under in a torch store handed to aiodist.
 STORE_KEY: Final = "aiodist/server"
 
 
-async def _connect_store(
+async def _connect_through_store(
     spec: RendezvousSpec,
     tg: ServerHost | None,
     *,
@@ -352,14 +325,31 @@ async def _connect_store(
     token: str,
     env: Mapping[str, str],
 ) -> tuple[ControlChannel, RendezvousServer | None]:
-    where = "the torch store given to init_process_group"
+    """Rank 0 embeds a server and publishes it in a torch store; the others find it there.
+
+    The store is torchrun's (``spec.torchrun``), opened here, or the one handed
+    to ``init_process_group`` (``spec.store``).
+    """
+    run = spec.torchrun
+    if run is None:
+        key, where, whose = STORE_KEY, "the torch store given to init_process_group", "rank 0"
+    else:
+        key, where = server_key(run), f"torchrun's store at {spec.host}:{spec.port}"
+        whose = f"rank 0 of torchrun run {run.run_id!r} (restart {run.restart_count})"
+
+    async def store() -> Any:
+        if run is None:
+            return spec.store
+        return await open_store(spec.host, spec.port, spec.rank, spec.world_size, run, timeout)
+
     if spec.rank != 0:
-        whose = "rank 0"
-        address = await find_in(spec.store, STORE_KEY, timeout=timeout, where=where, whose=whose)
+        address = await find_in(await store(), key, timeout=timeout, where=where, whose=whose)
         return await open_channel(*address, timeout=timeout, token=token), None
     assert tg is not None, "rank 0 embeds the server: it needs a task group"
-    server = await _embed(tg, _file_host(spec, env), 0, token)
-    await publish_in(spec.store, STORE_KEY, server.address, where)
+    # Before the server starts: an address that cannot be found is an error, not a wait.
+    host = _file_host(spec, env) if run is None else _embed_host(spec, env, toward=spec.host)
+    server = await _embed(tg, host, 0, token)
+    await publish_in(await store(), key, server.address, where)
     return await open_channel(*server.address, timeout=timeout, token=token), server
 
 

@@ -88,7 +88,7 @@ def server_key(run: Torchrun) -> str:
     return f"aiodist/{run.run_id}/{run.restart_count}/server"
 
 
-def _open_store(
+def _tcp_store(
     host: str, port: int, rank: int, world_size: int, run: Torchrun, timeout: float
 ) -> Any:
     # Only under torchrun: `import aiodist` stays torch-free.
@@ -144,36 +144,21 @@ async def in_thread(fn: Callable[..., T], *args: object, name: str) -> T:
     return await future
 
 
-async def _store(
+async def open_store(
     host: str, port: int, rank: int, world_size: int, run: Torchrun, timeout: float
 ) -> Any:
-    where = f"{host}:{port}"
-    try:
-        return await in_thread(
-            _open_store, host, port, rank, world_size, run, timeout, name=_THREAD
-        )
-    except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
-        raise RendezvousError(
-            f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT={where} ({exc}); {_HOW}"
-        ) from exc
-
-
-async def publish_server(
-    host: str,
-    port: int,
-    world_size: int,
-    run: Torchrun,
-    server: tuple[str, int],
-    *,
-    timeout: float,
-) -> None:
-    """As rank 0: publish ``server`` (``host, port``) in torchrun's store at ``host:port``.
+    """Open torchrun's store at ``host:port`` (``MASTER_ADDR:MASTER_PORT``) as ``rank``.
 
     Raises:
         RendezvousError: The store cannot be reached.
     """
-    store = await _store(host, port, 0, world_size, run, timeout)
-    await publish_in(store, server_key(run), server, f"torchrun's store at {host}:{port}")
+    where = f"{host}:{port}"
+    try:
+        return await in_thread(_tcp_store, host, port, rank, world_size, run, timeout, name=_THREAD)
+    except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+        raise RendezvousError(
+            f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT={where} ({exc}); {_HOW}"
+        ) from exc
 
 
 async def publish_in(store: Any, key: str, server: tuple[str, int], where: str) -> None:
@@ -187,25 +172,6 @@ async def publish_in(store: Any, key: str, server: tuple[str, int], where: str) 
         await in_thread(store.set, key, value, name=_THREAD)
     except RuntimeError as exc:
         raise RendezvousError(f"cannot write to {where} ({exc}); {_HOW}") from exc
-
-
-async def find_server(
-    host: str, port: int, rank: int, world_size: int, run: Torchrun, *, timeout: float
-) -> tuple[str, int]:
-    """As a rank other than 0: wait for rank 0's server in torchrun's store.
-
-    Raises:
-        RendezvousTimeout: Rank 0 published no server within ``timeout``.
-        RendezvousError: The store cannot be reached, or holds a malformed address.
-    """
-    store = await _store(host, port, rank, world_size, run, timeout)
-    return await find_in(
-        store,
-        server_key(run),
-        timeout=timeout,
-        where=f"torchrun's store at {host}:{port}",
-        whose=f"rank 0 of torchrun run {run.run_id!r} (restart {run.restart_count})",
-    )
 
 
 async def find_in(
