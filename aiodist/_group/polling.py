@@ -25,6 +25,9 @@ waits in a row that outlasted their spin time, the next waits sleep at once
 ``MAX_BACK_OFF_WAITS``), and a wait that ends while polling resets it. Ranks
 on one CPU then take turns through the kernel (a few microseconds), and
 ranks with more of them than CPUs stop burning time that others need.
+While it backs off, every ``PROBE_EVERY``-th wait polls all the same: the
+waits of a program change (large transfers, then small round trips between
+two ranks), and one that polling catches ends the back-off at once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 MISSES_TO_BACK_OFF: Final = 3
 BACK_OFF_WAITS: Final = 64
 MAX_BACK_OFF_WAITS: Final = 4096
+PROBE_EVERY: Final = 16
 
 
 def _spin_seconds() -> float:
@@ -78,7 +82,8 @@ class Poller:
             return
         if self._skip:
             self._skip -= 1
-            return
+            if self._skip % PROBE_EVERY:
+                return
         self._deadline = time.monotonic() + self._spin
         if not self._running:
             self._running = True
@@ -86,8 +91,8 @@ class Poller:
 
     def wait_ended(self) -> None:
         self.waiting -= 1
-        if self._running and self._misses:  # it came while polling: polling pays
-            self._misses = 0
+        if self._running and (self._misses or self._skip):  # it came while polling: it pays
+            self._misses = self._skip = 0
             self._back_off = BACK_OFF_WAITS
 
     def _tick(self) -> None:
@@ -96,7 +101,8 @@ class Poller:
             return
         if time.monotonic() > self._deadline:
             self._running = False
-            self._missed()
+            if not self._skip:  # a probe's miss leaves the back-off as it is
+                self._missed()
             return
         os.sched_yield()
         self._loop.call_soon(self._tick)

@@ -103,6 +103,46 @@ async def test_waits_that_outlast_polling_back_off_and_one_that_polling_catches_
     assert p._back_off == polling.BACK_OFF_WAITS
 
 
+async def test_a_wait_that_polling_catches_while_backing_off_ends_the_back_off(
+    monkeypatch: pytest.MonkeyPatch, ticks: list[int]
+) -> None:
+    # Long waits (large transfers, or more ranks than CPUs) backed it off as far as it
+    # goes; then the program's waits turn short. Every PROBE_EVERY-th wait still polls,
+    # and the first one that polling catches brings polling back for the waits after it.
+    p = _fresh_poller(monkeypatch, "1000000")  # a probe polls until its wait ends
+    p._skip = p._back_off = polling.MAX_BACK_OFF_WAITS
+    loop = asyncio.get_running_loop()
+    slept = 0
+    while slept <= polling.PROBE_EVERY:
+        before = ticks[0]
+        work: Work[None] = Work.pending(loop, "quick")
+        loop.call_soon(work.set_result, None)
+        await work
+        if ticks[0] > before:  # this one polled: it was the probe
+            break
+        slept += 1
+    assert slept == polling.PROBE_EVERY - 1  # the waits before it slept at once
+    assert p._skip == 0
+    assert p._back_off == polling.BACK_OFF_WAITS
+    before = ticks[0]
+    await _wait(0.005)
+    assert ticks[0] > before  # and the next wait polls
+
+
+async def test_a_probe_that_misses_leaves_the_back_off_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, ticks: list[int]
+) -> None:
+    p = _fresh_poller(monkeypatch, "100")
+    p._skip = polling.PROBE_EVERY + 2
+    p._back_off = 2 * polling.BACK_OFF_WAITS
+    await _wait(0.005)
+    assert ticks[0] == 0  # it slept at once
+    await _outlast(p)  # the probe: it polls, and the wait outlasts it
+    assert ticks[0] > 0
+    assert p._skip == polling.PROBE_EVERY
+    assert (p._misses, p._back_off) == (0, 2 * polling.BACK_OFF_WAITS)
+
+
 def test_a_bad_spin_setting_says_what_it_wants(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIODIST_SPIN_US", "fast")
     with pytest.raises(ValueError, match="AIODIST_SPIN_US='fast' is not a whole number"):
