@@ -100,7 +100,7 @@ def _check(results: MetricResults, world: int, round_: int) -> None:
     assert results.nonfinite == {}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 9])  # 9: recursive doubling with a fold
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 9, 17])  # 17: rounds past the star of 16
 async def test_sync_matches_reference_with_uneven_counts_and_keys(
     server: RendezvousServer, world_size: int
 ) -> None:
