@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 # Why an operation that needed a rank failed when that rank left the job cleanly.
 LEFT_REASON = "left the job (destroy_process_group, or its program ended)"
@@ -292,3 +292,17 @@ def from_wire(code: int, message: str, details: dict[str, Any] | None = None) ->
             message, field=str(details.get("field", "")), values_by_rank=values
         )
     return cls(message)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def first_of(exc: BaseException, kind: type[E]) -> E | None:
+    """The first ``kind`` in ``exc``, unwrapping the exception groups task groups raise."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := first_of(inner, kind)) is not None:
+                return found
+    return None

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 
 from aiodist import _settings
+from aiodist._errors import first_of
 from aiodist._launch.forkserver import START_METHODS
 from aiodist._server.serve import DEFAULT_PORT, DEFAULT_SHUTDOWN_TIMEOUT, version
 from aiodist._wire.tls import VARIABLES as TLS_VARIABLES
@@ -39,7 +40,6 @@ LOG_LEVELS = _settings.LOG_LEVELS
 LOG_FORMATS = _settings.LOG_FORMATS
 
 T = TypeVar("T")
-E = TypeVar("E", bound=BaseException)
 
 
 def _env(name: str, default: Any) -> Any:
@@ -358,17 +358,6 @@ def run_async(func: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(func, backend_options={"loop_factory": uvloop.new_event_loop})
 
 
-def _first(exc: BaseException, kind: type[E]) -> E | None:
-    """The first ``kind`` in ``exc``, unwrapping the groups task groups raise."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            if (found := _first(inner, kind)) is not None:
-                return found
-    return None
-
-
 def _fail(command: str, message: str, code: int = 1) -> int:
     print(f"aiodist {command}: {message}", file=sys.stderr, flush=True)
     return code
@@ -439,7 +428,7 @@ def _serve(args: argparse.Namespace) -> int:
     except StateDirError as exc:
         return _fail("serve", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
-        if (error := _first(exc, OSError)) is None:
+        if (error := first_of(exc, OSError)) is None:
             raise
         hint = ""
         if error.errno == errno.EADDRINUSE:
@@ -648,8 +637,11 @@ def _run(args: argparse.Namespace) -> int:
     except DistError as exc:
         return _fail("run", str(exc))
     except (OSError, BaseExceptionGroup) as exc:
-        if (error := _first(exc, OSError)) is None:
-            if isinstance(exc, BaseExceptionGroup) and (dist := _first(exc, DistError)) is not None:
+        if (error := first_of(exc, OSError)) is None:
+            if (
+                isinstance(exc, BaseExceptionGroup)
+                and (dist := first_of(exc, DistError)) is not None
+            ):
                 return _fail("run", str(dist))
             raise
         return _fail("run", f"cannot start: {error}")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 import anyio
 
 from aiodist._control.addresses import is_loopback
-from aiodist._errors import counted
+from aiodist._errors import counted, first_of
 from aiodist._server.durable import StateDirError
 from aiodist._server.serve import DEFAULT_SHUTDOWN_TIMEOUT, RendezvousServer, serve_rendezvous
 
@@ -293,7 +293,7 @@ async def run_daemon(
                         await anyio.to_thread.run_sync(metrics.close)
     except BaseExceptionGroup as group:
         # The server refused its state directory as it started: say so, not a traceback.
-        refused = _state_dir_error(group)
+        refused = first_of(group, StateDirError)
         if refused is None:
             raise
         raise refused from None
@@ -302,13 +302,3 @@ async def run_daemon(
             loop.remove_signal_handler(sig)
     logger.info("stopped")
     return 0
-
-
-def _state_dir_error(exc: BaseException) -> StateDirError | None:
-    if isinstance(exc, StateDirError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            if (found := _state_dir_error(inner)) is not None:
-                return found
-    return None
