@@ -110,8 +110,9 @@ def test_segments_are_private_to_their_user_whatever_the_umask() -> None:
 
 LEAKER = textwrap.dedent(
     """
-    import os
+    import os, sys
     from aiodist._transport import shm
+    shm.SHM_DIR = sys.argv[1]  # the test's own directory (see below)
     seg = shm.create_segment(1 << 20)
     print(seg.name, flush=True)
     os._exit(0)  # no cleanup: as if killed
@@ -121,13 +122,20 @@ LEAKER = textwrap.dedent(
 
 @needs_shm
 @one_backend
-async def test_next_start_removes_segments_of_dead_processes_only(tmp_path: Path) -> None:
+async def test_next_start_removes_segments_of_dead_processes_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from aiodist._plane.peers import DataPlane
 
+    # Segments in a directory of this test's own: ranks that other tests start at the same
+    # time sweep /dev/shm too, and could remove the dead process's file before this test looks.
+    segments = tmp_path / "shm"
+    segments.mkdir()
+    monkeypatch.setattr(shm, "SHM_DIR", str(segments))
     script = tmp_path / "leaker.py"
     script.write_text(LEAKER)
     with anyio.fail_after(60):
-        result = await anyio.run_process([sys.executable, str(script)])
+        result = await anyio.run_process([sys.executable, str(script), str(segments)])
     stale = result.stdout.decode().strip()
     assert _segment_exists(stale), "the dead process left no segment to clean up"
     live = shm.create_segment(1 << 20)  # this process is alive: its file must stay
