@@ -148,7 +148,8 @@ class ControlConnection(asyncio.Protocol):
         # With a token, nothing the server says is believed before it proved the token.
         self._trusted = not token
         self.server = "?"
-        self.tls = False  # over TLS (set by connect_control)
+        # connect_control's TLS arguments (none: clear TCP); reopen connects with them too.
+        self.ssl_args: dict[str, Any] = {}
         self._heard = False  # the server sent something
         self.local_host = "127.0.0.1"
         self.heartbeats = Heartbeats(
@@ -210,7 +211,7 @@ class ControlConnection(asyncio.Protocol):
         if self._error is None and isinstance(exc, ssl.SSLError):  # refused, or altered in flight
             peer = f"the rendezvous server at {self.server}"
             self._fail(AuthenticationError(tls.describe_ssl_error(exc, peer)))
-        elif self._error is None and self.tls and not self._heard:
+        elif self._error is None and self.ssl_args and not self._heard:
             # A server that refused our certificate may close without a word (or its
             # alert may be lost): before it said anything, that is the likely reason.
             self._fail(
@@ -570,7 +571,14 @@ class ControlConnection(asyncio.Protocol):
         rules.echoed = False
         rules.unanswered_since = None
         rules.last_heard = self.loop.time()
-        await self.loop.create_connection(lambda: self, *self.address)
+        try:
+            await self.loop.create_connection(lambda: self, *self.address, **self.ssl_args)
+        except ssl.SSLError as exc:  # the server came back with a certificate we refuse
+            refused = AuthenticationError(
+                tls.describe_ssl_error(exc, f"the rendezvous server at {self.server}")
+            )
+            self._fail(refused)
+            raise refused from exc
 
     def back(self) -> None:
         """Every member re-attached: heartbeats again, at once (the echo restarts the watch)."""
@@ -715,7 +723,7 @@ async def connect_control(
             await anyio.sleep(CONNECT_RETRY_INTERVAL)
             continue
         protocol.address = (host, port)
-        protocol.tls = tls_config is not None
+        protocol.ssl_args = ssl_args
         try:
             if token:  # the server's challenge is its answer
                 await protocol.authenticate(token, max(deadline - loop.time(), AUTH_WAIT))

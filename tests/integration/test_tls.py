@@ -30,7 +30,7 @@ from aiodist import (
     RendezvousError,
     serve_rendezvous,
 )
-from aiodist._control.connection import connect_control
+from aiodist._control.connection import ControlConnection, connect_control
 from aiodist._control.rendezvous import parse_init_method
 from aiodist._launch.placement import place_server
 from aiodist._launch.run import LaunchSpec
@@ -134,6 +134,62 @@ async def test_job_runs_over_tls_with_proxy_seeing_nothing_in_clear(
     assert outs == [[3.0, [0, 1], b"v"]] * 2
     _assert_nothing_in_clear(bytes(proxy.seen))
     assert proxy.seen[:1] == b"\x16"  # a TLS handshake record
+
+
+async def test_members_come_back_to_their_restarted_server_over_tls(
+    use_tls: dict[str, str],
+    tmp_path: Path,
+    job_ca: trustme.CA,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The connection a member opens again after a daemon restart is TLS, as its first
+    # was: a clear one would never pass the TLS server, and the job would fail once the
+    # grace ran out (and show the job's name and store keys in clear on the way).
+    monkeypatch.setenv("AIODIST_SERVER_GRACE", "10")
+    config = tls.from_env(make_tls(tmp_path, "server", job_ca))
+    serve = functools.partial(serve_rendezvous, tls=config, state_dir=str(tmp_path / "state"))
+    first = anyio.CancelScope()
+    first_gone, both_in, restarted = anyio.Event(), anyio.Event(), anyio.Event()
+    started: list[int] = []
+
+    async def first_server(*, task_status: anyio.abc.TaskStatus[RendezvousServer]) -> None:
+        try:
+            with first:
+                await serve("127.0.0.1", 0, task_status=task_status)
+        finally:
+            first_gone.set()
+
+    async def body(g: ProcessGroup) -> list[Any]:
+        await aiodist.barrier(group=g)
+        started.append(g.rank)
+        if len(started) == 2:
+            both_in.set()
+        await restarted.wait()
+        out = await _exercise(g)  # the store's requests need the server back
+        conn = g.session.conn.connection
+        assert isinstance(conn, ControlConnection)
+        transport = conn.transport_or_none()
+        assert transport is not None
+        assert transport.get_extra_info("ssl_object") is not None
+        return out
+
+    with anyio.fail_after(40):
+        async with anyio.create_task_group() as servers:
+            port = (await servers.start(first_server)).address[1]
+            async with anyio.create_task_group() as job:
+                outs: list[list[Any]] = []
+
+                async def ranks() -> None:
+                    outs.extend(await run_ranks(("127.0.0.1", port), 2, body))
+
+                job.start_soon(ranks)
+                await both_in.wait()
+                first.cancel()  # it tells its members it will come back, and stops
+                await first_gone.wait()
+                await servers.start(functools.partial(serve, "127.0.0.1", port))
+                restarted.set()
+            servers.cancel_scope.cancel()
+    assert outs == [[3.0, [0, 1], b"v"]] * 2
 
 
 async def _status(address: tuple[str, int], **kwargs: Any) -> None:
