@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.parse
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from aiodist._server.traffic import HISTORY_INTERVAL
 
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
     from aiodist._server.state import JobTable
 
+T = TypeVar("T")
 #: How long one sample of the server serves every page that polls.
 CACHE_SECONDS: Final = 0.5
 #: Job events the dashboard keeps (newest last).
@@ -173,17 +174,9 @@ class DashboardApp:
             at, body = self._cached.get((offset, limit), (0.0, b""))
             if time.monotonic() - at < CACHE_SECONDS and body:
                 return body
-            future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-
-            def take() -> None:
-                try:
-                    future.set_result(self._server.dashboard.sample(self._server, offset, limit))
-                except Exception as exc:  # pragma: no cover - reported to the HTTP thread
-                    future.set_exception(exc)
-
+            server = self._server
             try:
-                self._loop.call_soon_threadsafe(take)
-                data = future.result(timeout=SAMPLE_TIMEOUT)
+                data = on_loop(self._loop, lambda: server.dashboard.sample(server, offset, limit))
             except (RuntimeError, concurrent.futures.TimeoutError):
                 return None
             body = json.dumps(data, default=str).encode()
@@ -191,6 +184,21 @@ class DashboardApp:
                 self._cached.clear()
             self._cached[offset, limit] = (time.monotonic(), body)
             return body
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, take: Callable[[], T]) -> T:
+    """``take()`` run on the server's ``loop`` for an endpoint thread: RuntimeError if the loop
+    is closed, ``concurrent.futures.TimeoutError`` if it is stuck past ``SAMPLE_TIMEOUT``."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(take())
+        except Exception as exc:  # pragma: no cover - reported to the HTTP thread
+            future.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    return future.result(timeout=SAMPLE_TIMEOUT)
 
 
 def _page(query: str) -> tuple[int, int] | None:

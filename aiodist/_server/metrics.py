@@ -3,8 +3,8 @@
 The HTTP endpoint runs in ``prometheus_client``'s own thread. A scrape must not
 read the job table while the event loop changes it, so the collector asks the
 loop for one consistent sample (``RendezvousServer.metrics_sample``) and waits
-for it, bounded by ``SAMPLE_TIMEOUT``; a loop that cannot answer in time yields
-an empty scrape rather than a stuck HTTP thread.
+for it, as the dashboard does (``dashboard.on_loop``, bounded by ``SAMPLE_TIMEOUT``);
+a loop that cannot answer in time yields an empty scrape rather than a stuck HTTP thread.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from aiodist._server.dashboard import DashboardApp
+from aiodist._server.dashboard import DashboardApp, on_loop
 
 if TYPE_CHECKING:
     import asyncio
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_TIMEOUT: Final = 5.0
 #: Requests the endpoint serves at once (scrapes, dashboard pages and their polls).
 MAX_REQUESTS: Final = 32
 #: Seconds a request may take in all (arriving, answered) before its connection is cut.
@@ -69,17 +68,8 @@ class _ServerCollector(Collector):
         self._loop = loop
 
     def _sample(self) -> dict[str, Any] | None:
-        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-
-        def take() -> None:
-            try:
-                future.set_result(self._server.metrics_sample())
-            except Exception as exc:  # pragma: no cover - reported to the scraping thread
-                future.set_exception(exc)
-
         try:
-            self._loop.call_soon_threadsafe(take)
-            return future.result(timeout=SAMPLE_TIMEOUT)
+            return on_loop(self._loop, self._server.metrics_sample)
         except (RuntimeError, concurrent.futures.TimeoutError) as exc:  # loop closed or stuck
             logger.warning("metrics scrape got no sample from the server: %r", exc)
             return None
