@@ -189,6 +189,11 @@ class Job:
     def alive(self) -> int:
         return sum(1 for m in self.members if m.status == "active")
 
+    @property
+    def state(self) -> Literal["failed", "running", "forming"]:
+        """What status and the metrics say of it."""
+        return "failed" if self.failures else "running" if self.complete else "forming"
+
     # --- what it tells ---------------------------------------------------------------------
 
     def packed_table(self) -> Packed:
@@ -230,7 +235,7 @@ class Job:
             "generation": self.generation,
             "world_size": self.world_size,
             "joined": len(self.members),
-            "state": "failed" if self.failures else "running" if self.complete else "forming",
+            "state": self.state,
             "age": now - self.created_at,
             "members": [
                 {

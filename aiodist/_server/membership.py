@@ -87,6 +87,8 @@ class Conn:
 
 @dataclass(slots=True)
 class Stats:
+    """The server's counters, each reported under its field's name (status, metrics)."""
+
     joins: int = 0
     jobs_formed: int = 0
     failures: int = 0

@@ -21,6 +21,7 @@ record's ``aiodist_event`` attribute (``aiodist serve`` writes them as JSON line
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 from typing import TYPE_CHECKING, Any, Final
@@ -181,11 +182,10 @@ class RendezvousServer:
 
     def metrics_sample(self) -> dict[str, Any]:
         """Counters and gauges for the metrics endpoint; call it on the server's loop."""
-        stats = self.state.stats
         jobs = {"forming": 0, "running": 0, "failed": 0}
         members = 0
         for job in self.state.jobs.values():
-            jobs["failed" if job.failures else "running" if job.complete else "forming"] += 1
+            jobs[job.state] += 1
             members += len(job.members)
         hub = self._hub
         return {
@@ -194,11 +194,7 @@ class RendezvousServer:
             "connections": len(hub.sockets),
             "jobs": jobs,
             "members": members,
-            "joins": stats.joins,
-            "jobs_formed": stats.jobs_formed,
-            "failures": stats.failures,
-            "store_ops": stats.store_ops,
-            "messages": stats.messages,
+            **dataclasses.asdict(self.state.stats),
             "bytes_received": hub.bytes_received,
             "bytes_sent": hub.bytes_sent,
             "auth_failures": hub.auth_failures,

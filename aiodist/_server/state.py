@@ -29,6 +29,7 @@ such change: the table checks it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 from typing import TYPE_CHECKING, Any, Final
@@ -298,19 +299,12 @@ class JobTable:
             chosen = [self.jobs[job]] if job in self.jobs else []
         else:
             chosen = list(itertools.islice(self.jobs.values(), offset, offset + limit))
-        stats = self.stats
         return {
             "version": self.version,
             "uptime": now - self.started_at,
             "connections": sockets,
             "channels": len(conns),
-            "stats": {
-                "joins": stats.joins,
-                "jobs_formed": stats.jobs_formed,
-                "failures": stats.failures,
-                "store_ops": stats.store_ops,
-                "messages": stats.messages,
-            },
+            "stats": dataclasses.asdict(self.stats),
             "jobs_total": len(self.jobs),
             "offset": 0 if job else offset,
             "jobs": [j.snapshot(now, max_members) for j in chosen],
