@@ -58,7 +58,7 @@ from aiodist._control.torchrun import (
 )
 from aiodist._errors import AuthenticationError, RendezvousError
 from aiodist._server.serve import DEFAULT_PORT, serve_rendezvous
-from aiodist._transport import tls
+from aiodist._transport import tcp, tls
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Mapping
@@ -158,11 +158,9 @@ def parse_init_method(
             world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
         if server := _settings.SERVER.read(env):
             # ``aiodist run``: its server, while MASTER_ADDR:MASTER_PORT is torch's store.
-            server_host, _, server_port = server.rpartition(":")
             return RendezvousSpec(
                 "tcp",
-                server_host.strip("[]"),
-                int(server_port),
+                *tcp.parse(server),
                 rank=rank,
                 world_size=world_size,
                 local_rank=local_rank,
@@ -371,11 +369,9 @@ async def _connect_file(
                 with os.fdopen(os.dup(fd), "r+") as f:
                     content = f.read().strip()
                     if content:
-                        host, _, port = content.rpartition(":")
                         try:
                             conn = await open_channel(
-                                host.strip("[]"),
-                                int(port),
+                                *tcp.parse(content),
                                 timeout=FILE_PROBE_TIMEOUT,
                                 retry_refused=False,
                                 token=token,
