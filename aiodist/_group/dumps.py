@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from aiodist import _settings
-from aiodist._group.recorder import FORMAT
+from aiodist._group.recorder import FORMAT, nbytes_of, state_of
 
 if TYPE_CHECKING:
     from aiodist._group.recorder import Entry, Recorder
@@ -128,25 +128,16 @@ def describe(snap: Snapshot, r: _Row) -> dict[str, Any]:
         "group": r.group,
         "seq": r.seq,
         "peer": r.peer,
-        "bytes": _nbytes(r),
+        "bytes": nbytes_of(r.shape, r.dtype),
         "dtype": str(r.dtype).removeprefix("torch.") if r.dtype is not None else None,
         "shape": list(r.shape) if r.shape is not None else None,
         "enqueued": wall(r.enqueued),
         "started": wall(r.started),
         "ended": wall(r.ended) if r.ended else None,
         "seconds": ((r.ended or snap.now) - r.enqueued) / 1e9,
-        "state": "pending" if not r.ended else "done" if r.error is None else "failed",
+        "state": state_of(r.ended, r.error),
         "error": f"{type(r.error).__name__}: {r.error}" if r.error is not None else None,
     }
-
-
-def _nbytes(r: _Row) -> int:
-    if r.shape is None or r.dtype is None:
-        return 0
-    try:
-        return int(r.shape.numel()) * int(r.dtype.itemsize)
-    except (AttributeError, TypeError):
-        return 0
 
 
 def dump_path(directory: str | Path, job: str, rank: int | None = None) -> Path:

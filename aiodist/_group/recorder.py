@@ -117,18 +117,28 @@ class Entry:
 
     @property
     def state(self) -> str:
-        if self.ended == 0:
-            return "pending"
-        return "done" if self.error is None else "failed"
+        return state_of(self.ended, self.error)
 
     @property
     def nbytes(self) -> int:
-        if self.shape is None or self.dtype is None:
-            return 0
-        try:
-            return int(self.shape.numel()) * int(self.dtype.itemsize)
-        except (AttributeError, TypeError):
-            return 0
+        return nbytes_of(self.shape, self.dtype)
+
+
+def state_of(ended: int, error: BaseException | None) -> str:
+    """An operation's state (a trace's and a dump's): pending, done or failed."""
+    if ended == 0:
+        return "pending"
+    return "done" if error is None else "failed"
+
+
+def nbytes_of(shape: Any, dtype: Any) -> int:
+    """The bytes an operation moved: its tensor's (``shape``, ``dtype``); 0 for none."""
+    if shape is None or dtype is None:
+        return 0
+    try:
+        return int(shape.numel()) * int(dtype.itemsize)
+    except (AttributeError, TypeError):
+        return 0
 
 
 #: Tracing only: running handles (by id) -> their entries, for the waits on them.
