@@ -316,11 +316,7 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     Raises:
         ValueError: Not initialised.
     """
-    g = resolve_group(group)
-    if g is None:
-        raise ArgumentError(
-            "Default process group has not been initialized, call init_process_group"
-        )
+    g = _initialized(group)
     if g is get_default_group():
         return list(range(g.world_size))
     return [_renumbered(g, r) for r in g.ranks]
@@ -330,6 +326,16 @@ def _renumbered(g: ProcessGroup, job_rank: int) -> int:
     """The global rank a user knows job rank ``job_rank`` by (it changes with shrink_group)."""
     numbering = g.session.numbering
     return job_rank if numbering is None else numbering.index(job_rank)
+
+
+def _initialized(group: object) -> ProcessGroup:
+    """``resolve_group(group)``, raising torch's error when not initialised."""
+    g = resolve_group(group)
+    if g is None:
+        raise ArgumentError(
+            "Default process group has not been initialized, call init_process_group"
+        )
+    return g
 
 
 def _registered(group: object) -> ProcessGroup:
@@ -356,11 +362,7 @@ def get_backend_config(group: ProcessGroup | None = None) -> str:
     Raises:
         ValueError: Not initialised.
     """
-    g = resolve_group(group)
-    if g is None:
-        raise ArgumentError(
-            "Default process group has not been initialized, call init_process_group"
-        )
+    g = _initialized(group)
     devices = dict.fromkeys(("cpu", "cuda"), "aiodist")
     carried = getattr(g.bridge, "devices", None)
     if isinstance(carried, dict):
