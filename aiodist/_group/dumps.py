@@ -140,11 +140,14 @@ def describe(snap: Snapshot, r: _Row) -> dict[str, Any]:
     }
 
 
-def dump_path(directory: str | Path, job: str, rank: int | None = None) -> Path:
-    """Where rank ``rank`` of ``job`` writes its dump in ``directory`` (None: the whole job's)."""
+def dump_path(
+    directory: str | Path, job: str, rank: int | None = None, *, kind: str = "dump"
+) -> Path:
+    """Where rank ``rank`` of ``job`` writes its dump in ``directory`` (None: the whole job's);
+    ``kind="trace"``: its trace (``tracefile.py``)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:128] or "job"
     tail = "" if rank is None else f"-rank{rank}"
-    return Path(directory) / f"aiodist-dump-{safe}{tail}.json"
+    return Path(directory) / f"aiodist-{kind}-{safe}{tail}.json"
 
 
 def dump_dir() -> Path | None:

@@ -15,24 +15,17 @@ the ``waits`` threads. Operations that overlap go on separate threads
 from __future__ import annotations
 
 import json
-import os
-import re
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
+
+from aiodist._group.dumps import dump_path, write_atomic
 
 if TYPE_CHECKING:
     from aiodist._group.recorder import Entry, Recorder
 
 #: Thread ids from here on hold the waits (below: the operations' lanes).
 WAIT_LANES: Final = 1000
-
-
-def trace_path(directory: str | Path, job: str, rank: int) -> Path:
-    """Where rank ``rank`` of ``job`` writes its trace in ``directory``."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:128] or "job"
-    return Path(directory) / f"aiodist-trace-{safe}-rank{rank}.json"
 
 
 def _lanes(spans: list[tuple[int, int]]) -> list[int]:
@@ -128,9 +121,6 @@ def _thread(pid: int, tid: int, name: str) -> dict[str, Any]:
 def write_trace(recorder: Recorder, directory: str | Path) -> Path:
     """Write the recorder's trace into ``directory`` (made if missing); return the file."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    path = trace_path(directory, recorder.job, recorder.rank)
-    fd, tmp = tempfile.mkstemp(prefix=".aiodist-trace-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(trace_events(recorder), f)
-    os.replace(tmp, path)
+    path = dump_path(directory, recorder.job, recorder.rank, kind="trace")
+    write_atomic(path, json.dumps(trace_events(recorder)))
     return path
