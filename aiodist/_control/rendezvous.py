@@ -50,6 +50,7 @@ from aiodist._control.addresses import is_loopback, reachable_host
 from aiodist._control.shared import open_channel
 from aiodist._control.torchrun import (
     Torchrun,
+    env_int,
     find_in,
     open_store,
     publish_in,
@@ -103,16 +104,6 @@ class RendezvousSpec:
         )
 
 
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise RendezvousError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
 def parse_init_method(
     init_method: str | None,
     *,
@@ -141,21 +132,21 @@ def parse_init_method(
             rank=rank,
             world_size=world_size,
             local_world_size=_local_world_size(env, world_size),
-            generation=_env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+            generation=env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
             store=store,
         )
     method = init_method or "env://"
     url = urllib.parse.urlsplit(method)
-    generation = _env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+    generation = env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
     if generation < 0:
         raise RendezvousError(f"TORCHELASTIC_RESTART_COUNT={generation} must be >= 0")
     if url.scheme == "env":  # only a launcher's environment says which local rank we are
-        local_rank = _env_int(env, "LOCAL_RANK")
-        local_world_size = _env_int(env, "LOCAL_WORLD_SIZE")
+        local_rank = env_int(env, "LOCAL_RANK")
+        local_world_size = env_int(env, "LOCAL_WORLD_SIZE")
         if rank < 0:
-            rank = _env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
+            rank = env_int(env, "RANK") if "RANK" in env else -1  # type: ignore[assignment]
         if world_size < 0:
-            world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
+            world_size = env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else -1  # type: ignore[assignment]
         if server := _settings.SERVER.read(env):
             # ``aiodist run``: its server, while MASTER_ADDR:MASTER_PORT is torch's store.
             return RendezvousSpec(
@@ -167,7 +158,7 @@ def parse_init_method(
                 local_world_size=local_world_size,
                 generation=generation,
             )
-        port = _env_int(env, "MASTER_PORT")
+        port = env_int(env, "MASTER_PORT")
         host = env.get("MASTER_ADDR", "")
         if port is None or not host:
             missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
@@ -225,9 +216,9 @@ def parse_init_method(
 
 def _local_world_size(env: Mapping[str, str], world_size: int) -> int | None:
     """A launcher's word on how many ranks run here (it decides where a server listens)."""
-    env_world_size = _env_int(env, "WORLD_SIZE")
+    env_world_size = env_int(env, "WORLD_SIZE")
     if env_world_size is not None and env_world_size == world_size:
-        return _env_int(env, "LOCAL_WORLD_SIZE")
+        return env_int(env, "LOCAL_WORLD_SIZE")
     return None
 
 

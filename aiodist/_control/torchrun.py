@@ -72,15 +72,21 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> Torchrun | None:
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
-    raw = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    try:
-        restart_count = int(raw)
-    except ValueError:
-        raise RendezvousError(
-            f"environment variable TORCHELASTIC_RESTART_COUNT={raw!r} is not an integer"
-        ) from None
+    restart_count = env_int(env, "TORCHELASTIC_RESTART_COUNT") or 0
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", str(True)) == str(True)
     return Torchrun(run_id or "none", restart_count, agent)
+
+
+def env_int(environ: Mapping[str, str], name: str) -> int | None:
+    """Environment variable ``name`` as an integer (None: unset or empty); RendezvousError
+    if it is something else."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
 def server_key(run: Torchrun) -> str:
