@@ -289,7 +289,7 @@ class Board:
                 await asyncio.gather(*(_prove(plane, r) for r in g.ranks if r != me))
                 for r, name in zip(g.ranks, names, strict=True):
                     assert name is not None
-                    self.mems.append(_mapped(plane, r, name) if r != me else _own(plane))
+                    self.mems.append(await _mapped(plane, r, name) if r != me else _own(plane))
         except BaseException as exc:  # the session broke, a peer was refused or is gone
             g.rows = _OFF
             queue, self.queue = self.queue, []
@@ -551,6 +551,9 @@ def _own(plane: DataPlane) -> memoryview:
     return memoryview(plane.rows.memory)
 
 
-def _mapped(plane: DataPlane, rank: int, name: str) -> memoryview:
+async def _mapped(plane: DataPlane, rank: int, name: str) -> memoryview:
     # Kept among the plane's peer segments, under a key no group has (ids are >= 0).
-    return memoryview(plane.segments.peer(-1, rank, name, shmrows.NBYTES).memory)
+    try:
+        return memoryview(plane.segments.peer(-1, rank, name, shmrows.NBYTES).memory)
+    except FileNotFoundError as exc:  # it died, and a survivor swept its segment
+        raise await plane.unreachable(rank, exc) from None

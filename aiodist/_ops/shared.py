@@ -72,10 +72,14 @@ async def _notify_all(ex: Exchange, step: int, payload: bytes | None) -> None:
         await ex.send(r, step, payload)
 
 
-def _peer_segment(ex: Exchange, src: int, msg: Received) -> Segment:
+async def _peer_segment(ex: Exchange, src: int, msg: Received) -> Segment:
     """Group rank ``src``'s segment, which ``msg`` names, mapped here."""
     name, _, size = bytes(msg.data).decode().rpartition(":")
-    return ex.g.session.plane.segments.peer(ex.g.group_id, ex.g.ranks[src], name, int(size))
+    plane, rank = ex.g.session.plane, ex.g.ranks[src]
+    try:
+        return plane.segments.peer(ex.g.group_id, rank, name, int(size))
+    except FileNotFoundError as exc:  # it died, and a survivor swept its segment
+        raise await plane.unreachable(rank, exc) from None
 
 
 def take_turn(g: ProcessGroup) -> Turn:
@@ -108,7 +112,7 @@ async def broadcast(ex: Exchange, buf: torch.Tensor, root: int) -> None:
         segments.unlink_own(g.group_id)  # every peer has mapped it by now
         return
     msg = await ex.recv(root, 1)
-    copy_into(flat, _peer_segment(ex, root, msg).tensor(buf.dtype, numel))
+    copy_into(flat, (await _peer_segment(ex, root, msg)).tensor(buf.dtype, numel))
     await ex.send(root, 2, None)
 
 
@@ -137,7 +141,7 @@ async def all_reduce(
     await _notify_all(ex, OPEN, f"{seg.name}:{seg.nbytes}".encode())
     parts: list[torch.Tensor] = [flat] * p
     for r, future in notices[0].items():
-        parts[r] = _peer_segment(ex, r, await future).tensor(buf.dtype, numel)
+        parts[r] = (await _peer_segment(ex, r, await future)).tensor(buf.dtype, numel)
     _reduce_chunk(op, combine, parts, own, flat, a, b)
     await _notify_all(ex, OPEN + 1, None)
     for future in notices[1].values():
@@ -195,7 +199,7 @@ async def all_gather(ex: Exchange, src: torch.Tensor, out: list[torch.Tensor]) -
     await _notify_all(ex, OPEN, f"{seg.name}:{seg.nbytes}".encode())
     copy_into(out[g.rank].view(-1), flat)
     for r, future in notices[0].items():
-        peer = _peer_segment(ex, r, await future)
+        peer = await _peer_segment(ex, r, await future)
         copy_into(out[r].view(-1), peer.tensor(src.dtype, numel))
     await _notify_all(ex, OPEN + 1, None)
     for future in notices[1].values():
@@ -231,7 +235,7 @@ async def reduce_scatter(
     await _notify_all(ex, OPEN, f"{seg.name}:{seg.nbytes}".encode())
     parts = [inputs[me].view(-1)] * p
     for r, future in notices[0].items():
-        peer = _peer_segment(ex, r, await future)
+        peer = await _peer_segment(ex, r, await future)
         parts[r] = peer.tensor(out.dtype, p * numel)[me * numel : (me + 1) * numel]
     flat = out.view(-1)
     for start in range(0, numel, SLICE_NUMEL):

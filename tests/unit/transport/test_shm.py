@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from aiodist._transport import shm
+from aiodist._transport import shm, shmrows
 from tests.helpers.workers import run_worker
 
 if TYPE_CHECKING:
@@ -215,6 +215,84 @@ async def test_rank_killed_mid_shared_all_reduce_leaves_no_segment(
         if name.startswith(shm.segment_prefix(out["pid"]))
     ]
     assert left == []
+
+
+SWEPT_WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import anyio, torch
+    import aiodist
+    from aiodist._transport import shm, shmrows
+
+    async def main() -> None:
+        url, rank, world, victim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+        await aiodist.init_process_group(init_method=url, world_size=world, rank=rank,
+                                         group_name="swept", heartbeat_interval=0.1,
+                                         heartbeat_timeout=2.0)
+        g = aiodist.get_default_group()
+        # Every pair connected (point to point: the board is not decided yet).
+        for peer in range(world):
+            if peer != rank:
+                got = torch.empty(1)
+                await aiodist.send(torch.ones(1), dst=peer) if rank < peer else None
+                await aiodist.recv(got, src=peer)
+                await aiodist.send(torch.ones(1), dst=peer) if rank > peer else None
+        if rank == victim:
+            await g.store.set("victim", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # stopped, then killed: never runs again
+        pid = int(await g.store.get("victim"))
+        with open(f"/proc/{pid}/stat", "rb") as f:  # the victim is stopped before it is swept
+            while f.read().rpartition(b")")[2].split()[0] != b"T":
+                f.seek(0)
+                await anyio.sleep(0.01)
+        if rank == 0:  # as a survivor sweeps the segment of a rank that died
+            table = await g.session.plane.addresses()
+            os.unlink(os.path.join(shm.SHM_DIR, shmrows.name_in(table[victim])))
+            await g.store.set("swept", "1")
+        await g.store.get("swept")
+        out = {"rank": rank}
+        try:
+            await aiodist.barrier()  # the first small collective: the board is decided now
+            out["barrier"] = "completed"
+        except Exception as exc:
+            out["barrier"] = [type(exc).__name__, getattr(exc, "rank", None)]
+        if rank == 0:
+            os.kill(pid, signal.SIGKILL)
+        print(json.dumps(out), flush=True)
+        os._exit(0)
+
+    anyio.run(main)
+    """
+)
+
+
+@needs_shm
+@pytest.mark.skipif(not shmrows.supported(), reason="the board needs x86-64 and /dev/shm")
+@one_backend
+async def test_a_peer_whose_rows_segment_was_swept_fails_the_board_as_a_failed_rank(
+    server: RendezvousServer, tmp_path: Path
+) -> None:
+    # A rank dies before a group's first small collective, and a survivor that heard of
+    # it first sweeps its rows segment: a rank that had not heard yet maps the segment
+    # as it decides the board. It must fail naming the rank, as a send to it would, not
+    # with the FileNotFoundError of a file that is gone.
+    script = tmp_path / "worker.py"
+    script.write_text(SWEPT_WORKER)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    world, victim = 3, 2
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        args = [url, str(rank), str(world), str(victim)]
+        outs[rank] = await run_worker(script, args, {"AIODIST_SHM": "1"})
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for rank in range(world):
+                tg.start_soon(one, rank)
+    assert outs[victim]["returncode"] == -9, outs
+    for rank in range(victim):
+        assert outs[rank]["barrier"] == ["RankFailedError", victim], outs
 
 
 # --- the ring channel on the data plane -----------------------------------------------------
