@@ -84,7 +84,7 @@ from aiodist._metrics.state import (
 )
 from aiodist._metrics.state import take_snapshot as _take_snapshot
 from aiodist._sync import portal
-from aiodist._torch.handoff import quiet as torch_quiet
+from aiodist._torch import handoff
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -301,7 +301,7 @@ class MetricAggregator:
                 and not g.closed
                 and session.error is None
                 and not session.closed
-                and (get_ident() == board.loop_thread or (portal.quiet() and torch_quiet()))
+                and (get_ident() == board.loop_thread or handoff.quiet())
             ):
                 record: Record | None = self._single  # one update: encoded when written
                 if record is not None:

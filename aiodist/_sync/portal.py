@@ -62,6 +62,7 @@ from aiodist._ops.movement import monitored_barrier
 from aiodist._ops.reductions import all_reduce
 from aiodist._rpc import world as rpc_world
 from aiodist._sync import profiling
+from aiodist._torch import handoff
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
@@ -129,8 +130,6 @@ class _LoopThread:
 _lock = threading.Lock()
 _current: _LoopThread | None = None
 _calls = 0  # ``call``s under way, from any thread
-_unstarted = 0  # start_soon calls whose operation has not started on the loop yet
-_unstarted_lock = threading.Lock()
 
 
 def _running() -> _LoopThread:
@@ -305,7 +304,6 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
         RuntimeError: Called on the loop thread, or the default group belongs to
             another event loop.
     """
-    global _unstarted
     _check_thread(fn.__name__)
     if not is_initialized():
         return fn(*args)  # the non-distributed answer: no loop needed
@@ -317,30 +315,16 @@ def start_soon(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
     work: Work[T] = Work.pending(loop, fn.__name__)
 
     def start() -> None:
-        global _unstarted
         try:
             started = fn(*args)
         except Exception as exc:
             work.set_exception(exc)  # the caller sees it through the handle
             return
-        finally:
-            with _unstarted_lock:
-                _unstarted -= 1
         started.when_done(work.settle_as)  # at once: no extra loop turn
 
-    loop.call_soon_threadsafe(start)
-    with _unstarted_lock:  # after: a loop that is gone leaves no count behind
-        _unstarted += 1
+    # Counted until it started (``handoff.quiet``): metrics take their number after it.
+    handoff.call_soon(loop, start)
     return work
-
-
-def quiet() -> bool:
-    """True when every operation ``start_soon`` handed the loop thread has started.
-
-    Then every earlier call from plain code holds its sequence number, and the
-    caller may take the next one itself (``ProcessGroup.next_seq``).
-    """
-    return _unstarted == 0
 
 
 def _transfer(work: Work[Any], box: Future[Any]) -> None:

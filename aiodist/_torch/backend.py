@@ -250,27 +250,19 @@ class AiodistProcessGroup(TorchProcessGroup):
         work._loop = loop
 
         def begin() -> None:
-            try:
-                g = self.aiodist_group()
-                if g is None:
-                    work._fail(RuntimeError(f"{description}: aiodist's job ended"))
+            g = self.aiodist_group()
+            if g is None:
+                work._fail(RuntimeError(f"{description}: aiodist's job ended"))
+                return
+            for start in starts:
+                try:
+                    started = start(g)
+                except Exception as exc:
+                    work._fail(exc)
                     return
-                for start in starts:
-                    try:
-                        started = start(g)
-                    except Exception as exc:
-                        work._fail(exc)
-                        return
-                    started.when_done(work._part_done)
-            finally:
-                handoff.started()
+                started.when_done(work._part_done)
 
-        handoff.handed()
-        try:
-            loop.call_soon_threadsafe(begin)
-        except BaseException:
-            handoff.started()  # the loop is gone: nothing was handed over
-            raise
+        handoff.call_soon(loop, begin)
         return work
 
     # --- the operations: torch's names (its trampoline's and its Python callers') ------------

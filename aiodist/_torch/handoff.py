@@ -1,34 +1,53 @@
-"""torch's calls on the aiodist backend that were handed to aiodist's loop and not started yet.
+"""Calls handed to aiodist's loop from other threads that have not started there yet.
 
 A call takes its place in its group's order when it starts on the loop. Code
 that takes a sequence number on its own thread (``aiodist.metrics``' fast
-path, as ``aiodist.sync``'s ``portal.quiet`` allows) must wait its turn while
-a call of torch's is on its way: otherwise ranks could number the two in
-different orders. Importing this module does not import torch.
+path) must wait its turn while such a call is on its way: otherwise ranks
+could number the two in different orders. ``aiodist.sync``'s ``start_soon``
+and torch's calls on the aiodist backend hand their calls over here.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable
 
 _lock = threading.Lock()
 _unstarted = 0
 
 
-def handed() -> None:
-    """A call was handed to the loop (before ``call_soon_threadsafe``)."""
+def _count(step: int) -> None:
     global _unstarted
     with _lock:
-        _unstarted += 1
+        _unstarted += step
 
 
-def started() -> None:
-    """A call handed to the loop started there (or failed to)."""
-    global _unstarted
-    with _lock:
-        _unstarted -= 1
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    """``loop.call_soon_threadsafe(fn)``, counted as on its way until ``fn`` has returned.
+
+    Raises:
+        RuntimeError: The loop is closed; nothing was handed over.
+    """
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            _count(-1)
+
+    _count(1)
+    try:
+        loop.call_soon_threadsafe(run)
+    except BaseException:
+        _count(-1)  # the loop is gone: nothing was handed over
+        raise
 
 
 def quiet() -> bool:
-    """True when every call of torch's handed to the loop has started."""
+    """True when every call handed to the loop has started."""
     return _unstarted == 0
