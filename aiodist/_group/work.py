@@ -377,7 +377,7 @@ class Work(Generic[T]):
         loop = self._loop
         # Raise on the loop's thread even when already done, so that whether it
         # raises does not depend on timing (anyio's portal does the same).
-        if loop is not None and loop.is_running() and _running_loop() is loop:
+        if loop is not None and loop.is_running() and running_loop() is loop:
             raise RuntimeError(
                 f"Work.wait() on the event loop's thread would deadlock; use `await` on "
                 f"{self.description}"
@@ -419,7 +419,8 @@ def _torch_value(value: Any) -> Any:
     return value
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """This thread's running event loop, or None (``asyncio.get_running_loop`` raises)."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:

@@ -54,7 +54,7 @@ from aiodist._errors import ArgumentError
 from aiodist._group import ending
 from aiodist._group.ending import failure_of, interrupted
 from aiodist._group.group import ProcessGroup
-from aiodist._group.work import Work, wait_future
+from aiodist._group.work import Work, running_loop, wait_future
 from aiodist._group.world import default_group_loop, get_default_group, is_initialized
 from aiodist._launch.cli import run_async
 from aiodist._launch.init import destroy_process_group
@@ -452,11 +452,7 @@ def _start(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:
 
 
 def _on_a_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+    return running_loop() is not None
 
 
 ProcessGroup.methods = GroupMethods()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from torch._C._distributed_c10d import Store as TorchStore
 
 from aiodist._control.store import REPLY_GRACE
+from aiodist._group.work import running_loop
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -50,11 +51,7 @@ class LoopStore(TorchStore):
         self._timeout = timeout
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
+        if running_loop() is self._loop:
             coro.close()
             raise RuntimeError(
                 "the torch bridge's store was called on the event loop's thread; it must be "

@@ -14,7 +14,6 @@ which starts whenever every one is busy, as gloo's own threads run its callbacks
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import queue
@@ -25,9 +24,10 @@ import torch
 from torch._C._distributed_c10d import Work as TorchWork
 
 from aiodist._errors import DistTimeoutError
-from aiodist._group.work import wait_event
+from aiodist._group.work import running_loop, wait_event
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Callable
     from datetime import timedelta
 
@@ -209,7 +209,4 @@ ON_LOOP = (
 
 
 def on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
+    return running_loop() is loop
