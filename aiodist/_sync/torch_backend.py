@@ -30,6 +30,7 @@ from aiodist._group.world import default_group_loop, get_default_group
 from aiodist._launch.init import destroy_process_group, init_process_group
 from aiodist._sync import portal
 from aiodist._torch import default
+from aiodist._torch.default import BACKEND
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
     from types import ModuleType
 
-BACKEND = "aiodist"
 T = TypeVar("T")
 
 
