@@ -504,20 +504,16 @@ async def _bridge_new_group(pbridge: GroupBridge, group: ProcessGroup, backend: 
         devices, name = asked, backend
     bridge = GroupBridge(group, devices, name)
     bridge.store = pbridge.store
-    if parent.group_id == 0:  # every rank of the world calls torch's new_group, as torch wants
+    from_world = parent.group_id == 0
+    # Every rank of the world calls torch's new_group, as torch wants; for a subgroup of
+    # a subgroup, only its members call torch.
+    if from_world or group.rank >= 0:
         bridge.torch_group = await pbridge.call(
             dist.new_group,
             ranks=list(group.ranks),
             timeout=backstop(group.timeout),
             backend=name,
-        )
-    elif group.rank >= 0:  # a subgroup of a subgroup: only its members call torch
-        bridge.torch_group = await pbridge.call(
-            dist.new_group,
-            ranks=list(group.ranks),
-            timeout=backstop(group.timeout),
-            backend=name,
-            use_local_synchronization=True,
+            use_local_synchronization=not from_world,
         )
     if group.rank < 0:  # not a member: nothing to issue on
         await bridge.aclose(None)
