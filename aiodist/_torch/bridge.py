@@ -54,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Prefix of the keys torch.distributed writes to the job's store.
-STORE_PREFIX = "torch/"
 _DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}
 
 
@@ -436,7 +434,7 @@ async def bring_up(
     if "gloo" in devices.values():
         await _warn_if_gloo_in_clear(world)
     loop = asyncio.get_running_loop()
-    store = LoopStore(world.store, loop, STORE_PREFIX, world.timeout)
+    store = LoopStore(world, loop)
     bridge = GroupBridge(world, devices, backend)
     bridge.store = store
     if "cuda" in devices:

@@ -100,7 +100,7 @@ async def bring_up_default(world: ProcessGroup) -> None:
         backend = default_backend()
         logger.debug("bringing up torch.distributed's default group (%s)", backend)
         global _store
-        _store = store = LoopStore(world.store, loop, "torch/", world.timeout)
+        _store = store = LoopStore(world, loop)
         dist.init_process_group(
             backend=backend,
             store=store,

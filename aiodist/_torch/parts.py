@@ -127,9 +127,7 @@ class DevicePart:
             old, self._pg, self._built_for = self._pg, None, None
             if old is not None:
                 self._retire(old)
-            store = LoopStore(
-                g.store, loop, f"torch/part/{g.group_id}/{g.name}/{self.device}/", g.timeout
-            )
+            store = LoopStore(g, loop, f"part/{g.group_id}/{g.name}/{self.device}/")
             pg = self._build(store, g.rank, g.world_size, g.timeout, g.session.heartbeat_timeout)
             self._pg, self._built_for = pg, g
             loop.call_soon_threadsafe(g.on_break, lambda exc: self._broke(g, pg, exc))

@@ -27,28 +27,30 @@ if TYPE_CHECKING:
     from datetime import timedelta
 
     from aiodist._control.store import Store
+    from aiodist._group.group import ProcessGroup
 
 T = TypeVar("T")
 
 
 class LoopStore(TorchStore):
-    """torch's Store interface, served by ``store`` on ``loop``, under ``prefix``.
+    """torch's Store interface, served by ``group``'s job store on ``loop``.
 
     Args:
-        store: The job's store.
+        group: The group whose store it is; its timeout is the time a waiting
+            operation may take (torch's ``timeout``).
         loop: The event loop that joined the job (and keeps running).
-        prefix: Prepended to every key, so torch's keys never meet the user's.
-        timeout: Seconds a waiting operation may take (torch's ``timeout``).
+        prefix: Prepended to every key after ``torch/``, so torch's keys never meet
+            the user's.
     """
 
     def __init__(
-        self, store: Store, loop: asyncio.AbstractEventLoop, prefix: str, timeout: float
+        self, group: ProcessGroup, loop: asyncio.AbstractEventLoop, prefix: str = ""
     ) -> None:
         super().__init__()
-        self._store = store
+        self._store: Store = group.store
         self._loop = loop
-        self._prefix = prefix
-        self._timeout = timeout
+        self._prefix = "torch/" + prefix
+        self._timeout = group.timeout
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if running_loop() is self._loop:
