@@ -63,6 +63,7 @@ from aiodist._ops.reductions import all_reduce
 from aiodist._rpc import world as rpc_world
 from aiodist._sync import profiling
 from aiodist._torch import handoff
+from aiodist._torch.ops import options_op
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
@@ -438,8 +439,7 @@ class GroupMethods:
                     f"{len(tensors)}; call it once per tensor, or all_reduce_coalesced"
                 )
             (tensors,) = tensors
-        op = "sum" if opts is None else getattr(opts, "reduceOp", opts)
-        return _start(all_reduce, tensors, op, group)
+        return _start(all_reduce, tensors, options_op(opts), group)
 
 
 def _start(fn: Callable[..., Work[T]], /, *args: Any) -> Work[T]:

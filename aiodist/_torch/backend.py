@@ -52,6 +52,7 @@ from aiodist._ops.reductions import all_reduce, reduce, reduce_scatter, reduce_s
 from aiodist._ops.rooted import broadcast, gather, scatter
 from aiodist._ops.tensor_groups import all_reduce_coalesced
 from aiodist._torch import handoff
+from aiodist._torch.ops import options_op
 from aiodist._torch.parts import DevicePart, parts_from_env
 from aiodist._torch.torch_work import ON_LOOP, AiodistWork, on_loop
 
@@ -71,18 +72,6 @@ F = TypeVar("F", bound="Callable[..., Any]")
 
 #: The backend's name in torch.distributed.
 BACKEND = "aiodist"
-
-
-def _op(opts: Any) -> Any:
-    """The reduce op of torch's options (or a bare ``ReduceOp``, as some callers pass).
-
-    torch's options hold a ``ReduceOp`` instance; its ``op`` is the ``RedOpType``
-    (``ReduceOp.SUM``) that aiodist's operations take.
-    """
-    if opts is None:
-        return "sum"
-    op = getattr(opts, "reduceOp", opts)
-    return getattr(op, "op", op)
 
 
 def _routed(method: F) -> F:
@@ -271,7 +260,7 @@ class AiodistProcessGroup(TorchProcessGroup):
 
     @_routed
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
-        op = _op(opts)
+        op = options_op(opts)
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         (t,) = tensors
@@ -279,7 +268,7 @@ class AiodistProcessGroup(TorchProcessGroup):
 
     @_routed
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:
-        op = _op(opts)
+        op = options_op(opts)
         return self._issue(
             "all_reduce_coalesced", tensors, [lambda g: all_reduce_coalesced(tensors, op, g)]
         )
@@ -331,7 +320,7 @@ class AiodistProcessGroup(TorchProcessGroup):
 
     @_routed
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiodistWork:  # type: ignore[override]
-        root, op = _root(opts), _op(opts)
+        root, op = _root(opts), options_op(opts)
         starts = [_bind(reduce, t, None, op, group_dst=root) for t in tensors]
         return self._issue("reduce", tensors, starts)
 
@@ -342,7 +331,7 @@ class AiodistProcessGroup(TorchProcessGroup):
         input_lists: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> AiodistWork:
-        op = _op(opts)
+        op = options_op(opts)
         starts = [_bind(reduce_scatter, o, i, op) for o, i in _pairs(outputs, input_lists)]
         return self._issue("reduce_scatter", outputs, starts)
 
@@ -350,7 +339,7 @@ class AiodistProcessGroup(TorchProcessGroup):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiodistWork:
-        op = _op(opts)
+        op = options_op(opts)
         return self._issue(
             "reduce_scatter_tensor", [output], [_bind(reduce_scatter_tensor, output, input, op)]
         )
@@ -359,7 +348,7 @@ class AiodistProcessGroup(TorchProcessGroup):
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> AiodistWork:
-        op = _op(opts)
+        op = options_op(opts)
         starts = [_bind(reduce_scatter_tensor, o, i, op) for o, i in _pairs(outputs, inputs)]
         return self._issue("reduce_scatter_tensor_coalesced", outputs, starts)
 

@@ -84,6 +84,18 @@ def _rooted(req: Request, bridge: Issuer) -> tuple[torch.Tensor, int, torch.Tens
     return t, req.root, _dense(t), bridge.torch_group
 
 
+def options_op(opts: Any) -> Any:
+    """The reduce op of torch's options (or a bare ``ReduceOp``, as some callers pass); sum if None.
+
+    torch's options hold a ``ReduceOp`` instance; its ``op`` is the ``RedOpType``
+    (``ReduceOp.SUM``) that aiodist's operations take.
+    """
+    if opts is None:
+        return "sum"
+    op = getattr(opts, "reduceOp", opts)
+    return getattr(op, "op", op)
+
+
 def _torch_op(op: str) -> Any:
     """torch's ``ReduceOp`` of a canonical reduce op (``_ops.reduce_ops.OPS``) but ``mean``."""
     return getattr(dist.ReduceOp, op.upper())

@@ -153,6 +153,22 @@ async def test_a_groups_torch_methods_run_in_async_code(server: RendezvousServer
     assert outs == [([3.0, 3.0], 3.0)] * 3
 
 
+async def test_a_groups_allreduce_takes_torchs_options(server: RendezvousServer) -> None:
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)  # an instance, as torch's callers hold
+
+    async def body(g: ProcessGroup) -> float:
+        t = torch.full((1,), float(g.rank + 1))
+        await g.allreduce(t, opts)
+        return float(t.item())
+
+    with anyio.fail_after(15):
+        outs = await run_ranks(server.address, 2, body)
+    assert outs == [1.0, 1.0]
+
+
 async def test_a_group_that_is_not_one_is_refused_and_the_group_goes_on(
     server: RendezvousServer,
 ) -> None:
