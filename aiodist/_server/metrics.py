@@ -5,6 +5,11 @@ read the job table while the event loop changes it, so the collector asks the
 loop for one consistent sample (``RendezvousServer.metrics_sample``) and waits
 for it, as the dashboard does (``dashboard.on_loop``, bounded by ``SAMPLE_TIMEOUT``);
 a loop that cannot answer in time yields an empty scrape rather than a stuck HTTP thread.
+
+A server with TLS serves its metrics port over the same mutual TLS (HTTPS, its
+certificate, a client's required), as its rendezvous port: the dashboard's
+page sends the job's token there and reads the jobs, their hosts and pids.
+A clear request is answered with one clear ``400`` that says so, and closed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -41,6 +47,17 @@ logger = logging.getLogger(__name__)
 MAX_REQUESTS: Final = 32
 #: Seconds a request may take in all (arriving, answered) before its connection is cut.
 REQUEST_TIMEOUT: Final = 10.0
+#: What a clear HTTP request to a TLS metrics port gets: why, and what to use instead.
+_CLEAR_REFUSED: Final = (
+    b"this aiodist metrics port requires TLS and this client spoke clear HTTP; use https:// "
+    b"with a certificate signed by the job's CA (curl --cacert CA --cert CERT --key KEY)\n"
+)
+_CLEAR_ANSWER: Final = (
+    b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_CLEAR_REFUSED)}\r\n\r\n".encode()
+    + _CLEAR_REFUSED
+)
+_TLS_HANDSHAKE: Final = 0x16  # the first byte of a TLS record that opens a handshake
 
 # (sample key, metric name without _total, help) for every counter.
 _COUNTERS: Final = (
@@ -135,6 +152,7 @@ def start_metrics(
 ) -> MetricsEndpoint:
     """Serve ``server``'s metrics at ``http://host:port/metrics`` from a thread.
 
+    With ``server.tls``, at ``https://``: the port requires the server's mutual TLS.
     Besides the server's own metrics, the process's (``process_*``: memory,
     CPU, open files) are exported, as Prometheus exporters usually do.
     ``request_timeout`` bounds each request as a whole (see ``_BoundedServer``).
@@ -149,11 +167,15 @@ def start_metrics(
     httpd = make_server(host, port, app, _BoundedServer, handler_class=_Handler)
     assert isinstance(httpd, _BoundedServer)
     httpd.request_timeout = request_timeout
+    if server.tls is not None:
+        httpd.tls_context = server.tls.server_context()
     thread = threading.Thread(target=httpd.serve_forever, name="aiodist-metrics", daemon=True)
     thread.start()
     endpoint = MetricsEndpoint(httpd, thread)
+    scheme = "http" if server.tls is None else "https"
     logger.info(
-        "metrics on http://%s:%d/metrics, dashboard on http://%s:%d/", *endpoint.address * 2
+        "metrics on %s://%s:%d/metrics, dashboard on %s://%s:%d/",
+        *((scheme, *endpoint.address) * 2),
     )
     return endpoint
 
@@ -185,12 +207,21 @@ class _BoundedServer(ThreadingWSGIServer):
 
     daemon_threads = True
     request_timeout = REQUEST_TIMEOUT
+    tls_context: ssl.SSLContext | None = None  # the server's mutual TLS (None: clear HTTP)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lock = threading.Lock()
         self._active = 0  # requests with a thread (cut ones included, until their thread ends)
         self._reading: dict[socket.socket, float] = {}  # not read yet -> since (monotonic)
         super().__init__(*args, **kwargs)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, address = super().get_request()
+        if self.tls_context is not None:  # its handshake is made in the request's thread
+            sock = self.tls_context.wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False
+            )
+        return sock, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:
@@ -215,10 +246,28 @@ class _BoundedServer(ThreadingWSGIServer):
         deadline.daemon = True
         deadline.start()
         try:
-            super().process_request_thread(request, client_address)
+            if isinstance(request, ssl.SSLSocket) and not self._handshake(request):
+                self.shutdown_request(request)
+            else:
+                super().process_request_thread(request, client_address)
         finally:
             deadline.cancel()
             self._done(request)
+
+    def _handshake(self, request: ssl.SSLSocket) -> bool:
+        """The TLS handshake (within the request's deadline); a clear client is told why not."""
+        request.settimeout(self.request_timeout)
+        try:
+            # The plain socket's calls: the TLS socket's own would take the bytes as TLS.
+            first = socket.socket.recv(request, 1, socket.MSG_PEEK)
+            if first and first[0] != _TLS_HANDSHAKE:
+                socket.socket.sendall(request, _CLEAR_ANSWER)
+                return False
+            request.do_handshake()
+        except OSError as exc:  # refused certificate, not TLS, cut at the deadline
+            logger.debug("metrics connection closed before its TLS handshake: %s", exc)
+            return False
+        return True
 
     def request_read(self, request: socket.socket) -> None:
         with self._lock:

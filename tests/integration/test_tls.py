@@ -12,6 +12,7 @@ another CA signed.
 from __future__ import annotations
 
 import functools
+import http.client
 import logging
 import sys
 import time
@@ -39,12 +40,13 @@ from aiodist._transport import tls
 from aiodist._wire.messages import StatusRequest
 from aiodist.testing import run_ranks
 from tests.helpers import ROOT
-from tests.helpers.daemon import asyncio_only, run_cli, serve
+from tests.helpers.daemon import asyncio_only, run_cli, serve, token_file
 from tests.helpers.procs import Finished, free_port, run
 from tests.helpers.proxy import RecordingProxy
 from tests.helpers.tls import TLS_VARIABLES, make_tls, tls_env
 
 if TYPE_CHECKING:
+    import ssl
     from collections.abc import AsyncIterator
     from pathlib import Path
 
@@ -572,3 +574,80 @@ async def test_launcher_joining_a_tls_server_without_tls_says_it_requires_tls(
     assert "requires TLS" in message, message
     assert "AIODIST_TLS_CERT" in message, message
     assert "aiodist serve" not in message, message
+
+
+# --- the daemon's metrics port: its dashboard and /metrics ---------------------------------
+
+
+def _http_get(
+    address: tuple[str, int], path: str, token: str, context: ssl.SSLContext | None = None
+) -> tuple[int, bytes]:
+    conn = (
+        http.client.HTTPConnection(*address, timeout=10)
+        if context is None
+        else http.client.HTTPSConnection(*address, timeout=10, context=context)
+    )
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@asyncio_only
+async def test_dashboard_of_a_tls_daemon_speaks_tls_and_shows_no_token_in_clear(
+    use_tls: dict[str, str],
+    tmp_path: Path,
+    job_ca: trustme.CA,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The page sends the job's token to the metrics port (Authorization: Bearer) and gets
+    # back the jobs, their hosts and pids. It spoke clear HTTP beside a TLS server: anyone
+    # on the path read the token that every rank and the server rest on, and the job data.
+    token = "dashboard-5ecret-token"
+    monkeypatch.setenv("AIODIST_TOKEN", token)
+    files = make_tls(tmp_path, "daemon", job_ca)
+    tokens = str(token_file(tmp_path, token))
+    args = ["--port", "0", "--metrics-port", "0", "--token-file", tokens, *_flags(files)]
+    context = tls.from_env(use_tls)
+    assert context is not None
+    with anyio.fail_after(60):
+        async with serve(*args) as daemon:
+            url = daemon.ready.split("metrics on ", 1)[1].split(",", 1)[0].strip()
+            metrics = (daemon.host, int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":")[1]))
+            proxy = await RecordingProxy(metrics).start()
+            seen: dict[str, tuple[int, bytes]] = {}
+
+            async def body(g: ProcessGroup) -> None:
+                await aiodist.barrier(group=g)
+                if g.rank == 0:
+                    seen["clear"] = await anyio.to_thread.run_sync(
+                        _http_get, metrics, "/api/state", token
+                    )
+                    for path in ("/api/state", "/metrics"):
+                        try:
+                            seen[path] = await anyio.to_thread.run_sync(
+                                _http_get, proxy.address, path, token, context.client_context()
+                            )
+                        except OSError as exc:  # a clear port answers a TLS hello so
+                            seen[path] = (0, repr(exc).encode())
+                await aiodist.barrier(group=g)
+
+            try:
+                await run_ranks(daemon.address, 2, body, group_name=SECRET_JOB)
+            finally:
+                await proxy.aclose()
+    status, clear = seen["clear"]
+    assert status == 400, (status, clear)  # a clear request gets no job data, and why
+    assert SECRET_JOB.encode() not in clear, clear
+    assert b"requires TLS" in clear, clear
+    status, state = seen["/api/state"]
+    assert status == 200, state
+    assert SECRET_JOB.encode() in state, state
+    status, scraped = seen["/metrics"]
+    assert status == 200, scraped
+    assert b"aiodist_joins_total 2.0" in scraped, scraped
+    assert proxy.seen[:1] == b"\x16"  # a TLS handshake record
+    assert token.encode() not in proxy.seen, "the token crossed the proxy in clear"
+    assert SECRET_JOB.encode() not in proxy.seen, "the job's name crossed the proxy in clear"
