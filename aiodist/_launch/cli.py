@@ -393,12 +393,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("serve", str(exc), 2)
 
-    def on_ready(server: RendezvousServer, metrics: tuple[str, int] | None) -> None:
+    def on_ready(server: RendezvousServer, metrics: str | None) -> None:
         host, port = server.address
         line: dict[str, Any] = {"event": "listening", "host": host, "port": port}
         text = f"aiodist rendezvous server listening on {host}:{port}"
         if metrics is not None:
-            line["metrics"] = f"http://{metrics[0]}:{metrics[1]}/metrics"
+            line["metrics"] = f"{metrics}/metrics"
             text += f", metrics on {line['metrics']}"
         if token is not None:
             text += ", token required"

@@ -180,7 +180,7 @@ async def run_daemon(
     metrics_host: str | None = None,
     metrics_port: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-    on_ready: Callable[[RendezvousServer, tuple[str, int] | None], None] | None = None,
+    on_ready: Callable[[RendezvousServer, str | None], None] | None = None,
     state_dir: str | None = None,
     tls: TlsConfig | None = None,
 ) -> int:
@@ -194,7 +194,7 @@ async def run_daemon(
         metrics_host: Address of the metrics endpoint (default: ``host``).
         metrics_port: Port of the Prometheus endpoint; None serves no metrics.
         shutdown_timeout: Seconds a shutdown waits for clients to take the notice.
-        on_ready: Called once listening, with the server and the metrics address.
+        on_ready: Called once listening, with the server and the metrics port's URL.
         state_dir: Where the jobs' durable state lives (None: memory only; the
             members re-register their jobs after a restart, the store is lost).
         tls: Require mutual TLS of every client (``--tls-cert/--tls-key/--tls-ca``).
@@ -274,7 +274,7 @@ async def run_daemon(
                         counted(server.state_dir.replayed, "record"),
                     )
                 if on_ready is not None:
-                    on_ready(server, None if metrics is None else metrics.address)
+                    on_ready(server, None if metrics is None else metrics.url)
                 bound = f"{server.address[0]}:{server.address[1]}"
                 sd_notify(f"READY=1\nSTATUS=listening on {bound}\nMAINPID={os.getpid()}")
                 await stop.wait()

@@ -127,13 +127,15 @@ class MetricsEndpoint:
 
     Attributes:
         address: ``(host, port)`` it listens on.
+        url: ``http://host:port``, or ``https://`` where it requires TLS.
     """
 
-    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread, *, tls: bool) -> None:
         self._httpd = httpd
         self._thread = thread
         host, port = httpd.server_address[:2]
         self.address = (str(host), int(port))
+        self.url = f"{'https' if tls else 'http'}://{self.address[0]}:{self.address[1]}"
 
     def close(self) -> None:
         """Stop serving and join the thread (blocks up to the server's poll interval)."""
@@ -171,12 +173,8 @@ def start_metrics(
         httpd.tls_context = server.tls.server_context()
     thread = threading.Thread(target=httpd.serve_forever, name="aiodist-metrics", daemon=True)
     thread.start()
-    endpoint = MetricsEndpoint(httpd, thread)
-    scheme = "http" if server.tls is None else "https"
-    logger.info(
-        "metrics on %s://%s:%d/metrics, dashboard on %s://%s:%d/",
-        *((scheme, *endpoint.address) * 2),
-    )
+    endpoint = MetricsEndpoint(httpd, thread, tls=server.tls is not None)
+    logger.info("metrics on %s/metrics, dashboard on %s/", endpoint.url, endpoint.url)
     return endpoint
 
 

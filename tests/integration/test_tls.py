@@ -615,6 +615,7 @@ async def test_dashboard_of_a_tls_daemon_speaks_tls_and_shows_no_token_in_clear(
     with anyio.fail_after(60):
         async with serve(*args) as daemon:
             url = daemon.ready.split("metrics on ", 1)[1].split(",", 1)[0].strip()
+            assert url.startswith("https://"), daemon.ready  # what the operator is told
             metrics = (daemon.host, int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":")[1]))
             proxy = await RecordingProxy(metrics).start()
             seen: dict[str, tuple[int, bytes]] = {}
