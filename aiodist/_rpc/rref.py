@@ -28,7 +28,6 @@ import threading
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from aiodist._group.work import Work
 from aiodist._rpc.calls import Request, prepare
 from aiodist._rpc.wire import Op
 from aiodist._rpc.world import rpc_session
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from aiodist._group.session import Session
+    from aiodist._group.work import Work
     from aiodist._rpc.names import WorkerInfo
 
 T = TypeVar("T")
@@ -196,8 +196,7 @@ class RRef(Generic[T]):
             if agent.in_async_code():
                 return agent.owned_work(self._id)
             return agent.local_value(self._id, timeout)
-        work = start_op(self, Op.TO_HERE, "", (), None, timeout)
-        assert isinstance(work, Work)
+        work = agent.launch(on_object(self, Op.TO_HERE, "", (), None, timeout))
         return work if agent.in_async_code() else work.wait()
 
     def rpc_async(self, timeout: float | None = None) -> Any:
@@ -279,61 +278,41 @@ class _Methods:
         return functools.partial(self._call, name)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        rref, agent = self._rref, self._rref._agent
         if self._mode == "remote":
-            return start_op(self._rref, Op.METHOD_REMOTE, name, args, kwargs, self._timeout)
-        request = method_request(self._rref, name, args, kwargs, self._timeout)
-        agent = self._rref._agent
+            made = new_id(agent)
+            request = on_object(rref, Op.METHOD_REMOTE, name, args, kwargs, self._timeout, made)
+            return RRef._make(agent, rref._owner, made, made=agent.launch(request))
+        request = on_object(rref, Op.METHOD, name, args, kwargs, self._timeout)
         if self._mode == "sync":
             return agent.launch(request).wait()
         return agent.call(request)
 
 
-def method_request(
-    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: Any, timeout: float | None
-) -> Request:
-    """A call of method ``name`` of ``rref``'s object, on its owner, prepared."""
-    request = prepare(
-        rref._agent,
-        Op.METHOD,
-        rref._owner,
-        name,
-        args,
-        kwargs,
-        timeout,
-        f"{rref!r}.{name}()",
-        list(rref._id),
-    )
-    request.keep = rref  # alive until the call completes: its release comes after
-    return request
-
-
-def start_op(
+def on_object(
     rref: RRef[Any],
     op: Op,
     name: str,
     args: tuple[Any, ...],
     kwargs: Any,
     timeout: float | None,
-) -> Work[Any] | RRef[Any]:
-    """Start ``to_here`` or a method call of ``rref``'s object, from any thread.
+    made: RRefId | None = None,
+) -> Request:
+    """``to_here`` or a call of method ``name`` of ``rref``'s object, on its owner, prepared.
 
-    Returns the call's handle, or (``METHOD_REMOTE``) an RRef to its result.
+    ``METHOD_REMOTE`` keeps the result there as ``made``.
     """
-    agent = rref._agent
     rid: list[Any] = list(rref._id)
     if op is Op.TO_HERE:
         what, extra = f"{rref!r}.to_here()", rid
     elif op is Op.METHOD:
         what, extra = f"{rref!r}.{name}()", rid
     else:
-        made = (agent.rank, next(_numbers))
+        assert made is not None
         what, extra = f"{rref!r}.remote().{name}()", [rid, list(made)]
-    request = prepare(agent, op, rref._owner, name, args, kwargs, timeout, what, extra)
+    request = prepare(rref._agent, op, rref._owner, name, args, kwargs, timeout, what, extra)
     request.keep = rref  # alive until the call completes: its release comes after
-    work = agent.launch(request)
-    if op is Op.METHOD_REMOTE:
-        return RRef._make(agent, rref._owner, made, made=work)
-    return work
+    return request
 
 
 def make_remote(
@@ -345,7 +324,7 @@ def make_remote(
     timeout: float | None,
 ) -> RRef[Any]:
     """``rpc.remote``: run ``fn`` on ``to``, which keeps the result; an RRef to it."""
-    rid = (agent.rank, next(_numbers))
+    rid = new_id(agent)
     what = f"remote(to={to}, {{fn}})"
     request = prepare(agent, Op.REMOTE, to, fn, args, kwargs, timeout, what, list(rid))
     work = agent.launch(request)
