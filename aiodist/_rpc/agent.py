@@ -51,7 +51,7 @@ from aiodist._wire.keys import MatchKind
 from aiodist._wire.messages import Data
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
+    from collections.abc import Callable, Coroutine
 
     import torch
 
@@ -156,27 +156,26 @@ class Agent:
 
     # --- making calls -------------------------------------------------------------------
 
-    def launch(self, request: Request) -> Work[Any]:
-        """Start ``request`` from any thread; its handle."""
-        if threading.get_ident() == self.thread:
-            return self.start(request)
+    def launch(
+        self, request: Request, then: Callable[[Work[Any]], object] | None = None
+    ) -> Work[Any]:
+        """Start ``request`` from any thread, ``then`` listening to its handle; its handle."""
         work: Work[Any] = Work.pending(self.loop, request.what)  # settled on the loop only
+        if then is not None:
+            work.when_done(then)  # not shared yet: safe here
+        if threading.get_ident() == self.thread:
+            return self.start(request, work)
         self.loop.call_soon_threadsafe(self._start_into, request, work)
         return work
 
     def call(self, request: Request) -> Any:
         """Start ``request`` from any thread; a ``Work`` in async code, else a torch Future."""
-        from aiodist._rpc.futures import Future, follow, settle  # torch: plain code's only
+        if self.in_async_code():
+            return self.launch(request)
+        from aiodist._rpc.futures import Future, settle  # torch: plain code's only
 
-        if threading.get_ident() == self.thread:
-            work = self.start(request)
-            if asyncio.current_task(self.loop) is not None:
-                return work
-            return follow(work, self.thread)
         future: Future[Any] = Future(self.thread)
-        work = Work.pending(self.loop, request.what)
-        work.when_done(functools.partial(settle, future))  # not shared yet: safe here
-        self.loop.call_soon_threadsafe(self._start_into, request, work)
+        self.launch(request, functools.partial(settle, future))
         return future
 
     def _start_into(self, request: Request, work: Work[Any]) -> None:
@@ -186,7 +185,7 @@ class Agent:
             work.set_exception(exc)
 
     def start(self, request: Request, work: Work[Any] | None = None) -> Work[Any]:
-        """Start ``request`` (on the loop's thread); its handle.
+        """Start ``request`` (on the loop's thread); its handle (``work``, if given).
 
         Raises:
             DistError: This rank may not make calls (see ``check_usable``).

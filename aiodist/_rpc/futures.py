@@ -91,13 +91,6 @@ class Future(torch.futures.Future[T]):
         return super().wait()
 
 
-def follow(work: Work[T], loop_thread: int) -> Future[T]:
-    """A ``Future`` that settles the way ``work`` does (call on ``work``'s loop thread)."""
-    future: Future[T] = Future(loop_thread)
-    work.when_done(lambda w: settle(future, w))
-    return future
-
-
 def settle(future: torch.futures.Future[Any], work: Work[Any]) -> None:
     """Complete ``future`` with ``work``'s outcome (``work`` is done)."""
     error = work.exception()
