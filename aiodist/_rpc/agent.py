@@ -39,6 +39,7 @@ from aiodist._rpc.wire import (
     RPC_GROUP,
     Op,
     Status,
+    notify,
     rebuild_error,
     receive_parts,
     reply_key,
@@ -48,7 +49,6 @@ from aiodist._rpc.wire import (
 from aiodist._rpc.world import rpc_world
 from aiodist._wire import codec
 from aiodist._wire.keys import MatchKind
-from aiodist._wire.messages import Data
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -256,10 +256,9 @@ class Agent:
                 "longer timeout (0: none) if it needs more time."
             )
         )
-        header = [*REQUEST_KEY, [int(Op.CANCEL), 0, None, None, call]]
 
         def cancel(_: object = None) -> None:
-            self.plane.send_notice(record.to, Data.KIND, header)
+            notify(self.plane, record.to, Op.CANCEL, call)
 
         if record.to == self.rank:
             self.loop.call_soon(self.server.cancel, self.rank, call)
@@ -334,8 +333,7 @@ class Agent:
         if owner == self.rank:
             self.server.owned.release(rid, exp)
             return
-        header = [*REQUEST_KEY, [int(Op.RELEASE), 0, None, None, [rid[0], rid[1], exp]]]
-        self.plane.send_notice(owner, Data.KIND, header)
+        notify(self.plane, owner, Op.RELEASE, [rid[0], rid[1], exp])
 
     def own(self, value: Any) -> RRefId:
         """Keep ``value`` as an object of this rank (``RRef(value)``), from any thread; its id.

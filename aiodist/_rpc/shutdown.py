@@ -40,8 +40,7 @@ from typing import Any, Protocol
 
 from aiodist._errors import DistError, DistTimeoutError
 from aiodist._group.work import Work
-from aiodist._rpc.wire import REQUEST_KEY, Op
-from aiodist._wire.messages import Data
+from aiodist._rpc.wire import Notices, Op, notify
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +54,15 @@ class _Served(Protocol):
     served: int  # requests this rank accepted
 
 
-class _Notices(Protocol):
-    def send_notice(self, dst: int, kind: int, header: list[Any]) -> None: ...
-
-
 class Host(Protocol):
     """What ``rpc.shutdown`` needs of its rank's agent (``agent.Agent``)."""
 
     rank: int
-
-    @property
-    def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
-
     loop: asyncio.AbstractEventLoop
     sent: int  # calls this rank made
 
     @property
-    def plane(self) -> _Notices: ...  # the data plane: a wave's messages
+    def plane(self) -> Notices: ...  # the data plane: a wave's messages
 
     @property
     def server(self) -> _Served: ...
@@ -251,8 +242,7 @@ class Termination:
                 self._tell(rank, [_Kind.VERDICT, wave, stop])
 
     def _tell(self, dst: int, extra: list[Any]) -> None:
-        header = [*REQUEST_KEY, [int(Op.SHUTDOWN), 0, None, None, [int(x) for x in extra]]]
-        self.agent.plane.send_notice(dst, Data.KIND, header)
+        notify(self.agent.plane, dst, Op.SHUTDOWN, [int(x) for x in extra])
 
     def fail(self, exc: BaseException) -> None:
         """The session failed or closed: waiting for a verdict is over."""

@@ -36,12 +36,13 @@ import importlib
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist._errors import RemoteError
 from aiodist._wire import codec
 from aiodist._wire.codec import byte_view
 from aiodist._wire.keys import MatchKind
+from aiodist._wire.messages import Data
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -81,6 +82,17 @@ class Status(enum.IntEnum):
     ERROR = 1  # payload: the error (see encode_error)
     CANCELLED = 2  # the caller cancelled it (a timeout): nobody waits for this reply
     CLOSED = 3  # the callee stopped serving (rpc.shutdown, destroy_process_group)
+
+
+class Notices(Protocol):
+    """What ``notify`` needs of the data plane."""
+
+    def send_notice(self, dst: int, kind: int, header: list[Any]) -> None: ...
+
+
+def notify(plane: Notices, dst: int, op: Op, extra: Any) -> None:
+    """Send ``dst`` a request without payload or reply (``RELEASE``, ``CANCEL``, ``SHUTDOWN``)."""
+    plane.send_notice(dst, Data.KIND, [*REQUEST_KEY, [int(op), 0, None, None, extra]])
 
 
 def reply_key(call: int) -> Key:
