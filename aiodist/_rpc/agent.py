@@ -31,7 +31,7 @@ from aiodist._group.work import Work
 from aiodist._rpc.calls import Call, Deadlines, Request
 from aiodist._rpc.contexts import incoming
 from aiodist._rpc.names import WorkerInfo, worker
-from aiodist._rpc.rref import AGENTS, DECODING, RRefId, new_id
+from aiodist._rpc.rref import AGENTS, RRefId, decode, new_id
 from aiodist._rpc.serve import Server
 from aiodist._rpc.shutdown import Termination
 from aiodist._rpc.wire import (
@@ -304,11 +304,7 @@ class Agent:
             if status == Status.OK:
                 value = None
                 if data is not None and memoryview(data).nbytes:
-                    token = DECODING.set(self)
-                    try:
-                        value = codec.loads_split(data, tensors)
-                    finally:
-                        DECODING.reset(token)
+                    value = decode(self, data, tensors)
                 work.set_result(value)
             elif status == Status.ERROR:
                 work.set_exception(rebuild_error(data, record.to, record.what))

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from aiodist._rpc.calls import Request, prepare
 from aiodist._rpc.wire import Op
 from aiodist._rpc.world import rpc_session
+from aiodist._wire import codec
 
 if TYPE_CHECKING:
     import asyncio
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from aiodist._group.session import Session
     from aiodist._group.work import Work
     from aiodist._rpc.names import WorkerInfo
+    from aiodist._wire.frame import Buffer
 
 T = TypeVar("T")
 RRefId = tuple[int, int]  # (creator's rank, its number there)
@@ -82,6 +84,15 @@ DECODING: contextvars.ContextVar[RRefAgent | None] = contextvars.ContextVar(
 )
 # Every session's rpc agent (rpc.agent_for); RRefs decoded elsewhere join the rpc world's.
 AGENTS: dict[Session, RRefAgent] = {}
+
+
+def decode(agent: RRefAgent, data: Buffer, tensors: Sequence[Any] | None = None) -> Any:
+    """Decode what ``agent``'s session received (``tensors``: set aside); its RRefs join it."""
+    token = DECODING.set(agent)
+    try:
+        return codec.loads(data) if tensors is None else codec.loads_split(data, tensors)
+    finally:
+        DECODING.reset(token)
 
 
 class RRef(Generic[T]):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from aiodist import _settings
 from aiodist._errors import DistError
 from aiodist._rpc.contexts import CURRENT, Context, incoming, outgoing, within
-from aiodist._rpc.rref import DECODING, OwnedTable, RRefAgent
+from aiodist._rpc.rref import OwnedTable, RRefAgent, decode
 from aiodist._rpc.threads import Job, Threads
 from aiodist._rpc.wire import (
     REQUEST_KEY,
@@ -373,11 +373,7 @@ class Server:
         hit = self._functions.get(encoded)
         if hit is not None:
             return hit
-        token = DECODING.set(self.agent)
-        try:
-            fn = codec.loads(encoded)
-        finally:
-            DECODING.reset(token)
+        fn = decode(self.agent, encoded)
         if not callable(fn):
             raise TypeError(f"rpc was sent a {type(fn).__name__} object, which is not callable")
         hit = (fn, inspect.iscoroutinefunction(fn))
@@ -390,11 +386,7 @@ class Server:
     def _arguments(self, data: Buffer, tensors: list[torch.Tensor]) -> tuple[Any, Any]:
         if not memoryview(data).nbytes:
             return (), {}
-        token = DECODING.set(self.agent)
-        try:
-            args, kwargs = codec.loads_split(data, tensors)
-        finally:
-            DECODING.reset(token)
+        args, kwargs = decode(self.agent, data, tensors)
         return args, kwargs or {}
 
     # --- replies out --------------------------------------------------------------------
