@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from aiodist._group.work import Work
 
+# Functions kept encoded (here) and decoded (on callees): a program calls few distinct ones.
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
 _encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name
@@ -82,11 +83,16 @@ def _encode_function(fn: object) -> tuple[bytes, str]:
             "large data as arguments, not inside the callable"
         )
     hit = (data, describe(fn))
-    if isinstance(fn, _CACHEABLE):
-        if len(_encoded_functions) >= _FUNCTIONS_KEPT:
-            _encoded_functions.clear()
-        _encoded_functions[fn] = hit
+    remember(_encoded_functions, fn, fn, hit)
     return hit
+
+
+def remember(cache: dict[Any, Any], key: Any, fn: object, value: Any) -> None:
+    """Keep ``value`` in a function cache if ``fn`` pickles by reference; empty it when full."""
+    if isinstance(fn, _CACHEABLE):
+        if len(cache) >= _FUNCTIONS_KEPT:
+            cache.clear()
+        cache[key] = value
 
 
 class Caller(Protocol):

@@ -31,11 +31,11 @@ import inspect
 import logging
 import sys
 import threading
-import types
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist import _settings
 from aiodist._errors import DistError
+from aiodist._rpc.calls import remember
 from aiodist._rpc.contexts import CURRENT, Context, incoming, outgoing, within
 from aiodist._rpc.rref import OwnedTable, RRefAgent, decode
 from aiodist._rpc.threads import Job, Threads
@@ -64,9 +64,6 @@ logger = logging.getLogger(__name__)
 
 #: Threads that run plain functions (``AIODIST_RPC_THREADS``); more calls wait for one.
 DEFAULT_RPC_THREADS: Final = _settings.RPC_THREADS.default
-# Decoded functions kept by their encoding (a program calls few distinct ones).
-_FUNCTIONS_KEPT: Final = 1024
-_CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
 #: The attribute ``rpc.functions.async_execution`` (and torch's decorator) sets on a function.
 ASYNC_MARK: Final = "_wrapped_async_rpc_function"
 
@@ -377,10 +374,7 @@ class Server:
         if not callable(fn):
             raise TypeError(f"rpc was sent a {type(fn).__name__} object, which is not callable")
         hit = (fn, inspect.iscoroutinefunction(fn))
-        if isinstance(fn, _CACHEABLE):  # by reference: the same object every time
-            if len(self._functions) >= _FUNCTIONS_KEPT:
-                self._functions.clear()
-            self._functions[encoded] = hit
+        remember(self._functions, encoded, fn, hit)  # kept by its encoding
         return hit
 
     def _arguments(self, data: Buffer, tensors: list[torch.Tensor]) -> tuple[Any, Any]:
