@@ -213,10 +213,13 @@ class Server:
     def cancel(self, src: int, call: int) -> None:
         """The caller of ``call`` gave up on it: answer it CANCELLED now and stop it."""
         serving = self.running.get((src, call))
-        if serving is None:
-            return  # answered already
+        if serving is not None:  # else answered already
+            self._stop_call(serving, Status.CANCELLED, "cancelled by its caller")
+
+    def _stop_call(self, serving: _Serving, status: Status, why: object) -> None:
+        """Answer ``serving`` now, and stop it: a job not started yet, a task at its ``await``."""
         job, task = serving.job, serving.task
-        self._finish(serving, Status.CANCELLED, "cancelled by its caller")
+        self._finish(serving, status, why)
         if job is not None:
             job.cancelled = True
         if task is not None:
@@ -460,12 +463,7 @@ class Server:
         self.stopped = True
         if answer:
             for serving in list(self.running.values()):
-                job, task = serving.job, serving.task
-                self._finish(serving, Status.CLOSED, reason)
-                if job is not None:
-                    job.cancelled = True
-                if task is not None:
-                    task.cancel()
+                self._stop_call(serving, Status.CLOSED, reason)
         self.owned.clear(reason)
         if self._threads is not None:
             self._threads.close()
