@@ -355,7 +355,7 @@ class Agent:
         """
         made = self.server.owned.peek(rid)
         if made is not None and made.done():
-            return _object(made, rid)
+            return _object(rid, made)
         if threading.get_ident() == self.thread:
             raise RuntimeError(
                 f"the object of RRef {rid} is still being made, and the event loop's thread "
@@ -364,16 +364,11 @@ class Agent:
         box: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def watch() -> None:
-            def done(made: asyncio.Future[Any]) -> None:
-                try:
-                    box.set_result(_object(made, rid))
-                except Exception as exc:
-                    box.set_exception(exc)
-
             if self.shut_down or self.closed:
                 box.set_exception(self.closed_reason())
                 return
-            self.server.owned.value(rid).add_done_callback(done)  # its making may be on its way
+            made = self.server.owned.value(rid)  # its making may be on its way
+            made.add_done_callback(functools.partial(_settle, box, _object, rid))
 
         self.loop.call_soon_threadsafe(watch)
         seconds = self.default_timeout if timeout is None else (timeout or None)
@@ -388,18 +383,11 @@ class Agent:
         """A handle to the object this rank keeps as ``rid``, once made (on the loop)."""
         self.check_usable()
         work: Work[Any] = Work.pending(self.loop, f"RRef {rid}.to_here()")
-
-        def done(made: asyncio.Future[Any]) -> None:
-            try:
-                work.set_result(_object(made, rid))
-            except Exception as exc:
-                work.set_exception(exc)
-
         made = self.server.owned.value(rid)
         if made.done():
-            done(made)
+            _settle(work, _object, rid, made)
         else:
-            made.add_done_callback(done)
+            made.add_done_callback(functools.partial(_settle, work, _object, rid))
         return work
 
     def _on_loop(self, fn: Any, *args: Any) -> Any:
@@ -407,14 +395,7 @@ class Agent:
         if threading.get_ident() == self.thread:
             return fn(*args)
         box: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                box.set_result(fn(*args))
-            except Exception as exc:
-                box.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(run)
+        self.loop.call_soon_threadsafe(_settle, box, fn, *args)
         return box.result()
 
     # --- ending -------------------------------------------------------------------------
@@ -486,11 +467,21 @@ class Agent:
         self.broken(reason)
 
 
-def _object(made: asyncio.Future[Any], rid: RRefId) -> Any:
+def _object(rid: RRefId, made: asyncio.Future[Any]) -> Any:
     """The object an owned future holds, or the error its making raised."""
     if made.cancelled():
         raise RuntimeError(f"the object of RRef {rid} was dropped: no reference to it was left")
     return made.result()
+
+
+def _settle(
+    box: Work[Any] | concurrent.futures.Future[Any], fn: Callable[..., Any], *args: Any
+) -> None:
+    """Settle ``box`` with ``fn(*args)``, or with the error it raises."""
+    try:
+        box.set_result(fn(*args))
+    except Exception as exc:
+        box.set_exception(exc)
 
 
 def agent_for(session: Session) -> Agent:
