@@ -95,6 +95,15 @@ def remember(cache: dict[Any, Any], key: Any, fn: object, value: Any) -> None:
         cache[key] = value
 
 
+def timeout_seconds(timeout: float | None, default: float | None) -> float | None:
+    """An rpc ``timeout`` as seconds: None is ``default``, 0 is none, < 0 a ``ValueError``."""
+    if timeout is None:
+        return default
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 (0: none), got {timeout!r}")
+    return float(timeout) or None
+
+
 class Caller(Protocol):
     """What ``prepare`` needs of the agent a call is for."""
 
@@ -128,12 +137,7 @@ def prepare(
         raise TypeError(f"to must be an int rank, got {type(to).__name__}")
     if not 0 <= to < agent.world_size:
         raise ValueError(f"to={to} is not a rank of the job (its ranks: 0-{agent.world_size - 1})")
-    if timeout is None:
-        seconds: float | None = agent.default_timeout
-    elif timeout < 0:
-        raise ValueError(f"timeout must be >= 0 (0: none), got {timeout!r}")
-    else:
-        seconds = float(timeout) or None
+    seconds = timeout_seconds(timeout, agent.default_timeout)
     if op is Op.CALL or op is Op.REMOTE:
         target, name = _encode_function(target)
         what = what.replace("{fn}", name)

@@ -87,7 +87,7 @@ from aiodist._errors import RemoteError
 from aiodist._group.work import Work, wait_future
 from aiodist._group.world import get_default_group
 from aiodist._rpc.agent import Agent, agent_for, default_agent
-from aiodist._rpc.calls import prepare
+from aiodist._rpc.calls import prepare, timeout_seconds
 from aiodist._rpc.names import (
     WorkerInfo,
     check_name,
@@ -413,12 +413,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> Work[None]:
         >>> await aiodist.rpc.shutdown()
     """
     agent = default_agent("rpc.shutdown")
-    if timeout is None:
-        seconds: float | None = agent.session.timeout
-    elif timeout < 0:
-        raise ValueError(f"timeout must be >= 0 (0: none), got {timeout!r}")
-    else:
-        seconds = float(timeout) or None
+    seconds = timeout_seconds(timeout, agent.session.timeout)
     if _on_loop(agent):
         started = agent.shutdown(graceful, seconds)  # now: the waves start at the call
         return Work(asyncio.ensure_future(_leave_after(agent, started)), "rpc.shutdown")
