@@ -437,14 +437,13 @@ class ProcessGroup:
             )
         work.set_exception(exc)
 
-    def expired(self, work: Work[Any]) -> None:
+    def expired(self, work: Work[Any], seq: int) -> None:
         """``work`` passed the group's timeout (``Deadlines``): fail it, break the group.
 
         A collective first asks the server who it waits for (``stalls.py``, briefly).
 
         :meta private:
         """
-        seq = stalls.seq_of(work.description)
         if seq and not self.session.conn.closed:
             self._spawn(self._expire_named(work, seq))
         else:

@@ -40,12 +40,13 @@ _COMPACT_AT: Final = 1024
 
 
 class Timed(Protocol):
-    """What ``Deadlines`` needs of the group whose operations it times (``ProcessGroup``)."""
+    """What ``Deadlines`` needs of whom it times for (``ProcessGroup``, the rpc agent)."""
 
-    timeout: float
+    @property
+    def timeout(self) -> float: ...
 
-    def expired(self, work: Work[Any]) -> None:
-        """``work`` is past its deadline: fail it (and break the group)."""
+    def expired(self, work: Work[Any], seq: int) -> None:
+        """``work`` (``seq`` as added) is past its deadline: fail it (a group breaks too)."""
         ...
 
 
@@ -87,14 +88,14 @@ class Deadlines:
         self._handle = None
         now = loop.time()
         while self._entries:  # re-read: expiring may start or compact
-            deadline, work, _ = self._entries[0]
+            deadline, work, seq = self._entries[0]
             if work.is_completed():
                 self._entries.popleft()
                 continue
             if deadline > now:
                 break
             self._entries.popleft()
-            self._group.expired(work)
+            self._group.expired(work, seq)
         if self._entries and self._handle is None:
             self._handle = loop.call_at(self._entries[0][0], self._sweep, loop)
 

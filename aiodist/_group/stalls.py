@@ -9,7 +9,6 @@ time the error says so and names nobody.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -23,13 +22,6 @@ if TYPE_CHECKING:
 
 #: How long a timed-out collective waits for the server's view before failing.
 ASK_TIMEOUT: Final = 1.0
-_SEQ = re.compile(r"#(\d+)$")
-
-
-def seq_of(description: str) -> int:
-    """The sequence number a handle's description ends with (``all_reduce#12``); 0 if none."""
-    m = _SEQ.search(description)
-    return int(m.group(1)) if m else 0
 
 
 async def where_others_are(conn: ControlChannel, job: str, group: str, seq: int) -> str:

@@ -27,8 +27,9 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
+from aiodist._group.inflight import Deadlines
 from aiodist._group.work import Work
-from aiodist._rpc.calls import Call, Deadlines, Request
+from aiodist._rpc.calls import Call, Request
 from aiodist._rpc.contexts import incoming
 from aiodist._rpc.names import WorkerInfo, worker
 from aiodist._rpc.rref import AGENTS, RRefId, decode, new_id
@@ -105,6 +106,12 @@ class Agent:
     def alone(self) -> bool:
         """Whether every other rank failed or left (shutdown needs no one's word then)."""
         return self.ranks_alive() == [self.rank]
+
+    @property
+    def timeout(self) -> float:
+        """The calls' default timeout, for the ``Deadlines`` of the calls that take it."""
+        assert self.default_timeout is not None
+        return self.default_timeout
 
     def configure(self, timeout: float | None, threads: int | None) -> None:
         """Take ``init_rpc``'s options: the calls' default timeout (0: none), the rpc threads."""
@@ -212,9 +219,9 @@ class Agent:
             record.sending = self.spawn_send(self._send_rest(call, rest, request.tensors))
         if request.timeout is not None and call in self.calls:  # (a self-call may be done)
             if request.timeout == self.default_timeout:
-                self._deadlines.add(call, request.timeout)
+                self._deadlines.add(self.loop, work, call)
             else:
-                record.timer = self.loop.call_later(request.timeout, self.expired, call)
+                record.timer = self.loop.call_later(request.timeout, self.expired, work, call)
         return work
 
     async def _send_rest(self, call: int, rest: Any, tensors: list[torch.Tensor]) -> None:
@@ -243,8 +250,8 @@ class Agent:
             record.work.set_exception(exc)
         self.maybe_idle()
 
-    def expired(self, call: int) -> None:
-        """Call ``call`` is past its timeout: fail it here and cancel it on its callee."""
+    def expired(self, work: Work[Any], call: int) -> None:
+        """Call ``call`` (``work``) is past its timeout: fail it here, cancel it on its callee."""
         record = self.calls.get(call)
         if record is None or record.work.is_completed():
             return

@@ -4,12 +4,12 @@
 included): a bad destination, a function that cannot be pickled by reference
 or arguments that cannot be pickled raise there, before anything is sent. The
 agent (``rpc.py``) then starts it on the loop and keeps a ``Call`` record until
-its reply comes; ``Deadlines`` times out the calls that take the job's timeout.
+its reply comes (the calls that take the default timeout are timed out by one
+``inflight.Deadlines``, as a group's operations are).
 """
 
 from __future__ import annotations
 
-import collections
 import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 _FUNCTIONS_KEPT: Final = 1024
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType, type)
 _encoded_functions: dict[Any, tuple[bytes, str]] = {}  # fn -> its encoding, its name
-# Deadlines kept behind a long call before the finished ones are dropped (see Deadlines).
-_COMPACT_AT: Final = 1024
 # A function's encoding travels in the request's header, which receivers bound (16 MiB).
 MAX_FUNCTION_BYTES: Final = 1024 * 1024
 
@@ -173,56 +171,3 @@ class Call:
     # An RRef whose object the call uses: dropping it only after the reply means its
     # release reaches the owner after the call is served there.
     keep: object = None
-
-
-class Pending(Protocol):
-    """What ``Deadlines`` needs of the agent whose calls it times."""
-
-    loop: asyncio.AbstractEventLoop
-    calls: dict[int, Call]
-
-    def expired(self, call: int) -> None: ...
-
-
-class Deadlines:
-    """Calls with the job's default timeout, in start order, under one timer.
-
-    Their deadlines come in start order (as ``inflight.Deadlines`` does for a
-    group's operations): a timer per call would cost every call a heap push
-    and a cancel, for a timeout that almost never fires.
-    """
-
-    def __init__(self, agent: Pending) -> None:
-        self._agent = agent
-        self._entries: collections.deque[tuple[float, int]] = collections.deque()
-        self._handle: asyncio.TimerHandle | None = None
-        self._limit = _COMPACT_AT
-
-    def add(self, call: int, timeout: float) -> None:
-        entries, calls = self._entries, self._agent.calls
-        while entries and entries[0][1] not in calls:  # finished: most calls, soon
-            entries.popleft()
-        deadline = self._agent.loop.time() + timeout
-        entries.append((deadline, call))
-        if len(entries) > self._limit:  # a long call holds finished ones behind it
-            self._entries = collections.deque(e for e in entries if e[1] in calls)
-            self._limit = max(_COMPACT_AT, 2 * len(self._entries))
-        if self._handle is None:
-            self._handle = self._agent.loop.call_at(deadline, self._sweep)
-
-    def _sweep(self) -> None:
-        self._handle = None
-        agent, entries = self._agent, self._entries
-        now = agent.loop.time()
-        while entries and (entries[0][0] <= now or entries[0][1] not in agent.calls):
-            _, call = entries.popleft()
-            if call in agent.calls:
-                agent.expired(call)
-        if entries:
-            self._handle = agent.loop.call_at(entries[0][0], self._sweep)
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        self._entries.clear()
