@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from aiodist._rpc.calls import Request, prepare
 from aiodist._rpc.wire import Op
-from aiodist._rpc.world import rpc_session
+from aiodist._rpc.world import rpc_world
 from aiodist._wire import codec
 
 if TYPE_CHECKING:
@@ -261,8 +261,8 @@ class RRef(Generic[T]):
 
 def _default_agent() -> RRefAgent | None:
     """The agent RRefs made or unpickled outside any message belong to: the rpc world's."""
-    world = rpc_session()
-    return None if world is None else AGENTS.get(world)
+    session = rpc_world()[0]
+    return None if session is None else AGENTS.get(session)
 
 
 def _rebuild(owner: int, rid: RRefId, exp: int) -> RRef[Any]:

@@ -47,11 +47,6 @@ class _World:
 _own: _World | None = None  # the world init_rpc opened, until the next one
 
 
-def own_world() -> ProcessGroup | None:
-    """The world group of the rpc world ``init_rpc`` opened (closed or not), if any."""
-    return None if _own is None else _own.group
-
-
 def rpc_world() -> tuple[Session | None, asyncio.AbstractEventLoop | None]:
     """The session remote calls ride and its loop: the rpc world's own, else the default group's.
 
@@ -62,11 +57,6 @@ def rpc_world() -> tuple[Session | None, asyncio.AbstractEventLoop | None]:
         return _own.group.session, _own.loop
     g = get_default_group()
     return (None, None) if g is None else (g.session, default_group_loop())
-
-
-def rpc_session() -> Session | None:
-    """The session remote calls ride (see ``rpc_world``)."""
-    return rpc_world()[0]
 
 
 def is_open() -> bool:
