@@ -62,8 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Threads that run plain functions (``AIODIST_RPC_THREADS``); more calls wait for one.
-DEFAULT_RPC_THREADS: Final = _settings.RPC_THREADS.default
 #: The attribute ``rpc.functions.async_execution`` (and torch's decorator) sets on a function.
 ASYNC_MARK: Final = "_wrapped_async_rpc_function"
 
