@@ -28,7 +28,7 @@ import threading
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from aiodist._rpc.calls import Request, prepare
+from aiodist._rpc.calls import Caller, Request, prepare
 from aiodist._rpc.wire import Op
 from aiodist._rpc.world import rpc_world
 from aiodist._wire import codec
@@ -49,15 +49,10 @@ _MAX_EXPONENT = 1 << 16
 _numbers = itertools.count(1)  # RRef ids are (creator's rank, one of these)
 
 
-class RRefAgent(Protocol):
+class RRefAgent(Caller, Protocol):
     """What an RRef needs of its rank's rpc agent (``agent.Agent``)."""
 
     rank: int
-
-    @property
-    def world_size(self) -> int: ...  # the job's ranks so far: an elastic job grows
-
-    default_timeout: float | None
     loop: asyncio.AbstractEventLoop
     thread: int
 

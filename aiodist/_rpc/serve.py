@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
     from aiodist._plane.peers import DataPlane
     from aiodist._plane.receives import Received
+    from aiodist._rpc.shutdown import Termination
     from aiodist._wire.frame import Buffer
 
 logger = logging.getLogger(__name__)
@@ -66,17 +67,13 @@ logger = logging.getLogger(__name__)
 ASYNC_MARK: Final = "_wrapped_async_rpc_function"
 
 
-class _Terminating(Protocol):
-    def on_message(self, src: int, extra: Any) -> None: ...
-
-
 class Host(RRefAgent, Protocol):
     """What serving needs of its rank's agent (``agent.Agent``)."""
 
     plane: DataPlane
 
     @property
-    def termination(self) -> _Terminating: ...
+    def termination(self) -> Termination: ...
 
     def broken(self, exc: BaseException) -> None: ...
 
