@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from aiodist._errors import DistTimeoutError
+from aiodist._rpc.threads import to_loop
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -80,13 +81,7 @@ class Future(torch.futures.Future[T]):
                 if not waiter.done():
                     waiter.set_result(None)
 
-            def done(_: object) -> None:
-                if threading.get_ident() == here:
-                    wake()
-                else:
-                    loop.call_soon_threadsafe(wake)
-
-            self.add_done_callback(done)
+            self.add_done_callback(lambda _: to_loop(loop, here, wake))
             yield from waiter.__await__()
         return super().wait()
 

@@ -30,7 +30,6 @@ import functools
 import inspect
 import logging
 import sys
-import threading
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiodist import _settings
@@ -38,7 +37,7 @@ from aiodist._errors import DistError
 from aiodist._rpc.calls import remember
 from aiodist._rpc.contexts import CURRENT, Context, incoming, outgoing, within
 from aiodist._rpc.rref import OwnedTable, RRefAgent, decode
-from aiodist._rpc.threads import Job, Threads
+from aiodist._rpc.threads import Job, Threads, to_loop
 from aiodist._rpc.wire import (
     REQUEST_KEY,
     Op,
@@ -328,17 +327,8 @@ class Server:
         if future.done():  # completed in the function already: no callback, no loop turn
             self._resolved(serving, future)
             return
-        loop_thread = self.agent.thread
-
-        def done(completed: Any) -> None:  # on whichever thread completed it
-            if threading.get_ident() == loop_thread:
-                self._resolved(serving, completed)
-                return
-            try:
-                self.loop.call_soon_threadsafe(self._resolved, serving, completed)
-            except RuntimeError:  # the loop closed: nobody waits for the answer
-                pass
-
+        # On whichever thread completes it: the answer is made on the loop's.
+        done = functools.partial(to_loop, self.loop, self.agent.thread, self._resolved, serving)
         future.add_done_callback(done)
 
     def _resolved(self, serving: _Serving, future: Any) -> None:

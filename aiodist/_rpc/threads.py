@@ -14,6 +14,7 @@ daemons, so one stuck in a function does not keep the process from exiting.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
+
+
+def to_loop(
+    loop: asyncio.AbstractEventLoop, loop_thread: int, fn: Callable[..., object], *args: Any
+) -> None:
+    """``fn(*args)`` on ``loop``'s thread: now if this is it, else soon (not once it closed)."""
+    if threading.get_ident() == loop_thread:
+        fn(*args)
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for it any more
+        loop.call_soon_threadsafe(fn, *args)
 
 
 class Job:
