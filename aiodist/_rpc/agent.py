@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
 from aiodist._group.inflight import Deadlines
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from aiodist._plane.receives import Received
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Agent:
@@ -253,9 +254,9 @@ class Agent:
     def expired(self, work: Work[Any], call: int) -> None:
         """Call ``call`` (``work``) is past its timeout: fail it here, cancel it on its callee."""
         record = self.calls.get(call)
-        if record is None or record.work.is_completed():
+        if record is None or work.is_completed():
             return
-        record.work.set_exception(
+        work.set_exception(
             DistTimeoutError(
                 f"{record.what} did not complete within {record.timeout} s; it was cancelled on "
                 f"rank {record.to} (a coroutine function is cancelled there; a plain function "
@@ -345,7 +346,7 @@ class Agent:
             ClosedError: rpc was shut down here.
         """
         rid = new_id(self)
-        self._on_loop(self._own, rid, value)
+        _call_on(self.loop, threading.get_ident() == self.thread, self._own, rid, value)
         return rid
 
     def _own(self, rid: RRefId, value: Any) -> None:
@@ -396,14 +397,6 @@ class Agent:
         else:
             made.add_done_callback(functools.partial(_settle, work, _object, rid))
         return work
-
-    def _on_loop(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the loop's thread, from any thread; its result."""
-        if threading.get_ident() == self.thread:
-            return fn(*args)
-        box: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self.loop.call_soon_threadsafe(_settle, box, fn, *args)
-        return box.result()
 
     # --- ending -------------------------------------------------------------------------
 
@@ -491,6 +484,15 @@ def _settle(
         box.set_exception(exc)
 
 
+def _call_on(loop: asyncio.AbstractEventLoop, here: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on ``loop``'s thread (``here``: this one), from any thread; its result."""
+    if here:
+        return fn(*args)
+    box: concurrent.futures.Future[T] = concurrent.futures.Future()
+    loop.call_soon_threadsafe(_settle, box, fn, *args)
+    return box.result()
+
+
 def agent_for(session: Session) -> Agent:
     """The session's agent, started (serving) on first use; call on the session's loop.
 
@@ -505,10 +507,6 @@ def agent_for(session: Session) -> Agent:
         session.world.on_close(agent.close)
         agent.server.listen()
     return agent
-
-
-async def _agent_for(session: Session) -> Agent:
-    return agent_for(session)
 
 
 def default_agent(what: str) -> Agent:
@@ -535,6 +533,4 @@ def default_agent(what: str) -> Agent:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
-    if running is loop:
-        return agent_for(session)
-    return asyncio.run_coroutine_threadsafe(_agent_for(session), loop).result()
+    return _call_on(loop, running is loop, agent_for, session)
