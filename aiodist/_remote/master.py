@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from aiodist._errors import ArgumentError, ClosedError, DistError, RankFailedError
 from aiodist._group.lingering import linger
-from aiodist._group.work import Work, wait_future
+from aiodist._group.work import Work, running_loop, wait_future
 from aiodist._ops.p2p_objects import Tag, receive_object, send_object
 from aiodist._remote.orders import Kind, Moved, Rebuild, Ref, flatten, keep
 from aiodist._remote.worker import MASTER
@@ -128,11 +128,7 @@ class Master:
             if self._flushing:
                 return
             self._flushing = True
-        try:
-            on_loop = asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        if running_loop() is self.loop:
             self.loop.call_soon(self.flush)
         elif not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.flush)
@@ -238,10 +234,7 @@ class Master:
 
     def wait(self, make: Callable[[], asyncio.Future[Any]], what: str) -> Any:
         """``make()``'s future: a ``Work`` on the loop, its value in plain code (blocking)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = running_loop()
         if running is self.loop:
             return Work(make(), what)
         if running is not None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from aiodist._errors import ClosedError, DistError, DistTimeoutError, RemoteError
 from aiodist._group.inflight import Deadlines
-from aiodist._group.work import Work
+from aiodist._group.work import Work, running_loop
 from aiodist._rpc.calls import Call, Request
 from aiodist._rpc.contexts import incoming
 from aiodist._rpc.names import WorkerInfo, worker
@@ -529,8 +529,4 @@ def default_agent(what: str) -> Agent:
         raise RuntimeError(
             f"{what} needs rpc: call aiodist.rpc.init_rpc() (or init_process_group()) first"
         )
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    return _call_on(loop, running is loop, agent_for, session)
+    return _call_on(loop, running_loop() is loop, agent_for, session)

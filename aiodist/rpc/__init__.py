@@ -84,7 +84,7 @@ import threading
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from aiodist._errors import RemoteError
-from aiodist._group.work import Work, wait_future
+from aiodist._group.work import Work, running_loop, wait_future
 from aiodist._group.world import get_default_group
 from aiodist._rpc.agent import Agent, agent_for, default_agent
 from aiodist._rpc.calls import prepare, timeout_seconds
@@ -320,14 +320,12 @@ def init_rpc(
     check_backend(backend)
     settings = settings_of(rpc_backend_options)
     size = -1 if world_size is None else world_size
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        from aiodist._sync import portal
+    if running_loop() is not None:
+        return asyncio.ensure_future(_init_rpc(name, rank, size, settings))
+    from aiodist._sync import portal
 
-        portal.call(_init_rpc, name, rank, size, settings)
-        return Work.completed(None, "rpc.init_rpc")
-    return asyncio.ensure_future(_init_rpc(name, rank, size, settings))
+    portal.call(_init_rpc, name, rank, size, settings)
+    return Work.completed(None, "rpc.init_rpc")
 
 
 async def _init_rpc(name: str, rank: int, world_size: int, settings: RpcSettings) -> None:
