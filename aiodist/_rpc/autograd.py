@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from aiodist._rpc.agent import default_agent
 from aiodist._rpc.calls import prepare
 from aiodist._rpc.contexts import CURRENT, Context, context_of, drop, local_pass
 from aiodist._rpc.serve import ASYNC_MARK
@@ -84,8 +85,6 @@ def _release(context_id: int, agent: Agent | None) -> None:
 
 def _release_here(context_id: int) -> None:
     """Drop context ``context_id`` on this rank and on the ranks it reached (a remote call)."""
-    from aiodist._rpc.agent import default_agent
-
     _release(context_id, default_agent("dist_autograd"))
 
 
@@ -118,8 +117,6 @@ def _propagate(context_id: int, send: int, grads: list[Any]) -> Any:
     Marked ``async_execution``: the thread is free while the ranks it sends to work.
     """
     import torch
-
-    from aiodist._rpc.agent import default_agent
 
     ctx = context_of(context_id)
     sent = ctx.sends.get(send)
