@@ -53,6 +53,7 @@ from aiodist._server.records import (
     RankFailed,
     RankLeft,
     RegroupSettled,
+    StoreAnswered,
 )
 from aiodist._server.regroups import Answer
 from aiodist._wire.messages import MemberFailed, MembersFailed, Packed, Reattach, Reply
@@ -318,6 +319,9 @@ class Reattachment:
             return
         if isinstance(rec, KeySet):
             job.store.restore(rec.key, rec.value)
+            return
+        if isinstance(rec, StoreAnswered):
+            job.store.restore_answer(rec)
             return
         if isinstance(rec, BarriersPassed):
             job.barriers.restore(rec)

@@ -142,6 +142,20 @@ class JobEnded(Record):
     generation: Generation
 
 
+@record(9)
+class StoreAnswered(Record):
+    """Rank ``rank`` of ``job`` changed the store with request ``req_id``, an operation of
+    kind ``op`` (``store.SET``, ``ADD``, ``COMPARE_SET``, ``DELETE``) whose answer says
+    ``reply`` (``store.answer``): that request sent again is answered, not applied again.
+    In the batch of the change itself, so a restart keeps both or neither."""
+
+    job: JobName
+    rank: Rank
+    req_id: U64Int
+    op: Annotated[int, Int(0, 3)]
+    reply: Annotated[bytes | None, Len(0, MAX_VALUE_BYTES, "bytes")]
+
+
 def encode_record(rec: Any) -> list[Any]:
     """``rec`` as the array a state file holds: ``[kind, *fields]``."""
     return [rec.KIND, *message_header(rec)]

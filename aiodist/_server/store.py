@@ -4,6 +4,11 @@
   ``compare_set`` returns the value now stored). Every change of a key goes
   through one method (``Store._put``), which records it (``KeySet``) and wakes
   its waits: a new operation that changes the store cannot be lost on restart.
+- A change is applied once, whatever the connection does: a member that
+  re-attaches (its server restarted or stood still) sends its unanswered
+  requests again, and one the server had applied before the answer was lost
+  gets that answer again (``StoreAnswered``, kept with the change), not a
+  second ``add``.
 - A ``get`` or ``wait`` on keys not all set parks a waiter under its first
   missing key only; each set moves it along, so a wait on N keys costs O(N) in
   all. Waits on the very same keys ride along with the first one.
@@ -23,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from aiodist._errors import ErrorCode, rank_left_error
 from aiodist._server.parts import BadRequest, handles
-from aiodist._server.records import BarriersPassed, KeySet
+from aiodist._server.records import BarriersPassed, KeySet, StoreAnswered
 from aiodist._wire.messages import (
     Barrier,
     ErrorReply,
@@ -45,6 +50,23 @@ if TYPE_CHECKING:
 
 #: Barriers passed out of order a job remembers (beyond the ones passed in order).
 MAX_PASSED_AHEAD: Final = 1024
+#: Answers to changes of the store a job keeps for requests sent again, at least (and
+#: 4 per member): a member sends again only the requests it had in flight.
+MIN_ANSWERS_KEPT: Final = 1024
+
+# The kinds of change (``StoreAnswered.op``).
+SET, ADD, COMPARE_SET, DELETE = range(4)
+
+
+def answer(op: int, reply: bytes | None) -> Any:
+    """The reply to a change of kind ``op``, from what ``StoreAnswered.reply`` keeps of it:
+    ``set``, None; ``add``, the new value; ``compare_set``, the value now stored;
+    ``delete``, whether it deleted (``b"1"``)."""
+    if op == ADD:
+        return int(reply or b"0")
+    if op == COMPARE_SET:
+        return reply
+    return reply is not None if op == DELETE else None
 
 
 @dataclass(eq=False, slots=True)
@@ -77,42 +99,51 @@ class Store:
         # were last seen all set (-1: not known to be).
         self._last_keys: tuple[bytes, list[str]] = (b"", [])
         self._last_keys_set_at = -1
+        # (rank, request id) -> (kind of change, reply): what a request sent again gets.
+        self.answered: dict[tuple[int, int], tuple[int, bytes | None]] = {}
 
     # --- requests ------------------------------------------------------------------------
 
     @handles(StoreSet)
     def set(self, member: MemberView, msg: StoreSet, now: float) -> None:
-        self._out.send(member.conn, Reply(msg.req_id, None))  # before the waits it wakes
-        self._put(msg.key, msg.value)
+        if not self._answered_before(member, msg.req_id):
+            self._answer(member, msg.req_id, SET, None)  # before the waits it wakes
+            self._put(msg.key, msg.value)
 
     @handles(StoreAdd)
     def add(self, member: MemberView, msg: StoreAdd, now: float) -> None:
+        if self._answered_before(member, msg.req_id):
+            return
         old = self.kv.get(msg.key, b"0")
         try:
-            value = int(old) + msg.amount
+            value = str(int(old) + msg.amount).encode()
         except ValueError:
             raise BadRequest(
                 ErrorCode.BAD_REQUEST, f"key {msg.key!r} holds {old[:32]!r}, not an integer"
             ) from None
-        self._out.send(member.conn, Reply(msg.req_id, value))
-        self._put(msg.key, str(value).encode())
+        self._answer(member, msg.req_id, ADD, value)
+        self._put(msg.key, value)
 
     @handles(StoreCompareSet)
     def compare_set(self, member: MemberView, msg: StoreCompareSet, now: float) -> None:
+        if self._answered_before(member, msg.req_id):
+            return
         current = self.kv.get(msg.key)
         if (current is None and not msg.expected) or current == msg.expected:
-            self._out.send(member.conn, Reply(msg.req_id, msg.desired))
+            self._answer(member, msg.req_id, COMPARE_SET, msg.desired)
             self._put(msg.key, msg.desired)
         else:
-            value = msg.expected if current is None else current
-            self._out.send(member.conn, Reply(msg.req_id, value))
+            stored = msg.expected if current is None else current  # torch's answer
+            self._answer(member, msg.req_id, COMPARE_SET, stored)
 
     @handles(StoreDeleteKey)
     def delete(self, member: MemberView, msg: StoreDeleteKey, now: float) -> None:
+        if self._answered_before(member, msg.req_id):
+            return
         deleted = msg.key in self.kv
+        self._answer(member, msg.req_id, DELETE, b"1" if deleted else None)
         if deleted:
             self._put(msg.key, None)
-        self._out.send(member.conn, Reply(msg.req_id, deleted))
 
     @handles(StoreNumKeys)
     def num_keys(self, member: MemberView, msg: StoreNumKeys, now: float) -> None:
@@ -169,7 +200,9 @@ class Store:
 
     def records(self) -> list[Record]:
         name = self._job.name
-        return [KeySet(name, key, value) for key, value in self.kv.items()]
+        out: list[Record] = [KeySet(name, key, value) for key, value in self.kv.items()]
+        out.extend(StoreAnswered(name, *k, *a) for k, a in self.answered.items())
+        return out
 
     def restore(self, key: str, value: bytes | None) -> None:
         """Replay ``KeySet``: nothing waits yet, nothing is recorded again."""
@@ -178,7 +211,35 @@ class Store:
         else:
             self.kv[key] = value
 
+    def restore_answer(self, rec: StoreAnswered) -> None:
+        """Replay ``StoreAnswered``."""
+        self._keep_answer(rec.rank, rec.req_id, rec.op, rec.reply)
+
     # --- inside ---------------------------------------------------------------------------
+
+    def _answered_before(self, member: MemberView, req_id: int) -> bool:
+        """True if ``member`` sent request ``req_id`` before, now answered again."""
+        kept = self.answered.get((member.rank, req_id))
+        if kept is None:
+            return False
+        self._out.send(member.conn, Reply(req_id, answer(*kept)))
+        return True
+
+    def _answer(self, member: MemberView, req_id: int, op: int, reply: bytes | None) -> None:
+        """Answer ``member``'s request ``req_id`` to change the store (made or not), and keep
+        the answer: that request sent again gets it again, and changes nothing."""
+        self._out.send(member.conn, Reply(req_id, answer(op, reply)))
+        rank = member.rank
+        if rank >= 0:  # a member of a formed job, which may re-attach
+            self._keep_answer(rank, req_id, op, reply)
+            if self._job.logged:  # in the change's batch: a restart keeps both or neither
+                self._out.record(self._job, StoreAnswered(self._job.name, rank, req_id, op, reply))
+
+    def _keep_answer(self, rank: int, req_id: int, op: int, reply: bytes | None) -> None:
+        answered = self.answered
+        answered[(rank, req_id)] = (op, reply)
+        if len(answered) > max(MIN_ANSWERS_KEPT, 4 * self._job.world_size):
+            del answered[next(iter(answered))]  # the oldest
 
     def _put(self, key: str, value: bytes | None) -> None:
         """Set ``key`` to ``value`` (None: delete it): the one way the store changes."""

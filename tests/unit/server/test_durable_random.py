@@ -65,6 +65,7 @@ class Member:
     world: int  # the world size its Welcome said
     host: str
     pid: int
+    last: tuple[Any, Any] | None = None  # its latest change of the store, and the answer
 
 
 @dataclass
@@ -101,10 +102,10 @@ class Run:
 
     def call(self, conn: int, build: Any) -> Any:
         """Send ``build(req_id)``; its answer (a Reply or an ErrorReply), or None."""
-        req = next(self.table._reqs)
-        self.table.state.receive(conn, build(req), self.table.now)
+        self.sent = build(next(self.table._reqs))
+        self.table.state.receive(conn, self.sent, self.table.now)
         self.table.collect()
-        return self.answer(conn, req)
+        return self.answer(conn, self.sent.req_id)
 
     def answer(self, conn: int, req: int) -> Any:
         for msg in self.table.inbox[conn]:
@@ -195,7 +196,7 @@ class Run:
         kind = self.rng.choice(["set", "set", "add", "cas", "delete"])
         if kind == "set":
             key, value = self.rng.choice(KEYS), self.rng.randbytes(self.rng.randint(0, 40))
-            self.ok(m.conn, lambda r: StoreSet(r, key, value))
+            got = self.ok(m.conn, lambda r: StoreSet(r, key, value))
             kv[key] = value
         elif kind == "add":
             key, amount = self.rng.choice(COUNTERS), self.rng.randint(-5, 50)
@@ -218,6 +219,7 @@ class Run:
             key = self.rng.choice(KEYS)
             got = self.ok(m.conn, lambda r: StoreDeleteKey(r, key))
             assert got == (kv.pop(key, None) is not None)
+        m.last = (self.sent, got)
         self.counts[f"store {kind}"] += 1
 
     def barrier(self) -> None:
@@ -403,6 +405,16 @@ class Run:
                 assert isinstance(reply, Reply), (job.name, m.rank, reply)
                 back.append(m.conn)
                 self.counts["re-attach"] += 1
+                if m.last is not None and self.rng.random() < 0.5:
+                    # Its latest change sent again, as if its answer had been lost: the
+                    # same answer, and the store as acknowledged (check() below).
+                    msg, got = m.last
+                    table.state.receive(m.conn, msg, table.now)
+                    table.collect()
+                    again = self.answer(m.conn, msg.req_id)
+                    assert isinstance(again, Reply), (msg, again)
+                    assert again.value == got, (msg, got, again)
+                    self.counts["change sent again"] += 1
         if dead:
             for _ in range(round(2 * MIN_REATTACH_WINDOW / (HB / 4))):
                 table.advance(HB / 4)

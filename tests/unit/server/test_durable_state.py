@@ -28,6 +28,8 @@ from aiodist._wire.messages import (
     MembersJoined,
     Reattach,
     Reply,
+    StoreAdd,
+    StoreCompareSet,
     StoreDeleteKey,
     StoreGet,
     StoreSet,
@@ -54,6 +56,9 @@ def secret_of(rank: int) -> bytes:
     return bytes([rank + 1]) * 32
 
 
+_REQUEST_IDS = itertools.count(1)
+
+
 class Table:
     """A restartable ``JobTable`` with a fake clock, its state directory wired in as the
     server wires it; its replies sorted by connection."""
@@ -68,7 +73,9 @@ class Table:
             self.dir = self.journal.state_dir
         self.inbox: dict[int, list[Any]] = defaultdict(list)
         self._conns = itertools.count(1)
-        self._reqs = itertools.count(1)
+        # A client's request ids go on across its server's restart (it keeps its connection
+        # object): a request sent again keeps its id, a new one never takes an old one's.
+        self._reqs = _REQUEST_IDS
         _OPEN.append(self)
 
     def connect(self) -> int:
@@ -183,6 +190,40 @@ def test_state_dir_replays_job_members_keys_and_barriers(tmp_path: Path) -> None
     # Barrier 1 was passed before the restart: sent again, it answers at once.
     assert isinstance(again.send(conn, lambda r: Barrier(r, 1, 60.0)), Reply)
     assert again.send(conn, lambda r: StoreGet(r, "kept", 5.0)).value == b"v1"
+
+
+@pytest.mark.parametrize("restarts", [0, 1, 2], ids=["stood-still", "restart", "snapshot"])
+def test_a_change_sent_again_is_answered_not_applied_again(tmp_path: Path, restarts: int) -> None:
+    # A member that re-attaches sends again the requests it had no answer to. One the
+    # server applied before the answer was lost gets that answer, and is not applied a
+    # second time: after a restart too, and after the one after it (replaying the
+    # snapshot the first wrote).
+    table, conns = formed_job(tmp_path)
+    ids = [next(table._reqs) for _ in range(4)]
+    again = [
+        StoreAdd(ids[0], "n", 5),
+        StoreCompareSet(ids[1], "c", b"", b"new"),
+        StoreSet(ids[2], "s", b"v"),
+        StoreDeleteKey(ids[3], "kept"),
+    ]
+    for msg in again:
+        table.send(conns[0], msg)  # applied; say its answer was lost with the connection
+    table.send(conns[1], lambda r: StoreSet(r, "s", b"later"))  # another member, after it
+    conn = conns[0]
+    for n in range(restarts):
+        table.close()
+        table = Table(tmp_path, now=10.0 * (n + 1))
+        conn, reply = reattach(table, 0, secret_of(0))
+        assert isinstance(reply, Reply), reply
+    replies = [table.send(conn, msg) for msg in again]
+    assert [(type(r), r.req_id, r.value) for r in replies] == [
+        (Reply, ids[0], 5),
+        (Reply, ids[1], b"new"),
+        (Reply, ids[2], None),
+        (Reply, ids[3], True),
+    ]
+    assert table.send(conn, lambda r: StoreAdd(r, "n", 0)).value == 5  # added once
+    assert table.state.jobs["job"].store.kv == {"c": b"new", "s": b"later", "n": b"5"}
 
 
 def test_reattach_without_the_members_secret_is_refused(tmp_path: Path) -> None:
