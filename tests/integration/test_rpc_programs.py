@@ -18,6 +18,7 @@ failed with "Connection reset by peer" now and then on a loaded machine.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -104,9 +105,16 @@ def test_parameter_server_with_distributed_optimizer_matches_torch() -> None:
 
 def test_agent_with_observers_holding_rref_self_matches_torch() -> None:
     out = _run_both("agent_observers.py")
-    assert out["aiodist"]["history"] == out["torch"]["history"]  # rewards and losses
     # The policy's gradients are sums over the observers' steps, added up in the order
-    # the autograd engine meets them: the order the concurrent calls came in.
+    # the autograd engine meets them: the order the concurrent calls came in, which is
+    # not the same from run to run (four runs of torch's own gave four policies, up to
+    # 6e-8 apart). After an optimizer step that shows in the next episodes' losses too,
+    # in the last digits (2e-5 relative seen once): equal up to that, not to the bit.
+    mine, theirs = _flat(out["aiodist"]["history"]), _flat(out["torch"]["history"])
+    assert len(mine) == len(theirs)
+    assert all(
+        math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(mine, theirs, strict=True)
+    )
     mine, theirs = _flat(out["aiodist"]["policy"]), _flat(out["torch"]["policy"])
     assert len(mine) == len(theirs)
     assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) < 1e-6
