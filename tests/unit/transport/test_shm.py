@@ -147,6 +147,27 @@ async def test_next_start_removes_segments_of_dead_processes_only(
         live.close()
 
 
+async def _three_with_a_victim(
+    server: RendezvousServer, tmp_path: Path, source: str, victim: int
+) -> dict[int, dict[str, Any]]:
+    """Run ``source`` as 3 ranks of one job at ``server``, shared memory on (its argv: the
+    server's URL, the rank, the world size, ``victim``); each rank's report."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    url = f"tcp://{server.address[0]}:{server.address[1]}"
+    outs: dict[int, dict[str, Any]] = {}
+
+    async def one(rank: int) -> None:
+        args = [url, str(rank), "3", str(victim)]
+        outs[rank] = await run_worker(script, args, {"AIODIST_SHM": "1"})
+
+    with anyio.fail_after(90):
+        async with anyio.create_task_group() as tg:
+            for rank in range(3):
+                tg.start_soon(one, rank)
+    return outs
+
+
 KILLED_WORKER = textwrap.dedent(
     """
     import glob, json, os, signal, sys
@@ -188,20 +209,8 @@ KILLED_WORKER = textwrap.dedent(
 async def test_rank_killed_mid_shared_all_reduce_leaves_no_segment(
     server: RendezvousServer, tmp_path: Path
 ) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(KILLED_WORKER)
-    url = f"tcp://{server.address[0]}:{server.address[1]}"
-    world, victim = 3, 1
-    outs: dict[int, dict[str, Any]] = {}
-
-    async def one(rank: int) -> None:
-        args = [url, str(rank), str(world), str(victim)]
-        outs[rank] = await run_worker(script, args, {"AIODIST_SHM": "1"})
-
-    with anyio.fail_after(90):
-        async with anyio.create_task_group() as tg:
-            for rank in range(world):
-                tg.start_soon(one, rank)
+    victim = 1
+    outs = await _three_with_a_victim(server, tmp_path, KILLED_WORKER, victim)
     assert outs[victim]["returncode"] == -9
     assert outs[victim]["segments"], "the victim died before making its segment"
     for rank, out in outs.items():
@@ -276,20 +285,8 @@ async def test_a_peer_whose_rows_segment_was_swept_fails_the_board_as_a_failed_r
     # it first sweeps its rows segment: a rank that had not heard yet maps the segment
     # as it decides the board. It must fail naming the rank, as a send to it would, not
     # with the FileNotFoundError of a file that is gone.
-    script = tmp_path / "worker.py"
-    script.write_text(SWEPT_WORKER)
-    url = f"tcp://{server.address[0]}:{server.address[1]}"
-    world, victim = 3, 2
-    outs: dict[int, dict[str, Any]] = {}
-
-    async def one(rank: int) -> None:
-        args = [url, str(rank), str(world), str(victim)]
-        outs[rank] = await run_worker(script, args, {"AIODIST_SHM": "1"})
-
-    with anyio.fail_after(90):
-        async with anyio.create_task_group() as tg:
-            for rank in range(world):
-                tg.start_soon(one, rank)
+    victim = 2
+    outs = await _three_with_a_victim(server, tmp_path, SWEPT_WORKER, victim)
     assert outs[victim]["returncode"] == -9, outs
     for rank in range(victim):
         assert outs[rank]["barrier"] == ["RankFailedError", victim], outs
