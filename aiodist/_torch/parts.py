@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as TorchProcessGroup
 
 from aiodist import _settings
+from aiodist._errors import DistTimeoutError
 from aiodist._torch.store import LoopStore
 from aiodist._torch.torch_work import AiodistWork
 
@@ -112,8 +113,35 @@ class DevicePart:
         with self._pending_lock:
             self._pending.add(work)
         work._settled.add_done_callback(lambda _: self._forget(work))
-        work.follow(inner)
+        work.follow(inner, lambda exc: self._failed(g, loop, work, exc))
         return work
+
+    def _failed(
+        self, g: ProcessGroup, loop: asyncio.AbstractEventLoop, work: AiodistWork, exc: Exception
+    ) -> BaseException:
+        """The error ``work`` fails with: a timeout in torch breaks ``g`` on every rank.
+
+        On torch's thread. torch's call ended on its timeout (a rank never made it,
+        or is stuck): the group breaks as when aiodist's own call times out, so every
+        member's next call raises the same ``DistTimeoutError``, the rank that never
+        made it included, instead of gloo's "Connection closed by peer". Other errors
+        stay torch's own (a rank gone is named by the server's word, ``_broke``).
+        """
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        said = first.lower()
+        timed_out = isinstance(exc, TimeoutError) or "timed out" in said or "timeout" in said
+        if g.error is not None or not timed_out:
+            return exc
+        error = DistTimeoutError(
+            f"{work._description} on group {g.name!r} did not complete in torch.distributed "
+            f"({first}); a rank may not have called it, or may be stuck. The group is broken "
+            "on every rank."
+        )
+        error.__cause__ = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to tell
+            loop.call_soon_threadsafe(g.break_, error)
+        return error
 
     def _forget(self, work: AiodistWork) -> None:
         with self._pending_lock:

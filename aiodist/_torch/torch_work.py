@@ -142,14 +142,19 @@ class AiodistWork(TorchWork):
         else:
             self._settled.set_result(None)
 
-    def follow(self, torch_work: Any) -> None:
-        """Settle as ``torch_work`` (of a device part) does: its value, or its error."""
+    def follow(
+        self, torch_work: Any, failed: Callable[[Exception], BaseException] | None = None
+    ) -> None:
+        """Settle as ``torch_work`` (of a device part) does: its value, or its error.
+
+        ``failed(exc)``, on torch's thread, gives the error to fail with instead of torch's.
+        """
 
         def settled(fut: Any) -> None:  # on torch's thread
             try:
                 value = fut.value()
             except Exception as exc:
-                self._fail(exc)
+                self._fail(exc if failed is None else failed(exc))
             else:
                 with self._once:
                     if not self._done.is_set():

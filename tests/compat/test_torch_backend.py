@@ -64,12 +64,14 @@ async def _train(
     return _procs.reports_by_rank("\n".join(lines))
 
 
-async def _ranks(tmp_path: Path, source: str, n: int = 2) -> dict[int, dict[str, Any]]:
+async def _ranks(
+    tmp_path: Path, source: str, n: int = 2, env: dict[str, str] | None = None
+) -> dict[int, dict[str, Any]]:
     """Run the program ``source`` on ``n`` ranks (``aiodist run``); their JSON reports by rank."""
     script = tmp_path / "program.py"
     script.write_text(source)
     argv = [*LAUNCHERS["aiodist-run"], "-n", str(n), str(script)]
-    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT)})
+    result = await _procs.run(argv, LIMIT, {"PYTHONPATH": str(ROOT), **(env or {})})
     assert result.returncode == 0, result.stderr[-3000:]
     reports = _procs.reports_by_rank(
         "\n".join(line.partition("] ")[2] for line in result.stdout.splitlines())
@@ -301,6 +303,57 @@ async def test_torchs_subgroups_keep_their_timeout_and_monitor_their_barrier(
     assert message.startswith("Timed out"), message
     assert 0.9 < seconds < 10, seconds  # the group's own 1 s, not the default's
     assert "Rank 0 timed out in monitoredBarrier" in reports[0]["monitored"]
+
+
+PART_TIMEOUT = """
+import json, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import aiodist, aiodist.sync
+dist.init_process_group(backend="aiodist", timeout=timedelta(seconds=2))
+rank = dist.get_rank()
+store = aiodist.sync.get_store()
+dist.all_reduce(torch.ones(1))  # every rank: the gloo part is built
+out = {"rank": rank}
+if rank == 2:  # busy elsewhere: it never makes the call ranks 0 and 1 make
+    store.get("reported", timedelta(seconds=60))
+else:
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as exc:
+        out["first"] = [type(exc).__name__, str(exc)]
+    out["seconds"] = time.monotonic() - began
+    store.add("reported-by", 1)
+    if store.add("reported-by", 0) == 2:
+        store.set("reported", b"1")
+    store.get("reported", timedelta(seconds=60))
+try:
+    dist.all_reduce(torch.ones(4))
+except Exception as exc:
+    out["next"] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+async def test_a_call_on_a_gloo_part_that_times_out_breaks_the_group_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # Before: a call on a device part (gloo standing in for NCCL) that a rank never made
+    # ended in gloo's own "Timed out waiting 2000ms for recv operation" on the ranks that
+    # made it, and nobody else heard of it: the next call raised "Application timeout
+    # caused pair closure" there, and gloo's "Connection closed by peer" on the rank that
+    # had been busy elsewhere, none of them aiodist's error naming the call.
+    reports = await _ranks(tmp_path, PART_TIMEOUT, 3, {"AIODIST_TORCH_PARTS": "cpu:gloo"})
+    for rank in (0, 1):
+        kind, message = reports[rank]["first"]
+        assert kind == "DistTimeoutError", reports[rank]
+        assert "allreduce (cpu:gloo)" in message, message
+        assert 1.5 < reports[rank]["seconds"] < 10, reports[rank]  # the group's 2 s
+    for rank in (0, 1, 2):
+        assert reports[rank]["next"][0] == "DistTimeoutError", reports[rank]
+        assert "allreduce (cpu:gloo)" in reports[rank]["next"][1], reports[rank]
 
 
 RAISES = """
