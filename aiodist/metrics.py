@@ -290,14 +290,17 @@ class MetricAggregator:
         if board is not None:
             # Straight onto the board from this thread: only while the group and its
             # session are usable (a destroyed default group went with its session; a
-            # new one takes the loop path, which agrees afresh), and only when this
-            # sync's sequence number comes next in call order: on the loop's thread,
-            # or from plain code with no earlier operation still on its way to the loop
-            # (aiodist.sync's, or torch's on the aiodist backend).
+            # new one, or one that replaced a broken one, takes the loop path, which
+            # agrees afresh), and only when this sync's sequence number comes next in
+            # call order: on the loop's thread, or from plain code with no earlier
+            # operation still on its way to the loop (aiodist.sync's, or torch's on the
+            # aiodist backend).
             # Every step: a few attribute reads, no helper calls.
             g, session = board.group, board.session
             if (
-                (g.error is None or g.keeps_p2p)  # a failed member: the board fails what needs it
+                # A failed member: the board fails what needs it, while its group is still
+                # the one to sync on (shrink_group replaced the default group: agree afresh).
+                (g.error is None or (g.keeps_p2p and resolve_group(self._group) is g))
                 and not g.closed
                 and session.error is None
                 and not session.closed

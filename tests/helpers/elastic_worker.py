@@ -7,6 +7,8 @@ Modes:
              check what still works, shrink the default group and run 100 steps.
     second   rank 3 is killed in an all_reduce; rank 1 is killed while ranks 0 and 2
              are inside shrink_group; the survivors end in one group of two.
+    metrics  a MetricAggregator syncs on the shared-memory board of 3 ranks; rank 2 is
+             killed, the others shrink and sync again with the same aggregator.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ async def main() -> None:
     pair = await aiodist.new_group([0, 1])  # without the victims of either mode
     store = aiodist.get_store()
     await aiodist.barrier()
+    if mode == "metrics":
+        await metrics_after_shrink(out)
+        return
     if mode == "shrink":
         exc = await until_failure(out, victim=2)
         # Failure isolation: what does not need rank 2 still works.
@@ -130,6 +135,34 @@ async def main() -> None:
         else:
             out["new"] = [aiodist.get_rank(), aiodist.get_world_size(), list(new.ranks)]
             out["sums"] = await steps(20)
+    report(out)
+    await aiodist.destroy_process_group()
+
+
+async def metrics_after_shrink(out: dict[str, Any]) -> None:
+    """Mode ``metrics``: an aggregator made before a shrink syncs among the survivors."""
+    rank = aiodist.get_rank()
+    agg = MetricAggregator({"tokens": "sum"})
+    for _ in range(3):  # on the board (three ranks of one host) from the second on
+        agg.update(tokens=rank + 1)
+        out.setdefault("before", []).append((await agg.sync())["tokens"])
+    out["on_board"] = agg._board is not None
+    if rank == 2:
+        die(out)
+    try:
+        await aiodist.barrier()
+    except aiodist.RankFailedError as exc:
+        out["error"] = [type(exc).__name__, exc.rank]
+        await aiodist.shrink_group([exc.rank])
+    after: list[float | str] = []
+    for _ in range(3):
+        agg.update(tokens=10 * (rank + 1))
+        try:
+            with anyio.fail_after(20):
+                after.append((await agg.sync())["tokens"])
+        except Exception as exc:
+            after.append(f"{type(exc).__name__}: {exc}")
+    out["after"] = after
     report(out)
     await aiodist.destroy_process_group()
 

@@ -107,3 +107,20 @@ async def test_sync_facade_shrinks_and_follows_the_new_default_group(
         assert out["error"] == ["RankFailedError", 1]
         assert out["new"] == [new_rank, 2]
         assert out["sum"] == [2.0, 2.0, 2.0]
+
+
+async def test_an_aggregator_made_before_a_shrink_syncs_among_the_survivors(
+    server: RendezvousServer,
+) -> None:
+    # Before: its every sync after shrink_group went on the old group's shared-memory
+    # board and failed with RankFailedError naming the dead rank, for good; only a new
+    # MetricAggregator synced on the new default group.
+    outs = await _run_job(server, 3, "metrics")
+    assert outs[2]["returncode"] == -9
+    for rank in (0, 1):
+        out = outs[rank]
+        assert out["returncode"] == 0, out["stderr"]
+        assert out["before"] == [6.0, 6.0, 6.0], out
+        assert out["on_board"] is True, out
+        assert out["error"] == ["RankFailedError", 2], out
+        assert out["after"] == [30.0, 30.0, 30.0], out
