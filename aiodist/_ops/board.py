@@ -35,7 +35,9 @@ steps: its signature through the board, then its bytes over sockets.
 **Failure.** A rank that dies or breaks the group fails the posted opening
 receive, which fails the operation; a member's abort fails it the same way
 (``ProcessGroup.abort_remote``); a timed-out operation is dropped at the next
-look.
+look. A failed operation takes its row off the board (its slot's key is
+cleared), so a rank that makes the call late cannot complete it with the rows
+of ranks that failed it.
 """
 
 from __future__ import annotations
@@ -522,6 +524,12 @@ class _Op:
     def _end(self, side: _Side, *, failed: bool) -> None:
         if failed:
             self.state = 2
+            i = self.slot
+            if i >= 0 and side.owner[i] is self:
+                # Its row goes off the board: a rank that makes the call late (it heard
+                # nothing of the failure yet) must not find every row and complete it
+                # where this rank failed it (timed out); it waits for the group's error.
+                _KEY.pack_into(side.mem, TAGS + i * 8, 0)
         posted = self.posted
         if posted is not None:
             self.posted = None

@@ -294,3 +294,64 @@ async def test_a_rank_that_dies_just_after_its_hosts_loop_stood_still_fails_alon
     assert reports[0]["back"] == 42.0
     assert reports[1]["got"] == 41.0
     assert ranks[2].returncode == 9
+
+
+LATE = textwrap.dedent(
+    """
+    import json, os, sys
+    import anyio, torch
+    import aiodist
+
+    async def main() -> None:
+        await aiodist.init_process_group(timeout=2)
+        rank = aiodist.get_rank()
+        out = {"rank": rank}
+        await aiodist.all_reduce(torch.ones(2))  # every rank: the board is open
+        out["board"] = type(aiodist.get_default_group().rows).__name__
+        if rank == 2:
+            # Busy on the loop's own thread past the others' timeout: it hears of
+            # nothing until it has made the call (here, until both gave up on it).
+            told = b""
+            while len(told) < 2:
+                with open(os.environ["LATE_FIFO"], "rb") as fifo:
+                    told += fifo.read()
+        t = torch.full((2,), float(rank + 1))
+        try:
+            await aiodist.all_reduce(t)
+            out["late"] = t.tolist()
+        except aiodist.DistError as exc:
+            out["late"] = f"{type(exc).__name__}: {exc}"
+        if rank != 2:
+            with open(os.environ["LATE_FIFO"], "wb") as fifo:
+                fifo.write(b"x")
+        print(json.dumps(out), flush=True)
+        await aiodist.destroy_process_group()
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the ranks run their own loops
+async def test_a_call_that_timed_out_on_the_board_fails_on_the_rank_that_makes_it_late(
+    tmp_path: Path,
+) -> None:
+    # Before: ranks 0 and 1 timed out waiting for rank 2 in an all_reduce on the shared
+    # memory board, and rank 2, making the call later, found both their rows still
+    # there and completed it with their data, the sum [6.0, 6.0]: one call, a result on
+    # one rank and DistTimeoutError on the others. Over sockets rank 2 failed too.
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    fifo = tmp_path / "late.fifo"
+    os.mkfifo(fifo)
+    ranks = await run_job([sys.executable, str(script)], 3, limit=60, env={"LATE_FIFO": str(fifo)})
+    reports: dict[int, dict[str, Any]] = {}
+    for finished in ranks:
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        reports.update(reports_by_rank(finished.stdout))
+    for rank in range(3):
+        assert reports[rank]["board"] == "Board", reports[rank]
+        late = reports[rank]["late"]
+        assert isinstance(late, str), (rank, late)  # not the sum of the others' rows
+        assert late.startswith("DistTimeoutError: "), (rank, late)
+        assert "all_reduce" in late, (rank, late)
