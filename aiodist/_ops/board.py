@@ -561,7 +561,4 @@ def _own(plane: DataPlane) -> memoryview:
 
 async def _mapped(plane: DataPlane, rank: int, name: str) -> memoryview:
     # Kept among the plane's peer segments, under a key no group has (ids are >= 0).
-    try:
-        return memoryview(plane.segments.peer(-1, rank, name, shmrows.NBYTES).memory)
-    except FileNotFoundError as exc:  # it died, and a survivor swept its segment
-        raise await plane.unreachable(rank, exc) from None
+    return memoryview((await plane.peer_segment(-1, rank, name, shmrows.NBYTES)).memory)

@@ -75,11 +75,7 @@ async def _notify_all(ex: Exchange, step: int, payload: bytes | None) -> None:
 async def _peer_segment(ex: Exchange, src: int, msg: Received) -> Segment:
     """Group rank ``src``'s segment, which ``msg`` names, mapped here."""
     name, _, size = bytes(msg.data).decode().rpartition(":")
-    plane, rank = ex.g.session.plane, ex.g.ranks[src]
-    try:
-        return plane.segments.peer(ex.g.group_id, rank, name, int(size))
-    except FileNotFoundError as exc:  # it died, and a survivor swept its segment
-        raise await plane.unreachable(rank, exc) from None
+    return await ex.g.session.plane.peer_segment(ex.g.group_id, ex.g.ranks[src], name, int(size))
 
 
 def take_turn(g: ProcessGroup) -> Turn:

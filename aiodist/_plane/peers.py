@@ -282,6 +282,17 @@ class DataPlane(Connections):
             return exc
         return await self.on_peer_lost(dst, f"sending to it failed ({exc})") or exc
 
+    async def peer_segment(self, key: int, rank: int, name: str, nbytes: int) -> shm.Segment:
+        """``rank``'s shared segment ``name`` mapped here (``SharedSegments.peer``).
+
+        A file that is gone means ``rank`` died and a survivor swept it: that fails
+        as a send to ``rank`` would (the session's verdict names it).
+        """
+        try:
+            return self.segments.peer(key, rank, name, nbytes)
+        except FileNotFoundError as exc:
+            raise await self.unreachable(rank, exc) from None
+
     async def send_error(self, dst: int, error: PeerError) -> None:
         """Send ``error`` to ``dst`` (connecting first if need be)."""
         if dst != self.rank and dst not in self.left:

@@ -40,6 +40,7 @@ from aiodist._ops import staging
 from aiodist._torch import ops
 from aiodist._torch.agree import agree, checking, signature_of
 from aiodist._torch.default import is_aiodist
+from aiodist._torch.torch_work import first_line, timeout_in_torch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -335,19 +336,12 @@ class GroupBridge:
             done.exception()  # torch may fail after our own timeout: never "unretrieved"
 
     def _translate(self, description: str, exc: Exception) -> DistError:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = f"{description} on group {self.group.name!r} failed in torch.distributed"
-        if (
-            isinstance(exc, TimeoutError)
-            or "timed out" in text.lower()
-            or "timeout" in text.lower()
-        ):
-            return DistTimeoutError(
-                f"{where} ({self.backend}): {text}; a rank may not have called it, or may be "
-                "stuck. The group is broken on every rank."
-            )
-        return GroupBrokenError(
-            f"{where} ({self.backend}): {text}; the group is broken on every rank. "
+        where = (
+            f"{description} on group {self.group.name!r} failed in torch.distributed "
+            f"({self.backend})"
+        )
+        return timeout_in_torch(where, exc) or GroupBrokenError(
+            f"{where}: {first_line(exc)}; the group is broken on every rank. "
             "Check the other ranks' logs, then restart the job."
         )
 

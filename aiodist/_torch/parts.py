@@ -31,9 +31,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as TorchProcessGroup
 
 from aiodist import _settings
-from aiodist._errors import DistTimeoutError
 from aiodist._torch.store import LoopStore
-from aiodist._torch.torch_work import AiodistWork
+from aiodist._torch.torch_work import AiodistWork, timeout_in_torch
 
 if TYPE_CHECKING:
     import asyncio
@@ -127,17 +126,10 @@ class DevicePart:
         made it included, instead of gloo's "Connection closed by peer". Other errors
         stay torch's own (a rank gone is named by the server's word, ``_broke``).
         """
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        said = first.lower()
-        timed_out = isinstance(exc, TimeoutError) or "timed out" in said or "timeout" in said
-        if g.error is not None or not timed_out:
+        where = f"{work._description} on group {g.name!r} failed in torch.distributed"
+        error = None if g.error is not None else timeout_in_torch(where, exc)
+        if error is None:
             return exc
-        error = DistTimeoutError(
-            f"{work._description} on group {g.name!r} did not complete in torch.distributed "
-            f"({first}); a rank may not have called it, or may be stuck. The group is broken "
-            "on every rank."
-        )
         error.__cause__ = exc
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to tell
             loop.call_soon_threadsafe(g.break_, error)
