@@ -306,3 +306,23 @@ def first_of(exc: BaseException, kind: type[E]) -> E | None:
             if (found := first_of(inner, kind)) is not None:
                 return found
     return None
+
+
+def first_line(exc: BaseException) -> str:
+    """What error ``exc`` says first (its type's name if it says nothing)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def timeout_in_torch(where: str, exc: Exception) -> DistTimeoutError | None:
+    """torch.distributed's error ``exc`` for the call ``where`` names, as aiodist's timeout
+    if it says a timeout ran out (gloo's "Timed out waiting ...", "Application timeout
+    ..."); else None."""
+    text = first_line(exc)
+    said = text.lower()
+    if not (isinstance(exc, TimeoutError) or "timed out" in said or "timeout" in said):
+        return None
+    return DistTimeoutError(
+        f"{where}: {text}; a rank may not have called it, or may be stuck. The group is broken "
+        "on every rank."
+    )

@@ -34,13 +34,19 @@ from concurrent.futures import Executor, Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from aiodist._errors import ClosedError, DistError, DistTimeoutError, GroupBrokenError
+from aiodist._errors import (
+    ClosedError,
+    DistError,
+    DistTimeoutError,
+    GroupBrokenError,
+    first_line,
+    timeout_in_torch,
+)
 from aiodist._group.group import ProcessGroup
 from aiodist._ops import staging
 from aiodist._torch import ops
 from aiodist._torch.agree import agree, checking, signature_of
 from aiodist._torch.default import is_aiodist
-from aiodist._torch.torch_work import first_line, timeout_in_torch
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as TorchProcessGroup
 
 from aiodist import _settings
+from aiodist._errors import timeout_in_torch
 from aiodist._torch.store import LoopStore
-from aiodist._torch.torch_work import AiodistWork, timeout_in_torch
+from aiodist._torch.torch_work import AiodistWork
 
 if TYPE_CHECKING:
     import asyncio

@@ -215,22 +215,3 @@ ON_LOOP = (
 
 def on_loop(loop: asyncio.AbstractEventLoop) -> bool:
     return running_loop() is loop
-
-
-def first_line(exc: BaseException) -> str:
-    """What torch's error ``exc`` says first (its type's name if it says nothing)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def timeout_in_torch(where: str, exc: Exception) -> DistTimeoutError | None:
-    """torch's error ``exc`` for the call ``where`` names, as aiodist's timeout if it says
-    a timeout ran out (gloo's "Timed out waiting ...", "Application timeout ..."); else None."""
-    text = first_line(exc)
-    said = text.lower()
-    if not (isinstance(exc, TimeoutError) or "timed out" in said or "timeout" in said):
-        return None
-    return DistTimeoutError(
-        f"{where}: {text}; a rank may not have called it, or may be stuck. The group is broken "
-        "on every rank."
-    )
